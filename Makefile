@@ -1,0 +1,53 @@
+# The README's two commands: `make demo` and `make test`. Everything else is for developers.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+# torch first, pinned: the CPU wheel on disk; a bare `torch` would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test venv venv-dev lint chart images bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.trainer: pyproject.toml | $(VENV)/bin/python
+	$(PIP) $(TORCH)
+	$(PIP) -e '.[trainer]'
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.trainer
+	$(PIP) -e '.[trainer,operator,dev]'
+	touch $@
+
+venv: $(VENV)/.trainer
+venv-dev: $(VENV)/.dev
+
+## demo: set up .venv and train the tiny GPT on CPU (mock data, checkpoints in ./runs/demo)
+demo: $(VENV)/.trainer
+	rm -rf runs/demo
+	$(VENV)/bin/kubetron train --config examples/tiny-gpt.yaml \
+	    checkpoint.save=runs/demo logger.tensorboard_dir=runs/demo/tb
+
+## test: set up .venv (if missing) and run the whole suite
+test: $(VENV)/.dev
+	$(VENV)/bin/python -m pytest -q tests
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check trainer operator tests bench
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/python -m kubetron_operator.helm lint charts/kubetron
+
+chart: $(VENV)/.dev
+	$(VENV)/bin/python -m kubetron_operator.helm package charts/kubetron dist/
+
+images:
+	docker build --target operator -t kubetron-operator:dev .
+	docker build --target trainer -t kubetron-trainer:dev .
+
+bench: $(VENV)/.trainer
+	$(PY) bench/loop_overhead.py
+	$(PY) bench/checkpoint.py
+
+clean:
+	rm -rf $(VENV) runs build dist *.egg-info
