@@ -1,0 +1,93 @@
+"""The trainer core end to end, through the real `kubetron` command (issue 2's "done when")."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from kubetron import exitcodes
+from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
+
+ITERS = 40
+# Evaluation every 10 iterations, long enough (eval_iters) that a signal can land inside it.
+COMMON = [f"train.train_iters={ITERS}", "checkpoint.save_interval=10", "logger.log_interval=1",
+          "validation.eval_interval=10", "validation.eval_iters=150"]
+
+
+def train_args(d, *extra):
+    return ["train", "--config", TINY, *COMMON, f"checkpoint.save={d}", f"checkpoint.load={d}",
+            f"logger.tensorboard_dir={d}/tb", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reference")
+    p = run(train_args(d), d)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return {"dir": d, "loss": tb_scalars(d / "tb"), "valid": tb_scalars(d / "tb", "lm loss validation"),
+            "stdout": p.stdout}
+
+
+def test_done_when_2_layout_and_tensorboard(tmp_path):
+    """The exact command of the issue leaves iter_0000040, the tracker, progress.txt and lm loss 1..40."""
+    d = tmp_path / "D"
+    p = run(["train", "--config", TINY, "train.train_iters=40", f"checkpoint.save={d}",
+             "checkpoint.save_interval=10", f"logger.tensorboard_dir={d}/tb"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (d / "iter_0000040" / "metadata.json").is_file()
+    assert (d / "iter_0000040" / "run_config.yaml").is_file()
+    assert (d / "latest_train_state.pt").is_file()
+    progress = (d / "progress.txt").read_text()
+    assert "Starting job" in progress and "Saved checkpoint\tIteration: 40" in progress
+    loss = tb_scalars(d / "tb")
+    assert sorted(loss) == list(range(1, 41))
+    assert loss[40] < loss[1] - 0.5, f"loss did not fall: {loss[1]} -> {loss[40]}"
+    assert p.termination["reason"] == "Completed" and p.termination["lastCheckpoint"] == 40
+    # `kubetron progress` reads the same log the operator reads
+    q = run(["progress", str(d)], tmp_path)
+    summary = json.loads(q.stdout)
+    assert summary["lastCheckpoint"]["iteration"] == 40 and summary["completed"] is True
+
+
+@pytest.mark.parametrize("k", [7, 23])
+def test_sigterm_then_resume_is_bit_exact(reference, tmp_path, k):
+    d = tmp_path / "run"
+    code, out, err, term = run_until_iteration_then_signal(train_args(d), tmp_path, k)
+    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
+    saved = term["lastCheckpoint"]
+    assert saved >= k and (d / f"iter_{saved:07d}" / "metadata.json").is_file()
+    assert term["reason"] == "SavedOnSignal" and term["iteration"] == saved
+    assert "Exiting job" in (d / "progress.txt").read_text()
+
+    p = run(train_args(d), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed from" in p.stdout and f"iteration {saved}" in p.stdout
+    loss = tb_scalars(d / "tb")
+    resumed = {i: loss[i] for i in range(saved + 1, ITERS + 1)}
+    assert resumed == {i: reference["loss"][i] for i in range(saved + 1, ITERS + 1)}
+    valid = tb_scalars(d / "tb", "lm loss validation")
+    assert {i: valid[i] for i in valid if i > saved} == {i: v for i, v in reference["valid"].items() if i > saved}
+
+
+def test_sigterm_during_evaluation(reference, tmp_path):
+    """A signal that arrives while evaluating at iteration 20 saves iter_20 after the evaluation."""
+    d = tmp_path / "run"
+    code, out, err, term = run_until_iteration_then_signal(train_args(d), tmp_path, 20, delay=0.2)
+    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
+    assert term["lastCheckpoint"] == 20, out[-2000:]
+    assert "validation loss at iteration 20" in out
+    p = run(train_args(d), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    loss = tb_scalars(d / "tb")
+    assert all(loss[i] == reference["loss"][i] for i in range(21, ITERS + 1))
+    valid = tb_scalars(d / "tb", "lm loss validation")
+    assert valid[30] == reference["valid"][30] and valid[40] == reference["valid"][40]
+
+
+def test_sigint_is_handled_like_sigterm(tmp_path):
+    d = tmp_path / "run"
+    code, out, err, term = run_until_iteration_then_signal(train_args(d), tmp_path, 3, sig=signal.SIGINT)
+    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
+    assert term["lastCheckpoint"] >= 3

@@ -1,0 +1,86 @@
+"""Helpers for tests that run the real `kubetron` command in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "examples" / "tiny-gpt.yaml")
+ITER_RE = re.compile(r"iteration\s+(\d+)/")
+
+
+def kubetron_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kubetron", *args]
+
+
+def env_for(tmp: Path, **extra) -> dict:
+    env = dict(os.environ)
+    env["KUBETRON_TERMINATION_LOG"] = str(tmp / f"termination-{time.monotonic_ns()}.log")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(args: list[str], tmp: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    e = env_for(tmp, **env)
+    p = subprocess.run(kubetron_cmd(*args), env=e, capture_output=True, text=True, timeout=timeout)
+    p.termination = read_termination(e["KUBETRON_TERMINATION_LOG"])
+    return p
+
+
+def read_termination(path: str) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=signal.SIGTERM,
+                                    timeout: float = 300, delay: float = 0.0, **env):
+    """Start the trainer, send `sig` once it logs iteration k; return (returncode, stdout, stderr, term)."""
+    e = env_for(tmp, **env)
+    p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    out_lines = []
+    deadline = time.monotonic() + timeout
+    sent = False
+    try:
+        for line in p.stdout:
+            out_lines.append(line)
+            m = ITER_RE.search(line)
+            if not sent and m and int(m.group(1)) >= k:
+                if delay:
+                    time.sleep(delay)
+                p.send_signal(sig)
+                sent = True
+            if time.monotonic() > deadline:
+                raise TimeoutError("trainer did not finish in time")
+        p.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    err = p.stderr.read()
+    return p.returncode, "".join(out_lines), err, read_termination(e["KUBETRON_TERMINATION_LOG"])
+
+
+def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:
+    """{step: value} of a TensorBoard scalar over all event files (the newest file wins a step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    files = sorted(Path(logdir).rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags().get("scalars", []):
+            for ev in acc.Scalars(tag):
+                values[ev.step] = ev.value
+    return values

@@ -1,0 +1,1 @@
+"""The training half: model, loop, checkpoints (imports torch and megatron-core)."""

@@ -1,0 +1,461 @@
+"""Checkpoints in Megatron's layout, through the storage layer (a path/PVC or s3:// alike).
+
+    <save>/iter_0000020/{model.pt, optim.pt, common.pt, rng/rank_00000.pt, run_config.yaml,
+                         metadata.json}          metadata.json = commit marker, written last
+    <save>/latest_train_state.pt                 tracker, replaced atomically after the commit
+    <save>/progress.txt                          "Saved checkpoint" appended once durable
+
+Tensors are stored in *canonical* form: full (unsharded) tensors under the names a TP=1/PP=1 model
+uses, so a checkpoint loads into any parallel layout (`sharding.py` gathers and scatters).
+Every load is `torch.load(..., weights_only=True)`: a checkpoint can never run code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import random
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kubetron import progress as progress_log
+from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.storage import open_store
+from kubetron.training import sharding
+
+log = logging.getLogger("kubetron")
+
+TRACKER = "latest_train_state.pt"
+MARKER = "metadata.json"
+NON_PERSISTENT = "non_persistent"
+CHECKPOINT_VERSION = 1
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+# Architecture fields that must match between a checkpoint and the model loading it.
+ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+               "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
+               "share_embeddings_and_output_weights")
+
+
+def iter_dir(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _safe_load(data: bytes | io.IOBase, what: str):
+    """torch.load that refuses anything but tensors and plain containers (no code from a store)."""
+    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:200]
+        raise CheckpointError(f"refusing to load {what}: it holds objects other than tensors and plain "
+                              f"data, and loading it could run code ({first})") from None
+    except Exception as e:  # truncated/corrupt file
+        raise CheckpointError(f"cannot read {what}: {type(e).__name__}: {e}") from None
+
+
+def _to_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+# --- RNG ---------------------------------------------------------------------------------------------
+
+def get_rng_state() -> dict:
+    """python, numpy, torch (and CUDA) generator states, in weights_only-loadable types."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "random": [py[0], list(py[1]), py[2]],
+        "np": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+               "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict):
+    py = state["random"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["np"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --- what goes into a checkpoint --------------------------------------------------------------------
+
+@dataclass
+class Snapshot:
+    """Host-memory copy of everything a checkpoint holds (what an async save blocks for)."""
+
+    iteration: int
+    model: dict | None  # canonical tensors (rank 0 only)
+    optim: dict | None
+    common: dict | None
+    rng: dict
+    run_config: str | None
+    progress_fields: dict | None
+
+
+def optimizer_state_by_name(model, optimizer) -> dict:
+    """Optimizer state keyed by parameter name (not by position), so layouts can change."""
+    names = {id(p): n for chunk in model for n, p in chunk.named_parameters()}
+    states = {}
+    for p, s in optimizer.state.items():
+        states[names[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": states, "param_groups": groups}
+
+
+def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
+    by_name = dict(n_p for chunk in model for n_p in chunk.named_parameters())
+    missing = [n for n in by_name if n not in saved["state"]]
+    if missing and saved["state"]:
+        raise CheckpointError(f"optimizer state lacks {len(missing)} parameters (e.g. {missing[0]})")
+    for name, s in saved["state"].items():
+        p = by_name.get(name)
+        if p is None:
+            raise CheckpointError(f"optimizer state has a parameter this model lacks: {name}")
+        optimizer.state[p] = {k: (v.to(device) if torch.is_tensor(v) and k != "step" else v)
+                              for k, v in s.items()}
+        if "step" in optimizer.state[p] and optimizer.defaults.get("fused"):
+            optimizer.state[p]["step"] = optimizer.state[p]["step"].to(device)
+    for g, sg in zip(optimizer.param_groups, saved["param_groups"]):
+        for k, v in sg.items():
+            if k not in ("params",):
+                g[k] = v
+
+
+class CheckpointManager:
+    """save()/load() for the loop; knows nothing about the loop itself."""
+
+    def __init__(self, cfg, state, *, run_id: str):
+        self.cfg = cfg
+        self.state = state
+        self.run_id = run_id  # same on all ranks: names the save transaction
+        ck = cfg.checkpoint
+        self.save_store = open_store(ck.save, endpoint_url=ck.s3_endpoint_url, region=ck.s3_region) if ck.save else None
+        self.async_saver = None
+        if ck.async_save and self.save_store is not None:
+            from kubetron.storage import AsyncSaver
+
+            self.async_saver = AsyncSaver()
+        self.last_durable: int | None = None
+        self.last_durable_time: str | None = None
+        self._start_wall = time.time()
+        self._start_flops: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.save_store is not None
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def snapshot(self, model, optimizer, scheduler, data_iterators) -> Snapshot:
+        """Gather full tensors and copy all state to host memory (the only part that blocks)."""
+        ts = self.state.train_state
+        model_sd = sharding.gather_model_state(model)
+        optim_sd = sharding.gather_optimizer_state(model, optimizer_state_by_name(model, optimizer)) \
+            if self.cfg.checkpoint.save_optim else None
+        train_it, valid_it = data_iterators
+        rank0 = _rank() == 0
+        common = None
+        if rank0:
+            common = {
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": ts.step,
+                "train_state": ts.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "data": {"train": train_it.state_dict() if train_it is not None else None,
+                         "valid": valid_it.state_dict() if valid_it is not None else None},
+                "model_config": {f: getattr(self.cfg.model, f) for f in ARCH_FIELDS},
+                "parallel": {"world_size": self.state.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
+                             "pp": self.cfg.model.pipeline_model_parallel_size,
+                             "dp": self.cfg.data_parallel_size},
+            }
+        return Snapshot(
+            iteration=ts.step,
+            model=model_sd if rank0 else None,
+            optim=optim_sd if rank0 else None,
+            common=common,
+            rng=get_rng_state() if self.cfg.checkpoint.save_rng else {},
+            run_config=self.cfg.to_yaml() if rank0 else None,
+            progress_fields=self._progress_fields(ts.step) if rank0 else None,
+        )
+
+    def save(self, model, optimizer, scheduler, data_iterators, *, non_persistent: bool = False,
+             blocking: bool | None = None):
+        """Save iteration `train_state.step`. Async saves return after the snapshot."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        self.finalize(blocking=True)  # one save in flight at a time
+        snap = self.snapshot(model, optimizer, scheduler, data_iterators)
+        store = self.save_store
+        name = (f"{NON_PERSISTENT}/" if non_persistent else "") + iter_dir(snap.iteration)
+        txn = store.begin_dir(name, txn_id=f"{self.run_id}-{snap.iteration}")
+        use_async = self.async_saver is not None and not (blocking or False)
+
+        def write():
+            rank = _rank()
+            txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
+            if snap.common is not None:
+                for key, obj in (("model.pt", snap.model), ("optim.pt", snap.optim), ("common.pt", snap.common)):
+                    if obj is not None:
+                        with txn.open_write(key) as f:
+                            torch.save(obj, f)
+                txn.write_bytes("run_config.yaml", snap.run_config.encode())
+
+        def finalize():
+            _barrier()  # every rank's files are written
+            if _rank() == 0:
+                marker = {"iteration": snap.iteration, "time": _now_iso(), "run_id": self.run_id,
+                          "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.state.world_size}
+                txn.commit(json.dumps(marker).encode())
+                if not non_persistent:
+                    tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
+                               "time": marker["time"]}
+                    store.replace_tracker(TRACKER, _to_bytes(tracker))
+                    self._append_progress("Saved async checkpoint" if use_async else "Saved checkpoint",
+                                          snap.progress_fields)
+                    self._apply_retention()
+                else:
+                    self._cleanup_non_persistent(keep=name)
+            _barrier()
+            if not non_persistent:
+                self.last_durable, self.last_durable_time = snap.iteration, _now_iso()
+            log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, time.perf_counter() - t0)
+
+        if use_async:
+            self.async_saver.schedule(write, finalize)
+            log.info("async save of %s scheduled; the loop was blocked %.3fs", name, time.perf_counter() - t0)
+        else:
+            try:
+                write()
+            except Exception:
+                txn.abort()
+                raise
+            finalize()
+
+    def finalize(self, blocking: bool = False):
+        """Finish async saves that are done (or all, if blocking). Collective when world_size > 1."""
+        if self.async_saver is not None:
+            self.async_saver.maybe_finalize(blocking=blocking)
+
+    def close(self):
+        if self.async_saver is not None:
+            self.async_saver.maybe_finalize(blocking=True)
+            self.async_saver.close()
+            self.async_saver = None
+
+    def _progress_fields(self, iteration: int) -> dict:
+        ts, cfg = self.state.train_state, self.cfg
+        elapsed = max(time.time() - self._start_wall, 1e-9)
+        flops = ts.floating_point_operations_so_far
+        job_flops = flops - (self._start_flops or 0.0)
+        ngpu = self.state.world_size
+        job_tp = job_flops / elapsed / ngpu / 1e12
+        start_time, _ = self._job_start_from_log()
+        cum_elapsed = max(time.time() - start_time.timestamp(), 1e-9) if start_time else elapsed
+        cum_tp = flops / cum_elapsed / ngpu / 1e12
+        tokens = ts.consumed_train_samples * cfg.model.seq_length
+        return dict(iteration=iteration, job_throughput_tflops=job_tp, cumulative_throughput_tflops=cum_tp,
+                    flops_so_far=flops, tokens_so_far=tokens, train_iters=cfg.train.train_iters, num_gpus=ngpu)
+
+    def _job_start_from_log(self):
+        try:
+            text = self.save_store.read_bytes("progress.txt").decode() if self.save_store.exists("progress.txt") else ""
+        except Exception:
+            return None, 0.0
+        return progress_log.get_start_time_from_progress_log(text, self.state.world_size)
+
+    def _append_progress(self, event: str, fields: dict | None):
+        if not (self.cfg.logger.log_progress and self.enabled and _rank() == 0):
+            return
+        if event in ("Saved checkpoint", "Saved async checkpoint"):
+            line = progress_log.saved_checkpoint_line(**fields, async_save=event != "Saved checkpoint")
+        else:
+            line = fields
+        self.save_store.append_line("progress.txt", line)
+
+    def log_start(self):
+        if self.cfg.logger.log_progress and self.enabled and _rank() == 0:
+            self._start_flops = self.state.train_state.floating_point_operations_so_far
+            line = progress_log.starting_job_line(iteration=self.state.train_state.step,
+                                                  train_iters=self.cfg.train.train_iters,
+                                                  num_gpus=self.state.world_size)
+            self.save_store.append_line("progress.txt", line)
+
+    def log_exit(self, reason: str):
+        if self.cfg.logger.log_progress and self.enabled and _rank() == 0:
+            line = progress_log.exiting_job_line(iteration=self.state.train_state.step, reason=reason,
+                                                 train_iters=self.cfg.train.train_iters,
+                                                 num_gpus=self.state.world_size)
+            self.save_store.append_line("progress.txt", line)
+
+    def _apply_retention(self):
+        k = self.cfg.checkpoint.most_recent_k
+        if k is None or k < 1:
+            return
+        durable = committed_iterations(self.save_store)
+        for it in durable[:-k]:  # newest k stay; the newest durable is always among them
+            self.save_store.delete_prefix(iter_dir(it) + "/")
+
+    def _cleanup_non_persistent(self, keep: str):
+        for it in committed_iterations(self.save_store, NON_PERSISTENT):
+            name = f"{NON_PERSISTENT}/{iter_dir(it)}"
+            if name != keep:
+                self.save_store.delete_prefix(name + "/")
+
+    # -- loading --------------------------------------------------------------------------------------
+    def load(self, model, optimizer, scheduler, data_iterators, *, finetune: bool = False) -> int:
+        """Restore from checkpoint.load (resume) or, for finetune, weights from pretrained_checkpoint."""
+        ck = self.cfg.checkpoint
+        expected = ck.expected_resume_iteration
+        found = None
+        if ck.load:
+            found = resolve_checkpoint(ck.load, ck.ckpt_step, self.cfg)
+        if found is None and expected:
+            raise ResumeMismatchError(
+                f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")
+        if found is not None:
+            store, name, iteration = found
+            if expected and iteration < expected:
+                raise ResumeMismatchError(f"the operator expects iteration >= {expected}, but the newest "
+                                          f"durable checkpoint in {ck.load} is iteration {iteration}")
+            self._restore(store, name, model, optimizer, scheduler, data_iterators, full=True)
+            log.info("resumed from %s/%s at iteration %d", store.url, name, iteration)
+            self.last_durable = iteration if not name.startswith(NON_PERSISTENT) else self.last_durable
+            return iteration
+        if finetune:
+            if not ck.pretrained_checkpoint:
+                raise ConfigError("checkpoint.pretrained_checkpoint", "finetune needs a pretrained checkpoint")
+            found = resolve_checkpoint(ck.pretrained_checkpoint, None, self.cfg, non_persistent=False)
+            if found is None:
+                raise ConfigError("checkpoint.pretrained_checkpoint",
+                                  f"no complete checkpoint in {ck.pretrained_checkpoint}")
+            store, name, iteration = found
+            self._restore(store, name, model, optimizer, scheduler, data_iterators, full=False)
+            log.info("finetuning from weights of %s/%s (iteration %d); training starts at 0", store.url, name,
+                     iteration)
+        elif ck.exit_on_missing_checkpoint and ck.load:
+            raise CheckpointError(f"checkpoint.load={ck.load} holds no complete checkpoint "
+                                  "(exit_on_missing_checkpoint is set)")
+        return 0
+
+    def _restore(self, store, name, model, optimizer, scheduler, data_iterators, *, full: bool):
+        common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+        check_architecture(common.get("model_config", {}), self.cfg, name)
+        with store.open_read(f"{name}/model.pt") as f:
+            full_model = _safe_load(f, f"{name}/model.pt")
+        sharding.load_model_state(model, full_model)
+        if not full:
+            return
+        ck = self.cfg.checkpoint
+        device = next(model[0].parameters()).device
+        if ck.load_optim and store.exists(f"{name}/optim.pt"):
+            with store.open_read(f"{name}/optim.pt") as f:
+                saved = _safe_load(f, f"{name}/optim.pt")
+            load_optimizer_state_by_name(model, optimizer, sharding.scatter_optimizer_state(model, saved), device)
+        scheduler.load_state_dict(common["scheduler"])
+        from kubetron.training.state import TrainState
+
+        self.state.train_state = TrainState.from_state_dict(common["train_state"])
+        train_it, valid_it = data_iterators
+        data = common.get("data", {})
+        if train_it is not None and data.get("train"):
+            train_it.load_state_dict(data["train"])
+        if valid_it is not None and data.get("valid"):
+            valid_it.load_state_dict(data["valid"])
+        rng_key = f"{name}/rng/rank_{_rank():05d}.pt"
+        same_layout = common.get("parallel", {}).get("world_size") == self.state.world_size
+        if ck.load_rng and same_layout and store.exists(rng_key):
+            set_rng_state(_safe_load(store.read_bytes(rng_key), rng_key))
+
+
+def check_architecture(saved: dict, cfg, name: str):
+    """Resume asserts what it restores: the model shape must match, field by field."""
+    diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
+             for k in ARCH_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)]
+    if diffs:
+        raise CheckpointError(f"{name} does not match this model: " + "; ".join(diffs))
+
+
+def committed_iterations(store, prefix: str = "") -> list[int]:
+    """Iterations with a commit marker, oldest first (partial saves are invisible)."""
+    base = (prefix.rstrip("/") + "/") if prefix else ""
+    its = []
+    for d in store.list_dirs(base):
+        m = _ITER_RE.match(d)
+        if m and store.exists(f"{base}{d}/{MARKER}"):
+            its.append(int(m.group(1)))
+    return sorted(its)
+
+
+def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent: bool = True):
+    """(store, dir name, iteration) of the checkpoint to load, or None if there is none.
+
+    `location` may be an iter_ directory itself. Otherwise: ckpt_step if given; else the tracker,
+    checked against its commit marker, else the newest committed iteration; a newer non-persistent
+    checkpoint wins.
+    """
+    ck = cfg.checkpoint
+    loc = location.rstrip("/")
+    leaf = loc.rsplit("/", 1)[-1]
+    m = _ITER_RE.match(leaf)
+    if m and "/" in loc:
+        store = open_store(loc.rsplit("/", 1)[0], endpoint_url=ck.s3_endpoint_url, region=ck.s3_region)
+        if not store.exists(f"{leaf}/{MARKER}"):
+            raise CheckpointError(f"{location} is not a complete checkpoint (no {MARKER})")
+        return store, leaf, int(m.group(1))
+    store = open_store(loc, endpoint_url=ck.s3_endpoint_url, region=ck.s3_region)
+    durable = committed_iterations(store)
+    if ckpt_step is not None:
+        if ckpt_step not in durable:
+            raise CheckpointError(f"checkpoint.ckpt_step={ckpt_step}: {loc} has no complete {iter_dir(ckpt_step)}"
+                                  f" (complete: {durable[-5:]})")
+        return store, iter_dir(ckpt_step), ckpt_step
+    best = None
+    if store.exists(TRACKER):
+        tracked = int(_safe_load(store.read_bytes(TRACKER), TRACKER)["iteration"])
+        if tracked in durable:
+            best = tracked
+        else:
+            log.warning("tracker points at iteration %d which is not complete; using the newest complete one",
+                        tracked)
+    if best is None and durable:
+        best = durable[-1]
+    candidates = [] if best is None else [(best, iter_dir(best))]
+    if non_persistent:
+        np_its = committed_iterations(store, NON_PERSISTENT)
+        if np_its:
+            candidates.append((np_its[-1], f"{NON_PERSISTENT}/{iter_dir(np_its[-1])}"))
+    if not candidates:
+        return None
+    iteration, name = max(candidates)
+    return store, name, iteration
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

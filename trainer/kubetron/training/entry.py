@@ -1,0 +1,205 @@
+"""pretrain() / finetune(): set up distributed state, model, data, checkpoints; run train().
+
+`run_from_cli` is what `kubetron train|finetune` calls: it maps every way a run can end onto the
+exit codes of kubetron/exitcodes.py and writes the termination message the operator reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kubetron import exitcodes
+from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.termination import write_termination_message
+from kubetron.training.state import GlobalState, SignalHandler
+
+log = logging.getLogger("kubetron")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(cfg) -> tuple[int, int, torch.device]:
+    """torchrun's env (or MASTER_ADDR/RANK/WORLD_SIZE from the operator); else a world of one."""
+    use_gpu = cfg.dist.use_gpu if cfg.dist.use_gpu is not None else torch.cuda.is_available()
+    backend = cfg.dist.distributed_backend or ("nccl" if use_gpu else "gloo")
+    timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_gpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return rank, world, device
+
+
+def set_seeds(cfg):
+    """Megatron's scheme: seed + 100 * pipeline rank (+ 10 * DP rank with data_parallel_random_init)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if cfg.rng.data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+
+def _broadcast_str(value: str) -> str:
+    objs = [value]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(objs, src=0)
+    return objs[0]
+
+
+def _run(config, forward_step_func, mode: str) -> int:
+    from megatron.core import parallel_state
+
+    from kubetron.data import build_data_iterators
+    from kubetron.training.checkpointing import CheckpointManager
+    from kubetron.training.metrics import MetricsLogger
+    from kubetron.training.model import build_model, num_parameters
+    from kubetron.training.optim import LRScheduler, build_optimizer
+    from kubetron.training.train import train
+
+    cfg = config
+    rank, world, device = initialize_distributed(cfg)
+    cfg.finalize(world_size=world)
+    parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
+                                             cfg.model.pipeline_model_parallel_size)
+    if rank == 0:
+        cfg.log_non_default_values(log)
+    set_seeds(cfg)
+    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device)
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = SignalHandler()
+
+    model = build_model(cfg, device)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = LRScheduler(optimizer, cfg)
+    if rank == 0:
+        log.info("model: %.2fM parameters on %s (world size %d, dp %d)", num_parameters(model) / 1e6,
+                 device, world, cfg.data_parallel_size)
+    run_id = _broadcast_str(f"{int(time.time())}-{os.getpid()}")
+    ckpt = CheckpointManager(cfg, state, run_id=run_id)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    train_it, valid_it = build_data_iterators(cfg, dp_rank, dp_size)
+    ckpt.load(model, optimizer, scheduler, (train_it, valid_it), finetune=(mode == "finetune"))
+
+    status = None
+    if rank == 0:
+        from kubetron.training.status_server import StatusServer
+
+        port = cfg.train.status_port if cfg.train.status_port is not None else int(
+            os.environ.get("KUBETRON_STATUS_PORT", "0") or 0)
+        if port:
+            status = StatusServer(port)
+    state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
+    ckpt.log_start()
+    state.ckpt = ckpt
+    code = exitcodes.ERROR
+    try:
+        code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt)
+    finally:
+        state.metrics.close()
+        ckpt.close()  # pending async saves are finalized before exit
+        for it in (train_it, valid_it):
+            if it is not None:
+                it.close()
+        if status is not None:
+            status.close()
+    state.exit_code = code
+    ckpt.log_exit(exitcodes.NAMES[code])
+    return code, state
+
+
+def pretrain(config, forward_step_func) -> int:
+    """Train from scratch (or resume from checkpoint.load). Returns an exit code."""
+    return _run(config, forward_step_func, "pretrain")[0]
+
+
+def finetune(config, forward_step_func) -> int:
+    """Resume from checkpoint.load if it has a checkpoint; else start from pretrained weights at 0."""
+    return _run(config, forward_step_func, "finetune")[0]
+
+
+def _setup_logging():
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[kubetron %(asctime)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    for noisy in ("megatron", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_from_cli(cfg, mode: str = "pretrain") -> int:
+    """`kubetron train|finetune`: run, then map the ending to an exit code + termination message."""
+    import warnings
+
+    # Validate the whole config before the slow imports: a bad value fails in well under a second.
+    cfg.finalize(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    warnings.filterwarnings("ignore", module="megatron")
+    _setup_logging()
+    from kubetron.training.gpt_step import forward_step
+    from kubetron.training.train import DivergedError
+
+    state = None
+    try:
+        code, state = _run(cfg, forward_step, mode)
+        msg = {exitcodes.COMPLETED: "training completed",
+               exitcodes.SAVED_ON_SIGNAL: "stopped by signal; checkpoint saved",
+               exitcodes.EXIT_CONDITION: "exit condition reached; checkpoint saved"}.get(code, "")
+    except ConfigError:
+        raise  # the CLI prints one line and exits 2
+    except ResumeMismatchError as e:
+        code, msg = exitcodes.RESUME_MISMATCH, str(e)
+    except DivergedError as e:
+        code, msg = exitcodes.DIVERGED, str(e)
+    except CheckpointError as e:
+        code, msg = exitcodes.ERROR, f"checkpoint error: {e}"
+    except dist.DistBackendError as e:
+        code, msg = exitcodes.PEER_FAILURE, f"a peer rank failed: {str(e).splitlines()[0][:300]}"
+    except Exception as e:
+        traceback.print_exc()
+        code, msg = exitcodes.ERROR, f"{type(e).__name__}: {e}"
+    if code not in (exitcodes.COMPLETED,):
+        print(f"kubetron: {exitcodes.NAMES[code]}: {msg}", file=sys.stderr, flush=True)
+    ts = state.train_state if state is not None else None
+    ckpt = getattr(state, "ckpt", None) if state is not None else None
+    write_termination_message({
+        "exitCode": code, "reason": exitcodes.NAMES[code],
+        "iteration": ts.step if ts else None,
+        "trainIters": getattr(cfg.train, "train_iters", None),
+        "lastCheckpoint": ckpt.last_durable if ckpt else None,
+        "message": msg,
+    }, cfg.train.termination_log)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    return code

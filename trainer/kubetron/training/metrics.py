@@ -1,0 +1,201 @@
+"""Console lines in Megatron's format, TensorBoard scalars with the reference's keys, live status.
+
+Per-iteration values stay on the device (no `.item()`) until log time: every `log_interval`
+iterations the buffered tensors are moved to the host in one go, written to TensorBoard for each
+iteration, and averaged into one console line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from datetime import datetime
+
+import torch
+
+from kubetron.training.utils import report_memory
+
+log = logging.getLogger("kubetron")
+
+
+class MetricsLogger:
+    def __init__(self, cfg, state, *, writes: bool, status=None):
+        self.cfg = cfg
+        self.state = state
+        self.writes = writes  # the last rank holds the loss: it prints and writes TensorBoard
+        self.status = status  # StatusServer on rank 0, or None
+        self.writer = None
+        if writes and cfg.logger.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=cfg.logger.tensorboard_dir, max_queue=1000)
+        self._pending: list[tuple[int, dict, float, torch.Tensor | None, torch.Tensor | None]] = []
+        self._skipped = 0
+        self._nan = 0
+        self._last_log_time = time.perf_counter()
+        self._last_log_iter: int | None = None
+        self._wct: deque[tuple[int, float]] = deque(maxlen=cfg.logger.throughput_window_size + 1)
+        self._job_start = time.perf_counter()
+        self._job_start_iter: int | None = None
+
+    # -- per iteration (cheap, no sync) ----------------------------------------------------------
+    def record_step(self, iteration: int, loss_dict: dict, lr: float, grad_norm, skipped: int,
+                    params_norm=None):
+        now = time.perf_counter()
+        if self._job_start_iter is None:
+            self._job_start_iter = iteration - 1
+            self._last_log_iter = iteration - 1
+        self._wct.append((iteration, now))
+        self._skipped += skipped
+        self._pending.append((iteration, loss_dict, lr, grad_norm, params_norm))
+        if iteration % self.cfg.logger.log_interval == 0:
+            self.flush(iteration)
+
+    def count_nan(self):
+        self._nan += 1
+
+    # -- at log time ------------------------------------------------------------------------------
+    def flush(self, iteration: int):
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        host = _to_host([(d, g, p) for _, d, _, g, p in pending])  # one device→host copy
+        now = time.perf_counter()
+        n_iters = max(iteration - (self._last_log_iter or 0), 1)
+        elapsed_ms = (now - self._last_log_time) * 1000.0 / n_iters
+        self._last_log_time, self._last_log_iter = now, iteration
+        cfg, ts = self.cfg, self.state.train_state
+        gbs = cfg.train.global_batch_size
+        seq = cfg.model.seq_length
+        tokens_per_sec, device_tokens_per_sec = self._throughput(gbs * seq)
+        remaining = self._remaining_seconds(iteration)
+        if self.status is not None:
+            self.status.update(iteration=iteration, trainIters=cfg.train.train_iters,
+                               consumedSamples=ts.consumed_train_samples,
+                               tokensPerSecond=round(tokens_per_sec, 1), etaSeconds=round(remaining, 1))
+        if not self.writes:
+            return
+        if self.writer is not None:
+            for (it, _, lr, _, _), (losses, gnorm, pnorm) in zip(pending, host):
+                for k, v in losses.items():
+                    self.writer.add_scalar(k, v, it)
+                self.writer.add_scalar("learning-rate", lr, it)
+                self.writer.add_scalar("batch-size", gbs, it)
+                if gnorm is not None:
+                    self.writer.add_scalar("grad-norm", gnorm, it)
+                    if cfg.logger.log_l2_norm_grad_to_tensorboard:
+                        self.writer.add_scalar("l2_norm/grad/global", gnorm, it)
+                if pnorm is not None:
+                    self.writer.add_scalar("params-norm", pnorm, it)
+            self.writer.add_scalar("throughput/tokens_per_sec", tokens_per_sec, iteration)
+            self.writer.add_scalar("throughput/device/tokens_per_sec", device_tokens_per_sec, iteration)
+            self.writer.add_scalar("time/remaining_estimate", remaining, iteration)
+            self.writer.add_scalar("time/tokens", ts.consumed_train_samples * seq, iteration)
+            self.writer.add_scalar("time/samples", ts.consumed_train_samples, iteration)
+            self.writer.add_scalar("time/batches", iteration, iteration)
+            self.writer.add_scalar("time/total", time.time() - self.state.start_time, iteration)
+            if cfg.logger.log_memory_to_tensorboard:
+                for k, v in report_memory().items():
+                    self.writer.add_scalar(k, v, iteration)
+            self.writer.flush()
+        self._console(iteration, pending, host, elapsed_ms, gbs)
+
+    def _console(self, iteration, pending, host, elapsed_ms, gbs):
+        from kubetron.training.utils import num_floating_point_operations
+
+        cfg = self.cfg
+        tflops = num_floating_point_operations(cfg, gbs) / (elapsed_ms / 1000.0) / 1e12 / self.state.world_size
+        lr = pending[-1][2]
+        parts = [
+            f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{cfg.train.train_iters:8d}",
+            f"consumed samples: {self.state.train_state.consumed_train_samples:12d}",
+            f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}",
+            f"learning rate: {lr:.6E}",
+            f"global batch size: {gbs:5d}",
+        ]
+        sums: dict[str, list[float]] = {}
+        for losses, _, _ in host:
+            for k, v in losses.items():
+                sums.setdefault(k, []).append(v)
+        for k, vals in sums.items():
+            finite = [v for v in vals if math.isfinite(v)]
+            parts.append(f"{k}: {sum(finite) / max(len(finite), 1):.6E}")
+        parts.append("loss scale: 1.0")
+        gnorm = host[-1][1]
+        if gnorm is not None:
+            parts.append(f"grad norm: {gnorm:.3f}")
+        pnorm = host[-1][2]
+        if pnorm is not None:
+            parts.append(f"params norm: {pnorm:.3f}")
+        parts.append(f"number of skipped iterations: {self._skipped:3d}")
+        parts.append(f"number of nan iterations: {self._nan:3d}")
+        self._skipped = self._nan = 0
+        print(" | ".join(parts) + " |", flush=True)
+
+    def log_validation(self, iteration: int, losses: dict[str, torch.Tensor], label: str = "validation"):
+        if not self.writes:
+            return
+        values = {k: float(v) for k, v in losses.items()}
+        parts = [f" {label} loss at iteration {iteration}"]
+        for k, v in values.items():
+            ppl = math.exp(min(20.0, v)) if math.isfinite(v) else float("nan")
+            parts.append(f"{k} value: {v:.6E}")
+            parts.append(f"{k} PPL: {ppl:.6E}")
+            if self.writer is not None:
+                self.writer.add_scalar(f"{k} {label}", v, iteration)
+                self.writer.add_scalar(f"{k} {label} ppl", ppl, iteration)
+        if self.writer is not None:
+            self.writer.flush()
+        line = " | ".join(parts)
+        print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+
+    # -- estimates ----------------------------------------------------------------------------------
+    def _throughput(self, tokens_per_iter: int) -> tuple[float, float]:
+        """report_throughput: rolling average over the last throughput_window_size iterations."""
+        if len(self._wct) < 2:
+            return 0.0, 0.0
+        (i0, t0), (i1, t1) = self._wct[0], self._wct[-1]
+        tps = (i1 - i0) * tokens_per_iter / max(t1 - t0, 1e-9)
+        return tps, tps / self.state.world_size
+
+    def _remaining_seconds(self, iteration: int) -> float:
+        """report_runtime: this job's pace so far, extended to train_iters."""
+        done = iteration - (self._job_start_iter or 0)
+        if done <= 0:
+            return 0.0
+        per_iter = (time.perf_counter() - self._job_start) / done
+        return per_iter * max(self.cfg.train.train_iters - iteration, 0)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _to_host(items):
+    """Move all buffered per-iteration tensors to the host with one synchronization."""
+    flat: list[torch.Tensor] = []
+    for losses, gnorm, pnorm in items:
+        flat.extend(v.detach().float().reshape(()) for v in losses.values())
+        for t in (gnorm, pnorm):
+            if t is not None:
+                flat.append(t.detach().float().reshape(()))
+    values = torch.stack(flat).cpu().tolist() if flat else []
+    out, pos = [], 0
+    for losses, gnorm, pnorm in items:
+        lv = {}
+        for k in losses:
+            lv[k] = values[pos]
+            pos += 1
+        g = p = None
+        if gnorm is not None:
+            g = values[pos]
+            pos += 1
+        if pnorm is not None:
+            p = values[pos]
+            pos += 1
+        out.append((lv, g, p))
+    return out

@@ -1,0 +1,151 @@
+"""The GPT model on megatron-core, with a layer spec that runs on CPU and is fast on GPU without TE.
+
+megatron-core's local spec allocates its attention buffer on CUDA and its RoPE moves `inv_freq` to
+CUDA (NOTES-megatron-core.md). Our spec swaps in two small pieces:
+- `SDPACoreAttention`: core attention on `F.scaled_dot_product_attention` (flash/cuDNN on GPU),
+- `PortableRotaryEmbedding`: mcore's RoPE, computed on whatever device `inv_freq` lives on.
+TransformerEngine's spec is used when TE is importable and `model.transformer_impl` allows it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings import rotary_pos_embedding as mcore_rope
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+log = logging.getLogger(__name__)
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:  # ImportError, or a broken install (missing CUDA libs)
+        return False
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal self-attention on torch SDPA. Takes/returns mcore's layout: [s, b, heads, dim] → [s, b, h]."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None,
+                 attention_type: str = "self", attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type=None, pg_collection=None, **_):
+        super().__init__(config=config)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        assert packed_seq_params is None, "packed sequences need TransformerEngine"
+        s, b, heads, dim = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, dim)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale, enable_gqa=k.shape[1] != heads,
+        )
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)  # (s, b, h)
+
+
+class PortableRotaryEmbedding(mcore_rope.RotaryEmbedding):
+    """mcore's RoPE without the hard-coded move of `inv_freq` to CUDA (the model moves it)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # (s, dim/2)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]  # (s, 1, 1, dim)
+
+    def _apply(self, fn, *args, **kwargs):
+        # inv_freq is a plain attribute in mcore, not a buffer: move it with the module.
+        self.inv_freq = fn(self.inv_freq)
+        return super()._apply(fn, *args, **kwargs)
+
+
+def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
+    """Map kubetron's model section onto megatron-core's TransformerConfig."""
+    m = cfg.model
+    swiglu = m.activation == "swiglu"
+    bf16 = bool(cfg.mixed_precision.bf16)
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.hidden_size // m.num_attention_heads,
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        sequence_parallel=m.sequence_parallel,
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        use_cpu_initialization=True,  # deterministic from the seed, on CPU and GPU alike
+        perform_initialization=True,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # Fusions that need apex/TE or CUDA extensions are off; torch.compile fuses instead.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def layer_spec(cfg):
+    """TE's spec when importable (and not disabled); otherwise the local spec with SDPA attention."""
+    impl = cfg.model.transformer_impl
+    if impl == "transformer_engine" or (impl == "auto" and te_available()):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        log.info("layer spec: TransformerEngine")
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
+    """One model chunk for this pipeline stage (list, as megatron's loop expects)."""
+    use_gpu = device.type == "cuda"
+    config = transformer_config(cfg, use_gpu)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.model.position_embedding_type,
+        rotary_base=cfg.model.rotary_base,
+    )
+    if getattr(model, "rotary_pos_emb", None) is not None:
+        model.rotary_pos_emb.__class__ = PortableRotaryEmbedding
+    model.to(device)
+    if cfg.model.compile:
+        for layer in model.decoder.layers:
+            layer.compile()
+    return [model]
+
+
+def num_parameters(model: list[torch.nn.Module]) -> int:
+    return sum(p.numel() for chunk in model for p in chunk.parameters())

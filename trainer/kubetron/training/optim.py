@@ -1,0 +1,148 @@
+"""Optimizer, learning-rate schedule, gradient sync and clipping.
+
+On CPU (and in CI) this is plain torch: AdamW/SGD over fp32 parameters, data-parallel gradients
+all-reduced as one flat bucket, the grad norm reduced across the model-parallel group. megatron-core's
+DistributedDataParallel / get_megatron_optimizer hard-code CUDA (NOTES-megatron-core.md), so they are
+only an option on GPU; the loop talks to both through `OptimizerBundle`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    return not getattr(param, "shared", False)
+
+
+def _is_replica_on_this_tp_rank(param: torch.nn.Parameter) -> bool:
+    """True when this rank's copy counts toward norms (TP-split params, or TP rank 0 for replicated)."""
+    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def build_optimizer(cfg, model: list[torch.nn.Module]) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay; none on biases and norms) or SGD with momentum."""
+    decay, no_decay = [], []
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    o = cfg.optimizer
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)
+    fused = all(p.is_cuda for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                             fused=fused or None)
+
+
+class LRScheduler:
+    """Megatron's OptimizerParamScheduler, counted in iterations: warmup then constant/linear/cosine/..."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg):
+        s = cfg.scheduler
+        self.optimizer = optimizer
+        self.max_lr = cfg.optimizer.lr
+        self.min_lr = cfg.optimizer.min_lr
+        self.init_lr = s.lr_warmup_init
+        self.warmup_steps = s.lr_warmup_steps
+        self.decay_steps = max(s.lr_decay_steps, 1)
+        self.style = s.lr_decay_style
+        self.wsd_decay_steps = s.lr_wsd_decay_iters or 0
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        n = self.num_steps
+        if self.warmup_steps > 0 and n <= self.warmup_steps:
+            return self.init_lr + (self.max_lr - self.init_lr) * n / self.warmup_steps
+        if self.style == "constant":
+            return self.max_lr
+        if n > self.decay_steps:
+            return self.min_lr
+        if self.style == "inverse-square-root":
+            warm = max(self.warmup_steps, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(warm) / math.sqrt(max(n, 1)))
+        ratio = (n - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
+        if self.style == "linear":
+            coeff = 1.0 - ratio
+        elif self.style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        elif self.style == "WSD":
+            anneal_start = self.decay_steps - self.wsd_decay_steps
+            coeff = 1.0 if n <= anneal_start else 1.0 - (n - anneal_start) / max(self.wsd_decay_steps, 1)
+        else:
+            raise ValueError(f"unknown lr_decay_style {self.style!r}")
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1):
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
+                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps, "style": self.style}
+
+    def load_state_dict(self, d: dict):
+        self.num_steps = 0
+        self.step(int(d["num_steps"]))
+
+
+def allreduce_gradients(model: list[torch.nn.Module]):
+    """Average gradients across the data-parallel group: one flat bucket, one all-reduce."""
+    dp = parallel_state.get_data_parallel_world_size()
+    if dp == 1:
+        return
+    grads = [p.grad for chunk in model for p in chunk.parameters() if p.grad is not None]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+    flat /= dp
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def _model_parallel_sum(x: torch.Tensor) -> torch.Tensor:
+    if parallel_state.get_model_parallel_group() is not None and dist.is_initialized():
+        mp = parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
+        if mp > 1:
+            dist.all_reduce(x, group=parallel_state.get_model_parallel_group())
+    return x
+
+
+def grad_norm_squared(params) -> torch.Tensor:
+    """Sum of squared grads over the params this rank owns (no host sync)."""
+    grads = [p.grad for p in params if p.grad is not None and param_is_not_shared(p)
+             and _is_replica_on_this_tp_rank(p)]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm([g.float() for g in grads])
+    return torch.stack(norms).square().sum()
+
+
+def clip_grads(model: list[torch.nn.Module], max_norm: float) -> torch.Tensor:
+    """Global grad L2 norm across the model-parallel group; scale grads down if above max_norm."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    total = _model_parallel_sum(grad_norm_squared(params).reshape(1)).sqrt().squeeze(0)
+    if max_norm > 0:
+        coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, coeff.to(grads[0].device))
+    return total
+
+
+def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
+    """calc_params_l2_norm: the L2 norm of all parameters across the model-parallel group."""
+    params = [p for chunk in model for p in chunk.parameters() if param_is_not_shared(p) and _is_replica_on_this_tp_rank(p)]
+    sq = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).square().sum()
+    return _model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)

@@ -1,0 +1,189 @@
+"""The training loop: train() → train_step() → forward/backward over micro-batches.
+
+Reads top to bottom; checkpointing, metrics and evaluation live behind small objects it calls.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from kubetron import exitcodes
+from kubetron.training.optim import allreduce_gradients, clip_grads, params_l2_norm
+from kubetron.training.utils import (
+    num_floating_point_operations,
+    prepare_forward_step_func,
+    reduce_losses,
+    unpack_loss,
+)
+
+log = logging.getLogger("kubetron")
+
+
+class DivergedError(RuntimeError):
+    """NaN/Inf loss (exit code 3)."""
+
+
+def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool):
+    """No-pipelining schedule: forward (+ backward) each micro-batch; return their loss reports.
+
+    The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
+    loss / num_microbatches, so gradients are the mean over the global batch on this rank.
+    """
+    reports = []
+    for _ in range(num_microbatches):
+        output, loss_func = forward_step_func(data_iterator, model[0])
+        loss, num_tokens, report = unpack_loss(loss_func(output))
+        if not forward_only:
+            scaled = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss
+            (scaled / num_microbatches).backward()
+        reports.append(report)
+    return reports
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state):
+    """One iteration. Returns the reference's tuple:
+    (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad).
+    """
+    cfg = global_state.cfg
+    optimizer.zero_grad(set_to_none=True)
+    reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
+                               forward_only=False)
+    allreduce_gradients(model)  # data-parallel mean of the gradients
+    grad_norm = clip_grads(model, cfg.optimizer.clip_grad)
+    loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
+
+    # One host sync per step: is the loss finite, is the update finite?
+    checks = torch.stack([v.detach().float().reshape(()) for v in loss_dict.values()] + [grad_norm.float()])
+    finite = torch.isfinite(checks).cpu()
+    if cfg.train.check_for_nan_in_loss and not bool(finite[:-1].all()):
+        raise DivergedError(f"loss is NaN/Inf at iteration {global_state.train_state.step + 1}: "
+                            f"{ {k: float(v) for k, v in loss_dict.items()} }")
+    skipped_iter = 0
+    if bool(finite.all()):
+        optimizer.step()
+        scheduler.step(1)
+    else:
+        skipped_iter = 1  # non-finite gradients: skip the update, keep going
+    return loss_dict, skipped_iter, False, False, None, grad_norm, None
+
+
+def evaluate(forward_step_func, data_iterator, model, global_state, eval_iters: int):
+    """Forward-only over eval_iters global batches; losses reduced like training's."""
+    cfg = global_state.cfg
+    for chunk in model:
+        chunk.eval()
+    reports = []
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            reports += forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
+                                        forward_only=True)
+            global_state.train_state.consumed_valid_samples += cfg.train.global_batch_size
+    for chunk in model:
+        chunk.train()
+    return reduce_losses(reports)
+
+
+def _dummy_train_step(global_state, data_iterator):
+    """iterations_to_skip: consume this iteration's data without computing."""
+    if data_iterator is not None:
+        data_iterator.skip_microbatches(global_state.cfg.train.num_microbatches)
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on any (so all ranks stop at the same iteration)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def post_training_step_callbacks(cfg, iteration: int, profiler=None):
+    """Manual GC on an interval; profiler stepping."""
+    if cfg.train.manual_gc and cfg.train.manual_gc_interval and iteration % cfg.train.manual_gc_interval == 0:
+        gc.collect()
+    if profiler is not None:
+        profiler.step()
+
+
+def checkpoint_and_decide_exit(state, ckpt, model, optimizer, scheduler, data_iterators) -> int | None:
+    """Save on interval / signal / exit condition; return an exit code when the loop must stop."""
+    cfg, ts = state.cfg, state.train_state
+    got_signal = _any_rank(state.signal_handler is not None and state.signal_handler.received is not None)
+    if got_signal:
+        ckpt.save(model, optimizer, scheduler, data_iterators, blocking=True)
+        log.info("received %s: saved at iteration %d, exiting",
+                 state.signal_handler.signal_name or "a signal on another rank", ts.step)
+        return exitcodes.SAVED_ON_SIGNAL
+    saved = False
+    if cfg.checkpoint.save_interval and ts.step % cfg.checkpoint.save_interval == 0:
+        ckpt.save(model, optimizer, scheduler, data_iterators)
+        saved = True
+    elif cfg.checkpoint.non_persistent_save_interval and ts.step % cfg.checkpoint.non_persistent_save_interval == 0:
+        ckpt.save(model, optimizer, scheduler, data_iterators, non_persistent=True)
+    if cfg.train.exit_duration_in_mins:
+        elapsed_min = (time.time() - state.start_time) / 60.0
+        if _any_rank(elapsed_min > cfg.train.exit_duration_in_mins):
+            if not saved:
+                ckpt.save(model, optimizer, scheduler, data_iterators, blocking=True)
+            log.info("exit_duration_in_mins (%.1f) reached at iteration %d", cfg.train.exit_duration_in_mins, ts.step)
+            return exitcodes.EXIT_CONDITION
+    if cfg.train.exit_interval and ts.step % cfg.train.exit_interval == 0 and ts.step < cfg.train.train_iters:
+        if not saved:
+            ckpt.save(model, optimizer, scheduler, data_iterators, blocking=True)
+        log.info("exit_interval (%d) reached at iteration %d", cfg.train.exit_interval, ts.step)
+        return exitcodes.EXIT_CONDITION
+    return None
+
+
+def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
+          global_state, checkpoint_manager, profiler=None) -> int:
+    """Main loop: iterate until train_iters or an exit condition; returns an exit code."""
+    cfg, ts = global_state.cfg, global_state.train_state
+    fwd = prepare_forward_step_func(forward_step_func, global_state)  # inspect once
+    metrics = global_state.metrics
+    flops_per_iter = num_floating_point_operations(cfg, cfg.train.global_batch_size)
+    skip = set(cfg.train.iterations_to_skip)
+    data_iterators = (train_data_iterator, valid_data_iterator)
+    for chunk in model:
+        chunk.train()
+
+    while ts.step < cfg.train.train_iters:
+        if ts.step + 1 in skip:
+            _dummy_train_step(global_state, train_data_iterator)
+            ts.step += 1
+            ts.consumed_train_samples += cfg.train.global_batch_size
+            ts.skipped_train_samples += cfg.train.global_batch_size
+            log.info("iteration %d skipped (iterations_to_skip)", ts.step)
+        else:
+            loss_dict, skipped, _, _, _, grad_norm, _ = train_step(
+                fwd, train_data_iterator, model, optimizer, scheduler, global_state)
+            ts.step += 1
+            ts.consumed_train_samples += cfg.train.global_batch_size
+            ts.floating_point_operations_so_far += flops_per_iter
+            pnorm = params_l2_norm(model) if cfg.logger.log_params_norm else None
+            metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm)
+        post_training_step_callbacks(cfg, ts.step, profiler)
+
+        if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator:
+            losses = evaluate(fwd, valid_data_iterator, model, global_state, cfg.validation.eval_iters)
+            metrics.log_validation(ts.step, losses)
+
+        checkpoint_manager.finalize(blocking=False)  # async saves that are done become durable
+        code = checkpoint_and_decide_exit(global_state, checkpoint_manager, model, optimizer, scheduler,
+                                          data_iterators)
+        if code is not None:
+            metrics.flush(ts.step)
+            return code
+
+    metrics.flush(ts.step)
+    # Completed: make sure the final iteration is durable.
+    if checkpoint_manager.enabled and checkpoint_manager.last_durable != ts.step:
+        checkpoint_manager.save(model, optimizer, scheduler, data_iterators, blocking=True)
+    checkpoint_manager.finalize(blocking=True)
+    return exitcodes.COMPLETED

@@ -1,0 +1,135 @@
+"""train_utils: forward-step injection, metric reductions, FLOPs, memory reports."""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from kubetron.training.state import GlobalState
+
+MEMORY_KEYS: dict[str, str] = {
+    "allocated_bytes.all.current": "mem-allocated-bytes",
+    "active_bytes.all.current": "mem-active-bytes",
+    "inactive_split_bytes.all.current": "mem-inactive-bytes",
+    "reserved_bytes.all.current": "mem-reserved-bytes",
+    "allocated_bytes.all.peak": "mem-max-allocated-bytes",
+    "active_bytes.all.peak": "mem-max-active-bytes",
+    "inactive_split_bytes.all.peak": "mem-max-inactive-bytes",
+    "reserved_bytes.all.peak": "mem-max-reserved-bytes",
+    "num_alloc_retries": "mem-alloc-retires",
+}
+
+
+# --- the forward-step contract -------------------------------------------------------------------
+
+def _signature(fn: Callable) -> inspect.Signature:
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) or isinstance(fn, partial) else fn.__call__
+    return inspect.signature(target)
+
+
+def needs_global_state_injection(forward_step_func: Callable) -> bool:
+    """GlobalState annotation on any parameter, else a first parameter named state/global_state."""
+    params = list(_signature(forward_step_func).parameters.values())
+    for p in params:
+        ann = p.annotation
+        if ann is GlobalState or (isinstance(ann, str) and ann.split(".")[-1] == "GlobalState"):
+            return True
+    return bool(params) and params[0].name in ("state", "global_state")
+
+
+def maybe_inject_state(forward_step_func: Callable, state: GlobalState, needs_injection: bool | None = None):
+    if needs_injection is None:
+        needs_injection = needs_global_state_injection(forward_step_func)
+    return partial(forward_step_func, state) if needs_injection else forward_step_func
+
+
+def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState):
+    """Inspect once, wrap once (a functor keeps its own state: partial holds the instance)."""
+    return maybe_inject_state(forward_step_func, state, needs_global_state_injection(forward_step_func))
+
+
+# --- reductions ------------------------------------------------------------------------------------
+
+def unpack_loss(result) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """Normalize the two loss patterns: (loss, dict) and (loss, num_tokens, dict)."""
+    if isinstance(result, tuple) and len(result) == 3:
+        return result[0], result[1], result[2]
+    if isinstance(result, tuple) and len(result) == 2:
+        return result[0], None, result[1]
+    raise TypeError("loss_func must return (loss, dict) or (loss, num_tokens, dict)")
+
+
+def reduce_losses(per_microbatch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Average each reported loss over micro-batches and data-parallel ranks (on device, no sync).
+
+    A 2-element value [sum, count] is a token-weighted loss: sums and counts add up first.
+    A scalar value is averaged over micro-batches and ranks.
+    """
+    if not per_microbatch:
+        return {}
+    out = {}
+    dp_group = parallel_state.get_data_parallel_group()
+    dp = parallel_state.get_data_parallel_world_size()
+    for key in per_microbatch[0]:
+        vals = torch.stack([d[key].detach().float().reshape(-1) for d in per_microbatch])
+        if vals.shape[1] == 2:
+            acc = vals.sum(0)
+            if dp > 1:
+                dist.all_reduce(acc, group=dp_group)
+            out[key] = acc[0] / acc[1].clamp(min=1)
+        else:
+            acc = vals.mean(0).reshape(())
+            if dp > 1:
+                dist.all_reduce(acc, group=dp_group)
+                acc = acc / dp
+            out[key] = acc
+    return out
+
+
+def reduce_max_stat_across_model_parallel_group(stat: float | None) -> float | None:
+    """Max of a stat over the model-parallel group; None on every rank if all had None."""
+    if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
+        return stat
+    t = torch.tensor([-1.0 if stat is None else float(stat)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
+    return None if t.item() == -1.0 else t.item()
+
+
+def logical_and_across_model_parallel_group(value: bool) -> bool:
+    if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
+        return value
+    t = torch.tensor([1 if value else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parallel_state.get_model_parallel_group())
+    return bool(t.item())
+
+
+# --- throughput accounting -------------------------------------------------------------------------
+
+def num_floating_point_operations(cfg, batch_size: int) -> float:
+    """Training FLOPs for `batch_size` sequences (fwd + bwd = 3x fwd; causal attention counted half).
+
+    Per token and layer, forward: 2*(QKV + proj + MLP weights) + 2*2*s*h/2 for QK^T and AV.
+    Plus the logits layer 2*h*V. The same formula is used for the plain-PyTorch baseline in bench/.
+    """
+    m = cfg.model
+    h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, m.vocab_size
+    kv = (m.num_query_groups or m.num_attention_heads) / m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * h
+    gated = 3 if m.activation == "swiglu" else 2  # number of h x ffn matrices
+    per_layer = 2 * (h * h * (1 + 2 * kv) + h * h + gated * h * ffn) + 2 * s * h  # causal: 4*s*h/2
+    per_token = L * per_layer + 2 * h * V
+    return 3.0 * per_token * s * batch_size
+
+
+def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, float]:
+    """CUDA allocator statistics under the reference's names ({} on CPU)."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    keys = memory_keys or MEMORY_KEYS
+    return {name: float(stats.get(k, 0)) for k, name in keys.items()}
