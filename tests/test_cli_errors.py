@@ -1,0 +1,235 @@
+"""Malformed configs and command lines: exit code 2, one line on stderr naming the field, no traceback.
+
+Most cases run `kubetron.cli.main` in-process (fast); a handful run the real command line in a
+subprocess, which also proves validation fails before torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from kubetron.cli import main
+
+# (id, yaml text or None for no --config, extra argv, field the error must name)
+CASES = [
+    ("missing-file", "@missing", [], "--config"),
+    ("bad-yaml", "train:\n  train_iters: [1, 2\n", [], "--config"),
+    ("top-level-list", "- a\n- b\n", [], "--config"),
+    ("unknown-section", "trian:\n  train_iters: 5\n", [], "trian.train_iters"),
+    ("unknown-key", "train:\n  train_iter: 5\n", [], "train.train_iter"),
+    ("top-level-key", "train_iters: 5\n", [], "train_iters"),
+    ("key-in-wrong-section", "train:\n  train_iters: 5\n  lr: 0.1\n", [], "train.lr"),
+    ("section-not-mapping", "train: 5\n", [], "train"),
+    ("not-an-integer", "train:\n  train_iters: 5\n  micro_batch_size: abc\n", [], "train.micro_batch_size"),
+    ("negative-iters", "train:\n  train_iters: -5\n", [], "train.train_iters"),
+    ("no-length", "model:\n  num_layers: 2\n", [], "train.train_iters"),
+    ("iters-and-samples", "train:\n  train_iters: 5\n  train_samples: 100\n", [], "train.train_samples"),
+    ("bad-literal", "train: {train_iters: 5}\nmodel: {position_embedding_type: sinusoid}\n", [],
+     "model.position_embedding_type"),
+    ("hidden-not-div-heads", "train: {train_iters: 5}\nmodel: {hidden_size: 66, num_attention_heads: 4}\n", [],
+     "model.hidden_size"),
+    ("heads-not-div-tp", "train: {train_iters: 5}\nmodel: {num_attention_heads: 4, tensor_model_parallel_size: 3}\n",
+     [], "model.num_attention_heads"),
+    ("layers-not-div-pp", "train: {train_iters: 5}\nmodel: {num_layers: 3, pipeline_model_parallel_size: 2}\n", [],
+     "model.num_layers"),
+    ("gbs-not-div-mbs", "train: {train_iters: 5, micro_batch_size: 4, global_batch_size: 10}\n", [],
+     "train.global_batch_size"),
+    ("bf16-and-fp16", "train: {train_iters: 5}\nmixed_precision: {bf16: true, fp16: true}\n", [],
+     "mixed_precision.fp16"),
+    ("dropout-out-of-range", "train: {train_iters: 5}\nmodel: {hidden_dropout: 1.5}\n", [], "model.hidden_dropout"),
+    ("min-lr-above-lr", "train: {train_iters: 5}\noptimizer: {lr: 0.001, min_lr: 0.01}\n", [], "optimizer.min_lr"),
+    ("null-tokenizer-no-vocab", "train: {train_iters: 5}\ntokenizer: {tokenizer_type: 'null'}\n", [],
+     "tokenizer.vocab_size"),
+    ("bad-split", "train: {train_iters: 5}\ndataset: {split: 'a,b'}\n", [], "dataset.split"),
+    ("wsd-needs-decay-iters", "train: {train_iters: 5}\nscheduler: {lr_decay_style: WSD}\n", [],
+     "scheduler.lr_wsd_decay_iters"),
+    ("eval-interval-zero", "train: {train_iters: 5}\nvalidation: {eval_interval: 0}\n", [],
+     "validation.eval_interval"),
+    ("bad-exit-signal", "train: {train_iters: 5, exit_signal: SIGFOO}\n", [], "train.exit_signal"),
+    ("bad-logging-level", "train: {train_iters: 5}\nlogger: {logging_level: LOUD}\n", [], "logger.logging_level"),
+    ("log-interval-zero", "train: {train_iters: 5}\nlogger: {log_interval: 0}\n", [], "logger.log_interval"),
+    ("most-recent-k-zero", "train: {train_iters: 5}\ncheckpoint: {most_recent_k: 0}\n", [],
+     "checkpoint.most_recent_k"),
+    ("status-port-range", "train: {train_iters: 5, status_port: 70000}\n", [], "train.status_port"),
+    ("local-ckpt-needs-dir", "train: {train_iters: 5}\ncheckpoint: {non_persistent_ckpt_type: local}\n", [],
+     "checkpoint.non_persistent_local_ckpt_dir"),
+    ("missing-data", "train: {train_iters: 5}\ndataset: {data_path: [/nonexistent/corpus]}\n", [],
+     "dataset.data_path"),
+    ("missing-pretrained", "train: {train_iters: 5}\ncheckpoint: {pretrained_checkpoint: /nonexistent/ckpt}\n", [],
+     "checkpoint.pretrained_checkpoint"),
+    ("weights-unpaired", "train: {train_iters: 5}\ndataset: {data_path: ['0.5', a, '0.5']}\n", [],
+     "dataset.data_path"),
+    # overrides
+    ("override-no-equals", None, ["train.train_iters=5", "foo"], "override 'foo'"),
+    ("override-no-section", None, ["train_iters=5"], "override 'train_iters=5'"),
+    ("override-unknown-section", None, ["train.train_iters=5", "optimzer.lr=0.1"], "optimzer.lr"),
+    ("override-unknown-key", None, ["train.train_iterz=5"], "train.train_iterz"),
+    ("override-bad-number", None, ["train.train_iters=5", "optimizer.lr=fast"], "optimizer.lr"),
+    ("override-bad-list", None, ["train.train_iters=5", "train.iterations_to_skip=[1,"], "train.iterations_to_skip"),
+    ("override-negative-skip", None, ["train.train_iters=5", "train.iterations_to_skip=[-1]"],
+     "train.iterations_to_skip"),
+    ("override-bad-bool", None, ["train.train_iters=5", "train.manual_gc=maybe"], "train.manual_gc"),
+    ("override-string-for-list", None, ["train.train_iters=5", "train.iterations_to_skip=3"],
+     "train.iterations_to_skip"),
+]
+
+# Errors only finalize() (world size) can find: through `kubetron config --world-size N`.
+FINALIZE_CASES = [
+    ("world-not-div-mp", "train: {train_iters: 5}\nmodel: {tensor_model_parallel_size: 2}\n", ["--world-size", "3"],
+     "model.tensor_model_parallel_size"),
+    ("gbs-not-div-dp", "train: {train_iters: 5, micro_batch_size: 2, global_batch_size: 10}\n",
+     ["--world-size", "2"], "train.global_batch_size"),
+    ("warmup-too-long", "train: {train_iters: 5}\nscheduler: {lr_warmup_iters: 5}\n", [],
+     "scheduler.lr_warmup_iters"),
+    ("samples-below-gbs", "train: {train_samples: 3, global_batch_size: 4, micro_batch_size: 4}\n", [],
+     "train.train_samples"),
+]
+
+
+def _argv(tmp_path, command, text, extra):
+    argv = [command]
+    if text == "@missing":
+        argv += ["--config", str(tmp_path / "does-not-exist.yaml")]
+    elif text is not None:
+        path = tmp_path / "config.yaml"
+        path.write_text(text)
+        argv += ["--config", str(path)]
+    return argv + list(extra)
+
+
+def _check(rc, err, field):
+    lines = err.splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].strip(), f"expected one line, got {err!r}"
+    assert lines[0].startswith(f"kubetron: error: {field}"), lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.fixture(autouse=True)
+def _no_termination_log(monkeypatch, tmp_path):
+    monkeypatch.setenv("KUBETRON_TERMINATION_LOG", str(tmp_path / "termination-log"))
+
+
+@pytest.mark.parametrize("command", ["train", "finetune"])
+@pytest.mark.parametrize("name, text, extra, field", CASES, ids=[c[0] for c in CASES])
+def test_in_process(tmp_path, capsys, command, name, text, extra, field):
+    rc = main(_argv(tmp_path, command, text, extra))
+    out, err = capsys.readouterr()
+    _check(rc, err, field)
+    assert out == ""
+    # the termination message carries the same line
+    msg = json.loads((tmp_path / "termination-log").read_text())
+    assert msg["exitCode"] == 2 and msg["reason"] == "ConfigError"
+    assert msg["message"] == err.strip().removeprefix("kubetron: error: ")
+
+
+@pytest.mark.parametrize("name, text, extra, field", FINALIZE_CASES, ids=[c[0] for c in FINALIZE_CASES])
+def test_finalize_errors_via_config_command(tmp_path, capsys, name, text, extra, field):
+    rc = main(_argv(tmp_path, "config", text, extra))
+    _, err = capsys.readouterr()
+    _check(rc, err, field)
+
+
+def test_batch_size_message(tmp_path, capsys):
+    text = "train: {train_iters: 5, micro_batch_size: 2, global_batch_size: 10}\n"
+    main(_argv(tmp_path, "config", text, ["--world-size", "2"]))
+    assert capsys.readouterr().err.strip() == ("kubetron: error: train.global_batch_size: 10 is not divisible by "
+                                               "micro_batch_size*data_parallel_size = 4")
+
+
+def test_suggestions(tmp_path, capsys):
+    main(["train", "train.train_iter=5"])
+    assert "did you mean 'train.train_iters'?" in capsys.readouterr().err
+    main(["train", "trian.train_iters=5"])
+    assert "unknown section 'trian' (did you mean 'train'?)" in capsys.readouterr().err
+    main(["train", "train.lr=0.1"])
+    assert "did you mean 'optimizer.lr'?" in capsys.readouterr().err
+
+
+def test_bad_yaml_reports_line(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  train_iters: 5\n  micro_batch_size: [1\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "line " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["trian"],
+    ["train", "--config"],
+    ["train", "--bogus-flag"],
+    ["progress"],
+    ["progress", "store", "extra"],
+    ["preprocess", "--input", "x"],
+    ["preprocess", "--input", "x", "--output-prefix", "y", "--workers", "many"],
+    ["render"],
+])
+def test_usage_errors(capsys, argv):
+    rc = main(argv)
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and err.startswith("kubetron: error: ")
+    assert "Traceback" not in err
+
+
+def test_help_exits_zero(capsys):
+    for argv in (["--help"], ["train", "--help"], ["config", "--help"], ["progress", "--help"],
+                 ["preprocess", "--help"], ["operator", "--help"], ["render", "--help"], ["finetune", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    assert "section.key=value" in capsys.readouterr().out
+
+
+def test_config_command_prints_resolved_yaml(capsys):
+    assert main(["config", "--config", "examples/tiny-gpt.yaml", "--world-size", "2", "train.micro_batch_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "num_microbatches: 2" in out and "data_parallel_size: 2" in out
+
+
+def test_config_reference(capsys):
+    assert main(["config", "--reference"]) == 0
+    assert "| `train_iters` |" in capsys.readouterr().out
+
+
+# ---- the real command line ------------------------------------------------------------------------
+
+SUBPROCESS_CASES = [c for c in CASES if c[0] in {
+    "missing-file", "bad-yaml", "unknown-key", "not-an-integer", "override-no-equals", "missing-data"}]
+
+
+def _run(args, env_extra=None, cwd=None):
+    env = dict(os.environ)
+    env.pop("KUBETRON_TERMINATION_LOG", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "kubetron", *args], check=False, capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=60)
+
+
+@pytest.mark.parametrize("name, text, extra, field", SUBPROCESS_CASES, ids=[c[0] for c in SUBPROCESS_CASES])
+def test_subprocess(tmp_path, name, text, extra, field):
+    log = tmp_path / "termination-log"
+    proc = _run(_argv(tmp_path, "train", text, extra), {"KUBETRON_TERMINATION_LOG": str(log)})
+    _check(proc.returncode, proc.stderr, field)
+    assert proc.stdout == ""
+    msg = json.loads(log.read_text())
+    assert msg == {"exitCode": 2, "reason": "ConfigError",
+                   "message": proc.stderr.strip().removeprefix("kubetron: error: ")}
+
+
+def test_cli_does_not_import_torch():
+    code = textwrap.dedent("""
+        import sys
+        from kubetron.cli import main
+        rc = main(["train", "train.train_iters=oops"])
+        assert rc == 2, rc
+        bad = [m for m in ("torch", "megatron", "numpy") if m in sys.modules]
+        assert not bad, bad
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

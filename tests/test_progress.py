@@ -1,0 +1,478 @@
+"""kubetron.progress (the progress-log format, shared by trainer and operator) and the status endpoint."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import types
+import urllib.error
+import urllib.request
+from datetime import UTC, datetime
+
+import pytest
+from kubetron import progress
+from kubetron.progress import (
+    ProgressEvent,
+    exiting_job_line,
+    format_line,
+    get_start_time_from_progress_log,
+    parse_progress,
+    read_progress_text,
+    saved_checkpoint_line,
+    starting_job_line,
+    summarize,
+    summarize_events,
+)
+from kubetron.training.status_server import StatusServer, status_server_from_env
+
+T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
+
+
+def at(minute: int, second: int = 0) -> datetime:
+    return T0.replace(minute=minute, second=second)
+
+
+# --------------------------------------------------------------------------------------------------
+# Format
+
+
+def test_format_line_matches_contract_example():
+    line = format_line(
+        "Starting job",
+        job_id="ns/job/1",
+        num_gpus=2,
+        fields={"Iteration": 0, "Train iters": 40},
+        now=T0,
+    )
+    assert (
+        line
+        == "2026-11-22 12:00:00\tJob ID: ns/job/1\t# GPUs: 2\tStarting job\tIteration: 0\tTrain iters: 40"
+    )
+
+
+def test_saved_checkpoint_line_matches_contract_example():
+    line = saved_checkpoint_line(
+        10, 0.1, 0.1, 1.23e12, 20480, 40, num_gpus=2, job_id="ns/job/1", now=at(0, 9)
+    )
+    assert line == (
+        "2026-11-22 12:00:09\tJob ID: ns/job/1\t# GPUs: 2\tSaved checkpoint\tIteration: 10\t"
+        "Job throughput: 0.1 TFLOP/s/GPU\tCumulative throughput: 0.1 TFLOP/s/GPU\t"
+        "Floating-point operations: 1.23e+12\tTokens (in billions): 0.00\tTokens: 20480\tTrain iters: 40"
+    )
+    async_line = saved_checkpoint_line(12, 0.1, 0.1, 1.5e12, 24576, 40, async_save=True, num_gpus=2, now=T0)
+    assert "\tSaved async checkpoint\tIteration: 12\t" in async_line
+
+
+def test_exiting_job_line_and_job_id_from_env(monkeypatch):
+    monkeypatch.setenv("KUBETRON_JOB_ID", "ns/job/3")
+    assert progress.job_id() == "ns/job/3"
+    line = exiting_job_line(12, "SavedOnSignal", 40, num_gpus=2, now=at(0, 12))
+    assert line == (
+        "2026-11-22 12:00:12\tJob ID: ns/job/3\t# GPUs: 2\tExiting job\tIteration: 12\t"
+        "Reason: SavedOnSignal\tTrain iters: 40"
+    )
+    monkeypatch.delenv("KUBETRON_JOB_ID")
+    assert progress.job_id() == ""
+    assert "\tJob ID: \t# GPUs: 2\t" in starting_job_line(0, 40, num_gpus=2, now=T0)
+
+
+def test_format_uses_utc_and_sanitizes_tabs():
+    from datetime import timedelta, timezone
+
+    local = datetime(2026, 11, 22, 14, 0, 0, tzinfo=timezone(timedelta(hours=2)))
+    line = format_line("Note", job_id="a\tb", num_gpus=1, fields={"Msg": "x\ny\tz"}, now=local)
+    assert line.startswith("2026-11-22 12:00:00\t")
+    assert "\n" not in line
+    (ev,) = parse_progress(line)
+    assert ev.job_id == "a b"
+    assert ev.fields == {"Msg": "x y z"}
+
+
+def test_round_trip():
+    lines = [
+        starting_job_line(0, 40, num_gpus=2, job_id="ns/job/1", now=T0),
+        saved_checkpoint_line(
+            10, 12.34, 11.0, 1.23e12, 20480, 40, num_gpus=2, job_id="ns/job/1", now=at(0, 9)
+        ),
+        exiting_job_line(10, "Completed", 40, num_gpus=2, job_id="ns/job/1", now=at(0, 12)),
+    ]
+    events = parse_progress("\n".join(lines) + "\n")
+    assert [e.event for e in events] == ["Starting job", "Saved checkpoint", "Exiting job"]
+    start, ckpt, exit_ = events
+    assert start == ProgressEvent(
+        time=T0,
+        job_id="ns/job/1",
+        num_gpus=2,
+        event="Starting job",
+        fields={"Iteration": "0", "Train iters": "40"},
+    )
+    assert start.time.tzinfo is not None
+    assert ckpt.iteration == 10 and ckpt.train_iters == 40 and ckpt.is_checkpoint
+    assert list(ckpt.fields) == [
+        "Iteration",
+        "Job throughput",
+        "Cumulative throughput",
+        "Floating-point operations",
+        "Tokens (in billions)",
+        "Tokens",
+        "Train iters",
+    ]
+    assert ckpt.fields["Job throughput"] == "12.3 TFLOP/s/GPU"
+    assert ckpt.fields["Floating-point operations"] == "1.23e+12"
+    assert ckpt.fields["Tokens"] == "20480"
+    assert exit_.fields["Reason"] == "Completed"
+    # And each line alone re-formats identically.
+    for line, ev in zip(lines, events):
+        assert (
+            format_line(ev.event, job_id=ev.job_id, num_gpus=ev.num_gpus, fields=ev.fields, now=ev.time)
+            == line
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# A realistic log
+
+
+def multi_job_log() -> str:
+    """Job 1 on 2 GPUs is preempted; job 2 on 4 GPUs is preempted; job 3 on 4 GPUs completes."""
+    j1, j2, j3 = "ns/job/1", "ns/job/2", "ns/job/3"
+    lines = [
+        starting_job_line(0, 40, num_gpus=2, job_id=j1, now=at(0, 0)),
+        saved_checkpoint_line(10, 0.1, 0.1, 1.23e12, 20480, 40, num_gpus=2, job_id=j1, now=at(0, 9)),
+        saved_checkpoint_line(
+            12, 0.2, 0.15, 1.5e12, 24576, 40, async_save=True, num_gpus=2, job_id=j1, now=at(0, 11)
+        ),
+        exiting_job_line(12, "SavedOnSignal", 40, num_gpus=2, job_id=j1, now=at(0, 12)),
+        "",
+        "2026-11-22 12:04:00\tJob ID: ns/job/2\t# GPUs: 4\tStarting jo",  # torn write of a crash
+        "garbage line without tabs",
+        "not-a-time\tJob ID: x\t# GPUs: 4\tStarting job\tIteration: 0",
+        "2026-11-22 12:04:30\tJob ID: x\t# GPUs: four\tStarting job\tIteration: 0",
+        starting_job_line(12, 40, num_gpus=4, job_id=j2, now=at(5, 0)),
+        format_line(
+            "Straggler report", job_id=j2, num_gpus=4, fields={"Rank": 3, "Slowdown": "1.5x"}, now=at(5, 10)
+        ),
+        saved_checkpoint_line(
+            20, 1.0, 0.5, 2.5e12, 40960, 40, async_save=True, num_gpus=4, job_id=j2, now=at(5, 30)
+        ),
+        exiting_job_line(20, "SavedOnSignal", 40, num_gpus=4, job_id=j2, now=at(5, 31)),
+        starting_job_line(20, 40, num_gpus=4, job_id=j3, now=at(10, 0)),
+        saved_checkpoint_line(30, 1.1, 0.7, 3.75e12, 61440, 40, num_gpus=4, job_id=j3, now=at(10, 20))
+        + "\tSome future key: 7",
+        saved_checkpoint_line(40, 1.2, 0.8, 5.0e12, 81920, 40, num_gpus=4, job_id=j3, now=at(10, 40)),
+        exiting_job_line(40, "Completed", 40, num_gpus=4, job_id=j3, now=at(10, 41)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_summarize_multi_job_log():
+    events = parse_progress(multi_job_log())
+    assert len(events) == 13  # garbled lines dropped, the unknown event kept in the list
+    s = summarize_events(events)
+    assert s["lastCheckpoint"] == {"iteration": 40, "time": "2026-11-22T12:10:40Z"}
+    assert s["trainIters"] == 40
+    assert s["iteration"] == 40
+    assert s["tokens"] == 81920
+    assert s["floatingPointOperations"] == pytest.approx(5.0e12)
+    assert s["jobThroughput"] == pytest.approx(1.2)
+    assert s["cumulativeThroughput"] == pytest.approx(0.8)
+    assert s["jobs"] == 3
+    assert s["startTime"] == "2026-11-22T12:00:00Z"
+    assert s["completed"] is True
+    assert s["lastExit"] == {"iteration": 40, "reason": "Completed", "time": "2026-11-22T12:10:41Z"}
+    assert s["events"][0] == {
+        "time": "2026-11-22T12:00:00Z",
+        "jobId": "ns/job/1",
+        "gpus": 2,
+        "event": "Starting job",
+        "fields": {"Iteration": "0", "Train iters": "40"},
+    }
+    assert any(e["event"] == "Straggler report" for e in s["events"])
+    json.dumps(s)  # JSON-ready
+
+
+def test_summarize_mid_run_after_preemption():
+    text = multi_job_log()
+    cut = text.index("Job ID: ns/job/3")
+    text = text[: text.rindex("\n", 0, cut) + 1]
+    s = summarize_events(parse_progress(text))
+    assert s["lastCheckpoint"] == {"iteration": 20, "time": "2026-11-22T12:05:30Z"}
+    assert s["tokens"] == 40960
+    assert s["jobs"] == 2
+    assert s["completed"] is False
+    assert s["lastExit"] == {"iteration": 20, "reason": "SavedOnSignal", "time": "2026-11-22T12:05:31Z"}
+    # A new job has started: the iteration is where it resumed, the old exit is still reported.
+    text += starting_job_line(20, 40, num_gpus=4, job_id="ns/job/3", now=at(10)) + "\n"
+    s = summarize_events(parse_progress(text))
+    assert s["iteration"] == 20 and s["jobs"] == 3 and s["completed"] is False
+
+
+def test_completed_rules():
+    # A checkpoint at train_iters completes even without an Exiting job line (crash after the final save).
+    text = "\n".join(
+        [
+            starting_job_line(0, 20, num_gpus=1, job_id="j", now=T0),
+            saved_checkpoint_line(20, 1, 1, 1e12, 100, 20, num_gpus=1, job_id="j", now=at(1)),
+        ]
+    )
+    assert summarize_events(parse_progress(text))["completed"] is True
+    # Raising train_iters in a later job un-completes it.
+    text += "\n" + starting_job_line(20, 40, num_gpus=1, job_id="j2", now=at(2))
+    s = summarize_events(parse_progress(text))
+    assert s["completed"] is False and s["trainIters"] == 40
+    # An Exiting job Completed ends it; an exit for another reason does not.
+    assert (
+        summarize_events(
+            parse_progress(exiting_job_line(25, "ExitCondition", 40, num_gpus=1, job_id="j2", now=at(3)))
+        )["completed"]
+        is False
+    )
+    assert (
+        summarize_events(
+            parse_progress(exiting_job_line(40, "Completed", 40, num_gpus=1, job_id="j2", now=at(3)))
+        )["completed"]
+        is True
+    )
+
+
+def test_empty_and_megatron_native_lines():
+    s = summarize_events(parse_progress(""))
+    assert s["lastCheckpoint"] is None and s["lastExit"] is None and s["startTime"] is None
+    assert s["jobs"] == 0 and s["completed"] is False and s["events"] == [] and s["tokens"] is None
+    # Megatron's own lines: bare "Starting job", and a checkpoint without the exact Tokens key.
+    text = (
+        "2026-11-22 12:00:00\tJob ID: 123\t# GPUs: 8\tStarting job\n"
+        "2026-11-22 12:30:00\tJob ID: 123\t# GPUs: 8\tSaved checkpoint\tIteration: 500\t"
+        "Job throughput: 400.5 TFLOP/s/GPU\tCumulative throughput: 390.0 TFLOP/s/GPU\t"
+        "Floating-point operations: 7.00e+18\tTokens (in billions): 2.10\n"
+    )
+    s = summarize_events(parse_progress(text))
+    assert s["lastCheckpoint"]["iteration"] == 500
+    assert s["tokens"] == 2_100_000_000
+    assert s["jobThroughput"] == pytest.approx(400.5)
+    assert s["trainIters"] is None and s["completed"] is False
+
+
+def test_garbled_lines_ignored():
+    good = starting_job_line(0, 40, num_gpus=2, job_id="j", now=T0)
+    text = "\n".join(
+        [
+            "",
+            "   ",
+            "\t\t\t",
+            "2026-13-45 99:00:00\tJob ID: j\t# GPUs: 2\tStarting job",
+            "2026-11-22 12:00:00\tJob: j\t# GPUs: 2\tStarting job",
+            "2026-11-22 12:00:00\tJob ID: j\tGPUs 2\tStarting job",
+            "2026-11-22 12:00:00\tJob ID: j\t# GPUs: 2\t",
+            "2026-11-22 12:00:00\tJob ID: j\t# GPUs: 2",
+            "\x00\x01binary\xff",
+            good + "\tnot a pair\t: empty key\tIteration: also",
+            "2026-11-22 12:00:05\tJob ID: j\t# GPUs: 2\tSaved checkpoint\tIteration: ten\tTokens: many",
+        ]
+    )
+    events = parse_progress(text)
+    assert [e.event for e in events] == ["Starting job", "Saved checkpoint"]
+    assert events[0].fields == {"Iteration": "also", "Train iters": "40"}  # the last duplicate key wins
+    s = summarize_events(events)
+    assert s["lastCheckpoint"] is None  # a checkpoint without a readable iteration is not one
+    assert s["jobs"] == 1 and s["iteration"] is None
+
+
+def test_crlf_and_missing_final_newline():
+    text = multi_job_log().replace("\n", "\r\n").rstrip("\r\n")
+    assert summarize_events(parse_progress(text))["lastCheckpoint"]["iteration"] == 40
+
+
+# --------------------------------------------------------------------------------------------------
+# get_start_time_from_progress_log
+
+
+def test_get_start_time_same_gpus_continues():
+    text = multi_job_log()
+    # Jobs 2 and 3 ran on 4 GPUs in a row: the earliest of them, and the FLOPs saved before it started.
+    start, flops = get_start_time_from_progress_log(text, 4)
+    assert start == at(5, 0)
+    assert flops == pytest.approx(1.5e12)  # the async checkpoint of job 1 counts
+    # 2 GPUs: the 4-GPU lines that followed broke the run.
+    assert get_start_time_from_progress_log(text, 2) == (None, 0.0)
+    assert progress.last_checkpoint_flops(text) == pytest.approx(5.0e12)
+
+
+def test_get_start_time_resets_on_gpu_change_and_back():
+    text = "\n".join(
+        [
+            starting_job_line(0, 100, num_gpus=2, job_id="a", now=at(0)),
+            saved_checkpoint_line(10, 1, 1, 1e12, 10, 100, num_gpus=2, job_id="a", now=at(1)),
+            starting_job_line(10, 100, num_gpus=2, job_id="b", now=at(2)),
+            saved_checkpoint_line(20, 1, 1, 2e12, 20, 100, num_gpus=2, job_id="b", now=at(3)),
+            starting_job_line(20, 100, num_gpus=8, job_id="c", now=at(4)),
+            saved_checkpoint_line(30, 1, 1, 3e12, 30, 100, num_gpus=8, job_id="c", now=at(5)),
+            starting_job_line(30, 100, num_gpus=2, job_id="d", now=at(6)),
+            saved_checkpoint_line(40, 1, 1, 4e12, 40, 100, num_gpus=2, job_id="d", now=at(7)),
+            starting_job_line(40, 100, num_gpus=2, job_id="e", now=at(8)),
+        ]
+    )
+    assert get_start_time_from_progress_log(text, 2) == (at(6), pytest.approx(3e12))
+    assert get_start_time_from_progress_log(text, 8) == (None, 0.0)
+    head = text.split("\n")[:4]
+    assert get_start_time_from_progress_log("\n".join(head), 2) == (at(0), 0.0)
+    assert get_start_time_from_progress_log("", 2) == (None, 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# I/O
+
+
+def test_read_local_dir_and_file(tmp_path):
+    assert read_progress_text(str(tmp_path)) == ""
+    assert read_progress_text(str(tmp_path / "missing")) == ""
+    assert read_progress_text(str(tmp_path / "progress.txt")) == ""
+    (tmp_path / "progress.txt").write_text(multi_job_log())
+    for location in (
+        str(tmp_path),
+        str(tmp_path) + "/",
+        str(tmp_path / "progress.txt"),
+        f"file://{tmp_path}",
+    ):
+        assert read_progress_text(location) == multi_job_log()
+        s = summarize(location)
+        assert s["store"] == location
+        assert s["lastCheckpoint"]["iteration"] == 40 and s["completed"] is True
+    empty = summarize(str(tmp_path / "nothing-here"))
+    assert empty["lastCheckpoint"] is None and empty["jobs"] == 0
+
+
+class FakeStore:
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+        self.read: list[str] = []
+
+    def exists(self, key: str) -> bool:
+        return key in self.files
+
+    def read_bytes(self, key: str) -> bytes:
+        self.read.append(key)
+        return self.files[key]
+
+
+def test_read_with_store_and_s3(monkeypatch):
+    data = multi_job_log().encode()
+    store = FakeStore({"progress.txt": data})
+    assert read_progress_text("ignored", store=store) == multi_job_log()
+    assert read_progress_text("ignored", store=FakeStore({})) == ""
+
+    opened: list[str] = []
+
+    def open_store(url: str) -> FakeStore:
+        opened.append(url)
+        return FakeStore({"progress.txt": data} if url == "s3://bucket/runs/a" else {})
+
+    fake = types.ModuleType("kubetron.storage")
+    fake.open_store = open_store
+    monkeypatch.setitem(sys.modules, "kubetron.storage", fake)
+    s = summarize("s3://bucket/runs/a")
+    assert s["store"] == "s3://bucket/runs/a" and s["lastCheckpoint"]["iteration"] == 40
+    assert read_progress_text("s3://bucket/runs/a/progress.txt") == multi_job_log()
+    assert read_progress_text("s3://bucket/runs/b") == ""
+    assert opened == ["s3://bucket/runs/a", "s3://bucket/runs/a", "s3://bucket/runs/b"]
+
+
+def test_cli_main(tmp_path, capsys):
+    (tmp_path / "progress.txt").write_text(multi_job_log())
+    assert progress.main([str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lastCheckpoint"]["iteration"] == 40 and "events" in out
+    assert progress.main(["--no-events", str(tmp_path)]) == 0
+    assert "events" not in json.loads(capsys.readouterr().out)
+    assert progress.main([]) == 2
+
+
+def test_import_does_not_pull_torch():
+    code = "import sys, kubetron.progress; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------------------------------
+# Status server
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_status_server_serves_updates():
+    with StatusServer(0, host="127.0.0.1") as server:
+        assert server.enabled and server.port and server.port > 0
+        base = f"http://127.0.0.1:{server.port}"
+        assert server.url == base
+        code, body = get(base + "/status")
+        assert code == 200
+        assert json.loads(body) == {
+            "iteration": None,
+            "trainIters": None,
+            "consumedSamples": None,
+            "tokensPerSecond": None,
+            "etaSeconds": None,
+            "lastCheckpoint": None,
+        }
+        server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
+        server.update(etaSeconds=30.2, lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
+        code, body = get(base + "/status")
+        assert code == 200
+        assert json.loads(body) == {
+            "iteration": 12,
+            "trainIters": 40,
+            "consumedSamples": 96,
+            "tokensPerSecond": 1234.5,
+            "etaSeconds": 30.2,
+            "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T12:00:09Z"},
+        }
+        server.update(iteration=13, etaSeconds=float("nan"))
+        status = json.loads(get(base + "/status?x=1")[1])
+        assert status["iteration"] == 13 and status["etaSeconds"] is None
+        assert get(base + "/healthz") == (200, "ok")
+        assert get(base + "/nope")[0] == 404
+    assert server.port is None and not server.enabled
+    server.close()  # idempotent
+    server.update(iteration=14)  # harmless after close
+    with pytest.raises(OSError):
+        urllib.request.urlopen(base + "/healthz", timeout=2)
+
+
+def test_status_server_bind_failure_is_a_warning(caplog):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with caplog.at_level("WARNING"):
+            server = StatusServer(port, host="127.0.0.1")
+        assert not server.enabled and server.port is None and server.url is None
+        assert "status endpoint disabled" in caplog.text
+        server.update(iteration=1)
+        server.close()
+    assert not StatusServer(70000, host="127.0.0.1").enabled
+
+
+def test_status_server_from_env(monkeypatch):
+    monkeypatch.delenv("KUBETRON_STATUS_PORT", raising=False)
+    assert status_server_from_env() is None
+    monkeypatch.setenv("KUBETRON_STATUS_PORT", "0")
+    assert status_server_from_env() is None
+    monkeypatch.setenv("KUBETRON_STATUS_PORT", "http")
+    assert status_server_from_env() is None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    monkeypatch.setenv("KUBETRON_STATUS_PORT", str(free))
+    server = status_server_from_env(host="127.0.0.1")
+    try:
+        assert server is not None and server.port == free
+        assert get(f"http://127.0.0.1:{free}/healthz") == (200, "ok")
+    finally:
+        server.close()

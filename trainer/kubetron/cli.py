@@ -1,0 +1,229 @@
+"""The `kubetron` command.
+
+    kubetron train     --config FILE [section.key=value ...]   pretrain (also under torchrun)
+    kubetron finetune  --config FILE [section.key=value ...]   finetune from checkpoint.pretrained_checkpoint
+    kubetron config    [--reference] [--config FILE] [overrides ...]
+    kubetron progress  STORE [--json]
+    kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
+    kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME]
+    kubetron render    FILE
+
+User errors (bad config, bad command line) print one line, `kubetron: error: <field>: <message>`,
+write the termination message and exit 2. Importing this module does not import torch: each
+command imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from kubetron import __version__, exitcodes
+from kubetron.errors import ConfigError
+
+PROG = "kubetron"
+
+
+class _UsageError(Exception):
+    """An argparse usage error, reported like a ConfigError."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line (raised, so main() reports them uniformly)."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _report(field_and_message: str, termination_log: str | None = None) -> int:
+    """Print the one-line error, write the termination message, return exit code 2."""
+    line = _one_line(field_and_message)
+    print(f"{PROG}: error: {line}", file=sys.stderr)
+    from kubetron.termination import write_termination_message
+
+    write_termination_message({"exitCode": exitcodes.CONFIG_ERROR, "reason": exitcodes.NAMES[exitcodes.CONFIG_ERROR],
+                               "message": line}, termination_log)
+    return exitcodes.CONFIG_ERROR
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------------
+
+
+def _load_config(args: argparse.Namespace, check_paths: bool = True):
+    from kubetron.config import ConfigContainer
+
+    cfg = ConfigContainer.from_yaml(args.config, list(args.overrides), check_paths=check_paths)
+    args._cfg = cfg  # lets main() find train.termination_log if a later step fails
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    from kubetron.training.entry import run_from_cli
+
+    return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain"))
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from kubetron.config import config_reference_markdown
+
+    if args.reference:
+        if args.config or args.overrides:
+            raise _UsageError("--reference takes no --config or overrides")
+        sys.stdout.write(config_reference_markdown())
+        return 0
+    cfg = _load_config(args)
+    if not args.no_finalize:
+        world_size = args.world_size
+        if world_size is None:
+            raw = os.environ.get("WORLD_SIZE", "").strip() or "1"
+            if not raw.isdigit():
+                raise ConfigError("--world-size", f"env WORLD_SIZE={raw!r} is not a positive integer")
+            world_size = int(raw)
+        cfg.finalize(world_size=world_size)
+    sys.stdout.write(cfg.to_yaml())
+    return 0
+
+
+def cmd_progress(args: argparse.Namespace) -> int:
+    from kubetron.progress import summarize
+
+    summary = summarize(args.store)
+    print(json.dumps(summary, indent=None if args.json else 2, sort_keys=False))
+    return 0
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from kubetron.data.preprocess import preprocess
+
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise ConfigError("--input", f"{path}: no such file")
+    kwargs = {"append_eod": args.append_eod}
+    params = inspect.signature(preprocess).parameters
+    if "workers" in params:
+        kwargs["workers"] = args.workers
+    if "json_key" in params and args.json_key is not None:
+        kwargs["json_key"] = args.json_key
+    result = preprocess(list(args.input), args.output_prefix, **kwargs)
+    if result is not None:
+        print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from kubetron_operator.main import run
+
+    return int(run(args) or 0)
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from kubetron_operator.render import render_file
+
+    if not os.path.isfile(args.file):
+        raise ConfigError("FILE", f"{args.file}: no such file")
+    print(render_file(args.file))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------------------
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE", help="YAML config file (default: defaults only)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override a config key; the value is parsed as YAML (e.g. train.train_iters=20)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Megatron-Bridge-style GPT trainer and its Kubernetes operator.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    for name, help_text in (("train", "pretrain a GPT model"),
+                            ("finetune", "finetune from checkpoint.pretrained_checkpoint")):
+        p = sub.add_parser(name, help=help_text, description=f"{help_text[0].upper()}{help_text[1:]}. "
+                           "Run under torchrun for more than one rank.")
+        _add_config_args(p)
+        # torch.distributed.launch passes this; torchrun uses LOCAL_RANK instead. Accepted, ignored.
+        p.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+        p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("config", help="print the resolved config, or the reference of all keys",
+                       description="Print the resolved config as YAML (as saved in run_config.yaml), "
+                                   "or with --reference the Markdown reference of every key.")
+    _add_config_args(p)
+    p.add_argument("--reference", action="store_true", help="print the Markdown reference of all sections and keys")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to resolve derived values for (default: $WORLD_SIZE or 1)")
+    p.add_argument("--no-finalize", action="store_true", help="print the validated input without derived values")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("progress", help="summarize a store's progress log as JSON",
+                       description="Parse <STORE>/progress.txt (a directory or s3://bucket/prefix) and print "
+                                   "the summary as JSON.")
+    p.add_argument("store", metavar="STORE", help="checkpoint store: a directory or s3://bucket/prefix")
+    p.add_argument("--json", action="store_true", help="compact single-line JSON")
+    p.set_defaults(func=cmd_progress)
+
+    p = sub.add_parser("preprocess", help="tokenize text/JSONL into an indexed dataset (.bin/.idx)",
+                       description="Tokenize text or JSONL files with the byte tokenizer into "
+                                   "PREFIX.bin and PREFIX.idx (usable as dataset.data_path).")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="input .txt or .jsonl files")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                   help="end every document with the eod token (default: on)")
+    p.add_argument("--json-key", default=None, metavar="KEY", help="JSONL field holding the text (default: text)")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default: 1)")
+    p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser("operator", help="run the Kubernetes operator",
+                       description="Run the kubetron operator (kopf) against the current cluster.")
+    p.add_argument("--namespace", "-n", action="append", default=None, metavar="NS",
+                   help="namespace to watch (repeatable; default: all namespaces)")
+    p.add_argument("--liveness", default=None, metavar="URL",
+                   help="serve a liveness endpoint here, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--peering", default=None, metavar="NAME", help="kopf peering object name (for HA operators)")
+    p.set_defaults(func=cmd_operator)
+
+    p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
+                       description="Render a TrainingJob manifest into the objects the operator would create.")
+    p.add_argument("file", metavar="FILE", help="TrainingJob YAML manifest")
+    p.set_defaults(func=cmd_render)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `kubetron` command; returns the exit code (2 for user errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = None
+    try:
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            if args.command not in ("train", "finetune", "config"):
+                parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            # Overrides may come before and after options: `train a.b=1 --config f c.d=2`.
+            args.overrides = list(args.overrides) + extras
+        if args.command == "preprocess" and args.workers < 1:
+            raise ConfigError("--workers", f"must be >= 1, got {args.workers}")
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        cfg = getattr(args, "_cfg", None)
+        path = getattr(getattr(cfg, "train", None), "termination_log", None)
+        return _report(f"{exc.field}: {exc.message}", path)
+    except _UsageError as exc:
+        return _report(str(exc))

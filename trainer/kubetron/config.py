@@ -1,0 +1,1017 @@
+"""The run configuration: a pydantic v2 `ConfigContainer` whose sections and field names follow
+Megatron Bridge (`megatron.bridge.training.config`) and `megatron.training.config`.
+
+Life cycle, as in the reference:
+
+1. `ConfigContainer.from_yaml(path, overrides)` (or `from_dict`) parses and type-checks the user's
+   YAML plus `section.key=value` overrides, and runs `validate()` (pure, no filesystem or torch).
+2. `finalize(world_size)` computes the derived values (data-parallel size, global batch size,
+   micro-batches per step, train_iters from train_samples, scheduler steps, padded vocabulary, ...),
+   re-validates, resolves environment-provided defaults and checks the paths the run reads.
+3. `to_yaml()` is the resolved config saved as `run_config.yaml` in every checkpoint;
+   `from_dict(yaml.safe_load(cfg.to_yaml())) == cfg` holds exactly.
+
+Every user error is a `kubetron.errors.ConfigError(field, message)` naming the dotted key. Importing
+this module is cheap: no torch (the operator image imports it too).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import signal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+
+from kubetron.errors import ConfigError
+
+BYTE_TOKENIZER_VOCAB = 258
+"""The byte tokenizer's base vocabulary: 256 byte values + eod + pad."""
+
+_DERIVED = {"derived": True}
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    """A user-settable field with its one-line description."""
+    return Field(default=default, description=doc, **kw)
+
+
+def _d(default: Any, doc: str, **kw: Any) -> Any:
+    """A derived field: computed by `ConfigContainer.finalize`; an input value is recomputed."""
+    return Field(default=default, description=doc, json_schema_extra=_DERIVED, **kw)
+
+
+def _is_derived(info: FieldInfo) -> bool:
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("derived"))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+class TrainingConfig(_Section):
+    """The training loop: length, batch sizes, exit conditions and the contract's side channels."""
+
+    train_iters: int | None = _f(None, "Total training iterations (optimizer steps); set this or train_samples.", ge=1)
+    train_samples: int | None = _f(
+        None, "Total training samples (sequences); train_iters = train_samples // global_batch_size.", ge=1)
+    micro_batch_size: int = _f(1, "Sequences per micro-batch per data-parallel rank.", ge=1)
+    global_batch_size: int | None = _f(
+        None, "Sequences per optimizer step over all ranks (None: micro_batch_size * data_parallel_size).", ge=1)
+    exit_interval: int | None = _f(
+        None, "Save and exit (code 76) when the iteration count is a multiple of this (iterations).", ge=1)
+    exit_duration_in_mins: float | None = _f(
+        None, "Save and exit (code 76) after this much wall time in this process (minutes).", gt=0)
+    exit_signal_handler: bool = _f(True, "On exit_signal finish the step, save a checkpoint, exit 75.")
+    exit_signal: str = _f("SIGTERM", "The signal that triggers a save-and-exit (a signal name, e.g. SIGTERM).")
+    iterations_to_skip: list[NonNegInt] = _f(
+        [], "Iterations whose batch is consumed but whose optimizer step is skipped (iteration numbers).")
+    manual_gc: bool = _f(False, "Disable automatic Python GC and collect manually every manual_gc_interval.")
+    manual_gc_interval: int = _f(0, "Iterations between manual GC runs when manual_gc is set (0: only at start).",
+                                 ge=0)
+    check_for_nan_in_loss: bool = _f(True, "Stop with exit code 3 when the loss is NaN or Inf.")
+    termination_log: str | None = _f(
+        None, "Termination message path (None: env KUBETRON_TERMINATION_LOG, else /dev/termination-log if "
+              "writable, else none).")
+    status_port: int | None = _f(
+        None, "TCP port for rank 0's GET /status (None: env KUBETRON_STATUS_PORT; 0: off).", ge=0, le=65535)
+    num_microbatches: int | None = _d(
+        None, "Derived: micro-batches accumulated per optimizer step = gbs / (mbs * dp).")
+
+
+class ValidationConfig(_Section):
+    """Evaluation on the validation split during training."""
+
+    eval_interval: int | None = _f(None, "Evaluate every this many iterations (None: no evaluation).", ge=1)
+    eval_iters: int = _f(10, "Validation batches (global batches) per evaluation.", ge=1)
+
+
+class GPTModelConfig(_Section):
+    """The GPT model (megatron-core GPTModel / TransformerConfig names)."""
+
+    num_layers: int = _f(2, "Transformer layers.", ge=1)
+    hidden_size: int = _f(64, "Hidden (embedding) size.", ge=1)
+    num_attention_heads: int = _f(4, "Attention heads.", ge=1)
+    num_query_groups: int | None = _f(
+        None, "Key/value head groups for grouped-query attention (None: = num_attention_heads).", ge=1)
+    ffn_hidden_size: int | None = _f(None, "MLP hidden size (None: 4 * hidden_size).", ge=1)
+    seq_length: int = _f(64, "Training sequence length (tokens).", ge=1)
+    max_position_embeddings: int | None = _f(None, "Maximum sequence length the model supports (None: seq_length).",
+                                             ge=1)
+    vocab_size: int | None = _f(
+        None, "Embedding rows (None: the tokenizer's vocabulary padded to make_vocab_size_divisible_by * tp).", ge=1)
+    make_vocab_size_divisible_by: int = _f(128, "Pad the tokenizer vocabulary to a multiple of this (times tp).",
+                                           ge=1)
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = _f("rope", "Position embedding kind.")
+    rotary_base: int = _f(10000, "RoPE base period.", ge=1)
+    normalization: Literal["LayerNorm", "RMSNorm"] = _f("LayerNorm", "Normalization layer kind.")
+    activation: Literal["gelu", "swiglu"] = _f("gelu", "MLP activation (swiglu: gated SiLU).")
+    add_bias_linear: bool = _f(True, "Biases in the linear layers.")
+    share_embeddings_and_output_weights: bool = _f(True, "Tie the input embedding and the output layer.")
+    hidden_dropout: float = _f(0.0, "Dropout probability after attention and MLP (fraction).", ge=0, lt=1)
+    attention_dropout: float = _f(0.0, "Dropout probability on attention weights (fraction).", ge=0, lt=1)
+    init_method_std: float = _f(0.02, "Standard deviation of the normal weight initialisation.", gt=0)
+    layernorm_epsilon: float = _f(1e-5, "Epsilon of the normalization layers.", gt=0)
+    tensor_model_parallel_size: int = _f(1, "Tensor-parallel ranks (tp).", ge=1)
+    pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel stages (pp).", ge=1)
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs tp > 1; turned off at tp = 1).")
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
+        "auto", "Layer implementation (auto: TransformerEngine when importable, else local).")
+    compile: bool = _f(False, "torch.compile the transformer layers.")
+
+
+class OptimizerConfig(_Section):
+    """The optimizer (megatron.core.optimizer.OptimizerConfig names)."""
+
+    optimizer: Literal["adam", "sgd"] = _f("adam", "Optimizer kind (adam: AdamW with decoupled weight decay).")
+    lr: float = _f(3e-4, "Peak learning rate.", ge=0)
+    min_lr: float = _f(0.0, "Learning rate at the end of decay.", ge=0)
+    weight_decay: float = _f(0.01, "Weight decay coefficient (not applied to biases and norms).", ge=0)
+    adam_beta1: float = _f(0.9, "Adam beta1.", ge=0, lt=1)
+    adam_beta2: float = _f(0.95, "Adam beta2.", ge=0, lt=1)
+    adam_eps: float = _f(1e-8, "Adam epsilon.", gt=0)
+    sgd_momentum: float = _f(0.9, "SGD momentum.", ge=0)
+    clip_grad: float = _f(1.0, "Clip the global gradient L2 norm to this (0: off).", ge=0)
+    use_distributed_optimizer: bool = _f(
+        False, "Shard optimizer state over data-parallel ranks (kept in sync with ddp.use_distributed_optimizer).")
+
+
+class SchedulerConfig(_Section):
+    """The learning-rate schedule, counted in iterations."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = _f(
+        "cosine", "Learning-rate decay after warmup.")
+    lr_warmup_iters: int = _f(0, "Linear warmup length (iterations).", ge=0)
+    lr_warmup_fraction: float | None = _f(
+        None, "Warmup as a fraction of lr_decay_iters (instead of lr_warmup_iters).", ge=0, le=1)
+    lr_warmup_init: float = _f(0.0, "Learning rate at the start of warmup.", ge=0)
+    lr_decay_iters: int | None = _f(None, "Iterations over which the rate decays (None: train_iters).", ge=1)
+    lr_wsd_decay_iters: int | None = _f(
+        None, "WSD: iterations of the final decay phase (required for lr_decay_style WSD).", ge=1)
+    lr_warmup_steps: int | None = _d(None, "Derived: warmup length (iterations).")
+    lr_decay_steps: int | None = _d(None, "Derived: decay length (iterations).")
+
+
+class GPTDatasetConfig(_Section):
+    """Training data: Megatron indexed datasets, or mock data when data_path is unset."""
+
+    data_path: list[str] | None = _f(
+        None, "Indexed dataset prefixes (.bin/.idx), optionally weighted: [\"0.7\", \"a\", \"0.3\", \"b\"] "
+              "(None: mock data).")
+    split: str = _f("969,30,1", "Train,validation,test proportions of each dataset (comma-separated weights).")
+    num_workers: int = _f(0, "DataLoader worker processes per rank (0: load in the training process).", ge=0)
+    pin_memory: bool = _f(True, "Pin host memory for batches (only with a GPU).")
+    prefetch: int = _f(2, "Micro-batches prepared ahead of the training step.", ge=0)
+    mock_seed: int | None = _f(None, "Seed of the mock data (None: rng.seed).", ge=0)
+
+    @field_validator("data_path", mode="before")
+    @classmethod
+    def _one_prefix(cls, v: Any) -> Any:
+        """A single prefix may be given as a string (or a number-free scalar)."""
+        return [v] if isinstance(v, str) else v
+
+
+class TokenizerConfig(_Section):
+    """The tokenizer: bytes (258 ids) or a bare vocabulary size for mock data."""
+
+    tokenizer_type: Literal["byte", "null"] = _f(
+        "byte", "byte: UTF-8 bytes + eod + pad (258 ids); null: ids only, for mock data.")
+    vocab_size: int | None = _f(None, "Vocabulary size of the null tokenizer (ids; eod = vocab_size - 1).", ge=2)
+
+    def base_vocab_size(self) -> int:
+        """The tokenizer's own vocabulary size, before padding."""
+        if self.tokenizer_type == "byte":
+            return BYTE_TOKENIZER_VOCAB
+        if self.vocab_size is None:
+            raise ConfigError("tokenizer.vocab_size", "required when tokenizer_type is 'null'")
+        return self.vocab_size
+
+
+class LoggerConfig(_Section):
+    """Console and TensorBoard logging."""
+
+    log_interval: int = _f(10, "Log training metrics every this many iterations.", ge=1)
+    tensorboard_dir: str | None = _f(None, "TensorBoard event directory (None: no TensorBoard).")
+    log_progress: bool = _f(True, "Append to the progress log (progress.txt) in checkpoint.save.")
+    log_throughput: bool = _f(True, "Log tokens/s and TFLOP/s/GPU.")
+    log_timers_to_tensorboard: bool = _f(False, "Write per-phase timers to TensorBoard.")
+    log_memory_to_tensorboard: bool = _f(True, "Write CUDA memory statistics to TensorBoard (GPU only).")
+    log_l2_norm_grad_to_tensorboard: bool = _f(False, "Write the gradient L2 norm to TensorBoard.")
+    log_params_norm: bool = _f(False, "Compute and log the parameters' L2 norm.")
+    throughput_window_size: int = _f(100, "Iterations averaged for the throughput figures.", ge=1)
+    logging_level: str = _f("INFO", "Python logging level name (DEBUG, INFO, WARNING, ERROR).")
+
+
+class CheckpointConfig(_Section):
+    """Saving and loading checkpoints (a directory or s3://bucket/prefix store)."""
+
+    save: str | None = _f(None, "Store to save checkpoints and the progress log to (path or s3://; None: no saving).")
+    load: str | None = _f(None, "Store to resume from (a missing or empty store: start fresh).")
+    save_interval: int | None = _f(None, "Save every this many iterations (None: only at the end and on exit).",
+                                   ge=1)
+    most_recent_k: int = _f(-1, "Keep this many newest persistent checkpoints (-1: keep all).", ge=-1)
+    ckpt_step: int | None = _f(None, "Load this iteration instead of the newest (iteration).", ge=0)
+    pretrained_checkpoint: str | None = _f(
+        None, "Checkpoint to initialise model weights from when finetuning (store or iter_* directory).")
+    async_save: bool = _f(False, "Write checkpoints in the background while training continues.")
+    non_persistent_save_interval: int | None = _f(
+        None, "Save a non-persistent checkpoint every this many iterations (iterations).", ge=1)
+    non_persistent_ckpt_type: Literal["global", "local"] | None = _f(
+        None, "Non-persistent kind: global (in save/non_persistent) or local (per-node directory); "
+              "None with an interval set: global.")
+    non_persistent_local_ckpt_dir: str | None = _f(None, "Directory of local non-persistent checkpoints.")
+    exit_on_missing_checkpoint: bool = _f(False, "Fail (config error) when `load` holds no checkpoint.")
+    expected_resume_iteration: int | None = _f(
+        None, "Exit 4 if the store's newest checkpoint is older (iteration; None: env KUBETRON_EXPECTED_ITERATION).",
+        ge=0)
+    save_optim: bool = _f(True, "Save optimizer state.")
+    save_rng: bool = _f(True, "Save RNG state.")
+    load_optim: bool = _f(True, "Load optimizer state.")
+    load_rng: bool = _f(True, "Load RNG state.")
+    s3_endpoint_url: str | None = _f(None, "S3 endpoint URL (None: env AWS_ENDPOINT_URL, else AWS).")
+    s3_region: str | None = _f(None, "S3 region (None: env AWS_REGION).")
+
+
+class DistributedInitConfig(_Section):
+    """torch.distributed initialisation."""
+
+    distributed_backend: Literal["nccl", "gloo"] | None = _f(None, "Backend (None: nccl with a GPU, gloo on CPU).")
+    distributed_timeout_minutes: float = _f(
+        10, "Longest a rank waits in a collective, e.g. for a dead peer, before exiting 5 (minutes).", gt=0)
+    use_gpu: bool | None = _f(None, "Train on CUDA (None: when a CUDA device is available).")
+
+    def resolved_backend(self, use_gpu: bool) -> str:
+        """The backend to use on this device kind."""
+        return self.distributed_backend or ("nccl" if use_gpu else "gloo")
+
+
+class RNGConfig(_Section):
+    """Random seeds."""
+
+    seed: int = _f(1234, "Random seed for initialisation, dropout and mock data.", ge=0)
+    data_parallel_random_init: bool = _f(False, "Different initialisation on each data-parallel rank.")
+
+
+class DistributedDataParallelConfig(_Section):
+    """Gradient reduction across data-parallel ranks (megatron.core DistributedDataParallelConfig names)."""
+
+    use_distributed_optimizer: bool = _f(False, "Shard optimizer state (kept in sync with the optimizer section).")
+    overlap_grad_reduce: bool = _f(False, "Overlap gradient reduce-scatter/all-reduce with the backward pass.")
+    overlap_param_gather: bool = _f(False, "Overlap parameter all-gather with the forward pass (distributed opt.).")
+    grad_reduce_in_fp32: bool = _f(True, "Reduce gradients in fp32.")
+    bucket_size: int | None = _f(None, "Gradient bucket size (parameters; None: automatic).", ge=1)
+
+
+class RerunStateMachineConfig(_Section):
+    """Loss sanity checks (NaN/Inf and spiky loss)."""
+
+    check_for_spiky_loss: bool = _f(False, "Stop with exit code 3 on a loss spike.")
+    spiky_loss_factor: float = _f(
+        10.0, "A loss above this multiple of the window's maximum is a spike (factor).", gt=1)
+    spiky_loss_window: int = _f(100, "Recent iterations the loss is compared against (iterations).", ge=1)
+
+
+class StragglerDetectionConfig(_Section):
+    """Detecting slow ranks."""
+
+    log_straggler: bool = _f(False, "Measure and log per-rank step times.")
+    straggler_minmax_count: int = _f(1, "Slowest/fastest ranks to report.", ge=1)
+    report_interval: int = _f(100, "Compare ranks every this many iterations (iterations).", ge=1)
+    relative_threshold: float = _f(
+        0.7, "A rank whose speed is below this fraction of the fastest rank's is a straggler (fraction).",
+        gt=0, le=1)
+    stop_if_detected: bool = _f(False, "Save and exit 6 when a straggler is detected.")
+
+
+class ProfilingConfig(_Section):
+    """The PyTorch profiler."""
+
+    use_pytorch_profiler: bool = _f(False, "Profile iterations profile_step_start..profile_step_end.")
+    profile_step_start: int = _f(10, "First profiled iteration.", ge=0)
+    profile_step_end: int = _f(12, "Iteration the profiler stops at (exclusive).", ge=0)
+    profile_ranks: list[NonNegInt] = _f([0], "Global ranks that profile.")
+    record_shapes: bool = _f(False, "Record tensor shapes in the trace.")
+    output_dir: str | None = _f(None, "Trace directory (None: <checkpoint.save or logger.tensorboard_dir>/profile).")
+
+
+class MixedPrecisionConfig(_Section):
+    """Numeric precision of parameters and compute."""
+
+    bf16: bool = _f(False, "bfloat16 parameters and compute (allowed on CPU, but slow there).")
+    fp16: bool = _f(False, "float16 compute (not together with bf16).")
+    params_dtype: Literal["float32", "bfloat16", "float16"] | None = _d(None, "Derived: parameter dtype name.")
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "train": TrainingConfig,
+    "validation": ValidationConfig,
+    "model": GPTModelConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "dataset": GPTDatasetConfig,
+    "tokenizer": TokenizerConfig,
+    "logger": LoggerConfig,
+    "checkpoint": CheckpointConfig,
+    "dist": DistributedInitConfig,
+    "rng": RNGConfig,
+    "ddp": DistributedDataParallelConfig,
+    "rerun_state_machine": RerunStateMachineConfig,
+    "straggler": StragglerDetectionConfig,
+    "profiling": ProfilingConfig,
+    "mixed_precision": MixedPrecisionConfig,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def is_remote(path: str | None) -> bool:
+    """True for an s3:// store."""
+    return bool(path) and str(path).startswith("s3://")
+
+
+def parse_data_path(paths: list[str]) -> list[tuple[float, str]]:
+    """Megatron's data_path list as (weight, prefix) pairs: ["a"] or ["0.7", "a", "0.3", "b"]."""
+    if not paths:
+        raise ConfigError("dataset.data_path", "is empty (leave it unset for mock data)")
+    if len(paths) == 1:
+        return [(1.0, paths[0])]
+    try:
+        float(paths[0])
+    except ValueError:
+        return [(1.0, p) for p in paths]
+    if len(paths) % 2:
+        raise ConfigError("dataset.data_path", "weighted form needs pairs: [weight, prefix, weight, prefix, ...]")
+    out = []
+    for w, p in zip(paths[0::2], paths[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ConfigError("dataset.data_path", f"expected a weight, got {w!r}") from None
+        if not weight > 0 or not math.isfinite(weight):
+            raise ConfigError("dataset.data_path", f"weights must be positive numbers, got {w!r}")
+        out.append((weight, p))
+    return out
+
+
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' (or '99/1/0') as normalised [train, valid, test] fractions."""
+    sep = "," if "," in split else "/"
+    parts = [s.strip() for s in str(split).split(sep)]
+    try:
+        vals = [float(s) for s in parts]
+    except ValueError:
+        raise ConfigError("dataset.split", f"expected up to 3 comma-separated numbers, got {split!r}") from None
+    if not 1 <= len(vals) <= 3 or any(v < 0 or not math.isfinite(v) for v in vals) or sum(vals) <= 0:
+        raise ConfigError("dataset.split", f"expected up to 3 non-negative numbers with a positive sum, got {split!r}")
+    vals += [0.0] * (3 - len(vals))
+    total = sum(vals)
+    return [v / total for v in vals]
+
+
+def padded_vocab_size(cfg: ConfigContainer) -> int:
+    """The tokenizer's vocabulary padded up to a multiple of make_vocab_size_divisible_by * tp."""
+    base = cfg.tokenizer.base_vocab_size()
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.model.tensor_model_parallel_size
+    return -(-base // multiple) * multiple
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        s = yaml.safe_dump(v, default_flow_style=True).strip()
+        return s if len(s) <= 60 else "a list"
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "...'"
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _suggest(word: str, options: list[str]) -> str | None:
+    m = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return m[0] if m else None
+
+
+def _unknown_key_message(section: str, key: str) -> str:
+    fields = list(SECTIONS[section].model_fields)
+    elsewhere = [s for s, cls in SECTIONS.items() if s != section and key in cls.model_fields]
+    if elsewhere:
+        return f"unknown key (did you mean '{elsewhere[0]}.{key}'?)"
+    near = _suggest(key, fields)
+    if near:
+        return f"unknown key (did you mean '{section}.{near}'?)"
+    all_keys = [f"{s}.{k}" for s, cls in SECTIONS.items() for k in cls.model_fields]
+    near = _suggest(f"{section}.{key}", all_keys)
+    if near:
+        return f"unknown key (did you mean '{near}'?)"
+    return "unknown key (see `kubetron config --reference`)"
+
+
+def _unknown_section_message(section: str) -> str:
+    owners = [s for s, cls in SECTIONS.items() if section in cls.model_fields]
+    if owners:
+        return f"unknown section '{section}' (did you mean '{owners[0]}.{section}'?)"
+    near = _suggest(section, list(SECTIONS))
+    if near:
+        return f"unknown section '{section}' (did you mean '{near}'?)"
+    return f"unknown section '{section}' (sections: {', '.join(SECTIONS)})"
+
+
+def _check_keys(data: dict) -> None:
+    """Unknown sections and keys, with a suggestion, before pydantic sees them."""
+    for section, body in data.items():
+        section = str(section)
+        if section in _TOP_LEVEL_FIELDS:
+            continue
+        if section not in SECTIONS:
+            first = next(iter(body), None) if isinstance(body, dict) else None
+            field = f"{section}.{first}" if first is not None else section
+            raise ConfigError(field, _unknown_section_message(section))
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(section, f"expected a mapping of keys, got {_fmt(body)}")
+        for key in body:
+            if str(key) not in SECTIONS[section].model_fields:
+                raise ConfigError(f"{section}.{key}", _unknown_key_message(section, str(key)))
+
+
+def _convert_validation_error(err: ValidationError) -> ConfigError:
+    """The first pydantic error as a one-line ConfigError naming the dotted field."""
+    e = err.errors()[0]
+    field = _loc(tuple(e.get("loc", ()))) or "config"
+    t = e.get("type", "")
+    ctx = e.get("ctx") or {}
+    got = _fmt(e.get("input"))
+    if t in ("int_parsing", "int_type", "int_from_float", "int_parsing_size"):
+        msg = f"expected an integer, got {got}"
+    elif t in ("float_parsing", "float_type", "finite_number"):
+        msg = f"expected a number, got {got}"
+    elif t in ("bool_parsing", "bool_type"):
+        msg = f"expected true or false, got {got}"
+    elif t == "string_type":
+        msg = f"expected a string, got {got}"
+    elif t == "literal_error":
+        msg = f"expected one of {ctx.get('expected')}, got {got}"
+    elif t in ("list_type", "tuple_type"):
+        msg = f"expected a list, got {got}"
+    elif t in ("model_type", "model_attributes_type", "dict_type"):
+        msg = f"expected a mapping of keys, got {got}"
+    elif t == "greater_than":
+        msg = f"must be > {ctx.get('gt')}, got {got}"
+    elif t == "greater_than_equal":
+        msg = f"must be >= {ctx.get('ge')}, got {got}"
+    elif t == "less_than":
+        msg = f"must be < {ctx.get('lt')}, got {got}"
+    elif t == "less_than_equal":
+        msg = f"must be <= {ctx.get('le')}, got {got}"
+    elif t == "extra_forbidden":
+        parts = field.split(".")
+        if len(parts) == 2 and parts[0] in SECTIONS:
+            msg = _unknown_key_message(parts[0], parts[1])
+        else:
+            msg = "unknown key"
+    elif t == "missing":
+        msg = "required"
+    elif t == "value_error":
+        msg = str(ctx.get("error", e.get("msg", "invalid value")))
+    else:
+        msg = e.get("msg", "invalid value")
+    return ConfigError(field, msg)
+
+
+def load_yaml_file(path: str) -> dict:
+    """The YAML mapping in `path` (an empty file is {}); errors name `--config`."""
+    if not os.path.exists(path):
+        raise ConfigError("--config", f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ConfigError("--config", f"{path}: is a directory, expected a YAML file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError("--config", f"{path}: invalid YAML{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("--config", f"{path}: cannot read: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("--config", f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """Apply `section.key=value` overrides (value parsed as YAML) to a copy of `data`."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for item in overrides or ():
+        key, eq, raw = str(item).partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not eq or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override '{item}'", "expected section.key=value")
+        section, name = parts
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or "invalid YAML"
+            raise ConfigError(key, f"cannot parse value {raw!r}: {problem}") from None
+        if section not in SECTIONS:
+            raise ConfigError(key, _unknown_section_message(section))
+        if name not in SECTIONS[section].model_fields:
+            raise ConfigError(key, _unknown_key_message(section, name))
+        body = out.get(section)
+        if body is None:
+            body = out[section] = {}
+        elif not isinstance(body, dict):
+            raise ConfigError(section, f"expected a mapping of keys, got {_fmt(body)}")
+        body[name] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The container
+# --------------------------------------------------------------------------------------------------
+
+
+class ConfigContainer(BaseModel):
+    """Top-level container holding all configuration sections."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    train: TrainingConfig = Field(default_factory=TrainingConfig, description="The training loop.")
+    validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Evaluation during training.")
+    model: GPTModelConfig = Field(default_factory=GPTModelConfig, description="The GPT model.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The optimizer.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="The learning-rate schedule.")
+    dataset: GPTDatasetConfig = Field(default_factory=GPTDatasetConfig, description="Training data.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="The tokenizer.")
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Logging.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    dist: DistributedInitConfig = Field(default_factory=DistributedInitConfig, description="torch.distributed initialisation.")
+    rng: RNGConfig = Field(default_factory=RNGConfig, description="Random seeds.")
+    ddp: DistributedDataParallelConfig = Field(default_factory=DistributedDataParallelConfig, description="Data-parallel gradient reduction.")
+    rerun_state_machine: RerunStateMachineConfig = Field(default_factory=RerunStateMachineConfig, description="Loss sanity checks.")
+    straggler: StragglerDetectionConfig = Field(default_factory=StragglerDetectionConfig, description="Straggler detection.")
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiling.")
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig, description="Numeric precision.")
+    data_parallel_size: int | None = _d(None, "Derived: world_size // (tp * pp).")
+
+    # ---- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> ConfigContainer:
+        """Type-check `data` (sections of keys) and run `validate()`; errors are ConfigErrors."""
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"expected a mapping of sections, got {type(data).__name__}")
+        _check_keys(data)
+        data = {k: ({} if v is None and k in SECTIONS else v) for k, v in data.items()}
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as err:
+            raise _convert_validation_error(err) from None
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | None, overrides: list[str] | tuple[str, ...] = (),
+                  check_paths: bool = True) -> ConfigContainer:
+        """Load `path` (None: defaults only), apply overrides, validate, check the input paths exist."""
+        data = load_yaml_file(path) if path else {}
+        data = apply_overrides(data, overrides)
+        cfg = cls.from_dict(data)
+        if check_paths:
+            cfg.check_paths()
+        return cfg
+
+    def to_dict(self) -> dict:
+        """All sections and keys, derived values included (plain YAML/JSON types)."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML (saved as run_config.yaml in every checkpoint)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    # ---- validation -----------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Cross-field checks that need neither the world size, the filesystem nor torch."""
+        t, m, o, s = self.train, self.model, self.optimizer, self.scheduler
+
+        # train
+        if t.train_iters is None and t.train_samples is None:
+            raise ConfigError("train.train_iters", "set train.train_iters or train.train_samples")
+        if t.train_iters is not None and t.train_samples is not None:
+            finalized = t.global_batch_size and t.train_iters == t.train_samples // t.global_batch_size
+            if not finalized:
+                raise ConfigError("train.train_samples", "set train.train_iters or train.train_samples, not both")
+        if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
+            raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not divisible by "
+                                                         f"micro_batch_size = {t.micro_batch_size}")
+        try:
+            sig = signal.Signals[t.exit_signal]
+        except KeyError:
+            raise ConfigError("train.exit_signal", f"unknown signal {t.exit_signal!r} "
+                                                   "(expected a name like SIGTERM, SIGINT, SIGUSR1)") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError("train.exit_signal", f"{t.exit_signal} cannot be handled")
+        if len(set(t.iterations_to_skip)) != len(t.iterations_to_skip):
+            raise ConfigError("train.iterations_to_skip", "contains duplicates")
+
+        # model
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by "
+                                                   f"num_attention_heads = {m.num_attention_heads}")
+        if m.num_attention_heads % m.tensor_model_parallel_size:
+            raise ConfigError("model.num_attention_heads", f"{m.num_attention_heads} is not divisible by "
+                                                           f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
+        if m.num_layers % m.pipeline_model_parallel_size:
+            raise ConfigError("model.num_layers", f"{m.num_layers} is not divisible by "
+                                                  f"pipeline_model_parallel_size = {m.pipeline_model_parallel_size}")
+        if m.num_query_groups is not None:
+            if m.num_attention_heads % m.num_query_groups:
+                raise ConfigError("model.num_query_groups", f"num_attention_heads = {m.num_attention_heads} is not "
+                                                            f"divisible by num_query_groups = {m.num_query_groups}")
+            if m.num_query_groups % m.tensor_model_parallel_size:
+                raise ConfigError("model.num_query_groups",
+                                  f"{m.num_query_groups} is not divisible by tensor_model_parallel_size = "
+                                  f"{m.tensor_model_parallel_size}")
+        if m.position_embedding_type == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
+            raise ConfigError("model.hidden_size", "rope needs an even head size (hidden_size / num_attention_heads)")
+        if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+            raise ConfigError("model.max_position_embeddings",
+                              f"{m.max_position_embeddings} is smaller than seq_length = {m.seq_length}")
+        if m.ffn_hidden_size is not None and m.ffn_hidden_size % m.tensor_model_parallel_size:
+            raise ConfigError("model.ffn_hidden_size", f"{m.ffn_hidden_size} is not divisible by "
+                                                       f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
+
+        # tokenizer / vocabulary
+        tok = self.tokenizer
+        if tok.tokenizer_type == "null" and tok.vocab_size is None:
+            raise ConfigError("tokenizer.vocab_size", "required when tokenizer_type is 'null'")
+        if tok.tokenizer_type == "byte" and tok.vocab_size is not None:
+            raise ConfigError("tokenizer.vocab_size", "only used with tokenizer_type 'null' "
+                                                      f"(the byte tokenizer has {BYTE_TOKENIZER_VOCAB} ids)")
+        base = tok.base_vocab_size()
+        if m.vocab_size is not None:
+            if m.vocab_size < base:
+                raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's "
+                                                      f"vocabulary ({base})")
+            if m.vocab_size % m.tensor_model_parallel_size:
+                raise ConfigError("model.vocab_size", f"{m.vocab_size} is not divisible by "
+                                                      f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
+
+        # optimizer / scheduler
+        if o.min_lr > o.lr:
+            raise ConfigError("optimizer.min_lr", f"{o.min_lr} is larger than optimizer.lr = {o.lr}")
+        if s.lr_warmup_fraction is not None and s.lr_warmup_iters:
+            raise ConfigError("scheduler.lr_warmup_fraction", "set lr_warmup_iters or lr_warmup_fraction, not both")
+        if s.lr_decay_style == "WSD" and s.lr_wsd_decay_iters is None:
+            raise ConfigError("scheduler.lr_wsd_decay_iters", "required when lr_decay_style is 'WSD'")
+        if s.lr_warmup_init > o.lr:
+            raise ConfigError("scheduler.lr_warmup_init", f"{s.lr_warmup_init} is larger than optimizer.lr = {o.lr}")
+
+        # dataset
+        d = self.dataset
+        fractions = parse_split(d.split)
+        if d.data_path is not None:
+            parse_data_path(d.data_path)
+            if fractions[0] == 0:
+                raise ConfigError("dataset.split", f"{d.split!r} leaves no training data")
+            if self.validation.eval_interval is not None and fractions[1] == 0:
+                raise ConfigError("dataset.split", f"{d.split!r} leaves no validation data but "
+                                                   "validation.eval_interval is set")
+
+        # logger
+        import logging
+
+        if not isinstance(logging.getLevelName(str(self.logger.logging_level).upper()), int):
+            raise ConfigError("logger.logging_level", f"unknown level {self.logger.logging_level!r} "
+                                                      "(expected DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+
+        # checkpoint
+        c = self.checkpoint
+        if c.most_recent_k == 0:
+            raise ConfigError("checkpoint.most_recent_k", "must be -1 (keep all) or >= 1, got 0")
+        if c.non_persistent_ckpt_type == "local" and not c.non_persistent_local_ckpt_dir:
+            raise ConfigError("checkpoint.non_persistent_local_ckpt_dir",
+                              "required when non_persistent_ckpt_type is 'local'")
+        if c.exit_on_missing_checkpoint and not c.load:
+            raise ConfigError("checkpoint.load", "required when exit_on_missing_checkpoint is true")
+        if c.ckpt_step is not None and not (c.load or c.pretrained_checkpoint):
+            raise ConfigError("checkpoint.ckpt_step", "set but neither checkpoint.load nor pretrained_checkpoint is")
+        for name in ("save", "load", "pretrained_checkpoint", "non_persistent_local_ckpt_dir"):
+            value = getattr(c, name)
+            if value is not None and not str(value).strip():
+                raise ConfigError(f"checkpoint.{name}", "is empty (use null to unset it)")
+            if is_remote(value) and len(str(value)) <= len("s3://"):
+                raise ConfigError(f"checkpoint.{name}", f"{value!r} names no bucket")
+        if is_remote(c.non_persistent_local_ckpt_dir):
+            raise ConfigError("checkpoint.non_persistent_local_ckpt_dir", "must be a local directory, not s3://")
+
+        # dist / ddp / precision / profiling
+        if self.dist.distributed_backend == "nccl" and self.dist.use_gpu is False:
+            raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
+        if self.ddp.overlap_param_gather and not (self.ddp.use_distributed_optimizer or o.use_distributed_optimizer):
+            raise ConfigError("ddp.overlap_param_gather", "requires use_distributed_optimizer")
+        if self.mixed_precision.bf16 and self.mixed_precision.fp16:
+            raise ConfigError("mixed_precision.fp16", "bf16 and fp16 cannot both be true")
+        p = self.profiling
+        if p.use_pytorch_profiler and p.profile_step_end <= p.profile_step_start:
+            raise ConfigError("profiling.profile_step_end", f"{p.profile_step_end} must be greater than "
+                                                            f"profile_step_start = {p.profile_step_start}")
+
+    def check_paths(self) -> None:
+        """Inputs on the local filesystem exist: dataset prefixes, pretrained checkpoint, required load."""
+        d, c = self.dataset, self.checkpoint
+        if d.data_path is not None:
+            for _, prefix in parse_data_path(d.data_path):
+                if is_remote(prefix):
+                    continue
+                missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+                if missing:
+                    raise ConfigError("dataset.data_path", f"{prefix!r}: missing {' and '.join(prefix + e for e in missing)}")
+        if c.pretrained_checkpoint and not is_remote(c.pretrained_checkpoint) \
+                and not os.path.exists(c.pretrained_checkpoint):
+            raise ConfigError("checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint}: no such directory")
+        if c.load and c.exit_on_missing_checkpoint and not is_remote(c.load) and not os.path.isdir(c.load):
+            raise ConfigError("checkpoint.load", f"{c.load}: no such directory (exit_on_missing_checkpoint is set)")
+
+    # ---- derived values -------------------------------------------------------------------------
+
+    def finalize(self, world_size: int = 1, cuda_available: bool | None = None,
+                 environ: dict[str, str] | None = None, check_paths: bool = True) -> ConfigContainer:
+        """Validate and compute every derived value for `world_size` ranks (idempotent); returns self.
+
+        `cuda_available` (when given) resolves dist.use_gpu and dist.distributed_backend;
+        `environ` (default os.environ) supplies the KUBETRON_* defaults.
+        """
+        env = os.environ if environ is None else environ
+        self.validate()
+        t, m, s = self.train, self.model, self.scheduler
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError("world_size", f"must be a positive integer, got {world_size!r}")
+
+        # parallelism and batch sizes
+        mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+        if world_size % mp:
+            raise ConfigError("model.tensor_model_parallel_size",
+                              f"tensor_model_parallel_size*pipeline_model_parallel_size = {mp} does not divide "
+                              f"the world size {world_size}")
+        dp = world_size // mp
+        self.data_parallel_size = dp
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size is None:
+            t.global_batch_size = per_step
+        if t.global_batch_size % per_step:
+            raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not divisible by "
+                                                         f"micro_batch_size*data_parallel_size = {per_step}")
+        t.num_microbatches = t.global_batch_size // per_step
+
+        # training length
+        if t.train_samples is not None:
+            iters = t.train_samples // t.global_batch_size
+            if iters < 1:
+                raise ConfigError("train.train_samples", f"{t.train_samples} is smaller than "
+                                                         f"global_batch_size = {t.global_batch_size}")
+            t.train_iters = iters
+
+        # scheduler, in iterations
+        decay = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
+        if s.lr_warmup_fraction is not None:
+            warmup = int(s.lr_warmup_fraction * decay)
+        else:
+            warmup = s.lr_warmup_iters
+        if s.lr_decay_style != "constant" and warmup >= decay:
+            field = "scheduler.lr_warmup_fraction" if s.lr_warmup_fraction is not None else "scheduler.lr_warmup_iters"
+            raise ConfigError(field, f"warmup ({warmup} iterations) must be shorter than lr_decay_iters ({decay})")
+        if s.lr_wsd_decay_iters is not None and s.lr_wsd_decay_iters > decay:
+            raise ConfigError("scheduler.lr_wsd_decay_iters",
+                              f"{s.lr_wsd_decay_iters} is longer than lr_decay_iters ({decay})")
+        s.lr_warmup_steps, s.lr_decay_steps = warmup, decay
+
+        # model
+        if m.num_query_groups is None:
+            m.num_query_groups = m.num_attention_heads
+        if m.ffn_hidden_size is None:
+            m.ffn_hidden_size = 4 * m.hidden_size
+        if m.max_position_embeddings is None:
+            m.max_position_embeddings = m.seq_length
+        if m.vocab_size is None:
+            m.vocab_size = padded_vocab_size(self)
+        if m.tensor_model_parallel_size == 1:
+            m.sequence_parallel = False  # as Megatron: nothing to shard
+        if m.ffn_hidden_size % m.tensor_model_parallel_size:
+            raise ConfigError("model.hidden_size", f"4*hidden_size = {m.ffn_hidden_size} is not divisible by "
+                                                   f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
+
+        # distributed optimizer: either setting turns both on
+        if self.ddp.use_distributed_optimizer or self.optimizer.use_distributed_optimizer:
+            self.ddp.use_distributed_optimizer = self.optimizer.use_distributed_optimizer = True
+
+        mp_cfg = self.mixed_precision
+        mp_cfg.params_dtype = "bfloat16" if mp_cfg.bf16 else "float16" if mp_cfg.fp16 else "float32"
+
+        # checkpoint
+        c = self.checkpoint
+        if c.non_persistent_save_interval is not None and c.non_persistent_ckpt_type is None:
+            c.non_persistent_ckpt_type = "global"
+        if c.non_persistent_ckpt_type == "local" and not c.non_persistent_local_ckpt_dir:
+            raise ConfigError("checkpoint.non_persistent_local_ckpt_dir",
+                              "required when non_persistent_ckpt_type is 'local'")
+
+        # environment-provided defaults (docs/CONTRACT.md)
+        if c.expected_resume_iteration is None and env.get("KUBETRON_EXPECTED_ITERATION", "").strip():
+            raw = env["KUBETRON_EXPECTED_ITERATION"].strip()
+            try:
+                c.expected_resume_iteration = int(raw)
+            except ValueError:
+                raise ConfigError("checkpoint.expected_resume_iteration",
+                                  f"env KUBETRON_EXPECTED_ITERATION={raw!r} is not an integer") from None
+            if c.expected_resume_iteration < 0:
+                raise ConfigError("checkpoint.expected_resume_iteration",
+                                  f"env KUBETRON_EXPECTED_ITERATION={raw!r} is negative")
+        if t.status_port is None and env.get("KUBETRON_STATUS_PORT", "").strip():
+            raw = env["KUBETRON_STATUS_PORT"].strip()
+            try:
+                port = int(raw)
+            except ValueError:
+                port = -1
+            if not 0 <= port <= 65535:
+                raise ConfigError("train.status_port", f"env KUBETRON_STATUS_PORT={raw!r} is not a port number")
+            t.status_port = port
+        if t.termination_log is None:
+            from kubetron.termination import termination_log_path
+
+            t.termination_log = termination_log_path(None, env)
+
+        # profiling output
+        p = self.profiling
+        if p.use_pytorch_profiler and p.output_dir is None:
+            base = c.save if c.save and not is_remote(c.save) else self.logger.tensorboard_dir
+            p.output_dir = os.path.join(base, "profile") if base else "profile"
+
+        # device
+        if cuda_available is not None:
+            if self.dist.use_gpu is None:
+                self.dist.use_gpu = bool(cuda_available)
+            elif self.dist.use_gpu and not cuda_available:
+                raise ConfigError("dist.use_gpu", "is true but no CUDA device is available")
+            if self.dist.distributed_backend is None:
+                self.dist.distributed_backend = "nccl" if self.dist.use_gpu else "gloo"
+            if self.dist.distributed_backend == "nccl" and not self.dist.use_gpu:
+                raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
+
+        self.validate()
+        if check_paths:
+            self.check_paths()
+        return self
+
+    # ---- reporting ------------------------------------------------------------------------------
+
+    def non_default_values(self) -> dict[str, tuple[Any, Any]]:
+        """{"section.key": (default, current)} for every user-settable key that differs from its default."""
+        out: dict[str, tuple[Any, Any]] = {}
+        for section, cls in SECTIONS.items():
+            current = getattr(self, section)
+            for name, info in cls.model_fields.items():
+                if _is_derived(info):
+                    continue
+                default = info.get_default(call_default_factory=True)
+                value = getattr(current, name)
+                if value != default:
+                    out[f"{section}.{name}"] = (default, value)
+        return out
+
+    def log_non_default_values(self, logger) -> None:
+        """Log the keys that differ from their defaults, one per line."""
+        diffs = self.non_default_values()
+        if not diffs:
+            logger.info("Configuration: all values are defaults")
+            return
+        logger.info("Configuration values that differ from defaults:")
+        for key, (old, new) in diffs.items():
+            logger.info("  %s: %s (default %s)", key, _fmt(new), _fmt(old))
+
+
+_TOP_LEVEL_FIELDS = {"data_parallel_size"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference documentation
+# --------------------------------------------------------------------------------------------------
+
+
+def _type_str(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return _type_str(args[0])
+    if origin is Literal:
+        return " | ".join(f'"{a}"' for a in args)
+    if origin in (Union, types.UnionType):
+        parts = [_type_str(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            parts.append("null")
+        return " | ".join(parts)
+    if origin is list:
+        return f"list[{_type_str(args[0])}]" if args else "list"
+    if isinstance(tp, type):
+        return {"str": "string", "int": "int", "float": "float", "bool": "bool"}.get(tp.__name__, tp.__name__)
+    return str(tp)
+
+
+def _default_str(info: FieldInfo) -> str:
+    value = info.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        return ""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def config_reference_markdown(level: int = 2) -> str:
+    """Markdown reference of every section and key: type, default and description.
+
+    Generated from the models, so the README cannot drift from the code. `level` is the heading
+    level of each section.
+    """
+    h = "#" * level
+    lines = [
+        "Every key can be set in the YAML file (`section: {key: value}`) or on the command line as",
+        "`section.key=value` (the value is parsed as YAML: `train.iterations_to_skip=[3,4]`,",
+        "`checkpoint.save=null`). Keys marked *derived* are computed when the run starts and appear in",
+        "the `run_config.yaml` saved with each checkpoint.",
+        "",
+    ]
+    for section, cls in SECTIONS.items():
+        lines += [f"{h} `{section}`", "", (cls.__doc__ or "").strip(), "",
+                  "| key | type | default | description |", "|---|---|---|---|"]
+        for name, info in cls.model_fields.items():
+            desc = (info.description or "").replace("|", "\\|")
+            if _is_derived(info):
+                desc = "*derived* " + desc.removeprefix("Derived: ")
+            typ = _type_str(info.annotation).replace("|", "\\|")
+            default = _default_str(info).replace("|", "\\|")
+            lines.append(f"| `{name}` | {typ} | `{default}` | {desc} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+__all__ = [
+    "BYTE_TOKENIZER_VOCAB",
+    "SECTIONS",
+    "CheckpointConfig",
+    "ConfigContainer",
+    "DistributedDataParallelConfig",
+    "DistributedInitConfig",
+    "GPTDatasetConfig",
+    "GPTModelConfig",
+    "LoggerConfig",
+    "MixedPrecisionConfig",
+    "OptimizerConfig",
+    "ProfilingConfig",
+    "RNGConfig",
+    "RerunStateMachineConfig",
+    "SchedulerConfig",
+    "StragglerDetectionConfig",
+    "TokenizerConfig",
+    "TrainingConfig",
+    "ValidationConfig",
+    "apply_overrides",
+    "config_reference_markdown",
+    "is_remote",
+    "load_yaml_file",
+    "padded_vocab_size",
+    "parse_data_path",
+    "parse_split",
+]

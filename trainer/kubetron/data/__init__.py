@@ -1,0 +1,45 @@
+"""Data for the trainer: tokenizers, preprocessing, datasets and the micro-batch iterators.
+
+Importing this package is cheap (no torch, no megatron-core); the heavy modules load on first use:
+
+* :mod:`kubetron.data.tokenizer` - ``build_tokenizer("byte" | "null", vocab_size)``
+* :mod:`kubetron.data.preprocess` - ``preprocess(inputs, output_prefix)`` -> ``.bin/.idx``
+* :mod:`kubetron.data.datasets` - mock, indexed and blended GPT datasets
+* :mod:`kubetron.data.loader` - ``build_data_iterators(cfg, dp_rank, dp_size, ...)``, ``DataIterator``
+"""
+
+from kubetron.data.tokenizer import ByteTokenizer, NullTokenizer, build_tokenizer
+
+_LAZY = {
+    "preprocess": "kubetron.data.preprocess",
+    "MockGPTDataset": "kubetron.data.datasets",
+    "IndexedGPTDataset": "kubetron.data.datasets",
+    "BlendedDataset": "kubetron.data.datasets",
+    "build_gpt_datasets": "kubetron.data.datasets",
+    "DataIterator": "kubetron.data.loader",
+    "build_data_iterators": "kubetron.data.loader",
+    "build_datasets": "kubetron.data.loader",
+}
+
+__all__ = [
+    "BlendedDataset",
+    "ByteTokenizer",
+    "DataIterator",
+    "IndexedGPTDataset",
+    "MockGPTDataset",
+    "NullTokenizer",
+    "build_data_iterators",
+    "build_datasets",
+    "build_gpt_datasets",
+    "build_tokenizer",
+    "preprocess",
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kubetron.data' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,500 @@
+"""The progress log (`<store>/progress.txt`): one definition of its format, for both halves.
+
+The trainer appends lines with `format_line` and the helpers for the standard events; the operator
+(and `kubetron progress STORE`) reads them back with `parse_progress` / `summarize_events`.
+The format is Megatron's tab-separated one (docs/CONTRACT.md):
+
+    time \\t Job ID: <id> \\t # GPUs: <n> \\t <event> [\\t Key: value ...]
+
+with `time` as `%Y-%m-%d %H:%M:%S` in UTC. Parsing is tolerant: blank or garbled lines, unknown
+events and unknown keys are ignored, so a log torn by a crash mid-write still reads.
+
+This module must stay dependency-free (standard library only, and never torch): the operator image
+imports it without the trainer's dependencies. `kubetron.storage` is imported lazily, only to read
+an `s3://` store.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+PROGRESS_FILE = "progress.txt"
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+JOB_ID_ENV = "KUBETRON_JOB_ID"
+
+STARTING_JOB = "Starting job"
+SAVED_CHECKPOINT = "Saved checkpoint"
+SAVED_ASYNC_CHECKPOINT = "Saved async checkpoint"
+EXITING_JOB = "Exiting job"
+CHECKPOINT_EVENTS = frozenset({SAVED_CHECKPOINT, SAVED_ASYNC_CHECKPOINT})
+
+_JOB_ID_PREFIX = "Job ID:"
+_GPUS_PREFIX = "# GPUs:"
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def job_id() -> str:
+    """The job id written into every line: env `KUBETRON_JOB_ID` (`<namespace>/<job>/<attempt>`) or ""."""
+    return os.environ.get(JOB_ID_ENV, "")
+
+
+def _clean(value: object) -> str:
+    """A value as it may appear in a line: no tabs or line breaks (they would split the record)."""
+    text = str(value)
+    if "\t" in text or "\n" in text or "\r" in text:
+        text = " ".join(text.replace("\t", " ").splitlines())
+    return text
+
+
+def format_time(now: datetime | None = None) -> str:
+    """`%Y-%m-%d %H:%M:%S` in UTC (naive datetimes are taken to be UTC already)."""
+    if now is None:
+        now = datetime.now(UTC)
+    elif now.tzinfo is not None:
+        now = now.astimezone(UTC)
+    return now.strftime(TIME_FORMAT)
+
+
+def format_line(
+    event: str,
+    *,
+    job_id: str,
+    num_gpus: int,
+    fields: dict[str, object] | None = None,
+    now: datetime | None = None,
+) -> str:
+    """One progress-log line (no trailing newline): time, job id, GPU count, event, `Key: value`s in order."""
+    parts = [format_time(now), f"Job ID: {_clean(job_id)}", f"# GPUs: {int(num_gpus)}", _clean(event)]
+    for key, value in (fields or {}).items():
+        parts.append(f"{_clean(key)}: {_clean(value)}")
+    return "\t".join(parts)
+
+
+def _job_id_or_env(value: str | None) -> str:
+    return job_id() if value is None else value
+
+
+def starting_job_line(
+    iteration: int,
+    train_iters: int,
+    *,
+    num_gpus: int,
+    job_id: str | None = None,
+    now: datetime | None = None,
+) -> str:
+    """`Starting job  Iteration: <it>  Train iters: <n>` (iteration = the one resumed from, 0 if fresh)."""
+    return format_line(
+        STARTING_JOB,
+        job_id=_job_id_or_env(job_id),
+        num_gpus=num_gpus,
+        fields={"Iteration": int(iteration), "Train iters": int(train_iters)},
+        now=now,
+    )
+
+
+def saved_checkpoint_line(
+    iteration: int,
+    job_throughput_tflops: float,
+    cumulative_throughput_tflops: float,
+    flops_so_far: float,
+    tokens_so_far: int,
+    train_iters: int,
+    async_save: bool = False,
+    *,
+    num_gpus: int,
+    job_id: str | None = None,
+    now: datetime | None = None,
+) -> str:
+    """`Saved checkpoint` (or `Saved async checkpoint`) with throughputs, FLOPs and tokens so far.
+
+    Append it only once the checkpoint is durable (its commit marker exists).
+    """
+    return format_line(
+        SAVED_ASYNC_CHECKPOINT if async_save else SAVED_CHECKPOINT,
+        job_id=_job_id_or_env(job_id),
+        num_gpus=num_gpus,
+        fields={
+            "Iteration": int(iteration),
+            "Job throughput": f"{float(job_throughput_tflops):.1f} TFLOP/s/GPU",
+            "Cumulative throughput": f"{float(cumulative_throughput_tflops):.1f} TFLOP/s/GPU",
+            "Floating-point operations": f"{float(flops_so_far):.2e}",
+            "Tokens (in billions)": f"{int(tokens_so_far) / 10**9:.2f}",
+            "Tokens": int(tokens_so_far),
+            "Train iters": int(train_iters),
+        },
+        now=now,
+    )
+
+
+def exiting_job_line(
+    iteration: int,
+    reason: str,
+    train_iters: int,
+    *,
+    num_gpus: int,
+    job_id: str | None = None,
+    now: datetime | None = None,
+) -> str:
+    """`Exiting job  Iteration: <it>  Reason: <exitcodes.NAMES[code]>  Train iters: <n>`."""
+    return format_line(
+        EXITING_JOB,
+        job_id=_job_id_or_env(job_id),
+        num_gpus=num_gpus,
+        fields={"Iteration": int(iteration), "Reason": reason, "Train iters": int(train_iters)},
+        now=now,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+
+
+@dataclass(slots=True)
+class ProgressEvent:
+    """One parsed line. `fields` keeps every `Key: value` as strings, unknown keys included."""
+
+    time: datetime  # timezone-aware, UTC
+    job_id: str
+    num_gpus: int
+    event: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def iteration(self) -> int | None:
+        return _as_int(self.fields.get("Iteration"))
+
+    @property
+    def train_iters(self) -> int | None:
+        return _as_int(self.fields.get("Train iters"))
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.event in CHECKPOINT_EVENTS
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "time": iso_z(self.time),
+            "jobId": self.job_id,
+            "gpus": self.num_gpus,
+            "event": self.event,
+            "fields": dict(self.fields),
+        }
+
+
+def iso_z(when: datetime) -> str:
+    """ISO-8601 UTC with a `Z`: `2026-11-22T12:00:09Z`."""
+    if when.tzinfo is not None and when.tzinfo is not UTC:
+        when = when.astimezone(UTC)
+    return f"{when.year:04d}-{when.month:02d}-{when.day:02d}T{when.hour:02d}:{when.minute:02d}:{when.second:02d}Z"
+
+
+def _as_int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:  # "1.00e+03" or "12.0": accept a float that is a whole number
+        value = float(text)
+    except ValueError:
+        return None
+    if math.isfinite(value) and value == int(value):
+        return int(value)
+    return None
+
+
+def _as_float(text: str | None) -> float | None:
+    """The leading number of a value: "0.1 TFLOP/s/GPU" -> 0.1, "1.23e+12" -> 1.23e12."""
+    if text is None:
+        return None
+    head = text.strip().split(" ", 1)[0]
+    try:
+        value = float(head)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _parse_time(text: str) -> datetime | None:
+    """`%Y-%m-%d %H:%M:%S` as UTC, by hand (strptime is the parser's bottleneck)."""
+    t = text.strip()
+    if len(t) != 19 or t[4] != "-" or t[7] != "-" or t[10] != " " or t[13] != ":" or t[16] != ":":
+        return None
+    digits = t[0:4] + t[5:7] + t[8:10] + t[11:13] + t[14:16] + t[17:19]
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    try:
+        return datetime(
+            int(t[0:4]), int(t[5:7]), int(t[8:10]), int(t[11:13]), int(t[14:16]), int(t[17:19]), tzinfo=UTC
+        )
+    except ValueError:
+        return None
+
+
+def parse_line(line: str) -> ProgressEvent | None:
+    """One line -> a ProgressEvent, or None when it is blank or does not have the four leading columns."""
+    line = line.rstrip("\r\n")
+    if not line.strip():
+        return None
+    tokens = line.split("\t")
+    if len(tokens) < 4:
+        return None
+    when = _parse_time(tokens[0])
+    if when is None:
+        return None
+    job_token = tokens[1].strip()
+    if not job_token.startswith(_JOB_ID_PREFIX):
+        return None
+    gpus_token = tokens[2].strip()
+    if not gpus_token.startswith(_GPUS_PREFIX):
+        return None
+    try:
+        num_gpus = int(gpus_token[len(_GPUS_PREFIX) :].strip())
+    except ValueError:
+        return None
+    event = tokens[3].strip()
+    if not event:
+        return None
+    fields: dict[str, str] = {}
+    for token in tokens[4:]:
+        key, sep, value = token.partition(":")
+        key = key.strip()
+        if not sep or not key:
+            continue  # not a `Key: value` pair: ignore it, keep the rest of the line
+        fields[key] = value.strip()
+    return ProgressEvent(
+        time=when,
+        job_id=job_token[len(_JOB_ID_PREFIX) :].strip(),
+        num_gpus=num_gpus,
+        event=event,
+        fields=fields,
+    )
+
+
+def parse_progress(text: str) -> list[ProgressEvent]:
+    """Every well-formed line of a progress log, in file order."""
+    events = []
+    for line in text.splitlines():
+        parsed = parse_line(line)
+        if parsed is not None:
+            events.append(parsed)
+    return events
+
+
+def _checkpoint_tokens(ev: ProgressEvent) -> int | None:
+    exact = _as_int(ev.fields.get("Tokens"))
+    if exact is not None:
+        return exact
+    billions = _as_float(ev.fields.get("Tokens (in billions)"))  # Megatron's own lines have only this
+    return None if billions is None else round(billions * 10**9)
+
+
+def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
+    """A JSON-ready summary of a parsed log (what the operator and `kubetron progress` report).
+
+    Keys: lastCheckpoint ({iteration, time} of the last Saved [async] checkpoint, or None), trainIters
+    (latest seen), iteration (latest mentioned by any event, in file order), tokens,
+    floatingPointOperations, jobThroughput, cumulativeThroughput (of the last checkpoint), jobs (number of
+    Starting job lines), startTime (earliest Starting job), completed, lastExit ({iteration, reason,
+    time} or None) and events (every parsed line).
+
+    `completed` is true when the last Exiting job after the last Starting job says `Completed`, or the
+    last checkpoint's iteration reached the latest Train iters.
+    """
+    last_ckpt: ProgressEvent | None = None
+    last_exit: ProgressEvent | None = None
+    exit_since_start: ProgressEvent | None = None
+    train_iters: int | None = None
+    iteration: int | None = None
+    jobs = 0
+    start_time: datetime | None = None
+
+    for ev in events:
+        it = ev.iteration
+        if it is not None:
+            iteration = it
+        ti = ev.train_iters
+        if ti is not None:
+            train_iters = ti
+        if ev.event == STARTING_JOB:
+            jobs += 1
+            if start_time is None or ev.time < start_time:
+                start_time = ev.time
+            exit_since_start = None
+        elif ev.is_checkpoint:
+            if it is not None:
+                last_ckpt = ev
+        elif ev.event == EXITING_JOB:
+            last_exit = ev
+            exit_since_start = ev
+
+    completed = False
+    if exit_since_start is not None and exit_since_start.fields.get("Reason") == "Completed":
+        completed = True
+    if last_ckpt is not None and train_iters is not None and train_iters > 0:
+        ckpt_it = last_ckpt.iteration
+        if ckpt_it is not None and ckpt_it >= train_iters:
+            completed = True
+
+    ckpt_fields = last_ckpt.fields if last_ckpt is not None else {}
+    return {
+        "lastCheckpoint": (
+            {"iteration": last_ckpt.iteration, "time": iso_z(last_ckpt.time)} if last_ckpt else None
+        ),
+        "trainIters": train_iters,
+        "iteration": iteration,
+        "tokens": _checkpoint_tokens(last_ckpt) if last_ckpt else None,
+        "floatingPointOperations": _as_float(ckpt_fields.get("Floating-point operations")),
+        "jobThroughput": _as_float(ckpt_fields.get("Job throughput")),
+        "cumulativeThroughput": _as_float(ckpt_fields.get("Cumulative throughput")),
+        "jobs": jobs,
+        "startTime": iso_z(start_time) if start_time else None,
+        "completed": completed,
+        "lastExit": (
+            {
+                "iteration": last_exit.iteration,
+                "reason": last_exit.fields.get("Reason"),
+                "time": iso_z(last_exit.time),
+            }
+            if last_exit
+            else None
+        ),
+        "events": [ev.to_json() for ev in events],
+    }
+
+
+def get_start_time_from_progress_log(text: str, num_gpus: int) -> tuple[datetime | None, float]:
+    """Megatron's `get_start_time_from_progress_log`, on the log's text.
+
+    Scans the log in order. Any line with a different GPU count restarts the search, so the start time
+    is that of the earliest `Starting job` with `num_gpus` GPUs whose run continued, without a change
+    of GPU count, into the current one. The second value is the floating-point operations of the last
+    checkpoint saved before that job started (0.0 if none): with it, cumulative throughput is
+    `(flops_now - flops_at_start) / (elapsed * num_gpus)`. Unlike Megatron, async checkpoint lines
+    count too (they are written only once durable). Returns (None, 0.0) when no such job is found
+    (Megatron asserts).
+    """
+    start_time: datetime | None = None
+    start_flops: float | None = None
+    latest_flops = 0.0
+    for ev in parse_progress(text):
+        if ev.is_checkpoint:
+            flops = _as_float(ev.fields.get("Floating-point operations"))
+            if flops is not None:
+                latest_flops = flops
+        if ev.num_gpus != num_gpus:
+            start_time = None
+            start_flops = None
+            continue
+        if ev.event == STARTING_JOB and start_time is None:
+            start_time = ev.time
+            start_flops = latest_flops
+    if start_time is None:
+        return None, 0.0
+    return start_time, float(start_flops or 0.0)
+
+
+def last_checkpoint_flops(text: str) -> float:
+    """Floating-point operations of the last saved checkpoint in the log (0.0 if none)."""
+    latest = 0.0
+    for ev in parse_progress(text):
+        if ev.is_checkpoint:
+            flops = _as_float(ev.fields.get("Floating-point operations"))
+            if flops is not None:
+                latest = flops
+    return latest
+
+
+# --------------------------------------------------------------------------------------------------
+# I/O
+
+
+def _split_location(location: str) -> tuple[str, str]:
+    """(store root, key) for a store location or a location naming progress.txt itself."""
+    stripped = location.rstrip("/")
+    if stripped.rsplit("/", 1)[-1] == PROGRESS_FILE:
+        return stripped[: -len(PROGRESS_FILE)].rstrip("/"), PROGRESS_FILE
+    return location, PROGRESS_FILE
+
+
+def _open_store(url: str):
+    try:
+        from kubetron.storage import open_store
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise RuntimeError(
+            f"cannot read {url}: kubetron.storage is not importable ({exc}); "
+            "reading an s3:// store needs the operator or trainer extras (boto3)"
+        ) from exc
+    return open_store(url)
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def read_progress_text(location: str, store=None) -> str:
+    """The text of `<location>/progress.txt` ("" when there is none yet).
+
+    `location` is a local directory, an `s3://bucket/prefix` store, or either naming progress.txt itself.
+    With `store` (an object from `kubetron.storage.open_store`) the file is read from it instead.
+    """
+    if store is not None:
+        key = PROGRESS_FILE
+        if not store.exists(key):
+            return ""
+        return _decode(store.read_bytes(key))
+    if location.startswith("s3://"):
+        root, key = _split_location(location)
+        opened = _open_store(root)
+        if not opened.exists(key):
+            return ""
+        return _decode(opened.read_bytes(key))
+    path = location
+    if location.startswith("file://"):
+        path = location[len("file://") :]
+    if not os.path.isfile(path):
+        path = os.path.join(path, PROGRESS_FILE)
+    try:
+        with open(path, "rb") as f:
+            return _decode(f.read())
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
+def summarize(location: str) -> dict[str, Any]:
+    """`summarize_events` of the store's progress log, plus `"store": location`."""
+    summary = summarize_events(parse_progress(read_progress_text(location)))
+    summary["store"] = location
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kubetron progress STORE` (also `python -m kubetron.progress STORE`): print the summary as JSON."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    brief = False
+    if "--no-events" in args:
+        args.remove("--no-events")
+        brief = True
+    if len(args) != 1:
+        print("usage: kubetron progress [--no-events] STORE", file=sys.stderr)
+        return 2
+    summary = summarize(args[0])
+    if brief:
+        summary.pop("events", None)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""The pod's termination message (docs/CONTRACT.md): one line of JSON, at most 4 KiB.
+
+Used by the CLI (config errors) and the training loop (every exit). Never raises: a failure to
+write the message must not change how the process exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+ENV_VAR = "KUBETRON_TERMINATION_LOG"
+MESSAGE_LIMIT = 4096  # bytes; the kubelet reads at most this much
+
+
+def termination_log_path(path: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """`path` if given, else env KUBETRON_TERMINATION_LOG, else /dev/termination-log when writable."""
+    if path:
+        return path
+    env = os.environ if environ is None else environ
+    if env.get(ENV_VAR):
+        return env[ENV_VAR]
+    if os.path.exists(DEFAULT_TERMINATION_LOG) and os.access(DEFAULT_TERMINATION_LOG, os.W_OK):
+        return DEFAULT_TERMINATION_LOG
+    return None
+
+
+def encode_termination_message(payload: Mapping, limit: int = MESSAGE_LIMIT) -> bytes:
+    """`payload` as one JSON line of at most `limit` bytes (newline included); shortens `message`."""
+    data = dict(payload)
+
+    def enc(d: dict) -> bytes:
+        return (json.dumps(d, ensure_ascii=False, default=str, separators=(", ", ": ")) + "\n").encode("utf-8")
+
+    out = enc(data)
+    if len(out) <= limit:
+        return out
+    msg = str(data.get("message", ""))
+    if msg:
+        # Cut the message by the excess (bytes >= chars, so a few rounds at most).
+        for _ in range(8):
+            excess = len(out) - limit
+            if excess <= 0:
+                return out
+            keep = max(0, len(msg) - excess - 3)
+            msg = msg[:keep]
+            data["message"] = msg + "..."
+            out = enc(data)
+            if keep == 0:
+                break
+        if len(out) <= limit:
+            return out
+    # Still too long (huge other fields): keep only the essentials.
+    small = {k: data[k] for k in ("exitCode", "reason", "iteration", "lastCheckpoint") if k in data}
+    small["message"] = str(payload.get("message", ""))[: limit // 4]
+    out = enc(small)
+    while len(out) > limit and small["message"]:
+        small["message"] = small["message"][: len(small["message"]) // 2]
+        out = enc(small)
+    return out[:limit]
+
+
+def write_termination_message(payload: dict, path: str | None = None) -> bool:
+    """Write `payload` as the termination message (see `termination_log_path`); True if written.
+
+    Never raises. The file is replaced, not appended to: the kubelet reports its whole content.
+    """
+    try:
+        target = termination_log_path(path)
+        if not target:
+            return False
+        data = encode_termination_message(payload)
+        with open(target, "wb") as fh:
+            fh.write(data)
+        return True
+    except Exception:  # noqa: BLE001 - by contract this never fails the caller
+        return False

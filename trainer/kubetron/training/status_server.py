@@ -1,0 +1,177 @@
+"""Rank 0's status endpoint (docs/CONTRACT.md): `GET /status` JSON and `GET /healthz`.
+
+A `ThreadingHTTPServer` on a daemon thread. The training loop calls `update(...)` with the latest
+values; the handler serves a snapshot. It never takes the trainer down: a port that cannot be bound
+is logged as a warning and the server stays disabled (`update` and `close` still work, as no-ops).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
+
+logger = logging.getLogger(__name__)
+
+STATUS_PORT_ENV = "KUBETRON_STATUS_PORT"
+
+STATUS_KEYS = (
+    "iteration",
+    "trainIters",
+    "consumedSamples",
+    "tokensPerSecond",
+    "etaSeconds",
+    "lastCheckpoint",
+)
+"""The keys `GET /status` always carries (null until known)."""
+
+
+def _jsonable(value: Any) -> Any:
+    """NaN/Inf become null (they are not JSON); containers are copied; other objects become strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        try:
+            return _jsonable(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "kubetron-status"
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        if path == "/status":
+            body = json.dumps(self.server.status_owner.snapshot()).encode()  # type: ignore[attr-defined]
+            self._reply(200, body, "application/json")
+        elif path in ("/healthz", "/livez", "/readyz"):
+            self._reply(200, b"ok", "text/plain; charset=utf-8")
+        else:
+            self._reply(404, b"not found", "text/plain; charset=utf-8")
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def _reply(self, code: int, body: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: no per-request lines on stderr."""
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    status_owner: StatusServer
+
+    def handle_error(self, request, client_address) -> None:
+        """A dropped client is not worth a traceback on stderr."""
+        exc = sys.exc_info()[1]
+        logger.debug("status endpoint: error serving %s: %r", client_address, exc)
+
+
+class StatusServer:
+    """Serve `GET /status` on `host:port` (0: an ephemeral port, see `.port`) from a daemon thread."""
+
+    def __init__(self, port: int, host: str = "0.0.0.0"):
+        self._lock = threading.Lock()
+        self._status: dict[str, Any] = {key: None for key in STATUS_KEYS}
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self.host = host
+        try:
+            server = _Server((host, int(port)), _Handler)
+        except (OSError, OverflowError, ValueError) as exc:
+            logger.warning("status endpoint disabled: cannot listen on %s:%s (%s)", host, port, exc)
+            return
+        server.status_owner = self
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="kubetron-status", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self._server is not None
+
+    @property
+    def port(self) -> int | None:
+        """The bound port, or None when disabled (bind failed) or closed."""
+        return None if self._server is None else int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str | None:
+        if self._server is None:
+            return None
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def update(self, **fields: Any) -> None:
+        """Merge `fields` into the status (thread-safe). Values must be JSON-able; NaN/Inf become null."""
+        clean = {key: _jsonable(value) for key, value in fields.items()}
+        with self._lock:
+            self._status.update(clean)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._status)
+
+    def close(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        try:
+            server.shutdown()
+            server.server_close()
+        except Exception:  # pragma: no cover - shutting down must not raise into the trainer
+            logger.debug("status endpoint: error while closing", exc_info=True)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def status_server_from_env(host: str = "0.0.0.0") -> StatusServer | None:
+    """A StatusServer on `KUBETRON_STATUS_PORT`, or None when it is unset, empty, 0 or not a number."""
+    raw = os.environ.get(STATUS_PORT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        logger.warning("status endpoint disabled: %s=%r is not a port number", STATUS_PORT_ENV, raw)
+        return None
+    if port <= 0:
+        return None
+    return StatusServer(port, host=host)
