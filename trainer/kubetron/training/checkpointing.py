@@ -162,6 +162,10 @@ class CheckpointManager:
             from kubetron.storage import AsyncSaver
 
             self.async_saver = AsyncSaver()
+        if self.save_store is not None and _rank() == 0:
+            removed = self.save_store.cleanup_partial()  # what a killed save left behind
+            if removed:
+                log.info("removed %d partial checkpoint entries left by an interrupted save", len(removed))
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
         self._start_wall = time.time()
@@ -259,9 +263,18 @@ class CheckpointManager:
             finalize()
 
     def finalize(self, blocking: bool = False):
-        """Finish async saves that are done (or all, if blocking). Collective when world_size > 1."""
-        if self.async_saver is not None:
-            self.async_saver.maybe_finalize(blocking=blocking)
+        """Finish async saves that are done (or all, if blocking). Collective when world_size > 1:
+        a save is finalized only once every rank's background write has finished."""
+        saver = self.async_saver
+        if saver is None:
+            return
+        if blocking or not (dist.is_initialized() and dist.get_world_size() > 1):
+            saver.maybe_finalize(blocking=blocking)
+            return
+        ready = torch.tensor([1 if saver.ready() else 0], dtype=torch.int32)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+        if ready.item():
+            saver.maybe_finalize(blocking=True)
 
     def close(self):
         if self.async_saver is not None:
