@@ -157,6 +157,9 @@ class CheckpointManager:
         self.run_id = run_id  # same on all ranks: names the save transaction
         ck = cfg.checkpoint
         self.save_store = open_store(ck.save, endpoint_url=ck.s3_endpoint_url, region=ck.s3_region) if ck.save else None
+        self.local_store = None  # non-persistent "local": this rank's own directory on node-local disk
+        if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
+            self.local_store = open_store(f"{ck.non_persistent_local_ckpt_dir.rstrip('/')}/rank_{_rank():05d}")
         self.async_saver = None
         if ck.async_save and self.save_store is not None:
             from kubetron.storage import AsyncSaver
@@ -182,22 +185,8 @@ class CheckpointManager:
         model_sd = sharding.gather_model_state(model)
         optim_sd = sharding.gather_optimizer_state(model, optimizer_state_by_name(model, optimizer)) \
             if self.cfg.checkpoint.save_optim else None
-        train_it, valid_it = data_iterators
         rank0 = _rank() == 0
-        common = None
-        if rank0:
-            common = {
-                "checkpoint_version": CHECKPOINT_VERSION,
-                "iteration": ts.step,
-                "train_state": ts.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "data": {"train": train_it.state_dict() if train_it is not None else None,
-                         "valid": valid_it.state_dict() if valid_it is not None else None},
-                "model_config": {f: getattr(self.cfg.model, f) for f in ARCH_FIELDS},
-                "parallel": {"world_size": self.state.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
-                             "pp": self.cfg.model.pipeline_model_parallel_size,
-                             "dp": self.cfg.data_parallel_size},
-            }
+        common = self._common_state(scheduler, data_iterators) if rank0 else None
         return Snapshot(
             iteration=ts.step,
             model=model_sd if rank0 else None,
@@ -211,6 +200,8 @@ class CheckpointManager:
     def save(self, model, optimizer, scheduler, data_iterators, *, non_persistent: bool = False,
              blocking: bool | None = None):
         """Save iteration `train_state.step`. Async saves return after the snapshot."""
+        if non_persistent and self.local_store is not None:
+            return self._save_local(model, optimizer, scheduler, data_iterators)
         if not self.enabled:
             return
         t0 = time.perf_counter()
@@ -282,6 +273,87 @@ class CheckpointManager:
             self.async_saver.close()
             self.async_saver = None
 
+    # -- non-persistent "local": rank-local shards, resumable at the same layout only -------------------
+    def _common_state(self, scheduler, data_iterators) -> dict:
+        ts = self.state.train_state
+        train_it, valid_it = data_iterators
+        return {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": ts.step,
+            "train_state": ts.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "data": {"train": train_it.state_dict() if train_it is not None else None,
+                     "valid": valid_it.state_dict() if valid_it is not None else None},
+            "model_config": {f: getattr(self.cfg.model, f) for f in ARCH_FIELDS},
+            "parallel": {"world_size": self.state.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
+                         "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
+        }
+
+    def _save_local(self, model, optimizer, scheduler, data_iterators):
+        """Every rank writes its own shard (model chunk, optimizer, RNG) to its node-local directory."""
+        t0 = time.perf_counter()
+        step = self.state.train_state.step
+        name = iter_dir(step)
+        state = {
+            "model": {k: v.detach().cpu() for k, v in model[0].state_dict().items() if not k.endswith("_extra_state")},
+            "optim": optimizer.state_dict(),
+            "common": self._common_state(scheduler, data_iterators),
+            "rng": get_rng_state(),
+        }
+        txn = self.local_store.begin_dir(name, primary=True)
+        try:
+            with txn.open_write("state.pt") as f:
+                torch.save(state, f)
+            txn.commit(json.dumps({"iteration": step, "time": _now_iso(), "rank": _rank()}).encode())
+        except Exception:
+            txn.abort()
+            raise
+        for it in committed_iterations(self.local_store):  # keep only the newest
+            if it != step:
+                self.local_store.delete_prefix(iter_dir(it) + "/")
+        _barrier()
+        log.info("saved local non-persistent checkpoint %s (%.2fs)", name, time.perf_counter() - t0)
+
+    def _agreed_local_iteration(self) -> int | None:
+        """The newest local checkpoint that every rank has (same layout), or None."""
+        mine = -1
+        if self.local_store is not None:
+            its = committed_iterations(self.local_store)
+            mine = its[-1] if its else -1
+        t = torch.tensor([mine], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item()) if t.item() >= 0 else None
+
+    def _restore_local(self, iteration: int, model, optimizer, scheduler, data_iterators):
+        key = f"{iter_dir(iteration)}/state.pt"
+        with self.local_store.open_read(key) as f:
+            state = _safe_load(f, key)
+        common = state["common"]
+        check_architecture(common["model_config"], self.cfg, key)
+        if common["parallel"]["world_size"] != self.state.world_size:
+            raise CheckpointError(f"local checkpoint {key} was saved with world size "
+                                  f"{common['parallel']['world_size']}, this run has {self.state.world_size}")
+        missing, unexpected = model[0].load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointError(f"local checkpoint {key} does not match the model: {missing[:3]} {unexpected[:3]}")
+        optimizer.load_state_dict(state["optim"])
+        self._restore_common(common, scheduler, data_iterators)
+        set_rng_state(state["rng"])
+
+    def _restore_common(self, common, scheduler, data_iterators):
+        from kubetron.training.state import TrainState
+
+        scheduler.load_state_dict(common["scheduler"])
+        self.state.train_state = TrainState.from_state_dict(common["train_state"])
+        train_it, valid_it = data_iterators
+        data = common.get("data", {})
+        if train_it is not None and data.get("train"):
+            train_it.load_state_dict(data["train"])
+        if valid_it is not None and data.get("valid"):
+            valid_it.load_state_dict(data["valid"])
+
     def _progress_fields(self, iteration: int) -> dict:
         ts, cfg = self.state.train_state, self.cfg
         elapsed = max(time.time() - self._start_wall, 1e-9)
@@ -349,6 +421,11 @@ class CheckpointManager:
         found = None
         if ck.load:
             found = resolve_checkpoint(ck.load, ck.ckpt_step, self.cfg)
+        local_it = self._agreed_local_iteration() if self.local_store is not None else None
+        if local_it is not None and (found is None or local_it > found[2]) and not (expected and local_it < expected):
+            self._restore_local(local_it, model, optimizer, scheduler, data_iterators)
+            log.info("resumed from local non-persistent checkpoint at iteration %d", local_it)
+            return local_it
         if found is None and expected:
             raise ResumeMismatchError(
                 f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")
@@ -391,16 +468,7 @@ class CheckpointManager:
             with store.open_read(f"{name}/optim.pt") as f:
                 saved = _safe_load(f, f"{name}/optim.pt")
             load_optimizer_state_by_name(model, optimizer, sharding.scatter_optimizer_state(model, saved), device)
-        scheduler.load_state_dict(common["scheduler"])
-        from kubetron.training.state import TrainState
-
-        self.state.train_state = TrainState.from_state_dict(common["train_state"])
-        train_it, valid_it = data_iterators
-        data = common.get("data", {})
-        if train_it is not None and data.get("train"):
-            train_it.load_state_dict(data["train"])
-        if valid_it is not None and data.get("valid"):
-            valid_it.load_state_dict(data["valid"])
+        self._restore_common(common, scheduler, data_iterators)
         rng_key = f"{name}/rng/rank_{_rank():05d}.pt"
         same_layout = common.get("parallel", {}).get("world_size") == self.state.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):

@@ -1,0 +1,230 @@
+"""Every Kubernetes API call the operator makes, declared in one place, behind one small wrapper.
+
+`OPERATOR_CALLS` lists (apiGroup, resource, verb) for the calls our code makes through `Kube`;
+`KOPF_CALLS` those the kopf framework makes itself (watching, patching the job, events, peering).
+The chart's ClusterRole is derived from `ALL_CALLS` (`cluster_role_rules()`), and `Kube` refuses any
+call that is not declared, so the role and the code cannot drift apart.
+
+Idempotence: creating something that exists (409) is success, deleting something absent (404) is
+success; both return False so callers can tell.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+from uuid import uuid4
+
+from kubetron_operator.model import GROUP, PLURAL, VERSION
+
+
+@dataclass(frozen=True, order=True)
+class Call:
+    group: str  # "" for the core API
+    resource: str  # plural, with "/subresource" where one is used
+    verb: str
+
+
+def _calls(group: str, resource: str, *verbs: str) -> set[Call]:
+    return {Call(group, resource, verb) for verb in verbs}
+
+
+OPERATOR_CALLS: frozenset[Call] = frozenset(
+    _calls("", "pods", "create", "get", "list", "delete")
+    | _calls("", "pods/log", "get")  # progress-reader pods (PVC stores): no pods/exec
+    | _calls("", "services", "create", "delete")
+    | _calls("", "configmaps", "create", "delete")
+    | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
+    | _calls("", "events", "create")
+    | _calls(GROUP, PLURAL, "get", "delete")  # delete: ttlSecondsAfterFinished
+    | _calls(GROUP, f"{PLURAL}/status", "get", "patch")
+    | _calls(GROUP, f"{PLURAL}/finalizers", "update")  # blockOwnerDeletion on the children
+    | _calls("scheduling.volcano.sh", "podgroups", "create", "delete")
+    | _calls("scheduling.x-k8s.io", "podgroups", "create", "delete")
+)
+
+KOPF_CALLS: frozenset[Call] = frozenset(
+    _calls(GROUP, PLURAL, "list", "watch", "patch")  # watching; finalizers and kopf's own annotations
+    | _calls(GROUP, f"{PLURAL}/status", "patch")
+    | _calls("", "events", "create")
+    | _calls("", "namespaces", "list", "watch")  # namespace patterns (`--namespace 'team-*'`)
+    | _calls("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch")  # resource discovery
+    | _calls("kopf.dev", "clusterkopfpeerings", "list", "watch", "patch", "get")  # --peering (HA), cluster-wide
+    | _calls("kopf.dev", "kopfpeerings", "list", "watch", "patch", "get")  # --peering, namespaced
+)
+
+ALL_CALLS: frozenset[Call] = OPERATOR_CALLS | KOPF_CALLS
+
+# apiVersion, kind -> (group, version, plural) for everything the operator creates or deletes.
+KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("v1", "Pod"): ("", "v1", "pods"),
+    ("v1", "Service"): ("", "v1", "services"),
+    ("v1", "ConfigMap"): ("", "v1", "configmaps"),
+    ("v1", "Event"): ("", "v1", "events"),
+    ("scheduling.volcano.sh/v1beta1", "PodGroup"): ("scheduling.volcano.sh", "v1beta1", "podgroups"),
+    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+}
+
+
+def cluster_role_rules(calls: Iterable[Call] = ALL_CALLS) -> list[dict[str, Any]]:
+    """RBAC rules (one per group+resource, sorted) that allow exactly `calls`."""
+    verbs: dict[tuple[str, str], set[str]] = {}
+    for call in calls:
+        verbs.setdefault((call.group, call.resource), set()).add(call.verb)
+    return [{"apiGroups": [group], "resources": [resource], "verbs": sorted(v)}
+            for (group, resource), v in sorted(verbs.items())]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class UndeclaredCall(AssertionError):
+    """The code tried an API call that OPERATOR_CALLS does not declare (the RBAC role would refuse it)."""
+
+
+Transport = Callable[[str, str, Mapping[str, str], Any, str], tuple[int, bytes]]
+"""(method, path, query, body, content_type) -> (HTTP status, response body)."""
+
+
+def kubernetes_transport(api_client: Any, timeout: float = 30.0) -> Transport:
+    """A Transport over a `kubernetes.client.ApiClient` (its auth, TLS and token refresh)."""
+
+    def send(method: str, path: str, query: Mapping[str, str], body: Any, content_type: str) -> tuple[int, bytes]:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        request = api_client.param_serialize(
+            method, path, query_params=list(query.items()), header_params=headers, body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = api_client.call_api(*request, _request_timeout=timeout)
+        response.read()
+        return response.status, response.data or b""
+
+    return send
+
+
+class Kube:
+    """The operator's only way to the API server. Raw dicts in and out; declared calls only."""
+
+    def __init__(self, transport: Transport):
+        self._send = transport
+
+    # -- plumbing --------------------------------------------------------------------------------------
+
+    def _request(self, call: Call, method: str, path: str, *, query: Mapping[str, str] | None = None,
+                 body: Any = None, content_type: str = "application/json", ok: Iterable[int] = ()) -> Any:
+        if call not in OPERATOR_CALLS:
+            raise UndeclaredCall(f"{call} is not in api_calls.OPERATOR_CALLS")
+        status, data = self._send(method, path, dict(query or {}), body, content_type)
+        if 200 <= status < 300:
+            return json.loads(data) if data[:1] in (b"{", b"[") else data.decode("utf-8", "replace")
+        if status in ok:
+            return None
+        raise ApiError(status, _error_message(data))
+
+    @staticmethod
+    def _path(group: str, version: str, plural: str, namespace: str, name: str = "", sub: str = "") -> str:
+        base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+        path = f"{base}/namespaces/{quote(namespace)}/{plural}"
+        if name:
+            path += f"/{quote(name)}"
+        if sub:
+            path += f"/{sub}"
+        return path
+
+    # -- children --------------------------------------------------------------------------------------
+
+    def create(self, manifest: Mapping[str, Any]) -> bool:
+        """Create; False when it already exists (409), which is fine: names are deterministic."""
+        group, version, plural = KINDS[(manifest["apiVersion"], manifest["kind"])]
+        ns = manifest["metadata"]["namespace"]
+        created = self._request(Call(group, plural, "create"), "POST", self._path(group, version, plural, ns),
+                                body=dict(manifest), ok=(409,))
+        return created is not None
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str,
+               grace_seconds: int | None = None) -> bool:
+        """Delete (background propagation); False when it was already gone (404)."""
+        group, version, plural = KINDS[(api_version, kind)]
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        gone = self._request(Call(group, plural, "delete"), "DELETE",
+                             self._path(group, version, plural, namespace, name), body=body, ok=(404,))
+        return gone is not None
+
+    def delete_pod(self, namespace: str, name: str, force: bool = False) -> bool:
+        return self.delete("v1", "Pod", namespace, name, grace_seconds=0 if force else None)
+
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Pods matching all `labels` (filtered here too, in case a server ignores the selector)."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        data = self._request(Call("", "pods", "list"), "GET", self._path("", "v1", "pods", namespace),
+                             query={"labelSelector": selector})
+        items = (data or {}).get("items") or []
+        return [p for p in items
+                if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in labels.items())]
+
+    def pod_log(self, namespace: str, name: str, limit_bytes: int = 65536) -> str:
+        data = self._request(Call("", "pods/log", "get"), "GET", self._path("", "v1", "pods", namespace, name, "log"),
+                             query={"limitBytes": str(limit_bytes)})
+        return data if isinstance(data, str) else json.dumps(data)
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, str]:
+        """A Secret's data, decoded. Callers must never log or store these values."""
+        data = self._request(Call("", "secrets", "get"), "GET", self._path("", "v1", "secrets", namespace, name))
+        out = {k: base64.b64decode(v).decode() for k, v in ((data or {}).get("data") or {}).items()}
+        out.update((data or {}).get("stringData") or {})
+        return out
+
+    # -- the TrainingJob -------------------------------------------------------------------------------
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._request(Call(GROUP, PLURAL, "get"), "GET",
+                             self._path(GROUP, VERSION, PLURAL, namespace, name), ok=(404,))
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """JSON merge patch of .status (the status subresource); None values remove keys."""
+        self._request(Call(GROUP, f"{PLURAL}/status", "patch"), "PATCH",
+                      self._path(GROUP, VERSION, PLURAL, namespace, name, "status"),
+                      body={"status": dict(status)}, content_type="application/merge-patch+json")
+
+    def delete_job(self, namespace: str, name: str) -> bool:
+        gone = self._request(Call(GROUP, PLURAL, "delete"), "DELETE",
+                             self._path(GROUP, VERSION, PLURAL, namespace, name),
+                             body={"propagationPolicy": "Background"}, ok=(404,))
+        return gone is not None
+
+    def post_event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> None:
+        """A core/v1 Event on the job (what `kubectl describe tj` shows)."""
+        meta = involved["metadata"]
+        ns = meta.get("namespace") or "default"
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid4().hex[:16]}", "namespace": ns},
+            "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                               "name": meta["name"], "namespace": ns, "uid": meta.get("uid")},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": "kubetron-operator"}, "reportingComponent": "kubetron-operator",
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        self._request(Call("", "events", "create"), "POST", self._path("", "v1", "events", ns), body=event)
+
+
+def _error_message(data: bytes) -> str:
+    try:
+        return str(json.loads(data).get("message", ""))[:500]
+    except (ValueError, AttributeError):
+        return data[:500].decode("utf-8", "replace")
+
+
+__all__ = ["ALL_CALLS", "KOPF_CALLS", "OPERATOR_CALLS", "ApiError", "Call", "Kube", "UndeclaredCall",
+           "cluster_role_rules", "kubernetes_transport"]

@@ -1,0 +1,293 @@
+"""build(job, attempt) -> manifests: everything one attempt of a TrainingJob runs as. Pure: no API calls.
+
+Per job: a headless Service (stable DNS for rank 0, the rendezvous host). Per attempt: a ConfigMap
+with the trainer's config, an optional PodGroup for gang scheduling, and one pod per node named
+`<job>-<attempt>-<rank>`. Every child carries the job's labels and a controller owner reference, so
+the garbage collector removes it with the job and a restarted operator finds it by label.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubetron_operator.model import API_VERSION, KIND, Job, PvcStorage, S3Storage
+
+LABEL_JOB = "kubetron.dev/job"
+LABEL_ATTEMPT = "kubetron.dev/attempt"
+LABEL_RANK = "kubetron.dev/rank"
+LABEL_ROLE = "kubetron.dev/role"  # worker | progress-reader
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetron"}
+
+CONFIG_DIR = "/etc/kubetron"
+CONFIG_PATH = f"{CONFIG_DIR}/config.yaml"
+TERMINATION_LOG = "/dev/termination-log"
+RUN_AS_USER = 1000
+DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+
+
+# -- names (deterministic: a restarted operator computes the same ones) ------------------------------
+
+
+def pod_name(job: Job, attempt: int, rank: int) -> str:
+    return f"{job.name}-{attempt}-{rank}"
+
+
+def service_name(job: Job) -> str:
+    return job.name
+
+
+def config_map_name(job: Job, attempt: int) -> str:
+    return f"{job.name}-{attempt}-config"
+
+
+def pod_group_name(job: Job, attempt: int) -> str:
+    return f"{job.name}-{attempt}"
+
+
+def reader_pod_name(job: Job, attempt: int) -> str:
+    """The short-lived pod that prints a PVC store's progress log after attempt `attempt` ended."""
+    return f"{job.name}-{attempt}-progress"
+
+
+def master_addr(job: Job, attempt: int) -> str:
+    """Rank 0's DNS name through the headless Service (pod hostname + subdomain)."""
+    return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{job.namespace}.svc"
+
+
+# -- the manifests ------------------------------------------------------------------------------------
+
+
+def build(job: Job, attempt: int, expected_iteration: int = 0) -> list[dict[str, Any]]:
+    """All objects of attempt `attempt`, in creation order (Service, ConfigMap, PodGroup, pods).
+
+    `expected_iteration` is the last durable checkpoint the operator knows of; the pods pass it to the
+    trainer (KUBETRON_EXPECTED_ITERATION), which fails loudly if the store holds less.
+    """
+    manifests = [build_service(job), build_config_map(job, attempt)]
+    if job.spec.scheduling.gang != "none":
+        manifests.append(build_pod_group(job, attempt))
+    manifests += [build_pod(job, attempt, rank, expected_iteration) for rank in range(job.spec.nodes)]
+    return manifests
+
+
+def owner_reference(job: Job) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": job.uid,
+        "controller": True, "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: Job, name: str, attempt: int | None = None, **labels: str) -> dict[str, Any]:
+    all_labels = {**MANAGED_BY, LABEL_JOB: job.name}
+    if attempt is not None:
+        all_labels[LABEL_ATTEMPT] = str(attempt)
+    all_labels.update(labels)
+    return {"name": name, "namespace": job.namespace, "labels": all_labels,
+            "ownerReferences": [owner_reference(job)]}
+
+
+def build_service(job: Job) -> dict[str, Any]:
+    """Headless; publishes not-ready pods so rank 0's name resolves while the gang is still starting."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(job, service_name(job)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job.name, LABEL_ROLE: "worker"},
+            "ports": [{"name": "rendezvous", "port": job.spec.master_port, "targetPort": job.spec.master_port}],
+        },
+    }
+
+
+def build_config_map(job: Job, attempt: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _metadata(job, config_map_name(job, attempt), attempt),
+        "data": {"config.yaml": job.spec.config},
+    }
+
+
+def build_pod_group(job: Job, attempt: int) -> dict[str, Any]:
+    """Volcano or scheduler-plugins PodGroup: schedule all `nodes` pods or none."""
+    spec: dict[str, Any] = {"minMember": job.spec.nodes}
+    if job.spec.scheduling.gang == "volcano":
+        api_version = "scheduling.volcano.sh/v1beta1"
+        if job.spec.scheduling.priority_class_name:
+            spec["priorityClassName"] = job.spec.scheduling.priority_class_name
+    else:
+        api_version = "scheduling.x-k8s.io/v1alpha1"
+    return {"apiVersion": api_version, "kind": "PodGroup",
+            "metadata": _metadata(job, pod_group_name(job, attempt), attempt), "spec": spec}
+
+
+def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> list[dict[str, Any]]:
+    """The container environment of one rank, as Kubernetes EnvVars (secrets as secretKeyRef)."""
+    spec = job.spec
+    plain = {
+        "KUBETRON_JOB_ID": f"{job.namespace}/{job.name}/{attempt}",
+        "KUBETRON_EXPECTED_ITERATION": str(expected_iteration),
+        "KUBETRON_TERMINATION_LOG": TERMINATION_LOG,
+        "KUBETRON_STATUS_PORT": str(spec.status_port if rank == 0 else 0),
+        "KUBETRON_CONFIG": CONFIG_PATH,
+        "MASTER_ADDR": master_addr(job, attempt),
+        "MASTER_PORT": str(spec.master_port),
+        "WORLD_SIZE": str(spec.nodes * spec.nproc_per_node),
+        "RANK": str(rank * spec.nproc_per_node),
+        "NNODES": str(spec.nodes),
+        "NODE_RANK": str(rank),
+        "NPROC_PER_NODE": str(spec.nproc_per_node),
+    }
+    env: list[dict[str, Any]] = [dict(var) for var in spec.env]  # user's first; ours cannot be overridden
+    env += [{"name": k, "value": v} for k, v in plain.items()]
+    storage = spec.storage
+    if isinstance(storage, S3Storage):
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": storage.secret_name, "key": key}}})
+        if storage.endpoint:
+            env.append({"name": "AWS_ENDPOINT_URL", "value": storage.endpoint})
+        if storage.region:
+            env.append({"name": "AWS_REGION", "value": storage.region})
+    return env
+
+
+def trainer_args(job: Job) -> list[str]:
+    """Arguments after `python -m kubetron.launch`: the trainer command line with the store overrides."""
+    command = "train" if job.spec.mode == "pretrain" else "finetune"
+    return [command, "--config", CONFIG_PATH, f"checkpoint.save={job.store}", f"checkpoint.load={job.store}",
+            *job.spec.overrides]
+
+
+def rank_command(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> tuple[list[str], dict[str, str]]:
+    """(argv, plain env) of one rank's container, for running a pod's process locally in tests.
+
+    Secret-backed variables are left out (the caller supplies credentials its own way).
+    """
+    argv = ["python", "-m", "kubetron.launch", *trainer_args(job)]
+    env = {v["name"]: v["value"] for v in rank_env(job, attempt, rank, expected_iteration) if "value" in v}
+    return argv, env
+
+
+def _security_context_pod() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _security_context_container() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True}
+
+
+def _resources(job: Job) -> dict[str, Any]:
+    res = {k: dict(v) for k, v in job.spec.resources.items() if k in ("requests", "limits") and v}
+    if job.spec.gpus_per_node:
+        res.setdefault("limits", {})["nvidia.com/gpu"] = job.spec.gpus_per_node
+    return res
+
+
+def _storage_volume(job: Job) -> tuple[list[dict], list[dict]]:
+    storage = job.spec.storage
+    if not isinstance(storage, PvcStorage):
+        return [], []
+    return ([{"name": "store", "persistentVolumeClaim": {"claimName": storage.claim_name}}],
+            [{"name": "store", "mountPath": storage.mount_path}])
+
+
+def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, Any], attempt: int) -> None:
+    sched = job.spec.scheduling
+    scheduler = sched.scheduler_name or {"volcano": "volcano", "coscheduling": DEFAULT_COSCHEDULER}.get(sched.gang)
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in sched.tolerations]
+    if sched.affinity:
+        pod_spec["affinity"] = dict(sched.affinity)
+    if sched.gang == "volcano":
+        metadata.setdefault("annotations", {})[VOLCANO_GROUP_ANNOTATION] = pod_group_name(job, attempt)
+    elif sched.gang == "coscheduling":
+        metadata["labels"][COSCHEDULING_GROUP_LABEL] = pod_group_name(job, attempt)
+
+
+def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> dict[str, Any]:
+    spec = job.spec
+    volumes, mounts = _storage_volume(job)
+    volumes += [{"name": "config", "configMap": {"name": config_map_name(job, attempt)}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts += [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+               {"name": "dshm", "mountPath": "/dev/shm"}]
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": spec.image,
+        "command": ["python", "-m", "kubetron.launch"],
+        "args": trainer_args(job),
+        "env": rank_env(job, attempt, rank, expected_iteration),
+        "resources": _resources(job),
+        "volumeMounts": mounts,
+        "ports": [{"name": "rendezvous", "containerPort": spec.master_port}],
+        "securityContext": _security_context_container(),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    if rank == 0 and spec.status_port:
+        container["ports"].append({"name": "status", "containerPort": spec.status_port})
+    metadata = _metadata(job, pod_name(job, attempt, rank), attempt,
+                         **{LABEL_RANK: str(rank), LABEL_ROLE: "worker"})
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # the operator restarts the whole gang, from the last checkpoint
+        "hostname": pod_name(job, attempt, rank),
+        "subdomain": service_name(job),
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": _security_context_pod(),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    _apply_scheduling(job, pod_spec, metadata, attempt)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
+    """A pod that mounts the job's claim read-only and prints the progress summary (`kubetron progress`).
+
+    The operator reads its log (pods/log), so reading a PVC store needs neither pods/exec nor a live rank.
+    """
+    volumes, mounts = _storage_volume(job)
+    for m in mounts:
+        m["readOnly"] = True
+    metadata = _metadata(job, reader_pod_name(job, attempt), attempt, **{LABEL_ROLE: "progress-reader"})
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 5,
+        "securityContext": _security_context_pod(),
+        "containers": [{
+            "name": "progress",
+            "image": job.spec.image,
+            "command": ["python", "-m", "kubetron.progress", "--no-events", job.store],
+            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+            "volumeMounts": mounts,
+            "securityContext": _security_context_container(),
+        }],
+        "volumes": volumes,
+    }
+    sched = job.spec.scheduling
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in sched.tolerations]
+    if job.spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in job.spec.image_pull_secrets]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

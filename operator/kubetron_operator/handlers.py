@@ -1,0 +1,168 @@
+"""The kopf layer: gather observations, call decide(), apply the action. No policy lives here.
+
+One daemon per TrainingJob reconciles every `memo.interval` seconds. Each round re-reads the job from
+the API (never trusting a possibly stale watch body), so counters in status are never applied twice,
+and applies the action in crash-safe order: a new attempt's pods are created before status names the
+attempt; an ended attempt is recorded in status before its pods are deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from kubetron_operator import live
+from kubetron_operator.api_calls import Kube
+from kubetron_operator.build import (
+    LABEL_JOB,
+    build,
+    build_reader_pod,
+    config_map_name,
+    pod_group_name,
+    service_name,
+)
+from kubetron_operator.decide import FINISHED, Action, Observed, PodView, decide
+from kubetron_operator.model import GROUP, PLURAL, VERSION, Job, S3Storage, SpecError
+from kubetron_operator.progress_io import read_s3_progress
+
+PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt runs quietly
+
+
+@dataclasses.dataclass
+class Deps:
+    """What the handlers use, injectable for tests (passed to kopf as its `memo`)."""
+
+    kube: Kube
+    interval: float = 5.0  # seconds between reconciles of one job
+    read_progress: Callable[[Job, Kube], dict[str, Any] | None] = read_s3_progress
+    fetch_live: live.Fetch = live.http_fetch
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+    last_progress: dict[str, tuple[datetime, dict[str, Any] | None]] = dataclasses.field(default_factory=dict)
+
+
+def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
+    """Attach the TrainingJob handlers to `registry` (main.run and the tests each bring their own)."""
+    kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=10.0)(reconcile_daemon)
+    kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, optional=True)(cleanup_on_delete)
+    return registry
+
+
+async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStopped, memo: Any,
+                           logger: logging.Logger, **_: Any) -> None:
+    deps: Deps = memo.deps
+    while not stopped:
+        try:
+            await asyncio.to_thread(reconcile_once, deps, namespace, name, logger)
+        except Exception:  # one bad round must not kill the job's reconciler
+            logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
+        await stopped.wait(deps.interval)
+
+
+def cleanup_on_delete(name: str, namespace: str, status: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
+    """Delete the children now rather than waiting for the garbage collector (owner references)."""
+    kube: Kube = memo.deps.kube
+    for pod in kube.list_pods(namespace, {LABEL_JOB: name}):
+        kube.delete_pod(namespace, pod["metadata"]["name"])
+    body = {"metadata": {"name": name, "namespace": namespace}}
+    fake = Job(name=name, namespace=namespace, uid="", spec=None)  # type: ignore[arg-type]  # names only
+    for attempt in range(1, int((status or {}).get("attempt") or 0) + 1):
+        kube.delete("v1", "ConfigMap", namespace, config_map_name(fake, attempt))
+        for api_version in ("scheduling.volcano.sh/v1beta1", "scheduling.x-k8s.io/v1alpha1"):
+            try:
+                kube.delete(api_version, "PodGroup", namespace, pod_group_name(fake, attempt))
+            except Exception as exc:  # noqa: BLE001 - the PodGroup CRD may not be installed at all
+                logger.debug("no %s PodGroup to delete: %s", api_version, exc)
+    kube.delete("v1", "Service", namespace, service_name(fake))
+    logger.info("deleted the children of %s", body["metadata"]["name"])
+
+
+def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger) -> Action | None:
+    kube = deps.kube
+    body = kube.get_job(namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    obs, job = observe(deps, body)
+    action = decide(job, obs)
+    apply(deps, body, job, obs, action, logger)
+    return action
+
+
+def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
+    kube, now = deps.kube, deps.clock()
+    meta = body["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
+    try:
+        job, error = Job.from_body(body), ""
+    except SpecError as exc:
+        job, error = None, str(exc)
+    status = dict(body.get("status") or {})
+    pods = [PodView.from_pod(p, now) for p in kube.list_pods(namespace, {LABEL_JOB: name})]
+    pods = [dataclasses.replace(p, log=kube.pod_log(namespace, p.name))
+            if p.role == "progress-reader" and p.phase == "Succeeded" else p for p in pods]
+    progress = live_data = None
+    if job is not None and status.get("phase") not in FINISHED:
+        attempt = int(status.get("attempt") or 0)
+        live_data = live.read_live(pods, attempt, job.spec.status_port, deps.fetch_live)
+        if isinstance(job.spec.storage, S3Storage):
+            progress = _progress(deps, job, status, pods, now)
+    return Observed(now=now, status=status, pods=tuple(pods), progress=progress, live=live_data,
+                    spec_error=error), job
+
+
+def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: datetime) -> dict | None:
+    """The S3 progress log: read whenever an attempt ends or starts, else at most every 30 s."""
+    key = f"{job.namespace}/{job.name}"
+    cached = deps.last_progress.get(key)
+    attempt = int(status.get("attempt") or 0)
+    eventful = status.get("phase") in (None, "Restarting", "Suspended") or any(
+        p.attempt == attempt and (p.terminated or p.deleting_for is not None or p.phase == "Unknown") for p in pods
+    ) or len([p for p in pods if p.attempt == attempt and p.role == "worker"]) < job.spec.nodes
+    if cached and not eventful and (now - cached[0]).total_seconds() < PROGRESS_REFRESH:
+        return cached[1]
+    summary = deps.read_progress(job, deps.kube)
+    deps.last_progress[key] = (now, summary)
+    return summary
+
+
+def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
+          logger: logging.Logger) -> None:
+    kube = deps.kube
+    meta = body["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
+    if action.create_attempt is not None and job is not None:
+        # Pods first: if we die before the status patch, the next round recreates them (409s), never
+        # mistakes a not-yet-created pod for a preempted one.
+        for pod in action.delete_pods:
+            kube.delete_pod(namespace, pod)
+        for manifest in build(job, action.create_attempt, action.expected_iteration):
+            kube.create(manifest)
+        _patch_status(kube, namespace, name, action.status)
+    else:
+        # Status first: an ended attempt is counted before its pods disappear.
+        _patch_status(kube, namespace, name, action.status)
+        for pod in action.delete_pods:
+            kube.delete_pod(namespace, pod)
+    for pod in action.force_delete_pods:
+        kube.delete_pod(namespace, pod, force=True)
+    if action.create_reader is not None and job is not None:
+        kube.create(build_reader_pod(job, action.create_reader))
+    now = obs.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    for event in action.events:
+        logger.log(logging.WARNING if event.type == "Warning" else logging.INFO, "%s: %s", event.reason, event.message)
+        try:
+            kube.post_event(body, event.type, event.reason, event.message, now)
+        except Exception as exc:  # noqa: BLE001 - an event is nice to have, never worth a retry
+            logger.warning("could not post event %s: %s", event.reason, exc)
+    if action.delete_job:
+        kube.delete_job(namespace, name)
+
+
+def _patch_status(kube: Kube, namespace: str, name: str, status: dict[str, Any]) -> None:
+    if status:
+        kube.patch_status(namespace, name, status)

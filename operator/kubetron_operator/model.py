@@ -1,0 +1,216 @@
+"""The TrainingJob as frozen dataclasses: parsed once from the API body, then passed to build()/decide().
+
+Defaults here match the CRD's (crds/trainingjob.yaml), so a body that skipped server-side defaulting
+(`kubetron render` on a local file) means the same as one read back from the API server.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP = "kubetron.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+
+MAX_NAME = 45
+"""Longest job name: `<job>-<attempt>-<rank>` is a pod hostname (a DNS label, at most 63 characters)."""
+
+RESERVED_ENV = frozenset({
+    "KUBETRON_JOB_ID", "KUBETRON_EXPECTED_ITERATION", "KUBETRON_TERMINATION_LOG", "KUBETRON_STATUS_PORT",
+    "KUBETRON_CONFIG", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NNODES", "NODE_RANK",
+    "NPROC_PER_NODE", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+})
+"""Variables the operator sets itself (docs/CONTRACT.md); a spec.env entry may not override them."""
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class SpecError(ValueError):
+    """A TrainingJob spec the operator cannot run: `field` is the dotted path at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class S3Storage:
+    bucket: str
+    secret_name: str
+    prefix: str = ""
+    endpoint: str = ""
+    region: str = ""
+
+
+@dataclass(frozen=True)
+class PvcStorage:
+    claim_name: str
+    mount_path: str = "/ckpt"
+    sub_path: str = ""
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    scheduler_name: str = ""
+    priority_class_name: str = ""
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    gang: str = "none"  # none | volcano | coscheduling
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    image: str
+    nodes: int
+    config: str
+    storage: S3Storage | PvcStorage
+    gpus_per_node: int = 0
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    mode: str = "pretrain"  # pretrain | finetune
+    overrides: tuple[str, ...] = ()
+    backoff_limit: int = 3
+    max_no_progress_attempts: int = 3
+    suspend: bool = False
+    active_deadline_seconds: int | None = None
+    ttl_seconds_after_finished: int | None = None
+    termination_grace_period_seconds: int = 120
+    status_port: int = 8080
+    master_port: int = 29500
+    env: tuple[Mapping[str, Any], ...] = ()
+    scheduling: Scheduling = field(default_factory=Scheduling)
+    image_pull_policy: str = ""
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account_name: str = ""
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Trainer processes per pod: one per GPU, or one on a CPU node."""
+        return self.gpus_per_node or 1
+
+
+@dataclass(frozen=True)
+class Job:
+    """One TrainingJob: identity (for names and owner references) plus its spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: JobSpec
+
+    @property
+    def store(self) -> str:
+        """The checkpoint store URI the trainer saves to and resumes from (one per job)."""
+        storage = self.spec.storage
+        if isinstance(storage, S3Storage):
+            parts = [p.strip("/") for p in (storage.prefix, self.namespace, self.name) if p.strip("/")]
+            return f"s3://{storage.bucket}/" + "/".join(parts)
+        sub = storage.sub_path.strip("/") or self.name
+        return f"{storage.mount_path.rstrip('/')}/{sub}"
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Job:
+        """Parse a TrainingJob (as the API serves it, or as a user wrote it) or raise SpecError."""
+        meta = body.get("metadata") or {}
+        name = meta.get("name") or ""
+        if not _DNS_LABEL.match(name) or len(name) > MAX_NAME:
+            raise SpecError("metadata.name", f"must be a DNS label of at most {MAX_NAME} characters, got {name!r}")
+        return cls(
+            name=name,
+            namespace=meta.get("namespace") or "default",
+            uid=meta.get("uid") or "",
+            spec=parse_spec(body.get("spec") or {}),
+        )
+
+
+def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
+    """spec dict -> JobSpec, checking what the CRD schema cannot express."""
+    for key in ("image", "nodes", "config", "storage"):
+        if spec.get(key) in (None, ""):
+            raise SpecError(f"spec.{key}", "is required")
+    nodes = _int(spec, "nodes", minimum=1)
+    gpus = _int(spec, "gpusPerNode", 0, minimum=0)
+    mode = spec.get("mode") or "pretrain"
+    if mode not in ("pretrain", "finetune"):
+        raise SpecError("spec.mode", f"must be pretrain or finetune, got {mode!r}")
+    env = tuple(spec.get("env") or ())
+    for i, var in enumerate(env):
+        if not isinstance(var, Mapping) or not var.get("name"):
+            raise SpecError(f"spec.env[{i}]", "needs a name")
+        if var["name"] in RESERVED_ENV:
+            raise SpecError(f"spec.env[{i}]", f"{var['name']} is set by the operator")
+    return JobSpec(
+        image=str(spec["image"]),
+        nodes=nodes,
+        config=str(spec["config"]),
+        storage=_parse_storage(spec["storage"]),
+        gpus_per_node=gpus,
+        resources=dict(spec.get("resources") or {}),
+        mode=mode,
+        overrides=tuple(str(o) for o in spec.get("overrides") or ()),
+        backoff_limit=_int(spec, "backoffLimit", 3, minimum=0),
+        max_no_progress_attempts=_int(spec, "maxNoProgressAttempts", 3, minimum=1),
+        suspend=bool(spec.get("suspend", False)),
+        active_deadline_seconds=_opt_int(spec, "activeDeadlineSeconds"),
+        ttl_seconds_after_finished=_opt_int(spec, "ttlSecondsAfterFinished"),
+        termination_grace_period_seconds=_int(spec, "terminationGracePeriodSeconds", 120, minimum=0),
+        status_port=_int(spec, "statusPort", 8080, minimum=0),
+        master_port=_int(spec, "masterPort", 29500, minimum=1),
+        env=env,
+        scheduling=_parse_scheduling(spec.get("scheduling") or {}),
+        image_pull_policy=spec.get("imagePullPolicy") or "",
+        image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or () if s.get("name")),
+        service_account_name=spec.get("serviceAccountName") or "",
+    )
+
+
+def _parse_storage(storage: Mapping[str, Any]) -> S3Storage | PvcStorage:
+    if not isinstance(storage, Mapping) or len([k for k in ("s3", "pvc") if storage.get(k)]) != 1:
+        raise SpecError("spec.storage", "needs exactly one of s3 or pvc")
+    if storage.get("s3"):
+        s3 = storage["s3"]
+        secret = (s3.get("secretRef") or {}).get("name")
+        if not s3.get("bucket") or not secret:
+            raise SpecError("spec.storage.s3", "needs bucket and secretRef.name")
+        return S3Storage(bucket=s3["bucket"], secret_name=secret, prefix=s3.get("prefix") or "",
+                         endpoint=s3.get("endpoint") or "", region=s3.get("region") or "")
+    pvc = storage["pvc"]
+    if not pvc.get("claimName"):
+        raise SpecError("spec.storage.pvc.claimName", "is required")
+    mount = pvc.get("mountPath") or "/ckpt"
+    if not mount.startswith("/"):
+        raise SpecError("spec.storage.pvc.mountPath", "must be an absolute path")
+    sub = pvc.get("subPath") or ""
+    if ".." in sub.split("/"):
+        raise SpecError("spec.storage.pvc.subPath", "may not contain '..'")
+    return PvcStorage(claim_name=pvc["claimName"], mount_path=mount, sub_path=sub)
+
+
+def _parse_scheduling(s: Mapping[str, Any]) -> Scheduling:
+    gang = s.get("gang") or "none"
+    if gang not in ("none", "volcano", "coscheduling"):
+        raise SpecError("spec.scheduling.gang", f"must be none, volcano or coscheduling, got {gang!r}")
+    return Scheduling(
+        scheduler_name=s.get("schedulerName") or "",
+        priority_class_name=s.get("priorityClassName") or "",
+        node_selector=dict(s.get("nodeSelector") or {}),
+        tolerations=tuple(s.get("tolerations") or ()),
+        affinity=dict(s.get("affinity") or {}),
+        gang=gang,
+    )
+
+
+def _int(spec: Mapping[str, Any], key: str, default: int | None = None, *, minimum: int) -> int:
+    value = spec.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"spec.{key}", f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _opt_int(spec: Mapping[str, Any], key: str) -> int | None:
+    return None if spec.get(key) is None else _int(spec, key, minimum=0)

@@ -1,0 +1,33 @@
+"""TrainingJob bodies shared by the operator tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+CONFIG = "model:\n  num_layers: 2\ntrain:\n  train_iters: 40\n"
+
+PVC_JOB: dict[str, Any] = {
+    "apiVersion": "kubetron.dev/v1alpha1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "gpt", "namespace": "ml", "uid": "uid-123"},
+    "spec": {
+        "image": "kubetron:dev",
+        "nodes": 2,
+        "gpusPerNode": 0,
+        "config": CONFIG,
+        "storage": {"pvc": {"claimName": "ckpt"}},
+        "backoffLimit": 2,
+        "statusPort": 8080,
+    },
+}
+
+S3_JOB: dict[str, Any] = copy.deepcopy(PVC_JOB)
+S3_JOB["spec"]["storage"] = {"s3": {"bucket": "bkt", "prefix": "runs", "endpoint": "http://s3:9000",
+                                    "region": "us-east-1", "secretRef": {"name": "s3-creds"}}}
+
+
+def job_body(base: dict[str, Any] = PVC_JOB, **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(base)
+    body["spec"].update(spec)
+    return body

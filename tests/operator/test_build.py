@@ -1,0 +1,203 @@
+"""build(job, attempt): the manifests one attempt runs as. Pure, no cluster."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jsonschema
+import pytest
+import yaml
+from kubetron_operator.build import build, build_reader_pod, master_addr, rank_command
+from kubetron_operator.model import Job, SpecError
+from kubetron_operator.render import render_file
+
+from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
+
+CRD = pathlib.Path(__file__).parents[2] / "crds" / "trainingjob.yaml"
+
+
+def by_kind(manifests, kind):
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def env_of(pod):
+    return {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_attempt_objects_names_and_owner():
+    manifests = build(Job.from_body(PVC_JOB), 3, expected_iteration=20)
+    assert [m["kind"] for m in manifests] == ["Service", "ConfigMap", "Pod", "Pod"]
+    assert [m["metadata"]["name"] for m in by_kind(manifests, "Pod")] == ["gpt-3-0", "gpt-3-1"]
+    for m in manifests:
+        assert m["metadata"]["namespace"] == "ml"
+        assert m["metadata"]["labels"]["kubetron.dev/job"] == "gpt"
+        (owner,) = m["metadata"]["ownerReferences"]
+        assert owner == {"apiVersion": "kubetron.dev/v1alpha1", "kind": "TrainingJob", "name": "gpt",
+                         "uid": "uid-123", "controller": True, "blockOwnerDeletion": True}
+    pod = by_kind(manifests, "Pod")[1]
+    assert pod["metadata"]["labels"]["kubetron.dev/attempt"] == "3"
+    assert pod["metadata"]["labels"]["kubetron.dev/rank"] == "1"
+    assert by_kind(manifests, "ConfigMap")[0]["data"]["config.yaml"] == PVC_JOB["spec"]["config"]
+
+
+def test_headless_service_resolves_rank0():
+    job = Job.from_body(PVC_JOB)
+    svc, _, pod0, _ = build(job, 1)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert pod0["spec"]["hostname"] == "gpt-1-0" and pod0["spec"]["subdomain"] == svc["metadata"]["name"]
+    assert master_addr(job, 1) == "gpt-1-0.gpt.ml.svc"
+
+
+@pytest.mark.parametrize(("gpus", "nproc"), [(0, 1), (8, 8)])
+def test_rendezvous_env(gpus, nproc):
+    pods = by_kind(build(Job.from_body(job_body(gpusPerNode=gpus, nodes=3)), 2, expected_iteration=17), "Pod")
+    for rank, pod in enumerate(pods):
+        env = {k: v.get("value") for k, v in env_of(pod).items()}
+        assert env["MASTER_ADDR"] == "gpt-2-0.gpt.ml.svc"
+        assert env["MASTER_PORT"] == "29500"
+        assert env["NNODES"] == "3" and env["NODE_RANK"] == str(rank)
+        assert env["NPROC_PER_NODE"] == str(nproc) and env["WORLD_SIZE"] == str(3 * nproc)
+        assert env["KUBETRON_JOB_ID"] == "ml/gpt/2"
+        assert env["KUBETRON_EXPECTED_ITERATION"] == "17"
+        assert env["KUBETRON_TERMINATION_LOG"] == "/dev/termination-log"
+        assert env["KUBETRON_STATUS_PORT"] == ("8080" if rank == 0 else "0")
+        limits = pod["spec"]["containers"][0]["resources"].get("limits", {})
+        assert limits.get("nvidia.com/gpu") == (gpus or None)
+
+
+def test_pod_is_safe_and_never_restarts_itself():
+    pod = by_kind(build(Job.from_body(job_body(terminationGracePeriodSeconds=300)), 1), "Pod")[0]
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    assert spec["restartPolicy"] == "Never"
+    assert spec["terminationGracePeriodSeconds"] == 300
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_command_pvc_store():
+    pod = by_kind(build(Job.from_body(job_body(mode="finetune", overrides=["train.micro_batch_size=2"])), 1), "Pod")[0]
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "kubetron.launch"]
+    assert c["args"] == ["finetune", "--config", "/etc/kubetron/config.yaml", "checkpoint.save=/ckpt/gpt",
+                         "checkpoint.load=/ckpt/gpt", "train.micro_batch_size=2"]
+    assert {"name": "store", "mountPath": "/ckpt"} in c["volumeMounts"]
+    assert {"name": "store", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["spec"]["volumes"]
+    assert not any(k.startswith("AWS_") for k in env_of(pod))
+
+
+def test_s3_credentials_come_from_the_secret():
+    pod = by_kind(build(Job.from_body(S3_JOB), 1), "Pod")[0]
+    env = env_of(pod)
+    assert env["AWS_ACCESS_KEY_ID"] == {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {
+        "secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}}}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://s3:9000" and env["AWS_REGION"]["value"] == "us-east-1"
+    assert "checkpoint.save=s3://bkt/runs/ml/gpt" in pod["spec"]["containers"][0]["args"]
+    assert not any(v["name"] == "store" for v in pod["spec"]["volumes"])
+
+
+@pytest.mark.parametrize(("gang", "kind_api", "scheduler"), [
+    ("volcano", "scheduling.volcano.sh/v1beta1", "volcano"),
+    ("coscheduling", "scheduling.x-k8s.io/v1alpha1", "scheduler-plugins-scheduler"),
+])
+def test_gang_pod_group(gang, kind_api, scheduler):
+    body = job_body(nodes=4, scheduling={"gang": gang, "priorityClassName": "train", "nodeSelector": {"gpu": "h100"},
+                                         "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    manifests = build(Job.from_body(body), 2)
+    (group,) = by_kind(manifests, "PodGroup")
+    assert group["apiVersion"] == kind_api and group["spec"]["minMember"] == 4
+    assert group["metadata"]["name"] == "gpt-2"
+    for pod in by_kind(manifests, "Pod"):
+        assert pod["spec"]["schedulerName"] == scheduler
+        assert pod["spec"]["priorityClassName"] == "train"
+        assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+        assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+        if gang == "volcano":
+            assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "gpt-2"
+        else:
+            assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "gpt-2"
+
+
+def test_no_pod_group_without_gang():
+    assert not by_kind(build(Job.from_body(PVC_JOB), 1), "PodGroup")
+
+
+def test_user_env_kept_but_cannot_override_contract():
+    pod = by_kind(build(Job.from_body(job_body(env=[{"name": "NCCL_DEBUG", "value": "INFO"}])), 1), "Pod")[0]
+    assert env_of(pod)["NCCL_DEBUG"]["value"] == "INFO"
+    with pytest.raises(SpecError, match="MASTER_ADDR"):
+        Job.from_body(job_body(env=[{"name": "MASTER_ADDR", "value": "x"}]))
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"storage": {}}, "spec.storage"),
+    ({"storage": {"pvc": {"claimName": "a"}, "s3": {"bucket": "b", "secretRef": {"name": "c"}}}}, "spec.storage"),
+    ({"nodes": 0}, "spec.nodes"),
+    ({"mode": "sft"}, "spec.mode"),
+    ({"image": ""}, "spec.image"),
+])
+def test_bad_specs_name_the_field(change, field):
+    with pytest.raises(SpecError) as info:
+        Job.from_body(job_body(**change))
+    assert info.value.field == field
+
+
+def test_name_must_fit_a_pod_hostname():
+    body = job_body()
+    body["metadata"]["name"] = "x" * 60
+    with pytest.raises(SpecError, match="metadata.name"):
+        Job.from_body(body)
+
+
+def test_rank_command_runs_locally():
+    argv, env = rank_command(Job.from_body(S3_JOB), 2, 1, expected_iteration=10)
+    assert argv[:3] == ["python", "-m", "kubetron.launch"] and argv[3] == "train"
+    assert env["NODE_RANK"] == "1" and env["KUBETRON_EXPECTED_ITERATION"] == "10"
+    assert "AWS_SECRET_ACCESS_KEY" not in env  # secrets are the caller's business
+
+
+def test_reader_pod_mounts_claim_read_only():
+    pod = build_reader_pod(Job.from_body(PVC_JOB), 3)
+    assert pod["metadata"]["name"] == "gpt-3-progress"
+    c = pod["spec"]["containers"][0]
+    assert c["command"][-1] == "/ckpt/gpt" and "kubetron.progress" in c["command"]
+    assert {"name": "store", "mountPath": "/ckpt", "readOnly": True} in c["volumeMounts"]
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_build_is_deterministic():
+    job = Job.from_body(S3_JOB)
+    assert json.dumps(build(job, 5)) == json.dumps(build(job, 5))
+
+
+def test_crd_schema_accepts_examples_and_rejects_bad_specs():
+    crd = yaml.safe_load(CRD.read_text())
+    assert crd["spec"]["names"]["shortNames"] == ["tj"]
+    (version,) = crd["spec"]["versions"]
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Phase", "Progress", "Iteration", "Restarts", "ETA", "Age"]
+    schema = version["schema"]["openAPIV3Schema"]
+    for body in (PVC_JOB, S3_JOB):
+        jsonschema.validate(body, schema)
+    for bad in ({"nodes": 0}, {"mode": "sft"}, {"storage": {}}, {"gpusPerNode": -1},
+                {"scheduling": {"gang": "kueue"}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(job_body(**bad), schema)
+    missing = job_body()
+    del missing["spec"]["image"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(missing, schema)
+
+
+def test_render_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(S3_JOB))
+    docs = [d for d in yaml.safe_load_all(render_file(str(path))) if d]
+    assert [d["kind"] for d in docs] == ["Service", "ConfigMap", "Pod", "Pod"]
+    assert docs[2]["metadata"]["name"] == "gpt-1-0"

@@ -1,0 +1,365 @@
+"""decide(job, observed) as tables: every pod outcome, mixed ranks, operator restarts, finished jobs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from kubetron_operator.decide import Observed, PodView, decide, format_duration, parse_termination_message
+from kubetron_operator.model import Job
+
+from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
+
+NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
+JOB = Job.from_body(S3_JOB)  # 2 nodes, backoffLimit 2
+RUNNING = {"phase": "Running", "attempt": 1, "startTime": "2026-11-22T11:00:00Z", "attemptStartCheckpoint": 0,
+           "restarts": {"preemptions": 0, "failures": 0, "total": 0}}
+
+
+def pod(rank, phase="Running", attempt=1, **kw):
+    kw.setdefault("started", phase != "Pending")
+    return PodView(name=f"gpt-{attempt}-{rank}", attempt=attempt, rank=rank, phase=phase, **kw)
+
+
+def term(code, **kw):
+    return {"exitCode": code, **kw}
+
+
+def run(status=RUNNING, pods=(), job=JOB, **kw):
+    return decide(job, Observed(now=NOW, status=status, pods=tuple(pods), **kw))
+
+
+# -- one rank's outcome, the other still running ----------------------------------------------------
+
+PREEMPTED = [
+    ("DisruptionTarget", pod(1, disrupted="PreemptionByScheduler")),
+    ("evicted", pod(1, phase="Failed", pod_reason="Evicted")),
+    ("node lost", pod(1, phase="Unknown")),
+    ("deleted by someone else", pod(1, deleting_for=3.0)),
+    ("saved on SIGTERM (75)", pod(1, phase="Failed", exit_code=75)),
+    ("exit condition (76)", pod(1, phase="Failed", exit_code=76)),
+    ("75 in the message, torchrun said 1", pod(1, phase="Failed", exit_code=1, termination=term(75))),
+]
+
+
+@pytest.mark.parametrize(("case", "rank1"), PREEMPTED, ids=[c for c, _ in PREEMPTED])
+def test_preemption_restarts_free(case, rank1):
+    action = run(pods=[pod(0), rank1])
+    assert action.kind == "restart"
+    assert action.phase == "Restarting"
+    assert action.status["restarts"] == {"preemptions": 1, "failures": 0, "total": 1}
+    assert set(action.delete_pods) == ({"gpt-1-0", "gpt-1-1"} if rank1.deleting_for is None else {"gpt-1-0"})
+    assert action.create_attempt is None  # the next attempt waits until every pod is gone
+    assert action.events and action.events[0].type == "Warning"
+
+
+def test_missing_pod_is_a_preemption():
+    action = run(pods=[pod(0)])
+    assert action.kind == "restart" and action.status["restarts"]["preemptions"] == 1
+    assert "gpt-1-1 disappeared" in action.status["message"]
+
+
+FAILURES = [
+    ("trainer error", pod(1, phase="Failed", exit_code=1), "TrainerError"),
+    ("diverged", pod(1, phase="Failed", exit_code=3), "Diverged"),
+    ("resume mismatch", pod(1, phase="Failed", exit_code=4), "ResumeMismatch"),
+    ("straggler", pod(1, phase="Failed", exit_code=6), "StragglerDetected"),
+    ("unknown code", pod(1, phase="Failed", exit_code=139), "TrainerError"),
+    ("OOMKilled", pod(1, phase="Failed", exit_code=137, reason="OOMKilled"), "OOMKilled"),
+]
+
+
+@pytest.mark.parametrize(("case", "rank1", "reason"), FAILURES, ids=[c for c, _, _ in FAILURES])
+def test_failures_count_toward_backoff(case, rank1, reason):
+    action = run(pods=[pod(0), rank1])
+    assert action.kind == "restart" and action.status["reason"] == reason
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "total": 1}
+    if reason == "OOMKilled":
+        assert "OOMKilled" in action.status["message"] and "memory" in action.status["message"]
+
+
+def test_config_error_fails_at_once_with_the_trainers_message():
+    msg = "optimizer.lr: must be > 0"
+    action = run(pods=[pod(0, phase="Failed", exit_code=2, termination=term(2, message=msg)), pod(1)])
+    assert action.kind == "fail" and action.phase == "Failed"
+    assert action.status["reason"] == "ConfigError" and action.status["message"] == msg
+    assert action.delete_pods == ("gpt-1-1",)
+    assert action.status["completionTime"] == "2026-11-22T12:00:00Z"
+
+
+def test_backoff_limit_exceeded_fails():
+    status = {**RUNNING, "restarts": {"preemptions": 3, "failures": 2, "total": 5}}
+    action = run(status, pods=[pod(0), pod(1, phase="Failed", exit_code=1)])
+    assert action.kind == "fail" and action.status["reason"] == "BackoffLimitExceeded"
+    assert action.status["restarts"]["failures"] == 3
+
+
+def test_preemptions_never_spend_backoff():
+    status = {**RUNNING, "restarts": {"preemptions": 50, "failures": 2, "total": 52}}
+    action = run(status, pods=[pod(0), pod(1, phase="Failed", exit_code=75)],
+                 progress={"lastCheckpoint": {"iteration": 30, "time": "t"}})
+    assert action.kind == "restart" and action.status["restarts"]["preemptions"] == 51
+
+
+# -- mixed outcomes across ranks ----------------------------------------------------------------------
+
+MIXED = [
+    ("preempted + peer failure", [pod(0, phase="Failed", exit_code=5), pod(1, disrupted="EvictionByEvictionAPI")],
+     "restart", "Preempted", (1, 0)),
+    ("saved on signal + NCCL error", [pod(0, phase="Failed", exit_code=75), pod(1, phase="Failed", exit_code=1)],
+     "restart", "Preempted", (1, 0)),
+    ("peer failure + own error", [pod(0, phase="Failed", exit_code=5), pod(1, phase="Failed", exit_code=3)],
+     "restart", "Diverged", (0, 1)),
+    ("config error + preempted", [pod(0, phase="Failed", exit_code=2), pod(1, phase="Failed", pod_reason="Evicted")],
+     "fail", "ConfigError", None),
+    ("one done, one running", [pod(0, phase="Succeeded", exit_code=0), pod(1)], "wait", None, None),
+    ("one done, one failed", [pod(0, phase="Succeeded", exit_code=0), pod(1, phase="Failed", exit_code=1)],
+     "restart", "TrainerError", (0, 1)),
+    ("both exit conditions", [pod(0, phase="Failed", exit_code=76), pod(1, phase="Failed", exit_code=76)],
+     "restart", "ExitCondition", (1, 0)),
+]
+
+
+@pytest.mark.parametrize(("case", "pods", "kind", "reason", "counts"), MIXED, ids=[m[0] for m in MIXED])
+def test_mixed_outcomes(case, pods, kind, reason, counts):
+    action = run(pods=pods, progress={"lastCheckpoint": {"iteration": 10, "time": "t"}, "trainIters": 40})
+    assert action.kind == kind
+    if reason:
+        assert action.status["reason"] == reason
+    if counts:
+        r = action.status["restarts"]
+        assert (r["preemptions"], r["failures"]) == counts
+
+
+# -- success -----------------------------------------------------------------------------------------
+
+
+def done(**kw):
+    return [pod(r, phase="Succeeded", exit_code=0, **kw) for r in range(2)]
+
+
+def test_all_exit_zero_and_log_complete_succeeds():
+    log = {"completed": True, "trainIters": 40, "iteration": 40, "lastCheckpoint": {"iteration": 40, "time": "t"}}
+    action = run(pods=done(), progress=log)
+    assert action.kind == "succeed" and action.phase == "Succeeded"
+    assert action.status["progress"] == "100%" and action.status["iteration"] == 40
+    assert action.status["lastCheckpoint"] == {"iteration": 40, "time": "t"}
+    assert action.delete_pods == ()  # finished pods stay for their logs
+
+
+def test_exit_zero_but_log_short_of_train_iters_is_a_failure():
+    log = {"completed": False, "trainIters": 40, "iteration": 12, "lastCheckpoint": {"iteration": 10, "time": "t"}}
+    action = run(pods=done(), progress=log)
+    assert action.kind == "restart" and action.status["reason"] == "IncompleteExit"
+    assert action.status["restarts"]["failures"] == 1
+
+
+def test_pvc_job_succeeds_from_termination_messages():
+    job = Job.from_body(PVC_JOB)
+    msg = term(0, reason="Completed", iteration=40, trainIters=40, lastCheckpoint=40)
+    action = run(pods=done(termination=msg), job=job)
+    assert action.kind == "succeed" and action.status["lastCheckpoint"]["iteration"] == 40
+
+
+# -- progress, lost iterations, no-progress -----------------------------------------------------------
+
+
+def test_running_reports_live_progress():
+    live = {"iteration": 12, "trainIters": 40, "tokensPerSecond": 1234.56, "etaSeconds": 200.0,
+            "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T11:59:00Z"}}
+    action = run({**RUNNING, "phase": "Pending"}, pods=[pod(0, ip="10.0.0.1"), pod(1)], live=live)
+    assert action.kind == "wait" and action.phase == "Running"
+    assert action.status["iteration"] == 12 and action.status["progress"] == "30%"
+    assert action.status["eta"] == "3m20s" and action.status["tokensPerSecond"] == 1234.6
+    assert action.status["lastCheckpoint"]["iteration"] == 10
+    assert action.events[0].reason == "Running"
+    again = run({**RUNNING, **action.status}, pods=[pod(0), pod(1)], live=live)
+    assert again.status == {} and again.events == ()  # nothing changed, nothing written
+
+
+def test_pending_pods_keep_phase_pending():
+    action = run({**RUNNING, "phase": "Pending"}, pods=[pod(0), pod(1, phase="Pending")])
+    assert action.kind == "wait" and action.phase is None
+
+
+def test_lost_iterations_recorded():
+    status = {**RUNNING, "iteration": 17, "lastCheckpoint": {"iteration": 10, "time": "t"}}
+    action = run(status, pods=[pod(0), pod(1, phase="Failed", pod_reason="Evicted")])
+    assert action.status["lostIterations"] == 7
+
+
+def test_no_progress_attempts_fail_the_job():
+    status = {**RUNNING, "attempt": 4, "attemptStartCheckpoint": 10, "noProgressAttempts": 2,
+              "lastCheckpoint": {"iteration": 10, "time": "t"}}
+    pods = [pod(0, attempt=4), pod(1, attempt=4, phase="Failed", exit_code=75)]
+    action = run(status, pods=pods, progress={"lastCheckpoint": {"iteration": 10, "time": "t"}})
+    assert action.kind == "fail" and action.status["reason"] == "NoProgress"
+    progressed = run(status, pods=pods, progress={"lastCheckpoint": {"iteration": 20, "time": "t"}})
+    assert progressed.kind == "restart" and progressed.status["noProgressAttempts"] == 0
+
+
+def test_attempt_that_never_ran_is_not_a_no_progress_attempt():
+    status = {**RUNNING, "attemptStartCheckpoint": 10, "noProgressAttempts": 2,
+              "lastCheckpoint": {"iteration": 10, "time": "t"}}
+    action = run(status, pods=[pod(0, phase="Pending"), pod(1, phase="Failed", pod_reason="Evicted", started=False)])
+    assert action.kind == "restart" and action.status["noProgressAttempts"] == 2
+
+
+# -- attempts: create, restart, operator restarts mid-way ---------------------------------------------
+
+
+def test_new_job_creates_attempt_one():
+    action = run({}, pods=[])
+    assert action.kind == "create" and action.create_attempt == 1 and action.expected_iteration == 0
+    assert action.phase == "Pending" and action.status["attempt"] == 1
+    assert action.status["startTime"] == "2026-11-22T12:00:00Z"
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "total": 0}
+
+
+def test_restarting_waits_for_every_old_pod_to_go():
+    status = {**RUNNING, "phase": "Restarting", "lastCheckpoint": {"iteration": 20, "time": "t"}}
+    action = run(status, pods=[pod(0, deleting_for=5.0), pod(1, phase="Failed", exit_code=1)])
+    assert action.kind == "wait" and action.create_attempt is None
+    assert action.delete_pods == ("gpt-1-1",)
+
+
+def test_restarting_creates_next_attempt_from_the_progress_log():
+    status = {**RUNNING, "phase": "Restarting", "lastCheckpoint": {"iteration": 20, "time": "t"}}
+    action = run(status, pods=[], progress={"lastCheckpoint": {"iteration": 25, "time": "t2"}})
+    assert action.kind == "create" and action.create_attempt == 2 and action.expected_iteration == 25
+    assert action.status["attempt"] == 2 and action.status["attemptStartCheckpoint"] == 25
+    assert action.status["restarts"] == RUNNING["restarts"]  # counted once, when the attempt ended
+
+
+def test_stuck_terminating_pods_are_force_deleted():
+    status = {**RUNNING, "phase": "Restarting"}
+    action = run(status, pods=[pod(0, deleting_for=600.0, phase="Unknown")])
+    assert action.force_delete_pods == ("gpt-1-0",)
+
+
+def test_operator_restart_after_pods_created_but_before_status():
+    # status still says Restarting attempt 1, attempt 2's pods already exist: recreate (409s), adopt.
+    status = {**RUNNING, "phase": "Restarting"}
+    action = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2, phase="Pending")])
+    assert action.kind == "create" and action.create_attempt == 2
+
+
+def test_operator_restart_after_counting_before_deleting():
+    # The attempt ended and was counted (status Restarting), then the operator died before deleting:
+    # the next round only deletes; it does not count again.
+    status = {**RUNNING, "phase": "Restarting", "restarts": {"preemptions": 0, "failures": 1, "total": 1}}
+    action = run(status, pods=[pod(0), pod(1, phase="Failed", exit_code=1)])
+    assert action.kind == "wait" and set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}
+    assert action.status == {}
+
+
+def test_pods_of_older_attempts_are_cleaned_up_while_running():
+    status = {**RUNNING, "attempt": 2}
+    action = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2), pod(1, attempt=1, phase="Failed")])
+    assert action.kind == "wait" and action.delete_pods == ("gpt-1-1",)
+
+
+# -- PVC: the progress-reader pod ---------------------------------------------------------------------
+
+PVC = Job.from_body(PVC_JOB)
+RESTARTING_PVC = {**RUNNING, "phase": "Restarting", "lastCheckpoint": {"iteration": 10, "time": "t"}}
+
+
+def reader(phase, log="", created_for=5.0):
+    return PodView(name="gpt-1-progress", attempt=1, role="progress-reader", phase=phase, log=log,
+                   created_for=created_for)
+
+
+def test_pvc_restart_reads_progress_with_a_reader_pod():
+    assert run(RESTARTING_PVC, pods=[], job=PVC).create_reader == 1
+    assert run(RESTARTING_PVC, pods=[reader("Running")], job=PVC).kind == "wait"
+    log = '{"lastCheckpoint": {"iteration": 30, "time": "t3"}, "completed": false}'
+    action = run(RESTARTING_PVC, pods=[reader("Succeeded", log)], job=PVC)
+    assert action.kind == "create" and action.expected_iteration == 30
+    assert action.delete_pods == ("gpt-1-progress",)
+
+
+def test_pvc_reader_failure_falls_back_to_what_is_known():
+    action = run(RESTARTING_PVC, pods=[reader("Pending", created_for=999)], job=PVC)
+    assert action.kind == "create" and action.expected_iteration == 10
+    assert any(e.reason == "ProgressUnread" for e in action.events)
+
+
+def test_pvc_termination_messages_carry_the_checkpoint():
+    msg = term(75, iteration=17, lastCheckpoint=17, message="received SIGTERM")
+    action = run(pods=[pod(0, phase="Failed", exit_code=75, termination=msg), pod(1)], job=PVC)
+    assert action.status["lastCheckpoint"]["iteration"] == 17
+
+
+# -- suspend, deadline, finished jobs ----------------------------------------------------------------
+
+
+def test_suspend_deletes_pods_and_keeps_the_job():
+    suspended = Job.from_body(job_body(S3_JOB, suspend=True))
+    action = run(pods=[pod(0), pod(1)], job=suspended)
+    assert action.kind == "suspend" and action.phase == "Suspended"
+    assert set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}
+    assert "restarts" not in action.status
+    quiet = run({**RUNNING, "phase": "Suspended"}, pods=[], job=suspended)
+    assert quiet.kind == "wait" and quiet.status == {}
+
+
+def test_unsuspend_resumes_with_a_new_attempt():
+    status = {**RUNNING, "phase": "Suspended", "lastCheckpoint": {"iteration": 12, "time": "t"}}
+    action = run(status, pods=[])
+    assert action.kind == "create" and action.create_attempt == 2 and action.expected_iteration == 12
+    assert action.status["restarts"]["total"] == 0
+
+
+def test_suspended_before_start_creates_nothing():
+    action = run({}, pods=[], job=Job.from_body(job_body(S3_JOB, suspend=True)))
+    assert action.kind == "suspend" and action.create_attempt is None and action.phase == "Suspended"
+
+
+def test_deadline_exceeded():
+    job = Job.from_body(job_body(S3_JOB, activeDeadlineSeconds=60))
+    action = run(pods=[pod(0), pod(1)], job=job)
+    assert action.kind == "fail" and action.status["reason"] == "DeadlineExceeded"
+    assert set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}
+
+
+FINISHED_EVENTS = [
+    ("pods vanish", []),
+    ("a pod fails later", [pod(0, phase="Succeeded", exit_code=0), pod(1, phase="Failed", exit_code=1)]),
+    ("a pod is evicted", [pod(0, phase="Failed", pod_reason="Evicted")]),
+    ("all succeeded", done()),
+]
+
+
+@pytest.mark.parametrize("final", ["Succeeded", "Failed"])
+@pytest.mark.parametrize(("case", "pods"), FINISHED_EVENTS, ids=[c for c, _ in FINISHED_EVENTS])
+def test_finished_jobs_never_rerun(final, case, pods):
+    status = {**RUNNING, "phase": final, "completionTime": "2026-11-22T11:59:00Z"}
+    for job in (JOB, Job.from_body(job_body(S3_JOB, suspend=True))):
+        action = run(status, pods=pods, job=job)
+        assert action.kind == "wait" and action.create_attempt is None and action.status == {}
+
+
+def test_finished_job_stops_pods_that_still_run():
+    status = {**RUNNING, "phase": "Failed", "completionTime": "2026-11-22T11:59:00Z"}
+    assert run(status, pods=[pod(0), pod(1, phase="Failed")]).delete_pods == ("gpt-1-0",)
+
+
+def test_ttl_after_finished_deletes_the_job():
+    job = Job.from_body(job_body(S3_JOB, ttlSecondsAfterFinished=30))
+    early = {**RUNNING, "phase": "Succeeded", "completionTime": "2026-11-22T11:59:45Z"}
+    late = {**early, "completionTime": "2026-11-22T11:59:00Z"}
+    assert not run(early, job=job).delete_job
+    assert run(late, job=job).delete_job
+
+
+def test_invalid_spec_fails_with_the_field():
+    action = decide(None, Observed(now=NOW, status={}, spec_error="spec.storage: needs exactly one of s3 or pvc"))
+    assert action.kind == "fail" and action.status["reason"] == "InvalidSpec"
+    assert "spec.storage" in action.status["message"]
+
+
+def test_termination_message_parsing_and_durations():
+    assert parse_termination_message('{"exitCode": 75, "iteration": 3}') == {"exitCode": 75, "iteration": 3}
+    assert parse_termination_message("Traceback...\nKeyError") is None
+    assert [format_duration(s) for s in (5, 200, 3700, 90000)] == ["5s", "3m20s", "1h1m", "1d1h"]

@@ -1,0 +1,172 @@
+"""The trainer image's entry point: `python -m kubetron.launch [KUBETRON ARGS...]`.
+
+Runs `torchrun -m kubetron ARGS` (default ARGS: `train --config $KUBETRON_CONFIG`) with the rendezvous
+the operator put in the pod's environment (docs/CONTRACT.md): NNODES, NODE_RANK, NPROC_PER_NODE,
+MASTER_ADDR, MASTER_PORT. Three things make it more than `exec torchrun`:
+
+- It is PID 1 in the container, so it forwards SIGTERM/SIGINT to torchrun (which forwards them to the
+  ranks); a preempted pod's trainer gets to finish its step and save. torchrun's own grace before it
+  SIGKILLs the ranks is raised (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, newer torch), so the kubelet's
+  terminationGracePeriodSeconds is the one limit.
+- torchrun exits 1 whenever any rank fails, which would turn "preempted and saved" (75) into "crashed"
+  (1). The launcher exits with the ranks' own code instead, so the operator's reading of the pod's
+  exit code matches the contract's table.
+- Each local rank writes its termination message to a file of its own (torchrun runs every rank
+  through this module, which points KUBETRON_TERMINATION_LOG there and execs the trainer), so a rank
+  that saw its peer die (5) cannot overwrite the message of the rank that caused it (say 3). The
+  launcher then writes the root cause, one line, to the pod's real termination log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kubetron import exitcodes
+
+DEFAULT_CONFIG = "/etc/kubetron/config.yaml"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+MESSAGE_LIMIT = 4096  # bytes; the kubelet reads at most this much of the termination message
+MESSAGES_DIR_ENV = "KUBETRON_LAUNCH_MESSAGES"  # set by the launcher for its torchrun workers
+TRAINER_MODULE_ENV = "KUBETRON_LAUNCH_MODULE"  # the module a worker runs (default: kubetron)
+
+
+def torchrun_argv(env: Mapping[str, str], args: Sequence[str], python: str = sys.executable,
+                  module: str = "kubetron") -> list[str]:
+    """The torchrun command line for this pod: one agent per pod, NPROC_PER_NODE ranks under it."""
+    nnodes = int(env.get("NNODES", "1"))
+    argv = [
+        python, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={env.get('NPROC_PER_NODE', '1')}",
+        # The operator restarts the whole gang from the last checkpoint; torchrun must not restart
+        # ranks in place behind its back.
+        "--max-restarts=0",
+    ]
+    if nnodes > 1 or env.get("MASTER_ADDR"):
+        argv += [
+            f"--node-rank={env.get('NODE_RANK', '0')}",
+            f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
+            f"--master-port={env.get('MASTER_PORT', '29500')}",
+        ]
+    else:
+        argv.append("--standalone")
+    trainer_args = list(args) or ["train", "--config", env.get("KUBETRON_CONFIG", DEFAULT_CONFIG)]
+    return argv + ["-m", module, *trainer_args]
+
+
+def read_messages(path: str | Path) -> list[dict]:
+    """The JSON termination messages in a file (unparseable lines are skipped)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    messages = []
+    for line in lines:
+        try:
+            message = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(message, dict) and isinstance(message.get("exitCode"), int):
+            messages.append(message)
+    return messages
+
+
+def root_cause(messages: Sequence[dict]) -> dict | None:
+    """The message that says why the ranks stopped: a rank's own failure beats "a peer died"."""
+    failed = [m for m in messages if m["exitCode"] != exitcodes.COMPLETED]
+    own = [m for m in failed if m["exitCode"] != exitcodes.PEER_FAILURE]
+    return (own or failed or list(messages) or [None])[0]
+
+
+def resolve_exit_code(torchrun_rc: int, message: dict | None) -> int:
+    """The pod's exit code: torchrun's 0, else the ranks' own code, else torchrun's."""
+    if torchrun_rc == 0:
+        return 0
+    if message is not None and 0 < message["exitCode"] < 256:
+        return message["exitCode"]
+    if torchrun_rc < 0:  # torchrun itself was killed by a signal
+        return 128 - torchrun_rc
+    return torchrun_rc
+
+
+def write_message(path: str, message: dict) -> None:
+    """Leave exactly one line, the one that matches the exit code, for the kubelet to read."""
+    line = json.dumps(message, separators=(", ", ": "))
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(line.encode()[:MESSAGE_LIMIT - 1].decode(errors="ignore") + "\n")
+    except OSError:
+        pass  # no writable termination log (running outside Kubernetes): the exit code still tells
+
+
+def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run torchrun as a child, forwarding termination signals; return its exit status."""
+    child = subprocess.Popen(list(argv), env=dict(env))
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    return child.wait()
+
+
+def worker(args: Sequence[str]) -> None:
+    """One rank under torchrun: give it its own termination log, then become the trainer (exec, so
+    torchrun's signals reach it directly)."""
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    os.environ["KUBETRON_TERMINATION_LOG"] = os.path.join(os.environ[MESSAGES_DIR_ENV], f"rank-{local_rank}.json")
+    module = os.environ.get(TRAINER_MODULE_ENV) or "kubetron"
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get(MESSAGES_DIR_ENV) and "LOCAL_RANK" in os.environ:
+        worker(args)  # does not return
+    env = dict(os.environ)
+    # torchrun SIGKILLs the ranks 30 s after forwarding SIGTERM unless told otherwise; a checkpoint
+    # save can take longer. The pod's grace period bounds it instead.
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "86400")
+    log_path = env.get("KUBETRON_TERMINATION_LOG") or DEFAULT_TERMINATION_LOG
+    try:
+        messages_dir = tempfile.mkdtemp(prefix="kubetron-launch-")
+    except OSError:  # no writable temp dir: the ranks share the pod's log, last writer wins
+        messages_dir = None
+    if messages_dir:
+        env[MESSAGES_DIR_ENV] = messages_dir
+    command = torchrun_argv(env, args, module="kubetron.launch" if messages_dir else "kubetron")
+    print("kubetron.launch:", " ".join(command), file=sys.stderr, flush=True)
+    rc = run(command, env)
+
+    messages = []
+    if messages_dir:
+        for path in sorted(Path(messages_dir).glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+            messages += read_messages(path)
+        shutil.rmtree(messages_dir, ignore_errors=True)
+    messages += read_messages(log_path)  # a rank whose config names its own train.termination_log
+    message = root_cause(messages)
+    code = resolve_exit_code(rc, message)
+    if code != 0 and (message is None or message["exitCode"] != code):
+        # No rank said why (rendezvous failure, import error, a rank SIGKILLed): say what we know.
+        message = {
+            "exitCode": code,
+            "reason": exitcodes.NAMES.get(code, "TrainerError"),
+            "message": f"torchrun exited with status {rc} and no rank wrote a termination message "
+                       "for it; see the pod's log",
+        }
+    if message is not None:
+        write_message(log_path, message)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
