@@ -72,7 +72,7 @@ def test_pod_is_safe_and_never_restarts_itself():
     assert spec["restartPolicy"] == "Never"
     assert spec["terminationGracePeriodSeconds"] == 300
     assert spec["automountServiceAccountToken"] is False
-    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}

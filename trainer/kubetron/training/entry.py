@@ -54,6 +54,24 @@ def initialize_distributed(cfg) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+_PEER_FAILURE_MARKERS = ("connection reset by peer", "connection closed by peer", "timed out waiting",
+                         "broken pipe", "connection refused", "socket timeout", "gloo/transport",
+                         "nccl communicator was aborted", "watchdog caught collective operation timeout")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective/p2p failure because another rank died or stopped answering (exit code 5).
+
+    gloo raises a plain RuntimeError: at once with "Connection reset by peer"/"Connection closed by
+    peer" when a peer process dies, or "Timed out waiting ...ms" after dist.distributed_timeout_minutes
+    when it hangs. NCCL and the TCP store raise DistBackendError/DistNetworkError/DistStoreError.
+    """
+    if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _PEER_FAILURE_MARKERS)
+
+
 def set_seeds(cfg):
     """Megatron's scheme: seed + 100 * pipeline rank (+ 10 * DP rank with data_parallel_random_init)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -77,13 +95,15 @@ def _broadcast_str(value: str) -> str:
     return objs[0]
 
 
-def _run(config, forward_step_func, mode: str) -> int:
+def _run(config, forward_step_func, mode: str, holder: dict | None = None,
+         signal_handler: SignalHandler | None = None):
     from megatron.core import parallel_state
 
     from kubetron.data import build_data_iterators
     from kubetron.training.checkpointing import CheckpointManager
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
+    from kubetron.training import pipeline
     from kubetron.training.optim import LRScheduler, build_optimizer
     from kubetron.training.train import train
 
@@ -91,22 +111,27 @@ def _run(config, forward_step_func, mode: str) -> int:
     rank, world, device = initialize_distributed(cfg)
     cfg.finalize(world_size=world)
     parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
-                                             cfg.model.pipeline_model_parallel_size)
+                                             cfg.model.pipeline_model_parallel_size,
+                                             distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes)
     if rank == 0:
         cfg.log_non_default_values(log)
     set_seeds(cfg)
     state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device)
+    if holder is not None:
+        holder["state"] = state  # so the caller can report progress even if setup fails later
     if cfg.train.exit_signal_handler:
-        state.signal_handler = SignalHandler()
+        state.signal_handler = signal_handler or SignalHandler()
 
-    model = build_model(cfg, device)
+    model = pipeline.build(cfg, device, build_model)  # build_model + PP shared-embedding setup on CPU
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
     if rank == 0:
         log.info("model: %.2fM parameters on %s (world size %d, dp %d)", num_parameters(model) / 1e6,
                  device, world, cfg.data_parallel_size)
+    state.ckpt = None
     run_id = _broadcast_str(f"{int(time.time())}-{os.getpid()}")
     ckpt = CheckpointManager(cfg, state, run_id=run_id)
+    state.ckpt = ckpt
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     train_it, valid_it = build_data_iterators(cfg, dp_rank, dp_size)
     ckpt.load(model, optimizer, scheduler, (train_it, valid_it), finetune=(mode == "finetune"))
@@ -121,7 +146,6 @@ def _run(config, forward_step_func, mode: str) -> int:
             status = StatusServer(port)
     state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
     ckpt.log_start()
-    state.ckpt = ckpt
     code = exitcodes.ERROR
     try:
         code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt)
@@ -167,12 +191,17 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
     from kubetron.training.gpt_step import forward_step
     from kubetron.training.train import DivergedError
 
-    state = None
+    # Install the signal handler before the slow setup: a SIGTERM during imports or model building
+    # still ends with the "saved/preempted" exit code (the newest checkpoint is whatever was loaded).
+    handler = SignalHandler() if cfg.train.exit_signal_handler else None
+    holder: dict = {}
     try:
-        code, state = _run(cfg, forward_step, mode)
+        code, _ = _run(cfg, forward_step, mode, holder, handler)
         msg = {exitcodes.COMPLETED: "training completed",
                exitcodes.SAVED_ON_SIGNAL: "stopped by signal; checkpoint saved",
-               exitcodes.EXIT_CONDITION: "exit condition reached; checkpoint saved"}.get(code, "")
+               exitcodes.EXIT_CONDITION: "exit condition reached; checkpoint saved",
+               exitcodes.STRAGGLER: getattr(getattr(holder.get("state"), "straggler", None), "message", None)
+               or "straggler detected; checkpoint saved"}.get(code, "")
     except ConfigError:
         raise  # the CLI prints one line and exits 2
     except ResumeMismatchError as e:
@@ -181,11 +210,15 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
         code, msg = exitcodes.DIVERGED, str(e)
     except CheckpointError as e:
         code, msg = exitcodes.ERROR, f"checkpoint error: {e}"
-    except dist.DistBackendError as e:
-        code, msg = exitcodes.PEER_FAILURE, f"a peer rank failed: {str(e).splitlines()[0][:300]}"
     except Exception as e:
-        traceback.print_exc()
-        code, msg = exitcodes.ERROR, f"{type(e).__name__}: {e}"
+        if not is_peer_failure(e):
+            traceback.print_exc()
+            code, msg = exitcodes.ERROR, f"{type(e).__name__}: {e}"
+        else:
+            code, msg = exitcodes.PEER_FAILURE, f"a peer rank failed: {str(e).strip().splitlines()[0][:300]}"
+    state = holder.get("state")
+    if handler is not None and handler.received is not None and code == exitcodes.ERROR:
+        code, msg = exitcodes.SAVED_ON_SIGNAL, f"{handler.signal_name} during setup: {msg}"
     if code not in (exitcodes.COMPLETED,):
         print(f"kubetron: {exitcodes.NAMES[code]}: {msg}", file=sys.stderr, flush=True)
     ts = state.train_state if state is not None else None

