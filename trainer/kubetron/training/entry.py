@@ -150,6 +150,9 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     try:
         code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt)
     finally:
+        import gc
+
+        gc.enable()  # train.manual_gc disables it for the loop
         state.metrics.close()
         ckpt.close()  # pending async saves are finalized before exit
         for it in (train_it, valid_it):
@@ -193,7 +196,11 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
 
     # Install the signal handler before the slow setup: a SIGTERM during imports or model building
     # still ends with the "saved/preempted" exit code (the newest checkpoint is whatever was loaded).
-    handler = SignalHandler() if cfg.train.exit_signal_handler else None
+    handler = None
+    if cfg.train.exit_signal_handler:
+        import signal
+
+        handler = SignalHandler((getattr(signal, cfg.train.exit_signal), signal.SIGINT))
     holder: dict = {}
     try:
         code, _ = _run(cfg, forward_step, mode, holder, handler)

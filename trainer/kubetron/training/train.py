@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kubetron import exitcodes
+from kubetron.training import pipeline, straggler
 from kubetron.training.optim import allreduce_gradients, clip_grads, params_l2_norm
 from kubetron.training.utils import (
     num_floating_point_operations,
@@ -34,6 +35,9 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches: 
     The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
     loss / num_microbatches, so gradients are the mean over the global batch on this rank.
     """
+    if pipeline.pp_size() > 1:  # pipeline schedule (megatron's on GPU, GPipe over gloo on CPU)
+        return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
+                                         forward_only=forward_only)
     reports = []
     for _ in range(num_microbatches):
         output, loss_func = forward_step_func(data_iterator, model[0])
@@ -152,6 +156,9 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     data_iterators = (train_data_iterator, valid_data_iterator)
     for chunk in model:
         chunk.train()
+    if cfg.train.manual_gc:
+        gc.disable()  # no collector pauses mid-step; post_training_step_callbacks collects on an interval
+        gc.collect()
 
     while ts.step < cfg.train.train_iters:
         if ts.step + 1 in skip:
