@@ -22,6 +22,7 @@ CONFIG_DIR = "/etc/kubetron"
 CONFIG_PATH = f"{CONFIG_DIR}/config.yaml"
 TERMINATION_LOG = "/dev/termination-log"
 RUN_AS_USER = 10001  # the images (Dockerfile) and the chart run as this UID
+PYTHON = "python3"  # what the trainer image's ENTRYPOINT runs; every Python image has it, not all have `python`
 DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
@@ -165,7 +166,7 @@ def rank_command(job: Job, attempt: int, rank: int, expected_iteration: int = 0)
 
     Secret-backed variables are left out (the caller supplies credentials its own way).
     """
-    argv = ["python", "-m", "kubetron.launch", *trainer_args(job)]
+    argv = [PYTHON, "-m", "kubetron.launch", *trainer_args(job)]
     env = {v["name"]: v["value"] for v in rank_env(job, attempt, rank, expected_iteration) if "value" in v}
     return argv, env
 
@@ -223,7 +224,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0) ->
     container: dict[str, Any] = {
         "name": "trainer",
         "image": spec.image,
-        "command": ["python", "-m", "kubetron.launch"],
+        "command": [PYTHON, "-m", "kubetron.launch"],
         "args": trainer_args(job),
         "env": rank_env(job, attempt, rank, expected_iteration),
         "resources": _resources(job),
@@ -276,7 +277,7 @@ def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
         "containers": [{
             "name": "progress",
             "image": job.spec.image,
-            "command": ["python", "-m", "kubetron.progress", "--no-events", job.store],
+            "command": [PYTHON, "-m", "kubetron.progress", "--no-events", job.store],
             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
             "volumeMounts": mounts,
             "securityContext": _security_context_container(),

@@ -224,10 +224,10 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
         reader = next((p for p in obs.pods if p.role == "progress-reader" and p.attempt == attempt), None)
         if reader is None:
             return Action("wait", create_reader=attempt)
-        if reader.phase == "Succeeded":
-            summary = _parse_json(reader.log)
-            ckpt = _max_ckpt(ckpt, (summary or {}).get("lastCheckpoint"))
-        elif reader.phase == "Failed" or reader.created_for > READER_TIMEOUT:
+        summary = _parse_json(reader.log) if reader.phase == "Succeeded" else None
+        if summary is not None:
+            ckpt = _max_ckpt(ckpt, summary.get("lastCheckpoint"))
+        elif reader.phase in ("Succeeded", "Failed") or reader.created_for > READER_TIMEOUT:
             events.append(Event("Warning", "ProgressUnread", f"could not read the progress log with pod "
                                 f"{reader.name}; resuming from the last checkpoint seen ({_it(ckpt)})"))
         else:
@@ -501,11 +501,19 @@ def _to_int(value: Any) -> int:
 
 
 def _parse_json(text: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
+    """The JSON object a reader pod printed. Its log (pods/log) holds stderr too, so a warning line
+    before or after the object must not make it unreadable: the last object that starts a line wins."""
+    decoder = json.JSONDecoder()
+    text = text or ""
+    starts = [i for i in range(len(text)) if text[i] == "{" and (i == 0 or text[i - 1] == "\n")]
+    for start in reversed(starts):
+        try:
+            data, _ = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            return data
+    return None
 
 
 def _iso(when: datetime) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from datetime import datetime
 from typing import Any
 
 CONFIG = "model:\n  num_layers: 2\ntrain:\n  train_iters: 40\n"
@@ -31,3 +32,15 @@ def job_body(base: dict[str, Any] = PVC_JOB, **spec: Any) -> dict[str, Any]:
     body = copy.deepcopy(base)
     body["spec"].update(spec)
     return body
+
+
+def kubectl_get(job: dict[str, Any], now: datetime) -> str:
+    """`kubectl get trainingjobs`, from the CRD's printer columns."""
+    st = job.get("status") or {}
+    created = datetime.fromisoformat(job["metadata"]["creationTimestamp"])
+    age = f"{max(0, int((now - created).total_seconds()))}s"
+    row = [job["metadata"]["name"], st.get("phase", ""), st.get("progress", ""), str(st.get("iteration", "")),
+           str((st.get("restarts") or {}).get("total", "")), st.get("eta") or "<none>", age]
+    head = ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE"]
+    widths = [max(len(a), len(b)) + 3 for a, b in zip(head, row, strict=True)]
+    return "\n".join("".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (head, row))

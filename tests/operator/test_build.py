@@ -82,7 +82,7 @@ def test_pod_is_safe_and_never_restarts_itself():
 def test_command_pvc_store():
     pod = by_kind(build(Job.from_body(job_body(mode="finetune", overrides=["train.micro_batch_size=2"])), 1), "Pod")[0]
     c = pod["spec"]["containers"][0]
-    assert c["command"] == ["python", "-m", "kubetron.launch"]
+    assert c["command"] == ["python3", "-m", "kubetron.launch"]
     assert c["args"] == ["finetune", "--config", "/etc/kubetron/config.yaml", "checkpoint.save=/ckpt/gpt",
                          "checkpoint.load=/ckpt/gpt", "train.micro_batch_size=2"]
     assert {"name": "store", "mountPath": "/ckpt"} in c["volumeMounts"]
@@ -156,7 +156,7 @@ def test_name_must_fit_a_pod_hostname():
 
 def test_rank_command_runs_locally():
     argv, env = rank_command(Job.from_body(S3_JOB), 2, 1, expected_iteration=10)
-    assert argv[:3] == ["python", "-m", "kubetron.launch"] and argv[3] == "train"
+    assert argv[:3] == ["python3", "-m", "kubetron.launch"] and argv[3] == "train"
     assert env["NODE_RANK"] == "1" and env["KUBETRON_EXPECTED_ITERATION"] == "10"
     assert "AWS_SECRET_ACCESS_KEY" not in env  # secrets are the caller's business
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import pytest
@@ -277,6 +278,21 @@ def test_pvc_restart_reads_progress_with_a_reader_pod():
     action = run(RESTARTING_PVC, pods=[reader("Succeeded", log)], job=PVC)
     assert action.kind == "create" and action.expected_iteration == 30
     assert action.delete_pods == ("gpt-1-progress",)
+
+
+def test_pvc_reader_log_with_stderr_lines_still_reads():
+    """pods/log interleaves stderr: a warning around the printed JSON must not hide the checkpoint."""
+    summary = json.dumps({"lastCheckpoint": {"iteration": 30, "time": "t3"}, "completed": False}, indent=2)
+    log = f"/usr/lib/python3/warnings.py:1: UserWarning: something\n{summary}\nException ignored in: x\n"
+    action = run(RESTARTING_PVC, pods=[reader("Succeeded", log)], job=PVC)
+    assert action.kind == "create" and action.expected_iteration == 30
+    assert not any(e.reason == "ProgressUnread" for e in action.events)
+
+
+def test_pvc_reader_with_an_unreadable_log_says_so():
+    action = run(RESTARTING_PVC, pods=[reader("Succeeded", "Traceback (most recent call last): ...")], job=PVC)
+    assert action.kind == "create" and action.expected_iteration == 10
+    assert any(e.reason == "ProgressUnread" for e in action.events)
 
 
 def test_pvc_reader_failure_falls_back_to_what_is_known():

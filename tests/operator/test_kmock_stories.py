@@ -22,7 +22,7 @@ from kubetron_operator.api_calls import Kube, kubernetes_transport
 from kubetron_operator.handlers import Deps, register
 from kubetron_operator.main import settings as operator_settings
 
-from tests.operator.jobs import S3_JOB
+from tests.operator.jobs import S3_JOB, kubectl_get
 
 STORY_TIMEOUT = 60.0
 JOBS = "/apis/kubetron.dev/v1alpha1/namespaces/ml/trainingjobs"
@@ -139,18 +139,6 @@ def _live(cluster: Cluster) -> dict[str, Any]:
 def run_story(body: dict[str, Any], script: Callable[[Cluster], Any]) -> None:
     logging.getLogger("kopf").setLevel(logging.WARNING)
     asyncio.run(_story(body, script))
-
-
-def kubectl_get(job: dict[str, Any], now: datetime) -> str:
-    """`kubectl get trainingjobs`, from the CRD's printer columns."""
-    st = job.get("status") or {}
-    created = datetime.fromisoformat(job["metadata"]["creationTimestamp"])
-    age = f"{max(0, int((now - created).total_seconds()))}s"
-    row = [job["metadata"]["name"], st.get("phase", ""), st.get("progress", ""), str(st.get("iteration", "")),
-           str((st.get("restarts") or {}).get("total", "")), st.get("eta") or "<none>", age]
-    head = ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE"]
-    widths = [max(len(a), len(b)) + 3 for a, b in zip(head, row, strict=True)]
-    return "\n".join("".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (head, row))
 
 
 def job_body(**spec: Any) -> dict[str, Any]:

@@ -730,8 +730,11 @@ class ConfigContainer(BaseModel):
                               "required when non_persistent_ckpt_type is 'local'")
         if c.exit_on_missing_checkpoint and not c.load:
             raise ConfigError("checkpoint.load", "required when exit_on_missing_checkpoint is true")
-        if c.ckpt_step is not None and not (c.load or c.pretrained_checkpoint):
-            raise ConfigError("checkpoint.ckpt_step", "set but neither checkpoint.load nor pretrained_checkpoint is")
+        if c.ckpt_step is not None and not c.load:
+            # As in the reference, a pretrained checkpoint always loads its newest iteration: point
+            # pretrained_checkpoint at an iter_ directory to pick another.
+            raise ConfigError("checkpoint.ckpt_step", "applies to checkpoint.load, which is not set (for "
+                              "pretrained_checkpoint, give the iter_ directory itself)")
         for name in ("save", "load", "pretrained_checkpoint", "non_persistent_local_ckpt_dir"):
             value = getattr(c, name)
             if value is not None and not str(value).strip():

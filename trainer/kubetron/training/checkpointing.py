@@ -15,9 +15,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import pickle
 import random
 import re
+import signal
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -42,6 +44,14 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
                "share_embeddings_and_output_weights")
+
+
+def _chaos(point: str, iteration: int):
+    """Fault injection for the store's guarantees: KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>] SIGKILLs
+    this process at that point of a save (after-model, after-payload, after-commit, after-tracker)."""
+    spec = os.environ.get("KUBETRON_CHAOS_KILL_AT")
+    if spec and spec in (point, f"{point}@{iteration}"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def iter_dir(iteration: int) -> str:
@@ -220,7 +230,9 @@ class CheckpointManager:
                     if obj is not None:
                         with txn.open_write(key) as f:
                             torch.save(obj, f)
+                        _chaos(f"after-{key[:-3]}", snap.iteration)
                 txn.write_bytes("run_config.yaml", snap.run_config.encode())
+            _chaos("after-payload", snap.iteration)
 
         def finalize():
             _barrier()  # every rank's files are written
@@ -228,10 +240,12 @@ class CheckpointManager:
                 marker = {"iteration": snap.iteration, "time": _now_iso(), "run_id": self.run_id,
                           "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.state.world_size}
                 txn.commit(json.dumps(marker).encode())
+                _chaos("after-commit", snap.iteration)
                 if not non_persistent:
                     tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
                                "time": marker["time"]}
                     store.replace_tracker(TRACKER, _to_bytes(tracker))
+                    _chaos("after-tracker", snap.iteration)
                     self._append_progress("Saved async checkpoint" if use_async else "Saved checkpoint",
                                           snap.progress_fields)
                     self._apply_retention()
@@ -436,7 +450,10 @@ class CheckpointManager:
                                           f"durable checkpoint in {ck.load} is iteration {iteration}")
             self._restore(store, name, model, optimizer, scheduler, data_iterators, full=True)
             log.info("resumed from %s/%s at iteration %d", store.url, name, iteration)
-            self.last_durable = iteration if not name.startswith(NON_PERSISTENT) else self.last_durable
+            if not name.startswith(NON_PERSISTENT):
+                self.last_durable = iteration
+                marker = json.loads(store.read_bytes(f"{name}/{MARKER}"))
+                self.last_durable_time = marker.get("time")
             return iteration
         if finetune:
             if not ck.pretrained_checkpoint:
@@ -503,10 +520,10 @@ def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent
     """
     ck = cfg.checkpoint
     loc = location.rstrip("/")
-    leaf = loc.rsplit("/", 1)[-1]
+    parent, _, leaf = loc.rpartition("/")
     m = _ITER_RE.match(leaf)
-    if m and "/" in loc:
-        store = open_store(loc.rsplit("/", 1)[0], endpoint_url=ck.s3_endpoint_url, region=ck.s3_region)
+    if m:  # an iter_ directory itself (`iter_0000030` alone means ./iter_0000030)
+        store = open_store(parent or ".", endpoint_url=ck.s3_endpoint_url, region=ck.s3_region)
         if not store.exists(f"{leaf}/{MARKER}"):
             raise CheckpointError(f"{location} is not a complete checkpoint (no {MARKER})")
         return store, leaf, int(m.group(1))

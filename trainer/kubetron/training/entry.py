@@ -110,6 +110,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     cfg = config
     rank, world, device = initialize_distributed(cfg)
     cfg.finalize(world_size=world)
+    if parallel_state.model_parallel_is_initialized():  # a second pretrain() in one process
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
                                              cfg.model.pipeline_model_parallel_size,
                                              distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes)
@@ -149,7 +151,14 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     code = exitcodes.ERROR
     try:
         code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt)
+    except BaseException as e:
+        code = _exit_code_for(e)
+        if code is not None:
+            ckpt.log_exit(exitcodes.NAMES[code])  # the progress log says how the job ended
+        raise
     finally:
+        if state.signal_handler is not None:
+            state.signal_handler.release()
         import gc
 
         gc.enable()  # train.manual_gc disables it for the loop
@@ -163,6 +172,18 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     state.exit_code = code
     ckpt.log_exit(exitcodes.NAMES[code])
     return code, state
+
+
+def _exit_code_for(e: BaseException) -> int | None:
+    from kubetron.training.train import DivergedError
+
+    if isinstance(e, ResumeMismatchError):
+        return exitcodes.RESUME_MISMATCH
+    if isinstance(e, DivergedError):
+        return exitcodes.DIVERGED
+    if isinstance(e, Exception):
+        return exitcodes.ERROR
+    return None
 
 
 def pretrain(config, forward_step_func) -> int:

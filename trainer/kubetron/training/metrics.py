@@ -3,6 +3,11 @@
 Per-iteration values stay on the device (no `.item()`) until log time: every `log_interval`
 iterations the buffered tensors are moved to the host in one go, written to TensorBoard for each
 iteration, and averaged into one console line.
+
+Rank 0's status endpoint is refreshed at every log time and, between them, at least every
+`STATUS_EVERY` seconds from host-side numbers only (iteration counter, wall-clock throughput, ETA,
+last durable checkpoint), so the operator's view lags by seconds even when `log_interval` steps are
+minutes apart, and no step pays a device sync for it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import torch
 from kubetron.training.utils import report_memory
 
 log = logging.getLogger("kubetron")
+
+STATUS_EVERY = 10.0
+"""Seconds: the longest the status endpoint goes without a refresh while steps complete."""
 
 
 class MetricsLogger:
@@ -39,6 +47,12 @@ class MetricsLogger:
         self._wct: deque[tuple[int, float]] = deque(maxlen=cfg.logger.throughput_window_size + 1)
         self._job_start = time.perf_counter()
         self._job_start_iter: int | None = None
+        self._last_status = time.perf_counter()
+        if status is not None:  # before the first step: what the endpoint can already tell
+            ts = getattr(state, "train_state", None)
+            status.update(trainIters=cfg.train.train_iters, iteration=getattr(ts, "step", None),
+                          consumedSamples=getattr(ts, "consumed_train_samples", None),
+                          lastCheckpoint=self._last_checkpoint())
 
     # -- per iteration (cheap, no sync) ----------------------------------------------------------
     def record_step(self, iteration: int, loss_dict: dict, lr: float, grad_norm, skipped: int,
@@ -49,9 +63,14 @@ class MetricsLogger:
             self._last_log_iter = iteration - 1
         self._wct.append((iteration, now))
         self._skipped += skipped
+        if skipped and any(not bool(torch.isfinite(v.detach()).all()) for v in loss_dict.values()):
+            self._nan += 1  # as Megatron: a skipped iteration whose loss was NaN/Inf (rare: syncs only then)
         self._pending.append((iteration, loss_dict, lr, grad_norm, params_norm))
         if iteration % self.cfg.logger.log_interval == 0:
             self.flush(iteration)
+        elif self.status is not None and now - self._last_status >= STATUS_EVERY:
+            tokens_per_sec, _ = self._throughput(self.cfg.train.global_batch_size * self.cfg.model.seq_length)
+            self._publish(iteration, tokens_per_sec, self._remaining_seconds(iteration))
 
     def count_nan(self):
         self._nan += 1
@@ -71,10 +90,7 @@ class MetricsLogger:
         seq = cfg.model.seq_length
         tokens_per_sec, device_tokens_per_sec = self._throughput(gbs * seq)
         remaining = self._remaining_seconds(iteration)
-        if self.status is not None:
-            self.status.update(iteration=iteration, trainIters=cfg.train.train_iters,
-                               consumedSamples=ts.consumed_train_samples,
-                               tokensPerSecond=round(tokens_per_sec, 1), etaSeconds=round(remaining, 1))
+        self._publish(iteration, tokens_per_sec, remaining)
         if not self.writes:
             return
         if self.writer is not None:
@@ -151,6 +167,25 @@ class MetricsLogger:
             self.writer.flush()
         line = " | ".join(parts)
         print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+
+    # -- status endpoint ----------------------------------------------------------------------------
+    def _publish(self, iteration: int, tokens_per_sec: float, remaining: float):
+        """Refresh rank 0's GET /status (host values only: no device sync)."""
+        if self.status is None:
+            return
+        self._last_status = time.perf_counter()
+        self.status.update(iteration=iteration, trainIters=self.cfg.train.train_iters,
+                           consumedSamples=self.state.train_state.consumed_train_samples,
+                           tokensPerSecond=round(tokens_per_sec, 1), etaSeconds=round(remaining, 1),
+                           lastCheckpoint=self._last_checkpoint())
+
+    def _last_checkpoint(self) -> dict | None:
+        """{iteration, time} of the newest durable checkpoint this run knows of (None before any)."""
+        ckpt = getattr(self.state, "ckpt", None)
+        iteration = getattr(ckpt, "last_durable", None)
+        if iteration is None:
+            return None
+        return {"iteration": int(iteration), "time": getattr(ckpt, "last_durable_time", None)}
 
     # -- estimates ----------------------------------------------------------------------------------
     def _throughput(self, tokens_per_iter: int) -> tuple[float, float]:

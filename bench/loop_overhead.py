@@ -1,0 +1,207 @@
+"""Step-time overhead of kubetron's `train()` over a bare PyTorch loop on the same model and data.
+
+    .venv/bin/python bench/loop_overhead.py [--layers 2 --hidden 128 --seq 128 --mbs 4 --gbs 8]
+                                            [--steps 10 --reps 15 --warmup 10] [--threads N]
+                                            [--device cpu|cuda|auto] [--check]
+
+Model, optimizer, scheduler and data iterator are built exactly as `kubetron train` builds them
+(kubetron.training.entry / model / optim, kubetron.data, world size 1 on gloo or NCCL). Variants,
+each timed over blocks of `--steps` optimizer steps:
+
+  * bare loop:  for each micro-batch: batch -> model -> masked token loss -> backward; clip;
+                optimizer.step(); scheduler.step(). No logging, no checks, no checkpoints.
+  * train():    kubetron.training.train.train() (forward-step contract, loss reductions, NaN check,
+                metrics, exit checks) with logger.log_interval=10, and again with log_interval=1.
+
+The variants share the model, optimizer and data, and their blocks are interleaved (the order
+rotates every repetition) so machine noise hits them alike. Reported per variant: the median wall
+ms/step (and min/max), and the median CPU ms/step of this process (`time.process_time`, which other
+processes on a shared machine do not inflate); the ratio train()/bare (target <= 1.05) with the
+per-step overhead in ms; and the cost of logging every iteration. `--check` exits 1 when the wall
+ratio is above `--target`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "trainer"))
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--mbs", type=int, default=4, help="micro-batch size")
+    p.add_argument("--gbs", type=int, default=8, help="global batch size (gbs/mbs micro-batches per step)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per timed block")
+    p.add_argument("--reps", type=int, default=15, help="timed blocks per variant (interleaved)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per variant first")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--target", type=float, default=1.05)
+    p.add_argument("--check", action="store_true", help="exit 1 if train()/bare exceeds --target")
+    return p.parse_args(argv)
+
+
+def build(args):
+    """Config, state and training objects, as kubetron.training.entry._run builds them."""
+    from kubetron.config import ConfigContainer
+    from kubetron.data import build_data_iterators
+    from kubetron.training.checkpointing import CheckpointManager
+    from kubetron.training.entry import initialize_distributed, set_seeds
+    from kubetron.training.metrics import MetricsLogger
+    from kubetron.training.model import build_model, num_parameters
+    from kubetron.training.optim import LRScheduler, build_optimizer
+    from kubetron.training.state import GlobalState
+    from megatron.core import parallel_state
+
+    use_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    cfg = ConfigContainer.from_yaml(str(ROOT / "examples" / "tiny-gpt.yaml"), [
+        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
+        f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
+        f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={args.gbs}",
+        "train.train_iters=1000000", "scheduler.lr_decay_style=constant", "scheduler.lr_warmup_iters=0",
+        "checkpoint.save=null", "checkpoint.load=null", "validation.eval_interval=null",
+        "train.exit_signal_handler=false", "logger.log_progress=false", "train.status_port=0",
+        f"dist.use_gpu={'true' if use_gpu else 'false'}",
+    ])
+    rank, world, device = initialize_distributed(cfg)
+    cfg.finalize(world_size=world)
+    parallel_state.initialize_model_parallel(1, 1)
+    set_seeds(cfg)
+    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device)
+    model = build_model(cfg, device)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = LRScheduler(optimizer, cfg)
+    train_it, valid_it = build_data_iterators(cfg, 0, 1)
+    ckpt = CheckpointManager(cfg, state, run_id="bench")
+    state.metrics = MetricsLogger(cfg, state, writes=True)
+    state.ckpt = ckpt
+    return cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, num_parameters(model)
+
+
+def bare_steps(n, cfg, model, optimizer, scheduler, data_iterator, device):
+    """The baseline: what any hand-written loop does per optimizer step, and nothing more."""
+    chunk = model[0]
+    nmb = cfg.train.num_microbatches
+    clip = cfg.optimizer.clip_grad
+    params = list(chunk.parameters())
+    for _ in range(n):
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(nmb):
+            b = next(data_iterator)
+            tokens, pos, labels = (b[k].to(device, non_blocking=True) for k in ("tokens", "position_ids", "labels"))
+            mask = b["loss_mask"].to(device, non_blocking=True).reshape(-1)
+            out = chunk(tokens, pos, None, labels=labels)
+            loss = (out.float().reshape(-1) * mask).sum() / mask.sum()
+            (loss / nmb).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        scheduler.step(1)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from kubetron.training.gpt_step import forward_step
+    from kubetron.training.train import train
+
+    cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, nparams = build(args)
+    device = state.device
+    sink = io.StringIO()  # console lines are produced (their cost is measured) but not shown
+
+    def run_train(n, log_interval):
+        cfg.logger.log_interval = log_interval
+        cfg.train.train_iters = state.train_state.step + n
+        with contextlib.redirect_stdout(sink):
+            code = train(forward_step, model, optimizer, scheduler, train_it, valid_it, state, ckpt)
+        if code != 0:
+            raise SystemExit(f"train() returned exit code {code}")
+        sink.seek(0)
+        sink.truncate()
+
+    variants = {
+        "bare loop": lambda n: bare_steps(n, cfg, model, optimizer, scheduler, train_it, device),
+        "train(), log_interval=10": lambda n: run_train(n, 10),
+        "train(), log_interval=1": lambda n: run_train(n, 1),
+    }
+    names = list(variants)
+    for name in names:  # warm-up: allocator, autograd graph caches, prefetch thread, first log line
+        variants[name](args.warmup)
+    sync(device)
+
+    per_step: dict[str, list[float]] = {n: [] for n in names}  # wall ms/step
+    cpu_step: dict[str, list[float]] = {n: [] for n in names}  # this process's CPU ms/step
+    for rep in range(args.reps):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            variants[name](args.steps)
+            sync(device)
+            per_step[name].append((time.perf_counter() - t0) * 1000.0 / args.steps)
+            cpu_step[name].append((time.process_time() - c0) * 1000.0 / args.steps)
+
+    med = {n: statistics.median(v) for n, v in per_step.items()}
+    cmed = {n: statistics.median(v) for n, v in cpu_step.items()}
+    bare, cbare = med["bare loop"], cmed["bare loop"]
+    paired = {n: statistics.median(a / b for a, b in zip(per_step[n], per_step["bare loop"])) for n in names}
+
+    print(f"kubetron loop overhead: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+          f"mbs {args.mbs}, gbs {args.gbs} ({cfg.train.num_microbatches} micro-batches/step), "
+          f"{nparams / 1e6:.2f}M params, device {device}, torch threads {torch.get_num_threads()}, "
+          f"{args.reps} x {args.steps} steps per variant, interleaved")
+    print()
+    header = (f"{'variant':<26}{'wall ms/step':>13}{'min':>9}{'max':>9}{'vs bare':>9}{'paired':>8}"
+              f"{'cpu ms/step':>13}{'vs bare':>9}")
+    print(header)
+    print("-" * len(header))
+    for n in names:
+        v = per_step[n]
+        print(f"{n:<26}{med[n]:>13.2f}{min(v):>9.2f}{max(v):>9.2f}{med[n] / bare:>9.3f}{paired[n]:>8.3f}"
+              f"{cmed[n]:>13.2f}{cmed[n] / cbare:>9.3f}")
+    print()
+    k10, k1 = "train(), log_interval=10", "train(), log_interval=1"
+    ratio, cratio = med[k10] / bare, cmed[k10] / cbare
+    verdict = "OK" if ratio <= args.target else "ABOVE TARGET"
+    print(f"train()/bare, log_interval=10: wall {ratio:.3f} ({med[k10] - bare:+.2f} ms/step), "
+          f"cpu {cratio:.3f} ({cmed[k10] - cbare:+.2f} ms/step)  target <= {args.target}: {verdict}")
+    print(f"logging every iteration vs every 10: wall {med[k1] - med[k10]:+.2f} ms/step, "
+          f"cpu {cmed[k1] - cmed[k10]:+.2f} ms/step (train()/bare at log_interval=1: wall {med[k1] / bare:.3f}, "
+          f"cpu {cmed[k1] / cbare:.3f})")
+    print("paired = median over repetitions of wall(variant)/wall(bare) in the same repetition; cpu = this "
+          "process's CPU time (robust to other processes on a shared machine)")
+    train_it.close()
+    state.metrics.close()
+    return 1 if args.check and ratio > args.target else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # skip interpreter teardown of megatron/gloo state
