@@ -219,11 +219,12 @@ class CheckpointManager:
         snap = self.snapshot(model, optimizer, scheduler, data_iterators)
         store = self.save_store
         name = (f"{NON_PERSISTENT}/" if non_persistent else "") + iter_dir(snap.iteration)
-        txn = store.begin_dir(name, txn_id=f"{self.run_id}-{snap.iteration}")
         use_async = self.async_saver is not None and not (blocking or False)
+        holder = {}  # the transaction is opened in write(): on S3 that is a few requests, off the loop
 
         def write():
             rank = _rank()
+            txn = holder["txn"] = store.begin_dir(name, txn_id=f"{self.run_id}-{snap.iteration}")
             txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
             if snap.common is not None:
                 for key, obj in (("model.pt", snap.model), ("optim.pt", snap.optim), ("common.pt", snap.common)):
@@ -239,7 +240,7 @@ class CheckpointManager:
             if _rank() == 0:
                 marker = {"iteration": snap.iteration, "time": _now_iso(), "run_id": self.run_id,
                           "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.state.world_size}
-                txn.commit(json.dumps(marker).encode())
+                holder["txn"].commit(json.dumps(marker).encode())
                 _chaos("after-commit", snap.iteration)
                 if not non_persistent:
                     tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
@@ -263,7 +264,8 @@ class CheckpointManager:
             try:
                 write()
             except Exception:
-                txn.abort()
+                if "txn" in holder:
+                    holder["txn"].abort()
                 raise
             finalize()
 

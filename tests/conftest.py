@@ -1,0 +1,3 @@
+"""Shared fixtures. The S3 server fixture lives in tests/s3server.py (importable by scripts too)."""
+
+from tests.s3server import s3_server  # noqa: F401 - a pytest fixture, re-exported
