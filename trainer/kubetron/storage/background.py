@@ -43,6 +43,10 @@ class AsyncSaver:
         """Saves scheduled and not yet finalized (running, finished, or failed and not yet reported)."""
         return len(self._pending)
 
+    def ready(self) -> bool:
+        """True when the oldest pending save's background part has finished (finalizing won't block)."""
+        return bool(self._pending) and self._pending[0][0].done()
+
     def schedule(self, fn: Callable[[], Any], finalize_fn: Callable[[], Any] | None = None) -> None:
         """Run `fn()` in the background worker; `finalize_fn()` later, in `maybe_finalize`.
 
