@@ -32,6 +32,8 @@ import re
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Self
 
+from kubetron.errors import CheckpointError
+
 MARKER = "metadata.json"
 """The commit marker of a checkpoint directory, written last."""
 
@@ -87,21 +89,58 @@ class DirTxn(abc.ABC):
     name: str
     txn_id: str
     primary: bool
+    _open: int = 0  # writes in progress in this process
+    _failed: list[str]  # relkeys whose write raised
+    _done: bool = False  # committed or aborted
 
     @abc.abstractmethod
-    def open_write(self, relkey: str) -> AbstractContextManager[BinaryIO]:
+    def _what(self, relkey: str = "") -> str:
+        """A human name for `name/relkey` in error messages."""
+
+    @abc.abstractmethod
+    def _open_object(self, relkey: str) -> AbstractContextManager[BinaryIO]:
+        """The backend's writable stream for `name/relkey` (already checked)."""
+
+    @abc.abstractmethod
+    def _commit(self, marker: bytes) -> None:
+        """The backend's commit, once the common checks passed."""
+
+    @contextlib.contextmanager
+    def open_write(self, relkey: str):
         """A writable stream for `name/relkey`; durable (fsynced / upload completed) on a clean exit."""
+        rk = check_key(relkey)
+        if rk == MARKER:
+            raise ValueError(f"{MARKER} is written by commit()")
+        if self._done:
+            raise CheckpointError(f"{self._what()}: transaction already finished")
+        self._open += 1
+        try:
+            with self._open_object(rk) as f:
+                yield f
+        except BaseException:
+            self._failed.append(rk)
+            raise
+        finally:
+            self._open -= 1
 
     def write_bytes(self, relkey: str, data: bytes) -> None:
         with self.open_write(relkey) as f:
             f.write(data)
 
-    @abc.abstractmethod
     def commit(self, marker: bytes) -> None:
         """Make the directory visible: write the marker last (FS: then rename the directory into place).
 
         Raises CheckpointError if a write through this txn failed or is still open in this process.
         """
+        if not self.primary:
+            raise CheckpointError(f"{self._what()}: only the primary process commits")
+        if self._done:
+            raise CheckpointError(f"{self._what()}: transaction already finished")
+        if self._failed or self._open:
+            raise CheckpointError(
+                f"{self._what()}: not committing, writes failed {self._failed} or still open ({self._open})"
+            )
+        self._commit(marker)
 
     @abc.abstractmethod
     def abort(self) -> None:

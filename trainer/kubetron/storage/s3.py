@@ -625,31 +625,11 @@ class _S3DirTxn(DirTxn):
         return self.store._what(join_key(self.name, relkey))
 
     @contextmanager
-    def open_write(self, relkey: str) -> Iterator[BinaryIO]:
-        rk = check_key(relkey)
-        if rk == MARKER:
-            raise ValueError(f"{MARKER} is written by commit()")
-        if self._done:
-            raise CheckpointError(f"{self._what()}: transaction already finished")
-        self._open += 1
-        try:
-            with self.store.open_write(join_key(self.name, rk)) as f:
-                yield f
-        except BaseException:
-            self._failed.append(rk)
-            raise
-        finally:
-            self._open -= 1
+    def _open_object(self, rk: str) -> Iterator[BinaryIO]:
+        with self.store.open_write(join_key(self.name, rk)) as f:
+            yield f
 
-    def commit(self, marker: bytes) -> None:
-        if not self.primary:
-            raise CheckpointError(f"{self._what()}: only the primary process commits")
-        if self._done:
-            raise CheckpointError(f"{self._what()}: transaction already finished")
-        if self._failed or self._open:
-            raise CheckpointError(
-                f"{self._what()}: not committing, writes failed {self._failed} or still open ({self._open})"
-            )
+    def _commit(self, marker: bytes) -> None:
         self.store._put(join_key(self.name, MARKER), marker)
         self._done = True
         try:
