@@ -100,10 +100,10 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     from megatron.core import parallel_state
 
     from kubetron.data import build_data_iterators
+    from kubetron.training import pipeline
     from kubetron.training.checkpointing import CheckpointManager
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
-    from kubetron.training import pipeline
     from kubetron.training.optim import LRScheduler, build_optimizer
     from kubetron.training.train import train
 

@@ -24,8 +24,22 @@ def _is_replica_on_this_tp_rank(param: torch.nn.Parameter) -> bool:
     return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
 
 
+def check_ddp_config(cfg, on_gpu: bool):
+    """megatron-core DDP / the distributed optimizer are not wired in (they hard-code CUDA)."""
+    d = cfg.ddp
+    for key in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(d, key):
+            from kubetron.errors import ConfigError
+
+            where = ("on CPU: needs a GPU (megatron-core's DistributedDataParallel and distributed optimizer "
+                     "keep grad buffers on torch.cuda.current_device() and use CUDA streams)") if not on_gpu \
+                else "is not supported by kubetron yet (docs/parallelism.md)"
+            raise ConfigError(f"ddp.{key}", where)
+
+
 def build_optimizer(cfg, model: list[torch.nn.Module]) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay; none on biases and norms) or SGD with momentum."""
+    check_ddp_config(cfg, on_gpu=any(p.is_cuda for chunk in model for p in chunk.parameters()))
     decay, no_decay = [], []
     for chunk in model:
         for name, p in chunk.named_parameters():
@@ -99,22 +113,47 @@ class LRScheduler:
         self.step(int(d["num_steps"]))
 
 
-def allreduce_gradients(model: list[torch.nn.Module]):
-    """Average gradients across the data-parallel group: one flat bucket, one all-reduce."""
-    dp = parallel_state.get_data_parallel_world_size()
-    if dp == 1:
+def _allreduce_flat(grads: list[torch.Tensor], group, divide_by: int = 1):
+    if not grads:
         return
-    grads = [p.grad for chunk in model for p in chunk.parameters() if p.grad is not None]
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-    flat /= dp
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+    dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)
+
+
+def allreduce_gradients(model: list[torch.nn.Module]):
+    """What megatron's finalize_model_grads does, for plain `.grad`s, in the same order:
+
+    1. data-parallel mean of all gradients (one flat bucket, one all-reduce);
+    2. with sequence parallelism, sum the grads of params replicated across TP ranks that saw only
+       their sequence shard (layer norms; megatron marks them `sequence_parallel`) over the TP group;
+    3. with pipeline parallelism and tied embeddings, sum the word-embedding grad of the first stage
+       and its copy on the last stage (`output_layer.weight`) over the embedding group, so the two
+       copies get the same update.
+    """
+    params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
+    dp = parallel_state.get_data_parallel_world_size()
+    if dp > 1:
+        _allreduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group(), dp)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+        _allreduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
+    if (parallel_state.get_pipeline_model_parallel_world_size() > 1
+            and parallel_state.is_rank_in_embedding_group(ignore_virtual=True)):
+        from kubetron.training.pipeline import shared_embedding_weight
+
+        weight = shared_embedding_weight(model[0])
+        if weight is not None and weight.grad is not None:
+            dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
 
 def _model_parallel_sum(x: torch.Tensor) -> torch.Tensor:
     if parallel_state.get_model_parallel_group() is not None and dist.is_initialized():
-        mp = parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
+        mp = (parallel_state.get_tensor_model_parallel_world_size()
+              * parallel_state.get_pipeline_model_parallel_world_size())
         if mp > 1:
             dist.all_reduce(x, group=parallel_state.get_model_parallel_group())
     return x
@@ -143,6 +182,7 @@ def clip_grads(model: list[torch.nn.Module], max_norm: float) -> torch.Tensor:
 
 def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
     """calc_params_l2_norm: the L2 norm of all parameters across the model-parallel group."""
-    params = [p for chunk in model for p in chunk.parameters() if param_is_not_shared(p) and _is_replica_on_this_tp_rank(p)]
+    params = [p for chunk in model for p in chunk.parameters()
+              if param_is_not_shared(p) and _is_replica_on_this_tp_rank(p)]
     sq = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).square().sum()
     return _model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)

@@ -1,64 +1,277 @@
 """Canonical (layout-free) checkpoint tensors: gather from this rank's shards, scatter back.
 
-Canonical form = the state dict a TP=1, PP=1 model has: full tensors, global layer numbers.
-With data parallelism only, every rank already holds the full tensors, so gather/scatter are
-copies and a checkpoint saved at DP=N loads at any DP=M.
+Canonical form = the state dict a TP=1, PP=1 model has: full tensors under its names, global layer
+numbers. A checkpoint saved at any (DP, TP, PP) therefore loads at any other, as long as the model
+itself is the same (the architecture fields in common.pt, the padded vocabulary included).
+
+Gather (save). Only the data-parallel rank 0 replica takes part (the other replicas hold the same
+values). Within it:
+- TP: every tensor-parallel parameter (megatron sets `param.tensor_model_parallel` and
+  `param.partition_dim`) is all-gathered over the TP group (one flat all-gather) and concatenated
+  along `partition_dim`. Two layouts need more than a concatenation:
+  * SwiGLU `mlp.linear_fc1` (`gated_linear_unit`): each TP rank holds `[gate_r; up_r]`, the full
+    tensor is `[gate_0; gate_1; ...; up_0; up_1; ...]`, so each shard is split in halves first;
+  * vocabulary-parallel embedding/output layer: split along dim 0 over the *padded* vocabulary,
+    which plain concatenation restores (the padding depends on TP: see docs/parallelism.md).
+  The fused QKV weight is grouped by query group, so TP's contiguous split is a plain concatenation.
+- PP: layer numbers in the state dict are local to the stage (`decoder.layers.0` on every stage);
+  they become global through each layer's `layer_number` (1-based, global). The last stage's copy
+  of a tied word embedding (`output_layer.weight`, marked `shared`) is not saved: the canonical
+  model has no such tensor. The stages' dicts are gathered onto the first stage
+  (`gather_object` over the pipeline group), so global rank 0 ends up with the whole model.
+Scatter (load). Every rank reads the canonical file and takes its part: the slice of its TP rank
+along `partition_dim` (re-interleaving gated fc1), its stage's layers, and for the last stage's tied
+output weight, the word embedding.
+
+Optimizer state is converted the same way, tensor by tensor: a state tensor with the parameter's
+shape (Adam's `exp_avg`, `exp_avg_sq`, SGD's `momentum_buffer`) is gathered/sliced like the
+parameter; anything else (`step`) is copied.
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kubetron.errors import CheckpointError
 
-def _check_supported():
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if tp != 1 or pp != 1:
-        raise NotImplementedError(f"checkpoints with tensor/pipeline parallelism (tp={tp}, pp={pp}) are not "
-                                  "supported yet: use data parallelism only")
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_TIED_OUTPUT = "output_layer.weight"
+_WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _sizes() -> tuple[int, int]:
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
 
 
 def _skip(name: str) -> bool:
     return name.endswith("_extra_state")
 
 
+def _is_tied_output_copy(chunk, name: str) -> bool:
+    """The last stage's copy of the word embedding under PP (not part of the canonical model)."""
+    return (name == _TIED_OUTPUT and getattr(chunk, "share_embeddings_and_output_weights", False)
+            and not getattr(chunk, "pre_process", True))
+
+
+def _layer_offsets(chunk) -> dict[int, int]:
+    """Local layer index -> global layer index (0-based) for this stage."""
+    decoder = getattr(chunk, "decoder", None)
+    layers = getattr(decoder, "layers", None) or []
+    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
+
+
+def _canonical_name(name: str, offsets: dict[int, int]) -> str:
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    return f"decoder.layers.{offsets[int(m.group(1))]}.{m.group(2)}"
+
+
+def _is_gated_fc1(chunk, name: str) -> bool:
+    cfg = getattr(chunk, "config", None)
+    return bool(getattr(cfg, "gated_linear_unit", False)) and ".mlp.linear_fc1." in f".{name}"
+
+
+def _tp_split(param) -> int | None:
+    """partition_dim of a TP-split parameter, None for a replicated one."""
+    if param is not None and getattr(param, "tensor_model_parallel", False):
+        return int(getattr(param, "partition_dim", 0))
+    return None
+
+
+# --- TP --------------------------------------------------------------------------------------------
+
+def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors for `tensors` (keyed by local parameter/state-dict name), on the host."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(chunk.named_parameters())
+    out = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()
+           if _tp_split(params.get(k)) is None}
+    split = [k for k in tensors if _tp_split(params.get(k)) is not None]
+    if not split:
+        return out
+    if tp == 1:
+        out.update({k: tensors[k].detach().to("cpu", copy=True) for k in split})
+        return out
+    local = [tensors[k].detach() for k in split]
+    flat = torch.cat([t.reshape(-1).float() for t in local])  # fp32 holds bf16/fp16 values exactly
+    parts = [torch.empty_like(flat) for _ in range(tp)]
+    dist.all_gather(parts, flat.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    parts = [p.cpu() for p in parts]
+    pos = 0
+    for k, t in zip(split, local, strict=True):
+        n = t.numel()
+        shards = [p[pos:pos + n].view(t.shape).to(t.dtype) for p in parts]
+        pos += n
+        dim = _tp_split(params[k])
+        if _is_gated_fc1(chunk, k):
+            halves = [s.chunk(2, dim=0) for s in shards]
+            out[k] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        else:
+            out[k] = torch.cat(shards, dim=dim)
+    return out
+
+
+def _slice_tp(chunk, name: str, full: torch.Tensor, local_shape) -> torch.Tensor:
+    """This TP rank's part of the canonical tensor `full` for the local tensor `name`."""
+    param = dict(chunk.named_parameters()).get(name)
+    dim = _tp_split(param)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if dim is None or tp == 1:
+        out = full
+    else:
+        r = parallel_state.get_tensor_model_parallel_rank()
+        if _is_gated_fc1(chunk, name):
+            gate, up = full.chunk(2, dim=0)
+            out = torch.cat([gate.chunk(tp, dim=0)[r], up.chunk(tp, dim=0)[r]], dim=0)
+        else:
+            if full.shape[dim] % tp:
+                raise CheckpointError(f"{name}: dimension {dim} of size {full.shape[dim]} does not split "
+                                      f"over {tp} tensor-parallel ranks")
+            out = full.chunk(tp, dim=dim)[r]
+    if tuple(out.shape) != tuple(local_shape):
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(full.shape)} does not give this rank's shape "
+                              f"{tuple(local_shape)} (tp={tp})")
+    return out
+
+
+# --- PP --------------------------------------------------------------------------------------------
+
+def _gather_pp(obj: dict) -> dict:
+    """Merge the stages' canonical dicts on the first stage of each pipeline (others get {})."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return obj
+    group = parallel_state.get_pipeline_model_parallel_group()
+    dst = parallel_state.get_pipeline_model_parallel_first_rank()
+    is_dst = dist.get_rank() == dst
+    gathered = [None] * pp if is_dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    if not is_dst:
+        return {}
+    merged: dict = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def _participates() -> bool:
+    """Only the data-parallel rank 0 replica gathers (TP and PP groups never span DP ranks)."""
+    return parallel_state.get_data_parallel_rank() == 0
+
+
+# --- model -----------------------------------------------------------------------------------------
+
+def _local_state(chunk) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in chunk.state_dict().items() if not _skip(k)}
+
+
 def gather_model_state(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """Full tensors on the host, keyed by canonical name (only rank 0's result is written)."""
-    _check_supported()
-    return {k: v.detach().to("cpu", copy=True) for k, v in model[0].state_dict().items() if not _skip(k)}
+    """Full tensors on the host, keyed by canonical name (only global rank 0's result is complete)."""
+    chunk = model[0]
+    tp, pp = _sizes()
+    own = _local_state(chunk)
+    if tp == 1 and pp == 1:
+        return {k: v.detach().to("cpu", copy=True) for k, v in own.items()}
+    if not _participates():
+        return {}
+    own = {k: v for k, v in own.items() if not _is_tied_output_copy(chunk, k)}
+    full = _gather_tp(chunk, own)
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return {}  # the PP group of TP rank r holds only TP rank r of each stage: all of it skips
+    offsets = _layer_offsets(chunk)
+    return _gather_pp({_canonical_name(k, offsets): v for k, v in full.items()})
+
+
+def _source_name(chunk, name: str, offsets) -> str:
+    return _WORD_EMBEDDING if _is_tied_output_copy(chunk, name) else _canonical_name(name, offsets)
 
 
 def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor]):
-    """Copy canonical tensors into this rank's parameters; names must match exactly."""
-    _check_supported()
-    own = {k: v for k, v in model[0].state_dict().items() if not _skip(k)}
-    missing = sorted(set(own) - set(full))
-    unexpected = sorted(set(full) - set(own))
+    """Copy this rank's part of the canonical tensors into its parameters."""
+    chunk = model[0]
+    pp = _sizes()[1]
+    own = _local_state(chunk)
+    offsets = _layer_offsets(chunk)
+    wanted = {k: _source_name(chunk, k, offsets) for k in own}
+    missing = sorted(v for v in wanted.values() if v not in full)
+    if pp == 1:
+        unexpected = sorted(set(full) - set(wanted.values()))
+    else:  # other stages' tensors are expected; only layer numbers beyond the model are not
+        num_layers = int(getattr(chunk.config, "num_layers", 0))
+        unexpected = sorted(k for k in full if (m := _LAYER_RE.match(k)) and int(m.group(1)) >= num_layers)
     if missing or unexpected:
-        from kubetron.errors import CheckpointError
-
         raise CheckpointError(f"checkpoint tensors do not match the model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
     with torch.no_grad():
         for k, t in own.items():
-            src = full[k]
-            if src.shape != t.shape:
-                from kubetron.errors import CheckpointError
-
-                raise CheckpointError(f"{k}: checkpoint shape {tuple(src.shape)} != model shape {tuple(t.shape)}")
+            src = _slice_tp(chunk, k, full[wanted[k]], t.shape)
             t.copy_(src.to(t.dtype))
 
 
+# --- optimizer -------------------------------------------------------------------------------------
+
+def _is_param_shaped(v, param) -> bool:
+    return torch.is_tensor(v) and param is not None and tuple(v.shape) == tuple(param.shape) and v.ndim > 0
+
+
 def gather_optimizer_state(model, by_name: dict) -> dict:
-    """Optimizer state in canonical form (host memory)."""
-    _check_supported()
-    state = {n: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in s.items()}
-             for n, s in by_name["state"].items()}
-    return {"state": state, "param_groups": by_name["param_groups"]}
+    """Optimizer state (keyed by parameter name, see checkpointing.optimizer_state_by_name) in
+    canonical form on the host."""
+    chunk = model[0]
+    tp, pp = _sizes()
+    states = by_name["state"]
+    if tp == 1 and pp == 1:
+        state = {n: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in s.items()}
+                 for n, s in states.items()}
+        return {"state": state, "param_groups": by_name["param_groups"]}
+    if not _participates():
+        return {}
+    params = dict(chunk.named_parameters())
+    names = [n for n in params if n in states and not _is_tied_output_copy(chunk, n)]
+    # One gather per state key, same order on every TP rank (same parameters, same optimizer).
+    keys = sorted({k for n in names for k, v in states[n].items() if _is_param_shaped(v, params[n])})
+    gathered = {k: _gather_tp(chunk, {n: states[n][k] for n in names if _is_param_shaped(states[n].get(k), params[n])})
+                for k in keys}
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return {}
+    offsets = _layer_offsets(chunk)
+    out: dict = {}
+    for n in names:
+        entry = {}
+        for k, v in states[n].items():
+            if k in gathered and n in gathered[k]:
+                entry[k] = gathered[k][n]
+            else:
+                entry[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+        out[_canonical_name(n, offsets)] = entry
+    return {"state": _gather_pp(out), "param_groups": by_name["param_groups"]}
 
 
 def scatter_optimizer_state(model, saved: dict) -> dict:
-    """This rank's share of a canonical optimizer state."""
-    _check_supported()
-    return saved
+    """This rank's share of a canonical optimizer state, keyed by local parameter name."""
+    chunk = model[0]
+    tp, pp = _sizes()
+    if tp == 1 and pp == 1 and not any(_is_tied_output_copy(chunk, n) for n, _ in chunk.named_parameters()):
+        return saved
+    offsets = _layer_offsets(chunk)
+    state = {}
+    for name, param in chunk.named_parameters():
+        src = saved["state"].get(_source_name(chunk, name, offsets))
+        if src is None:
+            continue
+        entry = {}
+        for k, v in src.items():
+            if torch.is_tensor(v) and v.ndim > 0:  # param-shaped state: sliced like the parameter
+                entry[k] = _slice_tp(chunk, name, v, param.shape).clone()
+            elif torch.is_tensor(v):
+                entry[k] = v.clone()
+            else:
+                entry[k] = v
+        state[name] = entry
+    return {"state": state, "param_groups": saved["param_groups"]}

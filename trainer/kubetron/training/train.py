@@ -55,8 +55,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     """
     cfg = global_state.cfg
     optimizer.zero_grad(set_to_none=True)
-    reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
-                               forward_only=False)
+    with straggler.compute_timer(global_state):  # no-op unless straggler detection is on
+        reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
+                                   forward_only=False)
     allreduce_gradients(model)  # data-parallel mean of the gradients
     grad_norm = clip_grads(model, cfg.optimizer.clip_grad)
     loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
@@ -156,6 +157,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     data_iterators = (train_data_iterator, valid_data_iterator)
     for chunk in model:
         chunk.train()
+    global_state.straggler = detector = straggler.StragglerDetector.from_config(cfg, global_state.device)
     if cfg.train.manual_gc:
         gc.disable()  # no collector pauses mid-step; post_training_step_callbacks collects on an interval
         gc.collect()
@@ -176,6 +178,10 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             pnorm = params_l2_norm(model) if cfg.logger.log_params_norm else None
             metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm)
         post_training_step_callbacks(cfg, ts.step, profiler)
+        if detector is not None and detector.after_step(ts.step) is not None:  # straggler.stop_if_detected
+            checkpoint_manager.save(model, optimizer, scheduler, data_iterators, blocking=True)
+            metrics.flush(ts.step)
+            return exitcodes.STRAGGLER
 
         if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator:
             losses = evaluate(fwd, valid_data_iterator, model, global_state, cfg.validation.eval_iters)

@@ -1,0 +1,146 @@
+"""Launch `kubetron train` as 1 process or under `torchrun --nproc-per-node N` (CPU, gloo) for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    rank_dir: Path
+    codes: dict[int, int] = field(default_factory=dict)
+    terms: dict[int, dict] = field(default_factory=dict)
+
+    def consumed_at(self, iteration: int) -> int | None:
+        for m in ITER_RE.finditer(self.stdout):
+            if int(m.group(1)) == iteration:
+                return int(m.group(2))
+        return None
+
+    def tail(self) -> str:
+        return (self.stdout[-2500:] + "\n--- stderr ---\n" + self.stderr[-4000:])
+
+
+def _collect(rank_dir: Path, nproc: int) -> tuple[dict[int, int], dict[int, dict]]:
+    codes, terms = {}, {}
+    for r in range(nproc):
+        f = rank_dir / f"exit-{r}"
+        if f.exists():
+            codes[r] = int(f.read_text())
+        t = rank_dir / f"termination-{r}.log"
+        if t.exists():
+            try:
+                terms[r] = json.loads(t.read_text())
+            except ValueError:
+                pass
+    return codes, terms
+
+
+def command(args: list[str], nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "tests.multirank.worker", *args]
+    return [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+            "-m", "tests.multirank.worker", *args]
+
+
+def environment(rank_dir: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KUBETRON_TEST_RANK_DIR=str(rank_dir))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def launch(args: list[str], rank_dir: Path, nproc: int = 2, timeout: float = 400, **env) -> Result:
+    """Run to the end; per-rank exit codes and termination messages come from the worker's files."""
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(command(args, nproc), check=False, env=environment(rank_dir, **env), cwd=REPO,
+                       capture_output=True,
+                       text=True, timeout=timeout, start_new_session=True)
+    codes, terms = _collect(rank_dir, nproc)
+    return Result(p.returncode, p.stdout, p.stderr, rank_dir, codes, terms)
+
+
+def launch_and_signal(args: list[str], rank_dir: Path, at_iteration: int, ranks: list[int], nproc: int = 2,
+                      sig=signal.SIGTERM, timeout: float = 400, **env) -> Result:
+    """Start, and once the last rank logs iteration >= at_iteration send `sig` to the given ranks."""
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen(command(args, nproc), env=environment(rank_dir, **env), cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    lines, sent = [], False
+    deadline = time.monotonic() + timeout
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            m = ITER_RE.search(line)
+            if not sent and m and int(m.group(1)) >= at_iteration:
+                for r in ranks:
+                    os.kill(int((rank_dir / f"pid-{r}").read_text()), sig)
+                sent = True
+            if time.monotonic() > deadline:
+                raise TimeoutError("the trainer did not finish in time")
+        p.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    codes, terms = _collect(rank_dir, nproc)
+    return Result(p.returncode, "".join(lines), p.stderr.read(), rank_dir, codes, terms)
+
+
+def start_plain_ranks(args: list[str], rank_dir: Path, world: int = 2) -> list[subprocess.Popen]:
+    """The operator's launch without torchrun: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK per process."""
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = environment(rank_dir, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=world, RANK=r,
+                          LOCAL_RANK=r)
+        with open(rank_dir / f"out-{r}", "w") as out:
+            procs.append(subprocess.Popen(command(args, 1), env=env, cwd=REPO, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def wait_for_iteration(rank_dir: Path, rank: int, iteration: int, timeout: float = 300):
+    """Block until rank `rank` (the last one prints the iteration lines) logged `iteration`."""
+    deadline = time.monotonic() + timeout
+    path = rank_dir / f"out-{rank}"
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if any(int(m.group(1)) >= iteration for m in ITER_RE.finditer(text)):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"rank {rank} did not reach iteration {iteration}: {text[-2000:]}")
+
+
+def collect(rank_dir: Path, nproc: int):
+    return _collect(rank_dir, nproc)
+
+
+def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:
+    from tests.trainer_utils import tb_scalars as _tb
+
+    return _tb(logdir, tag)
