@@ -89,7 +89,7 @@ def run_baseline(cfg, device, steps: int, warmup: int, compile_model: bool):
     train_it, _ = build_data_iterators(cfg, 0, 1)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision.bf16)
     times = []
-    for i in range(warmup + steps):
+    for _ in range(warmup + steps):
         t0 = time.perf_counter()
         for _ in range(cfg.train.num_microbatches):
             b = next(train_it)

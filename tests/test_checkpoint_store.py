@@ -12,8 +12,8 @@ import signal
 import uuid
 
 import pytest
-
 from kubetron import exitcodes
+
 from tests.faultproxy import FaultProxy
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
 
@@ -102,8 +102,8 @@ def test_s3_save_that_keeps_failing_fails_loudly_and_the_tracker_stays(tmp_path,
     store = s3_url(s3_server)
     only_iter_20 = lambda method, path: method in ("PUT", "POST") and "iter_0000020" in path  # noqa: E731
     with FaultProxy(s3_server.endpoint, p_503=1.0, match=only_iter_20) as px:
-        p = run(args_for(store, tmp_path / "tb"), tmp_path, KUBETRON_S3_MAX_ATTEMPTS="2", KUBETRON_S3_OUTER_ATTEMPTS="1",
-                **s3_server.env(px.endpoint))
+        p = run(args_for(store, tmp_path / "tb"), tmp_path, KUBETRON_S3_MAX_ATTEMPTS="2",
+                KUBETRON_S3_OUTER_ATTEMPTS="1", **s3_server.env(px.endpoint))
     assert p.returncode == exitcodes.ERROR, p.stderr[-2000:]
     assert "iter_0000020" in p.termination["message"] and p.termination["lastCheckpoint"] == 10
     summary = progress_summary(store, tmp_path, s3_server.env())

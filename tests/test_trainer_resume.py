@@ -6,8 +6,8 @@ import json
 import signal
 
 import pytest
-
 from kubetron import exitcodes
+
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
 
 ITERS = 40
@@ -63,7 +63,7 @@ def test_sigterm_then_resume_is_bit_exact(reference, tmp_path, k):
 
     p = run(train_args(d), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert f"resumed from" in p.stdout and f"iteration {saved}" in p.stdout
+    assert "resumed from" in p.stdout and f"iteration {saved}" in p.stdout
     loss = tb_scalars(d / "tb")
     resumed = {i: loss[i] for i in range(saved + 1, ITERS + 1)}
     assert resumed == {i: reference["loss"][i] for i in range(saved + 1, ITERS + 1)}

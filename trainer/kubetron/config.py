@@ -173,7 +173,6 @@ class GPTDatasetConfig(_Section):
         None, "Indexed dataset prefixes (.bin/.idx), optionally weighted: [\"0.7\", \"a\", \"0.3\", \"b\"] "
               "(None: mock data).")
     split: str = _f("969,30,1", "Train,validation,test proportions of each dataset (comma-separated weights).")
-    num_workers: int = _f(0, "DataLoader worker processes per rank (0: load in the training process).", ge=0)
     pin_memory: bool = _f(True, "Pin host memory for batches (only with a GPU).")
     prefetch: int = _f(2, "Micro-batches prepared ahead of the training step.", ge=0)
     mock_seed: int | None = _f(None, "Seed of the mock data (None: rng.seed).", ge=0)
@@ -208,7 +207,6 @@ class LoggerConfig(_Section):
     tensorboard_dir: str | None = _f(None, "TensorBoard event directory (None: no TensorBoard).")
     log_progress: bool = _f(True, "Append to the progress log (progress.txt) in checkpoint.save.")
     log_throughput: bool = _f(True, "Log tokens/s and TFLOP/s/GPU.")
-    log_timers_to_tensorboard: bool = _f(False, "Write per-phase timers to TensorBoard.")
     log_memory_to_tensorboard: bool = _f(True, "Write CUDA memory statistics to TensorBoard (GPU only).")
     log_l2_norm_grad_to_tensorboard: bool = _f(False, "Write the gradient L2 norm to TensorBoard.")
     log_params_norm: bool = _f(False, "Compute and log the parameters' L2 norm.")
@@ -272,8 +270,7 @@ class DistributedDataParallelConfig(_Section):
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state (kept in sync with the optimizer section).")
     overlap_grad_reduce: bool = _f(False, "Overlap gradient reduce-scatter/all-reduce with the backward pass.")
     overlap_param_gather: bool = _f(False, "Overlap parameter all-gather with the forward pass (distributed opt.).")
-    grad_reduce_in_fp32: bool = _f(True, "Reduce gradients in fp32.")
-    bucket_size: int | None = _f(None, "Gradient bucket size (parameters; None: automatic).", ge=1)
+    grad_reduce_in_fp32: bool = _f(True, "All-reduce data-parallel gradients in fp32 (matters with bf16 parameters).")
 
 
 class RerunStateMachineConfig(_Section):
@@ -579,13 +576,18 @@ class ConfigContainer(BaseModel):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="The tokenizer.")
     logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Logging.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
-    dist: DistributedInitConfig = Field(default_factory=DistributedInitConfig, description="torch.distributed initialisation.")
+    dist: DistributedInitConfig = Field(default_factory=DistributedInitConfig,
+                                        description="torch.distributed initialisation.")
     rng: RNGConfig = Field(default_factory=RNGConfig, description="Random seeds.")
-    ddp: DistributedDataParallelConfig = Field(default_factory=DistributedDataParallelConfig, description="Data-parallel gradient reduction.")
-    rerun_state_machine: RerunStateMachineConfig = Field(default_factory=RerunStateMachineConfig, description="Loss sanity checks.")
-    straggler: StragglerDetectionConfig = Field(default_factory=StragglerDetectionConfig, description="Straggler detection.")
+    ddp: DistributedDataParallelConfig = Field(default_factory=DistributedDataParallelConfig,
+                                               description="Data-parallel gradient reduction.")
+    rerun_state_machine: RerunStateMachineConfig = Field(default_factory=RerunStateMachineConfig,
+                                                         description="Loss sanity checks.")
+    straggler: StragglerDetectionConfig = Field(default_factory=StragglerDetectionConfig,
+                                                description="Straggler detection.")
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiling.")
-    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig, description="Numeric precision.")
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig,
+                                                  description="Numeric precision.")
     data_parallel_size: int | None = _d(None, "Derived: world_size // (tp * pp).")
 
     # ---- construction ---------------------------------------------------------------------------
@@ -655,8 +657,9 @@ class ConfigContainer(BaseModel):
             raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by "
                                                    f"num_attention_heads = {m.num_attention_heads}")
         if m.num_attention_heads % m.tensor_model_parallel_size:
-            raise ConfigError("model.num_attention_heads", f"{m.num_attention_heads} is not divisible by "
-                                                           f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
+            raise ConfigError("model.num_attention_heads",
+                              f"{m.num_attention_heads} is not divisible by "
+                              f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
         if m.num_layers % m.pipeline_model_parallel_size:
             raise ConfigError("model.num_layers", f"{m.num_layers} is not divisible by "
                                                   f"pipeline_model_parallel_size = {m.pipeline_model_parallel_size}")
@@ -765,7 +768,8 @@ class ConfigContainer(BaseModel):
                     continue
                 missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
                 if missing:
-                    raise ConfigError("dataset.data_path", f"{prefix!r}: missing {' and '.join(prefix + e for e in missing)}")
+                    names = " and ".join(prefix + e for e in missing)
+                    raise ConfigError("dataset.data_path", f"{prefix!r}: missing {names}")
         if c.pretrained_checkpoint and not is_remote(c.pretrained_checkpoint) \
                 and not os.path.exists(c.pretrained_checkpoint):
             raise ConfigError("checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint}: no such directory")

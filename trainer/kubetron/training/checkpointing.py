@@ -22,7 +22,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import torch
@@ -558,4 +558,4 @@ def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent
 
 
 def _now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

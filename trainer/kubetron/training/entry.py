@@ -149,8 +149,12 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
     ckpt.log_start()
     code = exitcodes.ERROR
+    profiler = make_profiler(cfg, rank, state.train_state.step)
     try:
-        code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt)
+        if profiler is not None:
+            profiler.start()
+        code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt,
+                     profiler=profiler)
     except BaseException as e:
         code = _exit_code_for(e)
         if code is not None:
@@ -162,6 +166,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
         import gc
 
         gc.enable()  # train.manual_gc disables it for the loop
+        if profiler is not None:
+            profiler.stop()
         state.metrics.close()
         ckpt.close()  # pending async saves are finalized before exit
         for it in (train_it, valid_it):
@@ -172,6 +178,32 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     state.exit_code = code
     ckpt.log_exit(exitcodes.NAMES[code])
     return code, state
+
+
+def make_profiler(cfg, rank: int, first_iteration: int):
+    """torch.profiler over iterations [profile_step_start, profile_step_end) on profile_ranks; the
+    trace (TensorBoard's profiler plugin format) goes to profiling.output_dir."""
+    p = cfg.profiling
+    if not p.use_pytorch_profiler or rank not in p.profile_ranks or p.profile_step_end <= first_iteration:
+        return None
+    out = p.output_dir
+    if out is None:
+        base = cfg.logger.tensorboard_dir or (cfg.checkpoint.save if not str(cfg.checkpoint.save).startswith("s3://")
+                                              else None) or "."
+        out = os.path.join(base, "profile")
+    start = max(p.profile_step_start, first_iteration + 1)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    log.info("profiling iterations %d..%d on rank %d into %s", start, p.profile_step_end - 1, rank, out)
+    return torch.profiler.profile(
+        activities=activities,
+        # profiler.step() runs after each iteration: wait until just before `start`, record to the end.
+        schedule=torch.profiler.schedule(wait=start - first_iteration - 1, warmup=0,
+                                         active=p.profile_step_end - start, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(out, worker_name=f"rank{rank}"),
+        record_shapes=p.record_shapes,
+    )
 
 
 def _exit_code_for(e: BaseException) -> int | None:

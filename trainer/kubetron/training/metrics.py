@@ -105,8 +105,9 @@ class MetricsLogger:
                         self.writer.add_scalar("l2_norm/grad/global", gnorm, it)
                 if pnorm is not None:
                     self.writer.add_scalar("params-norm", pnorm, it)
-            self.writer.add_scalar("throughput/tokens_per_sec", tokens_per_sec, iteration)
-            self.writer.add_scalar("throughput/device/tokens_per_sec", device_tokens_per_sec, iteration)
+            if cfg.logger.log_throughput:
+                self.writer.add_scalar("throughput/tokens_per_sec", tokens_per_sec, iteration)
+                self.writer.add_scalar("throughput/device/tokens_per_sec", device_tokens_per_sec, iteration)
             self.writer.add_scalar("time/remaining_estimate", remaining, iteration)
             self.writer.add_scalar("time/tokens", ts.consumed_train_samples * seq, iteration)
             self.writer.add_scalar("time/samples", ts.consumed_train_samples, iteration)
@@ -128,10 +129,11 @@ class MetricsLogger:
             f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{cfg.train.train_iters:8d}",
             f"consumed samples: {self.state.train_state.consumed_train_samples:12d}",
             f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
-            f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}",
             f"learning rate: {lr:.6E}",
             f"global batch size: {gbs:5d}",
         ]
+        if cfg.logger.log_throughput:
+            parts.insert(3, f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
         sums: dict[str, list[float]] = {}
         for losses, _, _ in host:
             for k, v in losses.items():

@@ -113,18 +113,20 @@ class LRScheduler:
         self.step(int(d["num_steps"]))
 
 
-def _allreduce_flat(grads: list[torch.Tensor], group, divide_by: int = 1):
+def _allreduce_flat(grads: list[torch.Tensor], group, divide_by: int = 1, fp32: bool = False):
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
+    if fp32 and flat.dtype != torch.float32:
+        flat = flat.float()  # sum bf16/fp16 grads in fp32 (ddp.grad_reduce_in_fp32)
     dist.all_reduce(flat, group=group)
     if divide_by != 1:
         flat /= divide_by
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced)
+        g.copy_(synced.to(g.dtype))
 
 
-def allreduce_gradients(model: list[torch.nn.Module]):
+def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool = True):
     """What megatron's finalize_model_grads does, for plain `.grad`s, in the same order:
 
     1. data-parallel mean of all gradients (one flat bucket, one all-reduce);
@@ -137,7 +139,8 @@ def allreduce_gradients(model: list[torch.nn.Module]):
     params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
     dp = parallel_state.get_data_parallel_world_size()
     if dp > 1:
-        _allreduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group(), dp)
+        _allreduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group(), dp,
+                        fp32=grad_reduce_in_fp32)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
         _allreduce_flat(sp, parallel_state.get_tensor_model_parallel_group())

@@ -25,7 +25,7 @@ class TrainState:
         return asdict(self)
 
     @classmethod
-    def from_state_dict(cls, d: dict[str, Any]) -> "TrainState":
+    def from_state_dict(cls, d: dict[str, Any]) -> TrainState:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         return cls(**known)
 

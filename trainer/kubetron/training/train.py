@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -58,16 +59,20 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     with straggler.compute_timer(global_state):  # no-op unless straggler detection is on
         reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
                                    forward_only=False)
-    allreduce_gradients(model)  # data-parallel mean of the gradients
+    allreduce_gradients(model, cfg.ddp.grad_reduce_in_fp32)  # data-parallel mean of the gradients
     grad_norm = clip_grads(model, cfg.optimizer.clip_grad)
     loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
 
-    # One host sync per step: is the loss finite, is the update finite?
+    # One host sync per step: is the loss finite, is the update finite, is the loss a spike?
     checks = torch.stack([v.detach().float().reshape(()) for v in loss_dict.values()] + [grad_norm.float()])
-    finite = torch.isfinite(checks).cpu()
+    host = checks.cpu()
+    finite = torch.isfinite(host)
+    iteration = global_state.train_state.step + 1
     if cfg.train.check_for_nan_in_loss and not bool(finite[:-1].all()):
-        raise DivergedError(f"loss is NaN/Inf at iteration {global_state.train_state.step + 1}: "
+        raise DivergedError(f"loss is NaN/Inf at iteration {iteration}: "
                             f"{ {k: float(v) for k, v in loss_dict.items()} }")
+    if loss_dict and bool(finite[0]):
+        check_spiky_loss(global_state, float(host[0]), iteration)
     skipped_iter = 0
     if bool(finite.all()):
         optimizer.step()
@@ -75,6 +80,24 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     else:
         skipped_iter = 1  # non-finite gradients: skip the update, keep going
     return loss_dict, skipped_iter, False, False, None, grad_norm, None
+
+
+def check_spiky_loss(global_state, loss: float, iteration: int):
+    """rerun_state_machine: a loss above spiky_loss_factor x the max of the recent window is a spike.
+
+    The window lives in memory only: after a resume it refills before spikes are judged again.
+    """
+    rs = global_state.cfg.rerun_state_machine
+    if not rs.check_for_spiky_loss:
+        return
+    window = getattr(global_state, "loss_window", None)
+    if window is None or window.maxlen != rs.spiky_loss_window:
+        window = global_state.loss_window = deque(maxlen=rs.spiky_loss_window)
+    if len(window) == window.maxlen and loss > rs.spiky_loss_factor * max(window):
+        raise DivergedError(f"spiky loss at iteration {iteration}: {loss:.4g} is more than "
+                            f"{rs.spiky_loss_factor:g}x the maximum {max(window):.4g} of the last {len(window)} "
+                            "iterations (rerun_state_machine.check_for_spiky_loss)")
+    window.append(loss)
 
 
 def evaluate(forward_step_func, data_iterator, model, global_state, eval_iters: int):
