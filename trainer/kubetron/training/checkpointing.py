@@ -134,7 +134,7 @@ def optimizer_state_by_name(model, optimizer) -> dict:
     names = {id(p): n for chunk in model for n, p in chunk.named_parameters()}
     states = {}
     for p, s in optimizer.state.items():
-        states[names[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        states[names[id(p)]] = dict(s)  # live tensors: the gather below copies them to the host
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {"state": states, "param_groups": groups}
 
@@ -197,6 +197,8 @@ class CheckpointManager:
             if self.cfg.checkpoint.save_optim else None
         rank0 = _rank() == 0
         common = self._common_state(scheduler, data_iterators) if rank0 else None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking device→host copies have landed
         return Snapshot(
             iteration=ts.step,
             model=model_sd if rank0 else None,

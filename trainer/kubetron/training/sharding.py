@@ -171,13 +171,35 @@ def _local_state(chunk) -> dict[str, torch.Tensor]:
     return {k: v for k, v in chunk.state_dict().items() if not _skip(k)}
 
 
+_HOST_BUFFERS: dict[str, torch.Tensor] = {}
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def host_copy(key: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied to host memory, into the buffer this key used at the previous save.
+
+    Allocating fresh host memory for a large snapshot costs seconds; an async save should block the
+    loop only for the copy. Safe because a new snapshot is taken only after the previous save finished
+    (CheckpointManager.save finalizes first). The caller synchronizes the device once after all copies.
+    """
+    t = t.detach()
+    buf = _HOST_BUFFERS.get(key)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = _HOST_BUFFERS[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    buf.copy_(t, non_blocking=t.is_cuda)
+    return buf
+
+
 def gather_model_state(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Full tensors on the host, keyed by canonical name (only global rank 0's result is complete)."""
     chunk = model[0]
     tp, pp = _sizes()
     own = _local_state(chunk)
-    if tp == 1 and pp == 1:
-        return {k: v.detach().to("cpu", copy=True) for k, v in own.items()}
+    if tp == 1 and pp == 1:  # data parallel only: rank 0's replica is the whole model
+        return {k: host_copy(f"model/{k}", v) for k, v in own.items()} if _global_rank() == 0 else {}
     if not _participates():
         return {}
     own = {k: v for k, v in own.items() if not _is_tied_output_copy(chunk, k)}
@@ -227,7 +249,9 @@ def gather_optimizer_state(model, by_name: dict) -> dict:
     tp, pp = _sizes()
     states = by_name["state"]
     if tp == 1 and pp == 1:
-        state = {n: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in s.items()}
+        if _global_rank() != 0:
+            return {}
+        state = {n: {k: (host_copy(f"optim/{n}/{k}", v) if torch.is_tensor(v) else v) for k, v in s.items()}
                  for n, s in states.items()}
         return {"state": state, "param_groups": by_name["param_groups"]}
     if not _participates():
