@@ -308,7 +308,8 @@ class ProfilingConfig(_Section):
 class MixedPrecisionConfig(_Section):
     """Numeric precision of parameters and compute."""
 
-    bf16: bool = _f(False, "bfloat16 parameters and compute (allowed on CPU, but slow there).")
+    bf16: bool = _f(False, "bfloat16 parameters and compute; the optimizer keeps fp32 main weights and state "
+                           "(allowed on CPU, but slow there).")
     fp16: bool = _f(False, "float16 compute (not together with bf16).")
     params_dtype: Literal["float32", "bfloat16", "float16"] | None = _d(None, "Derived: parameter dtype name.")
 

@@ -140,6 +140,9 @@ def optimizer_state_by_name(model, optimizer) -> dict:
 
 
 def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
+    """Restore state saved by optimizer_state_by_name. An fp32 main weight (`main_param`, saved by a
+    bf16 run's MainParamsOptimizer) becomes the main weight again, or, for a plain optimizer over
+    fp32 parameters, the parameter itself (more precise than the bf16 weight in model.pt)."""
     by_name = dict(n_p for chunk in model for n_p in chunk.named_parameters())
     missing = [n for n in by_name if n not in saved["state"]]
     if missing and saved["state"]:
@@ -148,10 +151,17 @@ def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
         p = by_name.get(name)
         if p is None:
             raise CheckpointError(f"optimizer state has a parameter this model lacks: {name}")
-        optimizer.state[p] = {k: (v.to(device) if torch.is_tensor(v) and k != "step" else v)
-                              for k, v in s.items()}
-        if "step" in optimizer.state[p] and optimizer.defaults.get("fused"):
-            optimizer.state[p]["step"] = optimizer.state[p]["step"].to(device)
+        state = {k: (v.to(device) if torch.is_tensor(v) and k != "step" else v) for k, v in s.items()}
+        if "step" in state and optimizer.defaults.get("fused"):
+            state["step"] = state["step"].to(device)
+        if hasattr(optimizer, "set_param_state"):
+            optimizer.set_param_state(p, state)
+            continue
+        main = state.pop("main_param", None)
+        if main is not None and p.dtype == torch.float32:
+            with torch.no_grad():
+                p.copy_(main)
+        optimizer.state[p] = state
     for g, sg in zip(optimizer.param_groups, saved["param_groups"]):
         for k, v in sg.items():
             if k not in ("params",):
@@ -481,6 +491,9 @@ class CheckpointManager:
         with store.open_read(f"{name}/model.pt") as f:
             full_model = _safe_load(f, f"{name}/model.pt")
         sharding.load_model_state(model, full_model)
+        if hasattr(optimizer, "reload_model_params"):
+            optimizer.reload_model_params()  # fp32 mains := the loaded weights (a resume then restores
+            # the saved fp32 mains from optim.pt; finetune keeps these)
         if not full:
             return
         ck = self.cfg.checkpoint

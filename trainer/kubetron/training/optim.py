@@ -37,8 +37,12 @@ def check_ddp_config(cfg, on_gpu: bool):
             raise ConfigError(f"ddp.{key}", where)
 
 
-def build_optimizer(cfg, model: list[torch.nn.Module]) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay; none on biases and norms) or SGD with momentum."""
+def build_optimizer(cfg, model: list[torch.nn.Module]):
+    """AdamW (decoupled weight decay; none on biases and norms) or SGD with momentum.
+
+    A bf16/fp16 model gets a `MainParamsOptimizer`: the optimizer runs over fp32 main copies of
+    the parameters (fp32 optimizer state too) and writes the result back to the model.
+    """
     check_ddp_config(cfg, on_gpu=any(p.is_cuda for chunk in model for p in chunk.parameters()))
     decay, no_decay = [], []
     for chunk in model:
@@ -52,11 +56,19 @@ def build_optimizer(cfg, model: list[torch.nn.Module]) -> torch.optim.Optimizer:
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    if o.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)
-    fused = all(p.is_cuda for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                             fused=fused or None)
+
+    def make(groups):
+        if o.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)
+        fused = all(p.is_cuda for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                 fused=fused or None)
+
+    if any(p.dtype != torch.float32 for g in groups for p in g["params"]):
+        from kubetron.training.mixed_precision import MainParamsOptimizer
+
+        return MainParamsOptimizer(groups, make)
+    return make(groups)
 
 
 class LRScheduler:
@@ -172,14 +184,21 @@ def grad_norm_squared(params) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
-def clip_grads(model: list[torch.nn.Module], max_norm: float) -> torch.Tensor:
-    """Global grad L2 norm across the model-parallel group; scale grads down if above max_norm."""
+def clip_grads(model: list[torch.nn.Module], max_norm: float, optimizer=None) -> torch.Tensor:
+    """Global grad L2 norm (in fp32) across the model-parallel group; scale grads down if above max_norm.
+
+    With an optimizer that keeps fp32 main grads (`scale_grads`, see mixed_precision.py) the scaling
+    is applied there, in fp32, instead of rounding the bf16 model grads once more.
+    """
     params = [p for chunk in model for p in chunk.parameters()]
     total = _model_parallel_sum(grad_norm_squared(params).reshape(1)).sqrt().squeeze(0)
     if max_norm > 0:
         coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, coeff.to(grads[0].device))
+        if hasattr(optimizer, "scale_grads"):
+            optimizer.scale_grads(coeff)
+        elif grads:
+            torch._foreach_mul_(grads, coeff.to(grads[0].device))
     return total
 
 

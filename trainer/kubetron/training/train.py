@@ -60,7 +60,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
         reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
                                    forward_only=False)
     allreduce_gradients(model, cfg.ddp.grad_reduce_in_fp32)  # data-parallel mean of the gradients
-    grad_norm = clip_grads(model, cfg.optimizer.clip_grad)
+    grad_norm = clip_grads(model, cfg.optimizer.clip_grad, optimizer)
     loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
 
     # One host sync per step: is the loss finite, is the update finite, is the loss a spike?

@@ -1,0 +1,131 @@
+"""fp32 main weights for bf16/fp16 models (the semantics of megatron's Float16OptimizerWithFloat16Params).
+
+A bf16 parameter cannot take an update much smaller than 2^-8 of its value: AdamW stepping the
+model's bf16 weights directly loses small updates. `MainParamsOptimizer` keeps an fp32 "main" copy
+of every low-precision parameter and runs the real optimizer over those:
+
+    step():  model grads (bf16) -> main grads (fp32, times a pending clip coefficient)
+             inner.step() on the fp32 mains (its state, exp_avg/exp_avg_sq, is fp32 too)
+             mains -> model params (rounded to bf16)
+
+fp32 parameters (if any) are their own main. Checkpoints: `state` is keyed by the *model*
+parameters (so checkpointing stores it by parameter name) and each entry carries the fp32 weight as
+`main_param`, param-shaped, so sharding.py gathers and slices it like `exp_avg`. model.pt keeps the
+bf16 model weights; optim.pt carries the fp32 mains. After any load of model weights the caller runs
+`reload_model_params()` (mains := model weights); a resume then overwrites the mains with the saved
+fp32 ones through `set_param_state()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MainParamsOptimizer:
+    """A torch optimizer over fp32 copies of the model's parameters; see the module docstring."""
+
+    def __init__(self, groups: list[dict], make_optimizer):
+        """`groups`: param groups over the model's params; `make_optimizer(groups)` builds the inner
+        optimizer (it gets the same groups with the fp32 mains in place of the model params)."""
+        self.model_params: list[torch.nn.Parameter] = []
+        self.main_params: list[torch.nn.Parameter] = []
+        main_groups = []
+        for g in groups:
+            mains = []
+            for p in g["params"]:
+                main = p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float())
+                self.model_params.append(p)
+                self.main_params.append(main)
+                mains.append(main)
+            main_groups.append({**g, "params": mains})
+        self.inner = make_optimizer(main_groups)
+        self._main_of = {p: m for p, m in zip(self.model_params, self.main_params, strict=True)}
+        self._grad_scale: torch.Tensor | None = None
+
+    # -- what the loop and the LR scheduler use --------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._grad_scale = None
+        for p in self.model_params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    def scale_grads(self, coeff: torch.Tensor):
+        """Multiply the gradients by `coeff` in fp32, as they become main grads (grad clipping)."""
+        self._grad_scale = coeff if self._grad_scale is None else self._grad_scale * coeff
+
+    @torch.no_grad()
+    def step(self):
+        low = [(p, m) for p, m in zip(self.model_params, self.main_params, strict=True) if m is not p]
+        for p, m in low:
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+        if self._grad_scale is not None:
+            grads = [m.grad for m in self.main_params if m.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
+            self._grad_scale = None
+        self.inner.step()
+        if low:
+            torch._foreach_copy_([p for p, _ in low], [m for _, m in low])  # fp32 -> bf16, rounded
+            for _, m in low:
+                m.grad = None  # the fp32 grads live only during step()
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        """mains := model params (after the model's weights were loaded from elsewhere)."""
+        low = [(p, m) for p, m in zip(self.model_params, self.main_params, strict=True) if m is not p]
+        if low:
+            torch._foreach_copy_([m for _, m in low], [p for p, _ in low])
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    @property
+    def state(self) -> dict:
+        """{model param: inner state of its main + {"main_param": fp32 weight}} (a read-only view:
+        restore through set_param_state)."""
+        return {p: {**self.inner.state.get(m, {}), "main_param": m}
+                for p, m in zip(self.model_params, self.main_params, strict=True)}
+
+    @torch.no_grad()
+    def set_param_state(self, model_param: torch.nn.Parameter, state: dict):
+        """Restore one parameter's optimizer state; its `main_param` (if saved) becomes the fp32 main."""
+        main = self._main_of[model_param]
+        state = dict(state)
+        saved_main = state.pop("main_param", None)
+        if saved_main is not None:
+            main.copy_(saved_main)
+            if main is not model_param:
+                model_param.copy_(main)
+        if state:
+            self.inner.state[main] = state
+        else:
+            self.inner.state.pop(main, None)
+
+    def state_dict(self) -> dict:
+        """Positional (same-layout) state: the inner optimizer's plus the fp32 mains."""
+        return {"inner": self.inner.state_dict(), "main_params": [m.detach() for m in self.main_params]}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict):
+        if "inner" not in sd:  # a plain optimizer's state dict (saved by an fp32 run)
+            self.inner.load_state_dict(sd)
+            self.reload_model_params()
+            return
+        self.inner.load_state_dict(sd["inner"])
+        mains = sd["main_params"]
+        if len(mains) != len(self.main_params):
+            raise ValueError(f"state dict has {len(mains)} main params, this optimizer {len(self.main_params)}")
+        for p, m, saved in zip(self.model_params, self.main_params, mains, strict=True):
+            m.copy_(saved)
+            if m is not p:
+                p.copy_(m)
