@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the kubetron operator (kopf) against the current cluster.")
     p.add_argument("--namespace", "-n", action="append", default=None, metavar="NS",
                    help="namespace to watch (repeatable; default: all namespaces)")
-    p.add_argument("--liveness", default=None, metavar="URL",
-                   help="serve a liveness endpoint here, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                   help="kopf's liveness endpoint (default: %(default)s; '' turns it off)")
     p.add_argument("--peering", default=None, metavar="NAME", help="kopf peering object name (for HA operators)")
     p.set_defaults(func=cmd_operator)
 
