@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -222,10 +223,8 @@ def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
     marker = tmp_path / "PWNED"
     torch.save({"decoder.weight": Payload(marker)}, store / "iter_0000040" / "model.pt")
 
-    # the payload is live: an unsafe load would run it
-    probe = tmp_path / "probe.pt"
-    torch.save({"x": Payload(tmp_path / "probe-ran")}, probe)
-    torch.load(probe, weights_only=False)
+    # the payload is live: plain unpickling (what an unsafe load does) runs it
+    pickle.loads(pickle.dumps({"x": Payload(tmp_path / "probe-ran")}))
     assert (tmp_path / "probe-ran").exists()
 
     p = run(["train", "--config", TINY, f"checkpoint.load={store}", "checkpoint.save=null", "train.train_iters=50"],

@@ -42,24 +42,21 @@ def read_termination(path: str) -> dict | None:
         return None
 
 
-def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=signal.SIGTERM,
-                                    timeout: float = 300, delay: float = 0.0, **env):
-    """Start the trainer, send `sig` once it logs iteration k; return (returncode, stdout, stderr, term)."""
-    e = env_for(tmp, **env)
-    p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> str:
+    """Read `p`'s stdout; once it logs iteration >= k call `action()` once; wait for the end.
+
+    Returns the stdout. On a timeout (or any error) the whole process group is SIGKILLed.
+    """
     out_lines = []
     deadline = time.monotonic() + timeout
-    sent = False
+    acted = False
     try:
         for line in p.stdout:
             out_lines.append(line)
             m = ITER_RE.search(line)
-            if not sent and m and int(m.group(1)) >= k:
-                if delay:
-                    time.sleep(delay)
-                p.send_signal(sig)
-                sent = True
+            if not acted and m and int(m.group(1)) >= k:
+                action()
+                acted = True
             if time.monotonic() > deadline:
                 raise TimeoutError("trainer did not finish in time")
         p.wait(timeout=max(deadline - time.monotonic(), 1))
@@ -67,8 +64,23 @@ def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=sign
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    err = p.stderr.read()
-    return p.returncode, "".join(out_lines), err, read_termination(e["KUBETRON_TERMINATION_LOG"])
+    return "".join(out_lines)
+
+
+def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=signal.SIGTERM,
+                                    timeout: float = 300, delay: float = 0.0, **env):
+    """Start the trainer, send `sig` once it logs iteration k; return (returncode, stdout, stderr, term)."""
+    e = env_for(tmp, **env)
+    p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+
+    def send():
+        if delay:
+            time.sleep(delay)
+        p.send_signal(sig)
+
+    out = run_until_iteration(p, k, send, timeout)
+    return p.returncode, out, p.stderr.read(), read_termination(e["KUBETRON_TERMINATION_LOG"])
 
 
 def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:

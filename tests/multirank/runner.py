@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.trainer_utils import run_until_iteration
+
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)")
@@ -89,25 +91,13 @@ def launch_and_signal(args: list[str], rank_dir: Path, at_iteration: int, ranks:
     rank_dir.mkdir(parents=True, exist_ok=True)
     p = subprocess.Popen(command(args, nproc), env=environment(rank_dir, **env), cwd=REPO, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    lines, sent = [], False
-    deadline = time.monotonic() + timeout
-    try:
-        for line in p.stdout:
-            lines.append(line)
-            m = ITER_RE.search(line)
-            if not sent and m and int(m.group(1)) >= at_iteration:
-                for r in ranks:
-                    os.kill(int((rank_dir / f"pid-{r}").read_text()), sig)
-                sent = True
-            if time.monotonic() > deadline:
-                raise TimeoutError("the trainer did not finish in time")
-        p.wait(timeout=max(deadline - time.monotonic(), 1))
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    def signal_ranks():
+        for r in ranks:
+            os.kill(int((rank_dir / f"pid-{r}").read_text()), sig)
+
+    out = run_until_iteration(p, at_iteration, signal_ranks, timeout)
     codes, terms = _collect(rank_dir, nproc)
-    return Result(p.returncode, "".join(lines), p.stderr.read(), rank_dir, codes, terms)
+    return Result(p.returncode, out, p.stderr.read(), rank_dir, codes, terms)
 
 
 def start_plain_ranks(args: list[str], rank_dir: Path, world: int = 2) -> list[subprocess.Popen]:
