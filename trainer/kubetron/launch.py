@@ -30,10 +30,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kubetron import exitcodes
+from kubetron.termination import DEFAULT_TERMINATION_LOG, write_termination_message
 
 DEFAULT_CONFIG = "/etc/kubetron/config.yaml"
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-MESSAGE_LIMIT = 4096  # bytes; the kubelet reads at most this much of the termination message
 MESSAGES_DIR_ENV = "KUBETRON_LAUNCH_MESSAGES"  # set by the launcher for its torchrun workers
 TRAINER_MODULE_ENV = "KUBETRON_LAUNCH_MODULE"  # the module a worker runs (default: kubetron)
 
@@ -97,16 +96,6 @@ def resolve_exit_code(torchrun_rc: int, message: dict | None) -> int:
     return torchrun_rc
 
 
-def write_message(path: str, message: dict) -> None:
-    """Leave exactly one line, the one that matches the exit code, for the kubelet to read."""
-    line = json.dumps(message, separators=(", ", ": "))
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(line.encode()[:MESSAGE_LIMIT - 1].decode(errors="ignore") + "\n")
-    except OSError:
-        pass  # no writable termination log (running outside Kubernetes): the exit code still tells
-
-
 def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Run torchrun as a child, forwarding termination signals; return its exit status."""
     child = subprocess.Popen(list(argv), env=dict(env))
@@ -164,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "for it; see the pod's log",
         }
     if message is not None:
-        write_message(log_path, message)
+        write_termination_message(message, log_path)  # one line, at most 4 KiB, still valid JSON
     return code
 
 

@@ -28,14 +28,14 @@ memory (one int64 per document and one per sample).
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
+from kubetron.config import parse_data_path as config_parse_data_path
+from kubetron.config import parse_split as config_parse_split
 from kubetron.errors import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -243,26 +243,10 @@ class BlendedDataset:
 
 
 def parse_split(split: str | Sequence[float] | None) -> list[float]:
-    """``"969,30,1"`` (also ``/`` or spaces as separators, or a list) -> 3 normalized weights."""
+    """``"969,30,1"`` (or a list of numbers) -> 3 normalized weights; the syntax is config's."""
     if split is None or split == "":
         return [1.0, 0.0, 0.0]
-    if isinstance(split, str):
-        parts = [p for p in re.split(r"[,/\s]+", split.strip()) if p]
-    else:
-        parts = list(split)
-    try:
-        values = [float(p) for p in parts]
-    except (TypeError, ValueError):
-        raise ConfigError(
-            "dataset.split", f"expected up to 3 numbers like '969,30,1', got {split!r}"
-        ) from None
-    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
-        raise ConfigError(
-            "dataset.split", f"expected up to 3 non-negative numbers like '969,30,1', got {split!r}"
-        )
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
+    return config_parse_split(split if isinstance(split, str) else ",".join(str(x) for x in split))
 
 
 def split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -279,43 +263,20 @@ def split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int, int
     return [(idx[i], idx[i + 1]) for i in range(len(weights))]
 
 
-def _is_number(s) -> bool:
-    if isinstance(s, (int, float)):
-        return True
-    try:
-        float(s)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def parse_data_path(data_path: str | Sequence[str] | None) -> list[tuple[float, str]]:
     """``["0.7", "a", "0.3", "b"]`` or ``["a", "b"]`` (equal weights) -> ``[(weight, prefix)]``.
 
-    A single string is split on whitespace. Weights are normalized to sum to 1. Empty -> ``[]``.
+    The syntax is config's (`kubetron.config.parse_data_path`); a single string is split on whitespace.
+    Weights are normalized to sum to 1. Empty -> ``[]``.
     """
     if data_path is None:
         return []
-    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
-    items = [x for x in items if x != ""]
+    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path if str(x) != ""]
     if not items:
         return []
-    if len(items) % 2 == 0 and all(_is_number(x) for x in items[0::2]):
-        pairs = [(float(items[i]), items[i + 1]) for i in range(0, len(items), 2)]
-    elif any(_is_number(x) for x in items):
-        raise ConfigError(
-            "dataset.data_path",
-            "give either prefixes only or weight/prefix pairs like ['0.7', 'a', '0.3', 'b'], "
-            f"got {list(items)!r}",
-        )
-    else:
-        pairs = [(1.0, p) for p in items]
-    if any(w < 0 or not math.isfinite(w) for w, _ in pairs) or sum(w for w, _ in pairs) <= 0:
-        raise ConfigError(
-            "dataset.data_path", f"weights must be non-negative with a positive sum, got {items!r}"
-        )
+    pairs = config_parse_data_path(items)
     total = sum(w for w, _ in pairs)
-    return [(w / total, p) for w, p in pairs if w > 0]
+    return [(w / total, p) for w, p in pairs]
 
 
 def _strip_suffix(prefix: str) -> str:

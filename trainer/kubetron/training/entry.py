@@ -142,10 +142,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     if rank == 0:
         from kubetron.training.status_server import StatusServer
 
-        port = cfg.train.status_port if cfg.train.status_port is not None else int(
-            os.environ.get("KUBETRON_STATUS_PORT", "0") or 0)
-        if port:
-            status = StatusServer(port)
+        if cfg.train.status_port:  # finalize() resolved it from KUBETRON_STATUS_PORT when unset
+            status = StatusServer(cfg.train.status_port)
     state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
     ckpt.log_start()
     code = exitcodes.ERROR
