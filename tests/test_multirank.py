@@ -12,6 +12,7 @@ Tolerances (lm loss is about 5-6 here, fp32 throughout):
 from __future__ import annotations
 
 import random
+import re
 import signal
 import time
 
@@ -231,20 +232,85 @@ def test_straggler_detected_and_stops(tmp_path):
     assert (store / "iter_0000004" / "metadata.json").is_file()
 
 
-def test_distributed_optimizer_is_a_config_error_on_cpu():
-    from kubetron.config import ConfigContainer
-    from kubetron.errors import ConfigError
-    from kubetron.training.optim import check_ddp_config
-
-    for overrides in (["ddp.use_distributed_optimizer=true"], ["ddp.overlap_grad_reduce=true"],
-                      ["ddp.use_distributed_optimizer=true", "ddp.overlap_param_gather=true"]):
-        cfg = ConfigContainer.from_yaml(TINY, overrides)
-        with pytest.raises(ConfigError) as e:
-            check_ddp_config(cfg, on_gpu=False)
-        assert e.value.field == overrides[0].split("=")[0] and "needs a GPU" in e.value.message
+DISTOPT = ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
+           "ddp.bucket_size=20000"]  # several buckets, so overlap has something to overlap
 
 
-def test_distributed_optimizer_through_the_cli(tmp_path):
-    r = launch(args(tmp_path / "s", "optimizer.use_distributed_optimizer=true"), tmp_path / "ranks", nproc=1)
+@pytest.fixture(scope="module")
+def distopt_run(dp_runs):
+    """The dp_runs DP=2 run again with the distributed optimizer and both overlaps on."""
+    base = dp_runs["base"]
+    r = launch(args(base / "distopt", *FLAVOR, *DISTOPT, "checkpoint.save_interval=10", "logger.log_params_norm=true"),
+               base / "ranks-distopt")
+    ok(r)
+    return {"store": base / "distopt", "loss": tb_scalars(base / "distopt" / "tb"), "result": r}
+
+
+def test_distributed_optimizer_matches_dp1_and_shards_state(dp_runs, distopt_run):
+    """ZeRO-1 over DP=2 with overlapped grad reduce-scatter and param all-gather trains the same
+    model as DP=1 (and DP=2 without it), while each rank keeps half of the optimizer state."""
+    loss, r = distopt_run["loss"], distopt_run["result"]
+    assert sorted(loss) == list(range(1, ITERS + 1))
+    close(loss, dp_runs["dp1"], range(1, ITERS + 1), 1e-5)
+    close(loss, dp_runs["dp2"], range(1, ITERS + 1), 1e-5)
+    m = re.search(r"distributed optimizer: (\d+) buckets over 2 data-parallel ranks; this rank keeps optimizer "
+                  r"state and fp32 main weights for (\d+) of (\d+) parameter elements", r.stdout)
+    assert m, r.tail()
+    buckets, own, total = map(int, m.groups())
+    assert buckets >= 3 and abs(own - total / 2) <= buckets, m.group(0)
+    assert r.consumed_at(ITERS) == ITERS * GBS
+
+
+def test_distributed_optimizer_checkpoints_reshard(dp_runs, distopt_run, tmp_path):
+    """Its checkpoints are canonical: distopt DP=2 -> plain DP=1 (iterations 21..30, saved) ->
+    distopt DP=2 again (31..40), continuous with the uninterrupted distopt run; and a plain DP=2
+    checkpoint resumes under the distributed optimizer."""
+    ref = distopt_run["loss"]
+    one = launch(args(tmp_path / "one", *FLAVOR, "checkpoint.ckpt_step=20", "train.exit_interval=30",
+                      load=distopt_run["store"]), tmp_path / "ranks-one", nproc=1)
+    ok(one, exitcodes.EXIT_CONDITION, nproc=1)
+    assert "at iteration 20" in one.stdout and one.consumed_at(21) == 21 * GBS, one.tail()
+    close(tb_scalars(tmp_path / "one" / "tb"), ref, range(21, 31), LOSS_TOL)
+    back = launch(args(tmp_path / "back", *FLAVOR, *DISTOPT, load=tmp_path / "one"), tmp_path / "ranks-back")
+    ok(back)
+    assert "at iteration 30" in back.stdout and back.consumed_at(31) == 31 * GBS, back.tail()
+    close(tb_scalars(tmp_path / "back" / "tb"), ref, range(31, ITERS + 1), LOSS_TOL)
+
+    plain = launch(args(tmp_path / "plain", *FLAVOR, *DISTOPT, "checkpoint.ckpt_step=30",
+                        load=dp_runs["base"] / "dp2"), tmp_path / "ranks-plain")
+    ok(plain)
+    close(tb_scalars(tmp_path / "plain" / "tb"), dp_runs["dp2"], range(31, ITERS + 1), 1e-5)
+
+
+def test_distributed_optimizer_sigterm_resume_is_exact(distopt_run, tmp_path):
+    """SIGTERM to both ranks mid-run: one checkpoint, exit 75, and the resume under the same layout
+    continues the uninterrupted distopt run bit for bit (sharded Adam state and fp32 mains restored)."""
+    store = tmp_path / "s"
+    r = launch_and_signal(args(store, *FLAVOR, *DISTOPT), tmp_path / "ranks-1", 13, [0, 1])
+    assert r.codes == {0: 75, 1: 75}, r.tail()
+    saved = r.terms[0]["lastCheckpoint"]
+    final = launch(args(store, *FLAVOR, *DISTOPT), tmp_path / "ranks-2")
+    ok(final)
+    assert f"at iteration {saved}" in final.stdout, final.tail()
+    assert tb_scalars(store / "tb") == distopt_run["loss"]
+
+
+def test_distributed_optimizer_bf16_and_pp2_with_tied_embeddings(tmp_path):
+    """bf16 parameters (fp32 grad buffers, fp32 main fragments) at DP=2, and PP=2 with tied embeddings
+    (the shared embedding's grad in its own all-reduced bucket, summed over the embedding group): each
+    with the distributed optimizer tracks the same run without it."""
+    for name, extra in (("bf16", ["mixed_precision.bf16=true"]), ("pp2", PP2)):
+        a = launch(args(tmp_path / f"{name}-plain", *extra, "train.train_iters=20"), tmp_path / f"r-{name}-a")
+        ok(a)
+        b = launch(args(tmp_path / f"{name}-distopt", *extra, *DISTOPT, "train.train_iters=20"),
+                   tmp_path / f"r-{name}-b")
+        ok(b)
+        ref, got = tb_scalars(tmp_path / f"{name}-plain" / "tb"), tb_scalars(tmp_path / f"{name}-distopt" / "tb")
+        falls(got, 1, 20)
+        close(got, ref, range(1, 21), 1e-5 if name == "pp2" else 2e-3)
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer(tmp_path):
+    r = launch(args(tmp_path / "s", "ddp.overlap_param_gather=true"), tmp_path / "ranks", nproc=1)
     assert r.returncode == exitcodes.CONFIG_ERROR, r.tail()
-    assert "kubetron: error: ddp.use_distributed_optimizer: on CPU" in r.stderr, r.tail()
+    assert "kubetron: error: ddp.overlap_param_gather: requires use_distributed_optimizer" in r.stderr, r.tail()

@@ -271,6 +271,9 @@ class DistributedDataParallelConfig(_Section):
     overlap_grad_reduce: bool = _f(False, "Overlap gradient reduce-scatter/all-reduce with the backward pass.")
     overlap_param_gather: bool = _f(False, "Overlap parameter all-gather with the forward pass (distributed opt.).")
     grad_reduce_in_fp32: bool = _f(True, "All-reduce data-parallel gradients in fp32 (matters with bf16 parameters).")
+    bucket_size: int | None = _f(
+        None, "Elements per gradient bucket with overlap_grad_reduce / the distributed optimizer "
+        "(null: max(40M, 1M x data-parallel size)).", ge=1)
 
 
 class RerunStateMachineConfig(_Section):

@@ -32,6 +32,7 @@ from kubetron import progress as progress_log
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.storage import open_store
 from kubetron.training import sharding
+from kubetron.training.optim import finish_param_sync
 
 log = logging.getLogger("kubetron")
 
@@ -202,6 +203,7 @@ class CheckpointManager:
     def snapshot(self, model, optimizer, scheduler, data_iterators) -> Snapshot:
         """Gather full tensors and copy all state to host memory (the only part that blocks)."""
         ts = self.state.train_state
+        finish_param_sync(optimizer)  # weights still being all-gathered (ddp.overlap_param_gather)
         model_sd = sharding.gather_model_state(model)
         optim_sd = sharding.gather_optimizer_state(model, optimizer_state_by_name(model, optimizer)) \
             if self.cfg.checkpoint.save_optim else None
@@ -319,6 +321,7 @@ class CheckpointManager:
 
     def _save_local(self, model, optimizer, scheduler, data_iterators):
         """Every rank writes its own shard (model chunk, optimizer, RNG) to its node-local directory."""
+        finish_param_sync(optimizer)
         t0 = time.perf_counter()
         step = self.state.train_state.step
         name = iter_dir(step)

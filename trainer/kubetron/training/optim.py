@@ -1,9 +1,11 @@
 """Optimizer, learning-rate schedule, gradient sync and clipping.
 
-On CPU (and in CI) this is plain torch: AdamW/SGD over fp32 parameters, data-parallel gradients
-all-reduced as one flat bucket, the grad norm reduced across the model-parallel group. megatron-core's
-DistributedDataParallel / get_megatron_optimizer hard-code CUDA (NOTES-megatron-core.md), so they are
-only an option on GPU; the loop talks to both through `OptimizerBundle`.
+Plain torch, the same on CPU and GPU: AdamW/SGD (over fp32 main copies for bf16/fp16 models,
+mixed_precision.py), data-parallel gradients all-reduced as one flat bucket after the backward pass,
+the grad norm reduced across the model-parallel group. With `ddp.overlap_grad_reduce` or the
+distributed optimizer, gradients go through bucketed buffers instead (ddp.py: megatron-core's own
+DistributedDataParallel / DistributedOptimizer hard-code CUDA). The loop sees one interface:
+`build_optimizer`, `optimizer.zero_grad/step`, and `finalize_model_grads` after the backward pass.
 """
 
 from __future__ import annotations
@@ -24,17 +26,9 @@ def _is_replica_on_this_tp_rank(param: torch.nn.Parameter) -> bool:
     return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def check_ddp_config(cfg, on_gpu: bool):
-    """megatron-core DDP / the distributed optimizer are not wired in (they hard-code CUDA)."""
-    d = cfg.ddp
-    for key in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
-        if getattr(d, key):
-            from kubetron.errors import ConfigError
-
-            where = ("on CPU: needs a GPU (megatron-core's DistributedDataParallel and distributed optimizer "
-                     "keep grad buffers on torch.cuda.current_device() and use CUDA streams)") if not on_gpu \
-                else "is not supported by kubetron yet (docs/parallelism.md)"
-            raise ConfigError(f"ddp.{key}", where)
+def counts_toward_norms(param: torch.nn.Parameter) -> bool:
+    """Whether this rank's copy of `param` enters the grad/params norms (each element counted once)."""
+    return param_is_not_shared(param) and _is_replica_on_this_tp_rank(param)
 
 
 def build_optimizer(cfg, model: list[torch.nn.Module]):
@@ -43,7 +37,6 @@ def build_optimizer(cfg, model: list[torch.nn.Module]):
     A bf16/fp16 model gets a `MainParamsOptimizer`: the optimizer runs over fp32 main copies of
     the parameters (fp32 optimizer state too) and writes the result back to the model.
     """
-    check_ddp_config(cfg, on_gpu=any(p.is_cuda for chunk in model for p in chunk.parameters()))
     decay, no_decay = [], []
     for chunk in model:
         for name, p in chunk.named_parameters():
@@ -64,11 +57,45 @@ def build_optimizer(cfg, model: list[torch.nn.Module]):
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                                  fused=fused or None)
 
+    d = cfg.ddp
+    if d.use_distributed_optimizer or d.overlap_grad_reduce:
+        from kubetron.training.ddp import DistributedOptimizer, GradBuffers, GradSyncOptimizer
+
+        grads = GradBuffers(model, grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap=d.overlap_grad_reduce,
+                            num_microbatches=cfg.train.num_microbatches, bucket_size=d.bucket_size,
+                            shard=d.use_distributed_optimizer)
+        if d.use_distributed_optimizer:
+            return DistributedOptimizer(model, groups, make, grads, overlap_param_gather=d.overlap_param_gather)
+        return GradSyncOptimizer(_plain_optimizer(groups, make), grads)
+    return _plain_optimizer(groups, make)
+
+
+def _plain_optimizer(groups, make):
     if any(p.dtype != torch.float32 for g in groups for p in g["params"]):
         from kubetron.training.mixed_precision import MainParamsOptimizer
 
         return MainParamsOptimizer(groups, make)
     return make(groups)
+
+
+def finalize_model_grads(model: list[torch.nn.Module], optimizer, cfg) -> torch.Tensor:
+    """After the backward pass: reduce the gradients (DP mean, then the TP/embedding sums), clip
+    them to `optimizer.clip_grad`; return the global grad norm (a device tensor, no host sync)."""
+    if not hasattr(optimizer, "finish_grad_sync"):
+        allreduce_gradients(model, cfg.ddp.grad_reduce_in_fp32)
+        return clip_grads(model, cfg.optimizer.clip_grad, optimizer)
+    optimizer.finish_grad_sync()
+    if not hasattr(optimizer, "grad_norm_squared"):  # GradSyncOptimizer: grads are param.grad again
+        return clip_grads(model, cfg.optimizer.clip_grad, optimizer)
+    total = _model_parallel_sum(optimizer.grad_norm_squared()).sqrt().squeeze(0)
+    _clip(total, cfg.optimizer.clip_grad, optimizer, [])
+    return total
+
+
+def finish_param_sync(optimizer):
+    """Wait for overlapped parameter all-gathers (distributed optimizer) before reading all weights."""
+    if hasattr(optimizer, "finish_param_sync"):
+        optimizer.finish_param_sync()
 
 
 class LRScheduler:
@@ -153,16 +180,22 @@ def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool 
     if dp > 1:
         _allreduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group(), dp,
                         fp32=grad_reduce_in_fp32)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
-        _allreduce_flat(sp, parallel_state.get_tensor_model_parallel_group())
+    weight = None
     if (parallel_state.get_pipeline_model_parallel_world_size() > 1
             and parallel_state.is_rank_in_embedding_group(ignore_virtual=True)):
         from kubetron.training.pipeline import shared_embedding_weight
 
         weight = shared_embedding_weight(model[0])
-        if weight is not None and weight.grad is not None:
-            dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+    model_parallel_grad_sums(params, lambda p: p.grad, weight)
+
+
+def model_parallel_grad_sums(params, grad_of, shared_embedding):
+    """Steps 2 and 3 above, on the DP-reduced gradients `grad_of(param)` (None: no gradient)."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
+        _allreduce_flat([g for g in sp if g is not None], parallel_state.get_tensor_model_parallel_group())
+    if shared_embedding is not None and grad_of(shared_embedding) is not None:
+        dist.all_reduce(grad_of(shared_embedding), group=parallel_state.get_embedding_group())
 
 
 def _model_parallel_sum(x: torch.Tensor) -> torch.Tensor:
@@ -176,8 +209,7 @@ def _model_parallel_sum(x: torch.Tensor) -> torch.Tensor:
 
 def grad_norm_squared(params) -> torch.Tensor:
     """Sum of squared grads over the params this rank owns (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None and param_is_not_shared(p)
-             and _is_replica_on_this_tp_rank(p)]
+    grads = [p.grad for p in params if p.grad is not None and counts_toward_norms(p)]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     norms = torch._foreach_norm([g.float() for g in grads])
@@ -192,19 +224,22 @@ def clip_grads(model: list[torch.nn.Module], max_norm: float, optimizer=None) ->
     """
     params = [p for chunk in model for p in chunk.parameters()]
     total = _model_parallel_sum(grad_norm_squared(params).reshape(1)).sqrt().squeeze(0)
-    if max_norm > 0:
-        coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = [p.grad for p in params if p.grad is not None]
-        if hasattr(optimizer, "scale_grads"):
-            optimizer.scale_grads(coeff)
-        elif grads:
-            torch._foreach_mul_(grads, coeff.to(grads[0].device))
+    _clip(total, max_norm, optimizer, [p.grad for p in params if p.grad is not None])
     return total
+
+
+def _clip(total: torch.Tensor, max_norm: float, optimizer, grads: list[torch.Tensor]):
+    if max_norm <= 0:
+        return
+    coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if hasattr(optimizer, "scale_grads"):
+        optimizer.scale_grads(coeff)
+    elif grads:
+        torch._foreach_mul_(grads, coeff.to(grads[0].device))
 
 
 def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
     """calc_params_l2_norm: the L2 norm of all parameters across the model-parallel group."""
-    params = [p for chunk in model for p in chunk.parameters()
-              if param_is_not_shared(p) and _is_replica_on_this_tp_rank(p)]
+    params = [p for chunk in model for p in chunk.parameters() if counts_toward_norms(p)]
     sq = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).square().sum()
     return _model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)

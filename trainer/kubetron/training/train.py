@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from kubetron import exitcodes
 from kubetron.training import pipeline, straggler
-from kubetron.training.optim import allreduce_gradients, clip_grads, params_l2_norm
+from kubetron.training.optim import finalize_model_grads, finish_param_sync, params_l2_norm
 from kubetron.training.utils import (
     num_floating_point_operations,
     prepare_forward_step_func,
@@ -59,8 +59,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     with straggler.compute_timer(global_state):  # no-op unless straggler detection is on
         reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
                                    forward_only=False)
-    allreduce_gradients(model, cfg.ddp.grad_reduce_in_fp32)  # data-parallel mean of the gradients
-    grad_norm = clip_grads(model, cfg.optimizer.clip_grad, optimizer)
+    grad_norm = finalize_model_grads(model, optimizer, cfg)  # DP mean (+TP/embedding sums), clipping
     loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
 
     # One host sync per step: is the loss finite, is the update finite, is the loss a spike?
@@ -198,7 +197,10 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             ts.step += 1
             ts.consumed_train_samples += cfg.train.global_batch_size
             ts.floating_point_operations_so_far += flops_per_iter
-            pnorm = params_l2_norm(model) if cfg.logger.log_params_norm else None
+            pnorm = None
+            if cfg.logger.log_params_norm:
+                finish_param_sync(optimizer)  # the distributed optimizer may still be gathering weights
+                pnorm = params_l2_norm(model)
             metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm)
         post_training_step_callbacks(cfg, ts.step, profiler)
         if detector is not None and detector.after_step(ts.step) is not None:  # straggler.stop_if_detected

@@ -1,0 +1,463 @@
+"""Data-parallel gradient buffers and the distributed optimizer (`ddp.*`), on plain torch.distributed.
+
+megatron-core's `DistributedDataParallel` and `DistributedOptimizer` hard-code CUDA in 0.16.1 (grad
+buffers on `torch.cuda.current_device()`, `torch.cuda.current_stream()` in the grad sync, CUDA asserts
+in `get_megatron_optimizer`; see docs/parallelism.md), so they cannot run in CI. This module does the
+same scheme with collectives that gloo and NCCL both have, so CPU and GPU run one code path:
+
+Gradient buffers (`GradBuffers`, for `ddp.overlap_grad_reduce` and the distributed optimizer):
+- every trainable parameter gets a slice of one contiguous gradient buffer per parameter dtype
+  (fp32 when `ddp.grad_reduce_in_fp32`), filled in reverse registration order (about the order the
+  backward pass produces gradients) and cut into buckets of about `ddp.bucket_size` elements, each
+  padded to a multiple of the data-parallel size;
+- a post-accumulate-grad hook adds each micro-batch's `param.grad` into the buffer and frees it
+  (megatron's `main_grad`); with `overlap_grad_reduce`, a bucket whose parameters have all received
+  their last micro-batch's gradient starts its reduction at once (async), while backward goes on;
+- `finish()` starts what has not started, waits, divides by the DP size; then sums the
+  sequence-parallel layer-norm grads over TP and the tied embedding over the embedding group, as
+  megatron's `finalize_model_grads` does. Parameters that need those extra sums sit in one bucket of
+  their own that is all-reduced (their full gradient is needed), the others are reduce-scattered
+  when the optimizer is distributed and all-reduced otherwise.
+
+Distributed optimizer (`DistributedOptimizer`, `ddp.use_distributed_optimizer`, ZeRO-1):
+- each DP rank owns the slice `[r·S, (r+1)·S)` of every bucket; for every parameter that overlaps
+  its slices it keeps an fp32 main copy of the overlap (a "fragment") and the inner optimizer (AdamW,
+  SGD) runs over the fragments only, so optimizer state and main weights take 1/dp of the memory;
+- after the step each rank writes its fragments (rounded to the parameter dtype) into a parameter
+  buffer the model's parameters are views of, and the buffer is all-gathered bucket by bucket;
+  with `overlap_param_gather` the all-gathers run async and each module waits for its own buckets
+  in a forward pre-hook, so the gather overlaps the next forward pass;
+- grad norm: squares of the own fragments' grads, summed over the DP group, then over TP×PP;
+- checkpoints stay canonical: `state` (used by checkpointing.optimizer_state_by_name, on every rank)
+  all-gathers the fragments into full parameter-shaped tensors, and `set_param_state` takes this
+  rank's fragments out of full ones, so a checkpoint saved with the distributed optimizer resumes
+  without it, at another DP size, or at another TP/PP layout, and the other way round.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+log = logging.getLogger("kubetron")
+
+# torch >= 2.12 names them *_single (the *_tensor names warn); the device machine's torch 2.11 has the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements; megatron's default is max(40M, 1M·dp)
+
+
+def _needs_full_grad(p: torch.nn.Parameter, shared_embedding) -> bool:
+    """Parameters whose DP-reduced gradient is summed once more over another group."""
+    sp = getattr(p, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    return sp or p is shared_embedding
+
+
+class _Bucket:
+    __slots__ = ("params", "start", "end", "grad", "param_data", "full", "work", "ready", "gather_work")
+
+    def __init__(self, params, start, end, grad, param_data, full):
+        self.params, self.start, self.end = params, start, end
+        self.grad, self.param_data, self.full = grad, param_data, full
+        self.work = None  # the pending async reduction
+        self.gather_work = None  # the pending async param all-gather
+        self.ready = 0  # parameters whose last micro-batch's gradient arrived
+
+    def shard(self, t: torch.Tensor, rank: int, dp: int) -> torch.Tensor:
+        size = (self.end - self.start) // dp
+        return t[rank * size:(rank + 1) * size]
+
+
+class _Buffer:
+    """One dtype's parameters: offsets, the gradient buffer, buckets, optionally a parameter buffer."""
+
+    def __init__(self, params, grad_dtype, bucket_size, dp, shared_embedding, with_param_buffer):
+        regular = [p for p in params if not _needs_full_grad(p, shared_embedding)]
+        special = [p for p in params if _needs_full_grad(p, shared_embedding)]
+        plan, offset = [], 0
+        for group, full in ((regular, False), (special, True)):
+            current, size = [], 0
+            for p in group:
+                current.append(p)
+                size += p.numel()
+                if size >= bucket_size:
+                    plan.append((current, full))
+                    current, size = [], 0
+            if current:
+                plan.append((current, full))
+        self.offsets: dict[torch.nn.Parameter, int] = {}
+        spans = []
+        for ps, full in plan:
+            start = offset
+            for p in ps:
+                self.offsets[p] = offset
+                offset += p.numel()
+            offset += (-(offset - start)) % dp  # pad the bucket to a multiple of the DP size
+            spans.append((ps, start, offset, full))
+        device, dtype = params[0].device, params[0].dtype
+        self.grad = torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if with_param_buffer:
+            self.param_data = torch.zeros(offset, dtype=dtype, device=device)
+            with torch.no_grad():
+                for p in params:
+                    view = self.param_data[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p)
+                    view.copy_(p.detach())
+                    p.data = view  # the model's parameters now live in the buffer (all-gathered into)
+        self.buckets = [_Bucket(ps, s, e, self.grad[s:e],
+                                None if self.param_data is None else self.param_data[s:e], full)
+                        for ps, s, e, full in spans]
+
+    def grad_view(self, p) -> torch.Tensor:
+        o = self.offsets[p]
+        return self.grad[o:o + p.numel()].view_as(p)
+
+
+class GradBuffers:
+    """Contiguous, bucketed data-parallel gradients; see the module docstring."""
+
+    def __init__(self, model: list[torch.nn.Module], *, grad_reduce_in_fp32: bool, overlap: bool,
+                 num_microbatches: int, bucket_size: int | None, shard: bool):
+        from kubetron.training.pipeline import shared_embedding_weight
+
+        self.group = parallel_state.get_data_parallel_group()
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.rank = parallel_state.get_data_parallel_rank()
+        self.nccl = dist.get_backend(self.group) == "nccl"
+        self.overlap, self.shard, self.num_microbatches = overlap, shard, num_microbatches
+        shared = None
+        if (parallel_state.get_pipeline_model_parallel_world_size() > 1
+                and parallel_state.is_rank_in_embedding_group(ignore_virtual=True)):
+            shared = shared_embedding_weight(model[0])
+        self.shared_embedding = shared
+        params = []
+        for chunk in model:
+            params += [p for p in chunk.parameters() if p.requires_grad]
+        params.reverse()  # ~ the order backward produces gradients: first buckets are ready first
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp)
+        self.buffers = [_Buffer(ps, torch.float32 if grad_reduce_in_fp32 else dt, size, self.dp, shared,
+                                with_param_buffer=shard)
+                        for dt, ps in by_dtype.items()]
+        self.buffer_of = {p: b for b in self.buffers for p in b.offsets}
+        self.bucket_of = {p: bk for b in self.buffers for bk in b.buckets for p in bk.params}
+        self.params = [p for b in self.buffers for p in b.offsets]
+        self._counts = {p: 0 for p in self.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    # -- backward ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad(self, p: torch.nn.Parameter):
+        self.buffer_of[p].grad_view(p).add_(p.grad)
+        p.grad = None
+        self._counts[p] += 1
+        if self.overlap and self._counts[p] == self.num_microbatches:
+            bucket = self.bucket_of[p]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._start(bucket)
+
+    def _start(self, bucket: _Bucket):
+        if bucket.work is not None or self.dp == 1:
+            return
+        if self.shard and not bucket.full:
+            out = bucket.shard(bucket.grad, self.rank, self.dp)
+            bucket.work = _reduce_scatter(out, self._input(bucket.grad), group=self.group,
+                                                     async_op=self.overlap)
+        else:
+            bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=self.overlap)
+
+    def _input(self, t: torch.Tensor) -> torch.Tensor:
+        """NCCL takes a collective's output aliasing its input (megatron relies on it); for gloo, copy."""
+        return t if self.nccl else t.clone()
+
+    def zero(self):
+        for b in self.buffers:
+            b.grad.zero_()
+            for bk in b.buckets:
+                bk.work, bk.ready = None, 0
+        for p in self.params:
+            self._counts[p] = 0
+            p.grad = None
+
+    @torch.no_grad()
+    def finish(self):
+        """DP mean of every bucket (waits for the overlapped ones), then the TP/embedding sums."""
+        if self.dp > 1:
+            for b in self.buffers:
+                for bk in b.buckets:
+                    self._start(bk)
+                    if self.overlap:
+                        bk.work.wait()
+                    if self.shard and not bk.full:
+                        bk.shard(bk.grad, self.rank, self.dp).div_(self.dp)
+                    else:
+                        bk.grad.div_(self.dp)
+        from kubetron.training.optim import model_parallel_grad_sums
+
+        model_parallel_grad_sums(self.params, self.grad_of, self.shared_embedding)
+
+    def grad_of(self, p) -> torch.Tensor:
+        return self.buffer_of[p].grad_view(p)
+
+    def set_param_grads(self):
+        """Non-distributed optimizer: hand the reduced gradients to it as `param.grad` (in the
+        parameter's dtype; a view of the buffer when the dtypes agree)."""
+        for p in self.params:
+            g = self.grad_of(p)
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+
+
+class GradSyncOptimizer:
+    """`ddp.overlap_grad_reduce` without the distributed optimizer: a torch (or MainParams) optimizer
+    whose gradients come from `GradBuffers`. Everything else is the inner optimizer's."""
+
+    def __init__(self, inner, grads: GradBuffers):
+        self.inner = inner
+        self.grad_sync = grads
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none=True)  # (MainParamsOptimizer: also forgets a clip coefficient)
+        self.grad_sync.zero()
+
+    def finish_grad_sync(self):
+        self.grad_sync.finish()
+        self.grad_sync.set_param_grads()
+
+
+class _Fragment:
+    """The part [lo, hi) of a flattened parameter this DP rank owns, with its fp32 main copy."""
+
+    __slots__ = ("param", "lo", "hi", "main", "bucket")
+
+    def __init__(self, param, lo, hi, bucket):
+        self.param, self.lo, self.hi, self.bucket = param, lo, hi, bucket
+        self.main = torch.nn.Parameter(param.detach().reshape(-1)[lo:hi].float().clone())
+
+
+class DistributedOptimizer:
+    """ZeRO-1 over the data-parallel group; see the module docstring. The loop sees the interface of
+    a torch optimizer plus `finish_grad_sync`, `grad_norm_squared`, `scale_grads`."""
+
+    def __init__(self, model: list[torch.nn.Module], groups: list[dict], make_optimizer, grads: GradBuffers,
+                 overlap_param_gather: bool):
+        self.grad_sync = grads
+        self.overlap_param_gather = overlap_param_gather
+        dp, rank = grads.dp, grads.rank
+        self.fragments: list[_Fragment] = []
+        group_of = {p: i for i, g in enumerate(groups) for p in g["params"]}
+        frag_groups = [{**g, "params": []} for g in groups]
+        for buf in grads.buffers:
+            for bk in buf.buckets:
+                size = (bk.end - bk.start) // dp
+                own_lo, own_hi = bk.start + rank * size, bk.start + (rank + 1) * size
+                for p in bk.params:
+                    ps = buf.offsets[p]
+                    lo, hi = max(ps, own_lo), min(ps + p.numel(), own_hi)
+                    if lo < hi:
+                        f = _Fragment(p, lo - ps, hi - ps, bk)
+                        self.fragments.append(f)
+                        frag_groups[group_of[p]]["params"].append(f.main)
+        if not self.fragments:  # a rank that owns only padding still needs an optimizer to step
+            frag_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(0, device=grads.params[0].device)))
+        self.inner = make_optimizer(frag_groups)
+        self._frags_of: dict[torch.nn.Parameter, list[_Fragment]] = {}
+        for f in self.fragments:
+            self._frags_of.setdefault(f.param, []).append(f)
+        self._grad_scale: torch.Tensor | None = None
+        self._gather_pending = False
+        self._hooks = []
+        if overlap_param_gather:
+            owners = {}
+            for chunk in model:
+                for m in chunk.modules():
+                    own = [p for p in m.parameters(recurse=False) if p in grads.bucket_of]
+                    if own:
+                        owners[m] = {id(grads.bucket_of[p]): grads.bucket_of[p] for p in own}
+            for m, buckets in owners.items():
+                self._hooks.append(m.register_forward_pre_hook(self._wait_hook(list(buckets.values()))))
+        total = sum(p.numel() for p in grads.params)
+        own = sum(f.hi - f.lo for f in self.fragments)
+        if dist.get_rank() == 0:
+            log.info("distributed optimizer: %d buckets over %d data-parallel ranks; this rank keeps optimizer "
+                     "state and fp32 main weights for %d of %d parameter elements", sum(len(b.buckets) for b in
+                     grads.buffers), dp, own, total)
+
+    # -- what the loop and the LR scheduler use --------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._grad_scale = None
+        self.grad_sync.zero()
+
+    def finish_grad_sync(self):
+        self.grad_sync.finish()
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Sum of squared grads of the fragments this rank owns, summed over the DP group (not yet
+        over the model-parallel group: the caller does that, as for the other optimizers)."""
+        from kubetron.training.optim import counts_toward_norms
+
+        grads = [self.grad_sync.grad_of(f.param).reshape(-1)[f.lo:f.hi] for f in self.fragments
+                 if counts_toward_norms(f.param)]
+        device = self.grad_sync.params[0].device
+        total = (torch.stack(torch._foreach_norm([g.float() for g in grads])).square().sum() if grads
+                 else torch.zeros((), dtype=torch.float32, device=device)).reshape(1)
+        if self.grad_sync.dp > 1:
+            dist.all_reduce(total, group=self.grad_sync.group)
+        return total
+
+    def scale_grads(self, coeff: torch.Tensor):
+        self._grad_scale = coeff if self._grad_scale is None else self._grad_scale * coeff
+
+    @torch.no_grad()
+    def step(self):
+        self.finish_param_sync()
+        for f in self.fragments:
+            g = self.grad_sync.grad_of(f.param).reshape(-1)[f.lo:f.hi]
+            f.main.grad = g if g.dtype == torch.float32 else g.float()
+        if self._grad_scale is not None and self.fragments:
+            grads = [f.main.grad for f in self.fragments]
+            torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
+        self._grad_scale = None
+        self.inner.step()
+        for f in self.fragments:
+            f.param.detach().view(-1)[f.lo:f.hi].copy_(f.main)  # into the parameter buffer, rounded
+            f.main.grad = None
+        self._gather_params(async_op=self.overlap_param_gather)
+
+    def _gather_params(self, async_op: bool):
+        gs = self.grad_sync
+        if gs.dp == 1:
+            return
+        for buf in gs.buffers:
+            for bk in buf.buckets:
+                own = gs._input(bk.shard(bk.param_data, gs.rank, gs.dp))
+                bk.gather_work = _all_gather(bk.param_data, own, group=gs.group, async_op=async_op)
+                if not async_op:
+                    bk.gather_work = None
+        self._gather_pending = async_op
+
+    def _wait_hook(self, buckets):
+        def hook(module, args):
+            for bk in buckets:
+                if bk.gather_work is not None:
+                    bk.gather_work.wait()
+                    bk.gather_work = None
+        return hook
+
+    def finish_param_sync(self):
+        """Wait for overlapped parameter all-gathers (before anything reads all parameters)."""
+        if not self._gather_pending:
+            return
+        for buf in self.grad_sync.buffers:
+            for bk in buf.buckets:
+                if bk.gather_work is not None:
+                    bk.gather_work.wait()
+                    bk.gather_work = None
+        self._gather_pending = False
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        """fp32 mains := the model's parameters (after their weights were loaded)."""
+        self.finish_param_sync()
+        for f in self.fragments:
+            f.main.copy_(f.param.detach().reshape(-1)[f.lo:f.hi])
+
+    # -- checkpoints: canonical, parameter-shaped state ---------------------------------------------
+    def _state_keys(self) -> list[str]:
+        local = sorted({k for f in self.fragments for k, v in self.inner.state.get(f.main, {}).items()
+                        if torch.is_tensor(v) and v.ndim > 0})
+        if self.grad_sync.dp == 1:
+            return local
+        everyone = [None] * self.grad_sync.dp
+        dist.all_gather_object(everyone, local, group=self.grad_sync.group)
+        return sorted({k for keys in everyone for k in keys})
+
+    def _step_value(self):
+        for f in self.fragments:
+            s = self.inner.state.get(f.main, {})
+            if "step" in s:
+                return s["step"]
+        return None
+
+    @property
+    @torch.no_grad()
+    def state(self) -> dict:
+        """{model param: {state key: full tensor, "main_param": fp32 weight, "step"}}.
+
+        Collective over the DP group (every DP rank must read it): each rank contributes its
+        fragments, the buckets are all-gathered, and every rank gets full tensors."""
+        self.finish_param_sync()
+        gs = self.grad_sync
+        keys = self._state_keys()
+        full: dict[str, dict] = {}
+        for key in [*keys, "main_param"]:
+            for buf in gs.buffers:
+                flat = torch.zeros(buf.grad.numel(), dtype=torch.float32, device=buf.grad.device)
+                for f in self.fragments:
+                    if gs.buffer_of[f.param] is buf:
+                        src = f.main if key == "main_param" else self.inner.state.get(f.main, {}).get(key)
+                        if src is not None:
+                            o = buf.offsets[f.param]
+                            flat[o + f.lo:o + f.hi].copy_(src.reshape(-1))
+                if gs.dp > 1:
+                    for bk in buf.buckets:
+                        piece = flat[bk.start:bk.end]
+                        _all_gather(piece, gs._input(bk.shard(piece, gs.rank, gs.dp)), group=gs.group)
+                for p, o in buf.offsets.items():
+                    full.setdefault(p, {})[key] = flat[o:o + p.numel()].view(p.shape)
+        step = self._step_value()
+        if keys and step is not None:
+            for entry in full.values():
+                entry["step"] = step.clone()
+        return full
+
+    @torch.no_grad()
+    def set_param_state(self, model_param: torch.nn.Parameter, state: dict):
+        """Restore one parameter from full (canonical) state: this rank takes its fragments."""
+        state = dict(state)
+        saved_main = state.pop("main_param", None)
+        if saved_main is not None:
+            model_param.copy_(saved_main.to(model_param.device, model_param.dtype))
+        for f in self._frags_of.get(model_param, []):
+            if saved_main is not None:
+                f.main.copy_(saved_main.reshape(-1)[f.lo:f.hi])
+            else:
+                f.main.copy_(model_param.detach().reshape(-1)[f.lo:f.hi])
+            entry = {k: (v.reshape(-1)[f.lo:f.hi].to(f.main.device).clone() if torch.is_tensor(v) and v.ndim > 0
+                         else (v.clone() if torch.is_tensor(v) else v)) for k, v in state.items()}
+            if entry:
+                self.inner.state[f.main] = entry
+            else:
+                self.inner.state.pop(f.main, None)
+
+    def state_dict(self) -> dict:
+        """This rank's own shard (same-layout resumes only: node-local checkpoints)."""
+        return {"inner": self.inner.state_dict(), "main_params": [f.main.detach() for f in self.fragments]}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict):
+        self.inner.load_state_dict(sd["inner"])
+        mains = sd["main_params"]
+        if len(mains) != len(self.fragments):
+            raise ValueError(f"state dict has {len(mains)} main fragments, this optimizer {len(self.fragments)}")
+        for f, saved in zip(self.fragments, mains, strict=True):
+            f.main.copy_(saved)
+            f.param.detach().view(-1)[f.lo:f.hi].copy_(f.main)
+        self._gather_params(async_op=False)
