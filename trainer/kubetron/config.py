@@ -226,6 +226,12 @@ class CheckpointConfig(_Section):
     pretrained_checkpoint: str | None = _f(
         None, "Checkpoint to initialise model weights from when finetuning (store or iter_* directory).")
     async_save: bool = _f(False, "Write checkpoints in the background while training continues.")
+    ckpt_format: Literal["kubetron", "torch_dist"] = _f(
+        "kubetron", "kubetron: canonical unsharded tensors, streamed to the store; torch_dist: megatron-core "
+        "dist_checkpointing, every rank writes its shards (staged on local disk; see docs/parallelism.md).")
+    dist_staging_dir: str | None = _f(
+        None, "Local directory torch_dist checkpoints are staged in on their way to/from the store (None: the "
+              "system temp dir).")
     non_persistent_save_interval: int | None = _f(
         None, "Save a non-persistent checkpoint every this many iterations (iterations).", ge=1)
     non_persistent_ckpt_type: Literal["global", "local"] | None = _f(
@@ -750,6 +756,11 @@ class ConfigContainer(BaseModel):
                 raise ConfigError(f"checkpoint.{name}", f"{value!r} names no bucket")
         if is_remote(c.non_persistent_local_ckpt_dir):
             raise ConfigError("checkpoint.non_persistent_local_ckpt_dir", "must be a local directory, not s3://")
+        if is_remote(c.dist_staging_dir):
+            raise ConfigError("checkpoint.dist_staging_dir", "must be a local directory, not s3://")
+        if c.ckpt_format == "torch_dist" and c.async_save:
+            raise ConfigError("checkpoint.async_save", "is not supported with ckpt_format torch_dist (its save is "
+                                                       "collective over all ranks); use ckpt_format kubetron")
 
         # dist / ddp / precision / profiling
         if self.dist.distributed_backend == "nccl" and self.dist.use_gpu is False:

@@ -204,9 +204,11 @@ class CheckpointManager:
         """Gather full tensors and copy all state to host memory (the only part that blocks)."""
         ts = self.state.train_state
         finish_param_sync(optimizer)  # weights still being all-gathered (ddp.overlap_param_gather)
-        model_sd = sharding.gather_model_state(model)
-        optim_sd = sharding.gather_optimizer_state(model, optimizer_state_by_name(model, optimizer)) \
-            if self.cfg.checkpoint.save_optim else None
+        model_sd = optim_sd = None
+        if self.cfg.checkpoint.ckpt_format == "kubetron":  # (torch_dist: every rank writes in write())
+            model_sd = sharding.gather_model_state(model)
+            optim_sd = sharding.gather_optimizer_state(model, optimizer_state_by_name(model, optimizer)) \
+                if self.cfg.checkpoint.save_optim else None
         rank0 = _rank() == 0
         common = self._common_state(scheduler, data_iterators) if rank0 else None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -240,6 +242,12 @@ class CheckpointManager:
             rank = _rank()
             txn = holder["txn"] = store.begin_dir(name, txn_id=f"{self.run_id}-{snap.iteration}")
             txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
+            if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
+                from kubetron.training import dist_ckpt
+
+                facts = dist_ckpt.save(model, optimizer, txn, self.cfg, with_optimizer=self.cfg.checkpoint.save_optim)
+                if snap.common is not None and facts:
+                    snap.common["dist_optimizer"] = facts
             if snap.common is not None:
                 for key, obj in (("model.pt", snap.model), ("optim.pt", snap.optim), ("common.pt", snap.common)):
                     if obj is not None:
@@ -489,19 +497,28 @@ class CheckpointManager:
         return 0
 
     def _restore(self, store, name, model, optimizer, scheduler, data_iterators, *, full: bool):
+        from kubetron.training import dist_ckpt
+
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
         check_architecture(common.get("model_config", {}), self.cfg, name)
-        with store.open_read(f"{name}/model.pt") as f:
-            full_model = _safe_load(f, f"{name}/model.pt")
-        sharding.load_model_state(model, full_model)
+        ck = self.cfg.checkpoint
+        device = next(model[0].parameters()).device
+        dist_optim = None
+        if dist_ckpt.is_dist_checkpoint(store, name):  # saved with ckpt_format torch_dist
+            dist_optim = dist_ckpt.load(model, optimizer, store, name, self.cfg, common,
+                                        with_optimizer=full and ck.load_optim, device=device)
+        else:
+            with store.open_read(f"{name}/model.pt") as f:
+                full_model = _safe_load(f, f"{name}/model.pt")
+            sharding.load_model_state(model, full_model)
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()  # fp32 mains := the loaded weights (a resume then restores
             # the saved fp32 mains from optim.pt; finetune keeps these)
         if not full:
             return
-        ck = self.cfg.checkpoint
-        device = next(model[0].parameters()).device
-        if ck.load_optim and store.exists(f"{name}/optim.pt"):
+        if dist_optim is not None:
+            load_optimizer_state_by_name(model, optimizer, dist_optim, device)
+        elif ck.load_optim and store.exists(f"{name}/optim.pt"):
             with store.open_read(f"{name}/optim.pt") as f:
                 saved = _safe_load(f, f"{name}/optim.pt")
             load_optimizer_state_by_name(model, optimizer, sharding.scatter_optimizer_state(model, saved), device)

@@ -1,0 +1,228 @@
+"""`checkpoint.ckpt_format: torch_dist`: model and optimizer state through megatron-core dist_checkpointing.
+
+Layout inside a checkpoint directory (everything else is as in the default format):
+
+    iter_0000020/dist/{.metadata, __<rank>_<n>.distcp, metadata.json, common.pt}   megatron-core torch_dist
+    iter_0000020/{common.pt, rng/, run_config.yaml, <commit marker>}               kubetron, as always
+
+`dist/` is a megatron-core `torch_dist` checkpoint of the sharded state dict
+`{"model": model.sharded_state_dict(), "optimizer": {<key>: ...}}`: every rank writes its own shards
+(no gather onto rank 0), and megatron's ShardedTensor offsets let it load into another TP/PP/DP layout.
+Optimizer state (Adam's `exp_avg`/`exp_avg_sq`, SGD's `momentum_buffer`, and the fp32 main weights
+`main_param`) is saved as ShardedTensors that mirror each parameter's (`make_sharded_optimizer_tensor`,
+key `optimizer.<state key>.<parameter key>`); the scalar `step` and the param groups go to kubetron's
+common.pt.
+
+Three things around megatron-core 0.16.1:
+- Its save hard-codes CUDA in two callbacks (`torch.cuda.synchronize()` after the device→host preload,
+  a `torch.cuda.current_device()` flag tensor in the finalize); on CPU `_CPUSaveStrategy` overrides the
+  one method that builds them. GPUs use megatron's default strategy unchanged.
+- It writes to a filesystem only. Each rank writes into a private staging directory
+  (`checkpoint.dist_staging_dir`, default the system temp dir) and then copies its files into the
+  store's transaction (a path or s3://), so PVC and S3 take the same code path; a load downloads
+  `dist/` into staging first. The staging needs free local disk for one rank's shards (save) or the
+  whole `dist/` (load).
+- torch DCP reads `.metadata` with plain `pickle.load`, which would run code planted in a store.
+  `check_metadata_pickle` unpickles it first with an allow-list of torch.distributed.checkpoint's
+  metadata classes and refuses anything else, before megatron reads the (local, checked) copy.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import tempfile
+
+import torch
+
+from kubetron.errors import CheckpointError
+
+DIST = "dist"
+OPTIM_PREFIX = "optimizer"
+
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                    "torch.distributed.checkpoint.filesystem")
+_ALLOWED_BUILTINS = {"set", "frozenset", "list", "dict", "tuple", "slice", "int", "float", "bool", "bytes", "str"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in _ALLOWED_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # metadata dataclasses and enums, never a function
+                return obj
+        if module == "torch.serialization" and name == "_get_layout":
+            return super().find_class(module, name)
+        if module == "collections" and name == "OrderedDict":
+            return super().find_class(module, name)
+        if module == "builtins" and name in _ALLOWED_BUILTINS:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if name == "Size" or isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+                return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def check_metadata_pickle(data: bytes, where: str):
+    """Refuse a `.metadata` that references anything but torch DCP's metadata classes."""
+    try:
+        _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001 - any failure means: do not let pickle.load near it
+        raise CheckpointError(f"{where}: refusing to load: {e}") from None
+
+
+def _cpu_save_strategy():
+    """megatron's torch_dist save strategy without its two CUDA calls (see the module docstring)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.utils import _get_failure_dict
+
+    class _CPUSaveStrategy(TorchDistSaveShardedStrategy):
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
+            save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
+
+            def finalize_fn():  # state_dict_saver.save_state_dict_async_finalize with a CPU flag tensor
+                storage_writer, global_metadata, dist_wrapper = save_state_dict_ret
+                results = dist_wrapper.gather_object(storage_writer.retrieve_write_results())
+                failures = {}
+                if dist_wrapper.is_coordinator:
+                    failures = _get_failure_dict(results)
+                    if not failures:
+                        storage_writer.finish(global_metadata, results)
+                flag = torch.tensor([int(len(failures) > 0)], dtype=torch.int)
+                torch.distributed.broadcast(flag, src=dist_wrapper.coordinator_rank, group=dist_wrapper.group)
+                if flag.item():
+                    raise CheckpointException("write", failures)
+
+            # no preload: the tensors are on the host already (prepare_write_data cloned views)
+            return AsyncRequest(save_fn, save_args, [finalize_fn], preload_fn=None)
+
+    return _CPUSaveStrategy("torch_dist", 1)
+
+
+def _model_sharded(model) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    sd = model[0].sharded_state_dict()
+    return {k: v for k, v in sd.items() if isinstance(v, ShardedTensor | ShardedTensorFactory)}
+
+
+def _param_keys(model, model_sd: dict) -> dict[int, tuple[str, object]]:
+    """id(parameter) -> (local parameter name, its sharded tensor/factory)."""
+    by_id = {id(v.data): (k, v) for k, v in model_sd.items()}
+    return {id(p): (n, by_id[id(p)][1]) for n, p in model[0].named_parameters() if id(p) in by_id}
+
+
+def sharded_state_dict(model, optimizer, *, with_optimizer: bool) -> tuple[dict, dict]:
+    """(sharded state dict to save, facts for common.pt). Collective with the distributed optimizer."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    model_sd = _model_sharded(model)
+    out = {"model": model_sd}
+    facts = {}
+    if with_optimizer:
+        keys = _param_keys(model, model_sd)
+        optim, state_keys, step = {}, set(), None
+        for p, s in optimizer.state.items():
+            name, sh = keys[id(p)]
+            for k, v in s.items():
+                if torch.is_tensor(v) and v.ndim > 0 and tuple(v.shape) == tuple(p.shape):
+                    optim[f"{k}.{name}"] = make_sharded_optimizer_tensor(sh, v.detach(), f"{OPTIM_PREFIX}.{k}")
+                    state_keys.add(k)
+                elif k == "step":
+                    step = v
+        out["optimizer"] = optim
+        facts = {"state_keys": sorted(state_keys), "step": step.detach().cpu() if torch.is_tensor(step) else step,
+                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+    return out, facts
+
+
+def _staging(cfg) -> str:
+    base = cfg.checkpoint.dist_staging_dir
+    if base:
+        os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix="kubetron-dist-", dir=base or None)
+
+
+def save(model, optimizer, txn, cfg, *, with_optimizer: bool) -> dict:
+    """Collective: write this rank's shards into `txn` under dist/. Returns facts for common.pt."""
+    from megatron.core import dist_checkpointing
+
+    sd, facts = sharded_state_dict(model, optimizer, with_optimizer=with_optimizer)
+    on_gpu = any(p.is_cuda for p in model[0].parameters())
+    strategy = None if on_gpu else _cpu_save_strategy()
+    staging = _staging(cfg)
+    try:
+        dist_checkpointing.save(sd, staging, sharded_strategy=strategy)
+        for root, _, files in os.walk(staging):
+            for f in sorted(files):
+                rel = os.path.relpath(os.path.join(root, f), staging)
+                with open(os.path.join(root, f), "rb") as src, txn.open_write(f"{DIST}/{rel}") as dst:
+                    shutil.copyfileobj(src, dst, 8 << 20)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return facts
+
+
+def is_dist_checkpoint(store, name: str) -> bool:
+    return store.exists(f"{name}/{DIST}/metadata.json")
+
+
+def load(model, optimizer, store, name: str, cfg, common: dict, *, with_optimizer: bool, device) -> dict | None:
+    """Load model weights (and, with_optimizer, return optimizer state by parameter name, in the
+    form checkpointing.load_optimizer_state_by_name takes) from `name`/dist."""
+    from megatron.core import dist_checkpointing
+
+    staging = _staging(cfg)
+    try:
+        prefix = f"{name}/{DIST}/"
+        for key in store.list(prefix):
+            rel = key[len(prefix):]
+            path = os.path.join(staging, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with store.open_read(key) as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+        meta = os.path.join(staging, ".metadata")
+        if not os.path.exists(meta):
+            raise CheckpointError(f"{prefix}.metadata is missing")
+        with open(meta, "rb") as f:
+            check_metadata_pickle(f.read(), f"{prefix}.metadata")
+        facts = common.get("dist_optimizer") if with_optimizer else None
+        sd = {"model": _model_sharded(model)}
+        keys = _param_keys(model, sd["model"])
+        if facts:
+            from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+            optim = {}
+            for p in (p for _, p in model[0].named_parameters()):
+                pname, sh = keys[id(p)]
+                for k in facts["state_keys"]:
+                    optim[f"{k}.{pname}"] = make_sharded_optimizer_tensor(
+                        sh, torch.empty(p.shape, dtype=torch.float32, device=p.device), f"{OPTIM_PREFIX}.{k}")
+            sd["optimizer"] = optim
+        try:
+            loaded = dist_checkpointing.load(sd, staging)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - megatron raises many kinds; name the checkpoint
+            raise CheckpointError(f"{prefix}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    chunk = model[0]
+    missing, unexpected = chunk.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"{prefix} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if not facts:
+        return None
+    state = {}
+    for pname, _ in chunk.named_parameters():
+        entry = {k: loaded["optimizer"][f"{k}.{pname}"].to(device) for k in facts["state_keys"]}
+        if facts["step"] is not None and any(k != "main_param" for k in entry):
+            entry["step"] = facts["step"].clone() if torch.is_tensor(facts["step"]) else facts["step"]
+        state[pname] = entry
+    return {"state": state, "param_groups": facts["param_groups"]}
