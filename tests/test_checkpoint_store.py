@@ -142,3 +142,51 @@ def test_resume_takes_the_newest_of_persistent_and_non_persistent(reference, tmp
     assert p.returncode == 0, p.stderr[-3000:]
     assert "at iteration 15" in p.stdout, p.stdout[-2000:]
     assert_continues_exactly(tmp_path / "tb", reference, 15)
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("backend", ["fs", "s3"])
+def test_torch_dist_format_sigterm_resume_is_exact(reference, tmp_path, s3_server, backend):
+    """ckpt_format=torch_dist (megatron-core dist_checkpointing, staged through the store): SIGTERM and
+    resume continue the reference exactly; the checkpoint is a torch_dist directory under dist/. The
+    resume on a path runs with the default format: the format is read from the checkpoint."""
+    store = str(tmp_path / "ckpt") if backend == "fs" else s3_url(s3_server)
+    env = s3_server.env() if backend == "s3" else {}
+    fmt = "checkpoint.ckpt_format=torch_dist"
+    code, out, err, term = run_until_iteration_then_signal(args_for(store, tmp_path / "tb", fmt), tmp_path, 13,
+                                                           **env)
+    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
+    saved = term["lastCheckpoint"]
+    p = run(args_for(store, tmp_path / "tb", *([fmt] if backend == "s3" else [])), tmp_path, **env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"at iteration {saved}" in p.stdout, p.stdout[-2000:]
+    assert_continues_exactly(tmp_path / "tb", reference, saved)
+    if backend == "fs":
+        d = tmp_path / "ckpt" / "iter_0000010"
+        assert json.loads((d / "dist" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+        assert (d / "dist" / ".metadata").is_file() and not (d / "model.pt").exists()
+
+
+def test_torch_dist_planted_metadata_pickle_is_refused(tmp_path):
+    """torch DCP reads .metadata with plain pickle.load; kubetron checks it against an allow-list first."""
+    store = tmp_path / "ckpt"
+    p = run(args_for(str(store), tmp_path / "tb", "checkpoint.ckpt_format=torch_dist", "train.train_iters=20"),
+            tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    marker = tmp_path / "PWNED"
+    import pickle
+
+    (store / "iter_0000020" / "dist" / ".metadata").write_bytes(pickle.dumps({"x": _Payload(marker)}))
+    p = run(args_for(str(store), tmp_path / "tb"), tmp_path)
+    assert p.returncode == exitcodes.ERROR, p.stderr[-3000:]
+    assert not marker.exists(), "the pickle payload ran"
+    assert "Traceback" not in p.stderr
+    assert "refusing to load" in p.stderr and "iter_0000020/dist/.metadata" in p.stderr, p.stderr[-2000:]
+    assert "io.open is not allowed in checkpoint metadata" in p.termination["message"]

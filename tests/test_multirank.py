@@ -310,6 +310,44 @@ def test_distributed_optimizer_bf16_and_pp2_with_tied_embeddings(tmp_path):
         close(got, ref, range(1, 21), 1e-5 if name == "pp2" else 2e-3)
 
 
+TORCH_DIST = ["checkpoint.ckpt_format=torch_dist"]
+
+
+def test_torch_dist_checkpoints_with_distributed_optimizer_reshard(distopt_run, tmp_path):
+    """megatron-core dist_checkpointing: DP=2 with the distributed optimizer, every rank writing its own
+    shards, trains exactly as with canonical checkpoints; its iteration 20 resumes at TP=2 (21..30,
+    saved as torch_dist at TP=2), and that at DP=1 with the default format (31..40)."""
+    ref = distopt_run["loss"]
+    dp = launch(args(tmp_path / "dp", *FLAVOR, *DISTOPT, *TORCH_DIST, "checkpoint.save_interval=10"),
+                tmp_path / "ranks-dp")
+    ok(dp)
+    assert tb_scalars(tmp_path / "dp" / "tb") == ref
+    files = sorted(p.name for p in (tmp_path / "dp" / "iter_0000020" / "dist").iterdir())
+    assert ".metadata" in files and any(f.startswith("__1_") for f in files), files  # rank 1 wrote shards
+    tp = launch(args(tmp_path / "tp", *FLAVOR, *TP2, *TORCH_DIST, "checkpoint.ckpt_step=20", "train.exit_interval=30",
+                     load=tmp_path / "dp"), tmp_path / "ranks-tp")
+    ok(tp, exitcodes.EXIT_CONDITION)
+    assert "at iteration 20" in tp.stdout and tp.consumed_at(21) == 21 * GBS, tp.tail()
+    close(tb_scalars(tmp_path / "tp" / "tb"), ref, range(21, 31), LOSS_TOL)
+    assert (tmp_path / "tp" / "iter_0000030" / "dist" / ".metadata").is_file()
+    one = launch(args(tmp_path / "one", *FLAVOR, load=tmp_path / "tp"), tmp_path / "ranks-one", nproc=1)
+    ok(one, nproc=1)
+    assert "at iteration 30" in one.stdout and one.consumed_at(31) == 31 * GBS, one.tail()
+    close(tb_scalars(tmp_path / "one" / "tb"), ref, range(31, ITERS + 1), LOSS_TOL)
+
+
+def test_torch_dist_pp2_with_tied_embeddings_resumes_at_pp1(tmp_path):
+    pp = launch(args(tmp_path / "pp", *PP2, *TORCH_DIST, "train.train_iters=20", "checkpoint.save_interval=10"),
+                tmp_path / "ranks-pp")
+    ok(pp)
+    ref = tb_scalars(tmp_path / "pp" / "tb")
+    one = launch(args(tmp_path / "one", *TORCH_DIST, "train.train_iters=20", "checkpoint.ckpt_step=10",
+                      load=tmp_path / "pp"), tmp_path / "ranks-one", nproc=1)
+    ok(one, nproc=1)
+    assert "at iteration 10" in one.stdout and one.consumed_at(11) == 11 * GBS, one.tail()
+    close(tb_scalars(tmp_path / "one" / "tb"), ref, range(11, 21), LOSS_TOL)
+
+
 def test_overlap_param_gather_needs_the_distributed_optimizer(tmp_path):
     r = launch(args(tmp_path / "s", "ddp.overlap_param_gather=true"), tmp_path / "ranks", nproc=1)
     assert r.returncode == exitcodes.CONFIG_ERROR, r.tail()

@@ -7,7 +7,7 @@ Layout inside a checkpoint directory (everything else is as in the default forma
 
 `dist/` is a megatron-core `torch_dist` checkpoint of the sharded state dict
 `{"model": model.sharded_state_dict(), "optimizer": {<key>: ...}}`: every rank writes its own shards
-(no gather onto rank 0), and megatron's ShardedTensor offsets let it load into another TP/PP/DP layout.
+(no gather onto rank 0; the DP replicas split what they hold in common, megatron's fully parallel save), and megatron's ShardedTensor offsets let it load into another TP/PP/DP layout.
 Optimizer state (Adam's `exp_avg`/`exp_avg_sq`, SGD's `momentum_buffer`, and the fp32 main weights
 `main_param`) is saved as ShardedTensors that mirror each parameter's (`make_sharded_optimizer_tensor`,
 key `optimizer.<state key>.<parameter key>`); the scalar `step` and the param groups go to kubetron's
@@ -17,6 +17,8 @@ Three things around megatron-core 0.16.1:
 - Its save hard-codes CUDA in two callbacks (`torch.cuda.synchronize()` after the device→host preload,
   a `torch.cuda.current_device()` flag tensor in the finalize); on CPU `_CPUSaveStrategy` overrides the
   one method that builds them. GPUs use megatron's default strategy unchanged.
+- Its writer starts a spawn-mode multiprocessing manager, which re-imports `__main__`: a script that
+  calls `pretrain()` with this format needs an `if __name__ == "__main__":` guard (the CLI has one).
 - It writes to a filesystem only. Each rank writes into a private staging directory
   (`checkpoint.dist_staging_dir`, default the system temp dir) and then copies its files into the
   store's transaction (a path or s3://), so PVC and S3 take the same code path; a load downloads
@@ -104,6 +106,19 @@ def _cpu_save_strategy():
     return _CPUSaveStrategy("torch_dist", 1)
 
 
+def _save_strategy(on_gpu: bool):
+    """torch_dist, fully parallel over the data-parallel group: the DP replicas split the writing of
+    what they all hold, instead of DP rank 0 writing everything (megatron's fully_parallel_save)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    base = get_default_save_sharded_strategy() if on_gpu else _cpu_save_strategy()
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return base
+    return FullyParallelSaveStrategyWrapper(base, parallel_state.get_data_parallel_group())
+
+
 def _model_sharded(model) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -153,8 +168,7 @@ def save(model, optimizer, txn, cfg, *, with_optimizer: bool) -> dict:
     from megatron.core import dist_checkpointing
 
     sd, facts = sharded_state_dict(model, optimizer, with_optimizer=with_optimizer)
-    on_gpu = any(p.is_cuda for p in model[0].parameters())
-    strategy = None if on_gpu else _cpu_save_strategy()
+    strategy = _save_strategy(on_gpu=any(p.is_cuda for p in model[0].parameters()))
     staging = _staging(cfg)
     try:
         dist_checkpointing.save(sd, staging, sharded_strategy=strategy)
