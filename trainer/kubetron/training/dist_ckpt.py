@@ -7,7 +7,8 @@ Layout inside a checkpoint directory (everything else is as in the default forma
 
 `dist/` is a megatron-core `torch_dist` checkpoint of the sharded state dict
 `{"model": model.sharded_state_dict(), "optimizer": {<key>: ...}}`: every rank writes its own shards
-(no gather onto rank 0; the DP replicas split what they hold in common, megatron's fully parallel save), and megatron's ShardedTensor offsets let it load into another TP/PP/DP layout.
+(no gather onto rank 0; the DP replicas split what they hold in common, megatron's fully parallel
+save), and megatron's ShardedTensor offsets let it load into another TP/PP/DP layout.
 Optimizer state (Adam's `exp_avg`/`exp_avg_sq`, SGD's `momentum_buffer`, and the fp32 main weights
 `main_param`) is saved as ShardedTensors that mirror each parameter's (`make_sharded_optimizer_tensor`,
 key `optimizer.<state key>.<parameter key>`); the scalar `step` and the param groups go to kubetron's
