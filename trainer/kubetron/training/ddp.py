@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kubetron.training.mixed_precision import OptimizerOverCopies
+
 log = logging.getLogger("kubetron")
 
 # torch >= 2.12 names them *_single (the *_tensor names warn); the device machine's torch 2.11 has the old ones
@@ -244,7 +246,7 @@ class _Fragment:
         self.main = torch.nn.Parameter(param.detach().reshape(-1)[lo:hi].float().clone())
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(OptimizerOverCopies):
     """ZeRO-1 over the data-parallel group; see the module docstring. The loop sees the interface of
     a torch optimizer plus `finish_grad_sync`, `grad_norm_squared`, `scale_grads`."""
 
@@ -273,7 +275,6 @@ class DistributedOptimizer:
         self._frags_of: dict[torch.nn.Parameter, list[_Fragment]] = {}
         for f in self.fragments:
             self._frags_of.setdefault(f.param, []).append(f)
-        self._grad_scale: torch.Tensor | None = None
         self._gather_pending = False
         self._hooks = []
         if overlap_param_gather:
@@ -292,15 +293,7 @@ class DistributedOptimizer:
                      "state and fp32 main weights for %d of %d parameter elements", sum(len(b.buckets) for b in
                      grads.buffers), dp, own, total)
 
-    # -- what the loop and the LR scheduler use --------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def defaults(self) -> dict:
-        return self.inner.defaults
-
+    # -- what the loop uses (param_groups, defaults, scale_grads: OptimizerOverCopies) ------------------
     def zero_grad(self, set_to_none: bool = True):
         self._grad_scale = None
         self.grad_sync.zero()
@@ -322,19 +315,13 @@ class DistributedOptimizer:
             dist.all_reduce(total, group=self.grad_sync.group)
         return total
 
-    def scale_grads(self, coeff: torch.Tensor):
-        self._grad_scale = coeff if self._grad_scale is None else self._grad_scale * coeff
-
     @torch.no_grad()
     def step(self):
         self.finish_param_sync()
         for f in self.fragments:
             g = self.grad_sync.grad_of(f.param).reshape(-1)[f.lo:f.hi]
             f.main.grad = g if g.dtype == torch.float32 else g.float()
-        if self._grad_scale is not None and self.fragments:
-            grads = [f.main.grad for f in self.fragments]
-            torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
-        self._grad_scale = None
+        self._apply_grad_scale([f.main.grad for f in self.fragments])
         self.inner.step()
         for f in self.fragments:
             f.param.detach().view(-1)[f.lo:f.hi].copy_(f.main)  # into the parameter buffer, rounded

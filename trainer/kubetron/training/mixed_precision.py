@@ -21,7 +21,33 @@ from __future__ import annotations
 import torch
 
 
-class MainParamsOptimizer:
+class OptimizerOverCopies:
+    """What optimizers that step fp32 copies of the parameters share (this module's, and ddp.py's
+    distributed one): the inner torch optimizer's groups and defaults (the LR scheduler sets them),
+    and a pending clip coefficient that step() applies to the fp32 gradients."""
+
+    inner: torch.optim.Optimizer
+    _grad_scale: torch.Tensor | None = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.inner.defaults
+
+    def scale_grads(self, coeff: torch.Tensor):
+        """Multiply the gradients by `coeff` in fp32, as they become main grads (grad clipping)."""
+        self._grad_scale = coeff if self._grad_scale is None else self._grad_scale * coeff
+
+    def _apply_grad_scale(self, grads: list[torch.Tensor]):
+        if self._grad_scale is not None and grads:
+            torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
+        self._grad_scale = None
+
+
+class MainParamsOptimizer(OptimizerOverCopies):
     """A torch optimizer over fp32 copies of the model's parameters; see the module docstring."""
 
     def __init__(self, groups: list[dict], make_optimizer):
@@ -40,16 +66,6 @@ class MainParamsOptimizer:
             main_groups.append({**g, "params": mains})
         self.inner = make_optimizer(main_groups)
         self._main_of = {p: m for p, m in zip(self.model_params, self.main_params, strict=True)}
-        self._grad_scale: torch.Tensor | None = None
-
-    # -- what the loop and the LR scheduler use --------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def defaults(self) -> dict:
-        return self.inner.defaults
 
     def zero_grad(self, set_to_none: bool = True):
         self._grad_scale = None
@@ -61,20 +77,12 @@ class MainParamsOptimizer:
             else:
                 p.grad.detach_().zero_()
 
-    def scale_grads(self, coeff: torch.Tensor):
-        """Multiply the gradients by `coeff` in fp32, as they become main grads (grad clipping)."""
-        self._grad_scale = coeff if self._grad_scale is None else self._grad_scale * coeff
-
     @torch.no_grad()
     def step(self):
         low = [(p, m) for p, m in zip(self.model_params, self.main_params, strict=True) if m is not p]
         for p, m in low:
             m.grad = None if p.grad is None else p.grad.to(torch.float32)
-        if self._grad_scale is not None:
-            grads = [m.grad for m in self.main_params if m.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
-            self._grad_scale = None
+        self._apply_grad_scale([m.grad for m in self.main_params if m.grad is not None])
         self.inner.step()
         if low:
             torch._foreach_copy_([p for p, _ in low], [m for _, m in low])  # fp32 -> bf16, rounded
