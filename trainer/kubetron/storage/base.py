@@ -127,6 +127,12 @@ class DirTxn(abc.ABC):
         with self.open_write(relkey) as f:
             f.write(data)
 
+    def local_dir(self, relkey: str) -> str | None:
+        """A local directory that becomes `name/relkey` at commit, for writers that need a filesystem
+        path (megatron's dist_checkpointing); None when the store is not a filesystem (stage, then copy
+        through open_write). Files written there are fsynced by the commit."""
+        return None
+
     def commit(self, marker: bytes) -> None:
         """Make the directory visible: write the marker last (FS: then rename the directory into place).
 
@@ -181,6 +187,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:
         """A seekable binary reader (enough for `torch.load`). FileNotFoundError if missing."""
+
+    def local_path(self, key: str) -> str | None:
+        """The filesystem path of `key`, or None when the store is not a filesystem."""
+        return None
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...

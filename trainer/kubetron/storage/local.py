@@ -145,6 +145,9 @@ class LocalStore(Store):
     def open_read(self, key: str) -> BinaryIO:
         return open(self._path(check_key(key)), "rb")  # the caller closes it
 
+    def local_path(self, key: str) -> str:
+        return self._path(check_key(key))
+
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(check_key(key)))
 
@@ -271,6 +274,14 @@ class _LocalDirTxn(DirTxn):
     def _open_object(self, rk: str) -> Iterator[BinaryIO]:
         with _atomic_file(os.path.join(self.tmp, *rk.split("/")), self._what(rk)) as f:
             yield f
+
+    def local_dir(self, relkey: str) -> str:
+        path = os.path.join(self.tmp, *check_key(relkey).split("/"))
+        try:
+            _makedirs(path)
+        except OSError as e:
+            raise CheckpointError(f"cannot create {path} for {self._what(relkey)}: {e}") from e
+        return path
 
     def _commit(self, marker: bytes) -> None:
         if not os.path.isdir(self.tmp):

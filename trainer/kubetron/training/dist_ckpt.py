@@ -20,11 +20,12 @@ Three things around megatron-core 0.16.1:
   one method that builds them. GPUs use megatron's default strategy unchanged.
 - Its writer starts a spawn-mode multiprocessing manager, which re-imports `__main__`: a script that
   calls `pretrain()` with this format needs an `if __name__ == "__main__":` guard (the CLI has one).
-- It writes to a filesystem only. Each rank writes into a private staging directory
-  (`checkpoint.dist_staging_dir`, default the system temp dir) and then copies its files into the
-  store's transaction (a path or s3://), so PVC and S3 take the same code path; a load downloads
-  `dist/` into staging first. The staging needs free local disk for one rank's shards (save) or the
-  whole `dist/` (load).
+- It writes to a filesystem only. On a path store (PVC) it writes straight into the transaction's
+  directory (committed by the same marker protocol). For S3 each rank writes into a private staging
+  directory (`checkpoint.dist_staging_dir`, default the system temp dir) and then uploads its files
+  through the store's transaction; a load downloads `dist/` into staging first (on a path store the
+  staging holds links to the shards, and a copy of `.metadata`). The S3 staging needs free local disk
+  for one rank's shards (save) or the whole `dist/` (load).
 - torch DCP reads `.metadata` with plain `pickle.load`, which would run code planted in a store.
   `check_metadata_pickle` unpickles it first with an allow-list of torch.distributed.checkpoint's
   metadata classes and refuses anything else, before megatron reads the (local, checked) copy.
@@ -170,6 +171,10 @@ def save(model, optimizer, txn, cfg, *, with_optimizer: bool) -> dict:
 
     sd, facts = sharded_state_dict(model, optimizer, with_optimizer=with_optimizer)
     strategy = _save_strategy(on_gpu=any(p.is_cuda for p in model[0].parameters()))
+    direct = txn.local_dir(DIST)
+    if direct is not None:  # a path store (PVC): megatron writes into the transaction's directory
+        dist_checkpointing.save(sd, direct, sharded_strategy=strategy)
+        return facts
     staging = _staging(cfg)
     try:
         dist_checkpointing.save(sd, staging, sharded_strategy=strategy)
@@ -195,17 +200,23 @@ def load(model, optimizer, store, name: str, cfg, common: dict, *, with_optimize
     staging = _staging(cfg)
     try:
         prefix = f"{name}/{DIST}/"
-        for key in store.list(prefix):
+        keys = store.list(prefix)
+        if f"{prefix}.metadata" not in keys:
+            raise CheckpointError(f"{prefix}.metadata is missing")
+        for key in keys:
             rel = key[len(prefix):]
             path = os.path.join(staging, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with store.open_read(key) as src, open(path, "wb") as dst:
-                shutil.copyfileobj(src, dst, 8 << 20)
-        meta = os.path.join(staging, ".metadata")
-        if not os.path.exists(meta):
-            raise CheckpointError(f"{prefix}.metadata is missing")
-        with open(meta, "rb") as f:
-            check_metadata_pickle(f.read(), f"{prefix}.metadata")
+            if rel == ".metadata":  # checked, then megatron reads this very copy
+                data = store.read_bytes(key)
+                check_metadata_pickle(data, key)
+                with open(path, "wb") as dst:
+                    dst.write(data)
+            elif store.local_path(key) is not None:  # a path store: link, do not copy the shards
+                os.symlink(store.local_path(key), path)
+            else:
+                with store.open_read(key) as src, open(path, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 8 << 20)
         facts = common.get("dist_optimizer") if with_optimizer else None
         sd = {"model": _model_sharded(model)}
         keys = _param_keys(model, sd["model"])
