@@ -170,8 +170,7 @@ class GradBuffers:
             return
         if self.shard and not bucket.full:
             out = bucket.shard(bucket.grad, self.rank, self.dp)
-            bucket.work = _reduce_scatter(out, self._input(bucket.grad), group=self.group,
-                                                     async_op=self.overlap)
+            bucket.work = _reduce_scatter(out, self._input(bucket.grad), group=self.group, async_op=self.overlap)
         else:
             bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=self.overlap)
 
