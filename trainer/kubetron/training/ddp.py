@@ -69,6 +69,11 @@ class _Bucket:
         self.gather_work = None  # the pending async param all-gather
         self.ready = 0  # parameters whose last micro-batch's gradient arrived
 
+    def wait_gather(self):
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
     def shard(self, t: torch.Tensor, rank: int, dp: int) -> torch.Tensor:
         size = (self.end - self.start) // dp
         return t[rank * size:(rank + 1) * size]
@@ -300,16 +305,17 @@ class DistributedOptimizer(OptimizerOverCopies):
     def finish_grad_sync(self):
         self.grad_sync.finish()
 
+    def _grad_of(self, f: _Fragment) -> torch.Tensor:
+        """The reduced gradient of fragment `f` (a view of the gradient buffer)."""
+        return self.grad_sync.grad_of(f.param).reshape(-1)[f.lo:f.hi]
+
     def grad_norm_squared(self) -> torch.Tensor:
         """Sum of squared grads of the fragments this rank owns, summed over the DP group (not yet
         over the model-parallel group: the caller does that, as for the other optimizers)."""
-        from kubetron.training.optim import counts_toward_norms
+        from kubetron.training.optim import counts_toward_norms, sum_of_squares
 
-        grads = [self.grad_sync.grad_of(f.param).reshape(-1)[f.lo:f.hi] for f in self.fragments
-                 if counts_toward_norms(f.param)]
-        device = self.grad_sync.params[0].device
-        total = (torch.stack(torch._foreach_norm([g.float() for g in grads])).square().sum() if grads
-                 else torch.zeros((), dtype=torch.float32, device=device)).reshape(1)
+        grads = [self._grad_of(f) for f in self.fragments if counts_toward_norms(f.param)]
+        total = sum_of_squares(grads, device=self.grad_sync.params[0].device).reshape(1)
         if self.grad_sync.dp > 1:
             dist.all_reduce(total, group=self.grad_sync.group)
         return total
@@ -318,7 +324,7 @@ class DistributedOptimizer(OptimizerOverCopies):
     def step(self):
         self.finish_param_sync()
         for f in self.fragments:
-            g = self.grad_sync.grad_of(f.param).reshape(-1)[f.lo:f.hi]
+            g = self._grad_of(f)
             f.main.grad = g if g.dtype == torch.float32 else g.float()
         self._apply_grad_scale([f.main.grad for f in self.fragments])
         self.inner.step()
@@ -342,9 +348,7 @@ class DistributedOptimizer(OptimizerOverCopies):
     def _wait_hook(self, buckets):
         def hook(module, args):
             for bk in buckets:
-                if bk.gather_work is not None:
-                    bk.gather_work.wait()
-                    bk.gather_work = None
+                bk.wait_gather()
         return hook
 
     def finish_param_sync(self):
@@ -353,9 +357,7 @@ class DistributedOptimizer(OptimizerOverCopies):
             return
         for buf in self.grad_sync.buffers:
             for bk in buf.buckets:
-                if bk.gather_work is not None:
-                    bk.gather_work.wait()
-                    bk.gather_work = None
+                bk.wait_gather()
         self._gather_pending = False
 
     @torch.no_grad()

@@ -224,7 +224,7 @@ def load(model, optimizer, store, name: str, cfg, common: dict, *, with_optimize
             from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
             optim = {}
-            for p in (p for _, p in model[0].named_parameters()):
+            for p in model[0].parameters():
                 pname, sh = keys[id(p)]
                 for k in facts["state_keys"]:
                     optim[f"{k}.{pname}"] = make_sharded_optimizer_tensor(

@@ -209,11 +209,14 @@ def _model_parallel_sum(x: torch.Tensor) -> torch.Tensor:
 
 def grad_norm_squared(params) -> torch.Tensor:
     """Sum of squared grads over the params this rank owns (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None and counts_toward_norms(p)]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm([g.float() for g in grads])
-    return torch.stack(norms).square().sum()
+    return sum_of_squares([p.grad for p in params if p.grad is not None and counts_toward_norms(p)])
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
+    """The sum of the squared L2 norms of `tensors`, in fp32 (a 0-d tensor; a zero on `device` if none)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm([t.float() for t in tensors])).square().sum()
 
 
 def clip_grads(model: list[torch.nn.Module], max_norm: float, optimizer=None) -> torch.Tensor:
@@ -241,5 +244,5 @@ def _clip(total: torch.Tensor, max_norm: float, optimizer, grads: list[torch.Ten
 def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
     """calc_params_l2_norm: the L2 norm of all parameters across the model-parallel group."""
     params = [p for chunk in model for p in chunk.parameters() if counts_toward_norms(p)]
-    sq = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).square().sum()
+    sq = sum_of_squares([p.detach() for p in params])
     return _model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)
