@@ -145,3 +145,57 @@ def test_a_stale_decision_never_overwrites_a_newer_status(kube, kube_ns):
         apply(deps, body, job, obs, action, logging.getLogger("test"))
     st: dict[str, Any] = kube.job(ns, "gpt")["status"]
     assert st["reason"] == "SomeoneElse" and "attempt" not in st
+
+
+# -- 12. progress of PVC jobs ------------------------------------------------------------------------
+
+
+def pvc_job(kube, ns: str) -> dict[str, Any]:
+    """A job on a PersistentVolumeClaim (bound to a hostPath volume, so its pods can be scheduled)."""
+    api = kube.admin
+    api.create("/api/v1/persistentvolumes", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{ns}"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "hostPath": {"path": f"/tmp/{ns}"}, "claimRef": {"namespace": ns, "name": "ckpt"}}})
+    api.create(f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"pv-{ns}",
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    body = tj(ns)
+    body["spec"]["storage"] = {"pvc": {"claimName": "ckpt"}}
+    return body
+
+
+def preempt(kube, ns: str, attempt: int) -> None:
+    api = kube.admin
+    kube.wait_pods(ns, {f"gpt-{attempt}-0", f"gpt-{attempt}-1"})
+    set_running(api, ns, f"gpt-{attempt}-0")
+    set_exited(api, ns, f"gpt-{attempt}-1", 75, {"exitCode": 75, "reason": "SavedOnSignal"})
+
+
+def test_pvc_progress_comes_from_the_reader_pods_termination_message(kube, kube_ns):
+    """No pods/log (the chart does not grant it; with no kubelet it would fail anyway): the reader pod's
+    termination message carries the summary. A reader that fails is said in status and an event, and
+    the job goes on from the last checkpoint it knows."""
+    ns, api = kube_ns, kube.admin
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), pvc_job(kube, ns))
+        preempt(kube, ns, 1)
+        reader = kube.wait_for("progress reader of attempt 1", lambda: kube.pods(ns, "progress-reader").get(
+            "gpt-1-progress"))
+        container = reader["spec"]["containers"][0]
+        assert container["command"][-3:-1] == ["--termination-log", container["terminationMessagePath"]]
+        set_exited(api, ns, "gpt-1-progress", 0, {"lastCheckpoint": {"iteration": 13, "time": "t"},
+                                                  "iteration": 14, "trainIters": 40}, container="progress")
+        pods = kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"})
+        assert {e["name"]: e.get("value") for e in pods["gpt-2-0"]["spec"]["containers"][0]["env"]}[
+            "KUBETRON_EXPECTED_ITERATION"] == "13"
+
+        preempt(kube, ns, 2)
+        kube.wait_for("progress reader of attempt 2", lambda: "gpt-2-progress" in kube.pods(ns, "progress-reader"))
+        set_exited(api, ns, "gpt-2-progress", 1, "PermissionError: [Errno 13] /ckpt/progress.txt",
+                   container="progress")
+        st = kube.wait_status(ns, "gpt", "attempt 3", lambda s: s.get("attempt") == 3)
+        assert "progress log unread" in st["message"] and "PermissionError" in st["message"]
+        assert st["lastCheckpoint"]["iteration"] == 13
+        assert "PermissionError" in warnings(kube, ns)["ProgressUnread"]
