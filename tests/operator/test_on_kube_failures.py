@@ -61,24 +61,28 @@ def test_quota_exceeded_tears_down_the_partial_gang_and_retries_with_backoff(kub
 
 def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
     """A missing PodGroup CRD (404), a PriorityClass that does not exist and a ServiceAccount that does
-    not exist (admission, 403): Failed at once, the reason in status and a Warning event, nothing left
-    running."""
+    not exist (admission, 403), a pod the server finds invalid (422): Failed at once, the reason in
+    status and a Warning event, nothing left running."""
     ns, api = kube_ns, kube.admin
     with kube.operator(ns):
         api.create(kube.jobs(ns), tj(ns, "gang", scheduling={"gang": "volcano"}))
         api.create(kube.jobs(ns), tj(ns, "prio", scheduling={"priorityClassName": "no-such-class"}))
         api.create(kube.jobs(ns), tj(ns, "sa", serviceAccountName="no-such-sa"))
+        api.create(kube.jobs(ns), tj(ns, "invalid", resources={"requests": {"memory": "2Gi"},
+                                                                "limits": {"memory": "1Gi"}}))
         gang = kube.wait_status(ns, "gang", "gang Failed", lambda s: s.get("phase") == "Failed")
         prio = kube.wait_status(ns, "prio", "prio Failed", lambda s: s.get("phase") == "Failed")
         sa = kube.wait_status(ns, "sa", "sa Failed", lambda s: s.get("phase") == "Failed")
+        invalid = kube.wait_status(ns, "invalid", "invalid Failed", lambda s: s.get("phase") == "Failed")
         assert gang["reason"] == "CreateFailed" and "PodGroup" in gang["message"] and "404" in gang["message"]
         assert prio["reason"] == "CreateFailed" and "no-such-class" in prio["message"]
         assert sa["reason"] == "CreateFailed" and "no-such-sa" in sa["message"]
+        assert invalid["reason"] == "CreateFailed" and "HTTP 422" in invalid["message"], invalid["message"]
         left = {c for c in children(kube, ns) if c.startswith(("pods/", "configmaps/"))}
         assert not left, left
-        assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa))
+        assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa, invalid))
         messages = [e["message"] for e in kube.events(ns) if e["reason"] == "CreateFailed"]
-        assert len(messages) >= 3 and any("no-such-sa" in m for m in messages)
+        assert len(messages) >= 4 and any("no-such-sa" in m for m in messages)
 
 
 # -- 6. ownership ------------------------------------------------------------------------------------
