@@ -344,6 +344,8 @@ def test_more_than_one_replica_elects_a_leader(rendered):
         assert [(p["kind"], p["metadata"]["name"]) for p in peerings] == [("ClusterKopfPeering", name)]
     if name:
         assert "strategy" not in dep["spec"]
+    pod_id = [e for e in container["env"] if e["name"] == "POD_ID"]
+    assert pod_id == ([{"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if name else [])
 
 
 def test_chart_ships_kopfs_peering_crds():

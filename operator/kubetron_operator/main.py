@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 from typing import Any
 
 import kopf
@@ -55,6 +56,10 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
     if peering:
         s.peering.name = peering
         s.peering.mandatory = True
+        # kopf pauses every operator that sees a peer of equal or higher priority: identical replicas
+        # would all pause. A random priority per process makes one of them the leader; when it goes
+        # away (or its keep-alive lapses) the next highest resumes.
+        s.peering.priority = secrets.randbelow(2**31 - 1) + 1
     return s
 
 

@@ -189,7 +189,8 @@ _PLURALS = {"Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "Clu
             "ClusterRoleBinding": "clusterrolebindings", "Role": "roles", "RoleBinding": "rolebindings",
             "CustomResourceDefinition": "customresourcedefinitions", "Pod": "pods", "Secret": "secrets",
             "ConfigMap": "configmaps", "Service": "services", "ResourceQuota": "resourcequotas",
-            "PriorityClass": "priorityclasses", "TrainingJob": "trainingjobs", "Node": "nodes", "Lease": "leases"}
+            "PriorityClass": "priorityclasses", "TrainingJob": "trainingjobs", "Node": "nodes", "Lease": "leases",
+            "KopfPeering": "kopfpeerings", "ClusterKopfPeering": "clusterkopfpeerings"}
 
 
 def collection_path(m: Mapping[str, Any]) -> str:
@@ -406,9 +407,14 @@ class ControlPlane:
                      {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}, ok=(409,))
 
     def install_crd(self, path: Path) -> None:
+        """Every CRD in the YAML file; waits until each is established and served."""
         import yaml
 
-        crd = yaml.safe_load(path.read_text())
+        for crd in yaml.safe_load_all(path.read_text()):
+            if crd:
+                self._install_crd(crd)
+
+    def _install_crd(self, crd: dict[str, Any]) -> None:
         admin = self.admin
         admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd, ok=(409,))
 

@@ -33,19 +33,22 @@ OPERATOR_NS, OPERATOR_SA = "kubetron-system", "kubetron"  # the chart's release 
 PLACEHOLDER_NS = "kubetron-test-placeholder"
 # The chart in its namespaced mode (as `watchNamespaces: [ns]` renders it) with every optional rule:
 # the operator under test watches one namespace per test, so each gets the chart's Role + RoleBinding.
-CHART_VALUES = {"gangScheduling": {"enabled": True}, "watchNamespaces": [PLACEHOLDER_NS]}
+CHART_VALUES = {"gangScheduling": {"enabled": True}, "watchNamespaces": [PLACEHOLDER_NS],
+                "operator": {"peering": "kubetron"}}
+PEERING_CRDS = CHART / "crds" / "kopf-peering.yaml"
 JOBS = "/apis/kubetron.dev/v1alpha1/namespaces/{ns}/trainingjobs"
 _counter = itertools.count(1)
 
 
 def chart_rbac() -> list[dict[str, Any]]:
-    """The chart's ServiceAccount, ClusterRole(Binding) and Role(Binding) for PLACEHOLDER_NS, rendered as
-    `helm install` would (helm-python-sdk, a dev dependency)."""
+    """The chart's ServiceAccount, ClusterRole(Binding), Role(Binding) and KopfPeering for PLACEHOLDER_NS,
+    rendered as `helm install` would (helm-python-sdk, a dev dependency)."""
     from kubetron_operator import helm
 
     rendered = helm.template(CHART, CHART_VALUES, namespace=OPERATOR_NS)
     return [m for m in rendered
-            if m["kind"] in ("ClusterRole", "ClusterRoleBinding", "ServiceAccount", "Role", "RoleBinding")]
+            if m["kind"] in ("ClusterRole", "ClusterRoleBinding", "ServiceAccount", "Role", "RoleBinding",
+                             "KopfPeering")]
 
 
 class Operator:
@@ -87,8 +90,9 @@ class KubeEnv:
         self.kubeconfig = cp.kubeconfig_for(self.operator_token, workdir / "operator.kubeconfig")
         self.current: Operator | None = None
         rbac = chart_rbac()
-        self.admin.apply_all([m for m in rbac if m["kind"] not in ("Role", "RoleBinding")])
-        self.namespaced_rbac = [m for m in rbac if m["kind"] in ("Role", "RoleBinding")]
+        per_namespace = ("Role", "RoleBinding", "KopfPeering")
+        self.admin.apply_all([m for m in rbac if m["kind"] not in per_namespace])
+        self.namespaced_rbac = [m for m in rbac if m["kind"] in per_namespace]
 
     def namespace(self, prefix: str = "t") -> str:
         name = f"{prefix}-{next(_counter)}-{os.getpid() % 10000}"
@@ -136,11 +140,15 @@ class KubeEnv:
             op.stop()
             self.current = None
 
-    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 30.0,
+                 explain: Callable[[], str] | None = None) -> Any:
         """Poll until `check()` is truthy; the failure message carries the operator's log tail."""
         op = self.current
-        return cluster.wait_for(what, check, timeout, interval=0.1,
-                                explain=(lambda: f"operator log:\n{op.tail()}") if op else None)
+
+        def why() -> str:
+            return "\n".join(x for x in ((explain() if explain else ""),
+                                          (f"operator log:\n{op.tail()}" if op else "")) if x)
+        return cluster.wait_for(what, check, timeout, interval=0.1, explain=why)
 
     def wait_status(self, ns: str, name: str, what: str, pred: Callable[[dict[str, Any]], bool],
                     timeout: float = 30.0) -> dict[str, Any]:
@@ -174,7 +182,8 @@ def start_env(workdir: Path) -> tuple[ControlPlane, KubeEnv, Kubelet]:
     cp.start()
     try:
         cp.create_namespace(OPERATOR_NS)
-        cp.install_crd(CRD)
+        for crd in (CRD, PEERING_CRDS):
+            cp.install_crd(crd)
         kubelet = Kubelet(cp.admin).start()
     except BaseException:
         cp.stop()

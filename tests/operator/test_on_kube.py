@@ -153,7 +153,8 @@ def test_preempted_then_resumed_then_succeeded(kube, kube_ns, s3_server, status_
         assert st["progress"] == "100%" and st["iteration"] == 40 and st["completionTime"]
         assert st["lostIterations"] == 0
         assert [c["type"] for c in st["conditions"] if c["status"] == "True"] == ["Succeeded"]
-        assert {"AttemptCreated", "Running", "Preempted", "Succeeded"} <= reasons(kube, ns)
+        kube.wait_for("the story's events", lambda: {"AttemptCreated", "Running", "Preempted", "Succeeded"}
+                      <= reasons(kube, ns))  # each posted just after its status write
     assert "Traceback" not in op.log(), op.tail()
 
 

@@ -50,7 +50,8 @@ def test_quota_exceeded_tears_down_the_partial_gang_and_retries_with_backoff(kub
         st = kube.wait_status(ns, "gpt", "CreateRetrying", lambda s: s.get("reason") == "CreateRetrying")
         assert st["phase"] == "Pending" and st["createFailures"] == 1 and st["nextCreateTime"]
         assert "exceeded quota" in st["message"] and "gpt-1-1" in st["message"] and "retry 1 in 10s" in st["message"]
-        assert "exceeded quota" in warnings(kube, ns)["CreateRetrying"]
+        kube.wait_for("a CreateRetrying event",
+                      lambda: "exceeded quota" in warnings(kube, ns).get("CreateRetrying", ""))
         kube.wait_pods(ns, set())  # rank 0 was created, then deleted again
         assert "configmaps/gpt-1-config" not in children(kube, ns)
         api.delete(f"/api/v1/namespaces/{ns}/resourcequotas/pods")
@@ -81,8 +82,10 @@ def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
         left = {c for c in children(kube, ns) if c.startswith(("pods/", "configmaps/"))}
         assert not left, left
         assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa, invalid))
-        messages = [e["message"] for e in kube.events(ns) if e["reason"] == "CreateFailed"]
-        assert len(messages) >= 4 and any("no-such-sa" in m for m in messages)
+        messages = kube.wait_for("a CreateFailed event per job", lambda: [  # posted just after the status
+            e["message"] for e in kube.events(ns) if e["reason"] == "CreateFailed"] if len(
+            [e for e in kube.events(ns) if e["reason"] == "CreateFailed"]) >= 4 else None)
+        assert any("no-such-sa" in m for m in messages)
 
 
 # -- 6. ownership ------------------------------------------------------------------------------------
@@ -98,7 +101,7 @@ def test_a_foreign_object_with_a_childs_name_is_never_adopted_nor_deleted(kube, 
         st = kube.wait_status(ns, "gpt", "Failed", lambda s: s.get("phase") == "Failed")
         assert st["reason"] == "NameConflict"
         assert f"ConfigMap {ns}/gpt-1-config already exists" in st["message"], st["message"]
-        assert "NameConflict" in warnings(kube, ns)
+        kube.wait_for("a NameConflict event", lambda: "NameConflict" in warnings(kube, ns))
         kube.wait_pods(ns, set())
         api.delete(f"{kube.jobs(ns)}/gpt")
         kube.wait_for("job deleted", lambda: kube.job(ns, "gpt") is None)
@@ -202,4 +205,27 @@ def test_pvc_progress_comes_from_the_reader_pods_termination_message(kube, kube_
         st = kube.wait_status(ns, "gpt", "attempt 3", lambda s: s.get("attempt") == 3)
         assert "progress log unread" in st["message"] and "PermissionError" in st["message"]
         assert st["lastCheckpoint"]["iteration"] == 13
-        assert "PermissionError" in warnings(kube, ns)["ProgressUnread"]
+        kube.wait_for("a ProgressUnread event",
+                      lambda: "PermissionError" in warnings(kube, ns).get("ProgressUnread", ""))
+
+
+def test_two_replicas_elect_one_leader_and_the_other_takes_over(kube, kube_ns):
+    """The chart's replicas > 1: both operators meet in the KopfPeering (each under its pod name, as the
+    chart sets POD_ID), the one with the higher priority works, the other stands by and takes over when
+    the leader goes away."""
+    ns, api = kube_ns, kube.admin
+    peering = f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings/kubetron"
+    with kube.operator(ns, "--peering=kubetron", env={"POD_ID": "op-a"}) as a, \
+            kube.operator(ns, "--peering=kubetron", env={"POD_ID": "op-b"}) as b:
+        peers = kube.wait_for("both operators in the KopfPeering", lambda: (
+            lambda st: st if {"op-a", "op-b"} <= set(st) else None)(api.get(peering).get("status") or {}))
+        leader, standby = (a, b) if peers["op-a"]["priority"] > peers["op-b"]["priority"] else (b, a)
+        api.create(kube.jobs(ns), tj(ns))
+        kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+        kube.wait_for("the leader records attempt 1", lambda: "AttemptCreated: creating attempt 1" in leader.log())
+        assert "AttemptCreated" not in standby.log() and "gpt" not in standby.log()
+        leader.stop()
+        set_running(api, ns, "gpt-1-0")
+        set_exited(api, ns, "gpt-1-1", 75, {"exitCode": 75, "reason": "SavedOnSignal"})
+        kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"}, timeout=60)
+        kube.wait_for("the standby took over", lambda: "AttemptCreated: creating attempt 2" in standby.log())
