@@ -9,7 +9,15 @@ import logging
 import pytest
 from kubetron.progress import saved_checkpoint_line, starting_job_line
 from kubetron_operator import live
-from kubetron_operator.api_calls import ALL_CALLS, Call, Kube, UndeclaredCall, cluster_role_rules
+from kubetron_operator.api_calls import (
+    ALL_CALLS,
+    Call,
+    Conflict,
+    Kube,
+    NameConflict,
+    UndeclaredCall,
+    cluster_role_rules,
+)
 from kubetron_operator.decide import PodView
 from kubetron_operator.model import Job
 from kubetron_operator.progress_io import read_s3_progress, s3_key
@@ -35,6 +43,42 @@ def test_create_409_and_delete_404_are_fine():
     assert kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ml"}}) is False
     assert kube.delete_pod("ml", "p") is False
     assert kube.get_job("ml", "gone") is None
+
+
+def _owned_by(uid):
+    return {"metadata": {"name": "gpt-1-config", "namespace": "ml", "uid": "cm-uid",
+                         "ownerReferences": [{"uid": uid, "controller": True}] if uid else []}}
+
+
+CM = "/api/v1/namespaces/ml/configmaps"
+
+
+def test_create_409_adopts_only_what_the_same_job_controls():
+    manifest = {"apiVersion": "v1", "kind": "ConfigMap", **_owned_by("job-uid")}
+    ours = FakeApi({("POST", CM): (409, {}), ("GET", f"{CM}/gpt-1-config"): (200, _owned_by("job-uid"))})
+    assert Kube(ours).create(manifest) is False
+    for other in ("other-uid", None):
+        foreign = FakeApi({("POST", CM): (409, {}), ("GET", f"{CM}/gpt-1-config"): (200, _owned_by(other))})
+        with pytest.raises(NameConflict, match="ConfigMap ml/gpt-1-config already exists"):
+            Kube(foreign).create(manifest)
+
+
+def test_delete_owned_never_deletes_a_foreign_object():
+    foreign = FakeApi({("GET", f"{CM}/gpt-1-config"): (200, _owned_by("other-uid"))})
+    assert Kube(foreign).delete_owned("v1", "ConfigMap", "ml", "gpt-1-config", "job-uid") is False
+    assert [c[0] for c in foreign.calls] == ["GET"]
+    ours = FakeApi({("GET", f"{CM}/gpt-1-config"): (200, _owned_by("job-uid")),
+                    ("DELETE", f"{CM}/gpt-1-config"): (200, {})})
+    assert Kube(ours).delete_owned("v1", "ConfigMap", "ml", "gpt-1-config", "job-uid") is True
+    assert ours.calls[-1][3]["preconditions"] == {"uid": "cm-uid"}  # not a namesake created meanwhile
+
+
+def test_status_patch_carries_the_resource_version_and_a_409_is_a_conflict():
+    path = "/apis/kubetron.dev/v1alpha1/namespaces/ml/trainingjobs/gpt/status"
+    api = FakeApi({("PATCH", path): (409, {"message": "the object has been modified"})})
+    with pytest.raises(Conflict):
+        Kube(api).patch_status("ml", "gpt", {"phase": "Running"}, resource_version="41")
+    assert api.calls[-1][3] == {"status": {"phase": "Running"}, "metadata": {"resourceVersion": "41"}}
 
 
 def test_undeclared_calls_are_refused(monkeypatch):
@@ -97,3 +141,20 @@ def test_live_status_from_rank0_only():
         raise OSError("connection refused")
 
     assert live.read_live(pods, 2, 8080, refused) is None
+
+
+def test_transient_creation_errors_back_off_exponentially_to_a_cap():
+    from datetime import UTC, datetime
+
+    from kubetron_operator.decide import Observed, create_failed
+
+    now = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+    delays, status = [], {}
+    for _ in range(7):
+        action = create_failed(Observed(now=now, status=status), "CreateRetrying", "exceeded quota", True)
+        status = {**status, **action.status}
+        delays.append((datetime.fromisoformat(status["nextCreateTime"]) - now).total_seconds())
+    assert delays == [10, 20, 40, 80, 160, 300, 300] and status["createFailures"] == 7
+    assert status["phase"] == "Pending" and action.events[0].type == "Warning"
+    failed = create_failed(Observed(now=now, status={"attempt": 2}), "CreateFailed", "HTTP 422: bad", False)
+    assert failed.phase == "Failed" and failed.status["reason"] == "CreateFailed"
