@@ -261,6 +261,12 @@ def test_operator_without_credentials_says_so_in_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("kubetron: error: cluster: no in-cluster service account"), lines
 
 
+def test_operator_interval_must_be_positive():
+    out = subprocess.run([str(Path(sys.executable).with_name("kubetron")), "operator", "--interval=0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip() == "kubetron: error: --interval: must be > 0 seconds, got 0.0"
+
+
 def _pypi_reachable() -> bool:
     try:
         with urllib.request.urlopen("https://pypi.org/simple/kopf/", timeout=5):

@@ -5,7 +5,7 @@
     kubetron config    [--reference] [--config FILE] [overrides ...]
     kubetron progress  STORE [--json]
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
-    kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME]
+    kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
     kubetron render    FILE
 
 User errors (bad config, bad command line) print one line, `kubetron: error: <field>: <message>`,
