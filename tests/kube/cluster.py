@@ -4,7 +4,7 @@ pod deletions), and tests set pod statuses themselves.
 
     with control_plane(workdir) as cp:         # ~7 s; the pytest fixture starts one per session
         api = cp.admin                         # system:masters
-        cp.kubeconfig_for(token)               # a kubeconfig for a token-file identity
+        cp.kubeconfig_for(token, path)         # a kubeconfig for a token-file identity
 
 Binaries (the envtest convention): `$KUBEBUILDER_ASSETS` (kube-apiserver + etcd; controller-manager and
 scheduler are used when present), else the .xz files of ../shared/k8s, unpacked once per machine into
