@@ -18,6 +18,11 @@ from tests.operator.test_on_kube import tj
 pytestmark = pytest.mark.timeout(180)
 
 
+def needs_controller_manager(kube) -> None:
+    if "kube-controller-manager" not in kube.cp.procs:
+        pytest.skip("needs kube-controller-manager (quota status, volume binding); KUBEBUILDER_ASSETS has none")
+
+
 def warnings(kube, ns: str) -> dict[str, str]:
     return {e["reason"]: e["message"] for e in kube.events(ns) if e["type"] == "Warning"}
 
@@ -40,6 +45,7 @@ def test_quota_exceeded_tears_down_the_partial_gang_and_retries_with_backoff(kub
     """A ResourceQuota admits one pod of two: the pod that was created is deleted again (it would hold
     its GPU for nothing), status says why and when the next try is, and once quota frees up the attempt
     is created."""
+    needs_controller_manager(kube)
     ns, api = kube_ns, kube.admin
     api.create(f"/api/v1/namespaces/{ns}/resourcequotas", {
         "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}})
@@ -184,6 +190,7 @@ def test_pvc_progress_comes_from_the_reader_pods_termination_message(kube, kube_
     """No pods/log (the chart does not grant it; with no kubelet it would fail anyway): the reader pod's
     termination message carries the summary. A reader that fails is said in status and an event, and
     the job goes on from the last checkpoint it knows."""
+    needs_controller_manager(kube)
     ns, api = kube_ns, kube.admin
     with kube.operator(ns):
         api.create(kube.jobs(ns), pvc_job(kube, ns))
