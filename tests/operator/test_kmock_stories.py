@@ -155,7 +155,7 @@ def test_preempted_then_resumed_then_succeeded(capsys):
     async def script(c: Cluster) -> None:
         pods = await c.until_pods({"gpt-1-0", "gpt-1-1"})
         st = await c.until_status("Pending attempt 1", lambda s: s.get("phase") == "Pending")
-        assert st["attempt"] == 1 and st["restarts"] == {"preemptions": 0, "failures": 0, "total": 0}
+        assert st["attempt"] == 1 and st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0}
         env = {e["name"]: e for e in pods["gpt-1-0"]["spec"]["containers"][0]["env"]}
         assert env["MASTER_ADDR"]["value"] == "gpt-1-0.gpt.ml.svc"
         assert "value" not in env["AWS_SECRET_ACCESS_KEY"]  # a secretKeyRef, never the secret itself
@@ -177,7 +177,7 @@ def test_preempted_then_resumed_then_succeeded(capsys):
                                     "reason": "PreemptionByScheduler"}])
         pods = await c.until_pods({"gpt-2-0", "gpt-2-1"})  # the whole gang went, the next one came
         st = await c.until_status("attempt 2", lambda s: s.get("attempt") == 2)
-        assert st["restarts"] == {"preemptions": 1, "failures": 0, "total": 1}
+        assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1}
         assert st["lastCheckpoint"]["iteration"] == 13
         env = {e["name"]: e.get("value") for e in pods["gpt-2-1"]["spec"]["containers"][0]["env"]}
         assert env["KUBETRON_EXPECTED_ITERATION"] == "13" and env["KUBETRON_JOB_ID"] == "ml/gpt/2"
@@ -227,7 +227,7 @@ def test_trainer_errors_past_backoff_limit_fail_the_job():
                                                    "message": "RuntimeError: boom"})
         st = await c.until_status("Failed", lambda s: s.get("phase") == "Failed")
         assert st["reason"] == "BackoffLimitExceeded" and "RuntimeError: boom" in st["message"]
-        assert st["restarts"] == {"preemptions": 0, "failures": 2, "total": 2}
+        assert st["restarts"] == {"preemptions": 0, "failures": 2, "neverStarted": 0, "total": 2}
         await asyncio.sleep(0.5)
         assert all(not name.startswith("gpt-3") for name in await c.pods())  # no third attempt
 
