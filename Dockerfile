@@ -31,8 +31,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN groupadd --system --gid 10001 kubetron \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin kubetron
+# Pinned: the versions CI tested the operator with (constraints.txt, `make constraints`).
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "/wheels/$(cat /wheels/NAME)[operator]"
+    --mount=type=bind,source=constraints.txt,target=/tmp/constraints.txt \
+    pip install --no-cache-dir -c /tmp/constraints.txt "/wheels/$(cat /wheels/NAME)[operator]"
 USER 10001:10001
 # kopf's liveness endpoint (the chart probes /healthz here).
 EXPOSE 8080
@@ -49,7 +51,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/kubetron
 # NGC images pin their torch/TransformerEngine builds in /etc/pip/constraint.txt (PIP_CONSTRAINT),
-# so this install keeps the image's CUDA torch instead of pulling a wheel from PyPI.
+# so this install keeps the image's CUDA torch instead of pulling a wheel from PyPI. (Not our
+# constraints.txt: its numpy & co. pins would replace the builds NGC tested its torch with.)
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir "/wheels/$(cat /wheels/NAME)[trainer]" \
         "megatron-core==${MEGATRON_CORE_VERSION}"

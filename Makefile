@@ -5,19 +5,21 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 # torch first, pinned: the CPU wheel on disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
+# Every other package at the version CI tested (regenerate with `make constraints`).
+PINNED := -c constraints.txt
 
-.PHONY: demo test venv venv-dev lint chart images bench clean
+.PHONY: demo test venv venv-dev lint chart images bench clean constraints
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.trainer: pyproject.toml | $(VENV)/bin/python
+$(VENV)/.trainer: pyproject.toml constraints.txt | $(VENV)/bin/python
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[trainer]'
+	$(PIP) $(PINNED) -e '.[trainer]'
 	touch $@
 
-$(VENV)/.dev: pyproject.toml $(VENV)/.trainer
-	$(PIP) -e '.[trainer,operator,dev]'
+$(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.trainer
+	$(PIP) $(PINNED) -e '.[trainer,operator,dev]'
 	touch $@
 
 venv: $(VENV)/.trainer
@@ -48,6 +50,11 @@ images:
 bench: $(VENV)/.trainer
 	$(PY) bench/loop_overhead.py
 	$(PY) bench/checkpoint.py
+
+## constraints: re-pin constraints.txt from the current .venv (after changing pyproject.toml ranges)
+constraints: $(VENV)/.dev
+	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.new
+	mv constraints.new constraints.txt
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info

@@ -1,3 +1,4 @@
 """Shared fixtures. The S3 server fixture lives in tests/s3server.py (importable by scripts too)."""
 
+from tests.kube.fixtures import kube, kube_ns  # noqa: F401 - the real-API-server fixtures (tests/kube)
 from tests.s3server import s3_server  # noqa: F401 - a pytest fixture, re-exported

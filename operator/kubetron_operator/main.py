@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import kopf
+from kubetron.errors import ConfigError
 
 from kubetron_operator import handlers
 from kubetron_operator.api_calls import Kube, kubernetes_transport
@@ -14,15 +15,34 @@ from kubetron_operator.api_calls import Kube, kubernetes_transport
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
-def api_client() -> Any:
-    """A kubernetes ApiClient: in-cluster service account first, then the local kubeconfig."""
+def client_configuration() -> Any:
+    """The cluster's address and credentials: in-cluster service account first, then the kubeconfig
+    ($KUBECONFIG or ~/.kube/config). Both our API calls and kopf's use this one configuration."""
     from kubernetes import client, config
 
+    configuration = client.Configuration()
     try:
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+        try:
+            config.load_kube_config(client_configuration=configuration)
+        except (config.ConfigException, OSError) as exc:
+            raise ConfigError("cluster", f"no in-cluster service account and no usable kubeconfig ({exc})") from exc
+    return configuration
+
+
+def connection_info(configuration: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from a kubernetes client Configuration. Asked again whenever the API answers
+    401, so a rotated service-account token is picked up (the client re-reads its token file)."""
+    header = (configuration.get_api_key_with_prefix("BearerToken")
+              or configuration.get_api_key_with_prefix("authorization") or "")
+    scheme, _, token = header.rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=configuration.host, ca_path=configuration.ssl_ca_cert, insecure=not configuration.verify_ssl,
+        scheme=scheme or ("Bearer" if token else None), token=token or None,
+        certificate_path=configuration.cert_file, private_key_path=configuration.key_file,
+        username=configuration.username or None, password=configuration.password or None,
+    )
 
 
 def settings(peering: str | None) -> kopf.OperatorSettings:
@@ -41,6 +61,8 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
 def run(args: argparse.Namespace) -> int:
     """Blocks until the operator stops. `args`: namespace(s) (list; empty = cluster-wide), liveness
     (endpoint URL, "" to disable), peering (a KopfPeering name for HA, or None), interval (seconds)."""
+    from kubernetes import client
+
     namespaces = list(getattr(args, "namespaces", None) or getattr(args, "namespace", None) or [])
     if isinstance(namespaces, str):
         namespaces = [namespaces]
@@ -48,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
     liveness = getattr(args, "liveness", DEFAULT_LIVENESS)
     interval = float(getattr(args, "interval", None) or 5.0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    registry = handlers.register(kopf.SmartOperatorRegistry())
-    deps = handlers.Deps(kube=Kube(kubernetes_transport(api_client())), interval=interval)
+    configuration = client_configuration()
+    # A plain registry: kopf's implicit login handlers went away with SmartOperatorRegistry, so say
+    # how to log in (the same credentials our own calls use).
+    registry = handlers.register(kopf.OperatorRegistry())
+    kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
+    deps = handlers.Deps(kube=Kube(kubernetes_transport(client.ApiClient(configuration))), interval=interval)
     kopf.run(
         registry=registry,
         settings=settings(peering),

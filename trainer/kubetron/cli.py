@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
                    help="kopf's liveness endpoint (default: %(default)s; '' turns it off)")
     p.add_argument("--peering", default=None, metavar="NAME", help="kopf peering object name (for HA operators)")
+    p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between two reconciles of one job (default: %(default)s)")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
@@ -220,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extras
         if args.command == "preprocess" and args.workers < 1:
             raise ConfigError("--workers", f"must be >= 1, got {args.workers}")
+        if args.command == "operator" and not args.interval > 0:
+            raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval}")
         return int(args.func(args) or 0)
     except ConfigError as exc:
         cfg = getattr(args, "_cfg", None)
