@@ -27,7 +27,7 @@ from kubetron_operator.build import (
     pod_group_name,
     service_name,
 )
-from kubetron_operator.decide import FINISHED, Action, Observed, PodView, decide
+from kubetron_operator.decide import FINISHED, Action, Observed, PodView, decide, node_trouble
 from kubetron_operator.model import GROUP, PLURAL, VERSION, Job, S3Storage, SpecError
 from kubetron_operator.progress_io import read_s3_progress
 
@@ -105,6 +105,8 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
     pods = [PodView.from_pod(p, now) for p in kube.list_pods(namespace, {LABEL_JOB: name})]
     pods = [dataclasses.replace(p, log=kube.pod_log(namespace, p.name))
             if p.role == "progress-reader" and p.phase == "Succeeded" else p for p in pods]
+    bound = {p.node for p in pods if p.node}
+    trouble = node_trouble(kube.list_nodes(), bound) if bound and status.get("phase") not in FINISHED else {}
     progress = live_data = None
     if job is not None and status.get("phase") not in FINISHED:
         attempt = int(status.get("attempt") or 0)
@@ -112,7 +114,7 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
         if isinstance(job.spec.storage, S3Storage):
             progress = _progress(deps, job, status, pods, now)
     return Observed(now=now, status=status, pods=tuple(pods), progress=progress, live=live_data,
-                    spec_error=error), job
+                    spec_error=error, node_trouble=trouble), job
 
 
 def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: datetime) -> dict | None:
@@ -140,7 +142,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         # mistakes a not-yet-created pod for a preempted one.
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        for manifest in build(job, action.create_attempt, action.expected_iteration):
+        for manifest in build(job, action.create_attempt, action.expected_iteration, action.avoid_nodes):
             kube.create(manifest)
         _patch_status(kube, namespace, name, action.status)
     else:
