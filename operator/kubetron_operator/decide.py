@@ -603,13 +603,13 @@ def _max_ckpt(a: Mapping | None, b: Any) -> dict[str, Any] | None:
 def _log_iteration(log: Mapping[str, Any], attempt: int) -> int:
     """The last iteration the progress log mentions for `attempt` (its lines carry job id ns/name/attempt).
 
-    A summary without its lines (older readers) gives its latest iteration, whichever attempt wrote it.
+    Not the log's overall latest: until the new attempt writes its first line, that is the old attempt's.
+    A summary without jobIterations (an older reader image) gives its latest iteration.
     """
-    events = log.get("events")
-    if not isinstance(events, list):
+    by_job = log.get("jobIterations")
+    if not isinstance(by_job, Mapping):
         return _to_int(log.get("iteration"))
-    mine = [e for e in events if isinstance(e, Mapping) and str(e.get("jobId", "")).endswith(f"/{attempt}")]
-    return max([_to_int((e.get("fields") or {}).get("Iteration")) for e in mine] or [0])
+    return max([_to_int(it) for job_id, it in by_job.items() if str(job_id).endswith(f"/{attempt}")] or [0])
 
 
 def _reached(obs: Observed, attempt: int, current: list[PodView]) -> int:

@@ -542,8 +542,7 @@ def test_iteration_follows_the_new_attempt_and_lost_is_counted_once():
     status = {**RUNNING, "attempt": 2, "iteration": 320, "attemptStartCheckpoint": 300, "lostIterations": 100,
               "lastCheckpoint": {"iteration": 300, "time": "t"}}
     log = {"iteration": 320, "trainIters": 1000, "lastCheckpoint": {"iteration": 300, "time": "t"},
-           "events": [{"jobId": "ml/gpt/1", "fields": {"Iteration": "400"}},
-                      {"jobId": "ml/gpt/2", "fields": {"Iteration": "320"}}]}
+           "jobIterations": {"ml/gpt/1": 400, "ml/gpt/2": 320}}
     ended = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2, phase="Failed", pod_reason="Evicted")],
                 progress=log)
     assert ended.status["lastAttemptIteration"] == 320

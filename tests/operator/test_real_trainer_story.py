@@ -277,7 +277,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     assert a.kind == "restart" and a.delete_pods == ("gpt-1-0",), a
     st = op.status
     assert st["phase"] == "Restarting" and st["reason"] == "Preempted" and "SavedOnSignal" in st["message"]
-    assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1}  # backoffLimit (1) not spent
+    assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1}  # backoffLimit kept
     assert st["lastCheckpoint"]["iteration"] == saved and st["lostIterations"] == 0
     assert st["iteration"] == saved
 
