@@ -68,7 +68,7 @@ STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", *STUCK
 FREE_EXIT_CODES = {exitcodes.SAVED_ON_SIGNAL: "SavedOnSignal", exitcodes.EXIT_CONDITION: "ExitCondition"}
 READER_TIMEOUT = 180.0  # seconds a progress-reader pod may take before we go on without it
 FORCE_DELETE_AFTER = 60.0  # seconds past a pod's grace period before it is force-deleted (node lost)
-NOT_SCHEDULED_AFTER = 30.0  # seconds a pod may wait for any scheduler to look at it before we say so
+NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
 BACKOFF_BASE, BACKOFF_CAP, BACKOFF_JITTER = 10.0, 360.0, 0.2  # seconds, seconds, fraction (as Kubernetes Job)
 MAX_AVOID_NODES = 8  # nodes remembered in status.avoidNodes
 
