@@ -251,3 +251,12 @@ def test_render_file(tmp_path):
     docs = [d for d in yaml.safe_load_all(render_file(str(path))) if d]
     assert [d["kind"] for d in docs] == ["Service", "ConfigMap", "Pod", "Pod"]
     assert docs[2]["metadata"]["name"] == "gpt-1-0"
+
+
+def test_render_names_the_field_of_a_bad_spec(tmp_path):
+    from kubetron.errors import ConfigError
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_body(S3_JOB, config="train:\n  train_iters: -5\n")))
+    with pytest.raises(ConfigError, match=r"job.yaml: spec.config: train.train_iters: must be >= 1"):
+        render_file(str(path))
