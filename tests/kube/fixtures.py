@@ -112,10 +112,11 @@ class KubeEnv:
 
     @contextlib.contextmanager
     def operator(self, ns: str | None, *args: str, interval: float = 0.5, env: dict[str, str] | None = None,
-                 executable: str | None = None) -> Iterator[Operator]:
-        """Run `kubetron operator` (watching `ns`, or every namespace when None) until the block ends."""
+                 command: list[str] | None = None) -> Iterator[Operator]:
+        """Run `kubetron operator` (watching `ns`, or every namespace when None) until the block ends.
+        `command` replaces the `kubetron` executable (e.g. a wrapper); `env` is added to the environment."""
         port = free_port()
-        argv = [executable or str(Path(sys.executable).with_name("kubetron")), "operator",
+        argv = [*(command or [str(Path(sys.executable).with_name("kubetron"))]), "operator",
                 f"--liveness=http://127.0.0.1:{port}/healthz", f"--interval={interval}", *args]
         if ns:
             argv.append(f"--namespace={ns}")

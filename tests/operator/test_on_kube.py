@@ -13,17 +13,25 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
+import subprocess
+import sys
 import threading
+import tomllib
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kubetron.progress import saved_checkpoint_line, starting_job_line
+from packaging.requirements import Requirement
 
 from tests.kube.cluster import free_port, set_exited, set_running
 from tests.operator.jobs import S3_JOB
 
 pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tj(ns: str, name: str = "gpt", **spec: Any) -> dict[str, Any]:
@@ -212,3 +220,76 @@ def test_deletion_removes_children_and_stops_reconciling(kube, kube_ns):
                       and not kube.pods(ns, role=None)
                       and api.get(f"/api/v1/namespaces/{ns}/services/gpt", ok=(404,)) is None
                       and api.get(f"/api/v1/namespaces/{ns}/configmaps/gpt-1-config", ok=(404,)) is None)
+
+
+# -- how the operator logs in, and with which kopf -----------------------------------------------------
+
+IN_CLUSTER = """
+import sys
+from kubernetes.config import incluster_config
+# A pod's service-account files live under /var/run/secrets: point the loader at the test's copies.
+incluster_config.SERVICE_TOKEN_FILENAME, incluster_config.SERVICE_CERT_FILENAME = sys.argv.pop(1), sys.argv.pop(1)
+from kubetron.cli import main
+sys.exit(main())
+"""
+
+
+def test_operator_logs_in_with_the_in_cluster_service_account(kube, kube_ns, tmp_path):
+    """What a pod sees: KUBERNETES_SERVICE_HOST/PORT and the service-account token and CA files; no
+    kubeconfig at all."""
+    ns, api = kube_ns, kube.admin
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text(kube.operator_token)
+    ca.write_bytes((kube.cp.pki / "ca.crt").read_bytes())
+    host, port = kube.cp.server.removeprefix("https://").split(":")
+    env = {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port,
+           "KUBECONFIG": str(tmp_path / "no-such-kubeconfig")}
+    with kube.operator(ns, env=env, command=[sys.executable, "-c", IN_CLUSTER, str(token), str(ca)]):
+        api.create(kube.jobs(ns), tj(ns))
+        kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+        kube.wait_status(ns, "gpt", "Pending attempt 1", lambda s: s.get("attempt") == 1)
+
+
+def test_operator_without_credentials_says_so_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
+    env["KUBECONFIG"] = str(tmp_path / "missing")
+    out = subprocess.run([str(Path(sys.executable).with_name("kubetron")), "operator"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kubetron: error: cluster: no in-cluster service account"), lines
+
+
+def _pypi_reachable() -> bool:
+    try:
+        with urllib.request.urlopen("https://pypi.org/simple/kopf/", timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_operator_runs_with_the_newest_kopf_pyproject_allows(kube, kube_ns, tmp_path):
+    """constraints.txt pins the kopf CI runs (every other test here); this one takes the newest release
+    inside pyproject's range, so a kopf release that breaks the operator fails here before users see it."""
+    (kopf_req,) = [r for r in (Requirement(x) for x in tomllib.loads(
+        (ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["operator"]) if r.name == "kopf"]
+    if not _pypi_reachable():
+        pytest.skip(f"PyPI unreachable: cannot fetch the newest {kopf_req}")
+    target = tmp_path / "newest"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--upgrade",
+                    "--target", str(target), str(kopf_req)], check=True, timeout=400, capture_output=True)
+    env = {"PYTHONPATH": str(target)}
+    probe = subprocess.run([sys.executable, "-c", "import kopf, importlib.metadata as m; "
+                            "print(kopf.__file__, m.version('kopf'))"],
+                           env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    where, version = probe.stdout.split()
+    assert where.startswith(str(target)) and kopf_req.specifier.contains(version)
+    ns, api = kube_ns, kube.admin
+    with kube.operator(ns, env=env) as op:
+        api.create(kube.jobs(ns), tj(ns))
+        kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+        kube.wait_status(ns, "gpt", "Pending attempt 1", lambda s: s.get("attempt") == 1)
+    print(f"\nkubetron operator reconciled a job with kopf {version} ({kopf_req})")
+    assert "Traceback" not in op.log(), op.tail()
