@@ -8,9 +8,11 @@ exactly where the last one stopped.
 
 How an attempt ends (gang semantics: the first pod to end ends the attempt):
 - config error (exit 2 anywhere)                                  -> Failed now, the trainer's message
-- preempted: DisruptionTarget, eviction, node lost, a node NotReady or gone under a pod of the attempt
-  (its peers' PeerFailure exits are the symptom), pod deleted by someone else or missing, exit 75
-  (saved on SIGTERM) or 76 (exit condition reached, saved)        -> restart at once, free
+- preempted: DisruptionTarget, eviction, node lost, pod deleted by someone else or missing, exit 75
+  (saved on SIGTERM) or 76 (exit condition reached, saved); and failures (PeerFailure exits ...) while
+  a pod of the attempt sits on a node that is not Ready or gone: the node's doing, not the trainer's.
+  (A node that is not Ready while every rank still runs ends nothing by itself: it may recover, and
+  the node controller evicts its pods if it does not.)             -> restart at once, free
 - never started: a node's kubelet rejected a pod at admission (UnexpectedAdmissionError, OutOf<resource>,
   NodeAffinity ...), or the gang was not all running startupTimeoutSeconds after the attempt was
   created (unschedulable, image pull errors, a missing Secret key, a scheduler nobody runs)

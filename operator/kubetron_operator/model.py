@@ -135,12 +135,16 @@ class Job:
         name = meta.get("name") or ""
         if not _DNS_LABEL.match(name) or len(name) > MAX_NAME:
             raise SpecError("metadata.name", f"must be a DNS label of at most {MAX_NAME} characters, got {name!r}")
-        return cls(
+        job = cls(
             name=name,
             namespace=meta.get("namespace") or "default",
             uid=meta.get("uid") or "",
             spec=parse_spec(body.get("spec") or {}),
         )
+        spec = job.spec
+        check_trainer_config(spec.config, spec.overrides, job.store, spec.nodes * spec.nproc_per_node,
+                             spec.gpus_per_node > 0)
+        return job
 
 
 def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
@@ -170,7 +174,6 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     ports = _int(spec, "statusPort", 8080, minimum=0), _int(spec, "masterPort", 29500, minimum=1)
     if ports[0] == ports[1]:
         raise SpecError("spec.statusPort", f"must differ from spec.masterPort (both {ports[0]})")
-    check_trainer_config(str(spec["config"]), overrides, nodes * (gpus or 1), gpus > 0)
     return JobSpec(
         image=str(spec["image"]),
         nodes=nodes,
@@ -207,8 +210,9 @@ def _check_gpu_resources(resources: Mapping[str, Any], gpus: int) -> None:
                             "set only gpusPerNode")
 
 
-def check_trainer_config(config: str, overrides: tuple[str, ...], world_size: int, gpus: bool) -> None:
-    """Parse spec.config + spec.overrides with the trainer's own ConfigContainer, for this world size.
+def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, world_size: int, gpus: bool) -> None:
+    """Parse spec.config + spec.overrides + the store overrides with the trainer's own ConfigContainer,
+    for this world size: what the trainer's command line (build.trainer_args) will load.
 
     Why here: a config the trainer would reject (exit 2) must fail the job before a single GPU pod is
     scheduled. kubetron.config needs only pydantic and yaml (no torch), so the operator can afford it.
@@ -224,7 +228,7 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], world_size: in
     except ConfigError as exc:
         raise SpecError("spec.overrides", str(exc)) from None
     try:
-        data = apply_overrides(data, [f"{key}=/store" for key in STORE_KEYS])
+        data = apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
         ConfigContainer.from_dict(data).finalize(world_size=world_size, cuda_available=gpus, environ={},
                                                  check_paths=False)
     except ConfigError as exc:
