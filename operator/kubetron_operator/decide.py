@@ -186,8 +186,8 @@ class PodView:
 def node_trouble(nodes: Iterable[Mapping[str, Any]], wanted: Iterable[str]) -> dict[str, str]:
     """For each node name in `wanted` that is not Ready or no longer exists: why, in the kubelet's words.
 
-    The handler lists the nodes (one LIST per reconcile, only while pods are bound) and passes the
-    result as Observed.node_trouble.
+    The handler lists the nodes only when a pod of the current attempt has failed (the one time decide
+    asks) and passes the result as Observed.node_trouble.
     """
     by_name = {(n.get("metadata") or {}).get("name"): n for n in nodes}
     out: dict[str, str] = {}
@@ -414,8 +414,8 @@ def _startup_trouble(current: list[PodView], obs: Observed) -> tuple[str, str] |
         if p.unschedulable:
             return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
         if not p.scheduler_seen and p.created_for > NOT_SCHEDULED_AFTER:
-            return "NotScheduled", (f"pod {p.name} has waited {round(p.created_for)}s for scheduler "
-                                    f"{p.scheduler!r} to look at it: is that scheduler running?")
+            return "NotScheduled", (f"pod {p.name}: no scheduler has looked at it for {NOT_SCHEDULED_AFTER:.0f}s; "
+                                    f"is scheduler {p.scheduler!r} running?")
     return None
 
 

@@ -105,8 +105,7 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
     pods = [PodView.from_pod(p, now) for p in kube.list_pods(namespace, {LABEL_JOB: name})]
     pods = [dataclasses.replace(p, log=kube.pod_log(namespace, p.name))
             if p.role == "progress-reader" and p.phase == "Succeeded" else p for p in pods]
-    bound = {p.node for p in pods if p.node}
-    trouble = node_trouble(kube.list_nodes(), bound) if bound and status.get("phase") not in FINISHED else {}
+    trouble = _node_trouble(kube, status, pods)
     progress = live_data = None
     if job is not None and status.get("phase") not in FINISHED:
         attempt = int(status.get("attempt") or 0)
@@ -115,6 +114,16 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
             progress = _progress(deps, job, status, pods, now)
     return Observed(now=now, status=status, pods=tuple(pods), progress=progress, live=live_data,
                     spec_error=error, node_trouble=trouble), job
+
+
+def _node_trouble(kube: Kube, status: dict, pods: list[PodView]) -> dict[str, str]:
+    """Nodes under the current attempt that are not Ready or gone; only asked for once a pod has failed
+    (decide then tells a dead node from a trainer error), so a healthy job never lists nodes."""
+    attempt = int(status.get("attempt") or 0)
+    current = [p for p in pods if p.role == "worker" and p.attempt == attempt]
+    if status.get("phase") in FINISHED or not any(p.phase == "Failed" for p in current):
+        return {}
+    return node_trouble(kube.list_nodes(), {p.node for p in current if p.node})
 
 
 def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: datetime) -> dict | None:
