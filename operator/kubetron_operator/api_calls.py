@@ -5,8 +5,10 @@
 The chart's ClusterRole is derived from `ALL_CALLS` (`cluster_role_rules()`), and `Kube` refuses any
 call that is not declared, so the role and the code cannot drift apart.
 
-Idempotence: creating something that exists (409) is success, deleting something absent (404) is
-success; both return False so callers can tell.
+Idempotence and ownership: creating something that exists (409) is success only when the existing
+object's controller owner is the same TrainingJob (its UID); otherwise `NameConflict`, and nothing
+foreign is ever adopted. Deleting something absent (404) is success; `delete_owned` deletes only what
+the given job owns. Status patches carry the resourceVersion they were computed from (`Conflict`).
 """
 
 from __future__ import annotations
@@ -35,17 +37,16 @@ def _calls(group: str, resource: str, *verbs: str) -> set[Call]:
 
 OPERATOR_CALLS: frozenset[Call] = frozenset(
     _calls("", "pods", "create", "get", "list", "delete")
-    | _calls("", "pods/log", "get")  # progress-reader pods (PVC stores): no pods/exec
-    | _calls("", "services", "create", "delete")
-    | _calls("", "configmaps", "create", "delete")
+    | _calls("", "services", "create", "get", "delete")  # get: whose is an existing one (409)?
+    | _calls("", "configmaps", "create", "get", "delete")
     | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
     | _calls("", "events", "create")
     | _calls("", "nodes", "list")  # is a pod's node still Ready (node trouble is a preemption, not a failure)
     | _calls(GROUP, PLURAL, "get", "delete")  # delete: ttlSecondsAfterFinished
     | _calls(GROUP, f"{PLURAL}/status", "get", "patch")
     | _calls(GROUP, f"{PLURAL}/finalizers", "update")  # blockOwnerDeletion on the children
-    | _calls("scheduling.volcano.sh", "podgroups", "create", "delete")
-    | _calls("scheduling.x-k8s.io", "podgroups", "create", "delete")
+    | _calls("scheduling.volcano.sh", "podgroups", "create", "get", "delete")
+    | _calls("scheduling.x-k8s.io", "podgroups", "create", "get", "delete")
 )
 
 KOPF_CALLS: frozenset[Call] = frozenset(
@@ -84,6 +85,27 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+
+
+class NameConflict(ApiError):
+    """A child's name is taken by an object this job does not control."""
+
+    def __init__(self, kind: str, namespace: str, name: str, owner: str):
+        super().__init__(409, f"{kind} {namespace}/{name} already exists and is {owner}, not this job's; "
+                         "rename the job or delete that object")
+        self.kind, self.name = kind, name
+
+
+class Conflict(ApiError):
+    """The object changed since it was read (optimistic concurrency): decide again from a fresh read."""
+
+
+def controller_uid(obj: Mapping[str, Any] | None) -> str | None:
+    """The UID of the object's controller owner reference, if any."""
+    for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or ():
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
 
 
 class UndeclaredCall(AssertionError):
@@ -144,22 +166,46 @@ class Kube:
     # -- children --------------------------------------------------------------------------------------
 
     def create(self, manifest: Mapping[str, Any]) -> bool:
-        """Create; False when it already exists (409), which is fine: names are deterministic."""
+        """Create; False when it already exists and has the same controller owner (names are
+        deterministic: a restarted operator recreates what it made). NameConflict when someone else's."""
         group, version, plural = KINDS[(manifest["apiVersion"], manifest["kind"])]
-        ns = manifest["metadata"]["namespace"]
+        meta = manifest["metadata"]
+        ns, name = meta["namespace"], meta["name"]
         created = self._request(Call(group, plural, "create"), "POST", self._path(group, version, plural, ns),
                                 body=dict(manifest), ok=(409,))
-        return created is not None
+        if created is not None:
+            return True
+        existing = self.get(manifest["apiVersion"], manifest["kind"], ns, name)
+        owner = controller_uid(existing)
+        if existing is not None and owner != controller_uid(manifest):
+            raise NameConflict(manifest["kind"], ns, name, f"controlled by {owner}" if owner else "not controlled")
+        return False
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        group, version, plural = KINDS[(api_version, kind)]
+        return self._request(Call(group, plural, "get"), "GET", self._path(group, version, plural, namespace, name),
+                             ok=(404,))
+
+    def delete_owned(self, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete only if `owner_uid` controls it (the UID precondition guards a delete-and-recreate in
+        between); False when absent or not ours."""
+        obj = self.get(api_version, kind, namespace, name)
+        if obj is None or not owner_uid or controller_uid(obj) != owner_uid:
+            return False
+        return self.delete(api_version, kind, namespace, name, uid=obj["metadata"].get("uid"))
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str,
-               grace_seconds: int | None = None) -> bool:
-        """Delete (background propagation); False when it was already gone (404)."""
+               grace_seconds: int | None = None, uid: str | None = None) -> bool:
+        """Delete (background propagation); False when it was already gone (404) or, with `uid`, is
+        another object by now (409)."""
         group, version, plural = KINDS[(api_version, kind)]
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
+        if uid:
+            body["preconditions"] = {"uid": uid}
         gone = self._request(Call(group, plural, "delete"), "DELETE",
-                             self._path(group, version, plural, namespace, name), body=body, ok=(404,))
+                             self._path(group, version, plural, namespace, name), body=body, ok=(404, 409))
         return gone is not None
 
     def delete_pod(self, namespace: str, name: str, force: bool = False) -> bool:
@@ -178,11 +224,6 @@ class Kube:
         data = self._request(Call("", "nodes", "list"), "GET", "/api/v1/nodes")
         return (data or {}).get("items") or []
 
-    def pod_log(self, namespace: str, name: str, limit_bytes: int = 65536) -> str:
-        data = self._request(Call("", "pods/log", "get"), "GET", self._path("", "v1", "pods", namespace, name, "log"),
-                             query={"limitBytes": str(limit_bytes)})
-        return data if isinstance(data, str) else json.dumps(data)
-
     def secret_data(self, namespace: str, name: str) -> dict[str, str]:
         """A Secret's data, decoded. Callers must never log or store these values."""
         data = self._request(Call("", "secrets", "get"), "GET", self._path("", "v1", "secrets", namespace, name))
@@ -196,11 +237,21 @@ class Kube:
         return self._request(Call(GROUP, PLURAL, "get"), "GET",
                              self._path(GROUP, VERSION, PLURAL, namespace, name), ok=(404,))
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        """JSON merge patch of .status (the status subresource); None values remove keys."""
-        self._request(Call(GROUP, f"{PLURAL}/status", "patch"), "PATCH",
-                      self._path(GROUP, VERSION, PLURAL, namespace, name, "status"),
-                      body={"status": dict(status)}, content_type="application/merge-patch+json")
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
+                     resource_version: str | None = None) -> None:
+        """JSON merge patch of .status (the status subresource); None values remove keys. With
+        `resource_version` the server refuses it (Conflict) if the job changed since that version."""
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        try:
+            self._request(Call(GROUP, f"{PLURAL}/status", "patch"), "PATCH",
+                          self._path(GROUP, VERSION, PLURAL, namespace, name, "status"),
+                          body=body, content_type="application/merge-patch+json")
+        except ApiError as exc:
+            if exc.status == 409:
+                raise Conflict(409, str(exc)) from None
+            raise
 
     def delete_job(self, namespace: str, name: str) -> bool:
         gone = self._request(Call(GROUP, PLURAL, "delete"), "DELETE",
@@ -231,5 +282,5 @@ def _error_message(data: bytes) -> str:
         return data[:500].decode("utf-8", "replace")
 
 
-__all__ = ["ALL_CALLS", "KOPF_CALLS", "OPERATOR_CALLS", "ApiError", "Call", "Kube", "UndeclaredCall",
-           "cluster_role_rules", "kubernetes_transport"]
+__all__ = ["ALL_CALLS", "KOPF_CALLS", "OPERATOR_CALLS", "ApiError", "Call", "Conflict", "Kube", "NameConflict",
+           "UndeclaredCall", "cluster_role_rules", "controller_uid", "kubernetes_transport"]

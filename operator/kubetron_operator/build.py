@@ -286,7 +286,8 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
 def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
     """A pod that mounts the job's claim read-only and prints the progress summary (`kubetron progress`).
 
-    The operator reads its log (pods/log), so reading a PVC store needs neither pods/exec nor a live rank.
+    It reports through its termination message (the summary as JSON), so reading a PVC store needs
+    neither pods/log nor pods/exec nor a live rank.
     """
     volumes, mounts = _storage_volume(job)
     for m in mounts:
@@ -301,7 +302,9 @@ def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
         "containers": [{
             "name": "progress",
             "image": job.spec.image,
-            "command": [PYTHON, "-m", "kubetron.progress", "--no-events", job.store],
+            "command": [PYTHON, "-m", "kubetron.progress", "--no-events", "--termination-log", TERMINATION_LOG,
+                        job.store],
+            "terminationMessagePath": TERMINATION_LOG,
             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
             "volumeMounts": mounts,
             "securityContext": _security_context_container(),

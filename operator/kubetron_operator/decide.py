@@ -558,6 +558,24 @@ def _fail(obs: Observed, reason: str, message: str) -> Action:
     return Action("fail", status=status, delete_pods=active, events=(Event("Warning", reason, message),))
 
 
+# -- children that could not be created (the handler tore down what it had made) ----------------------
+
+CREATE_BACKOFF = (10.0, 300.0)  # seconds: the first retry's delay, doubling up to the cap (as Kubernetes Job)
+
+
+def create_failed(obs: Observed, reason: str, message: str, transient: bool) -> Action:
+    """A transient API error (quota exceeded, throttled, server error) retries with exponential backoff,
+    shown in status (createFailures, nextCreateTime); anything else fails the job with `reason`."""
+    if not transient:
+        return _fail(obs, reason, message)
+    failures = _to_int(obs.status.get("createFailures")) + 1
+    delay = min(CREATE_BACKOFF[1], CREATE_BACKOFF[0] * 2 ** (failures - 1))
+    phase = "Restarting" if _to_int(obs.status.get("attempt")) else "Pending"
+    status = _phase_status(obs, phase, reason, f"{message}; retry {failures} in {format_duration(delay)}")
+    status.update(createFailures=failures, nextCreateTime=_iso(obs.now + timedelta(seconds=delay)))
+    return Action("wait", status=status, events=(Event("Warning", reason, status["message"]),))
+
+
 # -- helpers -------------------------------------------------------------------------------------------
 
 

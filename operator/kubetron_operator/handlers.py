@@ -18,7 +18,7 @@ from typing import Any
 import kopf
 
 from kubetron_operator import live
-from kubetron_operator.api_calls import Kube
+from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid
 from kubetron_operator.build import (
     LABEL_JOB,
     build,
@@ -27,7 +27,7 @@ from kubetron_operator.build import (
     pod_group_name,
     service_name,
 )
-from kubetron_operator.decide import FINISHED, Action, Observed, PodView, decide, node_trouble
+from kubetron_operator.decide import FINISHED, Action, Observed, PodView, create_failed, decide, node_trouble
 from kubetron_operator.model import GROUP, PLURAL, VERSION, Job, S3Storage, SpecError
 from kubetron_operator.progress_io import read_s3_progress
 
@@ -64,22 +64,29 @@ async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStoppe
         await stopped.wait(deps.interval)
 
 
-def cleanup_on_delete(name: str, namespace: str, status: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
-    """Delete the children now rather than waiting for the garbage collector (owner references)."""
+def cleanup_on_delete(name: str, namespace: str, uid: str, status: Any, memo: Any, logger: logging.Logger,
+                      **_: Any) -> None:
+    """Delete the children now rather than waiting for the garbage collector (owner references); only
+    those this job controls, never a foreign object that happens to carry a child's name or label."""
     kube: Kube = memo.deps.kube
     for pod in kube.list_pods(namespace, {LABEL_JOB: name}):
-        kube.delete_pod(namespace, pod["metadata"]["name"])
-    body = {"metadata": {"name": name, "namespace": namespace}}
-    fake = Job(name=name, namespace=namespace, uid="", spec=None)  # type: ignore[arg-type]  # names only
+        if controller_uid(pod) == uid:
+            kube.delete_pod(namespace, pod["metadata"]["name"])
+    fake = Job(name=name, namespace=namespace, uid=uid, spec=None)  # type: ignore[arg-type]  # names only
     for attempt in range(1, int((status or {}).get("attempt") or 0) + 1):
-        kube.delete("v1", "ConfigMap", namespace, config_map_name(fake, attempt))
-        for api_version in ("scheduling.volcano.sh/v1beta1", "scheduling.x-k8s.io/v1alpha1"):
-            try:
-                kube.delete(api_version, "PodGroup", namespace, pod_group_name(fake, attempt))
-            except Exception as exc:  # noqa: BLE001 - the PodGroup CRD may not be installed at all
-                logger.debug("no %s PodGroup to delete: %s", api_version, exc)
-    kube.delete("v1", "Service", namespace, service_name(fake))
-    logger.info("deleted the children of %s", body["metadata"]["name"])
+        delete_attempt_children(kube, fake, attempt, logger)
+    kube.delete_owned("v1", "Service", namespace, service_name(fake), uid)
+    logger.info("deleted the children of %s", name)
+
+
+def delete_attempt_children(kube: Kube, job: Job, attempt: int, logger: logging.Logger) -> None:
+    """An attempt's ConfigMap and PodGroup (pods are decide's business), if this job controls them."""
+    kube.delete_owned("v1", "ConfigMap", job.namespace, config_map_name(job, attempt), job.uid)
+    for api_version in ("scheduling.volcano.sh/v1beta1", "scheduling.x-k8s.io/v1alpha1"):
+        try:
+            kube.delete_owned(api_version, "PodGroup", job.namespace, pod_group_name(job, attempt), job.uid)
+        except ApiError as exc:  # the PodGroup CRD may not be installed at all (404), or not granted (403)
+            logger.debug("no %s PodGroup to delete: %s", api_version, exc)
 
 
 def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger) -> Action | None:
@@ -89,8 +96,29 @@ def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger
         return None
     obs, job = observe(deps, body)
     action = decide(job, obs)
-    apply(deps, body, job, obs, action, logger)
+    if action.create_attempt is not None and _backing_off(deps.kube, namespace, obs, action):
+        return None
+    try:
+        apply(deps, body, job, obs, action, logger)
+    except Conflict:
+        # Someone wrote the job after we read it: this decision may be stale. Never undo their write;
+        # the next round decides again from a fresh read.
+        logger.info("%s/%s changed while reconciling; deciding again", namespace, name)
+        return None
     return action
+
+
+def _backing_off(kube: Kube, namespace: str, obs: Observed, action: Action) -> bool:
+    """After a transient creation failure: wait until status.nextCreateTime, and until the torn-down
+    pods of that attempt are gone (their names are about to be reused)."""
+    retry_at = obs.status.get("nextCreateTime")
+    if not retry_at:
+        return False
+    leftovers = [p for p in obs.pods if p.attempt == action.create_attempt]
+    for p in leftovers:
+        if p.deleting_for is None:
+            kube.delete_pod(namespace, p.name)
+    return bool(leftovers) or obs.now < datetime.fromisoformat(retry_at)
 
 
 def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
@@ -102,9 +130,12 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
     except SpecError as exc:
         job, error = None, str(exc)
     status = dict(body.get("status") or {})
-    pods = [PodView.from_pod(p, now) for p in kube.list_pods(namespace, {LABEL_JOB: name})]
-    pods = [dataclasses.replace(p, log=kube.pod_log(namespace, p.name))
-            if p.role == "progress-reader" and p.phase == "Succeeded" else p for p in pods]
+    # Only pods this job controls: a foreign pod with our label is never counted, nor deleted.
+    owned = [p for p in kube.list_pods(namespace, {LABEL_JOB: name}) if controller_uid(p) == meta.get("uid")]
+    pods = [PodView.from_pod(p, now) for p in owned]
+    # A progress reader reports through its termination message (no pods/log, no kubelet round trip).
+    pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.phase == "Succeeded"
+            else p for p, raw in zip(pods, owned)]
     trouble = _node_trouble(kube, status, pods)
     progress = live_data = None
     if job is not None and status.get("phase") not in FINISHED:
@@ -124,6 +155,14 @@ def _node_trouble(kube: Kube, status: dict, pods: list[PodView]) -> dict[str, st
     if status.get("phase") in FINISHED or not any(p.phase == "Failed" for p in current):
         return {}
     return node_trouble(kube.list_nodes(), {p.node for p in current if p.node})
+
+
+def termination_text(pod: dict[str, Any]) -> str:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+        text = ((cs.get("state") or {}).get("terminated") or {}).get("message")
+        if text:
+            return text
+    return ""
 
 
 def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: datetime) -> dict | None:
@@ -146,19 +185,29 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     kube = deps.kube
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
+    rv = meta.get("resourceVersion")
     if action.create_attempt is not None and job is not None:
         # Pods first: if we die before the status patch, the next round recreates them (409s), never
         # mistakes a not-yet-created pod for a preempted one.
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        for manifest in build(job, action.create_attempt, action.expected_iteration, action.avoid_nodes):
-            kube.create(manifest)
-        _patch_status(kube, namespace, name, action.status)
+        manifests = build(job, action.create_attempt, action.expected_iteration, action.avoid_nodes)
+        failed = create_children(kube, job, manifests, logger)
+        if failed is not None:
+            action = create_failed(obs, *failed)
+            _patch_status(kube, namespace, name, action.status, rv)
+        else:
+            retry = {"createFailures": None, "nextCreateTime": None} if obs.status.get("nextCreateTime") else {}
+            _patch_status(kube, namespace, name, {**action.status, **retry}, rv)
+            if action.create_attempt > 1:
+                delete_attempt_children(kube, job, action.create_attempt - 1, logger)
     else:
         # Status first: an ended attempt is counted before its pods disappear.
-        _patch_status(kube, namespace, name, action.status)
+        _patch_status(kube, namespace, name, action.status, rv)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
+        if job is not None and _attempt_ended(obs, action):
+            delete_attempt_children(kube, job, int(obs.status["attempt"]), logger)
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
     if action.create_reader is not None and job is not None:
@@ -174,6 +223,34 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         kube.delete_job(namespace, name)
 
 
-def _patch_status(kube: Kube, namespace: str, name: str, status: dict[str, Any]) -> None:
+def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
+                    logger: logging.Logger) -> tuple[str, str, bool] | None:
+    """Create an attempt's objects in order. On an API error delete what this call created (a partial
+    gang must not hold GPUs) and return (reason, message, transient) for decide.create_failed."""
+    created: list[dict[str, Any]] = []
+    for manifest in manifests:
+        try:
+            if kube.create(manifest):
+                created.append(manifest)
+        except ApiError as exc:
+            for done in reversed(created):
+                if done["kind"] != "Service":  # per job, not per attempt: kept for the next try
+                    kube.delete(done["apiVersion"], done["kind"], job.namespace, done["metadata"]["name"])
+            what = f"{manifest['kind']} {job.namespace}/{manifest['metadata']['name']}"
+            logger.warning("cannot create %s: %s", what, exc)
+            if isinstance(exc, NameConflict):
+                return "NameConflict", str(exc).removeprefix("HTTP 409: "), False
+            transient = exc.status == 429 or exc.status >= 500 or (exc.status == 403 and "exceeded quota" in str(exc))
+            return ("CreateRetrying" if transient else "CreateFailed"), f"cannot create {what}: {exc}", transient
+    return None
+
+
+def _attempt_ended(obs: Observed, action: Action) -> bool:
+    """The running attempt just ended (restart, success, failure, suspension)."""
+    return (int(obs.status.get("attempt") or 0) > 0 and obs.status.get("phase") in ("Pending", "Running")
+            and action.phase in ("Restarting", "Succeeded", "Failed", "Suspended"))
+
+
+def _patch_status(kube: Kube, namespace: str, name: str, status: dict[str, Any], resource_version: str | None) -> None:
     if status:
-        kube.patch_status(namespace, name, status)
+        kube.patch_status(namespace, name, status, resource_version)

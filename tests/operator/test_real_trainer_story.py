@@ -47,6 +47,7 @@ from kubetron_operator.build import (
     rank_command,
 )
 from kubetron_operator.decide import Action, Observed, PodView, decide
+from kubetron_operator.handlers import termination_text
 from kubetron_operator.model import RESERVED_ENV, Job
 
 from tests.operator.jobs import PVC_JOB, kubectl_get
@@ -198,13 +199,17 @@ def read_store_like_the_reader_pod(job: Job, attempt: int) -> PodView:
     container = pod["spec"]["containers"][0]
     mount = container["volumeMounts"][0]
     assert mount["mountPath"] == job.spec.storage.mount_path and mount["readOnly"]
-    argv = [sys.executable if a == PYTHON else a for a in container["command"]]
+    message = Path(job.spec.storage.mount_path).parent / f"reader-{attempt}.termination-log"  # /dev/termination-log
+    argv = [sys.executable if a == PYTHON else str(message) if a == TERMINATION_LOG else a
+            for a in container["command"]]
     p = subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stdout
-    state = {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": _now(), "finishedAt": _now()}}
-    # handlers.observe() attaches a Succeeded reader's log the same way (pods/log)
-    return dataclasses.replace(view(_pod(pod, "Succeeded", state)), log=p.stdout)
+    state = {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": _now(), "finishedAt": _now(),
+                            "message": message.read_text()}}
+    # handlers.observe() attaches a Succeeded reader's termination message the same way
+    pod = _pod(pod, "Succeeded", state)
+    return dataclasses.replace(view(pod), log=termination_text(pod))
 
 
 @pytest.mark.slow

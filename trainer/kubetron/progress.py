@@ -483,21 +483,45 @@ def summarize(location: str) -> dict[str, Any]:
     return summary
 
 
+TERMINATION_MESSAGE_LIMIT = 4096  # bytes Kubernetes keeps of a termination message
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`kubetron progress STORE` (also `python -m kubetron.progress STORE`): print the summary as JSON."""
+    """`kubetron progress STORE` (also `python -m kubetron.progress STORE`): print the summary as JSON.
+
+    `--termination-log PATH` also writes it, compact, to PATH: the operator's progress-reader pod reports
+    through its termination message, so the operator needs no pods/log access.
+    """
     args = sys.argv[1:] if argv is None else list(argv)
     brief = False
     if "--no-events" in args:
         args.remove("--no-events")
         brief = True
-    if len(args) != 1:
-        print("usage: kubetron progress [--no-events] STORE", file=sys.stderr)
+    termination_log = None
+    if "--termination-log" in args:
+        i = args.index("--termination-log")
+        termination_log = args[i + 1] if i + 1 < len(args) else ""
+        del args[i:i + 2]
+    if len(args) != 1 or termination_log == "":
+        print("usage: kubetron progress [--no-events] [--termination-log PATH] STORE", file=sys.stderr)
         return 2
     summary = summarize(args[0])
     if brief:
         summary.pop("events", None)
     print(json.dumps(summary, indent=2))
+    if termination_log:
+        _write_termination_log(termination_log, summary)
     return 0
+
+
+def _write_termination_log(path: str, summary: dict[str, Any]) -> None:
+    """One JSON line that fits Kubernetes' limit: the whole summary, else the fields a resume needs."""
+    text = json.dumps(summary, separators=(",", ":"))
+    if len(text.encode()) > TERMINATION_MESSAGE_LIMIT:
+        keep = ("lastCheckpoint", "iteration", "trainIters", "completed")
+        text = json.dumps({k: summary.get(k) for k in keep}, separators=(",", ":"))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -47,18 +47,16 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [kubetron.dev]
   resources: [trainingjobs/finalizers]
   verbs: [update]
-# Each attempt's pods: created, listed for phases/exit codes/termination messages, deleted to end it.
+# Each attempt's pods: created, listed for phases/exit codes/termination messages (the progress-reader
+# pod's too, so no pods/log or pods/exec), deleted to end it.
 - apiGroups: [""]
   resources: [pods]
   verbs: [create, get, list, delete]
-# The progress-reader pod's output (a PVC store's progress log), so no pods/exec is needed.
-- apiGroups: [""]
-  resources: [pods/log]
-  verbs: [get]
-# Rank 0's headless rendezvous Service and each attempt's trainer config.
+# Rank 0's headless rendezvous Service and each attempt's trainer config. get: when one exists
+# already, only the job that controls it may use or delete it.
 - apiGroups: [""]
   resources: [services, configmaps]
-  verbs: [create, delete]
+  verbs: [create, get, delete]
 # The S3 credentials a job's storage.s3.secretRef names, to read its progress log.
 - apiGroups: [""]
   resources: [secrets]
@@ -78,13 +76,13 @@ required rules from that registry for every values combination and fails on anyt
 # Gang scheduling with Volcano: one PodGroup per attempt.
 - apiGroups: [scheduling.volcano.sh]
   resources: [podgroups]
-  verbs: [create, delete]
+  verbs: [create, get, delete]
 {{- end }}
 {{- if has "coscheduling" .Values.gangScheduling.schedulers }}
 # Gang scheduling with scheduler-plugins coscheduling: one PodGroup per attempt.
 - apiGroups: [scheduling.x-k8s.io]
   resources: [podgroups]
-  verbs: [create, delete]
+  verbs: [create, get, delete]
 {{- end }}
 {{- end }}
 {{- end }}

@@ -1,0 +1,147 @@
+"""Failure modes of issue 11 that only a real API server shows (quota, admission, missing CRDs, name
+clashes, optimistic concurrency), with the real `kubetron operator` process (tests/kube)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubetron_operator.api_calls import Conflict, Kube, kubernetes_transport
+from kubetron_operator.decide import decide
+from kubetron_operator.handlers import Deps, apply, observe
+
+from tests.kube.cluster import set_exited, set_running
+from tests.operator.test_on_kube import tj
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def warnings(kube, ns: str) -> dict[str, str]:
+    return {e["reason"]: e["message"] for e in kube.events(ns) if e["type"] == "Warning"}
+
+
+def children(kube, ns: str) -> set[str]:
+    """Names of the ConfigMaps, Services and pods (not being deleted) in `ns` that a job's label names."""
+    out = set()
+    for kind in ("configmaps", "services", "pods"):
+        for item in kube.admin.get(f"/api/v1/namespaces/{ns}/{kind}")["items"]:
+            meta = item["metadata"]
+            if not meta.get("deletionTimestamp") and "kubetron.dev/job" in (meta.get("labels") or {}):
+                out.add(f"{kind}/{meta['name']}")
+    return out
+
+
+# -- 1. children that cannot be created --------------------------------------------------------------
+
+
+def test_quota_exceeded_tears_down_the_partial_gang_and_retries_with_backoff(kube, kube_ns):
+    """A ResourceQuota admits one pod of two: the pod that was created is deleted again (it would hold
+    its GPU for nothing), status says why and when the next try is, and once quota frees up the attempt
+    is created."""
+    ns, api = kube_ns, kube.admin
+    api.create(f"/api/v1/namespaces/{ns}/resourcequotas", {
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}})
+    kube.wait_for("quota status", lambda: (api.get(f"/api/v1/namespaces/{ns}/resourcequotas/pods")
+                                           .get("status") or {}).get("hard"))
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), tj(ns))
+        st = kube.wait_status(ns, "gpt", "CreateRetrying", lambda s: s.get("reason") == "CreateRetrying")
+        assert st["phase"] == "Pending" and st["createFailures"] == 1 and st["nextCreateTime"]
+        assert "exceeded quota" in st["message"] and "gpt-1-1" in st["message"] and "retry 1 in 10s" in st["message"]
+        assert "exceeded quota" in warnings(kube, ns)["CreateRetrying"]
+        kube.wait_pods(ns, set())  # rank 0 was created, then deleted again
+        assert "configmaps/gpt-1-config" not in children(kube, ns)
+        api.delete(f"/api/v1/namespaces/{ns}/resourcequotas/pods")
+        kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"}, timeout=60)  # after the 10 s backoff
+        st = kube.wait_status(ns, "gpt", "attempt 1 created", lambda s: s.get("attempt") == 1)
+        assert st["reason"] == "AttemptCreated" and "createFailures" not in st and "nextCreateTime" not in st
+
+
+def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
+    """A missing PodGroup CRD (404), a PriorityClass that does not exist and a ServiceAccount that does
+    not exist (admission, 403): Failed at once, the reason in status and a Warning event, nothing left
+    running."""
+    ns, api = kube_ns, kube.admin
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), tj(ns, "gang", scheduling={"gang": "volcano"}))
+        api.create(kube.jobs(ns), tj(ns, "prio", scheduling={"priorityClassName": "no-such-class"}))
+        api.create(kube.jobs(ns), tj(ns, "sa", serviceAccountName="no-such-sa"))
+        gang = kube.wait_status(ns, "gang", "gang Failed", lambda s: s.get("phase") == "Failed")
+        prio = kube.wait_status(ns, "prio", "prio Failed", lambda s: s.get("phase") == "Failed")
+        sa = kube.wait_status(ns, "sa", "sa Failed", lambda s: s.get("phase") == "Failed")
+        assert gang["reason"] == "CreateFailed" and "PodGroup" in gang["message"] and "404" in gang["message"]
+        assert prio["reason"] == "CreateFailed" and "no-such-class" in prio["message"]
+        assert sa["reason"] == "CreateFailed" and "no-such-sa" in sa["message"]
+        left = {c for c in children(kube, ns) if c.startswith(("pods/", "configmaps/"))}
+        assert not left, left
+        assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa))
+        messages = [e["message"] for e in kube.events(ns) if e["reason"] == "CreateFailed"]
+        assert len(messages) >= 3 and any("no-such-sa" in m for m in messages)
+
+
+# -- 6. ownership ------------------------------------------------------------------------------------
+
+
+def test_a_foreign_object_with_a_childs_name_is_never_adopted_nor_deleted(kube, kube_ns):
+    ns, api = kube_ns, kube.admin
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gpt-1-config"},
+               "data": {"keep": "me"}}
+    api.create(f"/api/v1/namespaces/{ns}/configmaps", foreign)
+    with kube.operator(ns) as op:
+        api.create(kube.jobs(ns), tj(ns))
+        st = kube.wait_status(ns, "gpt", "Failed", lambda s: s.get("phase") == "Failed")
+        assert st["reason"] == "NameConflict"
+        assert f"ConfigMap {ns}/gpt-1-config already exists" in st["message"], st["message"]
+        assert "NameConflict" in warnings(kube, ns)
+        kube.wait_pods(ns, set())
+        api.delete(f"{kube.jobs(ns)}/gpt")
+        kube.wait_for("job deleted", lambda: kube.job(ns, "gpt") is None)
+        assert "Traceback" not in op.log(), op.tail()
+    cm = api.get(f"/api/v1/namespaces/{ns}/configmaps/gpt-1-config")
+    assert cm["data"] == {"keep": "me"} and not cm["metadata"].get("ownerReferences")
+
+
+# -- 9. old attempts' children -----------------------------------------------------------------------
+
+
+def test_an_attempts_config_map_goes_when_the_attempt_ends(kube, kube_ns):
+    ns, api = kube_ns, kube.admin
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), tj(ns))
+        kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+        assert "configmaps/gpt-1-config" in children(kube, ns)
+        set_running(api, ns, "gpt-1-0")
+        set_exited(api, ns, "gpt-1-1", 75, {"exitCode": 75, "reason": "SavedOnSignal", "lastCheckpoint": 5})
+        kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"})
+        kube.wait_for("gpt-1-config deleted, gpt-2-config there", lambda: {
+            c for c in children(kube, ns) if c.startswith("configmaps/")} == {"configmaps/gpt-2-config"})
+        set_exited(api, ns, "gpt-2-0", 2, {"exitCode": 2, "reason": "ConfigError", "message": "bad"})
+        kube.wait_status(ns, "gpt", "Failed", lambda s: s.get("phase") == "Failed")
+        kube.wait_for("gpt-2-config deleted", lambda: not {
+            c for c in children(kube, ns) if c.startswith("configmaps/")})
+
+
+# -- 11. optimistic concurrency ----------------------------------------------------------------------
+
+
+def test_a_stale_decision_never_overwrites_a_newer_status(kube, kube_ns):
+    """The operator decided from one version of the job; someone wrote status in between: its status
+    patch (carrying the old resourceVersion) is refused, the newer write stays."""
+    ns, api = kube_ns, kube.admin
+    api.create(kube.jobs(ns), tj(ns))
+    configuration = client.Configuration(host=kube.cp.server)
+    configuration.ssl_ca_cert = str(kube.cp.pki / "ca.crt")
+    configuration.api_key = {"BearerToken": kube.operator_token}
+    configuration.api_key_prefix = {"BearerToken": "Bearer"}
+    deps = Deps(kube=Kube(kubernetes_transport(client.ApiClient(configuration))), read_progress=lambda *_: None)
+    body = deps.kube.get_job(ns, "gpt")
+    obs, job = observe(deps, body)
+    action = decide(job, obs)
+    assert action.create_attempt == 1
+    api.patch(f"{kube.jobs(ns)}/gpt/status", {"status": {"phase": "Pending", "reason": "SomeoneElse"}})
+    with pytest.raises(Conflict):
+        apply(deps, body, job, obs, action, logging.getLogger("test"))
+    st: dict[str, Any] = kube.job(ns, "gpt")["status"]
+    assert st["reason"] == "SomeoneElse" and "attempt" not in st
