@@ -169,8 +169,10 @@ def test_job_suspended_past_its_deadline_resumes_and_runs(kube, s3_server, polic
     ns, api = policy[0]["suspend"], kube.admin
     create_job(kube, s3_server, ns, activeDeadlineSeconds=12)
     kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+    kube.wait_status(ns, "gpt", "attempt 1 started", lambda s: s.get("attempt") == 1 and s.get("startTime"))
     api.patch(f"{kube.jobs(ns)}/gpt", {"spec": {"suspend": True}})
-    kube.wait_status(ns, "gpt", "Suspended", lambda s: s.get("phase") == "Suspended")
+    st = kube.wait_status(ns, "gpt", "Suspended", lambda s: s.get("phase") == "Suspended")
+    assert st["attempt"] == 1
     suspended = time.monotonic()
     while time.monotonic() - suspended < 13:  # past the deadline, suspended all along
         assert kube.job(ns, "gpt")["status"]["phase"] == "Suspended"
