@@ -390,23 +390,27 @@ def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckp
               stale: tuple[str, ...]) -> Action:
     """The gang is not all running yet: say what holds it up; end the attempt after startupTimeoutSeconds."""
     st = obs.status
-    trouble = _startup_trouble(current, obs)
+    trouble = _startup_trouble(current)
     began = _parse_time(st.get("attemptStartTime"))
     timeout = job.spec.startup_timeout_seconds
     if began and (obs.now - began).total_seconds() > timeout:
         why = trouble[1] if trouble else "the pods were still starting"
         return _restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",
                         message=f"attempt {attempt} not running after startupTimeoutSeconds ({timeout}s): {why}")
-    reason, message = trouble or (("Starting", f"attempt {attempt}: waiting for the pods to start")
-                                  if st.get("reason") in STARTUP_REASONS else (st.get("reason"), st.get("message")))
-    status = _phase_status(obs, "Pending", reason or "AttemptCreated", message or "")
+    if trouble:
+        reason, message = trouble
+    elif st.get("reason") in STARTUP_REASONS:  # the trouble cleared up
+        reason, message = "Starting", f"attempt {attempt}: waiting for the pods to start"
+    else:  # as _next_attempt wrote it
+        reason, message = st.get("reason") or "AttemptCreated", st.get("message") or ""
+    status = _phase_status(obs, "Pending", reason, message)
     status.update(_progress_fields(obs, ckpt))
     status = {k: v for k, v in status.items() if st.get(k) != v}
     events = (Event("Warning", reason, message),) if trouble and reason != st.get("reason") else ()
     return Action("wait", status=status, delete_pods=stale, events=events)
 
 
-def _startup_trouble(current: list[PodView], obs: Observed) -> tuple[str, str] | None:
+def _startup_trouble(current: list[PodView]) -> tuple[str, str] | None:
     """(reason, message) of the first pod that cannot start by itself, or None."""
     for p in sorted(current, key=lambda p: p.rank):
         if p.waiting:

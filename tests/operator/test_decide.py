@@ -552,3 +552,9 @@ def test_iteration_follows_the_new_attempt_and_lost_is_counted_once():
     again = run({**status, **ended.status, **created.status, "phase": "Pending"},
                 pods=[pod(0, attempt=3), pod(1, attempt=3)], progress=log)
     assert again.status.get("iteration", 300) == 300  # the old maximum (400) is not shown again
+
+
+def test_cleared_trouble_is_no_longer_shown():
+    status = {**PENDING, "reason": "Unschedulable", "message": "pod gpt-1-1: 0/1 nodes are available"}
+    action = run(status, pods=[pod(0), pod(1, phase="Pending", node="n1", scheduler_seen=True)])
+    assert action.status["reason"] == "Starting" and action.events == ()
