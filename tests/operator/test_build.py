@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -170,6 +172,13 @@ def test_spec_checked_before_any_pod(case, change, field, words):
         Job.from_body(job_body(**change))
     assert info.value.field == field and words in str(info.value)
     assert "\n" not in str(info.value)  # one line
+
+
+def test_config_check_runs_without_torch():
+    """The operator image has no torch: checking spec.config must not need it."""
+    code = ("import sys; from kubetron_operator.model import Job; from tests.operator.jobs import S3_JOB; "
+            "Job.from_body(S3_JOB); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=pathlib.Path(__file__).parents[2])
 
 
 def test_agreeing_gpu_limit_and_good_overrides_pass():
