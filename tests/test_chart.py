@@ -31,6 +31,8 @@ VALUE_SETS = {
     },
     "peering": {"operator": {"peering": "kubetron"}},
     "peering-namespaced": {"operator": {"peering": "kubetron"}, "watchNamespaces": ["team-a", "team-b"]},
+    "replicas": {"replicas": 2},
+    "replicas-namespaced": {"replicas": 3, "watchNamespaces": ["team-a"]},
     "custom": {
         "image": {"repository": "registry.example.com/ml/kubetron-operator", "tag": "dev",
                   "pullPolicy": "Always"},
@@ -61,6 +63,11 @@ def rendered(request) -> tuple[dict, list[dict]]:
 
 def of_kind(manifests: list[dict], kind: str) -> list[dict]:
     return [m for m in manifests if m["kind"] == kind]
+
+
+def peering_name(values: dict) -> str:
+    """kopf peering: operator.peering, else leader election under the release name with replicas > 1."""
+    return values.get("operator", {}).get("peering") or ("kubetron" if values.get("replicas", 1) > 1 else "")
 
 
 # ------------------------------------------------------------------------------------------------ lint
@@ -105,7 +112,17 @@ def test_notes_say_how_to_watch_jobs():
 def test_rendered_manifests_validate_strictly(rendered):
     _, manifests = rendered
     assert manifests
+    crds = {(m["spec"]["group"], m["spec"]["names"]["kind"]): m for m in manifests
+            if m["kind"] == "CustomResourceDefinition"}
     for manifest in manifests:
+        group = manifest["apiVersion"].partition("/")[0]
+        if (group, manifest["kind"]) in crds:  # the chart's own custom resources: their CRD's schema
+            import jsonschema
+
+            (version,) = crds[(group, manifest["kind"])]["spec"]["versions"]
+            jsonschema.validate(manifest, version["schema"]["openAPIV3Schema"])
+            assert manifest["apiVersion"] == f"{group}/{version['name']}" and manifest["metadata"]["name"]
+            continue
         for version in KUBE_VERSIONS:
             kv.validate(manifest, version, strict=True)
 
@@ -278,7 +295,7 @@ def operator_api_calls(values: dict) -> set[tuple[str, str, str]]:
     gang = values.get("gangScheduling", {})
     schedulers = gang.get("schedulers", ["volcano", "coscheduling"]) if gang.get("enabled") else []
     namespaced = bool(values.get("watchNamespaces"))
-    peering = bool(values.get("operator", {}).get("peering"))
+    peering = bool(peering_name(values))
     calls = set()
     for call in api_calls.ALL_CALLS:
         if call.group in GANG_GROUPS and GANG_GROUPS[call.group] not in schedulers:
@@ -301,3 +318,35 @@ def test_every_declared_call_is_granted_in_some_configuration():
         manifests = render({**everything, **extra})
         granted_somewhere |= granted(rules_of(manifests, "ClusterRole") + rules_of(manifests, "Role"))
     assert {(c.group, c.resource, c.verb) for c in api_calls.ALL_CALLS} <= granted_somewhere
+
+
+# ------------------------------------------------------------------------------------ leader election
+
+
+def test_more_than_one_replica_elects_a_leader(rendered):
+    """replicas > 1 turns kopf peering on (one active operator, the others standing by): the flag, the
+    peering object(s) it meets in, and a rolling update (a standalone operator must be Recreated)."""
+    values, manifests = rendered
+    dep = deployment(manifests)
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    flags = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--peering=")]
+    name = peering_name(values)
+    assert dep["spec"]["replicas"] == values.get("replicas", 1)
+    assert flags == ([name] if name else [])
+    peerings = of_kind(manifests, "KopfPeering") + of_kind(manifests, "ClusterKopfPeering")
+    if not name:
+        assert dep["spec"]["strategy"] == {"type": "Recreate"} and not peerings
+    elif values.get("watchNamespaces"):
+        assert {(p["metadata"]["name"], p["metadata"]["namespace"]) for p in peerings} == {
+            (name, ns) for ns in values["watchNamespaces"]}
+        assert all(p["kind"] == "KopfPeering" for p in peerings)
+    else:
+        assert [(p["kind"], p["metadata"]["name"]) for p in peerings] == [("ClusterKopfPeering", name)]
+    if name:
+        assert "strategy" not in dep["spec"]
+
+
+def test_chart_ships_kopfs_peering_crds():
+    crds = {m["metadata"]["name"]: m for m in render({}) if m["kind"] == "CustomResourceDefinition"}
+    assert crds["clusterkopfpeerings.kopf.dev"]["spec"]["scope"] == "Cluster"
+    assert crds["kopfpeerings.kopf.dev"]["spec"]["scope"] == "Namespaced"

@@ -477,3 +477,20 @@ def test_status_server_from_env(monkeypatch):
         assert get(f"http://127.0.0.1:{free}/healthz") == (200, "ok")
     finally:
         server.close()
+
+
+def test_progress_command_writes_its_summary_as_a_termination_message(tmp_path, capsys):
+    """The operator's PVC progress-reader pod reports through /dev/termination-log (no pods/log)."""
+    from kubetron import progress
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / progress.PROGRESS_FILE).write_text(
+        progress.saved_checkpoint_line(20, 1.0, 1.0, 1e12, 2048, 40, num_gpus=1, job_id="ml/gpt/1") + "\n")
+    message = tmp_path / "termination-log"
+    assert progress.main(["--no-events", "--termination-log", str(message), str(store)]) == 0
+    (line,) = message.read_text().splitlines()
+    assert json.loads(line)["lastCheckpoint"]["iteration"] == 20
+    assert len(line.encode()) <= progress.TERMINATION_MESSAGE_LIMIT
+    assert progress.main(["--termination-log"]) == 2
+    assert "usage" in capsys.readouterr().err

@@ -305,6 +305,7 @@ def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
             "command": [PYTHON, "-m", "kubetron.progress", "--no-events", "--termination-log", TERMINATION_LOG,
                         job.store],
             "terminationMessagePath": TERMINATION_LOG,
+            "terminationMessagePolicy": "FallbackToLogsOnError",  # a crash's last lines, read by the kubelet
             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
             "volumeMounts": mounts,
             "securityContext": _security_context_container(),

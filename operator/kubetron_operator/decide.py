@@ -323,6 +323,7 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
     ckpt = _known_checkpoint(obs, attempt)
     events: list[Event] = []
     delete: tuple[str, ...] = ()
+    unread = ""  # why the progress log could not be read (PVC stores), shown in status.message too
     if isinstance(job.spec.storage, PvcStorage) and attempt > 0:
         reader = next((p for p in obs.pods if p.role == "progress-reader" and p.attempt == attempt), None)
         if reader is None:
@@ -331,8 +332,9 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
         if summary is not None:
             ckpt = _max_ckpt(ckpt, summary.get("lastCheckpoint"))
         elif reader.phase in ("Succeeded", "Failed") or reader.created_for > READER_TIMEOUT:
-            events.append(Event("Warning", "ProgressUnread", f"could not read the progress log with pod "
-                                f"{reader.name}; resuming from the last checkpoint seen ({_it(ckpt)})"))
+            unread = (f"; progress log unread (pod {reader.name}: {_reader_trouble(reader)}), resuming from the "
+                      f"last checkpoint seen ({_it(ckpt)})")
+            events.append(Event("Warning", "ProgressUnread", unread[2:]))
         else:
             return Action("wait")
         delete = (reader.name,)
@@ -340,7 +342,7 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
     if not_before and obs.now < not_before:
         return Action("wait")
     nxt = attempt + 1
-    status = _phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created")
+    status = _phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created{unread}")
     lost = _to_int(st.get("lostIterations")) + max(0, _to_int(st.get("lastAttemptIteration")) - _it(ckpt))
     status.update({
         "attempt": nxt,
@@ -560,6 +562,13 @@ def _fail(obs: Observed, reason: str, message: str) -> Action:
     status.update(completionTime=_iso(obs.now), eta=None, nextAttemptTime=None)
     active = tuple(p.name for p in obs.pods if not p.terminated and p.deleting_for is None)
     return Action("fail", status=status, delete_pods=active, events=(Event("Warning", reason, message),))
+
+
+def _reader_trouble(reader: PodView) -> str:
+    if reader.phase == "Pending":
+        return f"not finished after {READER_TIMEOUT:.0f}s"
+    detail = reader.log.strip().splitlines()[-1][:200] if reader.log.strip() else reader.reason or "no output"
+    return f"{reader.phase.lower()}, exit {reader.exit_code}: {detail}"
 
 
 # -- children that could not be created (the handler tore down what it had made) ----------------------

@@ -134,7 +134,7 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
     owned = [p for p in kube.list_pods(namespace, {LABEL_JOB: name}) if controller_uid(p) == meta.get("uid")]
     pods = [PodView.from_pod(p, now) for p in owned]
     # A progress reader reports through its termination message (no pods/log, no kubelet round trip).
-    pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.phase == "Succeeded"
+    pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.terminated
             else p for p, raw in zip(pods, owned)]
     trouble = _node_trouble(kube, status, pods)
     progress = live_data = None

@@ -61,24 +61,28 @@ def test_quota_exceeded_tears_down_the_partial_gang_and_retries_with_backoff(kub
 
 def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
     """A missing PodGroup CRD (404), a PriorityClass that does not exist and a ServiceAccount that does
-    not exist (admission, 403): Failed at once, the reason in status and a Warning event, nothing left
-    running."""
+    not exist (admission, 403), a pod the server finds invalid (422): Failed at once, the reason in
+    status and a Warning event, nothing left running."""
     ns, api = kube_ns, kube.admin
     with kube.operator(ns):
         api.create(kube.jobs(ns), tj(ns, "gang", scheduling={"gang": "volcano"}))
         api.create(kube.jobs(ns), tj(ns, "prio", scheduling={"priorityClassName": "no-such-class"}))
         api.create(kube.jobs(ns), tj(ns, "sa", serviceAccountName="no-such-sa"))
+        api.create(kube.jobs(ns), tj(ns, "invalid", resources={"requests": {"memory": "2Gi"},
+                                                                "limits": {"memory": "1Gi"}}))
         gang = kube.wait_status(ns, "gang", "gang Failed", lambda s: s.get("phase") == "Failed")
         prio = kube.wait_status(ns, "prio", "prio Failed", lambda s: s.get("phase") == "Failed")
         sa = kube.wait_status(ns, "sa", "sa Failed", lambda s: s.get("phase") == "Failed")
+        invalid = kube.wait_status(ns, "invalid", "invalid Failed", lambda s: s.get("phase") == "Failed")
         assert gang["reason"] == "CreateFailed" and "PodGroup" in gang["message"] and "404" in gang["message"]
         assert prio["reason"] == "CreateFailed" and "no-such-class" in prio["message"]
         assert sa["reason"] == "CreateFailed" and "no-such-sa" in sa["message"]
+        assert invalid["reason"] == "CreateFailed" and "HTTP 422" in invalid["message"], invalid["message"]
         left = {c for c in children(kube, ns) if c.startswith(("pods/", "configmaps/"))}
         assert not left, left
-        assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa))
+        assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa, invalid))
         messages = [e["message"] for e in kube.events(ns) if e["reason"] == "CreateFailed"]
-        assert len(messages) >= 3 and any("no-such-sa" in m for m in messages)
+        assert len(messages) >= 4 and any("no-such-sa" in m for m in messages)
 
 
 # -- 6. ownership ------------------------------------------------------------------------------------
@@ -145,3 +149,57 @@ def test_a_stale_decision_never_overwrites_a_newer_status(kube, kube_ns):
         apply(deps, body, job, obs, action, logging.getLogger("test"))
     st: dict[str, Any] = kube.job(ns, "gpt")["status"]
     assert st["reason"] == "SomeoneElse" and "attempt" not in st
+
+
+# -- 12. progress of PVC jobs ------------------------------------------------------------------------
+
+
+def pvc_job(kube, ns: str) -> dict[str, Any]:
+    """A job on a PersistentVolumeClaim (bound to a hostPath volume, so its pods can be scheduled)."""
+    api = kube.admin
+    api.create("/api/v1/persistentvolumes", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{ns}"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "hostPath": {"path": f"/tmp/{ns}"}, "claimRef": {"namespace": ns, "name": "ckpt"}}})
+    api.create(f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"pv-{ns}",
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    body = tj(ns)
+    body["spec"]["storage"] = {"pvc": {"claimName": "ckpt"}}
+    return body
+
+
+def preempt(kube, ns: str, attempt: int) -> None:
+    api = kube.admin
+    kube.wait_pods(ns, {f"gpt-{attempt}-0", f"gpt-{attempt}-1"})
+    set_running(api, ns, f"gpt-{attempt}-0")
+    set_exited(api, ns, f"gpt-{attempt}-1", 75, {"exitCode": 75, "reason": "SavedOnSignal"})
+
+
+def test_pvc_progress_comes_from_the_reader_pods_termination_message(kube, kube_ns):
+    """No pods/log (the chart does not grant it; with no kubelet it would fail anyway): the reader pod's
+    termination message carries the summary. A reader that fails is said in status and an event, and
+    the job goes on from the last checkpoint it knows."""
+    ns, api = kube_ns, kube.admin
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), pvc_job(kube, ns))
+        preempt(kube, ns, 1)
+        reader = kube.wait_for("progress reader of attempt 1", lambda: kube.pods(ns, "progress-reader").get(
+            "gpt-1-progress"))
+        container = reader["spec"]["containers"][0]
+        assert container["command"][-3:-1] == ["--termination-log", container["terminationMessagePath"]]
+        set_exited(api, ns, "gpt-1-progress", 0, {"lastCheckpoint": {"iteration": 13, "time": "t"},
+                                                  "iteration": 14, "trainIters": 40}, container="progress")
+        pods = kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"})
+        assert {e["name"]: e.get("value") for e in pods["gpt-2-0"]["spec"]["containers"][0]["env"]}[
+            "KUBETRON_EXPECTED_ITERATION"] == "13"
+
+        preempt(kube, ns, 2)
+        kube.wait_for("progress reader of attempt 2", lambda: "gpt-2-progress" in kube.pods(ns, "progress-reader"))
+        set_exited(api, ns, "gpt-2-progress", 1, "PermissionError: [Errno 13] /ckpt/progress.txt",
+                   container="progress")
+        st = kube.wait_status(ns, "gpt", "attempt 3", lambda s: s.get("attempt") == 3)
+        assert "progress log unread" in st["message"] and "PermissionError" in st["message"]
+        assert st["lastCheckpoint"]["iteration"] == 13
+        assert "PermissionError" in warnings(kube, ns)["ProgressUnread"]

@@ -42,3 +42,13 @@ app.kubernetes.io/part-of: kubetron
 {{- define "kubetron.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
+
+{{/* kopf peering (one active operator among several): operator.peering, else leader election under the
+full name whenever replicas > 1; empty: standalone. */}}
+{{- define "kubetron.peering" -}}
+{{- if .Values.operator.peering }}
+{{- .Values.operator.peering }}
+{{- else if gt (int .Values.replicas) 1 }}
+{{- include "kubetron.fullname" . }}
+{{- end }}
+{{- end }}

@@ -7,7 +7,8 @@ required rules from that registry for every values combination and fails on anyt
   podgroups (two API groups)   only with gangScheduling.enabled, per scheduler
   namespaces list/watch        only with watchNamespaces: kopf observes namespaces only when it is
                                not cluster-wide
-  (cluster)kopfpeerings        only with operator.peering: standalone kopf never touches them
+  (cluster)kopfpeerings        only with peering (operator.peering, or replicas > 1): standalone kopf
+                               never touches them
 */ -}}
 
 {{/* Cluster-scoped resources: always in a ClusterRole. */}}
@@ -25,7 +26,7 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
-{{- else if .Values.operator.peering }}
+{{- else if include "kubetron.peering" . }}
 # kopf: the ClusterKopfPeering object that lets one of several operators be active.
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]
@@ -65,7 +66,7 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-{{- if and .Values.operator.peering .Values.watchNamespaces }}
+{{- if and (include "kubetron.peering" .) .Values.watchNamespaces }}
 # kopf: the KopfPeering object in each watched namespace (several operators, one active).
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
