@@ -207,6 +207,7 @@ def test_summarize_mid_run_after_preemption():
     text += starting_job_line(20, 40, num_gpus=4, job_id="ns/job/3", now=at(10)) + "\n"
     s = summarize_events(parse_progress(text))
     assert s["iteration"] == 20 and s["jobs"] == 3 and s["completed"] is False
+    assert s["jobIterations"]["ns/job/3"] == 20 and set(s["jobIterations"]) == {"ns/job/1", "ns/job/2", "ns/job/3"}
 
 
 def test_completed_rules():

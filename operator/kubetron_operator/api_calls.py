@@ -41,6 +41,7 @@ OPERATOR_CALLS: frozenset[Call] = frozenset(
     | _calls("", "configmaps", "create", "get", "delete")
     | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
     | _calls("", "events", "create")
+    | _calls("", "nodes", "list")  # is a pod's node still Ready (node trouble is a preemption, not a failure)
     | _calls(GROUP, PLURAL, "get", "delete")  # delete: ttlSecondsAfterFinished
     | _calls(GROUP, f"{PLURAL}/status", "get", "patch")
     | _calls(GROUP, f"{PLURAL}/finalizers", "update")  # blockOwnerDeletion on the children
@@ -218,6 +219,10 @@ class Kube:
         items = (data or {}).get("items") or []
         return [p for p in items
                 if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in labels.items())]
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        data = self._request(Call("", "nodes", "list"), "GET", "/api/v1/nodes")
+        return (data or {}).get("items") or []
 
     def secret_data(self, namespace: str, name: str) -> dict[str, str]:
         """A Secret's data, decoded. Callers must never log or store these values."""

@@ -26,6 +26,7 @@ PYTHON = "python3"  # what the trainer image's ENTRYPOINT runs; every Python ima
 DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
 # -- names (deterministic: a restarted operator computes the same ones) ------------------------------
@@ -60,16 +61,18 @@ def master_addr(job: Job, attempt: int) -> str:
 # -- the manifests ------------------------------------------------------------------------------------
 
 
-def build(job: Job, attempt: int, expected_iteration: int = 0) -> list[dict[str, Any]]:
+def build(job: Job, attempt: int, expected_iteration: int = 0,
+          avoid_nodes: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """All objects of attempt `attempt`, in creation order (Service, ConfigMap, PodGroup, pods).
 
     `expected_iteration` is the last durable checkpoint the operator knows of; the pods pass it to the
-    trainer (KUBETRON_EXPECTED_ITERATION), which fails loudly if the store holds less.
+    trainer (KUBETRON_EXPECTED_ITERATION), which fails loudly if the store holds less. `avoid_nodes` are
+    nodes that rejected or lost an earlier attempt: the pods get a node anti-affinity to them.
     """
     manifests = [build_service(job), build_config_map(job, attempt)]
     if job.spec.scheduling.gang != "none":
         manifests.append(build_pod_group(job, attempt))
-    manifests += [build_pod(job, attempt, rank, expected_iteration) for rank in range(job.spec.nodes)]
+    manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes) for rank in range(job.spec.nodes)]
     return manifests
 
 
@@ -155,10 +158,13 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> 
 
 
 def trainer_args(job: Job) -> list[str]:
-    """Arguments after `python -m kubetron.launch`: the trainer command line with the store overrides."""
+    """Arguments after `python -m kubetron.launch`: the trainer command line with the store overrides.
+
+    The store overrides come last, so nothing before them can point the trainer away from the store.
+    """
     command = "train" if job.spec.mode == "pretrain" else "finetune"
-    return [command, "--config", CONFIG_PATH, f"checkpoint.save={job.store}", f"checkpoint.load={job.store}",
-            *job.spec.overrides]
+    return [command, "--config", CONFIG_PATH, *job.spec.overrides,
+            f"checkpoint.save={job.store}", f"checkpoint.load={job.store}"]
 
 
 def rank_command(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -195,7 +201,23 @@ def _storage_volume(job: Job) -> tuple[list[dict], list[dict]]:
             [{"name": "store", "mountPath": storage.mount_path}])
 
 
-def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, Any], attempt: int) -> None:
+def _avoid(affinity: dict[str, Any], nodes: tuple[str, ...]) -> dict[str, Any]:
+    """`affinity` plus `kubernetes.io/hostname NotIn nodes` in every required node selector term (terms are ORed)."""
+    if not nodes:
+        return affinity
+    rule = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(nodes)}
+    node_aff = dict(affinity.get("nodeAffinity") or {})
+    required = dict(node_aff.get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    terms = [dict(t) for t in required.get("nodeSelectorTerms") or ()] or [{}]
+    for term in terms:
+        term["matchExpressions"] = [*(term.get("matchExpressions") or ()), rule]
+    required["nodeSelectorTerms"] = terms
+    node_aff["requiredDuringSchedulingIgnoredDuringExecution"] = required
+    return {**affinity, "nodeAffinity": node_aff}
+
+
+def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, Any], attempt: int,
+                      avoid_nodes: tuple[str, ...] = ()) -> None:
     sched = job.spec.scheduling
     scheduler = sched.scheduler_name or {"volcano": "volcano", "coscheduling": DEFAULT_COSCHEDULER}.get(sched.gang)
     if scheduler:
@@ -206,15 +228,17 @@ def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, An
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in sched.tolerations]
-    if sched.affinity:
-        pod_spec["affinity"] = dict(sched.affinity)
+    affinity = _avoid(dict(sched.affinity), avoid_nodes)
+    if affinity:
+        pod_spec["affinity"] = affinity
     if sched.gang == "volcano":
         metadata.setdefault("annotations", {})[VOLCANO_GROUP_ANNOTATION] = pod_group_name(job, attempt)
     elif sched.gang == "coscheduling":
         metadata["labels"][COSCHEDULING_GROUP_LABEL] = pod_group_name(job, attempt)
 
 
-def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> dict[str, Any]:
+def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
+              avoid_nodes: tuple[str, ...] = ()) -> dict[str, Any]:
     spec = job.spec
     volumes, mounts = _storage_volume(job)
     volumes += [{"name": "config", "configMap": {"name": config_map_name(job, attempt)}},
@@ -255,7 +279,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0) ->
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
-    _apply_scheduling(job, pod_spec, metadata, attempt)
+    _apply_scheduling(job, pod_spec, metadata, attempt, avoid_nodes)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 

@@ -1,27 +1,54 @@
 """decide(job, observed) -> Action: the operator's whole policy as one pure function.
 
-The kopf layer gathers observations (the job's status, its pods, the progress log, rank 0's live
-numbers) and applies the returned action (delete pods, create an attempt, patch status, post events).
-Everything decide needs is in `observed`; everything it must remember goes into the status patch, so a
-restarted operator carries on exactly where the last one stopped.
+The kopf layer gathers observations (the job's status, its pods, the nodes they run on, the progress
+log, rank 0's live numbers) and applies the returned action (delete pods, create an attempt, patch
+status, post events). Everything decide needs is in `observed`; everything it must remember goes into
+the status patch (counters, `nextAttemptTime`, `avoidNodes`), so a restarted operator carries on
+exactly where the last one stopped.
 
 How an attempt ends (gang semantics: the first pod to end ends the attempt):
 - config error (exit 2 anywhere)                                  -> Failed now, the trainer's message
 - preempted: DisruptionTarget, eviction, node lost, pod deleted by someone else or missing, exit 75
-  (saved on SIGTERM) or 76 (exit condition reached, saved)        -> restart, free
-- anything else that fails (trainer error, OOMKilled, ...)        -> restart, counts toward backoffLimit
+  (saved on SIGTERM) or 76 (exit condition reached, saved); and failures (PeerFailure exits ...) while
+  a pod of the attempt sits on a node that is not Ready or gone: the node's doing, not the trainer's.
+  (A node that is not Ready while every rank still runs ends nothing by itself: it may recover, and
+  the node controller evicts its pods if it does not.)             -> restart at once, free
+- never started: a node's kubelet rejected a pod at admission (UnexpectedAdmissionError, OutOf<resource>,
+  NodeAffinity ...), or the gang was not all running startupTimeoutSeconds after the attempt was
+  created (unschedulable, image pull errors, a missing Secret key, a scheduler nobody runs)
+                                                                  -> restart after a backoff; counts
+  toward maxNeverStartedAttempts (not backoffLimit); nodes that rejected a pod are avoided next time
+- anything else that fails (trainer error, OOMKilled, ...)        -> restart after a backoff, counts
+  toward backoffLimit
 - every rank exited 0 and the progress log (or the ranks' termination messages) says train_iters was
   reached                                                         -> Succeeded
 Preemption wins over failures seen in the same attempt: when one rank is killed the others fail with
-peer errors. Attempts that ran but ended with no new checkpoint, maxNoProgressAttempts in a row, are a
-crash loop -> Failed (NoProgress). A finished job is never rerun.
+peer errors. A finished job is never rerun.
+
+Backoff (as Kubernetes Job, failures only): a failed or never-started attempt is followed by
+10 s * 2^(n-1), at most 6 min, plus up to 20 % jitter (n = failures + never-started attempts so far);
+preemptions restart at once. The "not before" time is status.nextAttemptTime.
+
+Crash loops (NoProgress): only attempts that ended by the job's own doing (a failure, or exit 76) count,
+and only when they saved no checkpoint newer than the one they resumed from; maxNoProgressAttempts such
+attempts in a row -> Failed (NoProgress). Preemptions and never-started attempts neither count nor
+reset the streak (an attempt that saved something new does reset it): being preempted while the model
+loads is the cluster's doing, not a crash loop.
+
+activeDeadlineSeconds counts from status.startTime, which is reset when a suspended job resumes (as
+Kubernetes Job does): time spent suspended does not count.
+
+status.iteration follows the current attempt (from the checkpoint it resumed from, forward);
+lostIterations adds, once per ended attempt, the last iteration that attempt reached minus the
+checkpoint the next attempt resumes from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,11 +59,20 @@ from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
 from kubetron_operator.model import Job, PvcStorage
 
 FINISHED = ("Succeeded", "Failed")
-PREEMPT_POD_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated",
-                                 "NodeAffinity", "UnexpectedAdmissionError"})
+PREEMPT_POD_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated"})
+ADMISSION_POD_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "NodeSelectorMismatching",
+                                   "NodePorts", "InvalidNodeInfo", "UnknownNode"})
+"""Pod reasons of a kubelet admission rejection; `OutOf<resource>` (OutOfnvidia.com/gpu, OutOfcpu ...) too."""
+STUCK_WAITING = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull",
+                           "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+"""Container waiting reasons that do not clear up by themselves (ContainerCreating does)."""
+STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", *STUCK_WAITING})
 FREE_EXIT_CODES = {exitcodes.SAVED_ON_SIGNAL: "SavedOnSignal", exitcodes.EXIT_CONDITION: "ExitCondition"}
 READER_TIMEOUT = 180.0  # seconds a progress-reader pod may take before we go on without it
 FORCE_DELETE_AFTER = 60.0  # seconds past a pod's grace period before it is force-deleted (node lost)
+NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
+BACKOFF_BASE, BACKOFF_CAP, BACKOFF_JITTER = 10.0, 360.0, 0.2  # seconds, seconds, fraction (as Kubernetes Job)
+MAX_AVOID_NODES = 8  # nodes remembered in status.avoidNodes
 
 
 # -- observations --------------------------------------------------------------------------------------
@@ -53,14 +89,21 @@ class PodView:
     phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
     exit_code: int | None = None  # the trainer container's, once terminated
     reason: str = ""  # the container's terminated reason: OOMKilled, Error, Completed, ...
-    pod_reason: str = ""  # status.reason: Evicted, NodeLost, ...
+    pod_reason: str = ""  # status.reason: Evicted, NodeLost, OutOfnvidia.com/gpu, ...
+    pod_message: str = ""  # status.message: the kubelet's or the evicter's words
     disrupted: str = ""  # reason of a DisruptionTarget condition that is True, else ""
     deleting_for: float | None = None  # seconds since deletionTimestamp; None when not being deleted
     started: bool = False  # a container of it ever ran
     created_for: float = 0.0  # seconds since creationTimestamp
     termination: Mapping[str, Any] | None = None  # the trainer's termination message (JSON)
+    term_text: str = ""  # the last line of a termination message that is not the trainer's JSON
     log: str = ""  # a progress-reader's output (filled by the handler only when it Succeeded)
     ip: str = ""
+    node: str = ""  # spec.nodeName, once scheduled
+    unschedulable: str = ""  # the message of PodScheduled=False, else ""
+    scheduler_seen: bool = False  # any PodScheduled condition at all (a scheduler looked at the pod)
+    waiting: str = ""  # "Reason: message" of a container stuck waiting (STUCK_WAITING), else ""
+    scheduler: str = ""  # spec.schedulerName
 
     @property
     def code(self) -> int | None:
@@ -74,24 +117,47 @@ class PodView:
     def terminated(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
 
+    @property
+    def rejected(self) -> bool:
+        """A node's kubelet refused to admit the pod (it never ran there)."""
+        return self.phase == "Failed" and not self.started and (
+            self.pod_reason in ADMISSION_POD_REASONS or self.pod_reason.startswith("OutOf"))
+
+    @property
+    def detail(self) -> str:
+        """The best words for why it ended: the trainer's message, else the kubelet's."""
+        term = (self.termination or {}).get("message")
+        if term:
+            return str(term)
+        kubelet = ": ".join(x for x in (self.pod_reason, self.pod_message) if x)
+        return kubelet or self.term_text or self.reason or "failed"
+
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], now: datetime) -> PodView:
-        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
-        term_state, started, exit_code, reason, message = {}, False, None, "", ""
+        term_state, started, exit_code, reason, message, waiting = {}, False, None, "", "", ""
         for cs in status.get("containerStatuses") or ():
             state = cs.get("state") or {}
             started = started or "running" in state or bool((state.get("terminated") or {}).get("startedAt"))
+            wait = state.get("waiting") or {}
+            if wait.get("reason") in STUCK_WAITING:
+                waiting = f"{wait['reason']}: {wait.get('message') or ''}".rstrip(": ")
             if "terminated" in state:
                 term_state = state["terminated"] or {}
                 exit_code = term_state.get("exitCode")
                 reason = term_state.get("reason") or ""
                 message = term_state.get("message") or ""
-        disrupted = ""
+        disrupted, unschedulable, seen = "", "", False
         for cond in status.get("conditions") or ():
             if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
                 disrupted = cond.get("reason") or "DisruptionTarget"
+            if cond.get("type") == "PodScheduled":
+                seen = True
+                if cond.get("status") == "False":
+                    unschedulable = cond.get("message") or cond.get("reason") or "not schedulable"
         deleting = meta.get("deletionTimestamp")
+        termination = parse_termination_message(message)
         return cls(
             name=meta.get("name", ""),
             attempt=_to_int(labels.get(LABEL_ATTEMPT)),
@@ -101,13 +167,40 @@ class PodView:
             exit_code=exit_code,
             reason=reason,
             pod_reason=status.get("reason") or "",
+            pod_message=status.get("message") or "",
             disrupted=disrupted,
             deleting_for=_age(deleting, now) if deleting else None,
             started=started or status.get("phase") in ("Running", "Succeeded"),
             created_for=_age(meta.get("creationTimestamp"), now),
-            termination=parse_termination_message(message),
+            termination=termination,
+            term_text="" if termination else _last_line(message),
             ip=status.get("podIP") or "",
+            node=spec.get("nodeName") or "",
+            unschedulable=unschedulable,
+            scheduler_seen=seen or bool(spec.get("nodeName")),
+            waiting=waiting,
+            scheduler=spec.get("schedulerName") or "default-scheduler",
         )
+
+
+def node_trouble(nodes: Iterable[Mapping[str, Any]], wanted: Iterable[str]) -> dict[str, str]:
+    """For each node name in `wanted` that is not Ready or no longer exists: why, in the kubelet's words.
+
+    The handler lists the nodes only when a pod of the current attempt has failed (the one time decide
+    asks) and passes the result as Observed.node_trouble.
+    """
+    by_name = {(n.get("metadata") or {}).get("name"): n for n in nodes}
+    out: dict[str, str] = {}
+    for name in sorted(set(wanted)):
+        node = by_name.get(name)
+        if node is None:
+            out[name] = f"node {name} no longer exists"
+            continue
+        ready = next((c for c in (node.get("status") or {}).get("conditions") or () if c.get("type") == "Ready"), {})
+        if ready.get("status") != "True":
+            words = ": ".join(x for x in (ready.get("reason"), ready.get("message")) if x)
+            out[name] = f"node {name} is not Ready ({ready.get('status', 'Unknown')}{': ' + words if words else ''})"
+    return out
 
 
 def parse_termination_message(text: str) -> dict[str, Any] | None:
@@ -130,6 +223,7 @@ class Observed:
     progress: Mapping[str, Any] | None = None  # summarize_events() of the store's log; None if unread
     live: Mapping[str, Any] | None = None  # rank 0's GET /status
     spec_error: str = ""
+    node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
 
 
 # -- actions ---------------------------------------------------------------------------------------
@@ -148,8 +242,9 @@ class Action:
     status: dict[str, Any] = field(default_factory=dict)  # merge patch for .status
     delete_pods: tuple[str, ...] = ()
     force_delete_pods: tuple[str, ...] = ()
-    create_attempt: int | None = None  # create build(job, create_attempt, expected_iteration)
+    create_attempt: int | None = None  # create build(job, create_attempt, expected_iteration, avoid_nodes)
     expected_iteration: int = 0
+    avoid_nodes: tuple[str, ...] = ()
     create_reader: int | None = None  # create the progress-reader pod for this attempt
     delete_job: bool = False
     events: tuple[Event, ...] = ()
@@ -169,10 +264,14 @@ def decide(job: Job | None, obs: Observed) -> Action:
     if phase in FINISHED:
         return _finished(job, obs)
     if job is None:
-        return _fail(obs, "InvalidSpec", obs.spec_error or "invalid spec")
+        error = obs.spec_error or "invalid spec"
+        reason = "ConfigError" if error.startswith(("spec.config", "spec.overrides")) else "InvalidSpec"
+        return _fail(obs, reason, error)
     deadline = job.spec.active_deadline_seconds
     start = _parse_time(st.get("startTime"))
-    if deadline and start and (obs.now - start).total_seconds() > deadline and not job.spec.suspend:
+    # A resuming job's clock restarts (_next_attempt resets startTime), as Kubernetes Job's does.
+    running_clock = not job.spec.suspend and phase != "Suspended"
+    if deadline and start and running_clock and (obs.now - start).total_seconds() > deadline:
         return _fail(obs, "DeadlineExceeded", f"activeDeadlineSeconds ({deadline}s) exceeded")
     if job.spec.suspend:
         return _suspend(obs)
@@ -201,6 +300,9 @@ def _suspend(obs: Observed) -> Action:
     events: tuple[Event, ...] = ()
     if st.get("phase") != "Suspended":
         status = _phase_status(obs, "Suspended", "Suspended", "spec.suspend is true: pods deleted, job kept")
+        if st.get("phase") in ("Pending", "Running"):  # the attempt ends here: remember how far it got
+            status["lastAttemptIteration"] = _reached(obs, _to_int(st.get("attempt")), [])
+        status["nextAttemptTime"] = None
         events = (Event("Normal", "Suspended", "spec.suspend set: deleting the pods; the job resumes from its"
                                                " last checkpoint when unsuspended"),)
     if not alive and not deleting and not status:
@@ -210,7 +312,8 @@ def _suspend(obs: Observed) -> Action:
 
 
 def _next_attempt(job: Job, obs: Observed) -> Action:
-    """Start attempt k+1 once every pod of attempts <= k is gone and the last checkpoint is known."""
+    """Start attempt k+1 once every pod of attempts <= k is gone, the last checkpoint is known and the
+    backoff (status.nextAttemptTime) has passed."""
     st = obs.status
     attempt = int(st.get("attempt") or 0)
     old = [p for p in obs.pods if p.role == "worker" and p.attempt <= attempt]
@@ -235,22 +338,35 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
         else:
             return Action("wait")
         delete = (reader.name,)
+    not_before = _parse_time(st.get("nextAttemptTime"))
+    if not_before and obs.now < not_before:
+        return Action("wait")
     nxt = attempt + 1
     status = _phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created{unread}")
+    lost = _to_int(st.get("lostIterations")) + max(0, _to_int(st.get("lastAttemptIteration")) - _it(ckpt))
     status.update({
         "attempt": nxt,
         "attemptStartCheckpoint": _it(ckpt),
         "attemptStartTime": _iso(obs.now),
         "lastCheckpoint": ckpt,
         "restarts": _restarts(st),
+        "lostIterations": lost,
+        "lastAttemptIteration": None,
+        "nextAttemptTime": None,
     })
-    if not st.get("startTime"):
-        status["startTime"] = _iso(obs.now)
+    if not st.get("startTime") or st.get("phase") == "Suspended":
+        status["startTime"] = _iso(obs.now)  # activeDeadlineSeconds counts from here
     status.update(_progress_fields(obs, ckpt))
+    status["iteration"] = _it(ckpt)  # the new attempt starts from its checkpoint, not the old maximum
+    if status.get("trainIters"):
+        status["progress"] = _percent(_it(ckpt), status["trainIters"])
     resume = f", resuming from iteration {_it(ckpt)}" if _it(ckpt) else ""
-    events.append(Event("Normal", "AttemptCreated", f"creating attempt {nxt} ({job.spec.nodes} pods){resume}"))
+    avoid = tuple(st.get("avoidNodes") or ())
+    avoiding = f", avoiding node(s) {', '.join(avoid)}" if avoid else ""
+    events.append(Event("Normal", "AttemptCreated",
+                        f"creating attempt {nxt} ({job.spec.nodes} pods){resume}{avoiding}"))
     return Action("create", status=status, create_attempt=nxt, expected_iteration=_it(ckpt),
-                  delete_pods=delete, events=tuple(events))
+                  avoid_nodes=avoid, delete_pods=delete, events=tuple(events))
 
 
 def _running(job: Job, obs: Observed, attempt: int) -> Action:
@@ -261,14 +377,52 @@ def _running(job: Job, obs: Observed, attempt: int) -> Action:
     ended = _attempt_end(job, current, obs, ckpt)
     if ended is not None:
         return ended
-    phase = "Running" if len(current) == job.spec.nodes and all(
-        p.phase in ("Running", "Succeeded") for p in current) else "Pending"
-    status = _phase_status(obs, phase, phase, "") if phase != obs.status.get("phase") else {}
+    running = len(current) == job.spec.nodes and all(p.phase in ("Running", "Succeeded") for p in current)
+    if not running:
+        return _starting(job, obs, attempt, current, ckpt, stale)
+    status = _phase_status(obs, "Running", "Running", "") if obs.status.get("phase") != "Running" else {}
     status.update(_progress_fields(obs, ckpt))
     status = {k: v for k, v in status.items() if obs.status.get(k) != v}
-    events = (Event("Normal", phase, f"attempt {attempt}: all {job.spec.nodes} pods running"),) if (
-        phase == "Running" and "phase" in status) else ()
+    events = (Event("Normal", "Running", f"attempt {attempt}: all {job.spec.nodes} pods running"),) if (
+        "phase" in status) else ()
     return Action("wait", status=status, delete_pods=stale, events=events)
+
+
+def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: Mapping | None,
+              stale: tuple[str, ...]) -> Action:
+    """The gang is not all running yet: say what holds it up; end the attempt after startupTimeoutSeconds."""
+    st = obs.status
+    trouble = _startup_trouble(current)
+    began = _parse_time(st.get("attemptStartTime"))
+    timeout = job.spec.startup_timeout_seconds
+    if began and (obs.now - began).total_seconds() > timeout:
+        why = trouble[1] if trouble else "the pods were still starting"
+        return _restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",
+                        message=f"attempt {attempt} not running after startupTimeoutSeconds ({timeout}s): {why}")
+    if trouble:
+        reason, message = trouble
+    elif st.get("reason") in STARTUP_REASONS:  # the trouble cleared up
+        reason, message = "Starting", f"attempt {attempt}: waiting for the pods to start"
+    else:  # as _next_attempt wrote it
+        reason, message = st.get("reason") or "AttemptCreated", st.get("message") or ""
+    status = _phase_status(obs, "Pending", reason, message)
+    status.update(_progress_fields(obs, ckpt))
+    status = {k: v for k, v in status.items() if st.get(k) != v}
+    events = (Event("Warning", reason, message),) if trouble and reason != st.get("reason") else ()
+    return Action("wait", status=status, delete_pods=stale, events=events)
+
+
+def _startup_trouble(current: list[PodView]) -> tuple[str, str] | None:
+    """(reason, message) of the first pod that cannot start by itself, or None."""
+    for p in sorted(current, key=lambda p: p.rank):
+        if p.waiting:
+            return p.waiting.split(":")[0], f"pod {p.name}: {p.waiting}"
+        if p.unschedulable:
+            return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
+        if not p.scheduler_seen and p.created_for > NOT_SCHEDULED_AFTER:
+            return "NotScheduled", (f"pod {p.name}: no scheduler has looked at it for {NOT_SCHEDULED_AFTER:.0f}s; "
+                                    f"is scheduler {p.scheduler!r} running?")
+    return None
 
 
 def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping | None) -> Action | None:
@@ -277,13 +431,13 @@ def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping 
     present = {p.rank for p in current}
     missing = sorted(set(range(nodes)) - present)
     preempted: list[str] = [f"pod {job.name}-{obs.status.get('attempt')}-{r} disappeared" for r in missing]
-    config_errors, failures = [], []
+    config_errors, failures, rejected = [], [], []
     for p in sorted(current, key=lambda p: p.rank):
         code = p.code
         if p.disrupted:
             preempted.append(f"pod {p.name} disrupted ({p.disrupted})")
         elif p.pod_reason in PREEMPT_POD_REASONS:
-            preempted.append(f"pod {p.name}: {p.pod_reason}")
+            preempted.append(f"pod {p.name}: {p.detail}")
         elif p.phase == "Unknown":
             preempted.append(f"pod {p.name}: node lost")
         elif p.deleting_for is not None:
@@ -292,23 +446,35 @@ def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping 
             preempted.append(f"pod {p.name} exited {code} ({FREE_EXIT_CODES[code]})")
         elif p.phase == "Failed" and code == exitcodes.CONFIG_ERROR:
             config_errors.append(p)
+        elif p.rejected:
+            rejected.append(p)
         elif p.phase == "Failed":
             failures.append(p)
     if config_errors:
         p = config_errors[0]
         msg = (p.termination or {}).get("message") or f"pod {p.name} exited 2 (ConfigError)"
         return _fail(obs, "ConfigError", msg)
-    if not preempted and not failures:
+    sick = [f"pod {p.name}: {obs.node_trouble[p.node]}" for p in current if p.node in obs.node_trouble]
+    if failures and sick:  # peers failing because a node died: the node's doing, not the trainer's
+        preempted += sick
+    if not preempted and not failures and not rejected:
         if len(current) == nodes and all(p.phase == "Succeeded" for p in current):
             if _completed(obs, current):
                 return _succeed(job, obs, ckpt)
-            return _restart(job, obs, current, ckpt, free=False, reason="IncompleteExit",
+            return _restart(job, obs, current, ckpt, kind="failures", reason="IncompleteExit",
                             message="every rank exited 0 but the progress log does not show train_iters reached")
         return None
     if preempted:
-        reason = "ExitCondition" if all("ExitCondition" in m for m in preempted) else "Preempted"
-        return _restart(job, obs, current, ckpt, free=True, reason=reason, message="; ".join(preempted))
-    return _restart(job, obs, current, ckpt, free=False, **_failure_reason(failures))
+        exit_cond = all("ExitCondition" in m for m in preempted)
+        reason = "ExitCondition" if exit_cond else ("NodeNotReady" if sick and preempted == sick else "Preempted")
+        return _restart(job, obs, current, ckpt, kind="preemptions", reason=reason, message="; ".join(preempted),
+                        own_doing=exit_cond)
+    if rejected:
+        p = rejected[0]
+        return _restart(job, obs, current, ckpt, kind="neverStarted", reason="AdmissionRejected",
+                        message=f"node {p.node or '?'} rejected pod {p.name}: {p.detail}",
+                        bad_nodes=tuple(p.node for p in rejected if p.node))
+    return _restart(job, obs, current, ckpt, kind="failures", **_failure_reason(failures))
 
 
 def _failure_reason(failures: list[PodView]) -> dict[str, str]:
@@ -318,46 +484,66 @@ def _failure_reason(failures: list[PodView]) -> dict[str, str]:
     if p.reason == "OOMKilled":
         return {"reason": "OOMKilled", "message": f"pod {p.name} was OOMKilled: raise "
                 "spec.resources.limits.memory or lower the batch size"}
-    name = exitcodes.NAMES.get(p.code, "TrainerError") if p.code is not None else "TrainerError"
-    detail = (p.termination or {}).get("message") or p.reason or "failed"
-    return {"reason": name, "message": f"pod {p.name} exited {p.code} ({name}): {detail}"}
+    if p.code is None:  # no container ever ended: the kubelet (or whoever failed it) has the words
+        return {"reason": p.pod_reason or "PodFailed", "message": f"pod {p.name} failed: {p.detail}"}
+    name = exitcodes.NAMES.get(p.code, "TrainerError")
+    return {"reason": name, "message": f"pod {p.name} exited {p.code} ({name}): {p.detail}"}
 
 
-def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | None, *, free: bool,
-             reason: str, message: str) -> Action:
+def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | None, *, kind: str,
+             reason: str, message: str, own_doing: bool = False, bad_nodes: tuple[str, ...] = ()) -> Action:
+    """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
     st = obs.status
+    attempt = _to_int(st.get("attempt"))
     restarts = _restarts(st)
-    restarts["preemptions" if free else "failures"] += 1
-    restarts["total"] = restarts["preemptions"] + restarts["failures"]
-    reached = max([_to_int(st.get("iteration"))] + [_to_int((p.termination or {}).get("iteration"))
-                                                     for p in current])
-    lost = _to_int(st.get("lostIterations")) + max(0, reached - _it(ckpt))
-    ran = any(p.started for p in current)
+    restarts[kind] += 1
+    restarts["total"] = restarts["preemptions"] + restarts["failures"] + restarts["neverStarted"]
     progressed = _it(ckpt) > _to_int(st.get("attemptStartCheckpoint")) or (
         ckpt is not None and st.get("attemptStartCheckpoint") is None)
-    no_progress = 0 if progressed else _to_int(st.get("noProgressAttempts")) + (1 if ran else 0)
-    common = {"restarts": restarts, "lostIterations": lost, "noProgressAttempts": no_progress,
-              "lastCheckpoint": ckpt}
-    attempt = _to_int(st.get("attempt"))
-    if not free and restarts["failures"] > job.spec.backoff_limit:
+    streak = _to_int(st.get("noProgressAttempts"))
+    no_progress = 0 if progressed else streak + (1 if kind == "failures" or own_doing else 0)
+    avoid = list(st.get("avoidNodes") or ())
+    avoid = ([n for n in avoid if n not in bad_nodes] + list(bad_nodes))[-MAX_AVOID_NODES:]
+    common: dict[str, Any] = {"restarts": restarts, "noProgressAttempts": no_progress, "lastCheckpoint": ckpt,
+                              "lastAttemptIteration": _reached(obs, attempt, current)}
+    if bad_nodes:
+        common["avoidNodes"] = avoid
+    if kind == "failures" and restarts[kind] > job.spec.backoff_limit:
         action = _fail(obs, "BackoffLimitExceeded",
-                       f"{restarts['failures']} failures > backoffLimit {job.spec.backoff_limit}; last: {message}")
+                       f"{restarts[kind]} failures > backoffLimit {job.spec.backoff_limit}; last: {message}")
+        action.status.update(common)
+        return action
+    if kind == "neverStarted" and restarts[kind] >= job.spec.max_never_started_attempts:
+        action = _fail(obs, "NeverStarted", f"{restarts[kind]} attempts never started (maxNeverStartedAttempts "
+                                            f"{job.spec.max_never_started_attempts}); last: {message}")
         action.status.update(common)
         return action
     if no_progress >= job.spec.max_no_progress_attempts:
-        action = _fail(obs, "NoProgress", f"{no_progress} attempts in a row ended without a new checkpoint "
-                       f"(last checkpoint: iteration {_it(ckpt)}); last: {message}")
+        action = _fail(obs, "NoProgress", f"{no_progress} attempts in a row ended by the trainer without a new "
+                       f"checkpoint (last checkpoint: iteration {_it(ckpt)}); last: {message}")
         action.status.update(common)
         return action
+    delay = 0.0 if kind == "preemptions" else _backoff(job, attempt, restarts["failures"] + restarts["neverStarted"])
     status = _phase_status(obs, "Restarting", reason, message)
     status.update(common)
     status.update(_progress_fields(obs, ckpt, live=False))
-    kind = "preemption" if free else f"failure {restarts['failures']}/{job.spec.backoff_limit}"
+    status["nextAttemptTime"] = _iso(obs.now + timedelta(seconds=delay)) if delay else None
+    counted = {"preemptions": "preemption", "failures": f"failure {restarts['failures']}/{job.spec.backoff_limit}",
+               "neverStarted": f"never started {restarts['neverStarted']}/{job.spec.max_never_started_attempts}"}
+    when = f"in {format_duration(delay)}" if delay else "now"
     return Action("restart", status=status,
                   delete_pods=tuple(p.name for p in current if p.deleting_for is None),
                   force_delete_pods=_overdue(obs),
-                  events=(Event("Warning", reason, f"attempt {attempt} ended ({kind}): {message}; "
-                                f"restarting from iteration {_it(ckpt)}"),))
+                  events=(Event("Warning", reason, f"attempt {attempt} ended ({counted[kind]}): {message}; "
+                                f"restarting from iteration {_it(ckpt)} {when}"),))
+
+
+def _backoff(job: Job, attempt: int, n: int) -> float:
+    """Seconds before the next attempt after the n-th failed or never-started one: 10 s doubling to 6 min,
+    plus up to 20 % jitter. The jitter is drawn from the job's UID and attempt, so decide stays pure."""
+    base = min(BACKOFF_CAP, BACKOFF_BASE * 2 ** max(0, n - 1))
+    digest = hashlib.sha256(f"{job.uid}/{attempt}".encode()).digest()
+    return round(base * (1 + BACKOFF_JITTER * digest[0] / 255), 1)
 
 
 def _succeed(job: Job, obs: Observed, ckpt: Mapping | None) -> Action:
@@ -366,14 +552,14 @@ def _succeed(job: Job, obs: Observed, ckpt: Mapping | None) -> Action:
     train_iters = status.get("trainIters")
     if train_iters:
         status.update(iteration=train_iters, progress="100%")
-    status.update(completionTime=_iso(obs.now), eta="0s", lastCheckpoint=ckpt)
+    status.update(completionTime=_iso(obs.now), eta="0s", lastCheckpoint=ckpt, nextAttemptTime=None)
     return Action("succeed", status=status,
                   events=(Event("Normal", "Succeeded", f"training completed at iteration {status.get('iteration')}"),))
 
 
 def _fail(obs: Observed, reason: str, message: str) -> Action:
     status = _phase_status(obs, "Failed", reason, message)
-    status.update(completionTime=_iso(obs.now), eta=None)
+    status.update(completionTime=_iso(obs.now), eta=None, nextAttemptTime=None)
     active = tuple(p.name for p in obs.pods if not p.terminated and p.deleting_for is None)
     return Action("fail", status=status, delete_pods=active, events=(Event("Warning", reason, message),))
 
@@ -447,16 +633,39 @@ def _max_ckpt(a: Mapping | None, b: Any) -> dict[str, Any] | None:
     return dict(a)
 
 
+def _log_iteration(log: Mapping[str, Any], attempt: int) -> int:
+    """The last iteration the progress log mentions for `attempt` (its lines carry job id ns/name/attempt).
+
+    Not the log's overall latest: until the new attempt writes its first line, that is the old attempt's.
+    A summary without jobIterations (an older reader image) gives its latest iteration.
+    """
+    by_job = log.get("jobIterations")
+    if not isinstance(by_job, Mapping):
+        return _to_int(log.get("iteration"))
+    return max([_to_int(it) for job_id, it in by_job.items() if str(job_id).endswith(f"/{attempt}")] or [0])
+
+
+def _reached(obs: Observed, attempt: int, current: list[PodView]) -> int:
+    """The last iteration the current attempt reached (status.iteration follows the current attempt)."""
+    terms = [_to_int((p.termination or {}).get("iteration")) for p in current]
+    return max([_to_int(obs.status.get("iteration")), _log_iteration(obs.progress or {}, attempt), *terms])
+
+
+def _percent(iteration: int, train_iters: Any) -> str:
+    return f"{min(100, math.floor(100 * iteration / int(train_iters)))}%"
+
+
 def _progress_fields(obs: Observed, ckpt: Mapping | None, live: bool = True) -> dict[str, Any]:
-    """iteration / trainIters / progress / eta / tokensPerSecond for `kubectl get`."""
+    """iteration / trainIters / progress / eta / tokensPerSecond for `kubectl get`, for the current attempt."""
     st, log, now_live = obs.status, obs.progress or {}, (obs.live or {}) if live else {}
-    iteration = max(_to_int(now_live.get("iteration")), _to_int(log.get("iteration")),
+    attempt = _to_int(st.get("attempt"))
+    iteration = max(_to_int(now_live.get("iteration")), _log_iteration(log, attempt),
                     _to_int(st.get("iteration")), _it(ckpt))
     train_iters = now_live.get("trainIters") or log.get("trainIters") or st.get("trainIters")
     out: dict[str, Any] = {"iteration": iteration, "lastCheckpoint": ckpt}
     if train_iters:
         out["trainIters"] = int(train_iters)
-        out["progress"] = f"{min(100, math.floor(100 * iteration / int(train_iters)))}%"
+        out["progress"] = _percent(iteration, train_iters)
     if live:
         eta = now_live.get("etaSeconds")
         out["eta"] = format_duration(eta) if isinstance(eta, int | float) else st.get("eta")
@@ -495,8 +704,8 @@ def _conditions(old: list, phase: str, reason: str, message: str, now: datetime)
 
 def _restarts(st: Mapping[str, Any]) -> dict[str, int]:
     r = st.get("restarts") or {}
-    p, f = _to_int(r.get("preemptions")), _to_int(r.get("failures"))
-    return {"preemptions": p, "failures": f, "total": p + f}
+    p, f, n = _to_int(r.get("preemptions")), _to_int(r.get("failures")), _to_int(r.get("neverStarted"))
+    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n}
 
 
 def _overdue(obs: Observed) -> tuple[str, ...]:
@@ -541,6 +750,11 @@ def _parse_json(text: str) -> dict[str, Any] | None:
         if isinstance(data, dict):
             return data
     return None
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def _iso(when: datetime) -> str:

@@ -27,7 +27,7 @@ from kubetron_operator.build import (
     pod_group_name,
     service_name,
 )
-from kubetron_operator.decide import FINISHED, Action, Observed, PodView, create_failed, decide
+from kubetron_operator.decide import FINISHED, Action, Observed, PodView, create_failed, decide, node_trouble
 from kubetron_operator.model import GROUP, PLURAL, VERSION, Job, S3Storage, SpecError
 from kubetron_operator.progress_io import read_s3_progress
 
@@ -136,6 +136,7 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
     # A progress reader reports through its termination message (no pods/log, no kubelet round trip).
     pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.terminated
             else p for p, raw in zip(pods, owned)]
+    trouble = _node_trouble(kube, status, pods)
     progress = live_data = None
     if job is not None and status.get("phase") not in FINISHED:
         attempt = int(status.get("attempt") or 0)
@@ -143,7 +144,17 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
         if isinstance(job.spec.storage, S3Storage):
             progress = _progress(deps, job, status, pods, now)
     return Observed(now=now, status=status, pods=tuple(pods), progress=progress, live=live_data,
-                    spec_error=error), job
+                    spec_error=error, node_trouble=trouble), job
+
+
+def _node_trouble(kube: Kube, status: dict, pods: list[PodView]) -> dict[str, str]:
+    """Nodes under the current attempt that are not Ready or gone; only asked for once a pod has failed
+    (decide then tells a dead node from a trainer error), so a healthy job never lists nodes."""
+    attempt = int(status.get("attempt") or 0)
+    current = [p for p in pods if p.role == "worker" and p.attempt == attempt]
+    if status.get("phase") in FINISHED or not any(p.phase == "Failed" for p in current):
+        return {}
+    return node_trouble(kube.list_nodes(), {p.node for p in current if p.node})
 
 
 def termination_text(pod: dict[str, Any]) -> str:
@@ -180,7 +191,8 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         # mistakes a not-yet-created pod for a preempted one.
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        failed = create_children(kube, job, build(job, action.create_attempt, action.expected_iteration), logger)
+        manifests = build(job, action.create_attempt, action.expected_iteration, action.avoid_nodes)
+        failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
             _patch_status(kube, namespace, name, action.status, rv)

@@ -11,6 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+from kubetron.config import ConfigContainer, apply_overrides
+from kubetron.errors import ConfigError
+
 GROUP = "kubetron.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -27,15 +31,24 @@ RESERVED_ENV = frozenset({
 })
 """Variables the operator sets itself (docs/CONTRACT.md); a spec.env entry may not override them."""
 
+STORE_KEYS = ("checkpoint.save", "checkpoint.load")
+"""Config keys the operator sets to the job's store; a spec.overrides entry may not redirect them."""
+
+GPU = "nvidia.com/gpu"
+
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 class SpecError(ValueError):
-    """A TrainingJob spec the operator cannot run: `field` is the dotted path at fault."""
+    """A TrainingJob spec the operator cannot run: `field` is the dotted path at fault.
+
+    The job fails as ConfigError when the field is spec.config or spec.overrides, else as InvalidSpec.
+    """
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,8 @@ class JobSpec:
     active_deadline_seconds: int | None = None
     ttl_seconds_after_finished: int | None = None
     termination_grace_period_seconds: int = 120
+    startup_timeout_seconds: int = 600
+    max_never_started_attempts: int = 5
     status_port: int = 8080
     master_port: int = 29500
     env: tuple[Mapping[str, Any], ...] = ()
@@ -120,12 +135,16 @@ class Job:
         name = meta.get("name") or ""
         if not _DNS_LABEL.match(name) or len(name) > MAX_NAME:
             raise SpecError("metadata.name", f"must be a DNS label of at most {MAX_NAME} characters, got {name!r}")
-        return cls(
+        job = cls(
             name=name,
             namespace=meta.get("namespace") or "default",
             uid=meta.get("uid") or "",
             spec=parse_spec(body.get("spec") or {}),
         )
+        spec = job.spec
+        check_trainer_config(spec.config, spec.overrides, job.store, spec.nodes * spec.nproc_per_node,
+                             spec.gpus_per_node > 0)
+        return job
 
 
 def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
@@ -144,29 +163,76 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             raise SpecError(f"spec.env[{i}]", "needs a name")
         if var["name"] in RESERVED_ENV:
             raise SpecError(f"spec.env[{i}]", f"{var['name']} is set by the operator")
+    overrides = tuple(str(o) for o in spec.get("overrides") or ())
+    for i, item in enumerate(overrides):
+        key = item.partition("=")[0].strip()
+        if key in STORE_KEYS:
+            raise SpecError(f"spec.overrides[{i}]", f"{key} is set by the operator to the job's store "
+                            "(spec.storage); change spec.storage instead")
+    resources = dict(spec.get("resources") or {})
+    _check_gpu_resources(resources, gpus)
+    ports = _int(spec, "statusPort", 8080, minimum=0), _int(spec, "masterPort", 29500, minimum=1)
+    if ports[0] == ports[1]:
+        raise SpecError("spec.statusPort", f"must differ from spec.masterPort (both {ports[0]})")
     return JobSpec(
         image=str(spec["image"]),
         nodes=nodes,
         config=str(spec["config"]),
         storage=_parse_storage(spec["storage"]),
         gpus_per_node=gpus,
-        resources=dict(spec.get("resources") or {}),
+        resources=resources,
         mode=mode,
-        overrides=tuple(str(o) for o in spec.get("overrides") or ()),
+        overrides=overrides,
         backoff_limit=_int(spec, "backoffLimit", 3, minimum=0),
         max_no_progress_attempts=_int(spec, "maxNoProgressAttempts", 3, minimum=1),
         suspend=bool(spec.get("suspend", False)),
         active_deadline_seconds=_opt_int(spec, "activeDeadlineSeconds"),
         ttl_seconds_after_finished=_opt_int(spec, "ttlSecondsAfterFinished"),
         termination_grace_period_seconds=_int(spec, "terminationGracePeriodSeconds", 120, minimum=0),
-        status_port=_int(spec, "statusPort", 8080, minimum=0),
-        master_port=_int(spec, "masterPort", 29500, minimum=1),
+        startup_timeout_seconds=_int(spec, "startupTimeoutSeconds", 600, minimum=1),
+        max_never_started_attempts=_int(spec, "maxNeverStartedAttempts", 5, minimum=1),
+        status_port=ports[0],
+        master_port=ports[1],
         env=env,
         scheduling=_parse_scheduling(spec.get("scheduling") or {}),
         image_pull_policy=spec.get("imagePullPolicy") or "",
         image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or () if s.get("name")),
         service_account_name=spec.get("serviceAccountName") or "",
     )
+
+
+def _check_gpu_resources(resources: Mapping[str, Any], gpus: int) -> None:
+    """spec.gpusPerNode is the one place GPUs are asked for; a GPU request or limit must agree with it."""
+    for kind in ("limits", "requests"):
+        value = (resources.get(kind) or {}).get(GPU)
+        if value is not None and str(value) != str(gpus):
+            raise SpecError(f"spec.resources.{kind}[{GPU}]", f"{value} disagrees with spec.gpusPerNode ({gpus}); "
+                            "set only gpusPerNode")
+
+
+def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, world_size: int, gpus: bool) -> None:
+    """Parse spec.config + spec.overrides + the store overrides with the trainer's own ConfigContainer,
+    for this world size: what the trainer's command line (build.trainer_args) will load.
+
+    Why here: a config the trainer would reject (exit 2) must fail the job before a single GPU pod is
+    scheduled. kubetron.config needs only pydantic and yaml (no torch), so the operator can afford it.
+    """
+    try:
+        data = yaml.safe_load(config)
+    except yaml.YAMLError as exc:
+        raise SpecError("spec.config", f"invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError("spec.config", f"expected a mapping of sections, got {type(data).__name__}")
+    try:
+        data = apply_overrides(data, overrides)
+    except ConfigError as exc:
+        raise SpecError("spec.overrides", str(exc)) from None
+    try:
+        data = apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
+        ConfigContainer.from_dict(data).finalize(world_size=world_size, cuda_available=gpus, environ={},
+                                                 check_paths=False)
+    except ConfigError as exc:
+        raise SpecError("spec.config", str(exc)) from None
 
 
 def _parse_storage(storage: Mapping[str, Any]) -> S3Storage | PvcStorage:

@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import yaml
+from kubetron.errors import ConfigError
 
 from kubetron_operator.build import build
-from kubetron_operator.model import API_VERSION, KIND, Job
+from kubetron_operator.model import API_VERSION, KIND, Job, SpecError
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # the API server assigns the real one
 
@@ -21,7 +22,8 @@ def render(body: Mapping[str, Any], attempt: int = 1) -> list[dict[str, Any]]:
 
 
 def render_file(path: str) -> str:
-    """YAML (multi-document) of every TrainingJob in `path`, attempt 1."""
+    """YAML (multi-document) of every TrainingJob in `path`, attempt 1; an invalid spec is a ConfigError
+    (one line naming the file and field, exit code 2), as the operator would fail the job."""
     with open(path, encoding="utf-8") as f:
         docs = [d for d in yaml.safe_load_all(f) if d]
     jobs = [d for d in docs if d.get("kind") == KIND and d.get("apiVersion") == API_VERSION]
@@ -31,5 +33,9 @@ def render_file(path: str) -> str:
     for body in jobs:
         name = (body.get("metadata") or {}).get("name")
         out.append(f"# TrainingJob {name}: attempt 1 (ownerReferences get the job's real uid when applied)\n")
-        out.append(yaml.safe_dump_all(render(body), sort_keys=False, default_flow_style=False, explicit_start=True))
+        try:
+            manifests = render(body)
+        except SpecError as exc:
+            raise ConfigError(f"{path}: {exc.field}", exc.message) from None
+        out.append(yaml.safe_dump_all(manifests, sort_keys=False, default_flow_style=False, explicit_start=True))
     return "".join(out)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -83,8 +85,8 @@ def test_command_pvc_store():
     pod = by_kind(build(Job.from_body(job_body(mode="finetune", overrides=["train.micro_batch_size=2"])), 1), "Pod")[0]
     c = pod["spec"]["containers"][0]
     assert c["command"] == ["python3", "-m", "kubetron.launch"]
-    assert c["args"] == ["finetune", "--config", "/etc/kubetron/config.yaml", "checkpoint.save=/ckpt/gpt",
-                         "checkpoint.load=/ckpt/gpt", "train.micro_batch_size=2"]
+    assert c["args"] == ["finetune", "--config", "/etc/kubetron/config.yaml", "train.micro_batch_size=2",
+                         "checkpoint.save=/ckpt/gpt", "checkpoint.load=/ckpt/gpt"]  # the store last: it wins
     assert {"name": "store", "mountPath": "/ckpt"} in c["volumeMounts"]
     assert {"name": "store", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["spec"]["volumes"]
     assert not any(k.startswith("AWS_") for k in env_of(pod))
@@ -147,6 +149,63 @@ def test_bad_specs_name_the_field(change, field):
     assert info.value.field == field
 
 
+SPEC_ERRORS = [
+    ("bad trainer config", {"config": "optimizer:\n  lr: -1\n"}, "spec.config", "optimizer.lr"),
+    ("unknown config key", {"config": "train:\n  train_iterz: 4\n"}, "spec.config", "train_iters"),
+    ("config not YAML", {"config": "train: [\n"}, "spec.config", "invalid YAML"),
+    ("tp does not divide the world", {"config": "train:\n  train_iters: 4\nmodel:\n  tensor_model_parallel_size: 4\n"},
+     "spec.config", "tensor_model_parallel_size"),
+    ("bad override", {"overrides": ["train.nope=1"]}, "spec.overrides", "train.nope"),
+    ("override redirects the store", {"overrides": ["checkpoint.save=s3://elsewhere/x"]}, "spec.overrides[0]",
+     "checkpoint.save is set by the operator"),
+    ("override redirects the load", {"overrides": ["train.train_iters=8", "checkpoint.load=/tmp"]},
+     "spec.overrides[1]", "checkpoint.load"),
+    ("same ports", {"statusPort": 29500}, "spec.statusPort", "masterPort"),
+    ("gpu limit disagrees", {"gpusPerNode": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}},
+     "spec.resources.limits[nvidia.com/gpu]", "gpusPerNode (8)"),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "field", "words"), SPEC_ERRORS, ids=[c[0] for c in SPEC_ERRORS])
+def test_spec_checked_before_any_pod(case, change, field, words):
+    with pytest.raises(SpecError) as info:
+        Job.from_body(job_body(**change))
+    assert info.value.field == field and words in str(info.value)
+    assert "\n" not in str(info.value)  # one line
+
+
+def test_config_check_runs_without_torch():
+    """The operator image has no torch: checking spec.config must not need it."""
+    code = ("import sys; from kubetron_operator.model import Job; from tests.operator.jobs import S3_JOB; "
+            "Job.from_body(S3_JOB); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=pathlib.Path(__file__).parents[2])
+
+
+def test_agreeing_gpu_limit_and_good_overrides_pass():
+    job = Job.from_body(job_body(gpusPerNode=8, resources={"limits": {"nvidia.com/gpu": "8", "memory": "64Gi"}},
+                                 overrides=["train.train_iters=8"]))
+    assert job.spec.gpus_per_node == 8
+
+
+def test_failing_nodes_are_avoided_next_attempt():
+    user = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["b"]}]}]}}}
+    job = Job.from_body(job_body(scheduling={"affinity": user}))
+    pod = by_kind(build(job, 2, avoid_nodes=("n7", "n3")), "Pod")[0]
+    required = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    terms = required["nodeSelectorTerms"]
+    avoid = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n3", "n7"]}
+    assert [t["matchExpressions"][-1] for t in terms] == [avoid, avoid]  # in every ORed term
+    assert terms[0]["matchExpressions"][0]["values"] == ["a"]
+    assert user["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"] == [{"key": "pool", "operator": "In", "values": ["a"]}]  # the job's spec is untouched
+    plain = by_kind(build(Job.from_body(PVC_JOB), 2, avoid_nodes=("n7",)), "Pod")[0]
+    assert plain["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchExpressions": [{**avoid, "values": ["n7"]}]}]}
+    assert "affinity" not in by_kind(build(Job.from_body(PVC_JOB), 2), "Pod")[0]["spec"]
+
+
 def test_name_must_fit_a_pod_hostname():
     body = job_body()
     body["metadata"]["name"] = "x" * 60
@@ -201,3 +260,12 @@ def test_render_file(tmp_path):
     docs = [d for d in yaml.safe_load_all(render_file(str(path))) if d]
     assert [d["kind"] for d in docs] == ["Service", "ConfigMap", "Pod", "Pod"]
     assert docs[2]["metadata"]["name"] == "gpt-1-0"
+
+
+def test_render_names_the_field_of_a_bad_spec(tmp_path):
+    from kubetron.errors import ConfigError
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_body(S3_JOB, config="train:\n  train_iters: -5\n")))
+    with pytest.raises(ConfigError, match=r"job.yaml: spec.config: train.train_iters: must be >= 1"):
+        render_file(str(path))

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
-from kubetron_operator.decide import Observed, PodView, decide, format_duration, parse_termination_message
+from kubetron_operator.decide import (
+    Observed,
+    PodView,
+    decide,
+    format_duration,
+    node_trouble,
+    parse_termination_message,
+)
 from kubetron_operator.model import Job
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
@@ -14,7 +21,7 @@ from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 JOB = Job.from_body(S3_JOB)  # 2 nodes, backoffLimit 2
 RUNNING = {"phase": "Running", "attempt": 1, "startTime": "2026-11-22T11:00:00Z", "attemptStartCheckpoint": 0,
-           "restarts": {"preemptions": 0, "failures": 0, "total": 0}}
+           "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0}}
 
 
 def pod(rank, phase="Running", attempt=1, **kw):
@@ -48,7 +55,7 @@ def test_preemption_restarts_free(case, rank1):
     action = run(pods=[pod(0), rank1])
     assert action.kind == "restart"
     assert action.phase == "Restarting"
-    assert action.status["restarts"] == {"preemptions": 1, "failures": 0, "total": 1}
+    assert action.status["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1}
     assert set(action.delete_pods) == ({"gpt-1-0", "gpt-1-1"} if rank1.deleting_for is None else {"gpt-1-0"})
     assert action.create_attempt is None  # the next attempt waits until every pod is gone
     assert action.events and action.events[0].type == "Warning"
@@ -74,7 +81,7 @@ FAILURES = [
 def test_failures_count_toward_backoff(case, rank1, reason):
     action = run(pods=[pod(0), rank1])
     assert action.kind == "restart" and action.status["reason"] == reason
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "total": 1}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1}
     if reason == "OOMKilled":
         assert "OOMKilled" in action.status["message"] and "memory" in action.status["message"]
 
@@ -186,13 +193,15 @@ def test_pending_pods_keep_phase_pending():
 def test_lost_iterations_recorded():
     status = {**RUNNING, "iteration": 17, "lastCheckpoint": {"iteration": 10, "time": "t"}}
     action = run(status, pods=[pod(0), pod(1, phase="Failed", pod_reason="Evicted")])
-    assert action.status["lostIterations"] == 7
+    assert action.status["lastAttemptIteration"] == 17
+    created = run({**status, **action.status}, pods=[])  # counted once the resume checkpoint is known
+    assert created.status["lostIterations"] == 7 and created.status["iteration"] == 10
 
 
 def test_no_progress_attempts_fail_the_job():
     status = {**RUNNING, "attempt": 4, "attemptStartCheckpoint": 10, "noProgressAttempts": 2,
               "lastCheckpoint": {"iteration": 10, "time": "t"}}
-    pods = [pod(0, attempt=4), pod(1, attempt=4, phase="Failed", exit_code=75)]
+    pods = [pod(0, attempt=4), pod(1, attempt=4, phase="Failed", exit_code=1)]
     action = run(status, pods=pods, progress={"lastCheckpoint": {"iteration": 10, "time": "t"}})
     assert action.kind == "fail" and action.status["reason"] == "NoProgress"
     progressed = run(status, pods=pods, progress={"lastCheckpoint": {"iteration": 20, "time": "t"}})
@@ -214,7 +223,7 @@ def test_new_job_creates_attempt_one():
     assert action.kind == "create" and action.create_attempt == 1 and action.expected_iteration == 0
     assert action.phase == "Pending" and action.status["attempt"] == 1
     assert action.status["startTime"] == "2026-11-22T12:00:00Z"
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "total": 0}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0}
 
 
 def test_restarting_waits_for_every_old_pod_to_go():
@@ -379,3 +388,173 @@ def test_termination_message_parsing_and_durations():
     assert parse_termination_message('{"exitCode": 75, "iteration": 3}') == {"exitCode": 75, "iteration": 3}
     assert parse_termination_message("Traceback...\nKeyError") is None
     assert [format_duration(s) for s in (5, 200, 3700, 90000)] == ["5s", "3m20s", "1h1m", "1d1h"]
+
+
+# -- issue 11: pods stuck before starting (2), restart pacing (3), preemptions vs NoProgress (4) ---------
+
+PENDING = {**RUNNING, "phase": "Pending", "reason": "AttemptCreated", "attemptStartTime": "2026-11-22T11:59:00Z"}
+
+STUCK = [
+    ("unschedulable", pod(1, phase="Pending", unschedulable="0/1 nodes are available: 1 Insufficient nvidia.com/gpu."),
+     "Unschedulable", "Insufficient nvidia.com/gpu"),
+    ("image pull", pod(1, phase="Pending", node="n1", scheduler_seen=True,
+                       waiting="ImagePullBackOff: Back-off pulling image \"nope:1\""), "ImagePullBackOff", "nope:1"),
+    ("missing secret key", pod(1, phase="Pending", node="n1", scheduler_seen=True,
+                               waiting="CreateContainerConfigError: couldn't find key AWS_ACCESS_KEY_ID"),
+     "CreateContainerConfigError", "AWS_ACCESS_KEY_ID"),
+    ("no scheduler", pod(1, phase="Pending", created_for=45.0, scheduler="volcano"), "NotScheduled", "'volcano'"),
+]
+
+
+@pytest.mark.parametrize(("case", "rank1", "reason", "words"), STUCK, ids=[c[0] for c in STUCK])
+def test_stuck_pods_are_surfaced_once(case, rank1, reason, words):
+    action = run(PENDING, pods=[pod(0), rank1])
+    assert action.kind == "wait" and action.status.get("phase", "Pending") == "Pending"
+    assert action.status["reason"] == reason and words in action.status["message"]
+    assert [(e.type, e.reason) for e in action.events] == [("Warning", reason)]
+    again = run({**PENDING, **action.status}, pods=[pod(0), rank1])
+    assert again.events == () and "reason" not in again.status  # one event per distinct reason
+
+
+def test_pod_waiting_for_a_scheduler_briefly_is_not_trouble():
+    action = run(PENDING, pods=[pod(0), pod(1, phase="Pending", created_for=5.0)])
+    assert action.events == () and "reason" not in action.status
+
+
+def test_startup_timeout_ends_the_attempt_as_never_started():
+    status = {**PENDING, "attemptStartTime": "2026-11-22T11:49:00Z"}  # 11 min ago; default timeout 600 s
+    stuck = pod(1, phase="Pending", unschedulable="0/1 nodes are available: 1 node(s) didn't match selector")
+    action = run(status, pods=[pod(0), stuck])
+    assert action.kind == "restart" and action.status["reason"] == "StartupTimeout"
+    assert "didn't match selector" in action.status["message"] and "600s" in action.status["message"]
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1}
+    assert set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}  # the partial gang lets go of its GPUs
+    assert action.status["nextAttemptTime"] > "2026-11-22T12:00:09Z"  # backoff: 10 s + jitter
+    job = Job.from_body(job_body(S3_JOB, startupTimeoutSeconds=3600))
+    assert run(status, pods=[pod(0), stuck], job=job).kind == "wait"
+
+
+def test_never_started_attempts_are_capped():
+    status = {**PENDING, "attemptStartTime": "2026-11-22T11:00:00Z",
+              "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 4, "total": 4}}
+    action = run(status, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")])
+    assert action.kind == "fail" and action.status["reason"] == "NeverStarted"
+    assert "5 attempts never started (maxNeverStartedAttempts 5)" in action.status["message"]
+
+
+ADMISSION = [
+    ("OutOf gpu", "OutOfnvidia.com/gpu", "Node didn't have enough resource: nvidia.com/gpu, requested: 8, capacity: 0"),
+    ("device plugin", "UnexpectedAdmissionError", "Allocate failed due to no healthy devices present"),
+]
+
+
+@pytest.mark.parametrize(("case", "reason", "msg"), ADMISSION, ids=[c[0] for c in ADMISSION])
+def test_admission_rejection_backs_off_and_avoids_the_node(case, reason, msg):
+    rejected = pod(1, phase="Failed", pod_reason=reason, pod_message=msg, node="gpu-7", started=False)
+    action = run(pods=[pod(0, node="gpu-3"), rejected])
+    assert action.kind == "restart" and action.status["reason"] == "AdmissionRejected"
+    assert msg in action.status["message"] and "gpu-7" in action.status["message"]
+    assert "None" not in action.status["message"]
+    assert action.status["restarts"]["neverStarted"] == 1 and action.status["restarts"]["preemptions"] == 0
+    assert action.status["avoidNodes"] == ["gpu-7"]
+    assert action.status["nextAttemptTime"] >= "2026-11-22T12:00:10Z"
+    waiting = run({**RUNNING, **action.status}, pods=[])  # the backoff holds the next attempt back
+    assert waiting.kind == "wait" and waiting.create_attempt is None
+    later = decide(JOB, Observed(now=NOW + timedelta(seconds=13), status={**RUNNING, **action.status}))
+    assert later.kind == "create" and later.avoid_nodes == ("gpu-7",)
+
+
+def test_backoff_doubles_to_a_cap_with_jitter():
+    def delay(failures):
+        status = {**RUNNING, "restarts": {"preemptions": 0, "failures": failures, "neverStarted": 0, "total": 0}}
+        job = Job.from_body(job_body(S3_JOB, backoffLimit=20))
+        action = run(status, pods=[pod(0), pod(1, phase="Failed", exit_code=1)], job=job)
+        return (datetime.fromisoformat(action.status["nextAttemptTime"]) - NOW).total_seconds()
+
+    delays = [delay(n) for n in range(8)]
+    for n, d in enumerate(delays):
+        base = min(360, 10 * 2 ** n)
+        assert base <= d <= base * 1.2 + 1
+    preempted = run(pods=[pod(0), pod(1, phase="Failed", pod_reason="Evicted")])
+    assert preempted.status["nextAttemptTime"] is None  # preemptions restart at once
+
+
+def test_preemptions_while_loading_are_not_no_progress():
+    status = {**RUNNING, "attemptStartCheckpoint": 10, "noProgressAttempts": 2,
+              "lastCheckpoint": {"iteration": 10, "time": "t"}}
+    for rank1 in (pod(1, phase="Failed", pod_reason="Evicted"), pod(1, disrupted="PreemptionByScheduler"),
+                  pod(1, phase="Failed", exit_code=75)):
+        action = run(status, pods=[pod(0), rank1])
+        assert action.kind == "restart" and action.status["noProgressAttempts"] == 2
+    own = run(status, pods=[pod(0), pod(1, phase="Failed", exit_code=76)])  # exit condition: the job's doing
+    assert own.kind == "fail" and own.status["reason"] == "NoProgress"
+
+
+# -- suspend vs deadline (5), node trouble (8), spec errors (10), iterations (13) ------------------------
+
+
+def test_suspended_past_the_deadline_resumes_and_runs():
+    job = Job.from_body(job_body(S3_JOB, activeDeadlineSeconds=600))
+    status = {**RUNNING, "phase": "Suspended", "startTime": "2026-11-22T10:00:00Z"}  # 2 h ago, 1 h+ suspended
+    action = run(status, pods=[], job=job)
+    assert action.kind == "create" and action.status["startTime"] == "2026-11-22T12:00:00Z"
+    resumed = {**status, **action.status, "phase": "Running"}
+    assert run(resumed, pods=[pod(0, attempt=2), pod(1, attempt=2)], job=job).kind == "wait"
+    late = decide(job, Observed(now=NOW + timedelta(seconds=601), status=resumed,
+                                pods=(pod(0, attempt=2), pod(1, attempt=2))))
+    assert late.kind == "fail" and late.status["reason"] == "DeadlineExceeded"
+
+
+def test_peer_failures_after_a_node_died_are_a_preemption():
+    pods = [pod(0, phase="Failed", exit_code=5, node="n0"), pod(1, node="n1")]
+    trouble = {"n1": "node n1 is not Ready (Unknown: NodeStatusUnknown: Kubelet stopped posting node status.)"}
+    action = run(pods=pods, node_trouble=trouble)
+    assert action.kind == "restart" and action.status["reason"] == "NodeNotReady"
+    assert "Kubelet stopped posting" in action.status["message"]
+    assert action.status["restarts"]["preemptions"] == 1 and action.status["restarts"]["failures"] == 0
+    assert run(pods=pods).status["reason"] == "PeerFailure"  # without node trouble: a failure
+    assert run(pods=[pod(0, node="n0"), pod(1, node="n1")], node_trouble=trouble).kind == "wait"
+
+
+def test_pod_failed_by_the_kubelet_says_why_not_exited_none():
+    failed = pod(1, phase="Failed", pod_reason="NodeShutdownFailed", pod_message="Pod was terminated: disk pressure")
+    action = run(pods=[pod(0), failed])
+    assert "exited None" not in action.status["message"] and "disk pressure" in action.status["message"]
+
+
+def test_node_trouble_from_node_objects():
+    nodes = [{"metadata": {"name": "ok"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+             {"metadata": {"name": "bad"}, "status": {"conditions": [
+                 {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "PLEG is not healthy"}]}}]
+    assert node_trouble(nodes, ["ok", "bad", "gone"]) == {
+        "bad": "node bad is not Ready (False: KubeletNotReady: PLEG is not healthy)",
+        "gone": "node gone no longer exists"}
+
+
+def test_spec_config_errors_fail_as_config_error():
+    action = decide(None, Observed(now=NOW, status={}, spec_error="spec.config: optimizer.lr: must be > 0"))
+    assert action.kind == "fail" and action.status["reason"] == "ConfigError"
+    assert action.create_attempt is None
+
+
+def test_iteration_follows_the_new_attempt_and_lost_is_counted_once():
+    # attempt 1 reached 400 and saved 300; attempt 2 resumed at 300, reached 320, preempted, resumes at 300
+    status = {**RUNNING, "attempt": 2, "iteration": 320, "attemptStartCheckpoint": 300, "lostIterations": 100,
+              "lastCheckpoint": {"iteration": 300, "time": "t"}}
+    log = {"iteration": 320, "trainIters": 1000, "lastCheckpoint": {"iteration": 300, "time": "t"},
+           "jobIterations": {"ml/gpt/1": 400, "ml/gpt/2": 320}}
+    ended = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2, phase="Failed", pod_reason="Evicted")],
+                progress=log)
+    assert ended.status["lastAttemptIteration"] == 320
+    created = run({**status, **ended.status}, pods=[], progress=log)
+    assert created.status["lostIterations"] == 120 and created.status["iteration"] == 300
+    assert created.status["progress"] == "30%"
+    again = run({**status, **ended.status, **created.status, "phase": "Pending"},
+                pods=[pod(0, attempt=3), pod(1, attempt=3)], progress=log)
+    assert again.status.get("iteration", 300) == 300  # the old maximum (400) is not shown again
+
+
+def test_cleared_trouble_is_no_longer_shown():
+    status = {**PENDING, "reason": "Unschedulable", "message": "pod gpt-1-1: 0/1 nodes are available"}
+    action = run(status, pods=[pod(0), pod(1, phase="Pending", node="n1", scheduler_seen=True)])
+    assert action.status["reason"] == "Starting" and action.events == ()

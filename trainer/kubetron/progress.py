@@ -304,7 +304,8 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
     """A JSON-ready summary of a parsed log (what the operator and `kubetron progress` report).
 
     Keys: lastCheckpoint ({iteration, time} of the last Saved [async] checkpoint, or None), trainIters
-    (latest seen), iteration (latest mentioned by any event, in file order), tokens,
+    (latest seen), iteration (latest mentioned by any event, in file order), jobIterations (job id ->
+    the latest iteration its lines mention: the operator's job ids are <ns>/<job>/<attempt>), tokens,
     floatingPointOperations, jobThroughput, cumulativeThroughput (of the last checkpoint), jobs (number of
     Starting job lines), startTime (earliest Starting job), completed, lastExit ({iteration, reason,
     time} or None) and events (every parsed line).
@@ -319,11 +320,13 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
     iteration: int | None = None
     jobs = 0
     start_time: datetime | None = None
+    by_job: dict[str, int] = {}
 
     for ev in events:
         it = ev.iteration
         if it is not None:
             iteration = it
+            by_job[ev.job_id] = it
         ti = ev.train_iters
         if ti is not None:
             train_iters = ti
@@ -354,6 +357,7 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
         ),
         "trainIters": train_iters,
         "iteration": iteration,
+        "jobIterations": by_job,
         "tokens": _checkpoint_tokens(last_ckpt) if last_ckpt else None,
         "floatingPointOperations": _as_float(ckpt_fields.get("Floating-point operations")),
         "jobThroughput": _as_float(ckpt_fields.get("Job throughput")),

@@ -17,6 +17,10 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+# The nodes under a job's pods: a pod on a node that is not Ready (or gone) ended by preemption.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [list]
 {{- if .Values.watchNamespaces }}
 # kopf: checks the watched namespaces exist (it serves only those that do).
 - apiGroups: [""]
