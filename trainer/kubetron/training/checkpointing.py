@@ -483,6 +483,16 @@ class CheckpointManager:
         if finetune:
             if not ck.pretrained_checkpoint:
                 raise ConfigError("checkpoint.pretrained_checkpoint", "finetune needs a pretrained checkpoint")
+            from kubetron.hf import is_hf_dir
+
+            if is_hf_dir(ck.pretrained_checkpoint):  # a Hugging Face model directory: converted on load
+                from kubetron.hf.io import load_hf_into_model
+
+                load_hf_into_model(model, self.cfg, ck.pretrained_checkpoint)
+                if hasattr(optimizer, "reload_model_params"):
+                    optimizer.reload_model_params()
+                log.info("finetuning from the Hugging Face model in %s", ck.pretrained_checkpoint)
+                return 0
             found = resolve_checkpoint(ck.pretrained_checkpoint, None, self.cfg, non_persistent=False)
             if found is None:
                 raise ConfigError("checkpoint.pretrained_checkpoint",

@@ -47,8 +47,12 @@ class SDPACoreAttention(MegatronModule):
         assert packed_seq_params is None, "packed sequences need TransformerEngine"
         s, b, heads, dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, dim)
+        # A mask (megatron's convention: True = masked out, (b, 1, s, s)) comes with packed examples
+        # (document masking, gpt_step.document_mask); without one, plain causal attention.
+        allowed = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
+            q, k, v, attn_mask=allowed, is_causal=allowed is None,
+            dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale, enable_gqa=k.shape[1] != heads,
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)  # (s, b, h)
@@ -91,6 +95,7 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -140,6 +145,12 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
     )
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.__class__ = PortableRotaryEmbedding
+        if cfg.model.rope_scaling:  # mcore's llama3 scaling, with all four of the HF config's parameters
+            model.rotary_pos_emb.inv_freq = model.rotary_pos_emb._apply_scaling(
+                model.rotary_pos_emb.inv_freq, factor=cfg.model.rope_scaling_factor,
+                low_freq_factor=cfg.model.rope_scaling_low_freq_factor,
+                high_freq_factor=cfg.model.rope_scaling_high_freq_factor,
+                original_max_position_embeddings=cfg.model.rope_scaling_original_max_position_embeddings)
     model.to(device)
     if cfg.model.compile:
         for layer in model.decoder.layers:
