@@ -191,6 +191,21 @@ class GPTDatasetConfig(_Section):
         return [v] if isinstance(v, str) else v
 
 
+class FinetuningDatasetConfig(_Section):
+    """Supervised fine-tuning data (JSONL prompt/answer pairs) instead of the dataset section's corpus."""
+
+    data_path: str | None = _f(
+        None, "JSONL training file, one {input, output} object per line (None: train on the dataset section).")
+    valid_data_path: str | None = _f(None, "JSONL validation file (needed when validation.eval_interval is set).")
+    input_key: str = _f("input", "JSONL field holding the prompt (no loss on its tokens).")
+    output_key: str = _f("output", "JSONL field holding the answer (the loss is taken on its tokens only).")
+    packing: bool = _f(
+        False, "Pack several examples into each sequence, attention kept inside each example and position ids "
+               "reset per example (false: one example per sequence, padded).")
+    add_eod: bool = _f(True, "End every answer with the tokenizer's end-of-document token.")
+    shuffle: bool = _f(True, "Shuffle the sequences every epoch (seeded by rng.seed; resume stays exact).")
+
+
 class TokenizerConfig(_Section):
     """The tokenizer: bytes (258 ids) or a bare vocabulary size for mock data."""
 
@@ -338,6 +353,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "scheduler": SchedulerConfig,
     "dataset": GPTDatasetConfig,
     "tokenizer": TokenizerConfig,
+    "finetuning": FinetuningDatasetConfig,
     "logger": LoggerConfig,
     "checkpoint": CheckpointConfig,
     "dist": DistributedInitConfig,
@@ -591,6 +607,8 @@ class ConfigContainer(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="The learning-rate schedule.")
     dataset: GPTDatasetConfig = Field(default_factory=GPTDatasetConfig, description="Training data.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="The tokenizer.")
+    finetuning: FinetuningDatasetConfig = Field(default_factory=FinetuningDatasetConfig,
+                                                description="Supervised fine-tuning data.")
     logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Logging.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     dist: DistributedInitConfig = Field(default_factory=DistributedInitConfig,
@@ -734,6 +752,18 @@ class ConfigContainer(BaseModel):
                 raise ConfigError("dataset.split", f"{d.split!r} leaves no validation data but "
                                                    "validation.eval_interval is set")
 
+        if m.rope_scaling and m.position_embedding_type != "rope":
+            raise ConfigError("model.rope_scaling", "needs position_embedding_type rope")
+        ft = self.finetuning
+        if ft.data_path is not None and self.validation.eval_interval is not None and ft.valid_data_path is None:
+            raise ConfigError("finetuning.valid_data_path", "required when validation.eval_interval is set")
+        if ft.packing and ft.data_path is not None and m.transformer_impl == "transformer_engine":
+            raise ConfigError("finetuning.packing", "needs model.transformer_impl local or auto (packed "
+                                                    "examples are masked in kubetron's SDPA attention)")
+        for name in ("data_path", "valid_data_path"):
+            if is_remote(getattr(ft, name)):
+                raise ConfigError(f"finetuning.{name}", "must be a local file (a mounted volume), not s3://")
+
         # logger
         import logging
 
@@ -792,6 +822,10 @@ class ConfigContainer(BaseModel):
                 if missing:
                     names = " and ".join(prefix + e for e in missing)
                     raise ConfigError("dataset.data_path", f"{prefix!r}: missing {names}")
+        for name in ("data_path", "valid_data_path"):
+            path = getattr(self.finetuning, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"finetuning.{name}", f"{path}: no such file")
         if c.pretrained_checkpoint and not is_remote(c.pretrained_checkpoint) \
                 and not os.path.exists(c.pretrained_checkpoint):
             raise ConfigError("checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint}: no such directory")

@@ -48,6 +48,9 @@ def collate(
         dtype = np.float32 if key == "loss_mask" else np.int64
         t = torch.from_numpy(np.stack([s[key] for s in samples]).astype(dtype, copy=False))
         batch[key] = t.pin_memory() if pin_memory else t
+    if "segment_ids" in samples[0]:  # packed fine-tuning examples (data/finetuning.py)
+        t = torch.from_numpy(np.stack([s["segment_ids"] for s in samples]))
+        batch["segment_ids"] = t.pin_memory() if pin_memory else t
     batch["attention_mask"] = None
     return batch
 
@@ -250,6 +253,10 @@ def build_datasets(cfg) -> dict:
             "model.vocab_size",
             f"{padded} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
         )
+    if cfg.finetuning.data_path:  # supervised fine-tuning examples instead of a pretraining corpus
+        from kubetron.data.finetuning import build_finetuning_datasets
+
+        return build_finetuning_datasets(cfg, tokenizer)
     return build_gpt_datasets(
         cfg.dataset.data_path,
         cfg.dataset.split,

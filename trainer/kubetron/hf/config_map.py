@@ -30,6 +30,8 @@ def is_hf_dir(path: str | None) -> bool:
 
 def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
     if not os.path.isfile(path):
         raise ConfigError("HF_DIR", f"{hf_dir}: no config.json")
     try:

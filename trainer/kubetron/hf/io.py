@@ -78,12 +78,12 @@ def _to_bytes(obj) -> bytes:
 
 def import_hf(hf_dir: str, out: str) -> dict:
     """Write `out`/iter_0000000 from the HF model in `hf_dir`; returns the model keys."""
+    if not os.path.isdir(hf_dir):
+        raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
+    m, tensors = load_hf_canonical(hf_dir)  # every check before megatron-core is even imported
     from kubetron.storage import open_store
     from kubetron.training.checkpointing import ARCH_FIELDS, CHECKPOINT_VERSION, MARKER, committed_iterations, iter_dir
 
-    if not os.path.isdir(hf_dir):
-        raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
-    m, tensors = load_hf_canonical(hf_dir)
     store = open_store(out)
     if committed_iterations(store):
         raise ConfigError("OUT", f"{out} already holds a checkpoint; give an empty or new directory")

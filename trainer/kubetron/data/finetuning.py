@@ -1,0 +1,156 @@
+"""Supervised fine-tuning data: JSONL prompt/answer pairs, padded or packed (the `finetuning` section).
+
+Each line is a JSON object with the prompt under `input_key` and the answer under `output_key`.
+An example's token sequence is ``prompt + answer (+ eod)``; it gives ``n - 1`` (token, label) pairs,
+and the loss mask is 1 exactly where the label is an answer token, so the model is never trained
+to produce the prompt.
+
+Sequences (one sample = `seq_length` positions):
+- padding: one example per sequence, then `pad` tokens with loss mask 0 (causal attention never
+  lets a real token see the padding after it);
+- packing: examples in order, as many as fit, each with position ids starting at 0 and a
+  `segment_ids` row (1, 2, ... per example, 0 for the tail padding). The forward step turns it into
+  a block-diagonal causal mask (gpt_step.document_mask), so no token attends across examples.
+An example longer than `seq_length + 1` tokens is cut to that length (counted in the log).
+
+Order: the sequences are built once; each epoch visits them in a permutation seeded by
+``rng.seed`` and the epoch number, so sample ``i`` is a pure function of ``i`` (exact resume through
+the loader's ``consumed_samples``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+
+from kubetron.errors import ConfigError
+
+log = logging.getLogger("kubetron")
+
+
+def read_examples(path: str, field: str, input_key: str, output_key: str) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs; a bad line is a ConfigError naming the file and line."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise ConfigError(field, f"{path}:{lineno}: not a JSON object ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    raise ConfigError(field, f"{path}:{lineno}: not a JSON object")
+                for key in (input_key, output_key):
+                    if not isinstance(obj.get(key), str):
+                        what = "has no" if key not in obj else "has a non-string"
+                        raise ConfigError(field, f"{path}:{lineno}: {what} {key!r} key")
+                out.append((obj[input_key], obj[output_key]))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(field, f"{path}: cannot read: {e}") from None
+    if not out:
+        raise ConfigError(field, f"{path}: holds no examples")
+    return out
+
+
+def tokenize(tokenizer, prompt: str, answer: str, add_eod: bool, max_len: int) -> tuple[list[int], int, bool]:
+    """(ids, prompt length, whether it was cut) of one example, cut to `max_len` ids."""
+    p = list(tokenizer.encode(prompt))
+    full = p + list(tokenizer.encode(answer)) + ([tokenizer.eod] if add_eod else [])
+    return full[:max_len], len(p), len(full) > max_len
+
+
+def example_arrays(ids: list[int], prompt_len: int) -> dict[str, np.ndarray]:
+    """tokens/labels/loss_mask/position_ids of one example (n ids -> n - 1 positions)."""
+    ids_np = np.asarray(ids, dtype=np.int64)
+    n = len(ids) - 1
+    return {"tokens": ids_np[:-1], "labels": ids_np[1:],
+            "loss_mask": (np.arange(1, n + 1) >= prompt_len).astype(np.float32),
+            "position_ids": np.arange(n, dtype=np.int64)}
+
+
+def pack(examples: list[dict[str, np.ndarray]], seq_length: int, packing: bool) -> list[list[int]]:
+    """Groups of example indices, one per sequence, in order (first fit of the running sequence)."""
+    groups, current, used = [], [], 0
+    for i, ex in enumerate(examples):
+        n = len(ex["tokens"])
+        if current and (not packing or used + n > seq_length):
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+class FinetuningDataset:
+    """Sequences of `seq_length` positions built from a JSONL file; indexable without end (epochs)."""
+
+    def __init__(self, path: str, tokenizer, seq_length: int, *, packing: bool, seed: int, shuffle: bool = True,
+                 add_eod: bool = True, input_key: str = "input", output_key: str = "output",
+                 field: str = "finetuning.data_path"):
+        self.seq_length, self.packing, self.seed, self.shuffle = seq_length, packing, seed, shuffle
+        self.pad = int(getattr(tokenizer, "pad", tokenizer.eod))
+        examples, cut = [], 0
+        for prompt, answer in read_examples(path, field, input_key, output_key):
+            ids, plen, was_cut = tokenize(tokenizer, prompt, answer, add_eod, seq_length + 1)
+            if len(ids) < 2:
+                continue  # nothing to predict
+            cut += was_cut
+            examples.append(example_arrays(ids, plen))
+        if not examples:
+            raise ConfigError(field, f"{path}: no example has two or more tokens")
+        self.examples = examples
+        self.groups = pack(examples, seq_length, packing)
+        self.num_tokens = sum(len(e["tokens"]) for e in examples)
+        log.info("%s: %d examples in %d sequences of %d (%s; %.0f%% of positions are real tokens; %d cut "
+                 "at seq_length)", path, len(examples), len(self.groups), seq_length,
+                 "packed" if packing else "padded", 100 * self.num_tokens / (len(self.groups) * seq_length), cut)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.groups))
+        return np.random.RandomState((self.seed + 7919 * epoch) % 2**32).permutation(len(self.groups))
+
+    def sequence(self, group: list[int]) -> dict[str, np.ndarray]:
+        T = self.seq_length
+        out = {"tokens": np.full(T, self.pad, np.int64), "labels": np.full(T, self.pad, np.int64),
+               "loss_mask": np.zeros(T, np.float32), "position_ids": np.arange(T, dtype=np.int64)}
+        if self.packing:
+            out["segment_ids"] = np.zeros(T, np.int64)
+        pos = 0
+        for seg, i in enumerate(group, 1):
+            ex = self.examples[i]
+            n = len(ex["tokens"])
+            for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                out[key][pos:pos + n] = ex[key]
+            if self.packing:
+                out["segment_ids"][pos:pos + n] = seg
+            pos += n
+        if pos < T:  # tail padding continues the positions (no loss; no real token attends to it)
+            out["position_ids"][pos:] = np.arange(T - pos)
+        return out
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        epoch, i = divmod(int(idx), len(self.groups))
+        return self.sequence(self.groups[self._order(epoch)[i]])
+
+
+def build_finetuning_datasets(cfg, tokenizer) -> dict:
+    """``{"train", "valid", "test"}`` for the `finetuning` section (test: None)."""
+    ft = cfg.finetuning
+    common = dict(packing=ft.packing, seed=cfg.rng.seed, shuffle=ft.shuffle, add_eod=ft.add_eod,
+                  input_key=ft.input_key, output_key=ft.output_key)
+    train = FinetuningDataset(ft.data_path, tokenizer, cfg.model.seq_length, **common)
+    valid = None
+    if ft.valid_data_path:
+        valid = FinetuningDataset(ft.valid_data_path, tokenizer, cfg.model.seq_length,
+                                  field="finetuning.valid_data_path", **common)
+    return {"train": train, "valid": valid, "test": None}
