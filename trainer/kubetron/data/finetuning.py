@@ -8,7 +8,7 @@ to produce the prompt.
 Sequences (one sample = `seq_length` positions):
 - padding: one example per sequence, then `pad` tokens with loss mask 0 (causal attention never
   lets a real token see the padding after it);
-- packing: examples in order, as many as fit, each with position ids starting at 0 and a
+- packing: examples first-fit into sequences, each with position ids starting at 0 and a
   `segment_ids` row (1, 2, ... per example, 0 for the tail padding). The forward step turns it into
   a block-diagonal causal mask (gpt_step.document_mask), so no token attends across examples.
 An example longer than `seq_length + 1` tokens is cut to that length (counted in the log).
@@ -72,18 +72,26 @@ def example_arrays(ids: list[int], prompt_len: int) -> dict[str, np.ndarray]:
             "position_ids": np.arange(n, dtype=np.int64)}
 
 
+_OPEN_BINS = 64
+
+
 def pack(examples: list[dict[str, np.ndarray]], seq_length: int, packing: bool) -> list[list[int]]:
-    """Groups of example indices, one per sequence, in order (first fit of the running sequence)."""
-    groups, current, used = [], [], 0
+    """Groups of example indices, one per sequence: padding one each; packing first fit, in order,
+    over the most recent `_OPEN_BINS` sequences (bounded work per example, near-full sequences)."""
+    if not packing:
+        return [[i] for i in range(len(examples))]
+    groups: list[list[int]] = []
+    free: list[int] = []
     for i, ex in enumerate(examples):
         n = len(ex["tokens"])
-        if current and (not packing or used + n > seq_length):
-            groups.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        groups.append(current)
+        first = max(0, len(groups) - _OPEN_BINS)
+        fit = next((j for j in range(first, len(groups)) if free[j] >= n), None)
+        if fit is None:
+            groups.append([])
+            free.append(seq_length)
+            fit = len(groups) - 1
+        groups[fit].append(i)
+        free[fit] -= n
     return groups
 
 
