@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.hf_utils import config_for, ensure_world_of_one, hf_logits, kubetron_logits, make_tiny_llama
+from tests.hf_utils import TOKENS, config_for, ensure_world_of_one, hf_logits, kubetron_logits, make_tiny_llama
 from tests.trainer_utils import env_for, kubetron_cmd
 
 pytest.importorskip("transformers")
@@ -160,3 +160,39 @@ def test_jsonl_line_without_the_key_is_one_line_exit_2_nothing_written(imported,
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("kubetron: error: finetuning.data_path:") and f"{data}:2" in last and "'output'" in last
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
+    """Qwen2: biases on q/k/v only, tied embeddings (no lm_head in the checkpoint)."""
+    from kubetron.hf.io import export_hf, import_hf
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, rope_theta=1000000.0, initializer_range=0.1)
+    hf = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # zero-initialized otherwise: a dropped bias would not show
+    hf.save_pretrained(tmp_path / "qwen")
+    (tmp_path / "qwen" / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    keys = import_hf(str(tmp_path / "qwen"), str(tmp_path / "ckpt"))
+    assert keys["add_qkv_bias"] and keys["share_embeddings_and_output_weights"]
+    ensure_world_of_one()
+    model = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert (kubetron_logits(model[0]) - want).abs().max().item() <= TOL
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
+    original, exported = load_file(tmp_path / "qwen" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    original.pop("lm_head.weight", None)
+    assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
