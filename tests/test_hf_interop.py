@@ -192,7 +192,8 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
-    original, exported = load_file(tmp_path / "qwen" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    original = load_file(tmp_path / "qwen" / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
     original.pop("lm_head.weight", None)
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
