@@ -114,6 +114,7 @@ def test_most_recent_k_keeps_the_newest_k(pretrained):
 def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
     """An incomplete newer directory (no commit marker) does not count: the newest complete stays."""
     from kubetron.config import ConfigContainer
+    from kubetron.storage import open_store
     from kubetron.training.checkpointing import MARKER, CheckpointManager
 
     store = tmp_path / "store"
@@ -124,7 +125,8 @@ def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
         if it != 40:  # iteration 40: a save that never committed
             (d / MARKER).write_text(json.dumps({"iteration": it}))
     cfg = ConfigContainer.from_yaml(TINY, [f"checkpoint.save={store}", "checkpoint.most_recent_k=1"])
-    mgr = CheckpointManager(cfg, GlobalState(cfg=cfg), run_id="test")
+    mgr = CheckpointManager(cfg, open_store(store), state=GlobalState(cfg=cfg), model=None, optimizer=None,
+                            scheduler=None, run_id="test")
     mgr._apply_retention()
     assert iter_dirs(store) == ["iter_0000030", "iter_0000040"]
 
