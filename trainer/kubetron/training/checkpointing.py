@@ -179,6 +179,7 @@ class ProgressLog:
         self.cfg, self.store, self.state = cfg, store, state
         self._start_wall = time.time()
         self._start_flops: float | None = None
+        self._job_start_time = None  # the job's first start, from the log (read once, at start())
 
     @property
     def enabled(self) -> bool:
@@ -190,6 +191,7 @@ class ProgressLog:
             self.store.append_line("progress.txt", progress_log.starting_job_line(
                 iteration=self.state.train_state.step, train_iters=self.cfg.train.train_iters,
                 num_gpus=self.state.world_size))
+            self._job_start_time = self._job_start()[0]
 
     def exit(self, reason: str):
         if self.enabled:
@@ -208,8 +210,8 @@ class ProgressLog:
         flops = ts.floating_point_operations_so_far
         ngpu = self.state.world_size
         job_tp = (flops - (self._start_flops or 0.0)) / elapsed / ngpu / 1e12
-        start_time, _ = self._job_start()
-        cum_elapsed = max(time.time() - start_time.timestamp(), 1e-9) if start_time else elapsed
+        start = self._job_start_time  # read at start(): no store access in the loop
+        cum_elapsed = max(time.time() - start.timestamp(), 1e-9) if start else elapsed
         return dict(iteration=iteration, job_throughput_tflops=job_tp,
                     cumulative_throughput_tflops=flops / cum_elapsed / ngpu / 1e12, flops_so_far=flops,
                     tokens_so_far=ts.consumed_train_samples * cfg.model.seq_length,
@@ -255,10 +257,17 @@ class CheckpointManager:
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
+        self._run_config_yaml: str | None = None
 
     @property
     def enabled(self) -> bool:
         return self.save_store is not None
+
+    def _run_config(self) -> str:
+        """run_config.yaml: the resolved config, rendered once (it does not change during a run)."""
+        if self._run_config_yaml is None:
+            self._run_config_yaml = self.cfg.to_yaml()
+        return self._run_config_yaml
 
     # -- saving ---------------------------------------------------------------------------------------
     def snapshot(self, iteration: int) -> Snapshot:
@@ -285,7 +294,7 @@ class CheckpointManager:
             shard=shard,
             common=common,
             rng=get_rng_state() if ck.save_rng else {},
-            run_config=self.cfg.to_yaml() if rank0 else None,
+            run_config=self._run_config() if rank0 else None,
             progress_fields=self.progress.fields(iteration) if rank0 else None,
         )
 

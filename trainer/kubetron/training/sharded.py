@@ -32,6 +32,7 @@ from kubetron.errors import CheckpointError
 from kubetron.training import sharding
 
 VOCAB_TENSORS = (sharding._WORD_EMBEDDING, "output_layer.weight")
+MERGE_GAP = 4 << 20  # bytes: neighbouring ranges of one shard file closer than this are read as one
 
 
 def shard_key(rank: int) -> str:
@@ -183,34 +184,58 @@ class ShardReader:
     def global_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.pieces[name][0]["global_shape"])
 
-    def read(self, name: str, box: list[tuple[int, int]]) -> torch.Tensor:
-        """The box of tensor `name`; cells no piece covers must be vocabulary padding (zeros)."""
-        entries = self.pieces[name]
-        out = torch.zeros([hi - lo for lo, hi in box], dtype=getattr(torch, entries[0]["dtype"]))
-        covered = 0
-        for e in entries:
+    def read_many(self, wants: list[tuple[str, list[tuple[int, int]]]]) -> list[torch.Tensor]:
+        """The boxes asked for (name, box), in order. Byte ranges are planned first and fetched per shard
+        file in few large reads (neighbours closer than MERGE_GAP merged), then cut into the boxes."""
+        parts = [self._parts(name, box) for name, box in wants]
+        blobs = self._fetch([(e["rank"], lo, hi) for ps in parts for e, _, lo, hi in ps])
+        out = []
+        for (name, box), ps in zip(wants, parts, strict=True):
+            entries = self.pieces[name]
+            t = torch.zeros([hi - lo for lo, hi in box], dtype=getattr(torch, entries[0]["dtype"]))
+            for e, inter, lo, hi in ps:
+                t[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(inter, box, strict=True))] = \
+                    _cut(e, inter, blobs(e["rank"], lo, hi))
+            covered = sum(_numel(inter) for _, inter, _, _ in ps)
+            if covered != t.numel():
+                self._check_padding(name, box, covered)
+            out.append(t)
+        return out
+
+    def _parts(self, name: str, box):
+        """(entry, intersection, byte start, byte end) for each saved piece overlapping `box`; whole
+        rows of the piece's first dimension, so each is one contiguous byte range."""
+        parts = []
+        for e in self.pieces[name]:
             inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, e["box"], strict=True)]
             if any(lo >= hi for lo, hi in inter):
                 continue
-            out[tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(inter, box, strict=True))] = \
-                self._read_part(e, inter)
-            covered += _numel(inter)
-        if covered != out.numel():
-            self._check_padding(name, box, covered)
-        return out
+            if not inter:  # a 0-d tensor
+                parts.append((e, inter, e["offset"], e["offset"] + e["nbytes"]))
+                continue
+            row = e["nbytes"] // max(e["box"][0][1] - e["box"][0][0], 1)
+            r0, r1 = inter[0][0] - e["box"][0][0], inter[0][1] - e["box"][0][0]
+            parts.append((e, inter, e["offset"] + r0 * row, e["offset"] + r1 * row))
+        return parts
 
-    def _read_part(self, e: dict, inter) -> torch.Tensor:
-        sizes = [hi - lo for lo, hi in e["box"]]
-        dtype = getattr(torch, e["dtype"])
-        if not sizes:  # a 0-d tensor
-            data = self.store.read_range(f"{self.name}/{shard_key(e['rank'])}", e["offset"], e["nbytes"])
-            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(())
-        row = e["nbytes"] // max(sizes[0], 1)  # bytes per index of the first dimension
-        r0, r1 = inter[0][0] - e["box"][0][0], inter[0][1] - e["box"][0][0]
-        data = self.store.read_range(f"{self.name}/{shard_key(e['rank'])}", e["offset"] + r0 * row, (r1 - r0) * row)
-        t = torch.frombuffer(bytearray(data), dtype=dtype).reshape([r1 - r0, *sizes[1:]])
-        rest = tuple(slice(lo - s, hi - s) for (lo, hi), (s, _) in zip(inter[1:], e["box"][1:], strict=True))
-        return t[(slice(None), *rest)]
+    def _fetch(self, ranges):
+        """Read the byte ranges, merged per file; returns get(rank, lo, hi) -> memoryview."""
+        merged: dict[int, list[list[int]]] = {}
+        for rank, lo, hi in sorted(set(ranges)):
+            spans = merged.setdefault(rank, [])
+            if spans and lo - spans[-1][1] <= MERGE_GAP:
+                spans[-1][1] = max(spans[-1][1], hi)
+            else:
+                spans.append([lo, hi])
+        data = {(rank, lo): memoryview(self.store.read_range(f"{self.name}/{shard_key(rank)}", lo, hi - lo))
+                for rank, spans in merged.items() for lo, hi in spans}
+        starts = {rank: [lo for lo, _ in spans] for rank, spans in merged.items()}
+
+        def get(rank, lo, hi):
+            s = max(x for x in starts[rank] if x <= lo)
+            return data[(rank, s)][lo - s:hi - s]
+
+        return get
 
     def _check_padding(self, name: str, box, covered: int):
         """Only rows beyond the saved (padded) vocabulary may be missing."""
@@ -219,6 +244,17 @@ class ShardReader:
         if name.split("/")[1] not in VOCAB_TENSORS or covered != _numel(inside):
             raise CheckpointError(f"{self.name}: {name} box {box} is not covered by the checkpoint "
                                   f"(saved global shape {list(gshape)})")
+
+
+def _cut(e: dict, inter, raw: memoryview) -> torch.Tensor:
+    """The intersection `inter` out of the whole rows `raw` of saved piece `e`."""
+    dtype = getattr(torch, e["dtype"])
+    if not inter:
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(())
+    sizes = [hi - lo for lo, hi in e["box"]]
+    t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape([inter[0][1] - inter[0][0], *sizes[1:]])
+    rest = tuple(slice(lo - s, hi - s) for (lo, hi), (s, _) in zip(inter[1:], e["box"][1:], strict=True))
+    return t[(slice(None), *rest)]
 
 
 def _numel(box) -> int:
@@ -250,11 +286,15 @@ def load_model(model, reader: ShardReader):
     missing = sorted(v for v in wanted.values() if not reader.has(v))
     if missing:
         raise CheckpointError(f"{reader.name} lacks tensors this model has: {missing[:3]}")
+    targets, wants = [], []
+    for k, v in own.items():
+        t, gshape, start, _ = _placement(chunk, k, v, params)
+        _check_shape(reader, wanted[k], gshape, wanted[k].split("/")[1] in VOCAB_TENSORS)
+        targets.append(t)
+        wants.append((wanted[k], _local_box(start, t)))
     with torch.no_grad():
-        for k, v in own.items():
-            t, gshape, start, _ = _placement(chunk, k, v, params)
-            _check_shape(reader, wanted[k], gshape, wanted[k].split("/")[1] in VOCAB_TENSORS)
-            t.copy_(reader.read(wanted[k], _local_box(start, t)).to(t.dtype))
+        for t, data in zip(targets, reader.read_many(wants), strict=True):
+            t.copy_(data.to(t.dtype))
 
 
 def load_optimizer(model, reader: ShardReader) -> dict:
@@ -263,20 +303,23 @@ def load_optimizer(model, reader: ShardReader) -> dict:
     chunk = model[0]
     offsets = sharding._layer_offsets(chunk)
     params = dict(chunk.named_parameters())
-    state = {}
+    state: dict[str, dict] = {}
+    slots, wants = [], []
     for k, p in params.items():
-        base = f"optim/{sharding._source_name(chunk, k, offsets)}/"
-        entry = {}
+        src = sharding._source_name(chunk, k, offsets)
+        base = f"optim/{src}/"
         for key in reader.keys_under(base):
             name = base + key
             if name in reader.values:
-                entry[key] = reader.values[name]
-            elif not reader.global_shape(name):
-                entry[key] = reader.read(name, [])
-            else:
+                state.setdefault(k, {})[key] = reader.values[name]
+                continue
+            box = []
+            if reader.global_shape(name):
                 t, gshape, start, _ = _placement(chunk, k, torch.empty(p.shape, device="meta"), params)
-                _check_shape(reader, name, gshape, base[6:-1] in VOCAB_TENSORS)
-                entry[key] = reader.read(name, _local_box(start, t)).reshape(p.shape)
-        if entry:
-            state[k] = entry
+                _check_shape(reader, name, gshape, src in VOCAB_TENSORS)
+                box = _local_box(start, t)
+            slots.append((k, key, p.shape if box else ()))
+            wants.append((name, box))
+    for (k, key, shape), data in zip(slots, reader.read_many(wants), strict=True):
+        state.setdefault(k, {})[key] = data.reshape(shape)
     return state
