@@ -323,3 +323,26 @@ def load_optimizer(model, reader: ShardReader) -> dict:
     for (k, key, shape), data in zip(slots, reader.read_many(wants), strict=True):
         state.setdefault(k, {})[key] = data.reshape(shape)
     return state
+
+
+def read_canonical(store, name: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """A whole sharded checkpoint as canonical tensors: ({name: tensor}, {param name: {state key: value}})
+    (for tools and tests; a training load reads only its own boxes)."""
+    import io
+
+    common = torch.load(io.BytesIO(store.read_bytes(f"{name}/common.pt")), map_location="cpu", weights_only=True)
+    reader = ShardReader(store, name, common["num_shards"])
+    names = sorted(reader.pieces)
+    full = reader.read_many([(n, [(0, g) for g in reader.global_shape(n)]) for n in names])
+    model, optim = {}, {}
+    for n, t in zip(names, full, strict=True):
+        kind, rest = n.split("/", 1)
+        if kind == "model":
+            model[rest] = t
+        else:
+            param, key = rest.rsplit("/", 1)
+            optim.setdefault(param, {})[key] = t
+    for n, v in reader.values.items():
+        param, key = n.split("/", 1)[1].rsplit("/", 1)
+        optim.setdefault(param, {})[key] = v
+    return model, optim
