@@ -285,9 +285,11 @@ class CheckpointConfig(_Section):
     pretrained_checkpoint: str | None = _f(
         None, "Checkpoint to initialise model weights from when finetuning (store or iter_* directory).")
     async_save: bool = _f(False, "Write checkpoints in the background while training continues.")
-    ckpt_format: Literal["kubetron", "torch_dist"] = _f(
-        "kubetron", "kubetron: canonical unsharded tensors, streamed to the store; torch_dist: megatron-core "
-        "dist_checkpointing, every rank writes its shards (staged on local disk; see docs/parallelism.md).")
+    ckpt_format: Literal["sharded", "kubetron", "torch_dist"] = _f(
+        "sharded", "sharded: every rank streams its own part of the canonical tensors to the store and loads "
+        "only what its layout needs (any DP/TP/PP); kubetron: canonical unsharded tensors gathered on rank 0; "
+        "torch_dist: megatron-core dist_checkpointing (sync only, staged on local disk for S3; see "
+        "docs/parallelism.md).")
     dist_staging_dir: str | None = _f(
         None, "Local directory torch_dist checkpoints are staged in on their way to/from the store (None: the "
               "system temp dir).")
@@ -825,7 +827,7 @@ class ConfigContainer(BaseModel):
             raise ConfigError("checkpoint.dist_staging_dir", "must be a local directory, not s3://")
         if c.ckpt_format == "torch_dist" and c.async_save:
             raise ConfigError("checkpoint.async_save", "is not supported with ckpt_format torch_dist (its save is "
-                                                       "collective over all ranks); use ckpt_format kubetron")
+                                                       "collective over all ranks); use ckpt_format sharded")
 
         # dist / ddp / precision / profiling
         if self.dist.distributed_backend == "nccl" and self.dist.use_gpu is False:

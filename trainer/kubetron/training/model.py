@@ -140,11 +140,35 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
     )
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.__class__ = PortableRotaryEmbedding
+    if getattr(model, "output_layer", None) is not None:
+        mask_vocab_padding(model.output_layer, cfg)
     model.to(device)
     if cfg.model.compile:
         for layer in model.decoder.layers:
             layer.compile()
     return [model]
+
+
+def mask_vocab_padding(output_layer: torch.nn.Module, cfg):
+    """Logits of the padded vocabulary rows (beyond the tokenizer's) become the dtype's minimum, so the
+    loss ignores them: it then does not depend on how much padding TP adds (a checkpoint resumes at
+    another TP with the same losses), and a padding token is never predicted."""
+    try:
+        real = cfg.tokenizer.base_vocab_size()
+    except Exception:  # a null tokenizer without vocab_size: no padding is known
+        return
+    if real >= cfg.model.vocab_size:
+        return
+
+    def hook(_module, _args, output):
+        logits, bias = output  # (s, b, vocab / tp): this TP rank's slice of the padded vocabulary
+        start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+        if start + logits.shape[-1] <= real:
+            return output
+        padding = torch.arange(start, start + logits.shape[-1], device=logits.device) >= real
+        return logits.masked_fill(padding, torch.finfo(logits.dtype).min), bias
+
+    output_layer.register_forward_hook(hook)
 
 
 def num_parameters(model: list[torch.nn.Module]) -> int:
