@@ -1,6 +1,6 @@
 """Checkpoints in Megatron's layout, through the storage layer (a path/PVC or s3:// alike).
 
-    <save>/iter_0000020/{model.pt, optim.pt, common.pt, rng/rank_00000.pt, run_config.yaml,
+    <save>/iter_0000020/{model.pt, optim.pt, common.pt, rng/rank_00000.pt, run_config.yaml, tokenizer/*,
                          metadata.json}          metadata.json = commit marker, written last
     <save>/latest_train_state.pt                 tracker, replaced atomically after the commit
     <save>/progress.txt                          "Saved checkpoint" appended once durable
@@ -39,6 +39,7 @@ log = logging.getLogger("kubetron")
 TRACKER = "latest_train_state.pt"
 MARKER = "metadata.json"
 NON_PERSISTENT = "non_persistent"
+TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
@@ -131,6 +132,7 @@ class Snapshot:
     rng: dict
     run_config: str | None
     progress_fields: dict | None
+    tokenizer: dict | None = None  # {file name: bytes} of a file-based tokenizer (rank 0 only)
 
 
 def optimizer_state_by_name(model, optimizer) -> dict:
@@ -258,6 +260,7 @@ class CheckpointManager:
         self.last_durable_time: str | None = None
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
         self._run_config_yaml: str | None = None
+        self._tokenizer_assets: dict[str, bytes] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -268,6 +271,14 @@ class CheckpointManager:
         if self._run_config_yaml is None:
             self._run_config_yaml = self.cfg.to_yaml()
         return self._run_config_yaml
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer's files, read once (Bridge's save_tokenizer_assets)."""
+        if self._tokenizer_assets is None:
+            from kubetron.data.tokenizer import tokenizer_assets
+
+            self._tokenizer_assets = tokenizer_assets(self.cfg)
+        return self._tokenizer_assets
 
     # -- saving ---------------------------------------------------------------------------------------
     def snapshot(self, iteration: int) -> Snapshot:
@@ -296,6 +307,7 @@ class CheckpointManager:
             rng=get_rng_state() if ck.save_rng else {},
             run_config=self._run_config() if rank0 else None,
             progress_fields=self.progress.fields(iteration) if rank0 else None,
+            tokenizer=self._tokenizer_files() if rank0 else None,
         )
 
     def save(self, step: int, *, non_persistent: bool = False, blocking: bool | None = None):
@@ -345,6 +357,8 @@ class CheckpointManager:
                         torch.save(obj, f)
                     _chaos(f"after-{key[:-3]}", it)
             txn.write_bytes("run_config.yaml", snap.run_config.encode())
+            for file_name, data in (snap.tokenizer or {}).items():  # a checkpoint is self-contained
+                txn.write_bytes(f"{TOKENIZER_DIR}/{file_name}", data)
         _chaos("after-payload", it)
 
     def _commit(self, name: str, snap: Snapshot, holder: dict, non_persistent: bool, use_async: bool, t0: float):
@@ -576,6 +590,41 @@ class CheckpointManager:
         same_layout = common.get("parallel", {}).get("world_size") == self.state.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):
             set_rng_state(_safe_load(store.read_bytes(rng_key), rng_key))
+
+
+def read_tokenizer_assets(store, name: str) -> dict[str, bytes]:
+    """{file name: bytes} of a checkpoint's tokenizer/ directory ({} for byte/null or older checkpoints)."""
+    prefix = f"{name}/{TOKENIZER_DIR}/"
+    return {key[len(prefix):]: store.read_bytes(key) for key in store.list(prefix.rstrip("/"))
+            if key.startswith(prefix)}
+
+
+def adopt_checkpoint_tokenizer(cfg) -> str | None:
+    """On a resume, use the tokenizer files saved in the checkpoint (not the configured paths, which may be
+    gone or changed since). Call before cfg.finalize(): the padded vocabulary comes from the tokenizer.
+    Returns the checkpoint it came from, or None."""
+    ck, tok = cfg.checkpoint, cfg.tokenizer
+    if not ck.load or not tok.file_based:
+        return None
+    found = resolve_checkpoint(ck.load, ck.ckpt_step, cfg)
+    if found is None:
+        return None
+    store, name, _ = found
+    assets = read_tokenizer_assets(store, name)
+    if not assets:
+        return None
+    tok.adopt_assets(None)
+    try:
+        from kubetron.data.tokenizer import tokenizer_assets
+
+        if tokenizer_assets(cfg) != assets:
+            log.warning("the tokenizer files at the configured paths differ from %s/%s/%s; resuming with the "
+                        "checkpoint's", store.url, name, TOKENIZER_DIR)
+    except ConfigError:
+        log.warning("the configured tokenizer files are not readable; resuming with %s/%s/%s",
+                    store.url, name, TOKENIZER_DIR)
+    tok.adopt_assets(assets)
+    return f"{store.url}/{name}"
 
 
 def _tokenizer_vocab(cfg) -> int | None:

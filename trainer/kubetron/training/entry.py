@@ -101,7 +101,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
 
     from kubetron.data import build_data_iterators
     from kubetron.training import pipeline
-    from kubetron.training.checkpointing import CheckpointManager, open_save_store
+    from kubetron.training.checkpointing import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
@@ -109,6 +109,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
 
     cfg = config
     rank, world, device = initialize_distributed(cfg)
+    if adopt_checkpoint_tokenizer(cfg) and rank == 0:  # before finalize: the vocabulary comes from it
+        log.info("tokenizer: %s from the checkpoint being resumed", cfg.tokenizer.tokenizer_type)
     cfg.finalize(world_size=world)
     if parallel_state.model_parallel_is_initialized():  # a second pretrain() in one process
         parallel_state.destroy_model_parallel()

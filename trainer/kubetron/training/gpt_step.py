@@ -27,5 +27,5 @@ def get_batch(data_iterator, device: torch.device) -> dict[str, torch.Tensor]:
 def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
     """One micro-batch forward. Returns (output, loss_func) as the forward-step contract says."""
     batch = get_batch(data_iterator, state.device)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(masked_token_loss, batch["loss_mask"])

@@ -47,8 +47,10 @@ class SDPACoreAttention(MegatronModule):
         assert packed_seq_params is None, "packed sequences need TransformerEngine"
         s, b, heads, dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, dim)
+        # mcore's mask (dataset.reset_attention_mask): (b, 1, s, s) bool, True = masked, causal included
+        keep = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
+            q, k, v, attn_mask=keep, is_causal=keep is None, dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale, enable_gqa=k.shape[1] != heads,
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)  # (s, b, h)
