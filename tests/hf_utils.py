@@ -55,10 +55,13 @@ def ensure_world_of_one():
 
 
 def config_for(model_keys: dict, *overrides: str, world_size: int = 1):
-    """A finalized run config with this `model:` section (byte tokenizer: ids < 258 fit vocab 512)."""
+    """A finalized run config with this `model:` section."""
     from kubetron.config import ConfigContainer, apply_overrides
 
-    data = apply_overrides({"model": dict(model_keys), "train": {"train_iters": 1}}, list(overrides))
+    data = {"model": dict(model_keys), "train": {"train_iters": 1}}
+    if "vocab_size" in model_keys:  # a tokenizer as large as the model's vocabulary: no masked padding rows
+        data["tokenizer"] = {"tokenizer_type": "null", "vocab_size": model_keys["vocab_size"]}
+    data = apply_overrides(data, list(overrides))
     cfg = ConfigContainer.from_dict(data)
     return cfg.finalize(world_size=world_size, check_paths=False)
 

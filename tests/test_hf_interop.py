@@ -147,6 +147,23 @@ def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_p
     start = load_file(tiny.hf / "model.safetensors")
     assert not torch.equal(tuned["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-out").eval()
+    # The exported model computes what the trained checkpoint computes (read by the trainer's own reader)...
+    from kubetron.hf.io import read_checkpoint
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+
+    ensure_world_of_one()
+    keys, tensors, _, _ = read_checkpoint(str(tmp_path / "run"))
+    trained = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(trained, tensors)
+    diff = (kubetron_logits(trained[0]) - hf_logits(tmp_path / "hf-out")).abs().max().item()
+    assert diff <= TOL, diff
+    # ... and it learned: transformers' loss on a training example fell.
+    text = torch.tensor([list((SFT_LINES[3]["input"] + SFT_LINES[3]["output"]).encode())])
+    with torch.no_grad():
+        before = AutoModelForCausalLM.from_pretrained(tiny.hf)(text, labels=text).loss.item()
+        after = model(text, labels=text).loss.item()
+    assert after < before, (before, after)
     prompt = torch.tensor([list(b"Q3: what is 3 plus 3? ")])
     out = model.generate(prompt, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, prompt.shape[1] + 4)

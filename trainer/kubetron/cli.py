@@ -18,7 +18,6 @@ command imports what it needs.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -106,20 +105,9 @@ def cmd_progress(args: argparse.Namespace) -> int:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from kubetron.data.preprocess import preprocess
+    from kubetron.data.preprocess import run
 
-    for path in args.input:
-        if not os.path.isfile(path):
-            raise ConfigError("--input", f"{path}: no such file")
-    kwargs = {"append_eod": args.append_eod}
-    params = inspect.signature(preprocess).parameters
-    if "workers" in params:
-        kwargs["workers"] = args.workers
-    if "json_key" in params and args.json_key is not None:
-        kwargs["json_key"] = args.json_key
-    result = preprocess(list(args.input), args.output_prefix, **kwargs)
-    if result is not None:
-        print(json.dumps(result, indent=2, default=str))
+    run(args)
     return 0
 
 
@@ -128,7 +116,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
     m = import_hf(args.hf_dir, args.out)
     print(f"# wrote {args.out}/iter_0000000; fine-tune from it with this in the run config:")
-    sys.stdout.write(model_yaml(m, args.out))
+    sys.stdout.write(model_yaml(m, args.out, args.hf_dir))
     return 0
 
 
@@ -199,14 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_progress)
 
     p = sub.add_parser("preprocess", help="tokenize text/JSONL into an indexed dataset (.bin/.idx)",
-                       description="Tokenize text or JSONL files with the byte tokenizer into "
+                       description="Tokenize text or JSONL files with any of the trainer's tokenizers into "
                                    "PREFIX.bin and PREFIX.idx (usable as dataset.data_path).")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="input .txt or .jsonl files")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end every document with the eod token (default: on)")
-    p.add_argument("--json-key", default=None, metavar="KEY", help="JSONL field holding the text (default: text)")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default: 1)")
+    from kubetron.data.preprocess import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=cmd_preprocess)
 
     p = sub.add_parser("import-hf", help="convert a Hugging Face Llama-family model into a kubetron checkpoint",

@@ -61,12 +61,22 @@ def load_hf_canonical(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return m, convert.hf_to_canonical(read_hf_weights(hf_dir), m)
 
 
-def model_yaml(m: dict, out: str | None = None) -> str:
-    """The `model:` section to put into a run config (and the checkpoint key pointing at `out`)."""
+def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> str:
+    """The `model:` section to put into a run config, the checkpoint key pointing at `out` and, when the
+    HF directory has a tokenizer, the tokenizer section reading the copy inside the checkpoint."""
     keep = {k: v for k, v in m.items() if k in _ARCH_KEYS or k in ("seq_length", "max_position_embeddings")}
     text = yaml.safe_dump({"model": keep}, sort_keys=False)
     if out:
         text += yaml.safe_dump({"checkpoint": {"pretrained_checkpoint": out}}, sort_keys=False)
+        tok_dir = f"{out.rstrip('/')}/iter_0000000/{TOKENIZER_DIR}"
+        if hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+            tok = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tok_dir}
+        elif hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+            tok = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": f"{tok_dir}/tokenizer.model"}
+        else:
+            tok = None
+        if tok:
+            text += yaml.safe_dump({"tokenizer": tok}, sort_keys=False)
     return text
 
 
@@ -124,12 +134,19 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
     if found is None:
         raise ConfigError("CKPT", f"{location}: holds no complete checkpoint")
     store, name, _ = found
-    if not store.exists(f"{name}/model.pt"):
-        raise ConfigError("CKPT", f"{location}/{name}: no model.pt (export-hf reads checkpoints saved with "
-                                  "checkpoint.ckpt_format kubetron)")
     run_cfg = yaml.safe_load(store.read_bytes(f"{name}/run_config.yaml"))
-    with store.open_read(f"{name}/model.pt") as f:
-        tensors = _safe_load(f, f"{name}/model.pt")
+    if store.exists(f"{name}/model.pt"):  # ckpt_format kubetron (and import-hf's output)
+        with store.open_read(f"{name}/model.pt") as f:
+            return run_cfg["model"], _safe_load(f, f"{name}/model.pt"), store, name
+    common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+    if common.get("ckpt_format") != "sharded":
+        raise ConfigError("CKPT", f"{location}/{name}: export-hf reads checkpoints saved with "
+                                  "checkpoint.ckpt_format sharded or kubetron, not torch_dist")
+    from kubetron.training.sharded import read_canonical
+
+    # The sharded format keeps a gated fc1 as (2, ffn, hidden) = [gate, up]; canonical is [gate; up].
+    tensors = {k: (t.reshape(-1, t.shape[-1]) if k.endswith("mlp.linear_fc1.weight") and t.ndim == 3 else t)
+               for k, t in read_canonical(store, name)[0].items()}
     return run_cfg["model"], tensors, store, name
 
 
