@@ -197,7 +197,7 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
             if name.endswith("bias"):
                 p.normal_(0, 0.5)  # zero-initialized otherwise: a dropped bias would not show
     hf.save_pretrained(tmp_path / "qwen")
-    (tmp_path / "qwen" / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    _write_tokenizer(tmp_path / "qwen")
     keys = import_hf(str(tmp_path / "qwen"), str(tmp_path / "ckpt"))
     assert keys["add_qkv_bias"] and keys["share_embeddings_and_output_weights"]
     ensure_world_of_one()
@@ -208,9 +208,45 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
     assert (kubetron_logits(model[0]) - want).abs().max().item() <= TOL
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
-    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # carried through the checkpoint unchanged
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "qwen" / f).read_bytes()
     original = load_file(tmp_path / "qwen" / "model.safetensors")
     exported = load_file(tmp_path / "out" / "model.safetensors")
     original.pop("lm_head.weight", None)
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
+
+
+def _write_tokenizer(hf_dir: Path):
+    """A small BPE trained here with `tokenizers` (no download), eos declared as HF does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"])
+    tok.train_from_iterator([x["input"] + x["output"] for x in SFT_LINES] * 5, trainer)
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>", "model_max_length": 128}')
+
+
+def test_import_prints_a_tokenizer_section_that_sft_data_uses(tmp_path, capsys):
+    """The printed config works as printed: its tokenizer reads the copy inside the checkpoint."""
+    import yaml
+    from kubetron.cli import main
+    from kubetron.config import ConfigContainer
+    from kubetron.data.finetuning import FinetuningDataset
+    from kubetron.data.loader import build_tokenizer_from_config
+
+    hf = make_tiny_llama(tmp_path / "llama")
+    _write_tokenizer(hf)
+    assert main(["import-hf", str(hf), str(tmp_path / "ckpt")]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["tokenizer"]["tokenizer_type"] == "HuggingFaceTokenizer"
+    cfg = ConfigContainer.from_dict({**printed, "train": {"train_iters": 1}})
+    tok = build_tokenizer_from_config(cfg)
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps(SFT_LINES[5]) + "\n")
+    s = FinetuningDataset(str(data), tok, 64, packing=True, seed=0)[0]
+    answer = [int(t) for t, m in zip(s["labels"], s["loss_mask"], strict=True) if m]
+    assert answer[-1] == tok.eod and tok.decode(answer[:-1]) == SFT_LINES[5]["output"]

@@ -102,7 +102,8 @@ class FinetuningDataset:
                  add_eod: bool = True, input_key: str = "input", output_key: str = "output",
                  field: str = "finetuning.data_path"):
         self.seq_length, self.packing, self.seed, self.shuffle = seq_length, packing, seed, shuffle
-        self.pad = int(getattr(tokenizer, "pad", tokenizer.eod))
+        pad = getattr(tokenizer, "pad", None)  # tokenizers without a pad token pad with eod (no loss there)
+        self.pad = int(tokenizer.eod if pad is None else pad)
         examples, cut = [], 0
         for prompt, answer in read_examples(path, field, input_key, output_key):
             ids, plen, was_cut = tokenize(tokenizer, prompt, answer, add_eod, seq_length + 1)
