@@ -83,3 +83,34 @@ def test_packed_logits_equal_each_example_alone(tmp_path):
     print(f"packed vs alone: max abs logit diff {worst:.3g} (without the document mask: {leak:.3g})")
     assert worst <= 1e-5
     assert leak > 1e-2  # the check can fail: without the mask the later examples differ
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_messages_rendered_with_the_template_loss_on_assistant_turns_only(tmp_path):
+    from kubetron.data.tokenizer import HuggingFaceTokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["What is the capital of France? Paris. And Germany? Berlin."] * 20,
+                            trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "<|im_start|>",
+                                                                                "<|im_end|>"]))
+    files = {"tokenizer.json": tok.to_str().encode(),
+             "tokenizer_config.json": json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}).encode()}
+    hf_tok = HuggingFaceTokenizer(files, "test")
+    chat = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And Germany?"}, {"role": "assistant", "content": "Berlin."}]
+    s = FinetuningDataset(_jsonl(tmp_path, [{"messages": chat}]), hf_tok, 64, packing=True, seed=0)[0]
+    labels = s["labels"][s["loss_mask"] > 0].tolist()
+    rendered = hf_tok.decode(labels)
+    assert "Paris." in rendered and "Berlin." in rendered
+    assert "capital" not in rendered and "Germany" not in rendered and "user" not in rendered
+    # Without a chat template: one line naming the file and example.
+    plain = HuggingFaceTokenizer({"tokenizer.json": files["tokenizer.json"],
+                                  "tokenizer_config.json": b'{"eos_token": "<|im_end|>"}'}, "test")
+    with pytest.raises(ConfigError, match="chat messages need a tokenizer with a chat template"):
+        FinetuningDataset(_jsonl(tmp_path, [{"messages": chat}]), plain, 64, packing=True, seed=0)

@@ -220,6 +220,9 @@ class FinetuningDatasetConfig(_Section):
     valid_data_path: str | None = _f(None, "JSONL validation file (needed when validation.eval_interval is set).")
     input_key: str = _f("input", "JSONL field holding the prompt (no loss on its tokens).")
     output_key: str = _f("output", "JSONL field holding the answer (the loss is taken on its tokens only).")
+    messages_key: str = _f(
+        "messages", "JSONL field holding a chat ([{role, content}, ...], rendered with the tokenizer's chat "
+                    "template; the loss is taken on assistant turns only).")
     packing: bool = _f(
         False, "Pack several examples into each sequence, attention kept inside each example and position ids "
                "reset per example (false: one example per sequence, padded).")

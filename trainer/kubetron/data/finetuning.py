@@ -1,6 +1,8 @@
 """Supervised fine-tuning data: JSONL prompt/answer pairs, padded or packed (the `finetuning` section).
 
-Each line is a JSON object with the prompt under `input_key` and the answer under `output_key`.
+Each line is a JSON object with the prompt under `input_key` and the answer under `output_key`, or
+a chat under `messages_key` (a list of {role, content}), rendered with the tokenizer's chat template
+as transformers renders it; its answer tokens are every assistant turn's rendered text.
 An example's token sequence is ``prompt + answer (+ eod)``; it gives ``n - 1`` (token, label) pairs,
 and the loss mask is 1 exactly where the label is an answer token, so the model is never trained
 to produce the prompt.
@@ -30,8 +32,9 @@ from kubetron.errors import ConfigError
 log = logging.getLogger("kubetron")
 
 
-def read_examples(path: str, field: str, input_key: str, output_key: str) -> list[tuple[str, str]]:
-    """(prompt, answer) pairs; a bad line is a ConfigError naming the file and line."""
+def read_examples(path: str, field: str, input_key: str, output_key: str,
+                  messages_key: str) -> list[tuple[str, str] | list[dict]]:
+    """(prompt, answer) pairs or chat message lists; a bad line is a ConfigError naming file and line."""
     out = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -44,6 +47,9 @@ def read_examples(path: str, field: str, input_key: str, output_key: str) -> lis
                     raise ConfigError(field, f"{path}:{lineno}: not a JSON object ({e.msg})") from None
                 if not isinstance(obj, dict):
                     raise ConfigError(field, f"{path}:{lineno}: not a JSON object")
+                if messages_key in obj:
+                    out.append(_messages(obj[messages_key], f"{path}:{lineno}", field, messages_key))
+                    continue
                 for key in (input_key, output_key):
                     if not isinstance(obj.get(key), str):
                         what = "has no" if key not in obj else "has a non-string"
@@ -56,19 +62,79 @@ def read_examples(path: str, field: str, input_key: str, output_key: str) -> lis
     return out
 
 
-def tokenize(tokenizer, prompt: str, answer: str, add_eod: bool, max_len: int) -> tuple[list[int], int, bool]:
-    """(ids, prompt length, whether it was cut) of one example, cut to `max_len` ids."""
+def _messages(msgs, where: str, field: str, key: str) -> list[dict]:
+    ok = isinstance(msgs, list) and msgs and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
+    if not ok:
+        raise ConfigError(field, f"{where}: {key!r} must be a list of {{role, content}} strings")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ConfigError(field, f"{where}: {key!r} has no assistant message (nothing to learn)")
+    return msgs
+
+
+def tokenize(tokenizer, prompt: str, answer: str, add_eod: bool) -> tuple[list[int], list[int]]:
+    """(ids, answer flags) of one prompt/answer pair."""
     p = list(tokenizer.encode(prompt))
-    full = p + list(tokenizer.encode(answer)) + ([tokenizer.eod] if add_eod else [])
-    return full[:max_len], len(p), len(full) > max_len
+    a = list(tokenizer.encode(answer)) + ([tokenizer.eod] if add_eod else [])
+    return p + a, [0] * len(p) + [1] * len(a)
 
 
-def example_arrays(ids: list[int], prompt_len: int) -> dict[str, np.ndarray]:
-    """tokens/labels/loss_mask/position_ids of one example (n ids -> n - 1 positions)."""
+def _token_text(tokenizer, token_id) -> str:
+    inner = getattr(tokenizer, "_tok", None)  # tokenizers.Tokenizer inside HuggingFaceTokenizer
+    return inner.id_to_token(token_id) or "" if inner is not None and token_id is not None else ""
+
+
+def tokenize_chat(tokenizer, messages: list[dict], where: str, field: str) -> tuple[list[int], list[int]]:
+    """A conversation rendered with the tokenizer's chat template (as transformers renders it); answer
+    flags on every assistant turn's rendered text, 0 on everything else."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ConfigError(field, f"{where}: chat messages need a tokenizer with a chat template "
+                                 f"(tokenizer_config.json chat_template); {tokenizer!r} has none")
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def fail(msg):
+        raise TemplateError(msg)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    tpl = env.from_string(template)
+    extra = {"bos_token": _token_text(tokenizer, getattr(tokenizer, "bos", None)),
+             "eos_token": _token_text(tokenizer, tokenizer.eod), "raise_exception": fail}
+
+    def render(msgs, gen: bool) -> str:
+        try:
+            return tpl.render(messages=msgs, add_generation_prompt=gen, **extra)
+        except TemplateError as e:
+            raise ConfigError(field, f"{where}: the chat template failed: {e}") from None
+
+    # Text spans, alternately context and an assistant turn: the rendering of the first i messages
+    # (with the generation prompt) is a prefix of the rendering of the first i + 1.
+    spans, done = [], ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (before.startswith(done) and through.startswith(before)):
+            raise ConfigError(field, f"{where}: the chat template does not render turns as prefixes")
+        spans += [(before[len(done):], 0), (through[len(before):], 1)]
+        done = through
+    spans.append((render(messages, False)[len(done):], 0))
+    ids, flags = [], []
+    for text, flag in spans:
+        piece = list(tokenizer.encode(text)) if text else []
+        ids += piece
+        flags += [flag] * len(piece)
+    return ids, flags
+
+
+def example_arrays(ids: list[int], answer: list[int]) -> dict[str, np.ndarray]:
+    """tokens/labels/loss_mask/position_ids of one example (n ids -> n - 1 positions): the loss is
+    taken where the label is an answer token."""
     ids_np = np.asarray(ids, dtype=np.int64)
     n = len(ids) - 1
     return {"tokens": ids_np[:-1], "labels": ids_np[1:],
-            "loss_mask": (np.arange(1, n + 1) >= prompt_len).astype(np.float32),
+            "loss_mask": np.asarray(answer[1:], dtype=np.float32),
             "position_ids": np.arange(n, dtype=np.int64)}
 
 
@@ -100,17 +166,19 @@ class FinetuningDataset:
 
     def __init__(self, path: str, tokenizer, seq_length: int, *, packing: bool, seed: int, shuffle: bool = True,
                  add_eod: bool = True, input_key: str = "input", output_key: str = "output",
-                 field: str = "finetuning.data_path"):
+                 messages_key: str = "messages", field: str = "finetuning.data_path"):
         self.seq_length, self.packing, self.seed, self.shuffle = seq_length, packing, seed, shuffle
         pad = getattr(tokenizer, "pad", None)  # tokenizers without a pad token pad with eod (no loss there)
         self.pad = int(tokenizer.eod if pad is None else pad)
         examples, cut = [], 0
-        for prompt, answer in read_examples(path, field, input_key, output_key):
-            ids, plen, was_cut = tokenize(tokenizer, prompt, answer, add_eod, seq_length + 1)
+        for n, ex in enumerate(read_examples(path, field, input_key, output_key, messages_key), 1):
+            ids, answer = tokenize_chat(tokenizer, ex, f"{path} example {n}", field) if isinstance(ex, list) \
+                else tokenize(tokenizer, *ex, add_eod)
+            cut += len(ids) > seq_length + 1
+            ids, answer = ids[:seq_length + 1], answer[:seq_length + 1]
             if len(ids) < 2:
                 continue  # nothing to predict
-            cut += was_cut
-            examples.append(example_arrays(ids, plen))
+            examples.append(example_arrays(ids, answer))
         if not examples:
             raise ConfigError(field, f"{path}: no example has two or more tokens")
         self.examples = examples
@@ -156,7 +224,7 @@ def build_finetuning_datasets(cfg, tokenizer) -> dict:
     """``{"train", "valid", "test"}`` for the `finetuning` section (test: None)."""
     ft = cfg.finetuning
     common = dict(packing=ft.packing, seed=cfg.rng.seed, shuffle=ft.shuffle, add_eod=ft.add_eod,
-                  input_key=ft.input_key, output_key=ft.output_key)
+                  input_key=ft.input_key, output_key=ft.output_key, messages_key=ft.messages_key)
     train = FinetuningDataset(ft.data_path, tokenizer, cfg.model.seq_length, **common)
     valid = None
     if ft.valid_data_path:
