@@ -250,3 +250,30 @@ def test_import_prints_a_tokenizer_section_that_sft_data_uses(tmp_path, capsys):
     s = FinetuningDataset(str(data), tok, 64, packing=True, seed=0)[0]
     answer = [int(t) for t, m in zip(s["labels"], s["loss_mask"], strict=True) if m]
     assert answer[-1] == tok.eod and tok.decode(answer[:-1]) == SFT_LINES[5]["output"]
+
+
+def _losses(stdout: str) -> dict[int, str]:
+    import re
+
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)", stdout)}
+
+
+def test_packed_sft_resumes_after_sigterm_with_the_same_losses(imported, tmp_path):
+    """The fine-tuning data position is restored exactly: a run stopped by SIGTERM and resumed logs the
+    losses of an uninterrupted run (packing on, several epochs of a small JSONL, shuffled per epoch)."""
+    from tests.trainer_utils import run_until_iteration_then_signal
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    keys = _model_keys(imported)
+    straight = _run(_finetune_args(tmp_path / "a", data, imported, keys, 8), tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    args = _finetune_args(tmp_path / "b", data, imported, keys, 8) + ["train.exit_signal_handler=true",
+                                                                      f"checkpoint.load={tmp_path / 'b' / 'run'}"]
+    code, out, err, _ = run_until_iteration_then_signal(args, tmp_path, 3)
+    assert code == 75, err[-2000:]
+    resumed = _run(args, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    first, second, want = _losses(out), _losses(resumed.stdout), _losses(straight.stdout)
+    assert min(second) == max(first) + 1 and sorted({**first, **second}) == list(range(1, 9))
+    assert {**first, **second} == want
