@@ -272,7 +272,7 @@ def build_datasets(cfg) -> dict:
             "model.vocab_size",
             f"{padded} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
         )
-    if cfg.finetuning.data_path:  # supervised fine-tuning examples instead of a pretraining corpus
+    if getattr(getattr(cfg, "finetuning", None), "data_path", None):  # SFT examples instead of a corpus
         from kubetron.data.finetuning import build_finetuning_datasets
 
         return build_finetuning_datasets(cfg, tokenizer)
