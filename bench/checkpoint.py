@@ -1,6 +1,10 @@
 """Checkpoint save/load throughput through kubetron.storage, against raw baselines measured in the same run.
 
     .venv/bin/python bench/checkpoint.py [--size-mb 1024] [--dir DIR] [--s3 auto|off] [--device cpu|cuda]
+    .venv/bin/python bench/checkpoint.py --ranks 2 [--layers 4 --hidden 512] [--s3 auto|off]
+
+`--ranks N`: the sharded checkpoints of a real model under torchrun (CPU, gloo): bytes per rank, rank 0's
+memory, async blocked time, S3 save per rank vs boto3, load time (bench/checkpoint_ranks.py says more).
 
 Payload: `torch.save` of a dict of fp32 tensors shaped like a model plus Adam state (1/4 params, 1/4
 master weights... in practice: 4 equal groups: params, fp32 master, exp_avg, exp_avg_sq).
@@ -141,10 +145,15 @@ def main() -> int:
     ap.add_argument("--part-mb", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--no-payload-signing", action="store_true", help="S3Options(payload_signing=False)")
+    ap.add_argument("--ranks", type=int, default=0, help="multi-rank mode: this many ranks under torchrun")
+    ap.add_argument("--layers", type=int, default=4, help="multi-rank mode: GPT layers")
+    ap.add_argument("--hidden", type=int, default=512, help="multi-rank mode: GPT hidden size")
     a = ap.parse_args()
 
     work = Path(a.dir or tempfile.mkdtemp(prefix="kubetron-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if a.ranks:
+        return multirank(a, work)
     t0 = time.perf_counter()
     state = make_state(a.size_mb, a.device)
     size = nbytes(state)
@@ -287,6 +296,33 @@ def main() -> int:
     for r in rows:
         print(" | ".join(c.ljust(w[i]) for i, c in enumerate(r)))
     return 0
+
+
+def multirank(a, work: Path) -> int:
+    """torchrun bench/checkpoint_ranks.py, with a SeaweedFS server for the S3 rows unless --s3 off."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(a.ranks), "--master-port",
+           str(port), str(ROOT / "bench" / "checkpoint_ranks.py"), "--dir", str(work), "--layers", str(a.layers),
+           "--hidden", str(a.hidden), "--repeats", str(a.repeats)]
+    # A fixed mmap threshold: large buffers are mapped on allocation and unmapped on free (glibc's
+    # sliding threshold would recycle freed heap memory), so RSS growth shows what a save allocates.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    try:
+        if a.s3 == "off":
+            return subprocess.run(cmd, env=env, check=False).returncode
+        from tests.s3server import start_s3_server
+
+        with start_s3_server(work / "s3server") as srv:
+            env.update(srv.env(), KUBETRON_BENCH_S3="1", KUBETRON_BENCH_BUCKET=srv.bucket)
+            return subprocess.run(cmd, env=env, check=False).returncode
+    finally:
+        if not a.dir:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -169,11 +169,13 @@ def test_bf16_sigterm_then_resume_is_bit_exact(tmp_path):
     p = run(_args(ref), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     reference = tb_scalars(ref / "tb")
-    optim = torch.load(ref / "iter_0000016" / "optim.pt", weights_only=True)
-    model = torch.load(ref / "iter_0000016" / "model.pt", weights_only=True)
-    # model.pt: the model's bf16 weights (the local spec's LayerNorms stay fp32); optim.pt: fp32 mains
+    from kubetron.storage import open_store
+    from kubetron.training.sharded import read_canonical
+
+    model, optim = read_canonical(open_store(ref), "iter_0000016")
+    # model tensors: the model's bf16 weights (the local spec's LayerNorms stay fp32); optimizer: fp32 mains
     assert model["embedding.word_embeddings.weight"].dtype == torch.bfloat16
-    for name, s in optim["state"].items():
+    for name, s in optim.items():
         assert s["main_param"].dtype == s["exp_avg"].dtype == torch.float32
         assert torch.equal(model[name], s["main_param"].to(model[name].dtype))
 

@@ -6,7 +6,9 @@ Tolerances (lm loss is about 5-6 here, fp32 throughout):
 - Resharded resume (DP2->DP1, DP2->TP2, TP2->DP1, PP2->PP1): |diff| <= 2e-3 per iteration against the
   uninterrupted run at the saving layout (TP splits matmul reductions and Adam amplifies the
   rounding differences of near-zero gradients a little; measured differences are far smaller).
-- Same-layout resume after SIGTERM: bit-exact.
+  DP2->TP2 has no `model.vocab_size` override: the padded vocabulary grows from 384 to 512 rows; the
+  checkpoint's padding rows are sliced/zero-padded and padding logits are masked out of the loss.
+- Same-layout resume after SIGTERM, or after SIGKILL of one rank during a save: bit-exact.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ GBS = 8
 COMMON = [f"train.train_iters={ITERS}", f"train.global_batch_size={GBS}", "logger.log_interval=1",
           "validation.eval_interval=null", "checkpoint.most_recent_k=-1"]
 # For the DP/TP runs: SwiGLU (gated fc1 re-interleaving), grouped-query attention, untied output layer
-# (vocab-parallel along dim 0), and a padded vocabulary fixed at 384 so TP=1 and TP=2 agree.
+# (vocab-parallel along dim 0, padded to 384 rows at TP=1 and 512 at TP=2).
 FLAVOR = ["model.activation=swiglu", "model.num_query_groups=2",
-          "model.share_embeddings_and_output_weights=false", "model.vocab_size=384"]
+          "model.share_embeddings_and_output_weights=false"]
 TP2 = ["model.tensor_model_parallel_size=2"]
 PP2 = ["model.pipeline_model_parallel_size=2"]
 LOSS_TOL = 2e-3
@@ -90,6 +92,11 @@ def test_dp2_trains_and_matches_dp1(dp_runs):
     assert r.consumed_at(ITERS) == ITERS * GBS
     assert r.terms[0]["reason"] == r.terms[1]["reason"] == "Completed"
     assert r.stdout.count("straggler report at iteration") == ITERS // 10, r.tail()
+    # the default (sharded) format: each rank wrote half of the tensor bytes, nothing gathered on rank 0
+    shards = dp_runs["base"] / "dp2" / "iter_0000010" / "shards"
+    sizes = [(shards / f"rank_{r:05d}.bin").stat().st_size for r in range(2)]
+    assert abs(sizes[0] - sizes[1]) <= 0.1 * sum(sizes), sizes
+    assert not (shards.parent / "model.pt").exists()
 
 
 def test_resume_dp2_at_dp1(dp_runs, tmp_path):
@@ -176,6 +183,35 @@ def test_sigterm_ten_times_then_exact_resume(dp_runs, tmp_path):
     final = launch(args(store, *FLAVOR), tmp_path / "ranks-final")
     ok(final)
     assert tb_scalars(store / "tb") == ref
+
+
+# (point of the save, rank to SIGKILL there, iteration the next run must resume from), in order
+KILLS = {"fs": [("after-shard@20", 1, 10), ("after-commit@30", 0, 30)],
+         "s3": [("after-shard@20", 0, 10), ("after-payload@30", 1, 20)]}
+
+
+@pytest.mark.parametrize("backend", ["fs", "s3"])
+def test_sigkill_one_rank_during_sharded_saves(dp_runs, tmp_path, s3_server, backend):
+    """One rank SIGKILLed at a point of a sharded save, twice, each run resuming the store the previous
+    one left: the next run resumes from the newest complete checkpoint, and the stitched losses equal the
+    uninterrupted DP=2 run bit for bit. fs: rank 1 after its shard data (no index, no commit), then rank 0
+    right after the commit marker (tracker not moved yet). s3, with async saves: rank 0 after its
+    multipart upload completed, then rank 1 after its whole payload (in the background writer)."""
+    store = str(tmp_path / "s") if backend == "fs" else f"s3://{s3_server.bucket}/{tmp_path.name}/job"
+    env = s3_server.env() if backend == "s3" else {}
+    extra = [*FLAVOR, "checkpoint.save_interval=10"] + (["checkpoint.async_save=true"] if backend == "s3" else [])
+    resume_at = None
+    for n, (point, rank, expect) in enumerate(KILLS[backend]):
+        r = launch(args(store, *extra, tb=tmp_path / "tb"), tmp_path / f"ranks-{n}", KUBETRON_CHAOS_KILL_AT=point,
+                   KUBETRON_CHAOS_RANK=rank, **env)
+        assert r.returncode != 0 and rank not in r.codes, (point, r.codes, r.tail())  # died, never exited
+        if resume_at:
+            assert f"at iteration {resume_at}" in r.stdout, r.tail()
+        resume_at = expect
+    final = launch(args(store, *extra, tb=tmp_path / "tb"), tmp_path / "ranks-final", **env)
+    ok(final)
+    assert f"at iteration {resume_at}" in final.stdout, final.tail()
+    assert tb_scalars(tmp_path / "tb") == dp_runs["dp2"]
 
 
 def _run_plain_and_stop_rank1(tmp_path, a, sig, at_iteration: int, wait: float):

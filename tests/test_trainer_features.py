@@ -114,6 +114,7 @@ def test_most_recent_k_keeps_the_newest_k(pretrained):
 def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
     """An incomplete newer directory (no commit marker) does not count: the newest complete stays."""
     from kubetron.config import ConfigContainer
+    from kubetron.storage import open_store
     from kubetron.training.checkpointing import MARKER, CheckpointManager
 
     store = tmp_path / "store"
@@ -124,7 +125,8 @@ def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
         if it != 40:  # iteration 40: a save that never committed
             (d / MARKER).write_text(json.dumps({"iteration": it}))
     cfg = ConfigContainer.from_yaml(TINY, [f"checkpoint.save={store}", "checkpoint.most_recent_k=1"])
-    mgr = CheckpointManager(cfg, GlobalState(cfg=cfg), run_id="test")
+    mgr = CheckpointManager(cfg, open_store(store), state=GlobalState(cfg=cfg), model=None, optimizer=None,
+                            scheduler=None, run_id="test")
     mgr._apply_retention()
     assert iter_dirs(store) == ["iter_0000030", "iter_0000040"]
 
@@ -221,7 +223,7 @@ def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
     store = tmp_path / "store"
     shutil.copytree(pretrained.ckpt, store)
     marker = tmp_path / "PWNED"
-    torch.save({"decoder.weight": Payload(marker)}, store / "iter_0000040" / "model.pt")
+    torch.save({"iteration": Payload(marker)}, store / "iter_0000040" / "common.pt")
 
     # the payload is live: plain unpickling (what an unsafe load does) runs it
     pickle.loads(pickle.dumps({"x": Payload(tmp_path / "probe-ran")}))
@@ -232,9 +234,9 @@ def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
     assert p.returncode == exitcodes.ERROR, p.stderr[-3000:]
     assert not marker.exists(), "the pickle payload ran"
     assert "Traceback" not in p.stderr
-    assert re.search(r"checkpoint error: refusing to load iter_0000040/model\.pt", p.stderr), p.stderr[-2000:]
+    assert re.search(r"checkpoint error: refusing to load iter_0000040/common\.pt", p.stderr), p.stderr[-2000:]
     assert p.termination["exitCode"] == exitcodes.ERROR
-    assert "refusing to load iter_0000040/model.pt" in p.termination["message"]
+    assert "refusing to load iter_0000040/common.pt" in p.termination["message"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,9 +244,12 @@ def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-def _adam_step(optim_pt: Path) -> int:
-    saved = torch.load(optim_pt, weights_only=True)
-    steps = {int(s["step"]) for s in saved["state"].values()}
+def _adam_step(ckpt: Path) -> int:
+    from kubetron.storage import open_store
+    from kubetron.training.sharded import read_canonical
+
+    _, optim = read_canonical(open_store(ckpt.parent), ckpt.name)
+    steps = {int(s["step"]) for s in optim.values()}
     assert len(steps) == 1
     return steps.pop()
 
@@ -265,13 +270,13 @@ def test_finetune_from_parent_dir_then_resume_from_its_own_checkpoint(pretrained
     assert lr[1] == pytest.approx(0.5e-3)  # fresh schedule: warmup 1/2 of lr=1e-3 (pretrained ended at min_lr)
     saved = term["lastCheckpoint"]
     assert saved >= 3
-    assert _adam_step(ft / f"iter_{saved:07d}" / "optim.pt") == saved  # fresh optimizer, not 40 + saved
+    assert _adam_step(ft / f"iter_{saved:07d}") == saved  # fresh optimizer, not 40 + saved
 
     p = run(args, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.search(rf"resumed from \S+ft/iter_{saved:07d} at iteration {saved}", p.stdout)
     assert "finetuning from weights" not in p.stdout
-    assert _adam_step(ft / "iter_0000008" / "optim.pt") == 8
+    assert _adam_step(ft / "iter_0000008") == 8
 
 
 def test_finetune_from_an_iter_dir(pretrained, tmp_path):

@@ -5,6 +5,8 @@
     kubetron config    [--reference] [--config FILE] [overrides ...]
     kubetron progress  STORE [--json]
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
+    kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
+    kubetron export-hf CKPT OUT                        kubetron checkpoint -> HF config.json + safetensors
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
     kubetron render    FILE
 
@@ -16,7 +18,6 @@ command imports what it needs.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -104,20 +105,26 @@ def cmd_progress(args: argparse.Namespace) -> int:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from kubetron.data.preprocess import preprocess
+    from kubetron.data.preprocess import run
 
-    for path in args.input:
-        if not os.path.isfile(path):
-            raise ConfigError("--input", f"{path}: no such file")
-    kwargs = {"append_eod": args.append_eod}
-    params = inspect.signature(preprocess).parameters
-    if "workers" in params:
-        kwargs["workers"] = args.workers
-    if "json_key" in params and args.json_key is not None:
-        kwargs["json_key"] = args.json_key
-    result = preprocess(list(args.input), args.output_prefix, **kwargs)
-    if result is not None:
-        print(json.dumps(result, indent=2, default=str))
+    run(args)
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from kubetron.hf.io import import_hf, model_yaml
+
+    m = import_hf(args.hf_dir, args.out)
+    print(f"# wrote {args.out}/iter_0000000; fine-tune from it with this in the run config:")
+    sys.stdout.write(model_yaml(m, args.out, args.hf_dir))
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from kubetron.hf.io import export_hf
+
+    cfg = export_hf(args.ckpt, args.out)
+    print(f"wrote {args.out}: {cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, {cfg['torch_dtype']}")
     return 0
 
 
@@ -180,15 +187,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_progress)
 
     p = sub.add_parser("preprocess", help="tokenize text/JSONL into an indexed dataset (.bin/.idx)",
-                       description="Tokenize text or JSONL files with the byte tokenizer into "
+                       description="Tokenize text or JSONL files with any of the trainer's tokenizers into "
                                    "PREFIX.bin and PREFIX.idx (usable as dataset.data_path).")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="input .txt or .jsonl files")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end every document with the eod token (default: on)")
-    p.add_argument("--json-key", default=None, metavar="KEY", help="JSONL field holding the text (default: text)")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default: 1)")
+    from kubetron.data.preprocess import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser("import-hf", help="convert a Hugging Face Llama-family model into a kubetron checkpoint",
+                       description="Convert HF_DIR (config.json + *.safetensors of a Llama, Mistral or Qwen2 "
+                                   "model) into the kubetron checkpoint OUT and print the matching model section.")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory")
+    p.add_argument("out", metavar="OUT", help="checkpoint directory to create (a path or s3://bucket/prefix)")
+    p.set_defaults(func=cmd_import_hf)
+
+    p = sub.add_parser("export-hf", help="write a kubetron checkpoint as a Hugging Face model",
+                       description="Write OUT/config.json and OUT/model.safetensors (and the tokenizer files the "
+                                   "checkpoint holds) from the newest checkpoint in CKPT, for transformers.")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (or one iter_ directory, or s3://...)")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("operator", help="run the Kubernetes operator",
                        description="Run the kubetron operator (kopf) against the current cluster.")

@@ -25,7 +25,7 @@ import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
 from kubetron.errors import ConfigError
@@ -118,9 +118,16 @@ class GPTModelConfig(_Section):
                                            ge=1)
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = _f("rope", "Position embedding kind.")
     rotary_base: int = _f(10000, "RoPE base period.", ge=1)
+    rope_scaling: bool = _f(False, "Llama-3 RoPE frequency scaling (the rope_scaling_* keys; HF rope_type llama3).")
+    rope_scaling_factor: float = _f(8.0, "Llama-3 RoPE scaling: factor low frequencies are divided by.", gt=0)
+    rope_scaling_low_freq_factor: float = _f(1.0, "Llama-3 RoPE scaling: low_freq_factor.", gt=0)
+    rope_scaling_high_freq_factor: float = _f(4.0, "Llama-3 RoPE scaling: high_freq_factor.", gt=0)
+    rope_scaling_original_max_position_embeddings: int = _f(
+        8192, "Llama-3 RoPE scaling: context length (tokens) the unscaled model was trained on.", ge=1)
     normalization: Literal["LayerNorm", "RMSNorm"] = _f("LayerNorm", "Normalization layer kind.")
     activation: Literal["gelu", "swiglu"] = _f("gelu", "MLP activation (swiglu: gated SiLU).")
     add_bias_linear: bool = _f(True, "Biases in the linear layers.")
+    add_qkv_bias: bool = _f(False, "Biases in the query/key/value projection only (Qwen2).")
     share_embeddings_and_output_weights: bool = _f(True, "Tie the input embedding and the output layer.")
     hidden_dropout: float = _f(0.0, "Dropout probability after attention and MLP (fraction).", ge=0, lt=1)
     attention_dropout: float = _f(0.0, "Dropout probability on attention weights (fraction).", ge=0, lt=1)
@@ -167,37 +174,114 @@ class SchedulerConfig(_Section):
 
 
 class GPTDatasetConfig(_Section):
-    """Training data: Megatron indexed datasets, or mock data when data_path is unset."""
+    """Training data: Megatron indexed datasets (built by megatron-core), or mock data when no path is set."""
 
     data_path: list[str] | None = _f(
-        None, "Indexed dataset prefixes (.bin/.idx), optionally weighted: [\"0.7\", \"a\", \"0.3\", \"b\"] "
-              "(None: mock data).")
-    split: str = _f("969,30,1", "Train,validation,test proportions of each dataset (comma-separated weights).")
+        None, "Indexed dataset prefixes (.bin/.idx), optionally weighted: [\"0.7\", \"a\", \"0.3\", \"b\"] or "
+              "\"0.7 a 0.3 b\"; divided by split (None: mock data).")
+    split: str = _f("969,30,1", "Train,validation,test proportions of the documents of each data_path prefix "
+                                "(comma-separated weights).")
+    train_data_path: list[str] | None = _f(
+        None, "Per-split blend for training (instead of data_path + split); same forms as data_path.")
+    valid_data_path: list[str] | None = _f(None, "Per-split blend for validation (with train_data_path).")
+    test_data_path: list[str] | None = _f(None, "Per-split blend for testing (with train_data_path).")
+    reset_position_ids: bool = _f(False, "Restart position ids at every document (after each eod token).")
+    reset_attention_mask: bool = _f(
+        False, "Attend only within a document (a per-sample attention mask cut at every eod token).")
+    eod_mask_loss: bool = _f(False, "No loss on eod tokens.")
     pin_memory: bool = _f(True, "Pin host memory for batches (only with a GPU).")
     prefetch: int = _f(2, "Micro-batches prepared ahead of the training step.", ge=0)
     mock_seed: int | None = _f(None, "Seed of the mock data (None: rng.seed).", ge=0)
 
-    @field_validator("data_path", mode="before")
+    @field_validator("data_path", "train_data_path", "valid_data_path", "test_data_path", mode="before")
     @classmethod
-    def _one_prefix(cls, v: Any) -> Any:
-        """A single prefix may be given as a string (or a number-free scalar)."""
-        return [v] if isinstance(v, str) else v
+    def _words(cls, v: Any) -> Any:
+        """A string is Megatron's space-separated form ("0.3 a 0.7 b" or "a"); list items are split alike."""
+        if isinstance(v, str):
+            return v.split()
+        if isinstance(v, list):
+            return [w for item in v for w in (str(item).split() if isinstance(item, str) else [item])]
+        return v
+
+    def blends(self) -> dict[str, list[str] | None]:
+        """The per-split paths in use, {"train", "valid", "test"} (None: no per-split paths)."""
+        return {"train": self.train_data_path, "valid": self.valid_data_path, "test": self.test_data_path}
+
+    @property
+    def has_data(self) -> bool:
+        return self.data_path is not None or any(v is not None for v in self.blends().values())
+
+
+class FinetuningDatasetConfig(_Section):
+    """Supervised fine-tuning data (JSONL prompt/answer pairs) instead of the dataset section's corpus."""
+
+    data_path: str | None = _f(
+        None, "JSONL training file, one {input, output} object per line (None: train on the dataset section).")
+    valid_data_path: str | None = _f(None, "JSONL validation file (needed when validation.eval_interval is set).")
+    input_key: str = _f("input", "JSONL field holding the prompt (no loss on its tokens).")
+    output_key: str = _f("output", "JSONL field holding the answer (the loss is taken on its tokens only).")
+    messages_key: str = _f(
+        "messages", "JSONL field holding a chat ([{role, content}, ...], rendered with the tokenizer's chat "
+                    "template; the loss is taken on assistant turns only).")
+    packing: bool = _f(
+        False, "Pack several examples into each sequence, attention kept inside each example and position ids "
+               "reset per example (false: one example per sequence, padded).")
+    add_eod: bool = _f(True, "End every answer with the tokenizer's end-of-document token.")
+    shuffle: bool = _f(True, "Shuffle the sequences every epoch (seeded by rng.seed; resume stays exact).")
 
 
 class TokenizerConfig(_Section):
-    """The tokenizer: bytes (258 ids) or a bare vocabulary size for mock data."""
+    """The tokenizer (Megatron's names): bytes, a bare vocabulary size for mock data, or tokenizer files."""
 
-    tokenizer_type: Literal["byte", "null"] = _f(
-        "byte", "byte: UTF-8 bytes + eod + pad (258 ids); null: ids only, for mock data.")
+    tokenizer_type: Literal["byte", "null", "HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer"] = _f(
+        "byte", "byte: UTF-8 bytes + eod + pad (258 ids); null: ids only, for mock data; HuggingFaceTokenizer: "
+                "tokenizer.json; SentencePieceTokenizer: .model; GPT2BPETokenizer: vocab.json + merges.txt.")
+    tokenizer_model: str | None = _f(
+        None, "HuggingFaceTokenizer: a tokenizer.json or a directory holding one; SentencePieceTokenizer: a .model "
+              "file (local path or s3://).")
+    vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json (local path or s3://).")
+    merge_file: str | None = _f(None, "GPT2BPETokenizer: merges.txt (local path or s3://).")
     vocab_size: int | None = _f(None, "Vocabulary size of the null tokenizer (ids; eod = vocab_size - 1).", ge=2)
+    _assets: dict[str, bytes] | None = PrivateAttr(default=None)
+
+    def assets(self) -> dict[str, bytes] | None:
+        """Tokenizer files adopted from a checkpoint on resume (they win over the paths), else None."""
+        return self._assets
+
+    def adopt_assets(self, assets: dict[str, bytes] | None) -> None:
+        """Use these files (a checkpoint's tokenizer/) instead of reading the configured paths."""
+        self._assets = dict(assets) if assets else None
+
+    @property
+    def file_based(self) -> bool:
+        return self.tokenizer_type not in ("byte", "null")
 
     def base_vocab_size(self) -> int:
-        """The tokenizer's own vocabulary size, before padding."""
+        """The tokenizer's own vocabulary size, before padding (file-based tokenizers read their files)."""
         if self.tokenizer_type == "byte":
             return BYTE_TOKENIZER_VOCAB
-        if self.vocab_size is None:
-            raise ConfigError("tokenizer.vocab_size", "required when tokenizer_type is 'null'")
-        return self.vocab_size
+        if self.tokenizer_type == "null":
+            if self.vocab_size is None:
+                raise ConfigError("tokenizer.vocab_size", "required when tokenizer_type is 'null'")
+            return self.vocab_size
+        from kubetron.data.tokenizer import build_tokenizer
+
+        return build_tokenizer(self).vocab_size
+
+    def validate_fields(self) -> None:
+        """Which keys each tokenizer_type needs or ignores (no file is read)."""
+        kind = self.tokenizer_type
+        needs = {"null": ("vocab_size",), "HuggingFaceTokenizer": ("tokenizer_model",),
+                 "SentencePieceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
+        wanted = needs.get(kind, ())
+        for name in ("tokenizer_model", "vocab_file", "merge_file", "vocab_size"):
+            value = getattr(self, name)
+            if name in wanted and value is None and self._assets is None:
+                raise ConfigError(f"tokenizer.{name}", f"required when tokenizer_type is {kind!r}")
+            if name not in wanted and value is not None:
+                raise ConfigError(f"tokenizer.{name}", f"not used by tokenizer_type {kind!r}")
+            if isinstance(value, str) and not value.strip():
+                raise ConfigError(f"tokenizer.{name}", "is empty (use null to unset it)")
 
 
 class LoggerConfig(_Section):
@@ -226,9 +310,11 @@ class CheckpointConfig(_Section):
     pretrained_checkpoint: str | None = _f(
         None, "Checkpoint to initialise model weights from when finetuning (store or iter_* directory).")
     async_save: bool = _f(False, "Write checkpoints in the background while training continues.")
-    ckpt_format: Literal["kubetron", "torch_dist"] = _f(
-        "kubetron", "kubetron: canonical unsharded tensors, streamed to the store; torch_dist: megatron-core "
-        "dist_checkpointing, every rank writes its shards (staged on local disk; see docs/parallelism.md).")
+    ckpt_format: Literal["sharded", "kubetron", "torch_dist"] = _f(
+        "sharded", "sharded: every rank streams its own part of the canonical tensors to the store and loads "
+        "only what its layout needs (any DP/TP/PP); kubetron: canonical unsharded tensors gathered on rank 0; "
+        "torch_dist: megatron-core dist_checkpointing (sync only, staged on local disk for S3; see "
+        "docs/parallelism.md).")
     dist_staging_dir: str | None = _f(
         None, "Local directory torch_dist checkpoints are staged in on their way to/from the store (None: the "
               "system temp dir).")
@@ -331,6 +417,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "scheduler": SchedulerConfig,
     "dataset": GPTDatasetConfig,
     "tokenizer": TokenizerConfig,
+    "finetuning": FinetuningDatasetConfig,
     "logger": LoggerConfig,
     "checkpoint": CheckpointConfig,
     "dist": DistributedInitConfig,
@@ -353,10 +440,10 @@ def is_remote(path: str | None) -> bool:
     return bool(path) and str(path).startswith("s3://")
 
 
-def parse_data_path(paths: list[str]) -> list[tuple[float, str]]:
+def parse_data_path(paths: list[str], field: str = "dataset.data_path") -> list[tuple[float, str]]:
     """Megatron's data_path list as (weight, prefix) pairs: ["a"] or ["0.7", "a", "0.3", "b"]."""
     if not paths:
-        raise ConfigError("dataset.data_path", "is empty (leave it unset for mock data)")
+        raise ConfigError(field, "is empty (leave it unset for mock data)")
     if len(paths) == 1:
         return [(1.0, paths[0])]
     try:
@@ -364,15 +451,15 @@ def parse_data_path(paths: list[str]) -> list[tuple[float, str]]:
     except ValueError:
         return [(1.0, p) for p in paths]
     if len(paths) % 2:
-        raise ConfigError("dataset.data_path", "weighted form needs pairs: [weight, prefix, weight, prefix, ...]")
+        raise ConfigError(field, "weighted form needs pairs: [weight, prefix, weight, prefix, ...]")
     out = []
     for w, p in zip(paths[0::2], paths[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise ConfigError("dataset.data_path", f"expected a weight, got {w!r}") from None
+            raise ConfigError(field, f"expected a weight, got {w!r}") from None
         if not weight > 0 or not math.isfinite(weight):
-            raise ConfigError("dataset.data_path", f"weights must be positive numbers, got {w!r}")
+            raise ConfigError(field, f"weights must be positive numbers, got {w!r}")
         out.append((weight, p))
     return out
 
@@ -584,6 +671,8 @@ class ConfigContainer(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="The learning-rate schedule.")
     dataset: GPTDatasetConfig = Field(default_factory=GPTDatasetConfig, description="Training data.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="The tokenizer.")
+    finetuning: FinetuningDatasetConfig = Field(default_factory=FinetuningDatasetConfig,
+                                                description="Supervised fine-tuning data.")
     logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Logging.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     dist: DistributedInitConfig = Field(default_factory=DistributedInitConfig,
@@ -690,18 +779,13 @@ class ConfigContainer(BaseModel):
             raise ConfigError("model.ffn_hidden_size", f"{m.ffn_hidden_size} is not divisible by "
                                                        f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
 
-        # tokenizer / vocabulary
+        # tokenizer / vocabulary (a file-based tokenizer's size is checked in finalize: it reads files)
         tok = self.tokenizer
-        if tok.tokenizer_type == "null" and tok.vocab_size is None:
-            raise ConfigError("tokenizer.vocab_size", "required when tokenizer_type is 'null'")
-        if tok.tokenizer_type == "byte" and tok.vocab_size is not None:
-            raise ConfigError("tokenizer.vocab_size", "only used with tokenizer_type 'null' "
-                                                      f"(the byte tokenizer has {BYTE_TOKENIZER_VOCAB} ids)")
-        base = tok.base_vocab_size()
+        tok.validate_fields()
         if m.vocab_size is not None:
-            if m.vocab_size < base:
+            if not tok.file_based and m.vocab_size < tok.base_vocab_size():
                 raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's "
-                                                      f"vocabulary ({base})")
+                                                      f"vocabulary ({tok.base_vocab_size()})")
             if m.vocab_size % m.tensor_model_parallel_size:
                 raise ConfigError("model.vocab_size", f"{m.vocab_size} is not divisible by "
                                                       f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
@@ -719,13 +803,36 @@ class ConfigContainer(BaseModel):
         # dataset
         d = self.dataset
         fractions = parse_split(d.split)
+        per_split = {k: v for k, v in d.blends().items() if v is not None}
+        for name, paths in (("data_path", d.data_path), *((f"{k}_data_path", v) for k, v in per_split.items())):
+            if paths is not None:
+                parse_data_path(paths, field=f"dataset.{name}")
+        if per_split:
+            if d.data_path is not None:
+                raise ConfigError("dataset.data_path", "set data_path (+ split) or train/valid/test_data_path, "
+                                                       "not both")
+            if "train" not in per_split:
+                raise ConfigError("dataset.train_data_path", "required with valid_data_path/test_data_path")
+            if self.validation.eval_interval is not None and "valid" not in per_split:
+                raise ConfigError("dataset.valid_data_path", "required when validation.eval_interval is set")
         if d.data_path is not None:
-            parse_data_path(d.data_path)
             if fractions[0] == 0:
                 raise ConfigError("dataset.split", f"{d.split!r} leaves no training data")
             if self.validation.eval_interval is not None and fractions[1] == 0:
                 raise ConfigError("dataset.split", f"{d.split!r} leaves no validation data but "
                                                    "validation.eval_interval is set")
+
+        if m.rope_scaling and m.position_embedding_type != "rope":
+            raise ConfigError("model.rope_scaling", "needs position_embedding_type rope")
+        ft = self.finetuning
+        if ft.data_path is not None and self.validation.eval_interval is not None and ft.valid_data_path is None:
+            raise ConfigError("finetuning.valid_data_path", "required when validation.eval_interval is set")
+        if ft.packing and ft.data_path is not None and m.transformer_impl == "transformer_engine":
+            raise ConfigError("finetuning.packing", "needs model.transformer_impl local or auto (packed "
+                                                    "examples are masked in kubetron's SDPA attention)")
+        for name in ("data_path", "valid_data_path"):
+            if is_remote(getattr(ft, name)):
+                raise ConfigError(f"finetuning.{name}", "must be a local file (a mounted volume), not s3://")
 
         # logger
         import logging
@@ -760,7 +867,7 @@ class ConfigContainer(BaseModel):
             raise ConfigError("checkpoint.dist_staging_dir", "must be a local directory, not s3://")
         if c.ckpt_format == "torch_dist" and c.async_save:
             raise ConfigError("checkpoint.async_save", "is not supported with ckpt_format torch_dist (its save is "
-                                                       "collective over all ranks); use ckpt_format kubetron")
+                                                       "collective over all ranks); use ckpt_format sharded")
 
         # dist / ddp / precision / profiling
         if self.dist.distributed_backend == "nccl" and self.dist.use_gpu is False:
@@ -777,14 +884,18 @@ class ConfigContainer(BaseModel):
     def check_paths(self) -> None:
         """Inputs on the local filesystem exist: dataset prefixes, pretrained checkpoint, required load."""
         d, c = self.dataset, self.checkpoint
-        if d.data_path is not None:
-            for _, prefix in parse_data_path(d.data_path):
+        for name, paths in (("data_path", d.data_path), *((f"{k}_data_path", v) for k, v in d.blends().items())):
+            for _, prefix in parse_data_path(paths, f"dataset.{name}") if paths is not None else ():
                 if is_remote(prefix):
                     continue
                 missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
                 if missing:
                     names = " and ".join(prefix + e for e in missing)
-                    raise ConfigError("dataset.data_path", f"{prefix!r}: missing {names}")
+                    raise ConfigError(f"dataset.{name}", f"{prefix!r}: missing {names}")
+        for name in ("data_path", "valid_data_path"):
+            path = getattr(self.finetuning, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"finetuning.{name}", f"{path}: no such file")
         if c.pretrained_checkpoint and not is_remote(c.pretrained_checkpoint) \
                 and not os.path.exists(c.pretrained_checkpoint):
             raise ConfigError("checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint}: no such directory")
@@ -853,6 +964,9 @@ class ConfigContainer(BaseModel):
             m.max_position_embeddings = m.seq_length
         if m.vocab_size is None:
             m.vocab_size = padded_vocab_size(self)
+        elif self.tokenizer.file_based and m.vocab_size < self.tokenizer.base_vocab_size():
+            raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's vocabulary "
+                                                  f"({self.tokenizer.base_vocab_size()})")
         if m.tensor_model_parallel_size == 1:
             m.sequence_parallel = False  # as Megatron: nothing to shard
         if m.ffn_hidden_size % m.tensor_model_parallel_size:

@@ -2,19 +2,24 @@
 
 Importing this package is cheap (no torch, no megatron-core); the heavy modules load on first use:
 
-* :mod:`kubetron.data.tokenizer` - ``build_tokenizer("byte" | "null", vocab_size)``
-* :mod:`kubetron.data.preprocess` - ``preprocess(inputs, output_prefix)`` -> ``.bin/.idx``
-* :mod:`kubetron.data.datasets` - mock, indexed and blended GPT datasets
+* :mod:`kubetron.data.tokenizer` - ``build_tokenizer(cfg.tokenizer)``, ``tokenizer_assets``, ``tokenizer_from_assets``
+* :mod:`kubetron.data.preprocess` - ``preprocess(inputs, output_prefix, tokenizer=...)`` -> ``.bin/.idx``
+* :mod:`kubetron.data.datasets` - mock data, and megatron-core's GPT/blended datasets
 * :mod:`kubetron.data.loader` - ``build_data_iterators(cfg, dp_rank, dp_size, ...)``, ``DataIterator``
 """
 
-from kubetron.data.tokenizer import ByteTokenizer, NullTokenizer, build_tokenizer
+from kubetron.data.tokenizer import (
+    ByteTokenizer,
+    NullTokenizer,
+    build_tokenizer,
+    tokenizer_assets,
+    tokenizer_from_assets,
+)
 
 _LAZY = {
     "preprocess": "kubetron.data.preprocess",
     "MockGPTDataset": "kubetron.data.datasets",
-    "IndexedGPTDataset": "kubetron.data.datasets",
-    "BlendedDataset": "kubetron.data.datasets",
+    "EndlessDataset": "kubetron.data.datasets",
     "build_gpt_datasets": "kubetron.data.datasets",
     "DataIterator": "kubetron.data.loader",
     "build_data_iterators": "kubetron.data.loader",
@@ -22,10 +27,9 @@ _LAZY = {
 }
 
 __all__ = [
-    "BlendedDataset",
     "ByteTokenizer",
     "DataIterator",
-    "IndexedGPTDataset",
+    "EndlessDataset",
     "MockGPTDataset",
     "NullTokenizer",
     "build_data_iterators",
@@ -33,6 +37,8 @@ __all__ = [
     "build_gpt_datasets",
     "build_tokenizer",
     "preprocess",
+    "tokenizer_assets",
+    "tokenizer_from_assets",
 ]
 
 

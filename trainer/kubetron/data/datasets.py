@@ -1,35 +1,27 @@
-"""GPT datasets: every sample is a dict of numpy arrays of length ``seq_length``.
+"""GPT datasets: every sample is a dict of ``tokens``, ``labels`` (``tokens`` shifted by one),
+``loss_mask`` and ``position_ids`` of length ``seq_length`` (plus ``attention_mask`` with
+``dataset.reset_attention_mask``).
 
-``tokens`` (int64), ``labels`` (int64, ``tokens`` shifted by one), ``loss_mask`` (float32, 0 where the
-label is the pad id) and ``position_ids`` (int64, ``0..seq_length-1``; positions are not reset at
-document boundaries, as in Megatron's default). Causal attention is implied: there is no mask.
+Data on disk (Megatron ``.bin/.idx`` prefixes) is built by megatron-core itself:
+``BlendedMegatronDatasetBuilder`` with ``GPTDataset`` and ``BlendedDataset`` (they run on CPU; the
+wheel ships the compiled ``helpers_cpp``), so the sample order is Megatron's for the same
+``data_path``/``split`` (or per-split paths), seed, sequence length and sample counts, and
+``reset_position_ids``, ``reset_attention_mask`` and ``eod_mask_loss`` are megatron-core's. The sample
+counts are Megatron's: ``train_iters * global_batch_size`` for train,
+``(train_iters // eval_interval + 1) * eval_iters * global_batch_size`` for validation and
+``eval_iters * global_batch_size`` for test. An unweighted list of prefixes is weighted by size,
+as in Megatron. The shuffle indices are built in memory on every rank (no cache files next to the
+data, which may be on a read-only volume).
 
-Every dataset here is indexed by a *global sample index* ``0, 1, 2, ...`` with no upper bound: an
-index past the end of an epoch wraps into the next epoch, which (for data on disk) is reshuffled
-deterministically. ``len(ds)`` is the number of samples in one epoch. Sample ``i`` is a pure
-function of ``(seed, i)`` and the data, so the order never depends on the data-parallel size.
+Every dataset here is indexed by a *global sample index* ``0, 1, 2, ...``: the order never depends
+on the data-parallel size. Past the planned number of samples the order starts again from sample 0.
 
-* :class:`MockGPTDataset` - synthetic, generated on demand, learnable (arithmetic progressions).
-* :class:`IndexedGPTDataset` - one split of one Megatron ``.bin/.idx`` prefix.
-* :class:`BlendedDataset` - a weighted mix of several datasets.
-
-:func:`build_gpt_datasets` turns ``data_path`` + ``split`` into train/valid/test datasets.
-
-Splitting (like Megatron): the ``split`` weights (e.g. ``"969,30,1"``) divide the *documents* of each
-prefix into three contiguous ranges: train, valid, test. Within a split, an epoch is: shuffle the
-documents (numpy ``Generator`` seeded from the seed, the prefix's position in ``data_path``, the
-split and the epoch), concatenate them as stored, cut the stream into windows of ``seq_length + 1``
-tokens that overlap by one token (window ``k`` starts at token ``k * seq_length``; the last partial
-window is dropped) and shuffle the windows. Documents are concatenated *as stored*: ``kubetron
-preprocess`` appends the ``eod`` token to every document (its default), which is what separates
-documents in a sample. Nothing is cached on disk; per epoch the dataset keeps two permutations in
-memory (one int64 per document and one per sample).
+No data path -> :class:`MockGPTDataset`: synthetic, generated on demand, learnable.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -116,126 +108,41 @@ class MockGPTDataset:
         return make_sample(self.window(index))
 
 
-class IndexedGPTDataset:
-    """One split (a contiguous range of documents) of one megatron-core ``IndexedDataset``.
+class EndlessDataset:
+    """A megatron-core dataset indexed past its end: sample ``i`` is ``dataset[i % len(dataset)]``.
 
-    ``indexed`` is an opened ``megatron.core.datasets.indexed_dataset.IndexedDataset``; documents
-    ``[doc_begin, doc_end)`` (Megatron documents, via ``document_indices``) form this split. See the
-    module docstring for how samples are cut and shuffled.
+    Samples come back as numpy arrays (megatron-core returns tensors) so mock and indexed data collate alike.
     """
 
-    def __init__(
-        self,
-        indexed,
-        doc_begin: int,
-        doc_end: int,
-        seq_length: int,
-        seed: int,
-        salt: Sequence[int] = (),
-        pad_id: int | None = None,
-        name: str = "",
-    ):
-        self.indexed = indexed
-        self.seq_length = int(seq_length)
-        self.seed = int(seed)
-        self.salt = tuple(int(s) for s in salt)
-        self.pad_id = pad_id
+    def __init__(self, dataset, name: str = ""):
+        self.dataset = dataset
         self.name = name
-        doc_index = np.asarray(indexed.document_indices)
-        self.seq_begin = int(doc_index[doc_begin])
-        self.seq_end = int(doc_index[doc_end])
-        self.lengths = np.asarray(indexed.sequence_lengths[self.seq_begin : self.seq_end], dtype=np.int64)
-        self.num_tokens = int(self.lengths.sum())
-        # windows of seq_length + 1 tokens overlapping by one token
-        self.samples_per_epoch = max(0, (self.num_tokens - 1) // self.seq_length)
-        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._len = len(dataset)
 
     def __len__(self) -> int:
-        return self.samples_per_epoch
+        return self._len
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cached = self._epochs.get(epoch)
-        if cached is not None:
-            self._epochs.move_to_end(epoch)
-            return cached
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32, *self.salt, epoch])
-        doc_order = rng.permutation(self.lengths.shape[0])
-        doc_ends = np.cumsum(self.lengths[doc_order])
-        sample_order = rng.permutation(self.samples_per_epoch)
-        cached = (doc_order, doc_ends, sample_order)
-        self._epochs[epoch] = cached
-        while len(self._epochs) > 2:
-            self._epochs.popitem(last=False)
-        return cached
-
-    def window(self, index: int) -> np.ndarray:
-        if self.samples_per_epoch == 0:
-            raise IndexError(
-                f"{self.name or 'dataset'} has no complete sample of {self.seq_length + 1} tokens"
-            )
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if index < 0:
             raise IndexError(index)
-        epoch, within = divmod(int(index), self.samples_per_epoch)
-        doc_order, doc_ends, sample_order = self._epoch(epoch)
-        pos = int(sample_order[within]) * self.seq_length
-        need = self.seq_length + 1
-        i = int(np.searchsorted(doc_ends, pos, side="right"))
-        pieces = []
-        while need > 0:
-            doc_start = int(doc_ends[i]) - int(self.lengths[doc_order[i]])
-            offset = pos - doc_start
-            take = min(need, int(doc_ends[i]) - pos)
-            if take > 0:
-                seq = self.seq_begin + int(doc_order[i])
-                pieces.append(self.indexed.get(seq, offset=offset, length=take))
-                need -= take
-                pos += take
-            i += 1
-        return np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
+        sample = self.dataset[int(index) % self._len]
+        return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in sample.items() if k != "dataset_id"}
 
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        return make_sample(self.window(index), self.pad_id)
+    def __repr__(self) -> str:
+        return f"EndlessDataset({self.name}, {self._len} samples per pass)"
 
 
-class BlendedDataset:
-    """Mix datasets by weight. Global sample ``i`` goes to one child, deterministically.
+class McoreTokenizer:
+    """What megatron-core's GPTDataset reads from a tokenizer: eod, pad (-1: none) and the vocabulary size."""
 
-    The assignment is Megatron's greedy rule (pick the dataset furthest below its target share)
-    computed once for a block of ``block`` samples and repeated: in every block each dataset gets
-    the same count, so sample ``i`` maps to ``(dataset, k * count + rank within block)`` in O(1).
-    Shares are exact to ``1 / block``. Children wrap into their next epoch independently.
-    """
-
-    def __init__(self, datasets: Sequence, weights: Sequence[float], block: int = 10_000):
-        if len(datasets) != len(weights) or not datasets:
-            raise ValueError("BlendedDataset needs one weight per dataset")
-        w = np.asarray(weights, dtype=np.float64)
-        w = w / w.sum()
-        self.datasets = list(datasets)
-        self.weights = w
-        counts = np.zeros(len(datasets), dtype=np.int64)
-        self._which = np.empty(block, dtype=np.int64)
-        self._rank = np.empty(block, dtype=np.int64)
-        for i in range(block):
-            d = int(np.argmax(w * (i + 1) - counts))
-            self._which[i] = d
-            self._rank[i] = counts[d]
-            counts[d] += 1
-        self._per_block = counts
-        self.block = block
-
-    def __len__(self) -> int:
-        return sum(len(d) for d in self.datasets)
-
-    def locate(self, index: int) -> tuple[int, int]:
-        """``(dataset number, sample index in that dataset)`` of global sample ``index``."""
-        k, b = divmod(int(index), self.block)
-        d = int(self._which[b])
-        return d, k * int(self._per_block[d]) + int(self._rank[b])
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        d, i = self.locate(index)
-        return self.datasets[d][i]
+    def __init__(self, tokenizer):
+        self.eod = int(tokenizer.eod)
+        pad = getattr(tokenizer, "pad", None)
+        self.pad = -1 if pad is None or pad == self.eod else int(pad)
+        self.vocab_size = int(tokenizer.vocab_size)
+        # part of megatron-core's dataset description (it names cache files; it does not change the order)
+        self.unique_identifiers = {"class": type(tokenizer).__name__, "eod": self.eod, "pad": self.pad,
+                                   "vocab_size": self.vocab_size}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,34 +156,54 @@ def parse_split(split: str | Sequence[float] | None) -> list[float]:
     return config_parse_split(split if isinstance(split, str) else ",".join(str(x) for x in split))
 
 
-def split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int, int]]:
-    """Megatron's ``get_split_indices``: contiguous document ranges, rounding fixed on the last."""
-    idx = [0]
-    for w in weights:
-        idx.append(idx[-1] + round(w * float(num_docs)))
-    diff = idx[-1] - num_docs
-    for i in range(1, len(idx)):
-        idx[i] -= diff
-    idx = [max(0, min(num_docs, v)) for v in idx]
-    for i in range(1, len(idx)):
-        idx[i] = max(idx[i], idx[i - 1])
-    return [(idx[i], idx[i + 1]) for i in range(len(weights))]
+def split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int, int] | None]:
+    """megatron-core's document ranges per split (its split matrix and rounding); None: weight 0."""
+    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
+
+    matrix = convert_split_vector_to_split_matrix(list(weights))
+    return [None if m is None else (int(round(m[0] * float(num_docs))), int(round(m[1] * float(num_docs))))
+            for m in matrix]
 
 
-def parse_data_path(data_path: str | Sequence[str] | None) -> list[tuple[float, str]]:
-    """``["0.7", "a", "0.3", "b"]`` or ``["a", "b"]`` (equal weights) -> ``[(weight, prefix)]``.
+def parse_data_path(data_path: str | Sequence[str] | None, field: str = "dataset.data_path"):
+    """``["0.7", "a", "0.3", "b"]``, ``"0.7 a 0.3 b"`` or ``["a", "b"]`` -> ``[(weight, prefix)]``.
 
-    The syntax is config's (`kubetron.config.parse_data_path`); a single string is split on whitespace.
-    Weights are normalized to sum to 1. Empty -> ``[]``.
+    Weights are normalized to sum to 1 (the unweighted form gives equal weights here; the builder
+    passes no weights to megatron-core, which then weighs prefixes by size). Empty -> ``[]``.
     """
-    if data_path is None:
-        return []
-    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path if str(x) != ""]
+    items = _words(data_path)
     if not items:
         return []
-    pairs = config_parse_data_path(items)
+    pairs = config_parse_data_path(items, field)
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
+
+
+def _words(data_path) -> list[str]:
+    if data_path is None:
+        return []
+    if isinstance(data_path, str):
+        return data_path.split()
+    return [w for x in data_path for w in str(x).split()]
+
+
+def megatron_blend(data_path, field: str = "dataset.data_path") -> tuple[list[str], list[float] | None]:
+    """megatron-core's blend: (prefixes, weights), weights None for the unweighted form."""
+    items = _words(data_path)
+    pairs = parse_data_path(items, field)
+    weighted = len(items) > 1 and _is_number(items[0])
+    prefixes = [_strip_suffix(p) for _, p in pairs]
+    for prefix in prefixes:
+        open_indexed(prefix, field)  # a missing or foreign file is a config error, not an mcore assert
+    return prefixes, ([w for w, _ in pairs] if weighted else None)
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def _strip_suffix(prefix: str) -> str:
@@ -286,79 +213,86 @@ def _strip_suffix(prefix: str) -> str:
     return prefix
 
 
-def open_indexed(prefix: str):
-    """Open a megatron-core ``IndexedDataset`` (mmap), or raise ConfigError naming data_path."""
+def open_indexed(prefix: str, field: str = "dataset.data_path"):
+    """Open a megatron-core ``IndexedDataset`` (mmap), or raise ConfigError naming the field."""
     prefix = _strip_suffix(prefix)
+    if prefix.startswith("s3://"):
+        raise ConfigError(field, f"{prefix}: s3:// data is not read directly; copy the .bin/.idx to a volume")
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
-        raise ConfigError(
-            "dataset.data_path", f"no indexed dataset at {prefix!r}: missing {', '.join(missing)}"
-        )
+        raise ConfigError(field, f"no indexed dataset at {prefix!r}: missing {', '.join(missing)}")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     try:
         return IndexedDataset(prefix, mmap=True)
     except Exception as exc:  # a truncated or foreign file
-        raise ConfigError("dataset.data_path", f"cannot read indexed dataset {prefix!r}: {exc}") from exc
+        raise ConfigError(field, f"cannot read indexed dataset {prefix!r}: {exc}") from exc
+
+
+def _check_not_empty(prefix: str, ranges, split: str | None, field: str) -> None:
+    """megatron-core spins forever drawing samples from a split without tokens: refuse it first.
+    ``ranges(num_docs)`` gives the document range of each split (None: not built)."""
+    indexed = open_indexed(prefix, field)
+    lengths = np.array(indexed.sequence_lengths)  # a copy: the mmap closes with `indexed`
+    for name, r in zip(SPLIT_NAMES, ranges(lengths.size)):
+        if r is None or int(lengths[r[0] : r[1]].sum()) > 0:
+            continue
+        if split is None:
+            raise ConfigError(field, f"{prefix!r} holds no tokens")
+        raise ConfigError("dataset.split", f"{split!r} gives the {name} split {r[1] - r[0]} of the {lengths.size} "
+                                           f"documents of {prefix!r} (no tokens); give it more weight or 0")
 
 
 def build_gpt_datasets(
-    data_path,
-    split,
+    dataset_cfg,
     seq_length: int,
     seed: int,
     tokenizer,
-    mock_seed: int | None = None,
+    sizes: Sequence[int],
 ) -> dict[str, object | None]:
-    """``{"train": ds, "valid": ds|None, "test": ds|None}``.
+    """``{"train": ds, "valid": ds|None, "test": ds|None}`` for a ``dataset`` config section.
 
-    No ``data_path`` -> mock data for all three splits (different streams per split, from
-    ``mock_seed`` or else ``seed``). With a ``data_path``, a split whose weight is 0 or which has no
-    complete sample in any prefix is None; prefixes too small for a split are dropped from that
-    split's blend (the remaining weights are renormalized).
+    ``sizes`` are the samples each split must provide (Megatron's train/valid/test counts).
+    No data path -> mock data for all three splits (different streams per split, from
+    ``dataset_cfg.mock_seed`` or else ``seed``).
     """
-    blend = parse_data_path(data_path)
-    if not blend:
-        s = seed if mock_seed is None else mock_seed
-        return {
-            name: MockGPTDataset(seq_length, tokenizer.eod, seed=s, salt=i)
-            for i, name in enumerate(SPLIT_NAMES)
-        }
-    weights = parse_split(split)
-    pad = getattr(tokenizer, "pad", None)
-    pad_id = pad if pad is not None and pad != tokenizer.eod else None
-    parts: dict[str, list[tuple[float, IndexedGPTDataset]]] = {n: [] for n in SPLIT_NAMES}
-    for p_i, (w, prefix) in enumerate(blend):
-        indexed = open_indexed(prefix)
-        num_docs = len(indexed.document_indices) - 1
-        for s_i, ((begin, end), name) in enumerate(zip(split_ranges(num_docs, weights), SPLIT_NAMES)):
-            if weights[s_i] == 0 or end <= begin:
-                continue
-            ds = IndexedGPTDataset(
-                indexed,
-                begin,
-                end,
-                seq_length,
-                seed,
-                salt=(p_i, s_i),
-                pad_id=pad_id,
-                name=f"{_strip_suffix(prefix)}[{name}]",
-            )
-            if len(ds) > 0:
-                parts[name].append((w, ds))
-    out: dict[str, object | None] = {}
-    for name in SPLIT_NAMES:
-        entries = parts[name]
-        if not entries:
-            out[name] = None
-        elif len(entries) == 1:
-            out[name] = entries[0][1]
-        else:
-            out[name] = BlendedDataset([d for _, d in entries], [w for w, _ in entries])
+    d = dataset_cfg
+    per_split = {n: getattr(d, f"{n}_data_path", None) for n in SPLIT_NAMES}
+    if d.data_path is None and per_split["train"] is None:
+        s = seed if getattr(d, "mock_seed", None) is None else d.mock_seed
+        return {name: MockGPTDataset(seq_length, tokenizer.eod, seed=s, salt=i) for i, name in enumerate(SPLIT_NAMES)}
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    blend = blend_per_split = split = None
+    if d.data_path is not None:
+        blend = megatron_blend(d.data_path)
+        split = ",".join(repr(w) for w in parse_split(d.split))
+        for prefix in blend[0]:
+            _check_not_empty(prefix, lambda n: split_ranges(n, parse_split(d.split)), str(d.split), "dataset.data_path")
+    else:
+        blend_per_split = [None if v is None else megatron_blend(v, f"dataset.{n}_data_path")
+                           for n, v in per_split.items()]
+        for n, b in zip(SPLIT_NAMES, blend_per_split):
+            for prefix in b[0] if b else ():
+                _check_not_empty(prefix, lambda n: [(0, n)], None, f"dataset.{n}_data_path")
+    reset_attention_mask = bool(getattr(d, "reset_attention_mask", False))
+    config = GPTDatasetConfig(
+        random_seed=int(seed),
+        sequence_length=int(seq_length),
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        path_to_cache="",  # build the indices in memory on every rank: never write next to the data
+        tokenizer=McoreTokenizer(tokenizer),
+        reset_position_ids=bool(getattr(d, "reset_position_ids", False)),
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=bool(getattr(d, "eod_mask_loss", False)),
+        create_attention_mask=reset_attention_mask,  # otherwise causal is implied and no mask is built
+    )
+    built = BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+    out = {name: (EndlessDataset(ds, name) if ds is not None and len(ds) > 0 else None)
+           for name, ds in zip(SPLIT_NAMES, built)}
     if out["train"] is None:
-        raise ConfigError(
-            "dataset.data_path",
-            f"the train split has no complete sample of {seq_length + 1} tokens "
-            f"(data_path={data_path!r}, split={split!r})",
-        )
+        raise ConfigError("dataset.data_path", f"the train split holds no sample of {seq_length + 1} tokens")
     return out

@@ -42,13 +42,21 @@ def rank_sample_indices(consumed_samples: int, micro_batch_size: int, dp_rank: i
 def collate(
     samples: Sequence[dict[str, np.ndarray]], pin_memory: bool = False
 ) -> dict[str, torch.Tensor | None]:
-    """Stack samples into ``(mbs, T)`` tensors; ``attention_mask`` is None (causal is implied)."""
+    """Stack samples into ``(mbs, T)`` tensors. ``attention_mask`` is None (causal is implied) unless
+    the dataset resets it per document: then ``(mbs, 1, T, T)`` bool, True = masked (megatron-core's)."""
     batch: dict[str, torch.Tensor | None] = {}
     for key in BATCH_KEYS:
         dtype = np.float32 if key == "loss_mask" else np.int64
         t = torch.from_numpy(np.stack([s[key] for s in samples]).astype(dtype, copy=False))
         batch[key] = t.pin_memory() if pin_memory else t
-    batch["attention_mask"] = None
+    if "segment_ids" in samples[0]:  # packed fine-tuning examples (data/finetuning.py)
+        t = torch.from_numpy(np.stack([s["segment_ids"] for s in samples]))
+        batch["segment_ids"] = t.pin_memory() if pin_memory else t
+    mask = None
+    if "attention_mask" in samples[0]:
+        mask = torch.from_numpy(np.stack([s["attention_mask"] for s in samples]))
+        mask = mask.pin_memory() if pin_memory else mask
+    batch["attention_mask"] = mask
     return batch
 
 
@@ -236,13 +244,27 @@ class DataIterator:
 
 
 def build_tokenizer_from_config(cfg):
+    """The run's tokenizer (the checkpoint's files on a resume, see ``TokenizerConfig.adopt_assets``)."""
     tok_cfg = cfg.tokenizer
-    vocab = getattr(tok_cfg, "vocab_size", None) or cfg.model.vocab_size
-    return build_tokenizer(tok_cfg.tokenizer_type, vocab)
+    if getattr(tok_cfg, "tokenizer_type", "byte") in ("byte", "null"):
+        return build_tokenizer(tok_cfg.tokenizer_type, getattr(tok_cfg, "vocab_size", None) or cfg.model.vocab_size)
+    return build_tokenizer(tok_cfg)
+
+
+def split_sizes(cfg) -> list[int]:
+    """Megatron's samples per split: train_iters * gbs, (train_iters // eval_interval + 1) * eval_iters * gbs
+    for validation (0 without validation), eval_iters * gbs for test."""
+    gbs = int(cfg.train.global_batch_size)
+    iters = int(getattr(cfg.train, "train_iters", None) or 1)
+    validation = getattr(cfg, "validation", None)
+    eval_iters = int(getattr(validation, "eval_iters", None) or 1)
+    interval = getattr(validation, "eval_interval", None)
+    valid = (iters // interval + 1) * eval_iters * gbs if interval else 0
+    return [iters * gbs, valid, eval_iters * gbs]
 
 
 def build_datasets(cfg) -> dict:
-    """``{"train", "valid", "test"}`` datasets for a ConfigContainer (mock when no data_path)."""
+    """``{"train", "valid", "test"}`` datasets for a ConfigContainer (mock when no data path)."""
     tokenizer = build_tokenizer_from_config(cfg)
     padded = getattr(cfg.model, "vocab_size", None)
     if padded is not None and tokenizer.vocab_size > padded:
@@ -250,14 +272,11 @@ def build_datasets(cfg) -> dict:
             "model.vocab_size",
             f"{padded} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
         )
-    return build_gpt_datasets(
-        cfg.dataset.data_path,
-        cfg.dataset.split,
-        cfg.model.seq_length,
-        cfg.rng.seed,
-        tokenizer,
-        mock_seed=getattr(cfg.dataset, "mock_seed", None),
-    )
+    if getattr(getattr(cfg, "finetuning", None), "data_path", None):  # SFT examples instead of a corpus
+        from kubetron.data.finetuning import build_finetuning_datasets
+
+        return build_finetuning_datasets(cfg, tokenizer)
+    return build_gpt_datasets(cfg.dataset, cfg.model.seq_length, cfg.rng.seed, tokenizer, split_sizes(cfg))
 
 
 def build_data_iterators(
@@ -293,9 +312,8 @@ def build_data_iterators(
         if datasets["valid"] is None:
             raise ConfigError(
                 "dataset.split",
-                f"validation is on (validation.eval_interval={eval_interval}) but the valid split of "
-                f"{cfg.dataset.data_path!r} with split {cfg.dataset.split!r} has no complete sample of "
-                f"{cfg.model.seq_length + 1} tokens; give it more weight or set validation.eval_interval to null",
+                f"validation is on (validation.eval_interval={eval_interval}) but split {cfg.dataset.split!r} "
+                "leaves no validation data; give it weight or set validation.eval_interval to null",
             )
         valid = DataIterator(
             datasets["valid"], mbs, dp_rank, dp_size, valid_consumed_samples, prefetch, pin, name="valid"

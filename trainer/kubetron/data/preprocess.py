@@ -2,17 +2,25 @@
 
 Inputs, by file name (a trailing ``.gz`` is read through gzip):
 
-* ``*.jsonl`` / ``*.json``: one JSON object per line; the document is the string under
-  ``json_key`` (default ``"text"``). Blank lines are skipped.
+* ``*.jsonl`` / ``*.json``: one JSON object per line; each document is the string under each of
+  ``--json-keys`` (default ``text``). Blank lines are skipped. Parquet is not read (pyarrow is a
+  heavy dependency): convert it to JSONL first.
 * anything else is plain text: documents are separated by one or more blank lines (a line that is
   empty or only whitespace); newlines inside a document are kept. A file with no blank line is a
   single document.
 
-Each document is byte-tokenized (UTF-8 bytes, see :mod:`kubetron.data.tokenizer`) and, by default,
-followed by the ``eod`` token (256); documents with no text are skipped. The output is written with
-megatron-core's ``IndexedDatasetBuilder`` (one sequence per document, dtype ``uint16`` - what
-``DType.optimal_dtype`` picks for a 258-token vocabulary) to temporary files that are renamed into
-place at the end, so a failed run never leaves a half-written dataset under the prefix.
+Each document is tokenized with any of the trainer's tokenizers (``--tokenizer-type``, default
+``byte``; see :mod:`kubetron.data.tokenizer`) and, by default, followed by the tokenizer's ``eod``;
+documents with no text are skipped. With one JSON key the output is ``PREFIX.bin/.idx``; with
+several, one dataset per key, ``PREFIX_<key>.bin/.idx`` (Megatron's ``preprocess_data.py`` layout).
+The output is written with megatron-core's ``IndexedDatasetBuilder`` (one sequence per document,
+``DType.optimal_dtype`` of the vocabulary) to temporary files renamed into place at the end, so a
+failed run (a bad line, a missing key) leaves nothing under the prefix.
+
+``--workers N`` parses and tokenizes chunks of lines in N processes; the main process reads the
+files and writes the output in input order, so the result does not depend on N. Progress
+(documents, tokens, tokens/s, ETA from the bytes read) is one ``\\r``-refreshed line on a terminal
+and a plain line every ``--log-interval`` seconds otherwise (pod logs).
 """
 
 from __future__ import annotations
@@ -21,94 +29,196 @@ import argparse
 import contextlib
 import gzip
 import io
+import itertools
 import json
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 
 from kubetron import exitcodes
-from kubetron.data.tokenizer import ByteTokenizer
+from kubetron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, tokenizer_from_assets
 from kubetron.errors import ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
+CHUNK_BYTES = 1 << 20  # work unit sent to a worker: about 1 MiB of input text
 
 
 def _is_jsonl(path: str) -> bool:
     return path.removesuffix(".gz").lower().endswith(JSONL_SUFFIXES)
 
 
-def _open_text(path: str) -> io.TextIOBase:
-    if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+class _Input:
+    """An input file read as text lines, with the raw byte position (for progress through .gz too)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.raw = open(path, "rb")
+        stream = gzip.open(self.raw) if path.endswith(".gz") else self.raw
+        self.text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+
+    def position(self) -> int:
+        return self.raw.tell()
+
+    def close(self) -> None:
+        self.text.close()
+        self.raw.close()
 
 
-def _jsonl_documents(path: str, json_key: str) -> Iterator[str]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError("--input", f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise ConfigError(
-                    "--input", f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
-                )
-            if json_key not in obj:
-                raise ConfigError(
-                    "--input", f"{path}:{lineno}: no {json_key!r} key (keys: {sorted(obj)[:10]})"
-                )
-            text = obj[json_key]
+# ---------------------------------------------------------------------------------------------
+# documents
+
+
+def _parse_jsonl(path: str, first_lineno: int, lines: list[str], json_keys: tuple[str, ...]) -> list[list[str]]:
+    """``[[text of key 0 per line], [text of key 1 per line], ...]``; ConfigError naming ``file:line``."""
+    out: list[list[str]] = [[] for _ in json_keys]
+    for lineno, line in enumerate(lines, start=first_lineno):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("--input", f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ConfigError("--input", f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        for k, key in enumerate(json_keys):
+            if key not in obj:
+                raise ConfigError("--json-keys", f"{path}:{lineno}: no {key!r} key (keys: {sorted(obj)[:10]})")
+            text = obj[key]
             if not isinstance(text, str):
-                raise ConfigError(
-                    "--input", f"{path}:{lineno}: {json_key!r} is a {type(text).__name__}, expected a string"
-                )
-            yield text
+                raise ConfigError("--json-keys", f"{path}:{lineno}: {key!r} is a {type(text).__name__}, "
+                                                 "expected a string")
+            out[k].append(text)
+    return out
 
 
-def _text_documents(path: str) -> Iterator[str]:
-    with _open_text(path) as f:
-        lines: list[str] = []
-        for line in f:
-            if line.strip():
-                lines.append(line)
-            elif lines:
-                yield "".join(lines).rstrip("\n")
-                lines = []
-        if lines:
-            yield "".join(lines).rstrip("\n")
+def _text_documents(lines: Iterator[str]) -> Iterator[str]:
+    buf: list[str] = []
+    for line in lines:
+        if line.strip():
+            buf.append(line)
+        elif buf:
+            yield "".join(buf).rstrip("\n")
+            buf = []
+    if buf:
+        yield "".join(buf).rstrip("\n")
 
 
 def iter_documents(path: str, json_key: str = "text") -> Iterator[str]:
     """The documents of one input file (see the module docstring for the formats)."""
-    return _jsonl_documents(path, json_key) if _is_jsonl(path) else _text_documents(path)
+    inp = _Input(path)
+    try:
+        if not _is_jsonl(path):
+            yield from _text_documents(inp.text)
+            return
+        for lineno, line in enumerate(inp.text, start=1):
+            yield from _parse_jsonl(path, lineno, [line], (json_key,))[0]
+    finally:
+        inp.close()
 
 
-def preprocess(
-    inputs: list[str],
-    output_prefix: str,
-    append_eod: bool = True,
-    json_key: str = "text",
-    log_every: int = 10_000,
-    log: Callable[[str], None] | None = None,
-) -> dict:
-    """Tokenize ``inputs`` into ``output_prefix.bin/.idx``; returns counts.
+def _chunks(inp: _Input, json_keys: tuple[str, ...]) -> Iterator[tuple]:
+    """Work units of about CHUNK_BYTES: ("jsonl", path, first line number, lines) or ("text", path, 0, docs)."""
+    jsonl = _is_jsonl(inp.path)
+    source = inp.text if jsonl else _text_documents(inp.text)
+    first, buf, size, lineno = 1, [], 0, 0
+    for lineno, item in enumerate(source, start=1):
+        buf.append(item)
+        size += len(item)
+        if size >= CHUNK_BYTES:
+            yield ("jsonl" if jsonl else "text", inp.path, first, buf)
+            first, buf, size = lineno + 1, [], 0
+    if buf:
+        yield ("jsonl" if jsonl else "text", inp.path, first, buf)
 
-    Returns ``{"files", "documents", "tokens", "skipped_empty", "bin", "idx", "seconds"}``.
-    A progress line goes to ``log`` (default: stderr) every ``log_every`` documents and at the end.
-    Raises ``ConfigError("--input", ...)`` for a missing/unreadable input or bad JSONL (naming
-    ``file:line``) and ``ConfigError("--output-prefix", ...)`` when the output cannot be written.
-    """
-    if log is None:
 
-        def log(msg: str) -> None:
-            print(msg, file=sys.stderr, flush=True)
+# ---------------------------------------------------------------------------------------------
+# tokenizing (in the main process or in workers)
 
-    if isinstance(inputs, str):
-        inputs = [inputs]
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_type: str, assets: dict[str, bytes], json_keys, append_eod: bool) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
+    tok = build_tokenizer("byte") if tokenizer_type == "byte" else tokenizer_from_assets(tokenizer_type, assets)
+    _WORKER.update(tok=tok, json_keys=tuple(json_keys), append_eod=append_eod)
+
+
+def _encode_chunk(chunk: tuple) -> tuple:
+    """One work unit -> (per key: (ids, lengths), documents, empty skipped) or ("error", field, message)."""
+    kind, path, first, items = chunk
+    tok, keys, eod = _WORKER["tok"], _WORKER["json_keys"], _WORKER["append_eod"]
+    try:
+        columns = _parse_jsonl(path, first, items, keys) if kind == "jsonl" else [items]
+    except ConfigError as exc:
+        return ("error", exc.field, exc.message)
+    out, skipped = [], 0
+    for texts in columns:
+        kept = [t for t in texts if t]
+        skipped += len(texts) - len(kept)
+        out.append(_encode_texts(tok, kept, eod))
+    return (out, sum(len(c) for c in columns), skipped)
+
+
+def _encode_texts(tok, texts: list[str], append_eod: bool):
+    """(ids int32, lengths int64) of ``texts``, each followed by eod if asked."""
+    import numpy as np
+
+    if tok.tokenizer_type == "byte":  # no lists of ints: bytes straight into the array
+        arrays = [tok.encode_np(t, append_eod) for t in texts]
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        ids = np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, np.int32)
+        return ids, lengths
+    encoded = tok.encode_batch(texts) if texts else []
+    if append_eod:
+        for ids in encoded:
+            ids.append(tok.eod)
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(lengths.sum()))
+    return ids, lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# progress
+
+
+class Progress:
+    """Documents, tokens, tokens/s and ETA: a ``\\r`` line on a terminal, plain lines every ``interval`` s."""
+
+    def __init__(self, total_bytes: int, log: Callable[[str], None] | None, interval: float, tty: bool):
+        self.total_bytes, self.interval, self.tty = max(1, total_bytes), interval, tty
+        self.log = log
+        self.t0 = self.last = time.monotonic()
+
+    def line(self, docs: int, tokens: int, done_bytes: int) -> str:
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        frac = min(1.0, done_bytes / self.total_bytes)
+        eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
+        eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+        return (f"preprocess: {docs:,} documents, {tokens:,} tokens, {tokens / elapsed:,.0f} tokens/s, "
+                f"{100 * frac:.0f}% read, ETA {eta_s}")
+
+    def update(self, docs: int, tokens: int, done_bytes: int) -> None:
+        now = time.monotonic()
+        if now - self.last < (0.2 if self.tty else self.interval):
+            return
+        self.last = now
+        if self.tty:
+            print("\r" + self.line(docs, tokens, done_bytes), end="", file=sys.stderr, flush=True)
+        elif self.log is not None:
+            self.log(self.line(docs, tokens, done_bytes))
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def _check_inputs(inputs: list[str]) -> None:
     if not inputs:
         raise ConfigError("--input", "no input files given")
     for path in inputs:
@@ -118,6 +228,9 @@ def preprocess(
             raise ConfigError("--input", f"{path}: not a regular file")
         if not os.access(path, os.R_OK):
             raise ConfigError("--input", f"{path}: not readable")
+
+
+def _output_prefixes(output_prefix: str, json_keys: tuple[str, ...]) -> list[str]:
     if not output_prefix:
         raise ConfigError("--output-prefix", "empty output prefix")
     for suffix in (".bin", ".idx"):
@@ -127,101 +240,187 @@ def preprocess(
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
         raise ConfigError("--output-prefix", f"cannot create {out_dir}: {exc.strerror}") from None
+    return [output_prefix] if len(json_keys) == 1 else [f"{output_prefix}_{k}" for k in json_keys]
 
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    tok = ByteTokenizer()
-    dtype = DType.optimal_dtype(tok.vocab_size)
-    bin_path, idx_path = output_prefix + ".bin", output_prefix + ".idx"
-    tmp_bin, tmp_idx = bin_path + ".tmp", idx_path + ".tmp"
-    try:
-        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
-    except OSError as exc:
-        raise ConfigError("--output-prefix", f"cannot write {tmp_bin}: {exc.strerror}") from None
+class _Outputs:
+    """One IndexedDatasetBuilder per JSON key, on temporary files renamed into place by commit()."""
 
-    docs = tokens = skipped = 0
-    t0 = last = time.monotonic()
-    done = False
-    try:
-        for path in inputs:
+    def __init__(self, prefixes: list[str], vocab_size: int):
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+        self.prefixes, self.builders = prefixes, []
+        dtype = DType.optimal_dtype(vocab_size)
+        for prefix in prefixes:
             try:
-                for text in iter_documents(path, json_key):
-                    if not text:
-                        skipped += 1
-                        continue
-                    ids = tok.encode_np(text, append_eod=append_eod)
-                    builder.add_document(ids, [ids.size])
-                    docs += 1
-                    tokens += ids.size
-                    if log_every and docs % log_every == 0:
-                        now = time.monotonic()
-                        log(
-                            f"preprocess: {docs} documents, {tokens} tokens "
-                            f"({log_every / max(now - last, 1e-9):.0f} docs/s, {path})"
-                        )
-                        last = now
-            except (OSError, EOFError, gzip.BadGzipFile) as exc:
-                raise ConfigError("--input", f"{path}: cannot read: {exc}") from None
-        builder.finalize(tmp_idx)
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_idx, idx_path)
-        done = True
-    finally:
-        if not done:
+                self.builders.append(IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=dtype))
+            except OSError as exc:
+                self.abort()
+                raise ConfigError("--output-prefix", f"cannot write {prefix}.bin.tmp: {exc.strerror}") from None
+
+    def add(self, columns) -> None:
+        for builder, (ids, lengths) in zip(self.builders, columns):
+            start = 0
+            for n in lengths.tolist():
+                builder.add_document(ids[start : start + n], [n])
+                start += n
+
+    def commit(self) -> None:
+        for builder, prefix in zip(self.builders, self.prefixes):
+            builder.finalize(prefix + ".idx.tmp")
+        for prefix in self.prefixes:
+            os.replace(prefix + ".bin.tmp", prefix + ".bin")
+            os.replace(prefix + ".idx.tmp", prefix + ".idx")
+
+    def abort(self) -> None:
+        for builder in self.builders:
             with contextlib.suppress(OSError):
                 builder.data_file.close()
-            for p in (tmp_bin, tmp_idx):
-                try:
+        for prefix in self.prefixes:
+            for p in (prefix + ".bin.tmp", prefix + ".idx.tmp"):
+                with contextlib.suppress(OSError):
                     os.remove(p)
-                except OSError:
-                    pass
-    seconds = time.monotonic() - t0
-    log(
-        f"preprocess: done, {docs} documents, {tokens} tokens, {skipped} empty skipped "
-        f"in {seconds:.1f}s ({docs / max(seconds, 1e-9):.0f} docs/s) -> {bin_path}, {idx_path}"
-    )
+
+
+def _results(chunks: Iterator[tuple], workers: int, init_args: tuple):
+    """Encoded chunks in input order: in this process, or from a pool of ``workers`` processes."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        yield from map(_encode_chunk, chunks)
+        return
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        yield from pool.imap(_encode_chunk, chunks, chunksize=1)
+
+
+def preprocess(
+    inputs: list[str] | str,
+    output_prefix: str,
+    tokenizer=None,
+    append_eod: bool = True,
+    json_keys: str | list[str] | tuple[str, ...] = ("text",),
+    workers: int = 1,
+    log: Callable[[str], None] | None = None,
+    log_interval: float = 10.0,
+    tty: bool | None = None,
+) -> dict:
+    """Tokenize ``inputs`` into ``output_prefix.bin/.idx`` (one dataset per JSON key); returns counts.
+
+    ``tokenizer`` is any :mod:`kubetron.data.tokenizer` tokenizer (default: byte). Returns
+    ``{"files", "documents", "tokens", "skipped_empty", "outputs", "seconds", "tokens_per_second"}``.
+    Raises ``ConfigError`` naming the flag (``--input``, ``--json-keys``, ``--output-prefix``) and
+    ``file:line`` for bad input; nothing is left under the prefix then.
+    """
+    if log is None:
+
+        def log(msg: str) -> None:
+            print(msg, file=sys.stderr, flush=True)
+
+    inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+    json_keys = (json_keys,) if isinstance(json_keys, str) else tuple(json_keys)
+    if not json_keys or len(set(json_keys)) != len(json_keys):
+        raise ConfigError("--json-keys", f"need distinct keys, got {list(json_keys)}")
+    if workers < 1:
+        raise ConfigError("--workers", f"must be >= 1, got {workers}")
+    _check_inputs(inputs)
+    tok = tokenizer or build_tokenizer("byte")
+    prefixes = _output_prefixes(output_prefix, json_keys)
+    init_args = (tok.tokenizer_type, tok.assets(), json_keys, append_eod)
+    outputs = _Outputs(prefixes, tok.vocab_size)  # imports megatron-core: before the clock starts
+    progress = Progress(sum(os.path.getsize(p) for p in inputs), log, log_interval,
+                        sys.stderr.isatty() if tty is None else tty)
+    docs = tokens = skipped = done_bytes = 0
+    committed = False
+    try:
+        for path in inputs:
+            inp = _Input(path)
+            try:
+                for result in _results(_chunks(inp, json_keys), workers, init_args):
+                    if result[0] == "error":
+                        raise ConfigError(result[1], result[2])
+                    columns, n_docs, n_skipped = result
+                    outputs.add(columns)
+                    docs += n_docs - n_skipped
+                    skipped += n_skipped
+                    tokens += sum(int(ids.size) for ids, _ in columns)
+                    progress.update(docs, tokens, done_bytes + inp.position())
+            except (OSError, EOFError, gzip.BadGzipFile) as exc:
+                raise ConfigError("--input", f"{path}: cannot read: {exc}") from None
+            finally:
+                done_bytes += os.path.getsize(path)
+                inp.close()
+        outputs.commit()
+        committed = True
+    finally:
+        progress.close()
+        if not committed:
+            outputs.abort()
+    seconds = time.monotonic() - progress.t0
+    log(f"preprocess: done, {docs} documents, {tokens} tokens, {skipped} empty skipped in {seconds:.1f}s "
+        f"({tokens / max(seconds, 1e-9):,.0f} tokens/s, {workers} worker(s)) -> "
+        + ", ".join(p + ".bin/.idx" for p in prefixes))
     return {
         "files": len(inputs),
         "documents": docs,
         "tokens": tokens,
         "skipped_empty": skipped,
-        "bin": bin_path,
-        "idx": idx_path,
+        "outputs": prefixes,
         "seconds": seconds,
+        "tokens_per_second": tokens / max(seconds, 1e-9),
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``kubetron preprocess`` arguments (for the CLI to mount as a subcommand)."""
-    parser.add_argument(
-        "--input", nargs="+", required=True, metavar="FILE", help=".jsonl/.json or plain text files"
-    )
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--json-key", default="text", help="JSONL key holding the document text")
-    parser.add_argument(
-        "--no-append-eod", dest="append_eod", action="store_false", help="no eod after documents"
-    )
-    parser.add_argument("--log-every", type=int, default=10_000, help="progress line every N documents")
+    """The ``kubetron preprocess`` arguments (Megatron's ``preprocess_data.py`` names)."""
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help=".jsonl/.json or plain text files (optionally .gz)")
+    parser.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], metavar="KEY",
+                        help="JSONL keys holding document text; several keys write PREFIX_<key>.bin/.idx each "
+                             "(default: text)")
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                        help="end every document with the tokenizer's eod token (default: on)")
+    parser.add_argument("--tokenizer-type", default="byte", choices=TOKENIZER_TYPES[:1] + TOKENIZER_TYPES[2:],
+                        help="as tokenizer.tokenizer_type (default: byte)")
+    parser.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                        help="HuggingFaceTokenizer: tokenizer.json or its directory; SentencePieceTokenizer: .model")
+    parser.add_argument("--vocab-file", default=None, metavar="PATH", help="GPT2BPETokenizer: vocab.json")
+    parser.add_argument("--merge-file", default=None, metavar="PATH", help="GPT2BPETokenizer: merges.txt")
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default: 1)")
+    parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds between progress lines when stderr is not a terminal (default: 10)")
     return parser
+
+
+def _tokenizer_from_args(args: argparse.Namespace):
+    from kubetron.config import TokenizerConfig
+
+    section = TokenizerConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                              vocab_file=args.vocab_file, merge_file=args.merge_file)
+    try:
+        section.validate_fields()
+        return build_tokenizer(section)
+    except ConfigError as exc:  # name the flag the user typed, not the config key
+        flag = "--" + exc.field.removeprefix("tokenizer.").replace("_", "-")
+        raise ConfigError(flag, exc.message) from None
 
 
 def run(args: argparse.Namespace) -> dict:
     """Run from parsed arguments (see :func:`add_arguments`); prints the counts as JSON to stdout."""
-    result = preprocess(
-        args.input,
-        args.output_prefix,
-        append_eod=args.append_eod,
-        json_key=args.json_key,
-        log_every=args.log_every,
-    )
+    _check_inputs(args.input)
+    result = preprocess(args.input, args.output_prefix, tokenizer=_tokenizer_from_args(args),
+                        append_eod=args.append_eod, json_keys=args.json_keys, workers=args.workers,
+                        log_interval=args.log_interval)
     print(json.dumps(result))
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(
-        argparse.ArgumentParser(prog="kubetron preprocess", description=__doc__.split("\n")[0])
-    )
+    parser = add_arguments(argparse.ArgumentParser(prog="kubetron preprocess", description=__doc__.split("\n")[0]))
     args = parser.parse_args(argv)
     try:
         run(args)

@@ -188,6 +188,16 @@ class Store(abc.ABC):
     def open_read(self, key: str) -> BinaryIO:
         """A seekable binary reader (enough for `torch.load`). FileNotFoundError if missing."""
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes of `key` from byte `start` (a sharded load reads only the tensors it needs).
+        Raises CheckpointError when the object is shorter."""
+        with self.open_read(key) as f:
+            f.seek(start)
+            data = f.read(length)
+        if len(data) != length:
+            raise CheckpointError(f"{self.url}/{key}: expected {length} bytes at offset {start}, got {len(data)}")
+        return data
+
     def local_path(self, key: str) -> str | None:
         """The filesystem path of `key`, or None when the store is not a filesystem."""
         return None

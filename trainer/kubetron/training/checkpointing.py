@@ -1,6 +1,6 @@
 """Checkpoints in Megatron's layout, through the storage layer (a path/PVC or s3:// alike).
 
-    <save>/iter_0000020/{model.pt, optim.pt, common.pt, rng/rank_00000.pt, run_config.yaml,
+    <save>/iter_0000020/{model.pt, optim.pt, common.pt, rng/rank_00000.pt, run_config.yaml, tokenizer/*,
                          metadata.json}          metadata.json = commit marker, written last
     <save>/latest_train_state.pt                 tracker, replaced atomically after the commit
     <save>/progress.txt                          "Saved checkpoint" appended once durable
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from kubetron import progress as progress_log
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.storage import open_store
-from kubetron.training import sharding
+from kubetron.training import sharded, sharding
 from kubetron.training.optim import finish_param_sync
 
 log = logging.getLogger("kubetron")
@@ -39,6 +39,7 @@ log = logging.getLogger("kubetron")
 TRACKER = "latest_train_state.pt"
 MARKER = "metadata.json"
 NON_PERSISTENT = "non_persistent"
+TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
@@ -49,9 +50,11 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gr
 
 def _chaos(point: str, iteration: int):
     """Fault injection for the store's guarantees: KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>] SIGKILLs
-    this process at that point of a save (after-model, after-payload, after-commit, after-tracker)."""
+    this process at that point of a save (after-shard, after-model, after-payload, after-commit,
+    after-tracker); with KUBETRON_CHAOS_RANK=<r> only global rank r dies."""
     spec = os.environ.get("KUBETRON_CHAOS_KILL_AT")
-    if spec and spec in (point, f"{point}@{iteration}"):
+    only = os.environ.get("KUBETRON_CHAOS_RANK")
+    if spec and spec in (point, f"{point}@{iteration}") and (not only or int(only) == _rank()):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -122,12 +125,14 @@ class Snapshot:
     """Host-memory copy of everything a checkpoint holds (what an async save blocks for)."""
 
     iteration: int
-    model: dict | None  # canonical tensors (rank 0 only)
+    model: dict | None  # kubetron format: canonical tensors (rank 0 only)
     optim: dict | None
+    shard: sharded.RankShard | None  # sharded format: this rank's pieces
     common: dict | None
     rng: dict
     run_config: str | None
     progress_fields: dict | None
+    tokenizer: dict | None = None  # {file name: bytes} of a file-based tokenizer (rank 0 only)
 
 
 def optimizer_state_by_name(model, optimizer) -> dict:
@@ -169,127 +174,214 @@ def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
                 g[k] = v
 
 
-class CheckpointManager:
-    """save()/load() for the loop; knows nothing about the loop itself."""
+class ProgressLog:
+    """The progress log `progress.txt` beside the checkpoints (rank 0 writes; Megatron's line format)."""
 
-    def __init__(self, cfg, state, *, run_id: str):
-        self.cfg = cfg
-        self.state = state
+    def __init__(self, cfg, store, state):
+        self.cfg, self.store, self.state = cfg, store, state
+        self._start_wall = time.time()
+        self._start_flops: float | None = None
+        self._job_start_time = None  # the job's first start, from the log (read once, at start())
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cfg.logger.log_progress and self.store is not None and _rank() == 0)
+
+    def start(self):
+        if self.enabled:
+            self._start_flops = self.state.train_state.floating_point_operations_so_far
+            self.store.append_line("progress.txt", progress_log.starting_job_line(
+                iteration=self.state.train_state.step, train_iters=self.cfg.train.train_iters,
+                num_gpus=self.state.world_size))
+            self._job_start_time = self._job_start()[0]
+
+    def exit(self, reason: str):
+        if self.enabled:
+            self.store.append_line("progress.txt", progress_log.exiting_job_line(
+                iteration=self.state.train_state.step, reason=reason, train_iters=self.cfg.train.train_iters,
+                num_gpus=self.state.world_size))
+
+    def saved(self, fields: dict, *, async_save: bool):
+        if self.enabled:
+            self.store.append_line("progress.txt", progress_log.saved_checkpoint_line(**fields, async_save=async_save))
+
+    def fields(self, iteration: int) -> dict:
+        """Throughput and counters for a "Saved checkpoint" line, taken when the snapshot is."""
+        ts, cfg = self.state.train_state, self.cfg
+        elapsed = max(time.time() - self._start_wall, 1e-9)
+        flops = ts.floating_point_operations_so_far
+        ngpu = self.state.world_size
+        job_tp = (flops - (self._start_flops or 0.0)) / elapsed / ngpu / 1e12
+        start = self._job_start_time  # read at start(): no store access in the loop
+        cum_elapsed = max(time.time() - start.timestamp(), 1e-9) if start else elapsed
+        return dict(iteration=iteration, job_throughput_tflops=job_tp,
+                    cumulative_throughput_tflops=flops / cum_elapsed / ngpu / 1e12, flops_so_far=flops,
+                    tokens_so_far=ts.consumed_train_samples * cfg.model.seq_length,
+                    train_iters=cfg.train.train_iters, num_gpus=ngpu)
+
+    def _job_start(self):
+        try:
+            text = self.store.read_bytes("progress.txt").decode() if self.store.exists("progress.txt") else ""
+        except Exception:
+            return None, 0.0
+        return progress_log.get_start_time_from_progress_log(text, self.state.world_size)
+
+
+def open_save_store(cfg):
+    """The store checkpoint.save names (None: saving off)."""
+    ck = cfg.checkpoint
+    return open_store(ck.save, endpoint_url=ck.s3_endpoint_url, region=ck.s3_region) if ck.save else None
+
+
+class CheckpointManager:
+    """save(step)/load() for the loop: it owns what a checkpoint holds (model chunks, optimizer,
+    scheduler, data iterators), the host buffers snapshots are copied into, and the progress log."""
+
+    def __init__(self, cfg, store, *, state, model, optimizer, scheduler, data=(None, None), run_id: str):
+        self.cfg, self.save_store, self.state = cfg, store, state
+        self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.run_id = run_id  # same on all ranks: names the save transaction
+        self.progress = ProgressLog(cfg, store, state)
+        self.buffers = sharding.HostBuffers()
         ck = cfg.checkpoint
-        self.save_store = open_store(ck.save, endpoint_url=ck.s3_endpoint_url, region=ck.s3_region) if ck.save else None
         self.local_store = None  # non-persistent "local": this rank's own directory on node-local disk
         if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
             self.local_store = open_store(f"{ck.non_persistent_local_ckpt_dir.rstrip('/')}/rank_{_rank():05d}")
         self.async_saver = None
-        if ck.async_save and self.save_store is not None:
+        if ck.async_save and store is not None:
             from kubetron.storage import AsyncSaver
 
             self.async_saver = AsyncSaver()
-        if self.save_store is not None and _rank() == 0:
-            removed = self.save_store.cleanup_partial()  # what a killed save left behind
+        if store is not None and _rank() == 0:
+            removed = store.cleanup_partial()  # what a killed save left behind
             if removed:
                 log.info("removed %d partial checkpoint entries left by an interrupted save", len(removed))
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
-        self._start_wall = time.time()
-        self._start_flops: float | None = None
+        self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
+        self._run_config_yaml: str | None = None
+        self._tokenizer_assets: dict[str, bytes] | None = None
 
     @property
     def enabled(self) -> bool:
         return self.save_store is not None
 
+    def _run_config(self) -> str:
+        """run_config.yaml: the resolved config, rendered once (it does not change during a run)."""
+        if self._run_config_yaml is None:
+            self._run_config_yaml = self.cfg.to_yaml()
+        return self._run_config_yaml
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer's files, read once (Bridge's save_tokenizer_assets)."""
+        if self._tokenizer_assets is None:
+            from kubetron.data.tokenizer import tokenizer_assets
+
+            self._tokenizer_assets = tokenizer_assets(self.cfg)
+        return self._tokenizer_assets
+
     # -- saving ---------------------------------------------------------------------------------------
-    def snapshot(self, model, optimizer, scheduler, data_iterators) -> Snapshot:
-        """Gather full tensors and copy all state to host memory (the only part that blocks)."""
-        ts = self.state.train_state
-        finish_param_sync(optimizer)  # weights still being all-gathered (ddp.overlap_param_gather)
-        model_sd = optim_sd = None
-        if self.cfg.checkpoint.ckpt_format == "kubetron":  # (torch_dist: every rank writes in write())
-            model_sd = sharding.gather_model_state(model)
-            optim_sd = sharding.gather_optimizer_state(model, optimizer_state_by_name(model, optimizer)) \
-                if self.cfg.checkpoint.save_optim else None
+    def snapshot(self, iteration: int) -> Snapshot:
+        """Copy what this rank saves to host memory (the only part of an async save that blocks).
+        sharded: this rank's own pieces; kubetron: full tensors gathered onto rank 0."""
+        fmt, ck = self.cfg.checkpoint.ckpt_format, self.cfg.checkpoint
+        finish_param_sync(self.optimizer)  # weights still being all-gathered (ddp.overlap_param_gather)
+        model_sd = optim_sd = shard = None
+        by_name = optimizer_state_by_name(self.model, self.optimizer) if ck.save_optim and fmt != "torch_dist" \
+            else None
+        if fmt == "sharded":
+            shard = sharded.snapshot(self.model, by_name["state"] if by_name else None, self.buffers.copy)
+        elif fmt == "kubetron":  # (torch_dist: every rank writes in write())
+            model_sd = sharding.gather_model_state(self.model, self.buffers)
+            optim_sd = sharding.gather_optimizer_state(self.model, by_name, self.buffers) if by_name else None
         rank0 = _rank() == 0
-        common = self._common_state(scheduler, data_iterators) if rank0 else None
+        common = self._common_state(iteration, by_name) if rank0 else None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking device→host copies have landed
         return Snapshot(
-            iteration=ts.step,
+            iteration=iteration,
             model=model_sd if rank0 else None,
             optim=optim_sd if rank0 else None,
+            shard=shard,
             common=common,
-            rng=get_rng_state() if self.cfg.checkpoint.save_rng else {},
-            run_config=self.cfg.to_yaml() if rank0 else None,
-            progress_fields=self._progress_fields(ts.step) if rank0 else None,
+            rng=get_rng_state() if ck.save_rng else {},
+            run_config=self._run_config() if rank0 else None,
+            progress_fields=self.progress.fields(iteration) if rank0 else None,
+            tokenizer=self._tokenizer_files() if rank0 else None,
         )
 
-    def save(self, model, optimizer, scheduler, data_iterators, *, non_persistent: bool = False,
-             blocking: bool | None = None):
-        """Save iteration `train_state.step`. Async saves return after the snapshot."""
+    def save(self, step: int, *, non_persistent: bool = False, blocking: bool | None = None):
+        """Save iteration `step` (the loop's train_state.step). Async saves return after the snapshot."""
         if non_persistent and self.local_store is not None:
-            return self._save_local(model, optimizer, scheduler, data_iterators)
+            return self._save_local(step)
         if not self.enabled:
             return
         t0 = time.perf_counter()
         self.finalize(blocking=True)  # one save in flight at a time
-        snap = self.snapshot(model, optimizer, scheduler, data_iterators)
-        store = self.save_store
-        name = (f"{NON_PERSISTENT}/" if non_persistent else "") + iter_dir(snap.iteration)
+        snap = self.snapshot(step)
+        name = (f"{NON_PERSISTENT}/" if non_persistent else "") + iter_dir(step)
         use_async = self.async_saver is not None and not (blocking or False)
         holder = {}  # the transaction is opened in write(): on S3 that is a few requests, off the loop
-
-        def write():
-            rank = _rank()
-            txn = holder["txn"] = store.begin_dir(name, txn_id=f"{self.run_id}-{snap.iteration}")
-            txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
-            if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
-                from kubetron.training import dist_ckpt
-
-                facts = dist_ckpt.save(model, optimizer, txn, self.cfg, with_optimizer=self.cfg.checkpoint.save_optim)
-                if snap.common is not None and facts:
-                    snap.common["dist_optimizer"] = facts
-            if snap.common is not None:
-                for key, obj in (("model.pt", snap.model), ("optim.pt", snap.optim), ("common.pt", snap.common)):
-                    if obj is not None:
-                        with txn.open_write(key) as f:
-                            torch.save(obj, f)
-                        _chaos(f"after-{key[:-3]}", snap.iteration)
-                txn.write_bytes("run_config.yaml", snap.run_config.encode())
-            _chaos("after-payload", snap.iteration)
-
-        def finalize():
-            _barrier()  # every rank's files are written
-            if _rank() == 0:
-                marker = {"iteration": snap.iteration, "time": _now_iso(), "run_id": self.run_id,
-                          "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.state.world_size}
-                holder["txn"].commit(json.dumps(marker).encode())
-                _chaos("after-commit", snap.iteration)
-                if not non_persistent:
-                    tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
-                               "time": marker["time"]}
-                    store.replace_tracker(TRACKER, _to_bytes(tracker))
-                    _chaos("after-tracker", snap.iteration)
-                    self._append_progress("Saved async checkpoint" if use_async else "Saved checkpoint",
-                                          snap.progress_fields)
-                    self._apply_retention()
-                else:
-                    self._cleanup_non_persistent(keep=name)
-            _barrier()
-            if not non_persistent:
-                self.last_durable, self.last_durable_time = snap.iteration, _now_iso()
-            log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, time.perf_counter() - t0)
-
+        write = lambda: self._write(name, snap, holder)  # noqa: E731
+        finalize = lambda: self._commit(name, snap, holder, non_persistent, use_async, t0)  # noqa: E731
         if use_async:
             self.async_saver.schedule(write, finalize)
             log.info("async save of %s scheduled; the loop was blocked %.3fs", name, time.perf_counter() - t0)
-        else:
-            try:
-                write()
-            except Exception:
-                if "txn" in holder:
-                    holder["txn"].abort()
-                raise
-            finalize()
+            return
+        try:
+            write()
+        except Exception:
+            if "txn" in holder:
+                holder["txn"].abort()
+            raise
+        finalize()
+
+    def _write(self, name: str, snap: Snapshot, holder: dict):
+        """Every rank: its own files into the transaction (background thread for async saves)."""
+        rank, it = _rank(), snap.iteration
+        txn = holder["txn"] = self.save_store.begin_dir(name, txn_id=f"{self.run_id}-{it}")
+        txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
+        if snap.shard is not None:
+            self.last_save_bytes = sharded.write(txn, rank, snap.shard, after_data=lambda: _chaos("after-shard", it))
+        if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
+            from kubetron.training import dist_ckpt
+
+            facts = dist_ckpt.save(self.model, self.optimizer, txn, self.cfg,
+                                   with_optimizer=self.cfg.checkpoint.save_optim)
+            if snap.common is not None and facts:
+                snap.common["dist_optimizer"] = facts
+        if snap.common is not None:
+            for key, obj in (("model.pt", snap.model), ("optim.pt", snap.optim), ("common.pt", snap.common)):
+                if obj is not None:
+                    with txn.open_write(key) as f:
+                        torch.save(obj, f)
+                    _chaos(f"after-{key[:-3]}", it)
+            txn.write_bytes("run_config.yaml", snap.run_config.encode())
+            for file_name, data in (snap.tokenizer or {}).items():  # a checkpoint is self-contained
+                txn.write_bytes(f"{TOKENIZER_DIR}/{file_name}", data)
+        _chaos("after-payload", it)
+
+    def _commit(self, name: str, snap: Snapshot, holder: dict, non_persistent: bool, use_async: bool, t0: float):
+        """Collective: once every rank's files are durable, rank 0 writes the marker, then the tracker."""
+        _barrier()  # every rank's files are written
+        if _rank() == 0:
+            marker = {"iteration": snap.iteration, "time": _now_iso(), "run_id": self.run_id,
+                      "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.state.world_size}
+            holder["txn"].commit(json.dumps(marker).encode())
+            _chaos("after-commit", snap.iteration)
+            if not non_persistent:
+                tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
+                           "time": marker["time"]}
+                self.save_store.replace_tracker(TRACKER, _to_bytes(tracker))
+                _chaos("after-tracker", snap.iteration)
+                self.progress.saved(snap.progress_fields, async_save=use_async)
+                self._apply_retention()
+            else:
+                self._cleanup_non_persistent(keep=name)
+        _barrier()
+        if not non_persistent:
+            self.last_durable, self.last_durable_time = snap.iteration, _now_iso()
+        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, time.perf_counter() - t0)
 
     def finalize(self, blocking: bool = False):
         """Finish async saves that are done (or all, if blocking). Collective when world_size > 1:
@@ -311,32 +403,38 @@ class CheckpointManager:
             self.async_saver.close()
             self.async_saver = None
 
-    # -- non-persistent "local": rank-local shards, resumable at the same layout only -------------------
-    def _common_state(self, scheduler, data_iterators) -> dict:
-        ts = self.state.train_state
-        train_it, valid_it = data_iterators
-        return {
+    def _common_state(self, iteration: int, by_name: dict | None) -> dict:
+        ts, fmt = self.state.train_state, self.cfg.checkpoint.ckpt_format
+        train_it, valid_it = self.data
+        common = {
             "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": ts.step,
+            "iteration": iteration,
             "train_state": ts.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "data": {"train": train_it.state_dict() if train_it is not None else None,
                      "valid": valid_it.state_dict() if valid_it is not None else None},
             "model_config": {f: getattr(self.cfg.model, f) for f in ARCH_FIELDS},
+            "tokenizer_vocab_size": _tokenizer_vocab(self.cfg),
             "parallel": {"world_size": self.state.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
                          "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
+            "ckpt_format": fmt,
         }
+        if fmt == "sharded":
+            common["num_shards"] = self.state.world_size
+            common["optim_param_groups"] = by_name["param_groups"] if by_name else None
+        return common
 
-    def _save_local(self, model, optimizer, scheduler, data_iterators):
+    # -- non-persistent "local": rank-local shards, resumable at the same layout only -------------------
+    def _save_local(self, step: int):
         """Every rank writes its own shard (model chunk, optimizer, RNG) to its node-local directory."""
-        finish_param_sync(optimizer)
+        finish_param_sync(self.optimizer)
         t0 = time.perf_counter()
-        step = self.state.train_state.step
         name = iter_dir(step)
         state = {
-            "model": {k: v.detach().cpu() for k, v in model[0].state_dict().items() if not k.endswith("_extra_state")},
-            "optim": optimizer.state_dict(),
-            "common": self._common_state(scheduler, data_iterators),
+            "model": {k: v.detach().cpu() for k, v in self.model[0].state_dict().items()
+                      if not k.endswith("_extra_state")},
+            "optim": self.optimizer.state_dict(),
+            "common": self._common_state(step, None),
             "rng": get_rng_state(),
         }
         txn = self.local_store.begin_dir(name, primary=True)
@@ -364,7 +462,7 @@ class CheckpointManager:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item()) if t.item() >= 0 else None
 
-    def _restore_local(self, iteration: int, model, optimizer, scheduler, data_iterators):
+    def _restore_local(self, iteration: int):
         key = f"{iter_dir(iteration)}/state.pt"
         with self.local_store.open_read(key) as f:
             state = _safe_load(f, key)
@@ -373,70 +471,25 @@ class CheckpointManager:
         if common["parallel"]["world_size"] != self.state.world_size:
             raise CheckpointError(f"local checkpoint {key} was saved with world size "
                                   f"{common['parallel']['world_size']}, this run has {self.state.world_size}")
-        missing, unexpected = model[0].load_state_dict(state["model"], strict=False)
+        missing, unexpected = self.model[0].load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise CheckpointError(f"local checkpoint {key} does not match the model: {missing[:3]} {unexpected[:3]}")
-        optimizer.load_state_dict(state["optim"])
-        self._restore_common(common, scheduler, data_iterators)
+        self.optimizer.load_state_dict(state["optim"])
+        self._restore_common(common)
         set_rng_state(state["rng"])
 
-    def _restore_common(self, common, scheduler, data_iterators):
+    def _restore_common(self, common):
         from kubetron.training.state import TrainState
 
-        scheduler.load_state_dict(common["scheduler"])
+        self.scheduler.load_state_dict(common["scheduler"])
         self.state.train_state = TrainState.from_state_dict(common["train_state"])
-        train_it, valid_it = data_iterators
+        train_it, valid_it = self.data
         data = common.get("data", {})
         if train_it is not None and data.get("train"):
             train_it.load_state_dict(data["train"])
         if valid_it is not None and data.get("valid"):
             valid_it.load_state_dict(data["valid"])
-
-    def _progress_fields(self, iteration: int) -> dict:
-        ts, cfg = self.state.train_state, self.cfg
-        elapsed = max(time.time() - self._start_wall, 1e-9)
-        flops = ts.floating_point_operations_so_far
-        job_flops = flops - (self._start_flops or 0.0)
-        ngpu = self.state.world_size
-        job_tp = job_flops / elapsed / ngpu / 1e12
-        start_time, _ = self._job_start_from_log()
-        cum_elapsed = max(time.time() - start_time.timestamp(), 1e-9) if start_time else elapsed
-        cum_tp = flops / cum_elapsed / ngpu / 1e12
-        tokens = ts.consumed_train_samples * cfg.model.seq_length
-        return dict(iteration=iteration, job_throughput_tflops=job_tp, cumulative_throughput_tflops=cum_tp,
-                    flops_so_far=flops, tokens_so_far=tokens, train_iters=cfg.train.train_iters, num_gpus=ngpu)
-
-    def _job_start_from_log(self):
-        try:
-            text = self.save_store.read_bytes("progress.txt").decode() if self.save_store.exists("progress.txt") else ""
-        except Exception:
-            return None, 0.0
-        return progress_log.get_start_time_from_progress_log(text, self.state.world_size)
-
-    def _append_progress(self, event: str, fields: dict | None):
-        if not (self.cfg.logger.log_progress and self.enabled and _rank() == 0):
-            return
-        if event in ("Saved checkpoint", "Saved async checkpoint"):
-            line = progress_log.saved_checkpoint_line(**fields, async_save=event != "Saved checkpoint")
-        else:
-            line = fields
-        self.save_store.append_line("progress.txt", line)
-
-    def log_start(self):
-        if self.cfg.logger.log_progress and self.enabled and _rank() == 0:
-            self._start_flops = self.state.train_state.floating_point_operations_so_far
-            line = progress_log.starting_job_line(iteration=self.state.train_state.step,
-                                                  train_iters=self.cfg.train.train_iters,
-                                                  num_gpus=self.state.world_size)
-            self.save_store.append_line("progress.txt", line)
-
-    def log_exit(self, reason: str):
-        if self.cfg.logger.log_progress and self.enabled and _rank() == 0:
-            line = progress_log.exiting_job_line(iteration=self.state.train_state.step, reason=reason,
-                                                 train_iters=self.cfg.train.train_iters,
-                                                 num_gpus=self.state.world_size)
-            self.save_store.append_line("progress.txt", line)
 
     def _apply_retention(self):
         k = self.cfg.checkpoint.most_recent_k
@@ -453,86 +506,152 @@ class CheckpointManager:
                 self.save_store.delete_prefix(name + "/")
 
     # -- loading --------------------------------------------------------------------------------------
-    def load(self, model, optimizer, scheduler, data_iterators, *, finetune: bool = False) -> int:
+    def load(self, *, finetune: bool = False) -> int:
         """Restore from checkpoint.load (resume) or, for finetune, weights from pretrained_checkpoint."""
         ck = self.cfg.checkpoint
         expected = ck.expected_resume_iteration
-        found = None
-        if ck.load:
-            found = resolve_checkpoint(ck.load, ck.ckpt_step, self.cfg)
+        found = resolve_checkpoint(ck.load, ck.ckpt_step, self.cfg) if ck.load else None
         local_it = self._agreed_local_iteration() if self.local_store is not None else None
         if local_it is not None and (found is None or local_it > found[2]) and not (expected and local_it < expected):
-            self._restore_local(local_it, model, optimizer, scheduler, data_iterators)
+            self._restore_local(local_it)
             log.info("resumed from local non-persistent checkpoint at iteration %d", local_it)
             return local_it
         if found is None and expected:
             raise ResumeMismatchError(
                 f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")
         if found is not None:
-            store, name, iteration = found
-            if expected and iteration < expected:
-                raise ResumeMismatchError(f"the operator expects iteration >= {expected}, but the newest "
-                                          f"durable checkpoint in {ck.load} is iteration {iteration}")
-            self._restore(store, name, model, optimizer, scheduler, data_iterators, full=True)
-            log.info("resumed from %s/%s at iteration %d", store.url, name, iteration)
-            if not name.startswith(NON_PERSISTENT):
-                self.last_durable = iteration
-                marker = json.loads(store.read_bytes(f"{name}/{MARKER}"))
-                self.last_durable_time = marker.get("time")
-            return iteration
+            return self._resume(*found, expected=expected)
         if finetune:
-            if not ck.pretrained_checkpoint:
-                raise ConfigError("checkpoint.pretrained_checkpoint", "finetune needs a pretrained checkpoint")
-            found = resolve_checkpoint(ck.pretrained_checkpoint, None, self.cfg, non_persistent=False)
-            if found is None:
-                raise ConfigError("checkpoint.pretrained_checkpoint",
-                                  f"no complete checkpoint in {ck.pretrained_checkpoint}")
-            store, name, iteration = found
-            self._restore(store, name, model, optimizer, scheduler, data_iterators, full=False)
-            log.info("finetuning from weights of %s/%s (iteration %d); training starts at 0", store.url, name,
-                     iteration)
+            self._load_pretrained()
         elif ck.exit_on_missing_checkpoint and ck.load:
             raise CheckpointError(f"checkpoint.load={ck.load} holds no complete checkpoint "
                                   "(exit_on_missing_checkpoint is set)")
         return 0
 
-    def _restore(self, store, name, model, optimizer, scheduler, data_iterators, *, full: bool):
+    def _resume(self, store, name: str, iteration: int, *, expected: int | None) -> int:
+        if expected and iteration < expected:
+            raise ResumeMismatchError(f"the operator expects iteration >= {expected}, but the newest "
+                                      f"durable checkpoint in {self.cfg.checkpoint.load} is iteration {iteration}")
+        self._restore(store, name, full=True)
+        log.info("resumed from %s/%s at iteration %d", store.url, name, iteration)
+        if not name.startswith(NON_PERSISTENT):
+            self.last_durable = iteration
+            self.last_durable_time = json.loads(store.read_bytes(f"{name}/{MARKER}")).get("time")
+        return iteration
+
+    def _load_pretrained(self):
+        ck = self.cfg.checkpoint
+        if not ck.pretrained_checkpoint:
+            raise ConfigError("checkpoint.pretrained_checkpoint", "finetune needs a pretrained checkpoint")
+        from kubetron.hf import is_hf_dir
+
+        if is_hf_dir(ck.pretrained_checkpoint):  # a Hugging Face model directory: converted on load
+            from kubetron.hf.io import load_hf_into_model
+
+            load_hf_into_model(self.model, self.cfg, ck.pretrained_checkpoint)
+            if hasattr(self.optimizer, "reload_model_params"):
+                self.optimizer.reload_model_params()
+            log.info("finetuning from the Hugging Face model in %s", ck.pretrained_checkpoint)
+            return
+        found = resolve_checkpoint(ck.pretrained_checkpoint, None, self.cfg, non_persistent=False)
+        if found is None:
+            raise ConfigError("checkpoint.pretrained_checkpoint",
+                              f"no complete checkpoint in {ck.pretrained_checkpoint}")
+        store, name, iteration = found
+        self._restore(store, name, full=False)
+        log.info("finetuning from weights of %s/%s (iteration %d); training starts at 0", store.url, name, iteration)
+
+    def _restore(self, store, name, *, full: bool):
         from kubetron.training import dist_ckpt
 
+        model, optimizer = self.model, self.optimizer
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
-        check_architecture(common.get("model_config", {}), self.cfg, name)
+        fmt = common.get("ckpt_format") or ("torch_dist" if dist_ckpt.is_dist_checkpoint(store, name) else "kubetron")
+        check_architecture(common.get("model_config", {}), self.cfg, name,
+                           saved_tokenizer_vocab=common.get("tokenizer_vocab_size") if fmt == "sharded" else None)
         ck = self.cfg.checkpoint
         device = next(model[0].parameters()).device
-        dist_optim = None
-        if dist_ckpt.is_dist_checkpoint(store, name):  # saved with ckpt_format torch_dist
-            dist_optim = dist_ckpt.load(model, optimizer, store, name, self.cfg, common,
-                                        with_optimizer=full and ck.load_optim, device=device)
+        with_optim = full and ck.load_optim
+        optim_state = None
+        if fmt == "sharded":  # every rank reads only the byte ranges of its own boxes
+            reader = sharded.ShardReader(store, name, common["num_shards"])
+            sharded.load_model(model, reader)
+            if with_optim and common.get("optim_param_groups") is not None:
+                optim_state = {"state": sharded.load_optimizer(model, reader),
+                               "param_groups": common["optim_param_groups"]}
+        elif fmt == "torch_dist":
+            optim_state = dist_ckpt.load(model, optimizer, store, name, self.cfg, common, with_optimizer=with_optim,
+                                         device=device)
         else:
             with store.open_read(f"{name}/model.pt") as f:
-                full_model = _safe_load(f, f"{name}/model.pt")
-            sharding.load_model_state(model, full_model)
+                sharding.load_model_state(model, _safe_load(f, f"{name}/model.pt"))
+            if with_optim and store.exists(f"{name}/optim.pt"):
+                with store.open_read(f"{name}/optim.pt") as f:
+                    optim_state = sharding.scatter_optimizer_state(model, _safe_load(f, f"{name}/optim.pt"))
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()  # fp32 mains := the loaded weights (a resume then restores
-            # the saved fp32 mains from optim.pt; finetune keeps these)
+            # the saved fp32 mains from the optimizer state; finetune keeps these)
         if not full:
             return
-        if dist_optim is not None:
-            load_optimizer_state_by_name(model, optimizer, dist_optim, device)
-        elif ck.load_optim and store.exists(f"{name}/optim.pt"):
-            with store.open_read(f"{name}/optim.pt") as f:
-                saved = _safe_load(f, f"{name}/optim.pt")
-            load_optimizer_state_by_name(model, optimizer, sharding.scatter_optimizer_state(model, saved), device)
-        self._restore_common(common, scheduler, data_iterators)
+        if optim_state is not None:
+            load_optimizer_state_by_name(model, optimizer, optim_state, device)
+        self._restore_common(common)
         rng_key = f"{name}/rng/rank_{_rank():05d}.pt"
         same_layout = common.get("parallel", {}).get("world_size") == self.state.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):
             set_rng_state(_safe_load(store.read_bytes(rng_key), rng_key))
 
 
-def check_architecture(saved: dict, cfg, name: str):
-    """Resume asserts what it restores: the model shape must match, field by field."""
+def read_tokenizer_assets(store, name: str) -> dict[str, bytes]:
+    """{file name: bytes} of a checkpoint's tokenizer/ directory ({} for byte/null or older checkpoints)."""
+    prefix = f"{name}/{TOKENIZER_DIR}/"
+    return {key[len(prefix):]: store.read_bytes(key) for key in store.list(prefix.rstrip("/"))
+            if key.startswith(prefix)}
+
+
+def adopt_checkpoint_tokenizer(cfg) -> str | None:
+    """On a resume, use the tokenizer files saved in the checkpoint (not the configured paths, which may be
+    gone or changed since). Call before cfg.finalize(): the padded vocabulary comes from the tokenizer.
+    Returns the checkpoint it came from, or None."""
+    ck, tok = cfg.checkpoint, cfg.tokenizer
+    if not ck.load or not tok.file_based:
+        return None
+    found = resolve_checkpoint(ck.load, ck.ckpt_step, cfg)
+    if found is None:
+        return None
+    store, name, _ = found
+    assets = read_tokenizer_assets(store, name)
+    if not assets:
+        return None
+    tok.adopt_assets(None)
+    try:
+        from kubetron.data.tokenizer import tokenizer_assets
+
+        if tokenizer_assets(cfg) != assets:
+            log.warning("the tokenizer files at the configured paths differ from %s/%s/%s; resuming with the "
+                        "checkpoint's", store.url, name, TOKENIZER_DIR)
+    except ConfigError:
+        log.warning("the configured tokenizer files are not readable; resuming with %s/%s/%s",
+                    store.url, name, TOKENIZER_DIR)
+    tok.adopt_assets(assets)
+    return f"{store.url}/{name}"
+
+
+def _tokenizer_vocab(cfg) -> int | None:
+    """The tokenizer's own vocabulary (before padding), when the config names one."""
+    try:
+        return cfg.tokenizer.base_vocab_size()
+    except ConfigError:
+        return None
+
+
+def check_architecture(saved: dict, cfg, name: str, saved_tokenizer_vocab: int | None = None):
+    """Resume asserts what it restores: the model shape must match, field by field. A sharded
+    checkpoint may differ in the padded vocabulary (it grows with TP) when the tokenizer is the same."""
+    same_tokenizer = saved_tokenizer_vocab is not None and saved_tokenizer_vocab == _tokenizer_vocab(cfg)
     diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
-             for k in ARCH_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)]
+             for k in ARCH_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)
+             and not (k == "vocab_size" and same_tokenizer)]
     if diffs:
         raise CheckpointError(f"{name} does not match this model: " + "; ".join(diffs))
 

@@ -101,7 +101,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
 
     from kubetron.data import build_data_iterators
     from kubetron.training import pipeline
-    from kubetron.training.checkpointing import CheckpointManager
+    from kubetron.training.checkpointing import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
@@ -109,6 +109,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
 
     cfg = config
     rank, world, device = initialize_distributed(cfg)
+    if adopt_checkpoint_tokenizer(cfg) and rank == 0:  # before finalize: the vocabulary comes from it
+        log.info("tokenizer: %s from the checkpoint being resumed", cfg.tokenizer.tokenizer_type)
     cfg.finalize(world_size=world)
     if parallel_state.model_parallel_is_initialized():  # a second pretrain() in one process
         parallel_state.destroy_model_parallel()
@@ -132,11 +134,12 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
                  device, world, cfg.data_parallel_size)
     state.ckpt = None
     run_id = _broadcast_str(f"{int(time.time())}-{os.getpid()}")
-    ckpt = CheckpointManager(cfg, state, run_id=run_id)
-    state.ckpt = ckpt
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     train_it, valid_it = build_data_iterators(cfg, dp_rank, dp_size)
-    ckpt.load(model, optimizer, scheduler, (train_it, valid_it), finetune=(mode == "finetune"))
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
+                             scheduler=scheduler, data=(train_it, valid_it), run_id=run_id)
+    state.ckpt = ckpt
+    ckpt.load(finetune=(mode == "finetune"))
 
     status = None
     if rank == 0:
@@ -145,7 +148,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
         if cfg.train.status_port:  # finalize() resolved it from KUBETRON_STATUS_PORT when unset
             status = StatusServer(cfg.train.status_port)
     state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
-    ckpt.log_start()
+    ckpt.progress.start()
     code = exitcodes.ERROR
     profiler = make_profiler(cfg, rank, state.train_state.step)
     try:
@@ -156,7 +159,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     except BaseException as e:
         code = _exit_code_for(e)
         if code is not None:
-            ckpt.log_exit(exitcodes.NAMES[code])  # the progress log says how the job ended
+            ckpt.progress.exit(exitcodes.NAMES[code])  # the progress log says how the job ended
         raise
     finally:
         if state.signal_handler is not None:
@@ -174,7 +177,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
         if status is not None:
             status.close()
     state.exit_code = code
-    ckpt.log_exit(exitcodes.NAMES[code])
+    ckpt.progress.exit(exitcodes.NAMES[code])
     return code, state
 
 

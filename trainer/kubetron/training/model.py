@@ -47,8 +47,10 @@ class SDPACoreAttention(MegatronModule):
         assert packed_seq_params is None, "packed sequences need TransformerEngine"
         s, b, heads, dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, dim)
+        # mcore's mask (dataset.reset_attention_mask): (b, 1, s, s) bool, True = masked, causal included
+        keep = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0,
+            q, k, v, attn_mask=keep, is_causal=keep is None, dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale, enable_gqa=k.shape[1] != heads,
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)  # (s, b, h)
@@ -91,6 +93,7 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -140,11 +143,41 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
     )
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.__class__ = PortableRotaryEmbedding
+        if cfg.model.rope_scaling:  # mcore's llama3 scaling, with all four of the HF config's parameters
+            model.rotary_pos_emb.inv_freq = model.rotary_pos_emb._apply_scaling(
+                model.rotary_pos_emb.inv_freq, factor=cfg.model.rope_scaling_factor,
+                low_freq_factor=cfg.model.rope_scaling_low_freq_factor,
+                high_freq_factor=cfg.model.rope_scaling_high_freq_factor,
+                original_max_position_embeddings=cfg.model.rope_scaling_original_max_position_embeddings)
+    if getattr(model, "output_layer", None) is not None:
+        mask_vocab_padding(model.output_layer, cfg)
     model.to(device)
     if cfg.model.compile:
         for layer in model.decoder.layers:
             layer.compile()
     return [model]
+
+
+def mask_vocab_padding(output_layer: torch.nn.Module, cfg):
+    """Logits of the padded vocabulary rows (beyond the tokenizer's) become the dtype's minimum, so the
+    loss ignores them: it then does not depend on how much padding TP adds (a checkpoint resumes at
+    another TP with the same losses), and a padding token is never predicted."""
+    try:
+        real = cfg.tokenizer.base_vocab_size()
+    except Exception:  # a null tokenizer without vocab_size: no padding is known
+        return
+    if real >= cfg.model.vocab_size:
+        return
+
+    def hook(_module, _args, output):
+        logits, bias = output  # (s, b, vocab / tp): this TP rank's slice of the padded vocabulary
+        start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+        if start + logits.shape[-1] <= real:
+            return output
+        padding = torch.arange(start, start + logits.shape[-1], device=logits.device) >= real
+        return logits.masked_fill(padding, torch.finfo(logits.dtype).min), bias
+
+    output_layer.register_forward_hook(hook)
 
 
 def num_parameters(model: list[torch.nn.Module]) -> int:

@@ -171,35 +171,43 @@ def _local_state(chunk) -> dict[str, torch.Tensor]:
     return {k: v for k, v in chunk.state_dict().items() if not _skip(k)}
 
 
-_HOST_BUFFERS: dict[str, torch.Tensor] = {}
-
-
 def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def host_copy(key: str, t: torch.Tensor) -> torch.Tensor:
-    """`t` copied to host memory, into the buffer this key used at the previous save.
+class HostBuffers:
+    """Host memory a snapshot is copied into, reused from one save to the next (owned by a
+    CheckpointManager).
 
     Allocating fresh host memory for a large snapshot costs seconds; an async save should block the
     loop only for the copy. Safe because a new snapshot is taken only after the previous save finished
     (CheckpointManager.save finalizes first). The caller synchronizes the device once after all copies.
     """
-    t = t.detach()
-    buf = _HOST_BUFFERS.get(key)
-    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        buf = _HOST_BUFFERS[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-    buf.copy_(t, non_blocking=t.is_cuda)
-    return buf
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied to host memory, into the buffer this key used at the previous save."""
+        t = t.detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        buf.copy_(t, non_blocking=t.is_cuda)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-def gather_model_state(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+def gather_model_state(model: list[torch.nn.Module], buffers: HostBuffers) -> dict[str, torch.Tensor]:
     """Full tensors on the host, keyed by canonical name (only global rank 0's result is complete)."""
     chunk = model[0]
     tp, pp = _sizes()
     own = _local_state(chunk)
     if tp == 1 and pp == 1:  # data parallel only: rank 0's replica is the whole model
-        return {k: host_copy(f"model/{k}", v) for k, v in own.items()} if _global_rank() == 0 else {}
+        return {k: buffers.copy(f"model/{k}", v) for k, v in own.items()} if _global_rank() == 0 else {}
     if not _participates():
         return {}
     own = {k: v for k, v in own.items() if not _is_tied_output_copy(chunk, k)}
@@ -242,7 +250,7 @@ def _is_param_shaped(v, param) -> bool:
     return torch.is_tensor(v) and param is not None and tuple(v.shape) == tuple(param.shape) and v.ndim > 0
 
 
-def gather_optimizer_state(model, by_name: dict) -> dict:
+def gather_optimizer_state(model, by_name: dict, buffers: HostBuffers) -> dict:
     """Optimizer state (keyed by parameter name, see checkpointing.optimizer_state_by_name) in
     canonical form on the host."""
     chunk = model[0]
@@ -251,7 +259,7 @@ def gather_optimizer_state(model, by_name: dict) -> dict:
     if tp == 1 and pp == 1:
         if _global_rank() != 0:
             return {}
-        state = {n: {k: (host_copy(f"optim/{n}/{k}", v) if torch.is_tensor(v) else v) for k, v in s.items()}
+        state = {n: {k: (buffers.copy(f"optim/{n}/{k}", v) if torch.is_tensor(v) else v) for k, v in s.items()}
                  for n, s in states.items()}
         return {"state": state, "param_groups": by_name["param_groups"]}
     if not _participates():

@@ -138,31 +138,31 @@ def post_training_step_callbacks(cfg, iteration: int, profiler=None):
         profiler.step()
 
 
-def checkpoint_and_decide_exit(state, ckpt, model, optimizer, scheduler, data_iterators) -> int | None:
+def checkpoint_and_decide_exit(state, ckpt) -> int | None:
     """Save on interval / signal / exit condition; return an exit code when the loop must stop."""
     cfg, ts = state.cfg, state.train_state
     got_signal = _any_rank(state.signal_handler is not None and state.signal_handler.received is not None)
     if got_signal:
-        ckpt.save(model, optimizer, scheduler, data_iterators, blocking=True)
+        ckpt.save(ts.step, blocking=True)
         log.info("received %s: saved at iteration %d, exiting",
                  state.signal_handler.signal_name or "a signal on another rank", ts.step)
         return exitcodes.SAVED_ON_SIGNAL
     saved = False
     if cfg.checkpoint.save_interval and ts.step % cfg.checkpoint.save_interval == 0:
-        ckpt.save(model, optimizer, scheduler, data_iterators)
+        ckpt.save(ts.step)
         saved = True
     elif cfg.checkpoint.non_persistent_save_interval and ts.step % cfg.checkpoint.non_persistent_save_interval == 0:
-        ckpt.save(model, optimizer, scheduler, data_iterators, non_persistent=True)
+        ckpt.save(ts.step, non_persistent=True)
     if cfg.train.exit_duration_in_mins:
         elapsed_min = (time.time() - state.start_time) / 60.0
         if _any_rank(elapsed_min > cfg.train.exit_duration_in_mins):
             if not saved:
-                ckpt.save(model, optimizer, scheduler, data_iterators, blocking=True)
+                ckpt.save(ts.step, blocking=True)
             log.info("exit_duration_in_mins (%.1f) reached at iteration %d", cfg.train.exit_duration_in_mins, ts.step)
             return exitcodes.EXIT_CONDITION
     if cfg.train.exit_interval and ts.step % cfg.train.exit_interval == 0 and ts.step < cfg.train.train_iters:
         if not saved:
-            ckpt.save(model, optimizer, scheduler, data_iterators, blocking=True)
+            ckpt.save(ts.step, blocking=True)
         log.info("exit_interval (%d) reached at iteration %d", cfg.train.exit_interval, ts.step)
         return exitcodes.EXIT_CONDITION
     return None
@@ -176,7 +176,6 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     metrics = global_state.metrics
     flops_per_iter = num_floating_point_operations(cfg, cfg.train.global_batch_size)
     skip = set(cfg.train.iterations_to_skip)
-    data_iterators = (train_data_iterator, valid_data_iterator)
     for chunk in model:
         chunk.train()
     global_state.straggler = detector = straggler.StragglerDetector.from_config(cfg, global_state.device)
@@ -204,7 +203,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm)
         post_training_step_callbacks(cfg, ts.step, profiler)
         if detector is not None and detector.after_step(ts.step) is not None:  # straggler.stop_if_detected
-            checkpoint_manager.save(model, optimizer, scheduler, data_iterators, blocking=True)
+            checkpoint_manager.save(ts.step, blocking=True)
             metrics.flush(ts.step)
             return exitcodes.STRAGGLER
 
@@ -213,8 +212,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             metrics.log_validation(ts.step, losses)
 
         checkpoint_manager.finalize(blocking=False)  # async saves that are done become durable
-        code = checkpoint_and_decide_exit(global_state, checkpoint_manager, model, optimizer, scheduler,
-                                          data_iterators)
+        code = checkpoint_and_decide_exit(global_state, checkpoint_manager)
         if code is not None:
             metrics.flush(ts.step)
             return code
@@ -222,6 +220,6 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     metrics.flush(ts.step)
     # Completed: make sure the final iteration is durable.
     if checkpoint_manager.enabled and checkpoint_manager.last_durable != ts.step:
-        checkpoint_manager.save(model, optimizer, scheduler, data_iterators, blocking=True)
+        checkpoint_manager.save(ts.step, blocking=True)
     checkpoint_manager.finalize(blocking=True)
     return exitcodes.COMPLETED

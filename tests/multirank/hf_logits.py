@@ -1,0 +1,47 @@
+"""Under torchrun (gloo): logits of an imported checkpoint and of an HF directory at the given TP.
+
+    torchrun --nproc-per-node 2 -m tests.multirank.hf_logits CKPT HF_DIR OUT.pt
+
+Rank 0 saves {"from_checkpoint": logits, "from_hf_dir": logits} (full vocabulary) to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import yaml
+
+
+def main(ckpt: str, hf_dir: str, out: str) -> int:
+    from kubetron.hf.io import load_hf_into_model
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+    from megatron.core import parallel_state
+
+    from tests.hf_utils import config_for, kubetron_logits
+
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(world, 1)
+    name = "iter_0000000"
+    model_keys = yaml.safe_load(open(f"{ckpt}/{name}/run_config.yaml"))["model"]
+    cfg = config_for(model_keys, f"model.tensor_model_parallel_size={world}", world_size=world)
+    model = build_model(cfg, torch.device("cpu"))
+    sharding.load_model_state(model, torch.load(f"{ckpt}/{name}/model.pt", weights_only=True))
+    a = kubetron_logits(model[0])
+    model = build_model(cfg, torch.device("cpu"))
+    load_hf_into_model(model, cfg, hf_dir)
+    b = kubetron_logits(model[0])
+    if dist.get_rank() == 0:
+        torch.save({"from_checkpoint": a, "from_hf_dir": b, "local_qkv_rows": model[0].decoder.layers[0]
+                    .self_attention.linear_qkv.weight.shape[0]}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(*sys.argv[1:]))

@@ -1,0 +1,279 @@
+"""Hugging Face interop: a tiny random `transformers` Llama (GQA, untied, Llama-3 rope scaling) through
+`kubetron import-hf`, the trainer's model at TP=1 and TP=2, `kubetron finetune` on packed SFT data and
+`kubetron export-hf` back to `transformers`; bad inputs are one line and exit 2 with nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.hf_utils import TOKENS, config_for, ensure_world_of_one, hf_logits, kubetron_logits, make_tiny_llama
+from tests.trainer_utils import env_for, kubetron_cmd
+
+pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parent.parent
+TOL = 1e-5  # fp32; measured: 0.0 (the same operations in the same order)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    hf = make_tiny_llama(root / "llama")
+    return SimpleNamespace(root=root, hf=hf, logits=hf_logits(hf))
+
+
+@pytest.fixture(scope="module")
+def imported(tiny):
+    from kubetron.cli import main
+
+    out = tiny.root / "ckpt"
+    assert main(["import-hf", str(tiny.hf), str(out)]) == 0
+    return out
+
+
+def _model_keys(ckpt: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]
+
+
+def test_import_gives_transformers_logits_at_tp1(tiny, imported):
+    from kubetron.hf.io import load_hf_into_model
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+
+    ensure_world_of_one()
+    keys = _model_keys(imported)
+    assert (keys["num_query_groups"], keys["rope_scaling"], keys["share_embeddings_and_output_weights"]) == (2, True,
+                                                                                                             False)
+    cfg = config_for(keys)
+    model = build_model(cfg, torch.device("cpu"))
+    sharding.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
+    diff = (kubetron_logits(model[0]) - tiny.logits).abs().max().item()
+    print(f"TP=1 import-hf checkpoint vs transformers: max abs logit diff {diff:.3g}")
+    assert diff <= TOL
+    model = build_model(cfg, torch.device("cpu"))
+    load_hf_into_model(model, cfg, str(tiny.hf))  # pretrained_checkpoint = the HF directory itself
+    assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() <= TOL
+    # The rope scaling is not a no-op at this size: without it the logits are far off.
+    model = build_model(config_for(keys, "model.rope_scaling=false"), torch.device("cpu"))
+    sharding.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
+    assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() > 0.1
+
+
+def test_import_then_export_is_bit_exact_and_transformers_loads_it(tiny, imported, capsys):
+    from kubetron.cli import main
+    from safetensors.torch import load_file
+
+    out = tiny.root / "exported"
+    assert main(["export-hf", str(imported), str(out)]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    original = {k: v for f in tiny.hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    exported = load_file(out / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    diff = (hf_logits(out) - tiny.logits).abs().max().item()
+    print(f"export-hf -> transformers: max abs logit diff {diff:.3g}")
+    assert diff <= TOL
+
+
+def test_tp2_gives_transformers_logits(tiny, imported, tmp_path):
+    from tests.multirank.runner import environment, free_port
+
+    out = tmp_path / "logits.pt"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    p = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
+                        "tests.multirank.hf_logits", str(imported), str(tiny.hf), str(out)],
+                       cwd=REPO, env=environment(tmp_path), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    assert got["local_qkv_rows"] == (4 + 2 * 2) * 16 // 2  # really split over 2 TP ranks
+    for key in ("from_checkpoint", "from_hf_dir"):
+        diff = (got[key] - tiny.logits).abs().max().item()
+        print(f"TP=2 {key} vs transformers: max abs logit diff {diff:.3g}")
+        assert diff <= TOL
+
+
+def _run(args, tmp: Path, timeout=400):
+    return subprocess.run(kubetron_cmd(*args), env=env_for(tmp), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_unsupported_architecture_is_one_line_exit_2_nothing_written(tiny, tmp_path):
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    cfg = json.loads((tiny.hf / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes((tiny.hf / "model.safetensors").read_bytes())
+    p = _run(["import-hf", str(bad), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "architectures" in p.stderr and "GPT2LMHeadModel" in p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+SFT_LINES = [{"input": f"Q{i}: what is {i} plus {i}? ", "output": f"{2 * i}"} for i in range(40)]
+
+
+def _finetune_args(tmp: Path, data: Path, pretrained: Path, keys: dict, iters: int) -> list[str]:
+    model = [f"model.{k}={json.dumps(v)}" for k, v in keys.items() if k not in ("seq_length",)]
+    return ["finetune", *model, "model.seq_length=64", f"train.train_iters={iters}", "train.micro_batch_size=2",
+            "train.global_batch_size=4", "optimizer.lr=1e-3", "scheduler.lr_decay_style=constant",
+            "validation.eval_interval=null", f"finetuning.data_path={data}", "finetuning.packing=true",
+            f"checkpoint.pretrained_checkpoint={pretrained}", f"checkpoint.save={tmp / 'run'}",
+            f"checkpoint.save_interval={iters}", "logger.log_interval=1", "train.exit_signal_handler=false"]
+
+
+def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_path):
+    """The user's path: import-hf -> finetune (packed SFT) -> export-hf -> transformers generate."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = _run(_finetune_args(tmp_path, data, imported, _model_keys(imported), 6), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "packed" in p.stderr + p.stdout
+    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf-out")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tuned = load_file(tmp_path / "hf-out" / "model.safetensors")
+    start = load_file(tiny.hf / "model.safetensors")
+    assert not torch.equal(tuned["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-out").eval()
+    # The exported model computes what the trained checkpoint computes (read by the trainer's own reader)...
+    from kubetron.hf.io import read_checkpoint
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+
+    ensure_world_of_one()
+    keys, tensors, _, _ = read_checkpoint(str(tmp_path / "run"))
+    trained = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(trained, tensors)
+    diff = (kubetron_logits(trained[0]) - hf_logits(tmp_path / "hf-out")).abs().max().item()
+    assert diff <= TOL, diff
+    # ... and it learned: transformers' loss on a training example fell.
+    text = torch.tensor([list((SFT_LINES[3]["input"] + SFT_LINES[3]["output"]).encode())])
+    with torch.no_grad():
+        before = AutoModelForCausalLM.from_pretrained(tiny.hf)(text, labels=text).loss.item()
+        after = model(text, labels=text).loss.item()
+    assert after < before, (before, after)
+    prompt = torch.tensor([list(b"Q3: what is 3 plus 3? ")])
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, prompt.shape[1] + 4)
+
+
+def test_jsonl_line_without_the_key_is_one_line_exit_2_nothing_written(imported, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(SFT_LINES[0]) + "\n" + json.dumps({"input": "no answer"}) + "\n")
+    p = _run(_finetune_args(tmp_path, data, imported, _model_keys(imported), 2), tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kubetron: error: finetuning.data_path:") and f"{data}:2" in last and "'output'" in last
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
+    """Qwen2: biases on q/k/v only, tied embeddings (no lm_head in the checkpoint)."""
+    from kubetron.hf.io import export_hf, import_hf
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, rope_theta=1000000.0, initializer_range=0.1)
+    hf = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # zero-initialized otherwise: a dropped bias would not show
+    hf.save_pretrained(tmp_path / "qwen")
+    _write_tokenizer(tmp_path / "qwen")
+    keys = import_hf(str(tmp_path / "qwen"), str(tmp_path / "ckpt"))
+    assert keys["add_qkv_bias"] and keys["share_embeddings_and_output_weights"]
+    ensure_world_of_one()
+    model = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert (kubetron_logits(model[0]) - want).abs().max().item() <= TOL
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # carried through the checkpoint unchanged
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "qwen" / f).read_bytes()
+    original = load_file(tmp_path / "qwen" / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    original.pop("lm_head.weight", None)
+    assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
+
+
+def _write_tokenizer(hf_dir: Path):
+    """A small BPE trained here with `tokenizers` (no download), eos declared as HF does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"])
+    tok.train_from_iterator([x["input"] + x["output"] for x in SFT_LINES] * 5, trainer)
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>", "model_max_length": 128}')
+
+
+def test_import_prints_a_tokenizer_section_that_sft_data_uses(tmp_path, capsys):
+    """The printed config works as printed: its tokenizer reads the copy inside the checkpoint."""
+    import yaml
+    from kubetron.cli import main
+    from kubetron.config import ConfigContainer
+    from kubetron.data.finetuning import FinetuningDataset
+    from kubetron.data.loader import build_tokenizer_from_config
+
+    hf = make_tiny_llama(tmp_path / "llama")
+    _write_tokenizer(hf)
+    assert main(["import-hf", str(hf), str(tmp_path / "ckpt")]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["tokenizer"]["tokenizer_type"] == "HuggingFaceTokenizer"
+    cfg = ConfigContainer.from_dict({**printed, "train": {"train_iters": 1}})
+    tok = build_tokenizer_from_config(cfg)
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps(SFT_LINES[5]) + "\n")
+    s = FinetuningDataset(str(data), tok, 64, packing=True, seed=0)[0]
+    answer = [int(t) for t, m in zip(s["labels"], s["loss_mask"], strict=True) if m]
+    assert answer[-1] == tok.eod and tok.decode(answer[:-1]) == SFT_LINES[5]["output"]
+
+
+def _losses(stdout: str) -> dict[int, str]:
+    import re
+
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)", stdout)}
+
+
+def test_packed_sft_resumes_after_sigterm_with_the_same_losses(imported, tmp_path):
+    """The fine-tuning data position is restored exactly: a run stopped by SIGTERM and resumed logs the
+    losses of an uninterrupted run (packing on, several epochs of a small JSONL, shuffled per epoch)."""
+    from tests.trainer_utils import run_until_iteration_then_signal
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    keys = _model_keys(imported)
+    straight = _run(_finetune_args(tmp_path / "a", data, imported, keys, 8), tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    args = _finetune_args(tmp_path / "b", data, imported, keys, 8) + ["train.exit_signal_handler=true",
+                                                                      f"checkpoint.load={tmp_path / 'b' / 'run'}"]
+    code, out, err, _ = run_until_iteration_then_signal(args, tmp_path, 3)
+    assert code == 75, err[-2000:]
+    resumed = _run(args, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    first, second, want = _losses(out), _losses(resumed.stdout), _losses(straight.stdout)
+    assert min(second) == max(first) + 1 and sorted({**first, **second}) == list(range(1, 9))
+    assert {**first, **second} == want

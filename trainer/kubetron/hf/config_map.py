@@ -1,0 +1,173 @@
+"""An HF ``config.json`` of the Llama family <-> kubetron's ``model:`` section (plain dicts, no torch).
+
+What the family shares and kubetron's model expresses: RMSNorm, SwiGLU MLP without biases, RoPE
+(rotate-half layout, optionally Llama-3 scaling), grouped-query attention, tied or untied output
+layer, and Qwen2's bias on the query/key/value projection only. Anything else (another rope type,
+a head size other than hidden/heads, MLP biases, another activation, another architecture) is an
+error naming the config.json field: converting it silently would give a different model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kubetron.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                           "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def is_hf_dir(path: str | None) -> bool:
+    """A local directory holding an HF model: config.json and at least one *.safetensors file."""
+    if not path or str(path).startswith("s3://") or not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
+    if not os.path.isfile(path):
+        raise ConfigError("HF_DIR", f"{hf_dir}: no config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}", f"cannot read it as JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(path, "expected a JSON object")
+    return data
+
+
+def architecture(hf: dict) -> str:
+    """The supported architecture name, or a ConfigError naming what the config declares."""
+    archs = hf.get("architectures") or []
+    if archs:
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError("config.json: architectures", f"{arch!r} is not supported (supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+        return arch
+    mt = hf.get("model_type")
+    if mt not in _MODEL_TYPE_TO_ARCH:
+        raise ConfigError("config.json: model_type", f"{mt!r} is not supported (supported: "
+                          f"{', '.join(_MODEL_TYPE_TO_ARCH)})")
+    return _MODEL_TYPE_TO_ARCH[mt]
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, llama3 parameters or None) from the new `rope_parameters` or the legacy keys."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = params if params.get("rope_type", "default") != "default" else None
+    else:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = hf.get("rope_scaling")
+    if scaling is None:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ConfigError("config.json: rope_scaling", f"rope_type {kind!r} is not supported (supported: llama3)")
+    return float(theta), {k: scaling[k] for k in _LLAMA3_KEYS if k in scaling}
+
+
+def _require(hf: dict, key: str):
+    if key not in hf:
+        raise ConfigError(f"config.json: {key}", "required")
+    return hf[key]
+
+
+def model_section(hf: dict) -> dict:
+    """kubetron's `model:` keys for this HF config (raises ConfigError for what it cannot express)."""
+    arch = architecture(hf)
+    hidden, heads = int(_require(hf, "hidden_size")), int(_require(hf, "num_attention_heads"))
+    head_dim = hf.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ConfigError("config.json: head_dim", f"{head_dim} * {heads} heads != hidden_size {hidden} "
+                          "(not supported)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError("config.json: hidden_act", f"{act!r} is not supported (supported: silu)")
+    if hf.get("mlp_bias"):
+        raise ConfigError("config.json: mlp_bias", "MLP biases are not supported")
+    if arch == "MistralForCausalLM" and hf.get("sliding_window") not in (None, 0):
+        # Attention is exact as long as sequences are not longer than the window.
+        window = int(hf["sliding_window"])
+    else:
+        window = None
+    theta, scaling = _rope(hf)
+    if theta != int(theta):
+        raise ConfigError("config.json: rope_theta", f"{theta} is not a whole number (model.rotary_base is)")
+    max_pos = int(_require(hf, "max_position_embeddings"))
+    m = {
+        "num_layers": int(_require(hf, "num_hidden_layers")),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "ffn_hidden_size": int(_require(hf, "intermediate_size")),
+        "vocab_size": int(_require(hf, "vocab_size")),
+        "max_position_embeddings": max_pos,
+        "seq_length": min(max_pos, window or max_pos, 4096),
+        "position_embedding_type": "rope",
+        "rotary_base": int(theta),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "activation": "swiglu",
+        "add_bias_linear": False,
+        "add_qkv_bias": arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+        "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(hf.get("attention_dropout", 0.0)),
+        "init_method_std": float(hf.get("initializer_range", 0.02)),
+    }
+    if scaling is not None:
+        m["rope_scaling"] = True
+        for k in _LLAMA3_KEYS:
+            if k in scaling:
+                m[f"rope_scaling_{k}"] = int(scaling[k]) if k == "original_max_position_embeddings" \
+                    else float(scaling[k])
+    return m
+
+
+def hf_config(model: dict, architecture_name: str | None = None, torch_dtype: str = "float32") -> dict:
+    """An HF config.json for kubetron's `model:` keys (a dict as `cfg.model.model_dump()` gives)."""
+    if model.get("normalization") != "RMSNorm" or model.get("activation") != "swiglu" \
+            or model.get("position_embedding_type") != "rope" or model.get("add_bias_linear"):
+        raise ConfigError("model", "export-hf needs a Llama-family model: normalization RMSNorm, activation "
+                          "swiglu, position_embedding_type rope, add_bias_linear false")
+    arch = architecture_name or ("Qwen2ForCausalLM" if model.get("add_qkv_bias") else "LlamaForCausalLM")
+    heads = model["num_attention_heads"]
+    out = {
+        "architectures": [arch],
+        "model_type": SUPPORTED_ARCHITECTURES[arch],
+        "hidden_size": model["hidden_size"],
+        "intermediate_size": model.get("ffn_hidden_size") or 4 * model["hidden_size"],
+        "num_hidden_layers": model["num_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": model.get("num_query_groups") or heads,
+        "head_dim": model["hidden_size"] // heads,
+        "vocab_size": model["vocab_size"],
+        "max_position_embeddings": model.get("max_position_embeddings") or model["seq_length"],
+        "rms_norm_eps": model["layernorm_epsilon"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": bool(model["share_embeddings_and_output_weights"]),
+        "attention_bias": bool(model.get("add_qkv_bias")) and arch == "LlamaForCausalLM",
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": model.get("init_method_std", 0.02),
+        "torch_dtype": torch_dtype,
+        "rope_theta": float(model["rotary_base"]),
+    }
+    rope = {"rope_type": "default", "rope_theta": float(model["rotary_base"])}
+    if model.get("rope_scaling"):
+        llama3 = {k: model[f"rope_scaling_{k}"] for k in _LLAMA3_KEYS}
+        out["rope_scaling"] = {"rope_type": "llama3", **llama3}
+        rope = {"rope_type": "llama3", "rope_theta": float(model["rotary_base"]), **llama3}
+    out["rope_parameters"] = rope  # transformers >= 5 reads this; older ones rope_theta/rope_scaling
+    return out
