@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 from kubetron import exitcodes
@@ -201,7 +202,7 @@ class Progress:
 
     def update(self, docs: int, tokens: int, done_bytes: int) -> None:
         now = time.monotonic()
-        if now - self.last < (0.2 if self.tty else self.interval):
+        if now - self.last < (min(0.2, self.interval) if self.tty else self.interval):
             return
         self.last = now
         if self.tty:
@@ -247,7 +248,9 @@ class _Outputs:
     """One IndexedDatasetBuilder per JSON key, on temporary files renamed into place by commit()."""
 
     def __init__(self, prefixes: list[str], vocab_size: int):
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+        with warnings.catch_warnings():  # megatron-core's import notes (no TransformerEngine...) are noise here
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
         self.prefixes, self.builders = prefixes, []
         dtype = DType.optimal_dtype(vocab_size)
