@@ -19,6 +19,7 @@ from kubetron.data.datasets import build_gpt_datasets
 from kubetron.data.loader import build_data_iterators
 from kubetron.data.preprocess import preprocess
 from kubetron.data.tokenizer import build_tokenizer, tokenizer_assets, tokenizer_from_assets
+from kubetron.errors import ConfigError
 
 from tests.trainer_utils import TINY, kubetron_cmd, run, run_until_iteration_then_signal, tb_scalars
 
@@ -241,3 +242,19 @@ def test_checkpoint_holds_the_tokenizer_and_a_resume_uses_it(trained):
     loss = tb_scalars(run_dir / "tb")
     assert {i: loss[i] for i in range(saved + 1, ITERS + 1)} == \
         {i: trained["loss"][i] for i in range(saved + 1, ITERS + 1)}
+
+
+def test_tokenizer_files_on_s3(tok_files, s3_server, monkeypatch):
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        client.put_object(Bucket=bucket, Key=f"tok/{name}", Body=(tok_files["dir"] / "hf" / name).read_bytes())
+    local = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", **tok_files["HuggingFaceTokenizer"]))
+    for path in (f"s3://{bucket}/tok", f"s3://{bucket}/tok/tokenizer.json"):
+        remote = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path))
+        assert remote.encode(TEXTS[3]) == local.encode(TEXTS[3]) and remote.eod == local.eod
+    with pytest.raises(ConfigError) as e:
+        build_tokenizer(TokenizerConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=f"s3://{bucket}/x.model"))
+    assert e.value.field == "tokenizer.tokenizer_model" and "no such file" in e.value.message

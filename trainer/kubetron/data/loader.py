@@ -250,14 +250,14 @@ def build_tokenizer_from_config(cfg):
 
 def split_sizes(cfg) -> list[int]:
     """Megatron's samples per split: train_iters * gbs, (train_iters // eval_interval + 1) * eval_iters * gbs
-    for validation (0 without validation), eval_iters * gbs for test."""
+    for validation (0 without validation); 0 for test (the trainer never evaluates on it)."""
     gbs = int(cfg.train.global_batch_size)
     iters = int(getattr(cfg.train, "train_iters", None) or 1)
     validation = getattr(cfg, "validation", None)
     eval_iters = int(getattr(validation, "eval_iters", None) or 1)
     interval = getattr(validation, "eval_interval", None)
     valid = (iters // interval + 1) * eval_iters * gbs if interval else 0
-    return [iters * gbs, valid, eval_iters * gbs]
+    return [iters * gbs, valid, 0]
 
 
 def build_datasets(cfg) -> dict:

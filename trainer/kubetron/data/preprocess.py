@@ -43,7 +43,7 @@ from kubetron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, tokenizer_
 from kubetron.errors import ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
-CHUNK_BYTES = 1 << 20  # work unit sent to a worker: about 1 MiB of input text
+CHUNK_BYTES = 1 << 18  # work unit sent to a worker: about 256 KiB of input text
 
 
 def _is_jsonl(path: str) -> bool:
@@ -140,8 +140,10 @@ def _chunks(inp: _Input, json_keys: tuple[str, ...]) -> Iterator[tuple]:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_type: str, assets: dict[str, bytes], json_keys, append_eod: bool) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
+def _init_worker(tokenizer_type: str, assets: dict[str, bytes], json_keys, append_eod: bool,
+                 pool: bool = True) -> None:
+    if pool:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; no threads per worker
     tok = build_tokenizer("byte") if tokenizer_type == "byte" else tokenizer_from_assets(tokenizer_type, assets)
     _WORKER.update(tok=tok, json_keys=tuple(json_keys), append_eod=append_eod)
 
@@ -288,7 +290,7 @@ class _Outputs:
 def _results(chunks: Iterator[tuple], workers: int, init_args: tuple):
     """Encoded chunks in input order: in this process, or from a pool of ``workers`` processes."""
     if workers <= 1:
-        _init_worker(*init_args)
+        _init_worker(*init_args, pool=False)  # tokenizers' own batch encoder may use its threads
         yield from map(_encode_chunk, chunks)
         return
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
