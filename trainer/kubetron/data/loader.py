@@ -7,7 +7,8 @@ cut into ``num_microbatches`` micro-batches of ``micro_batch_size * dp_size`` co
 and data-parallel rank ``r`` takes samples ``[r * mbs, (r + 1) * mbs)`` of each micro-batch.
 Every rank advances ``consumed_samples`` by ``mbs * dp_size`` per micro-batch, so all ranks agree on
 it, and a run resumed at a different data-parallel size trains the same global batches. Past the
-end of an epoch the datasets wrap into the next (reshuffled) epoch, so an iterator never ends.
+samples planned for the run (megatron-core builds as many epochs as they need) the order starts
+again from sample 0, so an iterator never ends.
 
 Prefetch. With ``prefetch > 0`` a daemon thread prepares up to ``prefetch`` micro-batches ahead
 (reads, numpy collation, torch conversion, pinning). It never changes what is returned: each
