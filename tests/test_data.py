@@ -447,7 +447,7 @@ def test_blend_with_weights(tmp_path):
 def test_indexed_training_through_the_loader_with_epochs_and_validation(tmp_path):
     prefix = _write_corpus(tmp_path, "e", 40)
     cfg = make_cfg(data_path=[prefix], split="90,10,0", seq_length=16, mbs=4, gbs=8, eval_interval=5, iters=40)
-    assert split_sizes(cfg) == [320, 9 * 2 * 8, 2 * 8]
+    assert split_sizes(cfg) == [320, 9 * 2 * 8, 0]
     train, valid = build_data_iterators(cfg, 0, 1)
     batches = take(train, 2 * len(train.dataset) // 4 + 3)  # past the planned samples: the order repeats
     assert all(b["tokens"].shape == (4, 16) and b["tokens"].max() <= 256 for b in batches)
@@ -474,6 +474,9 @@ def test_missing_prefix_and_empty_splits(tmp_path):
     assert valid is None
     train.close()
     # a split that rounds to zero documents would make megatron-core spin forever: a config error instead
-    with pytest.raises(ConfigError, match="gives the test split 0 of the 30 documents") as e:
-        build_data_iterators(make_cfg(data_path=[prefix], split="98,1,1"), 0, 1)
+    with pytest.raises(ConfigError, match="gives the valid split 0 of the 30 documents") as e:
+        build_data_iterators(make_cfg(data_path=[prefix], split="99,1,0", eval_interval=10), 0, 1)
     assert e.value.field == "dataset.split"
+    train, valid = build_data_iterators(make_cfg(data_path=[prefix], split="98,1,1"), 0, 1)  # test: never read
+    assert valid is None
+    train.close()

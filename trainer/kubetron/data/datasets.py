@@ -8,8 +8,9 @@ wheel ships the compiled ``helpers_cpp``), so the sample order is Megatron's for
 ``data_path``/``split`` (or per-split paths), seed, sequence length and sample counts, and
 ``reset_position_ids``, ``reset_attention_mask`` and ``eod_mask_loss`` are megatron-core's. The sample
 counts are Megatron's: ``train_iters * global_batch_size`` for train,
-``(train_iters // eval_interval + 1) * eval_iters * global_batch_size`` for validation and
-``eval_iters * global_batch_size`` for test. An unweighted list of prefixes is weighted by size,
+``(train_iters // eval_interval + 1) * eval_iters * global_batch_size`` for validation; a split of
+size 0 (validation off; test, which the trainer never reads) is not built, which leaves the other
+splits' documents and order as Megatron's. An unweighted list of prefixes is weighted by size,
 as in Megatron. The shuffle indices are built in memory on every rank (no cache files next to the
 data, which may be on a read-only volume).
 
@@ -265,14 +266,16 @@ def build_gpt_datasets(
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     blend = blend_per_split = split = None
+    wanted = [size > 0 for size in sizes]  # a split nobody reads is not built (nor required to hold data)
     if d.data_path is not None:
         blend = megatron_blend(d.data_path)
         split = ",".join(repr(w) for w in parse_split(d.split))
+        ranges = lambda n: [r if w else None for r, w in zip(split_ranges(n, parse_split(d.split)), wanted)]  # noqa: E731
         for prefix in blend[0]:
-            _check_not_empty(prefix, lambda n: split_ranges(n, parse_split(d.split)), str(d.split), "dataset.data_path")
+            _check_not_empty(prefix, ranges, str(d.split), "dataset.data_path")
     else:
-        blend_per_split = [None if v is None else megatron_blend(v, f"dataset.{n}_data_path")
-                           for n, v in per_split.items()]
+        blend_per_split = [None if v is None or not w else megatron_blend(v, f"dataset.{n}_data_path")
+                           for (n, v), w in zip(per_split.items(), wanted)]
         for n, b in zip(SPLIT_NAMES, blend_per_split):
             for prefix in b[0] if b else ():
                 _check_not_empty(prefix, lambda n: [(0, n)], None, f"dataset.{n}_data_path")
@@ -290,6 +293,8 @@ def build_gpt_datasets(
         eod_mask_loss=bool(getattr(d, "eod_mask_loss", False)),
         create_attention_mask=reset_attention_mask,  # otherwise causal is implied and no mask is built
     )
+    if config.split_matrix is not None:  # unwanted splits: None keeps the others' document ranges as they are
+        config.split_matrix = [m if w else None for m, w in zip(config.split_matrix, wanted)]
     built = BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
     out = {name: (EndlessDataset(ds, name) if ds is not None and len(ds) > 0 else None)
            for name, ds in zip(SPLIT_NAMES, built)}

@@ -7,7 +7,8 @@ cut into ``num_microbatches`` micro-batches of ``micro_batch_size * dp_size`` co
 and data-parallel rank ``r`` takes samples ``[r * mbs, (r + 1) * mbs)`` of each micro-batch.
 Every rank advances ``consumed_samples`` by ``mbs * dp_size`` per micro-batch, so all ranks agree on
 it, and a run resumed at a different data-parallel size trains the same global batches. Past the
-end of an epoch the datasets wrap into the next (reshuffled) epoch, so an iterator never ends.
+samples planned for the run (megatron-core builds as many epochs as they need) the order starts
+again from sample 0, so an iterator never ends.
 
 Prefetch. With ``prefetch > 0`` a daemon thread prepares up to ``prefetch`` micro-batches ahead
 (reads, numpy collation, torch conversion, pinning). It never changes what is returned: each
@@ -253,14 +254,14 @@ def build_tokenizer_from_config(cfg):
 
 def split_sizes(cfg) -> list[int]:
     """Megatron's samples per split: train_iters * gbs, (train_iters // eval_interval + 1) * eval_iters * gbs
-    for validation (0 without validation), eval_iters * gbs for test."""
+    for validation (0 without validation); 0 for test (the trainer never evaluates on it)."""
     gbs = int(cfg.train.global_batch_size)
     iters = int(getattr(cfg.train, "train_iters", None) or 1)
     validation = getattr(cfg, "validation", None)
     eval_iters = int(getattr(validation, "eval_iters", None) or 1)
     interval = getattr(validation, "eval_interval", None)
     valid = (iters // interval + 1) * eval_iters * gbs if interval else 0
-    return [iters * gbs, valid, eval_iters * gbs]
+    return [iters * gbs, valid, 0]
 
 
 def build_datasets(cfg) -> dict:

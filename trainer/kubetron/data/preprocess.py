@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 from kubetron import exitcodes
@@ -42,7 +43,7 @@ from kubetron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, tokenizer_
 from kubetron.errors import ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
-CHUNK_BYTES = 1 << 20  # work unit sent to a worker: about 1 MiB of input text
+CHUNK_BYTES = 1 << 18  # work unit sent to a worker: about 256 KiB of input text
 
 
 def _is_jsonl(path: str) -> bool:
@@ -139,8 +140,10 @@ def _chunks(inp: _Input, json_keys: tuple[str, ...]) -> Iterator[tuple]:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_type: str, assets: dict[str, bytes], json_keys, append_eod: bool) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
+def _init_worker(tokenizer_type: str, assets: dict[str, bytes], json_keys, append_eod: bool,
+                 pool: bool = True) -> None:
+    if pool:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; no threads per worker
     tok = build_tokenizer("byte") if tokenizer_type == "byte" else tokenizer_from_assets(tokenizer_type, assets)
     _WORKER.update(tok=tok, json_keys=tuple(json_keys), append_eod=append_eod)
 
@@ -201,7 +204,7 @@ class Progress:
 
     def update(self, docs: int, tokens: int, done_bytes: int) -> None:
         now = time.monotonic()
-        if now - self.last < (0.2 if self.tty else self.interval):
+        if now - self.last < (min(0.2, self.interval) if self.tty else self.interval):
             return
         self.last = now
         if self.tty:
@@ -247,7 +250,9 @@ class _Outputs:
     """One IndexedDatasetBuilder per JSON key, on temporary files renamed into place by commit()."""
 
     def __init__(self, prefixes: list[str], vocab_size: int):
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+        with warnings.catch_warnings():  # megatron-core's import notes (no TransformerEngine...) are noise here
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
         self.prefixes, self.builders = prefixes, []
         dtype = DType.optimal_dtype(vocab_size)
@@ -285,7 +290,7 @@ class _Outputs:
 def _results(chunks: Iterator[tuple], workers: int, init_args: tuple):
     """Encoded chunks in input order: in this process, or from a pool of ``workers`` processes."""
     if workers <= 1:
-        _init_worker(*init_args)
+        _init_worker(*init_args, pool=False)  # tokenizers' own batch encoder may use its threads
         yield from map(_encode_chunk, chunks)
         return
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")

@@ -611,7 +611,7 @@ def read_tokenizer_assets(store, name: str) -> dict[str, bytes]:
 
 def adopt_checkpoint_tokenizer(cfg) -> str | None:
     """On a resume, use the tokenizer files saved in the checkpoint (not the configured paths, which may be
-    gone or changed since). Call before cfg.finalize(): the padded vocabulary comes from the tokenizer.
+    gone or changed since). Call before the first cfg.finalize(): the padded vocabulary comes from the tokenizer.
     Returns the checkpoint it came from, or None."""
     ck, tok = cfg.checkpoint, cfg.tokenizer
     if not ck.load or not tok.file_based:
@@ -634,6 +634,8 @@ def adopt_checkpoint_tokenizer(cfg) -> str | None:
         log.warning("the configured tokenizer files are not readable; resuming with %s/%s/%s",
                     store.url, name, TOKENIZER_DIR)
     tok.adopt_assets(assets)
+    log.info("tokenizer: %s from %s/%s/%s (the checkpoint being resumed)", tok.tokenizer_type, store.url, name,
+             TOKENIZER_DIR)
     return f"{store.url}/{name}"
 
 

@@ -109,7 +109,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
 
     cfg = config
     rank, world, device = initialize_distributed(cfg)
-    if adopt_checkpoint_tokenizer(cfg) and rank == 0:  # before finalize: the vocabulary comes from it
+    if cfg.tokenizer.assets() is None and adopt_checkpoint_tokenizer(cfg) and rank == 0:
         log.info("tokenizer: %s from the checkpoint being resumed", cfg.tokenizer.tokenizer_type)
     cfg.finalize(world_size=world)
     if parallel_state.model_parallel_is_initialized():  # a second pretrain() in one process
@@ -241,6 +241,10 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
     """`kubetron train|finetune`: run, then map the ending to an exit code + termination message."""
     import warnings
 
+    if cfg.tokenizer.file_based and cfg.checkpoint.load:  # a resume trains with the checkpoint's tokenizer
+        from kubetron.training.checkpointing import adopt_checkpoint_tokenizer
+
+        adopt_checkpoint_tokenizer(cfg)
     # Validate the whole config before the slow imports: a bad value fails in well under a second.
     cfg.finalize(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     warnings.filterwarnings("ignore", module="megatron")
