@@ -135,7 +135,7 @@ def main() -> int:
 
     # -- bytes per rank and rank 0's memory: the first save of a fresh manager, each format ------------
     step = iter(range(10, 10_000, 10))
-    growth = {}
+    growth, save_s = {}, {}
     for fmt in ("sharded", "kubetron"):
         ckpt, model, optimizer = build(a, f"{a.dir}/{fmt}", fmt, async_save=False)
         total = state_bytes(model, optimizer)
@@ -143,6 +143,8 @@ def main() -> int:
         with PeakRSS() as m:
             ckpt.save(next(step), blocking=True)
         growth[fmt] = (gather(m.growth), ckpt.buffers.nbytes)
+        save_s[fmt] = statistics.median(max(gather(timed(lambda c=ckpt: c.save(next(step), blocking=True))))
+                                        for _ in range(a.repeats))
         if fmt == "sharded":
             written = gather(ckpt.last_save_bytes)
             row("bytes written per rank (sharded)", ", ".join(f"{w / MB:.1f} MB" for w in written),
@@ -153,6 +155,9 @@ def main() -> int:
         row(f"rank 0 host memory for a save ({fmt})", f"{g[0] / MB:.1f} MB peak RSS growth",
             f"state {total / MB:.1f} MB; host buffers {buffers / MB:.1f} MB", f"ratio {g[0] / total:.3f}"
             + (f" (target <= {1 / world + 0.1:.2f})" if fmt == "sharded" else " (gathers everything on rank 0)"))
+
+    row("sync save to dir, sharded vs kubetron", f"{save_s['sharded']:.3f}s", f"kubetron {save_s['kubetron']:.3f}s",
+        f"ratio {save_s['kubetron'] / save_s['sharded']:.2f} (kubetron time / sharded time)")
 
     # -- async: blocked time vs a sync save -------------------------------------------------------------
     ckpt, model, optimizer = build(a, f"{a.dir}/async", "sharded", async_save=True)
