@@ -135,7 +135,7 @@ def main() -> int:
 
     # -- bytes per rank and rank 0's memory: the first save of a fresh manager, each format ------------
     step = iter(range(10, 10_000, 10))
-    growth = {}
+    growth, save_s = {}, {}
     for fmt in ("sharded", "kubetron"):
         ckpt, model, optimizer = build(a, f"{a.dir}/{fmt}", fmt, async_save=False)
         total = state_bytes(model, optimizer)
@@ -143,6 +143,8 @@ def main() -> int:
         with PeakRSS() as m:
             ckpt.save(next(step), blocking=True)
         growth[fmt] = (gather(m.growth), ckpt.buffers.nbytes)
+        save_s[fmt] = statistics.median(max(gather(timed(lambda c=ckpt: c.save(next(step), blocking=True))))
+                                        for _ in range(a.repeats))
         if fmt == "sharded":
             written = gather(ckpt.last_save_bytes)
             row("bytes written per rank (sharded)", ", ".join(f"{w / MB:.1f} MB" for w in written),
@@ -153,6 +155,9 @@ def main() -> int:
         row(f"rank 0 host memory for a save ({fmt})", f"{g[0] / MB:.1f} MB peak RSS growth",
             f"state {total / MB:.1f} MB; host buffers {buffers / MB:.1f} MB", f"ratio {g[0] / total:.3f}"
             + (f" (target <= {1 / world + 0.1:.2f})" if fmt == "sharded" else " (gathers everything on rank 0)"))
+
+    row("sync save to dir, sharded vs kubetron", f"{save_s['sharded']:.3f}s", f"kubetron {save_s['kubetron']:.3f}s",
+        f"ratio {save_s['kubetron'] / save_s['sharded']:.2f} (kubetron time / sharded time)")
 
     # -- async: blocked time vs a sync save -------------------------------------------------------------
     ckpt, model, optimizer = build(a, f"{a.dir}/async", "sharded", async_save=True)
@@ -166,6 +171,11 @@ def main() -> int:
     sync_s, block_s = statistics.median(syncs), statistics.median(blocks)
     row("async sharded save: loop blocked", f"{block_s:.3f}s", f"sync save {sync_s:.3f}s",
         f"ratio {block_s / sync_s:.3f} (target <= 0.1)")
+    src = torch.empty(ckpt.last_save_bytes // 4)
+    dst = torch.empty_like(src)
+    copy_s = statistics.median(max(gather(timed(lambda: dst.copy_(src)))) for _ in range(a.repeats))
+    row("  (floor) host memcpy of a rank's share", f"{copy_s:.3f}s", f"{ckpt.last_save_bytes / MB:.1f} MB",
+        f"ratio {copy_s / sync_s:.3f} of the sync save")
     loader = build(a, None, "sharded", False, load=f"{a.dir}/async")[0]
     load_s = max(gather(timed(loader.load)))
     row("load <- dir (sharded)", f"{load_s:.2f}s", f"{total / MB / load_s:.0f} MB/s of state per rank")
@@ -192,6 +202,16 @@ def main() -> int:
         row("S3 sharded save per rank", ", ".join(f"{s:.2f}s" for s in save_s),
             "boto3 upload_file " + ", ".join(f"{u:.2f}s" for u in up_s),
             "ratio " + ", ".join(f"{u / s:.2f}" for u, s in zip(up_s, save_s, strict=True)) + " (target >= 0.8)")
+        ackpt = build(a, url, "sharded", async_save=True)[0]
+        ackpt.save(next(step), blocking=True)  # host buffers allocated
+        blocks = []
+        for _ in range(a.repeats):
+            blocks.append(max(gather(timed(lambda: ackpt.save(next(step))))))
+            ackpt.finalize(blocking=True)
+        ackpt.close()
+        block_s = statistics.median(blocks)
+        row("async sharded save to S3: loop blocked", f"{block_s:.3f}s", f"sync S3 save {max(save_s):.2f}s",
+            f"ratio {block_s / max(save_s):.3f} (target <= 0.1)")
         loader = build(a, None, "sharded", False, load=url)[0]
         load_s = max(gather(timed(loader.load)))
         row("load <- S3 (sharded)", f"{load_s:.2f}s", f"{total / MB / load_s:.0f} MB/s of state per rank")

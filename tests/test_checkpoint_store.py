@@ -53,7 +53,7 @@ def progress_summary(store: str, tmp_path, env: dict) -> dict:
 @pytest.mark.parametrize("backend,point,expect", [
     ("fs", "after-payload", 10),   # files written, no commit marker: iteration 20 is invisible
     ("fs", "after-commit", 20),    # committed, tracker not yet moved: readers find it by its marker
-    ("s3", "after-model", 10),     # killed mid-upload
+    ("s3", "after-shard", 10),     # killed mid-save: its shard data uploaded, its index not
     ("s3", "after-tracker", 20),   # durable, progress log not yet appended
 ])
 def test_sigkill_during_save(reference, tmp_path, s3_server, backend, point, expect):

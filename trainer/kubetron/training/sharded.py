@@ -10,8 +10,8 @@ Canonical names and shapes are those of a TP=1/PP=1 model (sharding.py); a piece
 tensor, so any layout reads any other's pieces by intersecting boxes:
 - TP: a split parameter's box starts at `tp_rank * local size` along its partition_dim. SwiGLU's fc1
   (`[gate_r; up_r]` on each TP rank) is viewed as (2, ffn, ...) so its TP part is a box too.
-- DP (and TP for replicated tensors): the replicas split the local tensor along its largest dimension,
-  so each rank writes ~1/world of the bytes and no byte twice.
+- DP (and TP for replicated tensors): the replicas split the local tensor along its first dimension
+  (contiguous slices), so each rank writes ~1/world of the bytes and no byte twice.
 - PP: layer numbers are global; the last stage's copy of a tied output layer is not saved (it loads the
   word embedding).
 - The padded vocabulary (it grows with TP): rows a checkpoint lacks are padding and load as zeros; rows
@@ -96,7 +96,9 @@ def _my_piece(name, t, gshape, start, dim, host_copy) -> Piece | None:
     slot, n = _replica_slot(dim is not None)
     if t.ndim == 0:
         return Piece(name, (), [], host_copy(name, t)) if slot == 0 else None
-    d = max(range(t.ndim), key=lambda i: t.shape[i])  # split the replicas' work along the largest dim
+    # Split the replicas' work along the first dimension long enough: a contiguous slice (a plain
+    # memcpy into the host buffer, whole rows on load); the largest dimension if none is.
+    d = next((i for i in range(t.ndim) if t.shape[i] >= n), max(range(t.ndim), key=lambda i: t.shape[i]))
     lo, hi = t.shape[d] * slot // n, t.shape[d] * (slot + 1) // n
     if hi <= lo:
         return None
