@@ -19,7 +19,7 @@ Shared embeddings under PP (`share_embeddings_and_output_weights`): the last sta
 the word embedding as `output_layer.weight` (marked `shared`). megatron copies it from the first
 stage at construction with `weight.data.cuda()` + all-reduce over the embedding group, which fails
 on CPU; `build()` skips that step while building and does the same all-reduce on the model's own
-device. During training `optim.allreduce_gradients` all-reduces the two copies' gradients over the
+device. During training `grads.allreduce_gradients` all-reduces the two copies' gradients over the
 embedding group, as megatron's `finalize_model_grads` does, so they stay equal.
 """
 
@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kubetron.training.grads import shared_embedding_weight
+from kubetron.training.optim import resolve_ddp_impl
 from kubetron.training.utils import unpack_loss
 
 
@@ -42,6 +44,7 @@ class _Shapes:
     hidden_size: int
     dtype: torch.dtype
     sequence_parallel: bool
+    megatron_schedule: bool  # megatron's get_forward_backward_func (CUDA) instead of the loop's own
 
 
 _SHAPES: _Shapes | None = None
@@ -69,15 +72,6 @@ def _skip_cuda_embedding_sync(device: torch.device):
         LanguageModule._is_in_embd_group = original
 
 
-def shared_embedding_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
-    """The word-embedding weight this stage shares with the other end of the pipeline, if any."""
-    if pp_size() == 1 or not getattr(chunk, "share_embeddings_and_output_weights", False):
-        return None
-    if not (chunk.pre_process or chunk.post_process):
-        return None
-    return chunk.shared_embedding_or_output_weight()
-
-
 def sync_shared_embeddings(model: list[torch.nn.Module]):
     """First and last stage start from the same word embedding (the last stage's copy is zero)."""
     if pp_size() == 1 or not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
@@ -96,10 +90,11 @@ def build(cfg, device: torch.device, build_model) -> list[torch.nn.Module]:
     if device.type != "cuda":
         sync_shared_embeddings(model)
     m = cfg.model
+    megatron = device.type == "cuda" and (pp_size() > 1 or resolve_ddp_impl(cfg, device) == "megatron")
     _SHAPES = _Shapes(seq_length=m.seq_length, micro_batch_size=cfg.train.micro_batch_size,
                       hidden_size=m.hidden_size,
                       dtype=torch.bfloat16 if cfg.mixed_precision.bf16 else torch.float32,
-                      sequence_parallel=bool(m.sequence_parallel))
+                      sequence_parallel=bool(m.sequence_parallel), megatron_schedule=megatron)
     return model
 
 
@@ -115,18 +110,25 @@ def _activation_shape() -> tuple[tuple[int, ...], torch.dtype]:
     return (seq, s.micro_batch_size, s.hidden_size), s.dtype
 
 
+def runs_schedule() -> bool:
+    """Whether the loop hands its micro-batches to this module: PP > 1, or megatron's schedule
+    (`ddp.impl` megatron on CUDA, where its DDP's no_sync must wrap the micro-batches)."""
+    return pp_size() > 1 or (_SHAPES is not None and _SHAPES.megatron_schedule)
+
+
 def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool):
-    """The PP > 1 schedule; returns the per-micro-batch loss reports (the same on every stage)."""
+    """The schedule; returns the per-micro-batch loss reports (the same on every stage)."""
     device = next(model[0].parameters()).device
-    if device.type == "cuda":
+    if _SHAPES is not None and _SHAPES.megatron_schedule:
         reports = _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only)
     else:
         reports = _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only)
-    return broadcast_reports(reports, device)
+    return broadcast_reports(reports, device) if pp_size() > 1 else reports
 
 
 def _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only):
-    """megatron-core's 1F1B (GPU). Untested here: CI has no GPU."""
+    """megatron-core's schedules (GPU): no pipelining at PP 1, 1F1B above. CI has no GPU: run
+    `make gpu-check` on one."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     s = _SHAPES
