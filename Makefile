@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 # torch first, pinned: the CPU wheel on disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test venv venv-dev lint chart images bench clean
+.PHONY: demo test venv venv-dev lint chart images bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ images:
 bench: $(VENV)/.trainer
 	$(PY) bench/loop_overhead.py
 	$(PY) bench/checkpoint.py
+
+## gpu-check: on a GPU machine, the GPU path's checks in one summary table (README: running it there).
+## TINY=1: the CPU dry run CI runs (tiny shapes). The GPU machine's own python3 is used when there is no .venv.
+TINY   ?=
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	TINY=$(TINY) $(GPU_PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info

@@ -33,7 +33,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from kubetron.training.grads import shared_embedding_weight
-from kubetron.training.optim import resolve_ddp_impl
 from kubetron.training.utils import unpack_loss
 
 
@@ -44,7 +43,6 @@ class _Shapes:
     hidden_size: int
     dtype: torch.dtype
     sequence_parallel: bool
-    megatron_schedule: bool  # megatron's get_forward_backward_func (CUDA) instead of the loop's own
 
 
 _SHAPES: _Shapes | None = None
@@ -90,11 +88,10 @@ def build(cfg, device: torch.device, build_model) -> list[torch.nn.Module]:
     if device.type != "cuda":
         sync_shared_embeddings(model)
     m = cfg.model
-    megatron = device.type == "cuda" and (pp_size() > 1 or resolve_ddp_impl(cfg, device) == "megatron")
     _SHAPES = _Shapes(seq_length=m.seq_length, micro_batch_size=cfg.train.micro_batch_size,
                       hidden_size=m.hidden_size,
                       dtype=torch.bfloat16 if cfg.mixed_precision.bf16 else torch.float32,
-                      sequence_parallel=bool(m.sequence_parallel), megatron_schedule=megatron)
+                      sequence_parallel=bool(m.sequence_parallel))
     return model
 
 
@@ -110,16 +107,18 @@ def _activation_shape() -> tuple[tuple[int, ...], torch.dtype]:
     return (seq, s.micro_batch_size, s.hidden_size), s.dtype
 
 
-def runs_schedule() -> bool:
-    """Whether the loop hands its micro-batches to this module: PP > 1, or megatron's schedule
-    (`ddp.impl` megatron on CUDA, where its DDP's no_sync must wrap the micro-batches)."""
-    return pp_size() > 1 or (_SHAPES is not None and _SHAPES.megatron_schedule)
+def runs_schedule(model: list[torch.nn.Module]) -> bool:
+    """Whether the loop hands its micro-batches to this module: PP > 1, or a model under megatron's
+    DDP (`ddp.impl` megatron, CUDA), whose `no_sync` megatron's schedule wraps the micro-batches in
+    (megatron_ddp.py sets it on the model's TransformerConfig)."""
+    config = getattr(model[0], "config", None)  # a TransformerConfig on megatron modules
+    return pp_size() > 1 or (config is not None and config.no_sync_func is not None)
 
 
 def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool):
     """The schedule; returns the per-micro-batch loss reports (the same on every stage)."""
     device = next(model[0].parameters()).device
-    if _SHAPES is not None and _SHAPES.megatron_schedule:
+    if device.type == "cuda":
         reports = _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only)
     else:
         reports = _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only)
@@ -132,12 +131,13 @@ def _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     s = _SHAPES
-    if s is None:
+    if s is None and pp_size() > 1:
         raise RuntimeError("pipeline.build() was not called: activation shapes are unknown")
+    seq, mbs = (s.seq_length, s.micro_batch_size) if s is not None else (0, 0)  # unused without pipelining
     return list(get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=s.seq_length, micro_batch_size=s.micro_batch_size,
-        decoder_seq_length=s.seq_length, forward_only=forward_only))
+        num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
+        decoder_seq_length=seq, forward_only=forward_only))
 
 
 def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only):

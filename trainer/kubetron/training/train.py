@@ -36,7 +36,7 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches: 
     The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
     loss / num_microbatches, so gradients are the mean over the global batch on this rank.
     """
-    if pipeline.runs_schedule():  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
+    if pipeline.runs_schedule(model):  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
         return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
                                          forward_only=forward_only)
     reports = []
