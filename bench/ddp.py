@@ -10,6 +10,7 @@ builds four copies of the same model (same seed), one per variant, as `kubetron 
   * overlap:          ddp.overlap_grad_reduce (bucketed buffers, async all-reduce during backward)
   * distopt:          ddp.use_distributed_optimizer (ZeRO-1: reduce-scatter, sharded state, all-gather)
   * distopt+overlap:  distopt with overlap_grad_reduce and overlap_param_gather
+  * on CUDA also megatron, megatron-distopt, megatron-dist+ovl: megatron-core's DDP and optimizers
 
 and trains them in interleaved blocks of `--steps` iterations through kubetron's `train_step`.
 Printed on rank 0: median ms/step and the ratio to plain; optimizer memory on that rank (Adam

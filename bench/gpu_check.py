@@ -7,7 +7,7 @@ Rows:
   gpu_step MFU ratio      bench/gpu_step.py: kubetron end to end vs plain PyTorch + torch.compile on
                           examples/gpt-1p3b.yaml's shape; target ratio >= 1.13
   bf16 vs fp32 loss       a small GPT trained 50 steps in bf16 (fp32 main weights) and in fp32 from
-                          the same seed and data; target max |loss difference| <= PARITY_TOL
+                          the same seed and data; target max abs loss difference <= PARITY_TOL
   SIGTERM + exact resume  `kubetron train` stopped by SIGTERM mid-run (exit 75), resumed: its losses
                           equal an uninterrupted run's, bit for bit (TensorBoard's fp32 values)
   checkpoint 1.3B async   bench/checkpoint.py --device cuda at the 1.3B shape (21 GB of model +
@@ -86,12 +86,12 @@ def check_gpu_step(tiny: bool) -> Row:
 def check_parity(tiny: bool) -> Row:
     p = _run([sys.executable, __file__, "--worker", "parity", "10" if tiny else "50"], timeout=600)
     if p.returncode:
-        return Row("bf16 vs fp32 loss", "FAIL", _tail(p), f"max |diff| <= {PARITY_TOL}")
+        return Row("bf16 vs fp32 loss", "FAIL", _tail(p), f"max abs diff <= {PARITY_TOL}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
     diff = max(abs(a - b) for a, b in zip(r["fp32"], r["bf16"], strict=True))
     ok = diff <= PARITY_TOL and r["fp32"][-1] < r["fp32"][0]
     return Row("bf16 vs fp32 loss", "PASS" if ok else "FAIL",
-               f"max |diff| {diff:.2e} over {len(r['fp32'])} steps ({r['fp32'][0]:.3f} -> {r['fp32'][-1]:.3f})",
+               f"max abs diff {diff:.2e} over {len(r['fp32'])} steps ({r['fp32'][0]:.3f} -> {r['fp32'][-1]:.3f})",
                f"<= {PARITY_TOL}")
 
 

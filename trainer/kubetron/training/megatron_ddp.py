@@ -195,10 +195,29 @@ class MegatronOptimizer(TrainingOptimizer):
             part.optimizer.state[main] = entry
 
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        """This rank's own pieces, by parameter position (same-layout, node-local checkpoints): the fp32
+        main and the optimizer state of each parameter's range this rank holds. (megatron's own
+        DistributedOptimizer.state_dict() leaves the parameter state out.)"""
+        pieces = []
+        for p in self.params:
+            part, main, _ = self._locate(p)
+            pieces.append({} if part is None else
+                          {"main_param": main.detach().clone(), **part.optimizer.state.get(main, {})})
+        return {"param_state": pieces}
 
+    @torch.no_grad()
     def load_state_dict(self, sd: dict):
-        self.inner.load_state_dict(sd)
+        """The inverse of state_dict (the model's weights come from the model's own state dict)."""
+        if len(sd["param_state"]) != len(self.params):
+            raise ValueError(f"state dict has {len(sd['param_state'])} parameters, this optimizer {len(self.params)}")
+        for p, saved in zip(self.params, sd["param_state"], strict=True):
+            part, main, _ = self._locate(p)
+            if part is None or not saved:
+                continue
+            saved = dict(saved)
+            main.copy_(saved.pop("main_param"))
+            if saved:
+                part.optimizer.state[main] = saved
 
 
 def _main_of(part) -> dict:
