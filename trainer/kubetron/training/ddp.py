@@ -2,8 +2,9 @@
 
 megatron-core's `DistributedDataParallel` and `DistributedOptimizer` hard-code CUDA in 0.16.1 (grad
 buffers on `torch.cuda.current_device()`, `torch.cuda.current_stream()` in the grad sync, CUDA asserts
-in `get_megatron_optimizer`; see docs/parallelism.md), so they cannot run in CI. This module does the
-same scheme with collectives that gloo and NCCL both have, so CPU and GPU run one code path:
+in `get_megatron_optimizer`; see docs/parallelism.md), so they cannot run in CI. This module, the
+`ddp.impl: kubetron` implementation (CPU, and the GPU fallback; on CUDA `auto` picks megatron-core's,
+megatron_ddp.py), does the same scheme with collectives that gloo and NCCL both have:
 
 Gradient buffers (`GradBuffers`, for `ddp.overlap_grad_reduce` and the distributed optimizer):
 - every trainable parameter gets a slice of one contiguous gradient buffer per parameter dtype
