@@ -8,7 +8,8 @@ TORCH  := torch==2.13.0
 # Every other package at the version CI tested (regenerate with `make constraints`).
 PINNED := -c constraints.txt
 
-.PHONY: demo test venv venv-dev lint chart images bench clean constraints
+
+.PHONY: demo test venv venv-dev lint chart images bench gpu-check clean constraints
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +56,13 @@ bench: $(VENV)/.trainer
 constraints: $(VENV)/.dev
 	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.new
 	mv constraints.new constraints.txt
+
+## gpu-check: on a GPU machine, the GPU path's checks in one summary table (README: running it there).
+## TINY=1: the CPU dry run CI runs (tiny shapes). The GPU machine's own python3 is used when there is no .venv.
+TINY   ?=
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	TINY=$(TINY) $(GPU_PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info

@@ -10,6 +10,7 @@ builds four copies of the same model (same seed), one per variant, as `kubetron 
   * overlap:          ddp.overlap_grad_reduce (bucketed buffers, async all-reduce during backward)
   * distopt:          ddp.use_distributed_optimizer (ZeRO-1: reduce-scatter, sharded state, all-gather)
   * distopt+overlap:  distopt with overlap_grad_reduce and overlap_param_gather
+  * on CUDA also megatron, megatron-distopt, megatron-dist+ovl: megatron-core's DDP and optimizers
 
 and trains them in interleaved blocks of `--steps` iterations through kubetron's `train_step`.
 Printed on rank 0: median ms/step and the ratio to plain; optimizer memory on that rank (Adam
@@ -20,6 +21,7 @@ loss after the last block, which must agree across variants (they train the same
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -31,11 +33,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "trainer"))
 
 VARIANTS = {
-    "plain": [],
-    "overlap": ["ddp.overlap_grad_reduce=true"],
-    "distopt": ["ddp.use_distributed_optimizer=true"],
-    "distopt+overlap": ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
+    "plain": ["ddp.impl=kubetron"],
+    "overlap": ["ddp.impl=kubetron", "ddp.overlap_grad_reduce=true"],
+    "distopt": ["ddp.impl=kubetron", "ddp.use_distributed_optimizer=true"],
+    "distopt+overlap": ["ddp.impl=kubetron", "ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
                         "ddp.overlap_param_gather=true"],
+}
+# On CUDA also megatron-core's DistributedDataParallel + optimizers (ddp.impl=megatron, the GPU default).
+MEGATRON_VARIANTS = {
+    "megatron": ["ddp.impl=megatron"],
+    "megatron-distopt": ["ddp.impl=megatron", "ddp.use_distributed_optimizer=true"],
+    "megatron-dist+ovl": ["ddp.impl=megatron", "ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
+                          "ddp.overlap_param_gather=true"],
 }
 
 
@@ -98,7 +107,8 @@ def worker(args) -> int:
     if args.bucket_size:
         base.append(f"ddp.bucket_size={args.bucket_size}")
     runs = {}
-    for i, (name, extra) in enumerate(VARIANTS.items()):
+    variants = {**VARIANTS, **(MEGATRON_VARIANTS if torch.cuda.is_available() else {})}
+    for i, (name, extra) in enumerate(variants.items()):
         cfg = ConfigContainer.from_yaml(str(ROOT / "examples" / "tiny-gpt.yaml"), base + extra)
         if i == 0:
             rank, world, device = initialize_distributed(cfg)
@@ -163,18 +173,20 @@ def worker(args) -> int:
 
 def main(argv=None) -> int:
     if os.environ.get("KUBETRON_BENCH_WORKER") == "1":
-        code = worker(parse_args(argv))
+        code = worker(parse_args(json.loads(os.environ["KUBETRON_BENCH_ARGS"])))
         sys.stdout.flush()
         os._exit(code)
     args = parse_args(argv)
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    env = {**os.environ, "KUBETRON_BENCH_WORKER": "1", "PYTHONPATH": str(ROOT / "trainer")}
+    # The script's own options travel in the environment: torchrun would take --nproc for its own.
+    env = {**os.environ, "KUBETRON_BENCH_WORKER": "1", "PYTHONPATH": str(ROOT / "trainer"),
+           "KUBETRON_BENCH_ARGS": json.dumps(sys.argv[1:] if argv is None else list(argv))}
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [torchrun, "--nproc-per-node", str(args.nproc), "--master-port", str(port), __file__, *sys.argv[1:]]
+    cmd = [torchrun, "--nproc-per-node", str(args.nproc), "--master-port", str(port), __file__]
     return subprocess.call(cmd, env=env)
 
 

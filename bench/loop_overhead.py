@@ -77,7 +77,7 @@ def build(args):
         "train.train_iters=1000000", "scheduler.lr_decay_style=constant", "scheduler.lr_warmup_iters=0",
         "checkpoint.save=null", "checkpoint.load=null", "validation.eval_interval=null",
         "train.exit_signal_handler=false", "logger.log_progress=false", "train.status_port=0",
-        f"dist.use_gpu={'true' if use_gpu else 'false'}",
+        f"dist.use_gpu={'true' if use_gpu else 'false'}", "ddp.impl=kubetron",  # the bare loop steps .grad
     ])
     rank, world, device = initialize_distributed(cfg)
     cfg.finalize(world_size=world)
@@ -102,7 +102,7 @@ def bare_steps(n, cfg, model, optimizer, scheduler, data_iterator, device):
     clip = cfg.optimizer.clip_grad
     params = list(chunk.parameters())
     for _ in range(n):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         for _ in range(nmb):
             b = next(data_iterator)
             tokens, pos, labels = (b[k].to(device, non_blocking=True) for k in ("tokens", "position_ids", "labels"))

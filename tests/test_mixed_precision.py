@@ -10,7 +10,8 @@ import copy
 import torch
 from kubetron import exitcodes
 from kubetron.training.mixed_precision import MainParamsOptimizer
-from kubetron.training.optim import build_optimizer, clip_grads
+from kubetron.training.optim import build_optimizer
+from kubetron.training.optimizer_base import PlainOptimizer
 
 from tests.test_forward_step import ensure_world_of_one, in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
@@ -38,7 +39,7 @@ def test_tiny_updates_accumulate_in_fp32_main_weights():
     opt = MainParamsOptimizer([{"params": [model_p, bias]}], _adamw(lr))
     for _ in range(steps):
         for o, ps in ((plain_opt, [plain]), (opt, [model_p, bias])):
-            o.zero_grad(set_to_none=True)
+            o.zero_grad()
             sum(p.float().sum() for p in ps).backward()
             o.step()
 
@@ -59,14 +60,15 @@ def test_build_optimizer_wraps_bf16_models_and_state_round_trips():
     checkpoints do) or positionally (state_dict, local checkpoints) continues bit-exactly."""
     ensure_world_of_one()
     cfg = in_process_config()
-    assert isinstance(build_optimizer(cfg, [torch.nn.Linear(4, 3)]), torch.optim.AdamW)
+    plain = build_optimizer(cfg, [torch.nn.Linear(4, 3)])
+    assert isinstance(plain, PlainOptimizer) and isinstance(plain.inner, torch.optim.AdamW)
     torch.manual_seed(0)
     xs = [torch.randn(5, 4, dtype=torch.bfloat16) for _ in range(3)]
 
     def step(model, opt, x):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         model[0](x).float().square().sum().backward()
-        clip_grads(model, 0.1, opt)  # the clip coefficient is applied in fp32, to the main grads
+        opt.clip_grad_norm(0.1)  # the clip coefficient is applied in fp32, to the main grads
         assert opt._grad_scale is not None
         opt.step()
 

@@ -139,6 +139,14 @@ class GPTModelConfig(_Section):
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", "Layer implementation (auto: TransformerEngine when importable, else local).")
     compile: bool = _f(False, "torch.compile the transformer layers.")
+    recompute_granularity: Literal["full", "selective"] | None = _f(
+        None, "Activation recompute: full (whole layers, recompute_method/num_layers pick which), selective "
+        "(core attention only), null (keep all activations).")
+    recompute_method: Literal["uniform", "block"] | None = _f(
+        None, "With full recompute: uniform (checkpoint groups of recompute_num_layers layers) or block (the "
+        "first recompute_num_layers layers of each pipeline stage).")
+    recompute_num_layers: int | None = _f(
+        None, "With full recompute: layers per group (uniform) or layers recomputed per stage (block).", ge=1)
 
 
 class OptimizerConfig(_Section):
@@ -359,6 +367,10 @@ class RNGConfig(_Section):
 class DistributedDataParallelConfig(_Section):
     """Gradient reduction across data-parallel ranks (megatron.core DistributedDataParallelConfig names)."""
 
+    impl: Literal["auto", "kubetron", "megatron"] = _f(
+        "auto", "Data-parallel and optimizer implementation: megatron (megatron-core's DistributedDataParallel, "
+        "DistributedOptimizer and pipeline schedules; CUDA only), kubetron (its own; CPU/gloo and GPU), "
+        "auto (megatron on CUDA, kubetron elsewhere).")
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state (kept in sync with the optimizer section).")
     overlap_grad_reduce: bool = _f(False, "Overlap gradient reduce-scatter/all-reduce with the backward pass.")
     overlap_param_gather: bool = _f(False, "Overlap parameter all-gather with the forward pass (distributed opt.).")
@@ -775,6 +787,7 @@ class ConfigContainer(BaseModel):
         if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
             raise ConfigError("model.max_position_embeddings",
                               f"{m.max_position_embeddings} is smaller than seq_length = {m.seq_length}")
+        self._validate_recompute()
         if m.ffn_hidden_size is not None and m.ffn_hidden_size % m.tensor_model_parallel_size:
             raise ConfigError("model.ffn_hidden_size", f"{m.ffn_hidden_size} is not divisible by "
                                                        f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
@@ -872,6 +885,8 @@ class ConfigContainer(BaseModel):
         # dist / ddp / precision / profiling
         if self.dist.distributed_backend == "nccl" and self.dist.use_gpu is False:
             raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
+        if self.ddp.impl == "megatron" and self.dist.use_gpu is False:
+            raise ConfigError("ddp.impl", "megatron needs CUDA but dist.use_gpu is false (use auto or kubetron)")
         if self.ddp.overlap_param_gather and not (self.ddp.use_distributed_optimizer or o.use_distributed_optimizer):
             raise ConfigError("ddp.overlap_param_gather", "requires use_distributed_optimizer")
         if self.mixed_precision.bf16 and self.mixed_precision.fp16:
@@ -880,6 +895,26 @@ class ConfigContainer(BaseModel):
         if p.use_pytorch_profiler and p.profile_step_end <= p.profile_step_start:
             raise ConfigError("profiling.profile_step_end", f"{p.profile_step_end} must be greater than "
                                                             f"profile_step_start = {p.profile_step_start}")
+
+    def _validate_recompute(self) -> None:
+        """The combinations megatron-core's TransformerConfig accepts, as one-line errors."""
+        m = self.model
+        per_stage = m.num_layers // m.pipeline_model_parallel_size
+        if m.recompute_granularity is None:
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(m, name) is not None:
+                    raise ConfigError(f"model.{name}", "needs model.recompute_granularity full")
+        elif m.recompute_granularity == "selective":
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(m, name) is not None:
+                    raise ConfigError(f"model.{name}", "must be null with recompute_granularity selective")
+        else:
+            if m.recompute_method is None:
+                raise ConfigError("model.recompute_method", "required (uniform or block) with "
+                                                            "recompute_granularity full")
+            if m.recompute_num_layers is None or m.recompute_num_layers > per_stage:
+                raise ConfigError("model.recompute_num_layers", f"must be between 1 and the layers per pipeline "
+                                                                f"stage ({per_stage}) with recompute_granularity full")
 
     def check_paths(self) -> None:
         """Inputs on the local filesystem exist: dataset prefixes, pretrained checkpoint, required load."""

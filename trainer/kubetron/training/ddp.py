@@ -2,8 +2,9 @@
 
 megatron-core's `DistributedDataParallel` and `DistributedOptimizer` hard-code CUDA in 0.16.1 (grad
 buffers on `torch.cuda.current_device()`, `torch.cuda.current_stream()` in the grad sync, CUDA asserts
-in `get_megatron_optimizer`; see docs/parallelism.md), so they cannot run in CI. This module does the
-same scheme with collectives that gloo and NCCL both have, so CPU and GPU run one code path:
+in `get_megatron_optimizer`; see docs/parallelism.md), so they cannot run in CI. This module, the
+`ddp.impl: kubetron` implementation (CPU, and the GPU fallback; on CUDA `auto` picks megatron-core's,
+megatron_ddp.py), does the same scheme with collectives that gloo and NCCL both have:
 
 Gradient buffers (`GradBuffers`, for `ddp.overlap_grad_reduce` and the distributed optimizer):
 - every trainable parameter gets a slice of one contiguous gradient buffer per parameter dtype
@@ -42,7 +43,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from kubetron.training.mixed_precision import OptimizerOverCopies
+from kubetron.training.grads import (
+    counts_toward_norms,
+    embedding_group_weight,
+    model_parallel_grad_sums,
+    sum_of_squares,
+)
+from kubetron.training.optimizer_base import OptimizerOverCopies
 
 log = logging.getLogger("kubetron")
 
@@ -129,18 +136,12 @@ class GradBuffers:
 
     def __init__(self, model: list[torch.nn.Module], *, grad_reduce_in_fp32: bool, overlap: bool,
                  num_microbatches: int, bucket_size: int | None, shard: bool):
-        from kubetron.training.pipeline import shared_embedding_weight
-
         self.group = parallel_state.get_data_parallel_group()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.rank = parallel_state.get_data_parallel_rank()
         self.nccl = dist.get_backend(self.group) == "nccl"
         self.overlap, self.shard, self.num_microbatches = overlap, shard, num_microbatches
-        shared = None
-        if (parallel_state.get_pipeline_model_parallel_world_size() > 1
-                and parallel_state.is_rank_in_embedding_group(ignore_virtual=True)):
-            shared = shared_embedding_weight(model[0])
-        self.shared_embedding = shared
+        self.shared_embedding = shared = embedding_group_weight(model)
         params = []
         for chunk in model:
             params += [p for p in chunk.parameters() if p.requires_grad]
@@ -194,7 +195,8 @@ class GradBuffers:
 
     @torch.no_grad()
     def finish(self):
-        """DP mean of every bucket (waits for the overlapped ones), then the TP/embedding sums."""
+        """DP mean of every bucket (waits for the overlapped ones), then the TP/embedding sums; without
+        the distributed optimizer the reduced gradients become `param.grad` again."""
         if self.dp > 1:
             for b in self.buffers:
                 for bk in b.buckets:
@@ -205,9 +207,9 @@ class GradBuffers:
                         bk.shard(bk.grad, self.rank, self.dp).div_(self.dp)
                     else:
                         bk.grad.div_(self.dp)
-        from kubetron.training.optim import model_parallel_grad_sums
-
         model_parallel_grad_sums(self.params, self.grad_of, self.shared_embedding)
+        if not self.shard:
+            self.set_param_grads()
 
     def grad_of(self, p) -> torch.Tensor:
         return self.buffer_of[p].grad_view(p)
@@ -218,26 +220,6 @@ class GradBuffers:
         for p in self.params:
             g = self.grad_of(p)
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-
-
-class GradSyncOptimizer:
-    """`ddp.overlap_grad_reduce` without the distributed optimizer: a torch (or MainParams) optimizer
-    whose gradients come from `GradBuffers`. Everything else is the inner optimizer's."""
-
-    def __init__(self, inner, grads: GradBuffers):
-        self.inner = inner
-        self.grad_sync = grads
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["inner"], name)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.inner.zero_grad(set_to_none=True)  # (MainParamsOptimizer: also forgets a clip coefficient)
-        self.grad_sync.zero()
-
-    def finish_grad_sync(self):
-        self.grad_sync.finish()
-        self.grad_sync.set_param_grads()
 
 
 class _Fragment:
@@ -251,12 +233,12 @@ class _Fragment:
 
 
 class DistributedOptimizer(OptimizerOverCopies):
-    """ZeRO-1 over the data-parallel group; see the module docstring. The loop sees the interface of
-    a torch optimizer plus `finish_grad_sync`, `grad_norm_squared`, `scale_grads`."""
+    """ZeRO-1 over the data-parallel group; see the module docstring (optimizer_base's interface)."""
 
     def __init__(self, model: list[torch.nn.Module], groups: list[dict], make_optimizer, grads: GradBuffers,
                  overlap_param_gather: bool):
         self.grad_sync = grads
+        self.params = grads.params
         self.overlap_param_gather = overlap_param_gather
         dp, rank = grads.dp, grads.rank
         self.fragments: list[_Fragment] = []
@@ -297,14 +279,7 @@ class DistributedOptimizer(OptimizerOverCopies):
                      "state and fp32 main weights for %d of %d parameter elements", sum(len(b.buckets) for b in
                      grads.buffers), dp, own, total)
 
-    # -- what the loop uses (param_groups, defaults, scale_grads: OptimizerOverCopies) ------------------
-    def zero_grad(self, set_to_none: bool = True):
-        self._grad_scale = None
-        self.grad_sync.zero()
-
-    def finish_grad_sync(self):
-        self.grad_sync.finish()
-
+    # -- what the loop uses (zero_grad, finish_grad_sync, scale_grads: OptimizerOverCopies) ------------
     def _grad_of(self, f: _Fragment) -> torch.Tensor:
         """The reduced gradient of fragment `f` (a view of the gradient buffer)."""
         return self.grad_sync.grad_of(f.param).reshape(-1)[f.lo:f.hi]
@@ -312,8 +287,6 @@ class DistributedOptimizer(OptimizerOverCopies):
     def grad_norm_squared(self) -> torch.Tensor:
         """Sum of squared grads of the fragments this rank owns, summed over the DP group (not yet
         over the model-parallel group: the caller does that, as for the other optimizers)."""
-        from kubetron.training.optim import counts_toward_norms, sum_of_squares
-
         grads = [self._grad_of(f) for f in self.fragments if counts_toward_norms(f.param)]
         total = sum_of_squares(grads, device=self.grad_sync.params[0].device).reshape(1)
         if self.grad_sync.dp > 1:

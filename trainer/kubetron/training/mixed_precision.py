@@ -20,39 +20,17 @@ from __future__ import annotations
 
 import torch
 
-
-class OptimizerOverCopies:
-    """What optimizers that step fp32 copies of the parameters share (this module's, and ddp.py's
-    distributed one): the inner torch optimizer's groups and defaults (the LR scheduler sets them),
-    and a pending clip coefficient that step() applies to the fp32 gradients."""
-
-    inner: torch.optim.Optimizer
-    _grad_scale: torch.Tensor | None = None
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def defaults(self) -> dict:
-        return self.inner.defaults
-
-    def scale_grads(self, coeff: torch.Tensor):
-        """Multiply the gradients by `coeff` in fp32, as they become main grads (grad clipping)."""
-        self._grad_scale = coeff if self._grad_scale is None else self._grad_scale * coeff
-
-    def _apply_grad_scale(self, grads: list[torch.Tensor]):
-        if self._grad_scale is not None and grads:
-            torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
-        self._grad_scale = None
+from kubetron.training.optimizer_base import OptimizerOverCopies
 
 
 class MainParamsOptimizer(OptimizerOverCopies):
     """A torch optimizer over fp32 copies of the model's parameters; see the module docstring."""
 
-    def __init__(self, groups: list[dict], make_optimizer):
+    def __init__(self, groups: list[dict], make_optimizer, grad_sync=None):
         """`groups`: param groups over the model's params; `make_optimizer(groups)` builds the inner
-        optimizer (it gets the same groups with the fp32 mains in place of the model params)."""
+        optimizer (it gets the same groups with the fp32 mains in place of the model params);
+        `grad_sync` reduces the gradients (None: no reduction, e.g. one rank)."""
+        self.grad_sync = grad_sync
         self.model_params: list[torch.nn.Parameter] = []
         self.main_params: list[torch.nn.Parameter] = []
         main_groups = []
@@ -65,17 +43,8 @@ class MainParamsOptimizer(OptimizerOverCopies):
                 mains.append(main)
             main_groups.append({**g, "params": mains})
         self.inner = make_optimizer(main_groups)
+        self.params = self.model_params  # gradients arrive in the model params' .grad
         self._main_of = {p: m for p, m in zip(self.model_params, self.main_params, strict=True)}
-
-    def zero_grad(self, set_to_none: bool = True):
-        self._grad_scale = None
-        for p in self.model_params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
 
     @torch.no_grad()
     def step(self):

@@ -110,7 +110,24 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
+        # Activation recompute (config.py validates the combinations as megatron does).
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
     )
+
+
+def _portable_recompute_rng():
+    """On CPU: megatron's recompute (tensor_parallel.checkpoint) saves and restores the CUDA RNG state
+    around the recomputed forward; without CUDA there is none, so only the CPU and tracker states are."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _no_cuda_rng_state
+
+
+def _no_cuda_rng_state(*args, **kwargs):
+    return None
 
 
 def layer_spec(cfg):
@@ -130,6 +147,8 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
     """One model chunk for this pipeline stage (list, as megatron's loop expects)."""
     use_gpu = device.type == "cuda"
     config = transformer_config(cfg, use_gpu)
+    if not use_gpu and not torch.cuda.is_available() and cfg.model.recompute_granularity is not None:
+        _portable_recompute_rng()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg),

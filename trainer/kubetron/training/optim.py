@@ -1,11 +1,15 @@
 """Optimizer, learning-rate schedule, gradient sync and clipping.
 
-Plain torch, the same on CPU and GPU: AdamW/SGD (over fp32 main copies for bf16/fp16 models,
-mixed_precision.py), data-parallel gradients all-reduced as one flat bucket after the backward pass,
-the grad norm reduced across the model-parallel group. With `ddp.overlap_grad_reduce` or the
-distributed optimizer, gradients go through bucketed buffers instead (ddp.py: megatron-core's own
-DistributedDataParallel / DistributedOptimizer hard-code CUDA). The loop sees one interface:
-`build_optimizer`, `optimizer.zero_grad/step`, and `finalize_model_grads` after the backward pass.
+`build_optimizer` picks the implementation (`ddp.impl`, see `resolve_ddp_impl`) and returns a
+`TrainingOptimizer` (optimizer_base.py: the one interface the loop and the checkpointer use):
+
+- kubetron (CPU/gloo, and the GPU fallback): AdamW/SGD over the fp32 parameters (`PlainOptimizer`)
+  or over fp32 main copies of bf16/fp16 ones (mixed_precision.MainParamsOptimizer), with gradients
+  all-reduced as one flat bucket after the backward pass (grads.FlatGradSync) or through bucketed,
+  overlapped buffers (ddp.GradBuffers, `ddp.overlap_grad_reduce`); or ZeRO-1 (ddp.DistributedOptimizer);
+- megatron (CUDA): megatron-core's DistributedDataParallel + get_megatron_optimizer (megatron_ddp.py).
+
+The loop calls `optimizer.zero_grad()`, the schedule, `finalize_model_grads(optimizer, cfg)`, `step()`.
 """
 
 from __future__ import annotations
@@ -13,42 +17,48 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
+
+from kubetron.errors import ConfigError
+from kubetron.training.ddp import DistributedOptimizer, GradBuffers
+from kubetron.training.grads import FlatGradSync, counts_toward_norms, model_parallel_sum, sum_of_squares
+from kubetron.training.mixed_precision import MainParamsOptimizer
+from kubetron.training.optimizer_base import PlainOptimizer, TrainingOptimizer
 
 
-def param_is_not_shared(param: torch.nn.Parameter) -> bool:
-    return not getattr(param, "shared", False)
+def resolve_ddp_impl(cfg, device: torch.device) -> str:
+    """`ddp.impl` for this device: auto -> megatron on CUDA, kubetron elsewhere; megatron off CUDA is
+    a config error (megatron-core's DDP and optimizers hard-code CUDA)."""
+    impl = cfg.ddp.impl
+    if impl == "megatron" and device.type != "cuda":
+        raise ConfigError("ddp.impl", f"megatron needs CUDA (megatron-core's DDP and optimizers hard-code it); "
+                                      f"this run is on {device.type}: use auto or kubetron")
+    if impl == "auto":
+        return "megatron" if device.type == "cuda" else "kubetron"
+    return impl
 
 
-def _is_replica_on_this_tp_rank(param: torch.nn.Parameter) -> bool:
-    """True when this rank's copy counts toward norms (TP-split params, or TP rank 0 for replicated)."""
-    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
-
-
-def counts_toward_norms(param: torch.nn.Parameter) -> bool:
-    """Whether this rank's copy of `param` enters the grad/params norms (each element counted once)."""
-    return param_is_not_shared(param) and _is_replica_on_this_tp_rank(param)
-
-
-def build_optimizer(cfg, model: list[torch.nn.Module]):
-    """AdamW (decoupled weight decay; none on biases and norms) or SGD with momentum.
-
-    A bf16/fp16 model gets a `MainParamsOptimizer`: the optimizer runs over fp32 main copies of
-    the parameters (fp32 optimizer state too) and writes the result back to the model.
-    """
+def param_groups(model: list[torch.nn.Module], weight_decay: float) -> list[dict]:
+    """Decoupled weight decay on matrices; none on biases and norms (as megatron)."""
     decay, no_decay = [], []
     for chunk in model:
         for name, p in chunk.named_parameters():
             if not p.requires_grad:
                 continue
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    o = cfg.optimizer
-    groups = [
-        {"params": decay, "weight_decay": o.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | None = None) -> TrainingOptimizer:
+    """AdamW (decoupled weight decay; none on biases and norms) or SGD with momentum, over the
+    implementation `resolve_ddp_impl` picks. A bf16/fp16 model's optimizer keeps fp32 main weights."""
+    device = device or next(model[0].parameters()).device
+    if resolve_ddp_impl(cfg, device) == "megatron":
+        from kubetron.training.megatron_ddp import build_megatron_optimizer  # imports CUDA-only paths
+
+        return build_megatron_optimizer(cfg, model)
+    o, d = cfg.optimizer, cfg.ddp
+    groups = param_groups(model, o.weight_decay)
 
     def make(groups):
         if o.optimizer == "sgd":
@@ -57,45 +67,24 @@ def build_optimizer(cfg, model: list[torch.nn.Module]):
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                                  fused=fused or None)
 
-    d = cfg.ddp
     if d.use_distributed_optimizer or d.overlap_grad_reduce:
-        from kubetron.training.ddp import DistributedOptimizer, GradBuffers, GradSyncOptimizer
-
-        grads = GradBuffers(model, grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap=d.overlap_grad_reduce,
-                            num_microbatches=cfg.train.num_microbatches, bucket_size=d.bucket_size,
-                            shard=d.use_distributed_optimizer)
+        grad_sync = GradBuffers(model, grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap=d.overlap_grad_reduce,
+                                num_microbatches=cfg.train.num_microbatches, bucket_size=d.bucket_size,
+                                shard=d.use_distributed_optimizer)
         if d.use_distributed_optimizer:
-            return DistributedOptimizer(model, groups, make, grads, overlap_param_gather=d.overlap_param_gather)
-        return GradSyncOptimizer(_plain_optimizer(groups, make), grads)
-    return _plain_optimizer(groups, make)
-
-
-def _plain_optimizer(groups, make):
+            return DistributedOptimizer(model, groups, make, grad_sync, overlap_param_gather=d.overlap_param_gather)
+    else:
+        grad_sync = FlatGradSync(model, d.grad_reduce_in_fp32)
     if any(p.dtype != torch.float32 for g in groups for p in g["params"]):
-        from kubetron.training.mixed_precision import MainParamsOptimizer
-
-        return MainParamsOptimizer(groups, make)
-    return make(groups)
+        return MainParamsOptimizer(groups, make, grad_sync)
+    return PlainOptimizer(make(groups), grad_sync)
 
 
-def finalize_model_grads(model: list[torch.nn.Module], optimizer, cfg) -> torch.Tensor:
+def finalize_model_grads(optimizer: TrainingOptimizer, cfg) -> torch.Tensor:
     """After the backward pass: reduce the gradients (DP mean, then the TP/embedding sums), clip
     them to `optimizer.clip_grad`; return the global grad norm (a device tensor, no host sync)."""
-    if not hasattr(optimizer, "finish_grad_sync"):
-        allreduce_gradients(model, cfg.ddp.grad_reduce_in_fp32)
-        return clip_grads(model, cfg.optimizer.clip_grad, optimizer)
     optimizer.finish_grad_sync()
-    if not hasattr(optimizer, "grad_norm_squared"):  # GradSyncOptimizer: grads are param.grad again
-        return clip_grads(model, cfg.optimizer.clip_grad, optimizer)
-    total = _model_parallel_sum(optimizer.grad_norm_squared()).sqrt().squeeze(0)
-    _clip(total, cfg.optimizer.clip_grad, optimizer, [])
-    return total
-
-
-def finish_param_sync(optimizer):
-    """Wait for overlapped parameter all-gathers (distributed optimizer) before reading all weights."""
-    if hasattr(optimizer, "finish_param_sync"):
-        optimizer.finish_param_sync()
+    return optimizer.clip_grad_norm(cfg.optimizer.clip_grad)
 
 
 class LRScheduler:
@@ -152,97 +141,13 @@ class LRScheduler:
         self.step(int(d["num_steps"]))
 
 
-def _allreduce_flat(grads: list[torch.Tensor], group, divide_by: int = 1, fp32: bool = False):
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    if fp32 and flat.dtype != torch.float32:
-        flat = flat.float()  # sum bf16/fp16 grads in fp32 (ddp.grad_reduce_in_fp32)
-    dist.all_reduce(flat, group=group)
-    if divide_by != 1:
-        flat /= divide_by
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced.to(g.dtype))
-
-
-def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool = True):
-    """What megatron's finalize_model_grads does, for plain `.grad`s, in the same order:
-
-    1. data-parallel mean of all gradients (one flat bucket, one all-reduce);
-    2. with sequence parallelism, sum the grads of params replicated across TP ranks that saw only
-       their sequence shard (layer norms; megatron marks them `sequence_parallel`) over the TP group;
-    3. with pipeline parallelism and tied embeddings, sum the word-embedding grad of the first stage
-       and its copy on the last stage (`output_layer.weight`) over the embedding group, so the two
-       copies get the same update.
-    """
-    params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
-    dp = parallel_state.get_data_parallel_world_size()
-    if dp > 1:
-        _allreduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group(), dp,
-                        fp32=grad_reduce_in_fp32)
-    weight = None
-    if (parallel_state.get_pipeline_model_parallel_world_size() > 1
-            and parallel_state.is_rank_in_embedding_group(ignore_virtual=True)):
-        from kubetron.training.pipeline import shared_embedding_weight
-
-        weight = shared_embedding_weight(model[0])
-    model_parallel_grad_sums(params, lambda p: p.grad, weight)
-
-
-def model_parallel_grad_sums(params, grad_of, shared_embedding):
-    """Steps 2 and 3 above, on the DP-reduced gradients `grad_of(param)` (None: no gradient)."""
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
-        _allreduce_flat([g for g in sp if g is not None], parallel_state.get_tensor_model_parallel_group())
-    if shared_embedding is not None and grad_of(shared_embedding) is not None:
-        dist.all_reduce(grad_of(shared_embedding), group=parallel_state.get_embedding_group())
-
-
-def _model_parallel_sum(x: torch.Tensor) -> torch.Tensor:
-    if parallel_state.get_model_parallel_group() is not None and dist.is_initialized():
-        mp = (parallel_state.get_tensor_model_parallel_world_size()
-              * parallel_state.get_pipeline_model_parallel_world_size())
-        if mp > 1:
-            dist.all_reduce(x, group=parallel_state.get_model_parallel_group())
-    return x
-
-
-def grad_norm_squared(params) -> torch.Tensor:
-    """Sum of squared grads over the params this rank owns (no host sync)."""
-    return sum_of_squares([p.grad for p in params if p.grad is not None and counts_toward_norms(p)])
-
-
-def sum_of_squares(tensors: list[torch.Tensor], device=None) -> torch.Tensor:
-    """The sum of the squared L2 norms of `tensors`, in fp32 (a 0-d tensor; a zero on `device` if none)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm([t.float() for t in tensors])).square().sum()
-
-
-def clip_grads(model: list[torch.nn.Module], max_norm: float, optimizer=None) -> torch.Tensor:
-    """Global grad L2 norm (in fp32) across the model-parallel group; scale grads down if above max_norm.
-
-    With an optimizer that keeps fp32 main grads (`scale_grads`, see mixed_precision.py) the scaling
-    is applied there, in fp32, instead of rounding the bf16 model grads once more.
-    """
-    params = [p for chunk in model for p in chunk.parameters()]
-    total = _model_parallel_sum(grad_norm_squared(params).reshape(1)).sqrt().squeeze(0)
-    _clip(total, max_norm, optimizer, [p.grad for p in params if p.grad is not None])
-    return total
-
-
-def _clip(total: torch.Tensor, max_norm: float, optimizer, grads: list[torch.Tensor]):
-    if max_norm <= 0:
-        return
-    coeff = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if hasattr(optimizer, "scale_grads"):
-        optimizer.scale_grads(coeff)
-    elif grads:
-        torch._foreach_mul_(grads, coeff.to(grads[0].device))
-
-
 def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
     """calc_params_l2_norm: the L2 norm of all parameters across the model-parallel group."""
     params = [p for chunk in model for p in chunk.parameters() if counts_toward_norms(p)]
     sq = sum_of_squares([p.detach() for p in params])
-    return _model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)
+    return model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)
+
+
+def finish_param_sync(optimizer: TrainingOptimizer):
+    """Kept for checkpointing.py's call sites until they call `optimizer.finish_param_sync()` directly."""
+    optimizer.finish_param_sync()

@@ -19,7 +19,7 @@ Shared embeddings under PP (`share_embeddings_and_output_weights`): the last sta
 the word embedding as `output_layer.weight` (marked `shared`). megatron copies it from the first
 stage at construction with `weight.data.cuda()` + all-reduce over the embedding group, which fails
 on CPU; `build()` skips that step while building and does the same all-reduce on the model's own
-device. During training `optim.allreduce_gradients` all-reduces the two copies' gradients over the
+device. During training `grads.allreduce_gradients` all-reduces the two copies' gradients over the
 embedding group, as megatron's `finalize_model_grads` does, so they stay equal.
 """
 
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kubetron.training.grads import shared_embedding_weight
 from kubetron.training.utils import unpack_loss
 
 
@@ -67,15 +68,6 @@ def _skip_cuda_embedding_sync(device: torch.device):
         yield
     finally:
         LanguageModule._is_in_embd_group = original
-
-
-def shared_embedding_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
-    """The word-embedding weight this stage shares with the other end of the pipeline, if any."""
-    if pp_size() == 1 or not getattr(chunk, "share_embeddings_and_output_weights", False):
-        return None
-    if not (chunk.pre_process or chunk.post_process):
-        return None
-    return chunk.shared_embedding_or_output_weight()
 
 
 def sync_shared_embeddings(model: list[torch.nn.Module]):
@@ -115,27 +107,37 @@ def _activation_shape() -> tuple[tuple[int, ...], torch.dtype]:
     return (seq, s.micro_batch_size, s.hidden_size), s.dtype
 
 
+def runs_schedule(model: list[torch.nn.Module]) -> bool:
+    """Whether the loop hands its micro-batches to this module: PP > 1, or a model under megatron's
+    DDP (`ddp.impl` megatron, CUDA), whose `no_sync` megatron's schedule wraps the micro-batches in
+    (megatron_ddp.py sets it on the model's TransformerConfig)."""
+    config = getattr(model[0], "config", None)  # a TransformerConfig on megatron modules
+    return pp_size() > 1 or (config is not None and config.no_sync_func is not None)
+
+
 def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool):
-    """The PP > 1 schedule; returns the per-micro-batch loss reports (the same on every stage)."""
+    """The schedule; returns the per-micro-batch loss reports (the same on every stage)."""
     device = next(model[0].parameters()).device
     if device.type == "cuda":
         reports = _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only)
     else:
         reports = _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only)
-    return broadcast_reports(reports, device)
+    return broadcast_reports(reports, device) if pp_size() > 1 else reports
 
 
 def _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only):
-    """megatron-core's 1F1B (GPU). Untested here: CI has no GPU."""
+    """megatron-core's schedules (GPU): no pipelining at PP 1, 1F1B above. CI has no GPU: run
+    `make gpu-check` on one."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     s = _SHAPES
-    if s is None:
+    if s is None and pp_size() > 1:
         raise RuntimeError("pipeline.build() was not called: activation shapes are unknown")
+    seq, mbs = (s.seq_length, s.micro_batch_size) if s is not None else (0, 0)  # unused without pipelining
     return list(get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=s.seq_length, micro_batch_size=s.micro_batch_size,
-        decoder_seq_length=s.seq_length, forward_only=forward_only))
+        num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
+        decoder_seq_length=seq, forward_only=forward_only))
 
 
 def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only):

@@ -11,11 +11,11 @@ import time
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from kubetron import exitcodes
 from kubetron.training import pipeline, straggler
-from kubetron.training.optim import finalize_model_grads, finish_param_sync, params_l2_norm
+from kubetron.training.comm import any_rank
+from kubetron.training.optim import finalize_model_grads, params_l2_norm
 from kubetron.training.utils import (
     num_floating_point_operations,
     prepare_forward_step_func,
@@ -36,7 +36,7 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches: 
     The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
     loss / num_microbatches, so gradients are the mean over the global batch on this rank.
     """
-    if pipeline.pp_size() > 1:  # pipeline schedule (megatron's on GPU, GPipe over gloo on CPU)
+    if pipeline.runs_schedule(model):  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
         return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
                                          forward_only=forward_only)
     reports = []
@@ -55,11 +55,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad).
     """
     cfg = global_state.cfg
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     with straggler.compute_timer(global_state):  # no-op unless straggler detection is on
         reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
                                    forward_only=False)
-    grad_norm = finalize_model_grads(model, optimizer, cfg)  # DP mean (+TP/embedding sums), clipping
+    grad_norm = finalize_model_grads(optimizer, cfg)  # DP mean (+TP/embedding sums), clipping
     loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
 
     # One host sync per step: is the loss finite, is the update finite, is the loss a spike?
@@ -122,12 +122,8 @@ def _dummy_train_step(global_state, data_iterator):
 
 
 def _any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any (so all ranks stop at the same iteration)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    """True on every rank if it is True on any (a device tensor on NCCL: comm.any_rank)."""
+    return any_rank(flag)
 
 
 def post_training_step_callbacks(cfg, iteration: int, profiler=None):
@@ -198,7 +194,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             ts.floating_point_operations_so_far += flops_per_iter
             pnorm = None
             if cfg.logger.log_params_norm:
-                finish_param_sync(optimizer)  # the distributed optimizer may still be gathering weights
+                optimizer.finish_param_sync()  # the distributed optimizer may still be gathering weights
                 pnorm = params_l2_norm(model)
             metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm)
         post_training_step_callbacks(cfg, ts.step, profiler)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kubetron.training.comm import all_ranks, collective_device
 from kubetron.training.state import GlobalState
 
 MEMORY_KEYS: dict[str, str] = {
@@ -96,17 +97,16 @@ def reduce_max_stat_across_model_parallel_group(stat: float | None) -> float | N
     """Max of a stat over the model-parallel group; None on every rank if all had None."""
     if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
         return stat
-    t = torch.tensor([-1.0 if stat is None else float(stat)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
+    group = parallel_state.get_model_parallel_group()
+    t = torch.tensor([-1.0 if stat is None else float(stat)], dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return None if t.item() == -1.0 else t.item()
 
 
 def logical_and_across_model_parallel_group(value: bool) -> bool:
     if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
         return value
-    t = torch.tensor([1 if value else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parallel_state.get_model_parallel_group())
-    return bool(t.item())
+    return all_ranks(value, parallel_state.get_model_parallel_group())
 
 
 # --- throughput accounting -------------------------------------------------------------------------

@@ -1,0 +1,285 @@
+"""`make gpu-check`: the GPU path's checks in one run, ending in ONE summary table (issue 15).
+
+    python bench/gpu_check.py            # on a GPU machine (CUDA): real shapes, targets judged
+    TINY=1 python bench/gpu_check.py     # CPU dry run (what CI runs): tiny shapes, few steps
+
+Rows:
+  gpu_step MFU ratio      bench/gpu_step.py: kubetron end to end vs plain PyTorch + torch.compile on
+                          examples/gpt-1p3b.yaml's shape; target ratio >= 1.13
+  bf16 vs fp32 loss       a small GPT trained 50 steps in bf16 (fp32 main weights) and in fp32 from
+                          the same seed and data; target max abs loss difference <= PARITY_TOL
+  SIGTERM + exact resume  `kubetron train` stopped by SIGTERM mid-run (exit 75), resumed: its losses
+                          equal an uninterrupted run's, bit for bit (TensorBoard's fp32 values)
+  checkpoint 1.3B async   bench/checkpoint.py --device cuda at the 1.3B shape (21 GB of model +
+                          optimizer state): the async save blocks the caller <= 1.0 s
+  ddp.py (NCCL)           bench/ddp.py: kubetron's and megatron-core's DDP / distributed optimizer
+                          train the same model to the same loss (one rank per GPU)
+  PP=2 megatron schedule  `kubetron train` at pipeline_model_parallel_size=2 under torchrun, through
+                          megatron-core's 1F1B schedule; needs 2 GPUs (SKIP otherwise)
+
+Result column: PASS / FAIL; SKIP (cannot run on this machine: the reason is shown); DRY (TINY=1 on
+CPU: the check ran and shows its figure, but a speed target only means something on a GPU). Exit
+code 1 if any row FAILs. Each check runs in its own process(es) so a crash is one FAIL row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_CONFIG = str(ROOT / "examples" / "tiny-gpt.yaml")
+PARITY_TOL = 0.02  # lm loss; CPU measured 3e-4 over 30 steps (tests/test_mixed_precision.py)
+MFU_TARGET, ASYNC_BLOCK_TARGET_S = 1.13, 1.0
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64"]
+
+
+@dataclass
+class Row:
+    name: str
+    result: str  # PASS | FAIL | SKIP | DRY
+    figure: str
+    target: str
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "trainer"), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _tail(p: subprocess.CompletedProcess) -> str:
+    lines = (p.stderr or p.stdout).strip().splitlines()
+    return lines[-1][:100] if lines else f"exit {p.returncode}"
+
+
+def _judge(ok: bool, tiny: bool) -> str:
+    return "DRY" if tiny else ("PASS" if ok else "FAIL")
+
+
+# --- the checks -------------------------------------------------------------------------------------
+
+def check_gpu_step(tiny: bool) -> Row:
+    args = ["--tiny", "--steps", "3", "--warmup", "1", "scheduler.lr_warmup_iters=1"] if tiny else []
+    p = _run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), *args], timeout=600)
+    m = re.search(r"ratio kubetron / baseline \(throughput\): ([\d.]+)", p.stdout)
+    if p.returncode or not m:
+        return Row("gpu_step MFU ratio", "FAIL", _tail(p), f">= {MFU_TARGET}")
+    ratio = float(m.group(1))
+    mfu = re.findall(r"^kubetron train\(\) end to end\s+\S+\s+\S+\s+\S+\s+([\d.]+)", p.stdout, re.M)
+    return Row("gpu_step MFU ratio", _judge(ratio >= MFU_TARGET, tiny),
+               f"{ratio:.3f}" + (f" (kubetron MFU {mfu[0]} %)" if mfu else ""), f">= {MFU_TARGET}")
+
+
+def check_parity(tiny: bool) -> Row:
+    p = _run([sys.executable, __file__, "--worker", "parity", "10" if tiny else "50"], timeout=600)
+    if p.returncode:
+        return Row("bf16 vs fp32 loss", "FAIL", _tail(p), f"max abs diff <= {PARITY_TOL}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    diff = max(abs(a - b) for a, b in zip(r["fp32"], r["bf16"], strict=True))
+    ok = diff <= PARITY_TOL and r["fp32"][-1] < r["fp32"][0]
+    return Row("bf16 vs fp32 loss", "PASS" if ok else "FAIL",
+               f"max abs diff {diff:.2e} over {len(r['fp32'])} steps ({r['fp32'][0]:.3f} -> {r['fp32'][-1]:.3f})",
+               f"<= {PARITY_TOL}")
+
+
+def _train_cmd(out: Path, iters: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kubetron", "train", "--config", TINY_CONFIG, *SMALL,
+            f"train.train_iters={iters}", "train.global_batch_size=4", "train.micro_batch_size=2",
+            "logger.log_interval=1", "validation.eval_interval=null", f"checkpoint.save={out / 'ckpt'}",
+            f"checkpoint.load={out / 'ckpt'}", "checkpoint.save_interval=1000", f"logger.tensorboard_dir={out / 'tb'}",
+            f"train.termination_log={out / 'term'}", *extra]
+
+
+def _tb_losses(logdir: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    for f in sorted(logdir.rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "lm loss" in acc.Tags().get("scalars", []):
+            values.update({ev.step: ev.value for ev in acc.Scalars("lm loss")})
+    return values
+
+
+def _run_until_then_sigterm(cmd: list[str], k: int, timeout: float) -> int:
+    """Start `cmd`; SIGTERM it once it logs iteration >= k; its exit code."""
+    p = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    deadline, sent = time.monotonic() + timeout, False
+    try:
+        for line in p.stdout:
+            m = re.search(r"iteration\s+(\d+)/", line)
+            if not sent and m and int(m.group(1)) >= k:
+                p.send_signal(signal.SIGTERM)
+                sent = True
+            if time.monotonic() > deadline:
+                break
+        return p.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def check_sigterm_resume(tiny: bool) -> Row:
+    iters, k = (12, 5) if tiny else (40, 20)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        a, b = Path(tmp, "a"), Path(tmp, "b")
+        full = subprocess.Popen(_train_cmd(a, iters), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)  # the uninterrupted run, alongside
+        stopped = _run_until_then_sigterm(_train_cmd(b, iters), k, timeout=600)
+        resumed = _run(_train_cmd(b, iters), timeout=600)
+        full_rc = full.wait(timeout=600)
+        if (full_rc, stopped, resumed.returncode) != (0, 75, 0):
+            return Row("SIGTERM + exact resume", "FAIL", f"exit codes full/stopped/resumed = {full_rc}/{stopped}/"
+                       f"{resumed.returncode} (want 0/75/0)", "bit-exact losses")
+        want, got = _tb_losses(a / "tb"), _tb_losses(b / "tb")
+    same = sorted(want) == sorted(got) == list(range(1, iters + 1)) and all(want[i] == got[i] for i in want)
+    return Row("SIGTERM + exact resume", "PASS" if same else "FAIL",
+               f"{iters} iterations, stopped after >= {k}: " + ("losses identical" if same else "losses differ"),
+               "bit-exact losses")
+
+
+def check_checkpoint(tiny: bool, cuda: bool) -> Row:
+    args = ["--size-mb", "16", "--device", "cpu"] if tiny else ["--size-mb", "21000", "--device", "cuda"]
+    p = _run([sys.executable, str(ROOT / "bench" / "checkpoint.py"), *args, "--s3", "off", "--repeats", "1"],
+             timeout=600)
+    m = re.search(r"async save: caller blocked[:|\s]+([\d.]+)s", p.stdout)
+    target = f"blocked <= {ASYNC_BLOCK_TARGET_S} s"
+    if p.returncode or not m:
+        return Row("checkpoint 1.3B async", "FAIL", _tail(p), target)
+    blocked = float(m.group(1))
+    size = "16 MB on CPU" if tiny else "21 GB"
+    return Row("checkpoint 1.3B async", _judge(blocked <= ASYNC_BLOCK_TARGET_S, tiny), f"{blocked:.3f} s ({size})",
+               target)
+
+
+def check_ddp(tiny: bool, gpus: int) -> Row:
+    nproc = 2 if tiny else max(gpus, 1)
+    shape = ["--layers", "1", "--hidden", "64", "--seq", "32", "--mbs", "2", "--gbs", "4", "--steps", "1",
+             "--reps", "1", "--warmup", "1"] if tiny else []
+    p = _run([sys.executable, str(ROOT / "bench" / "ddp.py"), "--nproc", str(nproc), *shape], timeout=600)
+    losses = {m.group(1): float(m.group(2))
+              for m in re.finditer(r"^(\S+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+([-\d.]+)$", p.stdout, re.M)}
+    backend = "gloo" if tiny else "NCCL"
+    if p.returncode or len(losses) < 4:
+        return Row("ddp.py (NCCL)", "FAIL", _tail(p), "same loss across variants")
+    spread = max(losses.values()) - min(losses.values())
+    return Row("ddp.py (NCCL)", "PASS" if spread <= 1e-3 else "FAIL",
+               f"{len(losses)} variants, {nproc} ranks ({backend}), loss spread {spread:.1e}", "spread <= 1e-3")
+
+
+def check_pp2(tiny: bool, gpus: int) -> Row:
+    target = "exit 0, loss falls"
+    if tiny or gpus < 2:
+        why = "CPU dry run (PP=2 on gloo: tests/test_multirank.py)" if tiny else f"needs 2 GPUs, found {gpus}"
+        return Row("PP=2 megatron schedule", "SKIP", why, target)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-pp-") as tmp:
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        cmd = [torchrun, "--nproc-per-node", "2", "-m", "kubetron", *_train_cmd(Path(tmp), 30)[3:],
+               "model.pipeline_model_parallel_size=2", "train.global_batch_size=8", "checkpoint.ckpt_format=torch_dist"]
+        p = _run(cmd, timeout=600)
+        losses = _tb_losses(Path(tmp, "tb"))
+    ok = p.returncode == 0 and len(losses) == 30 and losses[30] < losses[1]
+    fig = f"loss {losses[1]:.3f} -> {losses[30]:.3f}" if len(losses) == 30 else _tail(p)
+    return Row("PP=2 megatron schedule", "PASS" if ok else "FAIL", fig, target)
+
+
+# --- worker: bf16 vs fp32 in one process --------------------------------------------------------------
+
+def parity_worker(steps: int) -> None:
+    """Train the small GPT `steps` steps in fp32 and in bf16 (same seed, same data) through the real
+    entry point; print {"fp32": [...], "bf16": [...]} per-step losses as JSON."""
+    import logging
+
+    sys.path.insert(0, str(ROOT / "trainer"))
+    from kubetron.config import ConfigContainer
+    from kubetron.training import entry
+    from kubetron.training.gpt_step import forward_step
+    from kubetron.training.state import GlobalState
+
+    logging.basicConfig(level=logging.WARNING)
+    out = {}
+    for name, extra in (("fp32", []), ("bf16", ["mixed_precision.bf16=true"])):
+        losses = []
+
+        def recording_step(state: GlobalState, data_iterator, model, losses=losses):
+            output, loss_func = forward_step(state, data_iterator, model)
+
+            def record(output_tensor):
+                loss, num_tokens, report = loss_func(output_tensor)
+                losses.append(float(report["lm loss"][0] / report["lm loss"][1]))
+                return loss, num_tokens, report
+            return output, record
+
+        cfg = ConfigContainer.from_yaml(TINY_CONFIG, [
+            *SMALL, f"train.train_iters={steps}", "train.micro_batch_size=4", "train.global_batch_size=4",
+            "checkpoint.save=null", "validation.eval_interval=null", "train.exit_signal_handler=false",
+            "logger.log_interval=1000", "scheduler.lr_warmup_iters=2", *extra])
+        code, _ = entry._run(cfg, recording_step, "pretrain")
+        assert code == 0, f"{name} run exited {code}"
+        out[name] = losses
+    print(json.dumps(out))
+
+
+# --- main ----------------------------------------------------------------------------------------------
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        parity_worker(int(sys.argv[3]))
+        os._exit(0)  # skip interpreter teardown of megatron's process groups
+    import torch
+
+    tiny = os.environ.get("TINY", "") not in ("", "0")
+    cuda = torch.cuda.is_available()
+    if not cuda and not tiny:
+        print("gpu-check: no CUDA device here; run it on a GPU machine, or TINY=1 for the CPU dry run")
+        return 2
+    gpus = torch.cuda.device_count() if cuda else 0
+    where = "CPU dry run (TINY=1)" if tiny else f"{gpus} x {torch.cuda.get_device_name()}"
+    print(f"gpu-check on {where}: torch {torch.__version__}", flush=True)
+    t0 = time.monotonic()
+    checks = {"gpu_step MFU ratio": lambda: check_gpu_step(tiny), "bf16 vs fp32 loss": lambda: check_parity(tiny),
+              "SIGTERM + exact resume": lambda: check_sigterm_resume(tiny),
+              "checkpoint 1.3B async": lambda: check_checkpoint(tiny, cuda),
+              "ddp.py (NCCL)": lambda: check_ddp(tiny, gpus), "PP=2 megatron schedule": lambda: check_pp2(tiny, gpus)}
+    rows = []
+    for name, check in checks.items():
+        try:
+            rows.append(check())
+        except Exception as e:  # one broken check is one FAIL row, the table still prints
+            rows.append(Row(name, "FAIL", f"{type(e).__name__}: {e}"[:100], ""))
+        print(f"  {rows[-1].name}: {rows[-1].result} ({time.monotonic() - t0:.0f} s)", flush=True)
+    print_table(rows, where)
+    return 1 if any(r.result == "FAIL" for r in rows) else 0
+
+
+def print_table(rows: list[Row], where: str) -> None:
+    head = Row("check", "result", "measured", "target")
+    w = [max(len(getattr(r, f)) for r in [head, *rows]) for f in ("name", "result", "figure", "target")]
+    line = "+-" + "-+-".join("-" * x for x in w) + "-+"
+    print(f"\ngpu-check summary ({where})\n{line}")
+    for r in [head, *rows]:
+        print("| " + " | ".join(v.ljust(x) for v, x in zip((r.name, r.result, r.figure, r.target), w, strict=True))
+              + " |")
+        if r is head:
+            print(line)
+    print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The GPU path, as far as it runs on CPU: `ddp.impl` selection, collectives on the backend's device,
+activation recompute (model.recompute_*), and `make gpu-check TINY=1`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from kubetron.errors import ConfigError
+
+from tests.test_forward_step import ensure_world_of_one, in_process_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- ddp.impl ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl, device, expected", [
+    ("auto", "cpu", "kubetron"), ("auto", "cuda", "megatron"), ("kubetron", "cuda", "kubetron"),
+    ("kubetron", "cpu", "kubetron"), ("megatron", "cuda", "megatron")])
+def test_ddp_impl_resolution(impl, device, expected):
+    from kubetron.training.optim import resolve_ddp_impl
+
+    cfg = in_process_config(f"ddp.impl={impl}")
+    assert resolve_ddp_impl(cfg, torch.device(device)) == expected
+
+
+def test_ddp_impl_megatron_on_cpu_is_a_one_line_config_error(tmp_path, capsys):
+    from kubetron.cli import main
+    from kubetron.training.optim import resolve_ddp_impl
+
+    with pytest.raises(ConfigError, match="ddp.impl"):
+        resolve_ddp_impl(in_process_config("ddp.impl=megatron"), torch.device("cpu"))
+    ensure_world_of_one()
+    rc = main(["train", "--config", str(ROOT / "examples" / "tiny-gpt.yaml"), "ddp.impl=megatron",
+               "train.train_iters=20", "checkpoint.save=null", "train.exit_signal_handler=false",
+               f"train.termination_log={tmp_path / 'term'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kubetron: error: ddp.impl: megatron needs CUDA"), err
+    with pytest.raises(ConfigError, match="ddp.impl"):
+        in_process_config("ddp.impl=megatron", "dist.use_gpu=false").finalize()
+
+
+def test_megatron_configs_follow_kubetron_sections():
+    """What megatron-core's DDP and optimizer get (their construction needs CUDA: make gpu-check)."""
+    from kubetron.training.megatron_ddp import ddp_config, optimizer_config
+
+    cfg = in_process_config("ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
+                            "ddp.bucket_size=1000", "mixed_precision.bf16=true", "optimizer.clip_grad=0.5")
+    cfg.finalize()
+    d, o = ddp_config(cfg), optimizer_config(cfg)
+    assert (d.use_distributed_optimizer, d.overlap_grad_reduce, d.bucket_size, d.grad_reduce_in_fp32) == \
+        (True, True, 1000, True)
+    assert (o.use_distributed_optimizer, o.bf16, o.params_dtype, o.clip_grad, o.lr) == \
+        (True, True, torch.bfloat16, 0.5, cfg.optimizer.lr)
+    assert o.decoupled_weight_decay and o.weight_decay == cfg.optimizer.weight_decay
+
+
+# --- collectives on the backend's device -------------------------------------------------------------
+
+def test_collective_device_follows_the_backend(monkeypatch):
+    from kubetron.training import comm
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert comm.collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert comm.collective_device() == torch.device("cpu")
+
+
+def test_any_rank_reduces_on_the_collective_device(monkeypatch):
+    """train._any_rank (and the checkpoint/straggler flags built on comm) put their tensor where the
+    group's backend wants it: asked of collective_device, not a bare CPU tensor."""
+    from kubetron.training import comm, train
+
+    asked, seen = [], []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(comm, "collective_device", lambda group=None: asked.append(group) or torch.device("meta"))
+
+    def fake_all_reduce(t, op=None, group=None):  # the other rank raised the flag
+        seen.append(t.device)
+        raise _Done
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    with pytest.raises(_Done):
+        train._any_rank(False)
+    assert asked == [None] and seen == [torch.device("meta")]
+
+
+class _Done(Exception):
+    pass
+
+
+def test_no_bare_cpu_tensors_reach_collectives_in_the_loop():
+    """The loop's and optimizers' flag/counter collectives go through comm (grep, so a new bare one fails)."""
+    for name in ("train.py", "utils.py", "optim.py", "optimizer_base.py", "grads.py", "ddp.py"):
+        text = (ROOT / "trainer" / "kubetron" / "training" / name).read_text()
+        assert "dtype=torch.int32)\n" not in text and "dtype=torch.float64)\n" not in text, name
+
+
+# --- activation recompute ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.recompute_method=uniform"], "model.recompute_method"),
+    (["model.recompute_granularity=full", "model.recompute_num_layers=1"], "model.recompute_method"),
+    (["model.recompute_granularity=full", "model.recompute_method=block"], "model.recompute_num_layers"),
+    (["model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=3"],
+     "model.recompute_num_layers"),
+    (["model.recompute_granularity=selective", "model.recompute_method=block"], "model.recompute_method"),
+])
+def test_recompute_combinations_are_checked(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        in_process_config(*overrides).finalize()
+    assert e.value.field == field
+
+
+def _train_tiny(overrides, steps=3):
+    """Losses of `steps` AdamW steps on fixed batches; forward calls of layer 0's MLP and core attention."""
+    from kubetron.training.entry import set_seeds
+    from kubetron.training.model import build_model
+    from kubetron.training.optim import build_optimizer
+
+    ensure_world_of_one()
+    cfg = in_process_config("model.num_layers=2", "model.seq_length=32", *overrides)
+    cfg.finalize()
+    set_seeds(cfg)
+    model = build_model(cfg, torch.device("cpu"))
+    layer = model[0].decoder.layers[0]
+    calls = {"mlp": 0, "attn": 0}
+    layer.mlp.register_forward_hook(lambda *a: calls.__setitem__("mlp", calls["mlp"] + 1))
+    layer.self_attention.core_attention.register_forward_hook(
+        lambda *a: calls.__setitem__("attn", calls["attn"] + 1))
+    opt = build_optimizer(cfg, model)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=gen)
+        pos = torch.arange(32).expand(2, 32)
+        opt.zero_grad()
+        loss = model[0](tokens, pos, None, labels=tokens.roll(-1, 1)).float().mean()
+        loss.backward()
+        opt.finish_grad_sync()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, calls
+
+
+def test_recompute_gives_the_same_losses_and_really_recomputes():
+    base, calls = _train_tiny([])
+    assert calls == {"mlp": 3, "attn": 3}
+    full, calls = _train_tiny(["model.recompute_granularity=full", "model.recompute_method=uniform",
+                               "model.recompute_num_layers=1"])
+    assert full == base and calls == {"mlp": 6, "attn": 6}  # each layer's forward runs again in backward
+    block, calls = _train_tiny(["model.recompute_granularity=full", "model.recompute_method=block",
+                                "model.recompute_num_layers=1"])
+    assert block == base and calls == {"mlp": 6, "attn": 6}  # block: layer 0 of the stage is recomputed
+    selective, calls = _train_tiny(["model.recompute_granularity=selective"])
+    assert selective == base and calls == {"mlp": 3, "attn": 6}  # only core attention again
+
+
+# --- make gpu-check TINY=1 ---------------------------------------------------------------------------
+
+def test_gpu_check_tiny_prints_one_table_that_passes():
+    """The CPU dry run of `make gpu-check` (CI): every row is there, none fails; GPU-only rows SKIP."""
+    env = {**os.environ, "TINY": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    table = out.stdout[out.stdout.index("gpu-check summary"):]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]  # after the header row
+    names = [r.split("|")[1].strip() for r in rows]
+    assert names == ["gpu_step MFU ratio", "bf16 vs fp32 loss", "SIGTERM + exact resume", "checkpoint 1.3B async",
+                     "ddp.py (NCCL)", "PP=2 megatron schedule"], table
+    results = {n: r.split("|")[2].strip() for n, r in zip(names, rows, strict=True)}
+    assert results["bf16 vs fp32 loss"] == "PASS" and results["SIGTERM + exact resume"] == "PASS", table
+    assert "FAIL" not in results.values(), table
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -1,0 +1,131 @@
+"""The one optimizer interface the loop and the checkpointer use.
+
+Every optimizer kubetron builds (optim.build_optimizer) is a `TrainingOptimizer`:
+
+    zero_grad()            before the forward/backward passes of an iteration
+    finish_grad_sync()     after them: DP mean (+ TP / tied-embedding sums); gradients are final
+    clip_grad_norm(max)    the global grad norm (a device tensor); gradients scaled down to `max`
+                           (built on grad_norm_squared(), this rank's share summed over DP where
+                           sharded, and scale_grads(coeff))
+    step()                 the update
+    finish_param_sync()    wait for overlapped parameter all-gathers before reading all weights
+    reload_model_params()  the model's weights were loaded from elsewhere: refresh any copies
+    state / set_param_state(p, state)    canonical state keyed by model parameter (checkpoints)
+    state_dict() / load_state_dict(sd)   positional state (same-layout, node-local checkpoints)
+    param_groups / defaults              as torch optimizers (the LR scheduler sets "lr")
+
+Implementations: `PlainOptimizer` (fp32 params, the torch optimizer steps them), mixed_precision.
+MainParamsOptimizer (fp32 main copies of bf16/fp16 params), ddp.DistributedOptimizer (ZeRO-1 over
+kubetron's buffers) and megatron_ddp.MegatronOptimizer (megatron-core's, CUDA). How gradients are
+reduced is a separate small object, `grad_sync` (grads.FlatGradSync or ddp.GradBuffers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kubetron.training.grads import counts_toward_norms, model_parallel_sum, sum_of_squares
+
+
+class TrainingOptimizer:
+    """Base: gradients end up in `param.grad` of `self.params` after `finish_grad_sync`, and the
+    inner torch optimizer `self.inner` steps the parameters (subclasses change what differs)."""
+
+    inner: torch.optim.Optimizer
+    grad_sync = None  # .zero() / .finish(); None: the gradients need no reduction
+    params: list[torch.nn.Parameter]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.inner.defaults
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        if self.grad_sync is not None:
+            self.grad_sync.zero()
+
+    def finish_grad_sync(self):
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        grads = [p.grad for p in self.params if p.grad is not None and counts_toward_norms(p)]
+        return sum_of_squares(grads, device=self.params[0].device if self.params else None).reshape(1)
+
+    def scale_grads(self, coeff: torch.Tensor):
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coeff.to(grads[0].device, grads[0].dtype))
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global grad L2 norm (fp32 device tensor, no host sync); gradients scaled down to
+        `max_norm` when above it (0: no clipping)."""
+        total = model_parallel_sum(self.grad_norm_squared()).sqrt().squeeze(0)
+        if max_norm > 0:
+            self.scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    def step(self):
+        self.inner.step()
+
+    def finish_param_sync(self):
+        """Nothing is in flight unless the optimizer all-gathers parameters asynchronously."""
+
+    def reload_model_params(self):
+        """Nothing to refresh unless the optimizer keeps copies of the parameters."""
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+    @torch.no_grad()
+    def set_param_state(self, model_param: torch.nn.Parameter, state: dict):
+        """Restore one parameter; a saved fp32 `main_param` (a bf16 run's) becomes the weight itself."""
+        state = dict(state)
+        main = state.pop("main_param", None)
+        if main is not None:
+            model_param.copy_(main.to(model_param.device, model_param.dtype))
+        if state:
+            self.inner.state[model_param] = state
+        else:
+            self.inner.state.pop(model_param, None)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict):
+        self.inner.load_state_dict(sd)
+
+
+class PlainOptimizer(TrainingOptimizer):
+    """A torch optimizer over the model's own (fp32) parameters."""
+
+    def __init__(self, inner: torch.optim.Optimizer, grad_sync=None):
+        self.inner, self.grad_sync = inner, grad_sync
+        self.params = [p for g in inner.param_groups for p in g["params"]]
+
+
+class OptimizerOverCopies(TrainingOptimizer):
+    """What optimizers that step fp32 copies of the parameters share (mixed_precision's and ddp.py's
+    distributed one): a pending clip coefficient that step() applies to the fp32 gradients, instead
+    of rounding the bf16 model gradients once more."""
+
+    _grad_scale: torch.Tensor | None = None
+
+    def zero_grad(self):
+        self._grad_scale = None
+        super().zero_grad()
+
+    def scale_grads(self, coeff: torch.Tensor):
+        """Multiply the gradients by `coeff` in fp32, as they become main grads (grad clipping)."""
+        self._grad_scale = coeff if self._grad_scale is None else self._grad_scale * coeff
+
+    def _apply_grad_scale(self, grads: list[torch.Tensor]):
+        if self._grad_scale is not None and grads:
+            torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
+        self._grad_scale = None
