@@ -8,7 +8,6 @@ TORCH  := torch==2.13.0
 # Every other package at the version CI tested (regenerate with `make constraints`).
 PINNED := -c constraints.txt
 
-
 .PHONY: demo test venv venv-dev lint chart images bench gpu-check clean constraints
 
 $(VENV)/bin/python:
