@@ -256,6 +256,8 @@ class CheckpointManager:
             removed = store.cleanup_partial()  # what a killed save left behind
             if removed:
                 log.info("removed %d partial checkpoint entries left by an interrupted save", len(removed))
+        if store is not None:
+            _barrier()  # no rank starts a save (a multipart upload) while rank 0 still cleans up
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
