@@ -31,8 +31,7 @@ import torch.distributed as dist
 from kubetron import progress as progress_log
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.storage import open_store
-from kubetron.training import sharded, sharding
-from kubetron.training.optim import finish_param_sync
+from kubetron.training import comm, sharded, sharding
 
 log = logging.getLogger("kubetron")
 
@@ -160,14 +159,7 @@ def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
         state = {k: (v.to(device) if torch.is_tensor(v) and k != "step" else v) for k, v in s.items()}
         if "step" in state and optimizer.defaults.get("fused"):
             state["step"] = state["step"].to(device)
-        if hasattr(optimizer, "set_param_state"):
-            optimizer.set_param_state(p, state)
-            continue
-        main = state.pop("main_param", None)
-        if main is not None and p.dtype == torch.float32:
-            with torch.no_grad():
-                p.copy_(main)
-        optimizer.state[p] = state
+        optimizer.set_param_state(p, state)
     for g, sg in zip(optimizer.param_groups, saved["param_groups"]):
         for k, v in sg.items():
             if k not in ("params",):
@@ -287,7 +279,7 @@ class CheckpointManager:
         """Copy what this rank saves to host memory (the only part of an async save that blocks).
         sharded: this rank's own pieces; kubetron: full tensors gathered onto rank 0."""
         fmt, ck = self.cfg.checkpoint.ckpt_format, self.cfg.checkpoint
-        finish_param_sync(self.optimizer)  # weights still being all-gathered (ddp.overlap_param_gather)
+        self.optimizer.finish_param_sync()  # weights still being all-gathered (ddp.overlap_param_gather)
         model_sd = optim_sd = shard = None
         by_name = optimizer_state_by_name(self.model, self.optimizer) if ck.save_optim and fmt != "torch_dist" \
             else None
@@ -394,9 +386,7 @@ class CheckpointManager:
         if blocking or not (dist.is_initialized() and dist.get_world_size() > 1):
             saver.maybe_finalize(blocking=blocking)
             return
-        ready = torch.tensor([1 if saver.ready() else 0], dtype=torch.int32)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
-        if ready.item():
+        if comm.all_ranks(saver.ready()):
             saver.maybe_finalize(blocking=True)
 
     def close(self):
@@ -429,7 +419,7 @@ class CheckpointManager:
     # -- non-persistent "local": rank-local shards, resumable at the same layout only -------------------
     def _save_local(self, step: int):
         """Every rank writes its own shard (model chunk, optimizer, RNG) to its node-local directory."""
-        finish_param_sync(self.optimizer)
+        self.optimizer.finish_param_sync()
         t0 = time.perf_counter()
         name = iter_dir(step)
         state = {
@@ -459,7 +449,7 @@ class CheckpointManager:
         if self.local_store is not None:
             its = committed_iterations(self.local_store)
             mine = its[-1] if its else -1
-        t = torch.tensor([mine], dtype=torch.int64)
+        t = torch.tensor([mine], dtype=torch.int64, device=comm.collective_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item()) if t.item() >= 0 else None
@@ -551,8 +541,7 @@ class CheckpointManager:
             from kubetron.hf.io import load_hf_into_model
 
             load_hf_into_model(self.model, self.cfg, ck.pretrained_checkpoint)
-            if hasattr(self.optimizer, "reload_model_params"):
-                self.optimizer.reload_model_params()
+            self.optimizer.reload_model_params()
             log.info("finetuning from the Hugging Face model in %s", ck.pretrained_checkpoint)
             return
         found = resolve_checkpoint(ck.pretrained_checkpoint, None, self.cfg, non_persistent=False)
@@ -590,8 +579,7 @@ class CheckpointManager:
             if with_optim and store.exists(f"{name}/optim.pt"):
                 with store.open_read(f"{name}/optim.pt") as f:
                     optim_state = sharding.scatter_optimizer_state(model, _safe_load(f, f"{name}/optim.pt"))
-        if hasattr(optimizer, "reload_model_params"):
-            optimizer.reload_model_params()  # fp32 mains := the loaded weights (a resume then restores
+        optimizer.reload_model_params()  # fp32 mains := the loaded weights (a resume then restores
             # the saved fp32 mains from the optimizer state; finetune keeps these)
         if not full:
             return

@@ -146,8 +146,3 @@ def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
     params = [p for chunk in model for p in chunk.parameters() if counts_toward_norms(p)]
     sq = sum_of_squares([p.detach() for p in params])
     return model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)
-
-
-def finish_param_sync(optimizer: TrainingOptimizer):
-    """Kept for checkpointing.py's call sites until they call `optimizer.finish_param_sync()` directly."""
-    optimizer.finish_param_sync()
