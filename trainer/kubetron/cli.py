@@ -9,6 +9,11 @@
     kubetron export-hf CKPT OUT                        kubetron checkpoint -> HF config.json + safetensors
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
     kubetron render    FILE
+    kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
+    kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
+    kubetron logs      NAME [-f] [--rank N]   the current attempt's trainer logs
+    kubetron delete    NAME
+    (also installed as the kubectl plugin `kubectl-kubetron`: `kubectl kubetron status`)
 
 User errors (bad config, bad command line) print one line, `kubetron: error: <field>: <message>`,
 write the termination message and exit 2. Importing this module does not import torch: each
@@ -223,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Render a TrainingJob manifest into the objects the operator would create.")
     p.add_argument("file", metavar="FILE", help="TrainingJob YAML manifest")
     p.set_defaults(func=cmd_render)
+
+    from kubetron_operator.client_cli import add_commands
+
+    add_commands(sub, _Parser)
     return parser
 
 
