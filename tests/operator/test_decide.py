@@ -434,6 +434,28 @@ def test_startup_timeout_ends_the_attempt_as_never_started():
     assert run(status, pods=[pod(0), stuck], job=job).kind == "wait"
 
 
+def test_pods_gated_for_admission_are_queued_not_stuck():
+    """Kueue holds a pod group back with a scheduling gate until the quota admits it. That wait is the
+    queue doing its job: the attempt stays Pending (reason Queued, no Warning), the startup timeout does not
+    end it, and once admitted the pods get a full startupTimeoutSeconds from then on."""
+    old = {**PENDING, "attemptStartTime": "2026-11-22T10:00:00Z"}  # 2 h ago; default timeout 600 s
+    gated = [pod(r, phase="Pending", gates=("kueue.x-k8s.io/admission",),
+                 unschedulable="waiting for scheduling gates") for r in (0, 1)]
+    action = run(old, pods=gated)
+    assert action.kind == "wait" and action.events == ()
+    queued = {**old, **action.status}
+    assert queued["phase"] == "Pending" and queued["reason"] == "Queued"
+    assert queued["message"] == ("attempt 1: waiting for admission (pod gpt-1-0 has scheduling gates "
+                                 "kueue.x-k8s.io/admission)")
+    admitted = run(queued, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")])
+    assert admitted.kind == "wait" and admitted.status["admittedTime"] == "2026-11-22T12:00:00Z"
+    assert admitted.status["reason"] == "Starting"
+    later = {**queued, **admitted.status}
+    assert run(later, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")]).kind == "wait"
+    expired = {**later, "admittedTime": "2026-11-22T11:49:00Z"}
+    assert run(expired, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")]).status["reason"] == "StartupTimeout"
+
+
 def test_never_started_attempts_are_capped():
     status = {**PENDING, "attemptStartTime": "2026-11-22T11:00:00Z",
               "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 4, "total": 4}}

@@ -88,6 +88,63 @@ def test_template_clash_fails_the_job_before_any_pod(kube, kube_ns):
         assert {p["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] for p in pods.values()} == {"team-b"}
 
 
+GATE = "kueue.x-k8s.io/admission"
+MAP = "/apis/admissionregistration.k8s.io/v1/mutatingadmissionpolicies"
+
+
+def gate_queued_pods(kube, ns: str) -> None:
+    """What Kueue's pod webhook does, as a MutatingAdmissionPolicy of the real API server: every pod of `ns`
+    with a queue label is created with Kueue's admission scheduling gate."""
+    api = kube.admin
+    api.create(MAP, {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicy",
+                     "metadata": {"name": f"gate-{ns}"}, "spec": {
+        "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                                                "resources": ["pods"]}]},
+        "matchConditions": [{"name": "queued", "expression":
+                             "has(object.metadata.labels) && 'kueue.x-k8s.io/queue-name' in object.metadata.labels"}],
+        "failurePolicy": "Fail", "reinvocationPolicy": "Never",
+        "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression":
+                       f"[JSONPatch{{op: 'add', path: '/spec/schedulingGates', value: [{{'name': '{GATE}'}}]}}]"}}],
+    }})
+    api.create(MAP.replace("policies", "policybindings"), {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicyBinding",
+        "metadata": {"name": f"gate-{ns}"}, "spec": {"policyName": f"gate-{ns}", "matchResources": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}}})
+    probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "labels": {
+        "kueue.x-k8s.io/queue-name": "q"}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    kube.wait_for("the gating policy in force", lambda: api.create(
+        f"/api/v1/namespaces/{ns}/pods", probe, query={"dryRun": "All"})["spec"].get("schedulingGates"), 30)
+
+
+def test_pods_gated_by_kueue_wait_queued_past_the_startup_timeout(kube, kube_ns):
+    ns, api = kube_ns, kube.admin
+    gate_queued_pods(kube, ns)
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), tj(ns, queueName="team-a", startupTimeoutSeconds=2))
+        pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+        assert all(p["spec"]["schedulingGates"] == [{"name": GATE}] for p in pods.values())
+        st = kube.wait_status(ns, "gpt", "Queued", lambda s: s.get("reason") == "Queued")
+        assert st["phase"] == "Pending" and "waiting for admission" in st["message"]
+        kube.wait_for("the startup timeout (2 s) long past", lambda: api.get(f"{kube.jobs(ns)}/gpt")["status"]
+                      .get("attemptStartTime") and _seconds_since(st["attemptStartTime"]) > 5, 30)
+        st = kube.job(ns, "gpt")["status"]
+        assert st["attempt"] == 1 and st["reason"] == "Queued" and st["restarts"]["total"] == 0
+        # Admitted: Kueue removes the gate; the pods then run as any others.
+        for name in pods:
+            api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"spec": {"schedulingGates": None}})
+            set_running(api, ns, name)
+        st = kube.wait_status(ns, "gpt", "Running", lambda s: s.get("phase") == "Running")
+        assert st["attempt"] == 1 and st["restarts"]["total"] == 0
+    api.delete(f"{MAP}/gate-{ns}")
+    api.delete(f"{MAP.replace('policies', 'policybindings')}/gate-{ns}")
+
+
+def _seconds_since(iso: str) -> float:
+    from datetime import UTC, datetime
+
+    return (datetime.now(UTC) - datetime.fromisoformat(iso.replace("Z", "+00:00"))).total_seconds()
+
+
 def test_unknown_template_fields_are_rejected_by_the_api_server(kube, kube_ns):
     from tests.kube.cluster import ApiError
 
