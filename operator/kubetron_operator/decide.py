@@ -667,7 +667,8 @@ def _percent(iteration: int, train_iters: Any) -> str:
 
 
 def _progress_fields(obs: Observed, ckpt: Mapping | None, live: bool = True) -> dict[str, Any]:
-    """iteration / trainIters / progress / eta / tokensPerSecond for `kubectl get`, for the current attempt."""
+    """iteration / trainIters / progress / eta / tokensPerSecond / loss / learningRate for `kubectl get`, for the
+    current attempt."""
     st, log, now_live = obs.status, obs.progress or {}, (obs.live or {}) if live else {}
     attempt = _to_int(st.get("attempt"))
     iteration = max(_to_int(now_live.get("iteration")), _log_iteration(log, attempt),
@@ -683,6 +684,9 @@ def _progress_fields(obs: Observed, ckpt: Mapping | None, live: bool = True) -> 
         tps = now_live.get("tokensPerSecond")
         if isinstance(tps, int | float):
             out["tokensPerSecond"] = round(float(tps), 1)
+        for key in ("loss", "learningRate"):  # as rank 0 last logged them
+            if isinstance(now_live.get(key), int | float):
+                out[key] = float(f"{now_live[key]:.4g}")
     else:
         out["eta"] = None
     return out

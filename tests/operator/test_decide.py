@@ -174,8 +174,10 @@ def test_pvc_job_succeeds_from_termination_messages():
 
 def test_running_reports_live_progress():
     live = {"iteration": 12, "trainIters": 40, "tokensPerSecond": 1234.56, "etaSeconds": 200.0,
-            "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T11:59:00Z"}}
+            "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T11:59:00Z"}, "loss": 7.123456,
+            "learningRate": 0.000299999, "tflopsPerGpu": 3.5}
     action = run({**RUNNING, "phase": "Pending"}, pods=[pod(0, ip="10.0.0.1"), pod(1)], live=live)
+    assert action.status["loss"] == 7.123 and action.status["learningRate"] == 0.0003
     assert action.kind == "wait" and action.phase == "Running"
     assert action.status["iteration"] == 12 and action.status["progress"] == "30%"
     assert action.status["eta"] == "3m20s" and action.status["tokensPerSecond"] == 1234.6

@@ -8,6 +8,7 @@
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
     kubetron export-hf CKPT OUT                        kubetron checkpoint -> HF config.json + safetensors
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
+                       [--metrics-port PORT]
     kubetron render    FILE
     kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
     kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peering", default=None, metavar="NAME", help="kopf peering object name (for HA operators)")
     p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
                    help="seconds between two reconciles of one job (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics on this port at /metrics (default: off)")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
@@ -251,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--workers", f"must be >= 1, got {args.workers}")
         if args.command == "operator" and not args.interval > 0:
             raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval}")
+        if args.command == "operator" and not 0 <= args.metrics_port <= 65535:
+            raise ConfigError("--metrics-port", f"must be a port number (0 = off), got {args.metrics_port}")
         return int(args.func(args) or 0)
     except ConfigError as exc:
         cfg = getattr(args, "_cfg", None)
