@@ -12,7 +12,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import yaml
@@ -242,16 +242,25 @@ def logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def whole_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """Lines of a byte stream whose chunks may end mid-line (or mid-character)."""
+    pending = b""
+    for chunk in chunks:
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from (line.decode("utf-8", "replace") for line in lines)
+    if pending:
+        yield pending.decode("utf-8", "replace")
+
+
 def _stream(cluster: Cluster, pod: Mapping[str, Any], follow_: bool, prefix: bool, errors: list[str]) -> None:
     name, rank = pod["metadata"]["name"], pod["metadata"]["labels"].get(LABEL_RANK, "0")
     try:
         resp = cluster.call(lambda: cluster.core.read_namespaced_pod_log(
             name, cluster.namespace, container="trainer", follow=follow_, _preload_content=False),
             f"logs of pod {name}")
-        for raw in resp.stream() if follow_ else [resp.data]:
-            for line in raw.decode("utf-8", "replace").splitlines():
-                sys.stdout.write(f"[rank {rank}] {line}\n" if prefix else f"{line}\n")
-        sys.stdout.flush()
+        for text in whole_lines(resp.stream() if follow_ else [resp.data]):
+            sys.stdout.write(f"[rank {rank}] {text}\n" if prefix else f"{text}\n")
+            sys.stdout.flush()
     except CliError as exc:
         errors.append(str(exc))
 

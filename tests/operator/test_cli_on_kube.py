@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kubetron_operator.client_cli import CliError, format_table, select_pods
+from kubetron_operator.client_cli import CliError, format_table, select_pods, whole_lines
 
 from tests.kube.cluster import set_running
 from tests.operator.test_on_kube import tj
@@ -128,3 +128,9 @@ def test_status_table_adds_reason_and_last_checkpoint():
     head, row = format_table(table).splitlines()
     assert head.split() == ["NAME", "PHASE", "ETA", "REASON", "LAST-CHECKPOINT"]
     assert row.split() == ["gpt", "Running", "<none>", "Running", "20", "(t)"]
+
+
+def test_followed_logs_print_whole_lines():
+    chunks = [b"iteration 1 | lo", b"ss: 2.0\niteration 2", b" \xc3", b"\xa9\n", b"tail"]
+    assert list(whole_lines(chunks)) == ["iteration 1 | loss: 2.0", "iteration 2 \u00e9", "tail"]
+    assert list(whole_lines([b"a\nb\n"])) == ["a", "b"]
