@@ -66,8 +66,8 @@ def test_submit_status_logs_delete(kube, kube_ns, tmp_path):
         got = kubetron(kube, "status", "-n", ns)
         assert got.returncode == 0, got.stderr
         head, row = got.stdout.splitlines()
-        assert head.split() == ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE", "REASON",
-                                "LAST-CHECKPOINT"]
+        assert head.split() == ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "LOSS", "AGE",
+                                "REASON", "LAST-CHECKPOINT"]  # the CRD's columns, the wide ones included
         assert row.split()[:2] == ["gpt", "Running"] and row.split()[-2:] == ["Running", "<none>"]
 
         # No kubelet serves pods/log here: the API server answers 500; the user gets one line, exit 1.
