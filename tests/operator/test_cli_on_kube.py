@@ -134,3 +134,20 @@ def test_followed_logs_print_whole_lines():
     chunks = [b"iteration 1 | lo", b"ss: 2.0\niteration 2", b" \xc3", b"\xa9\n", b"tail"]
     assert list(whole_lines(chunks)) == ["iteration 1 | loss: 2.0", "iteration 2 \u00e9", "tail"]
     assert list(whole_lines([b"a\nb\n"])) == ["a", "b"]
+
+
+def test_context_and_its_namespace_come_from_the_kubeconfig(kube, kube_ns, tmp_path):
+    """`--kubeconfig`, `--context`, and the context's namespace as the default, as kubectl reads them."""
+    kube.admin.create(kube.jobs(kube_ns), tj(kube_ns, "ctx-job"))
+    config = yaml.safe_load(kube.cp._cert_kubeconfig("admin").read_text())
+    (ctx,) = config["contexts"]
+    config["contexts"].append({"name": "team", "context": {**ctx["context"], "namespace": kube_ns}})
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    got = kubetron(kube, "status", "--kubeconfig", str(path), "--context", "team")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines()[1].split()[0] == "ctx-job"
+    got = kubetron(kube, "status", "--kubeconfig", str(path))  # the current context: namespace default
+    assert got.returncode == 0 and got.stdout.strip() == "No TrainingJobs in namespace default.", got.stdout
+    got = kubetron(kube, "status", "--kubeconfig", str(path), "--context", "nope")
+    assert got.returncode == 2 and one_error_line(got).startswith("kubetron: error: --kubeconfig: ")
