@@ -36,8 +36,8 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     --mount=type=bind,source=constraints.txt,target=/tmp/constraints.txt \
     pip install --no-cache-dir -c /tmp/constraints.txt "/wheels/$(cat /wheels/NAME)[operator]"
 USER 10001:10001
-# kopf's liveness endpoint (the chart probes /healthz here).
-EXPOSE 8080
+# kopf's liveness endpoint (the chart probes /healthz here) and /metrics (--metrics-port, chart metrics.port).
+EXPOSE 8080 8081
 ENTRYPOINT ["kubetron", "operator"]
 CMD ["--liveness=http://0.0.0.0:8080/healthz"]
 

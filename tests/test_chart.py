@@ -352,3 +352,24 @@ def test_chart_ships_kopfs_peering_crds():
     crds = {m["metadata"]["name"]: m for m in render({}) if m["kind"] == "CustomResourceDefinition"}
     assert crds["clusterkopfpeerings.kopf.dev"]["spec"]["scope"] == "Cluster"
     assert crds["kopfpeerings.kopf.dev"]["spec"]["scope"] == "Namespaced"
+
+
+def test_metrics_port_service_and_optional_service_monitor():
+    default = render({})
+    container = of_kind(default, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--metrics-port=8081" in container["args"]
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
+    (svc,) = of_kind(default, "Service")
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
+    pod_labels = of_kind(default, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert not of_kind(default, "ServiceMonitor")  # off by default: its CRD may not exist
+    with_monitor = {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}}
+    assert helm.lint(CHART, with_monitor) == []
+    (monitor,) = of_kind(render(with_monitor), "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    off = render({"metrics": {"enabled": False}})
+    assert not of_kind(off, "Service") and not any(a.startswith("--metrics-port") for a in of_kind(
+        off, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"])

@@ -9,7 +9,7 @@ import sys
 import types
 import urllib.error
 import urllib.request
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from kubetron import progress
@@ -407,6 +407,25 @@ def get(url: str) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
+def test_status_server_serves_prometheus_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with StatusServer(0, host="127.0.0.1") as server:
+        base = f"http://127.0.0.1:{server.port}"
+        assert get(base + "/metrics") == (200, "\n")  # nothing known yet: no made-up zeros
+        saved = datetime.now(UTC) - timedelta(seconds=90)
+        server.update(iteration=12, trainIters=40, loss=float("nan"), learningRate=3e-4, tokensPerSecond=1234.5,
+                      tflopsPerGpu=101.25, lastCheckpoint={"iteration": 10, "time": saved.isoformat()})
+        code, text = get(base + "/metrics")
+        assert code == 200
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        age = got.pop("kubetron_trainer_last_checkpoint_age_seconds")
+        assert 89 <= age < 150
+        assert got == {"kubetron_trainer_iteration": 12.0, "kubetron_trainer_train_iters": 40.0,
+                       "kubetron_trainer_learning_rate": 3e-4, "kubetron_trainer_tokens_per_second": 1234.5,
+                       "kubetron_trainer_tflops_per_gpu": 101.25, "kubetron_trainer_last_checkpoint_iteration": 10.0}
+
+
 def test_status_server_serves_updates():
     with StatusServer(0, host="127.0.0.1") as server:
         assert server.enabled and server.port and server.port > 0
@@ -421,6 +440,9 @@ def test_status_server_serves_updates():
             "tokensPerSecond": None,
             "etaSeconds": None,
             "lastCheckpoint": None,
+            "loss": None,
+            "learningRate": None,
+            "tflopsPerGpu": None,
         }
         server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
         server.update(etaSeconds=30.2, lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
@@ -433,6 +455,9 @@ def test_status_server_serves_updates():
             "tokensPerSecond": 1234.5,
             "etaSeconds": 30.2,
             "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T12:00:09Z"},
+            "loss": None,
+            "learningRate": None,
+            "tflopsPerGpu": None,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
         status = json.loads(get(base + "/status?x=1")[1])

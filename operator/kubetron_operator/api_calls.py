@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import quote
 from uuid import uuid4
 
+from kubetron_operator import metrics
 from kubetron_operator.model import GROUP, PLURAL, VERSION
 
 
@@ -151,6 +152,7 @@ class Kube:
             return json.loads(data) if data[:1] in (b"{", b"[") else data.decode("utf-8", "replace")
         if status in ok:
             return None
+        metrics.api_error(status)
         raise ApiError(status, _error_message(data))
 
     @staticmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetron_operator.model import API_VERSION, KIND, Job, PvcStorage, S3Storage
+from kubetron_operator.model import API_VERSION, KIND, QUEUE_LABEL, Job, PvcStorage, S3Storage
 
 LABEL_JOB = "kubetron.dev/job"
 LABEL_ATTEMPT = "kubetron.dev/attempt"
@@ -27,6 +27,8 @@ DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 
 
 # -- names (deterministic: a restarted operator computes the same ones) ------------------------------
@@ -279,8 +281,42 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    _apply_template(job, pod_spec, container, metadata)
     _apply_scheduling(job, pod_spec, metadata, attempt, avoid_nodes)
+    _apply_queue(job, metadata, attempt)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _apply_template(job: Job, pod_spec: dict[str, Any], container: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Merge spec.podTemplate. Why additive only: model.parse_pod_template already rejected anything that
+    would replace one of the operator's own fields, so here the template only adds."""
+    t = job.spec.pod_template
+    metadata["labels"] = {**t.labels, **metadata["labels"]}
+    if t.annotations:
+        metadata["annotations"] = {**t.annotations, **(metadata.get("annotations") or {})}
+    if t.env:
+        container["env"] = [dict(v) for v in t.env] + container["env"]  # ours last: they win in Kubernetes
+    if t.env_from:
+        container["envFrom"] = [dict(v) for v in t.env_from]
+    container["volumeMounts"] += [dict(m) for m in t.volume_mounts]
+    if t.capabilities:
+        container["securityContext"]["capabilities"]["add"] = list(t.capabilities)
+    pod_spec["volumes"] += [dict(v) for v in t.volumes]
+    if t.init_containers:
+        pod_spec["initContainers"] = [dict(c) for c in t.init_containers]
+    pod_spec["containers"] += [dict(c) for c in t.sidecars]
+    if t.host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # rank 0's Service name must still resolve
+
+
+def _apply_queue(job: Job, metadata: dict[str, Any], attempt: int) -> None:
+    """Kueue plain pod groups: one group per attempt (each attempt is admitted, and counted, anew)."""
+    if not job.spec.queue_name:
+        return
+    metadata["labels"][QUEUE_LABEL] = job.spec.queue_name
+    metadata["labels"][KUEUE_GROUP_LABEL] = pod_group_name(job, attempt)
+    metadata.setdefault("annotations", {})[KUEUE_COUNT_ANNOTATION] = str(job.spec.nodes)
 
 
 def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:

@@ -66,7 +66,7 @@ ADMISSION_POD_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "
 STUCK_WAITING = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull",
                            "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 """Container waiting reasons that do not clear up by themselves (ContainerCreating does)."""
-STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", *STUCK_WAITING})
+STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
 FREE_EXIT_CODES = {exitcodes.SAVED_ON_SIGNAL: "SavedOnSignal", exitcodes.EXIT_CONDITION: "ExitCondition"}
 READER_TIMEOUT = 180.0  # seconds a progress-reader pod may take before we go on without it
 FORCE_DELETE_AFTER = 60.0  # seconds past a pod's grace period before it is force-deleted (node lost)
@@ -104,6 +104,7 @@ class PodView:
     scheduler_seen: bool = False  # any PodScheduled condition at all (a scheduler looked at the pod)
     waiting: str = ""  # "Reason: message" of a container stuck waiting (STUCK_WAITING), else ""
     scheduler: str = ""  # spec.schedulerName
+    gates: tuple[str, ...] = ()  # spec.schedulingGates: held back by an admission controller (Kueue), not stuck
 
     @property
     def code(self) -> int | None:
@@ -180,6 +181,7 @@ class PodView:
             scheduler_seen=seen or bool(spec.get("nodeName")),
             waiting=waiting,
             scheduler=spec.get("schedulerName") or "default-scheduler",
+            gates=tuple(g.get("name", "") for g in spec.get("schedulingGates") or ()),
         )
 
 
@@ -348,6 +350,7 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
         "attempt": nxt,
         "attemptStartCheckpoint": _it(ckpt),
         "attemptStartTime": _iso(obs.now),
+        "admittedTime": None,
         "lastCheckpoint": ckpt,
         "restarts": _restarts(st),
         "lostIterations": lost,
@@ -392,10 +395,18 @@ def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckp
               stale: tuple[str, ...]) -> Action:
     """The gang is not all running yet: say what holds it up; end the attempt after startupTimeoutSeconds."""
     st = obs.status
+    gated = next((p for p in sorted(current, key=lambda p: p.rank) if p.gates), None)
+    if gated:  # queued for quota (Kueue): waiting is the point, so the startup clock does not run yet
+        message = (f"attempt {attempt}: waiting for admission "
+                   f"(pod {gated.name} has scheduling gates {', '.join(gated.gates)})")
+        status = {k: v for k, v in _phase_status(obs, "Pending", "Queued", message).items() if st.get(k) != v}
+        return Action("wait", status=status, delete_pods=stale)
     trouble = _startup_trouble(current)
-    began = _parse_time(st.get("attemptStartTime"))
+    admitted = {"admittedTime": _iso(obs.now)} if st.get("reason") == "Queued" else {}
+    began = max(filter(None, (_parse_time(st.get("attemptStartTime")), _parse_time(st.get("admittedTime")))),
+                default=None)
     timeout = job.spec.startup_timeout_seconds
-    if began and (obs.now - began).total_seconds() > timeout:
+    if began and not admitted and (obs.now - began).total_seconds() > timeout:
         why = trouble[1] if trouble else "the pods were still starting"
         return _restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",
                         message=f"attempt {attempt} not running after startupTimeoutSeconds ({timeout}s): {why}")
@@ -406,7 +417,7 @@ def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckp
     else:  # as _next_attempt wrote it
         reason, message = st.get("reason") or "AttemptCreated", st.get("message") or ""
     status = _phase_status(obs, "Pending", reason, message)
-    status.update(_progress_fields(obs, ckpt))
+    status.update(_progress_fields(obs, ckpt), **admitted)
     status = {k: v for k, v in status.items() if st.get(k) != v}
     events = (Event("Warning", reason, message),) if trouble and reason != st.get("reason") else ()
     return Action("wait", status=status, delete_pods=stale, events=events)
@@ -656,7 +667,8 @@ def _percent(iteration: int, train_iters: Any) -> str:
 
 
 def _progress_fields(obs: Observed, ckpt: Mapping | None, live: bool = True) -> dict[str, Any]:
-    """iteration / trainIters / progress / eta / tokensPerSecond for `kubectl get`, for the current attempt."""
+    """iteration / trainIters / progress / eta / tokensPerSecond / loss / learningRate for `kubectl get`, for the
+    current attempt."""
     st, log, now_live = obs.status, obs.progress or {}, (obs.live or {}) if live else {}
     attempt = _to_int(st.get("attempt"))
     iteration = max(_to_int(now_live.get("iteration")), _log_iteration(log, attempt),
@@ -672,6 +684,9 @@ def _progress_fields(obs: Observed, ckpt: Mapping | None, live: bool = True) -> 
         tps = now_live.get("tokensPerSecond")
         if isinstance(tps, int | float):
             out["tokensPerSecond"] = round(float(tps), 1)
+        for key in ("loss", "learningRate"):  # as rank 0 last logged them
+            if isinstance(now_live.get(key), int | float):
+                out[key] = float(f"{now_live[key]:.4g}")
     else:
         out["eta"] = None
     return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from kubetron_operator import live
+from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid
 from kubetron_operator.build import (
     LABEL_JOB,
@@ -69,6 +69,7 @@ def cleanup_on_delete(name: str, namespace: str, uid: str, status: Any, memo: An
     """Delete the children now rather than waiting for the garbage collector (owner references); only
     those this job controls, never a foreign object that happens to carry a child's name or label."""
     kube: Kube = memo.deps.kube
+    metrics.forget(namespace, name)
     for pod in kube.list_pods(namespace, {LABEL_JOB: name}):
         if controller_uid(pod) == uid:
             kube.delete_pod(namespace, pod["metadata"]["name"])
@@ -90,9 +91,15 @@ def delete_attempt_children(kube: Kube, job: Job, attempt: int, logger: logging.
 
 
 def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger) -> Action | None:
+    with metrics.RECONCILE.time():
+        return _reconcile_once(deps, namespace, name, logger)
+
+
+def _reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger) -> Action | None:
     kube = deps.kube
     body = kube.get_job(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        metrics.forget(namespace, name)
         return None
     obs, job = observe(deps, body)
     action = decide(job, obs)
@@ -105,6 +112,7 @@ def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger
         # the next round decides again from a fresh read.
         logger.info("%s/%s changed while reconciling; deciding again", namespace, name)
         return None
+    metrics.record(namespace, name, obs.status or {}, action.status, action.create_attempt is not None)
     return action
 
 

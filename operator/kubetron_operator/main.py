@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     interval = float(getattr(args, "interval", None) or 5.0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configuration = client_configuration()
+    metrics_port = int(getattr(args, "metrics_port", 0) or 0)
+    if metrics_port:
+        from kubetron_operator import metrics
+
+        metrics.serve(metrics_port)
     # A plain registry: kopf's implicit login handlers went away with SmartOperatorRegistry, so say
     # how to log in (the same credentials our own calls use).
     registry = handlers.register(kopf.OperatorRegistry())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -35,6 +35,20 @@ STORE_KEYS = ("checkpoint.save", "checkpoint.load")
 """Config keys the operator sets to the job's store; a spec.overrides entry may not redirect them."""
 
 GPU = "nvidia.com/gpu"
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Kueue's queue label: on the TrainingJob it means spec.queueName; on the pods it is what Kueue reads."""
+
+RESERVED_LABEL_PREFIXES = ("kubetron.dev/", "kueue.x-k8s.io/", "app.kubernetes.io/managed-by",
+                           "scheduling.x-k8s.io/pod-group")
+RESERVED_ANNOTATION_PREFIXES = ("kueue.x-k8s.io/", "scheduling.k8s.io/group-name")
+"""Pod labels/annotations the operator sets (identity, Kueue, gang scheduling): spec.podTemplate may not set them."""
+
+RESERVED_VOLUMES = frozenset({"store", "config", "dshm"})
+RESERVED_CONTAINERS = frozenset({"progress"})
+TRAINER = "trainer"
+TEMPLATE_SPEC_KEYS = ("hostNetwork", "volumes", "initContainers", "containers")
+TRAINER_KEYS = ("name", "env", "envFrom", "volumeMounts", "securityContext")
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -78,6 +92,22 @@ class Scheduling:
 
 
 @dataclass(frozen=True)
+class PodTemplate:
+    """spec.podTemplate: what is merged into every worker pod (docs/pod-template.md)."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    host_network: bool = False
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    init_containers: tuple[Mapping[str, Any], ...] = ()
+    sidecars: tuple[Mapping[str, Any], ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()  # the trainer container's
+    env_from: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    capabilities: tuple[str, ...] = ()  # securityContext.capabilities.add of the trainer container
+
+
+@dataclass(frozen=True)
 class JobSpec:
     image: str
     nodes: int
@@ -102,6 +132,8 @@ class JobSpec:
     image_pull_policy: str = ""
     image_pull_secrets: tuple[str, ...] = ()
     service_account_name: str = ""
+    queue_name: str = ""  # Kueue LocalQueue (spec.queueName or the job's kueue.x-k8s.io/queue-name label)
+    pod_template: PodTemplate = field(default_factory=PodTemplate)
 
     @property
     def nproc_per_node(self) -> int:
@@ -135,12 +167,14 @@ class Job:
         name = meta.get("name") or ""
         if not _DNS_LABEL.match(name) or len(name) > MAX_NAME:
             raise SpecError("metadata.name", f"must be a DNS label of at most {MAX_NAME} characters, got {name!r}")
-        job = cls(
-            name=name,
-            namespace=meta.get("namespace") or "default",
-            uid=meta.get("uid") or "",
-            spec=parse_spec(body.get("spec") or {}),
-        )
+        spec = parse_spec(body.get("spec") or {})
+        label_queue = (meta.get("labels") or {}).get(QUEUE_LABEL) or ""
+        if label_queue and spec.queue_name and label_queue != spec.queue_name:
+            raise SpecError("spec.queueName", f"{spec.queue_name!r} disagrees with the job's label "
+                            f"{QUEUE_LABEL}={label_queue!r}; set one of them")
+        if label_queue and not spec.queue_name:
+            spec = replace(spec, queue_name=label_queue)
+        job = cls(name=name, namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "", spec=spec)
         spec = job.spec
         check_trainer_config(spec.config, spec.overrides, job.store, spec.nodes * spec.nproc_per_node,
                              spec.gpus_per_node > 0)
@@ -198,6 +232,8 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         image_pull_policy=spec.get("imagePullPolicy") or "",
         image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or () if s.get("name")),
         service_account_name=spec.get("serviceAccountName") or "",
+        queue_name=str(spec.get("queueName") or ""),
+        pod_template=parse_pod_template(spec.get("podTemplate") or {}, spec),
     )
 
 
@@ -269,6 +305,97 @@ def _parse_scheduling(s: Mapping[str, Any]) -> Scheduling:
         affinity=dict(s.get("affinity") or {}),
         gang=gang,
     )
+
+
+def parse_pod_template(t: Mapping[str, Any], spec: Mapping[str, Any]) -> PodTemplate:
+    """spec.podTemplate -> PodTemplate. The operator's own fields win: a template that would change one of
+    them (a reserved label, env var, volume or mount path, the trainer's image or command) is a SpecError,
+    so the clash is reported before any pod exists instead of being silently dropped."""
+    f = "spec.podTemplate"
+    _only(t, ("metadata", "spec"), f)
+    meta, pspec = t.get("metadata") or {}, t.get("spec") or {}
+    _only(meta, ("labels", "annotations"), f"{f}.metadata")
+    _only(pspec, TEMPLATE_SPEC_KEYS, f"{f}.spec")
+    labels = _string_map(meta.get("labels"), f"{f}.metadata.labels", RESERVED_LABEL_PREFIXES)
+    annotations = _string_map(meta.get("annotations"), f"{f}.metadata.annotations", RESERVED_ANNOTATION_PREFIXES)
+    volumes = _named(pspec.get("volumes"), f"{f}.spec.volumes", RESERVED_VOLUMES)
+    inits = _named(pspec.get("initContainers"), f"{f}.spec.initContainers", RESERVED_CONTAINERS | {TRAINER})
+    containers = _named(pspec.get("containers"), f"{f}.spec.containers", RESERVED_CONTAINERS)
+    trainer = [c for c in containers if c["name"] == TRAINER]
+    sidecars = tuple(c for c in containers if c["name"] != TRAINER)
+    env, env_from, mounts, caps = (), (), (), ()
+    if trainer:
+        i = containers.index(trainer[0])
+        tf = f"{f}.spec.containers[{i}]"
+        _only(trainer[0], TRAINER_KEYS, tf, why="the operator owns the rest of the trainer container")
+        env = tuple(_named(trainer[0].get("env"), f"{tf}.env", RESERVED_ENV))
+        env_from = tuple(_list(trainer[0].get("envFrom"), f"{tf}.envFrom"))
+        mounts = tuple(_named(trainer[0].get("volumeMounts"), f"{tf}.volumeMounts", RESERVED_VOLUMES))
+        caps = _capabilities(trainer[0].get("securityContext") or {}, f"{tf}.securityContext")
+        reserved_paths = {"/etc/kubetron", "/dev/shm", ((spec.get("storage") or {}).get("pvc") or {}).get(
+            "mountPath") or "/ckpt"}
+        for j, m in enumerate(mounts):
+            if str(m.get("mountPath", "")).rstrip("/") in reserved_paths:
+                raise SpecError(f"{tf}.volumeMounts[{j}].mountPath", f"{m.get('mountPath')} is used by the operator")
+    host_network = pspec.get("hostNetwork", False)
+    if not isinstance(host_network, bool):
+        raise SpecError(f"{f}.spec.hostNetwork", f"must be true or false, got {host_network!r}")
+    return PodTemplate(labels=labels, annotations=annotations, host_network=host_network, volumes=tuple(volumes),
+                       init_containers=tuple(inits), sidecars=sidecars, env=env, env_from=env_from,
+                       volume_mounts=mounts, capabilities=caps)
+
+
+def _only(obj: Any, allowed: tuple[str, ...], where: str, why: str = "") -> None:
+    if not isinstance(obj, Mapping):
+        raise SpecError(where, f"must be an object, got {type(obj).__name__}")
+    extra = sorted(set(obj) - set(allowed))
+    if extra:
+        raise SpecError(f"{where}.{extra[0]}", f"is not supported here (allowed: {', '.join(allowed)})"
+                        + (f"; {why}" if why else ""))
+
+
+def _list(value: Any, where: str) -> list[Mapping[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise SpecError(where, "must be a list of objects")
+    return [dict(v) for v in value]
+
+
+def _named(value: Any, where: str, reserved: frozenset[str] | set[str]) -> list[Mapping[str, Any]]:
+    """A list of objects with unique names, none of them reserved by the operator."""
+    items, seen = _list(value, where), set()
+    for i, item in enumerate(items):
+        name = item.get("name")
+        if not name or not isinstance(name, str):
+            raise SpecError(f"{where}[{i}].name", "is required")
+        if name in reserved:
+            raise SpecError(f"{where}[{i}].name", f"{name} is set by the operator")
+        if name in seen:
+            raise SpecError(f"{where}[{i}].name", f"{name} appears twice")
+        seen.add(name)
+    return items
+
+
+def _string_map(value: Any, where: str, reserved: tuple[str, ...]) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+        raise SpecError(where, "must map names to strings")
+    for key in value:
+        if str(key).startswith(reserved):
+            raise SpecError(f"{where}[{key}]", "is set by the operator")
+    return dict(value)
+
+
+def _capabilities(sc: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    _only(sc, ("capabilities",), where, why="the operator sets the trainer's security context (non-root)")
+    caps = sc.get("capabilities") or {}
+    _only(caps, ("add",), f"{where}.capabilities", why="the operator drops ALL and adds only these")
+    add = caps.get("add") or []
+    if not isinstance(add, list) or not all(isinstance(c, str) and c for c in add):
+        raise SpecError(f"{where}.capabilities.add", "must be a list of capability names (e.g. IPC_LOCK)")
+    return tuple(add)
 
 
 def _int(spec: Mapping[str, Any], key: str, default: int | None = None, *, minimum: int) -> int:

@@ -240,7 +240,7 @@ def test_crd_schema_accepts_examples_and_rejects_bad_specs():
     (version,) = crd["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Progress", "Iteration", "Restarts", "ETA", "Age"]
+        "Phase", "Progress", "Iteration", "Restarts", "ETA", "Loss", "Age"]
     schema = version["schema"]["openAPIV3Schema"]
     for body in (PVC_JOB, S3_JOB):
         jsonschema.validate(body, schema)

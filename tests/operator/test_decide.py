@@ -174,8 +174,10 @@ def test_pvc_job_succeeds_from_termination_messages():
 
 def test_running_reports_live_progress():
     live = {"iteration": 12, "trainIters": 40, "tokensPerSecond": 1234.56, "etaSeconds": 200.0,
-            "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T11:59:00Z"}}
+            "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T11:59:00Z"}, "loss": 7.123456,
+            "learningRate": 0.000299999, "tflopsPerGpu": 3.5}
     action = run({**RUNNING, "phase": "Pending"}, pods=[pod(0, ip="10.0.0.1"), pod(1)], live=live)
+    assert action.status["loss"] == 7.123 and action.status["learningRate"] == 0.0003
     assert action.kind == "wait" and action.phase == "Running"
     assert action.status["iteration"] == 12 and action.status["progress"] == "30%"
     assert action.status["eta"] == "3m20s" and action.status["tokensPerSecond"] == 1234.6
@@ -432,6 +434,28 @@ def test_startup_timeout_ends_the_attempt_as_never_started():
     assert action.status["nextAttemptTime"] > "2026-11-22T12:00:09Z"  # backoff: 10 s + jitter
     job = Job.from_body(job_body(S3_JOB, startupTimeoutSeconds=3600))
     assert run(status, pods=[pod(0), stuck], job=job).kind == "wait"
+
+
+def test_pods_gated_for_admission_are_queued_not_stuck():
+    """Kueue holds a pod group back with a scheduling gate until the quota admits it. That wait is the
+    queue doing its job: the attempt stays Pending (reason Queued, no Warning), the startup timeout does not
+    end it, and once admitted the pods get a full startupTimeoutSeconds from then on."""
+    old = {**PENDING, "attemptStartTime": "2026-11-22T10:00:00Z"}  # 2 h ago; default timeout 600 s
+    gated = [pod(r, phase="Pending", gates=("kueue.x-k8s.io/admission",),
+                 unschedulable="waiting for scheduling gates") for r in (0, 1)]
+    action = run(old, pods=gated)
+    assert action.kind == "wait" and action.events == ()
+    queued = {**old, **action.status}
+    assert queued["phase"] == "Pending" and queued["reason"] == "Queued"
+    assert queued["message"] == ("attempt 1: waiting for admission (pod gpt-1-0 has scheduling gates "
+                                 "kueue.x-k8s.io/admission)")
+    admitted = run(queued, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")])
+    assert admitted.kind == "wait" and admitted.status["admittedTime"] == "2026-11-22T12:00:00Z"
+    assert admitted.status["reason"] == "Starting"
+    later = {**queued, **admitted.status}
+    assert run(later, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")]).kind == "wait"
+    expired = {**later, "admittedTime": "2026-11-22T11:49:00Z"}
+    assert run(expired, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")]).status["reason"] == "StartupTimeout"
 
 
 def test_never_started_attempts_are_capped():

@@ -120,12 +120,14 @@ def test_preempted_then_resumed_then_succeeded(kube, kube_ns, s3_server, status_
 
         # Running; rank 0 reports live progress on its status endpoint.
         live.live = {"iteration": 12, "trainIters": 40, "tokensPerSecond": 2048.0, "etaSeconds": 95,
-                     "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T12:00:09Z"}}
+                     "lastCheckpoint": {"iteration": 10, "time": "2026-11-22T12:00:09Z"}, "loss": 2.5,
+                     "learningRate": 0.0003}
         set_running(api, ns, "gpt-1-0")
         set_running(api, ns, "gpt-1-1")
         st = kube.wait_status(ns, "gpt", "Running with live progress",
                               lambda s: s.get("phase") == "Running" and s.get("iteration") == 12)
         assert st["progress"] == "30%" and st["eta"] == "1m35s" and st["tokensPerSecond"] == 2048.0
+        assert st["loss"] == 2.5 and st["learningRate"] == 0.0003  # stored: the CRD's schema keeps them
 
         # Rank 1's node is preempted; the trainer saved iteration 13 on SIGTERM (the progress log in the
         # bucket says so; the termination message does not) and exits 75.

@@ -267,6 +267,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     assert iterations == sorted(iterations) and iterations[-1] > iterations[0]
     last = samples[-1][1]
     assert last["trainIters"] == ITERS and last["tokensPerSecond"] > 0 and last["etaSeconds"] > 0
+    assert last["loss"] > 0 and last["learningRate"] >= 0 and last["tflopsPerGpu"] > 0
     assert last["consumedSamples"] == 8 * last["iteration"]  # global_batch_size 8
     if last["iteration"] > SAVE_INTERVAL:
         assert last["lastCheckpoint"]["iteration"] == SAVE_INTERVAL

@@ -8,7 +8,13 @@
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
     kubetron export-hf CKPT OUT                        kubetron checkpoint -> HF config.json + safetensors
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
+                       [--metrics-port PORT]
     kubetron render    FILE
+    kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
+    kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
+    kubetron logs      NAME [-f] [--rank N]   the current attempt's trainer logs
+    kubetron delete    NAME
+    (also installed as the kubectl plugin `kubectl-kubetron`: `kubectl kubetron status`)
 
 User errors (bad config, bad command line) print one line, `kubetron: error: <field>: <message>`,
 write the termination message and exit 2. Importing this module does not import torch: each
@@ -217,12 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peering", default=None, metavar="NAME", help="kopf peering object name (for HA operators)")
     p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
                    help="seconds between two reconciles of one job (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics on this port at /metrics (default: off)")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
                        description="Render a TrainingJob manifest into the objects the operator would create.")
     p.add_argument("file", metavar="FILE", help="TrainingJob YAML manifest")
     p.set_defaults(func=cmd_render)
+
+    from kubetron_operator.client_cli import add_commands
+
+    add_commands(sub, _Parser)
     return parser
 
 
@@ -242,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--workers", f"must be >= 1, got {args.workers}")
         if args.command == "operator" and not args.interval > 0:
             raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval}")
+        if args.command == "operator" and not 0 <= args.metrics_port <= 65535:
+            raise ConfigError("--metrics-port", f"must be a port number (0 = off), got {args.metrics_port}")
         return int(args.func(args) or 0)
     except ConfigError as exc:
         cfg = getattr(args, "_cfg", None)

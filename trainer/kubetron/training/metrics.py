@@ -90,7 +90,7 @@ class MetricsLogger:
         seq = cfg.model.seq_length
         tokens_per_sec, device_tokens_per_sec = self._throughput(gbs * seq)
         remaining = self._remaining_seconds(iteration)
-        self._publish(iteration, tokens_per_sec, remaining)
+        self._publish(iteration, tokens_per_sec, remaining, **self._latest(pending, host, elapsed_ms, gbs))
         if not self.writes:
             return
         if self.writer is not None:
@@ -171,15 +171,27 @@ class MetricsLogger:
         print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
 
     # -- status endpoint ----------------------------------------------------------------------------
-    def _publish(self, iteration: int, tokens_per_sec: float, remaining: float):
-        """Refresh rank 0's GET /status (host values only: no device sync)."""
+    def _publish(self, iteration: int, tokens_per_sec: float, remaining: float, **latest: float | None):
+        """Refresh rank 0's GET /status (host values only: no device sync). `latest`: loss, learningRate and
+        tflopsPerGpu, known at log time only."""
         if self.status is None:
             return
         self._last_status = time.perf_counter()
         self.status.update(iteration=iteration, trainIters=self.cfg.train.train_iters,
                            consumedSamples=self.state.train_state.consumed_train_samples,
                            tokensPerSecond=round(tokens_per_sec, 1), etaSeconds=round(remaining, 1),
-                           lastCheckpoint=self._last_checkpoint())
+                           lastCheckpoint=self._last_checkpoint(), **latest)
+
+    def _latest(self, pending, host, elapsed_ms: float, gbs: int) -> dict[str, float | None]:
+        """loss (the first loss key, e.g. `lm loss`, averaged over the interval's finite values), the last
+        learning rate and TFLOP/s per GPU: what the console line prints, for GET /status and /metrics."""
+        from kubetron.training.utils import num_floating_point_operations
+
+        values = [v for losses, _, _ in host for v in list(losses.values())[:1] if math.isfinite(v)]
+        seconds = max(elapsed_ms, 1e-6) / 1000.0
+        tflops = num_floating_point_operations(self.cfg, gbs) / seconds / 1e12 / self.state.world_size
+        return {"loss": sum(values) / len(values) if values else None, "learningRate": float(pending[-1][2]),
+                "tflopsPerGpu": round(tflops, 3)}
 
     def _last_checkpoint(self) -> dict | None:
         """{iteration, time} of the newest durable checkpoint this run knows of (None before any)."""

@@ -1,4 +1,5 @@
-"""Rank 0's status endpoint (docs/CONTRACT.md): `GET /status` JSON and `GET /healthz`.
+"""Rank 0's status endpoint (docs/CONTRACT.md): `GET /status` JSON, `GET /metrics` (Prometheus text
+format) and `GET /healthz`.
 
 A `ThreadingHTTPServer` on a daemon thread. The training loop calls `update(...)` with the latest
 values; the handler serves a snapshot. It never takes the trainer down: a port that cannot be bound
@@ -14,6 +15,8 @@ import math
 import os
 import sys
 import threading
+import time
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
@@ -28,8 +31,47 @@ STATUS_KEYS = (
     "tokensPerSecond",
     "etaSeconds",
     "lastCheckpoint",
+    "loss",
+    "learningRate",
+    "tflopsPerGpu",
 )
 """The keys `GET /status` always carries (null until known)."""
+
+METRICS = (  # (name, status key, help): gauges of GET /metrics
+    ("kubetron_trainer_iteration", "iteration", "Last completed training iteration."),
+    ("kubetron_trainer_train_iters", "trainIters", "Iterations the run trains for (train.train_iters)."),
+    ("kubetron_trainer_consumed_samples", "consumedSamples", "Training samples consumed so far."),
+    ("kubetron_trainer_loss", "loss", "Training loss, averaged over the last log interval."),
+    ("kubetron_trainer_learning_rate", "learningRate", "Learning rate of the last iteration."),
+    ("kubetron_trainer_tokens_per_second", "tokensPerSecond", "Training throughput of the whole job."),
+    ("kubetron_trainer_tflops_per_gpu", "tflopsPerGpu", "Model TFLOP/s per GPU over the last log interval."),
+    ("kubetron_trainer_eta_seconds", "etaSeconds", "Estimated seconds until train_iters."),
+)
+CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def metrics_text(status: dict[str, Any], now: float | None = None) -> str:
+    """The status as Prometheus gauges; unknown values are left out (absent, not 0). The checkpoint's age is
+    computed at scrape time, so it grows while no checkpoint is written."""
+    lines: list[str] = []
+
+    def gauge(name: str, value: Any, help_text: str) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            lines.extend((f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {float(value)!r}"))
+
+    for name, key, help_text in METRICS:
+        gauge(name, status.get(key), help_text)
+    ckpt = status.get("lastCheckpoint") or {}
+    gauge("kubetron_trainer_last_checkpoint_iteration", ckpt.get("iteration"),
+          "Iteration of the last durable checkpoint.")
+    try:
+        saved = datetime.fromisoformat(str(ckpt.get("time")).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        saved = None
+    if saved is not None:
+        gauge("kubetron_trainer_last_checkpoint_age_seconds", (time.time() if now is None else now) - saved,
+              "Seconds since the last durable checkpoint was written.")
+    return "\n".join(lines) + "\n"
 
 
 def _jsonable(value: Any) -> Any:
@@ -60,6 +102,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/status":
             body = json.dumps(self.server.status_owner.snapshot()).encode()  # type: ignore[attr-defined]
             self._reply(200, body, "application/json")
+        elif path == "/metrics":
+            body = metrics_text(self.server.status_owner.snapshot()).encode()  # type: ignore[attr-defined]
+            self._reply(200, body, CONTENT_TYPE_METRICS)
         elif path in ("/healthz", "/livez", "/readyz"):
             self._reply(200, b"ok", "text/plain; charset=utf-8")
         else:

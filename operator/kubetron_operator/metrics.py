@@ -1,0 +1,80 @@
+"""The operator's Prometheus metrics (`kubetron operator --metrics-port PORT`, prometheus-client).
+
+    kubetron_trainingjobs{phase}                    jobs this operator reconciles, by status.phase
+    kubetron_attempts_total                         attempts created (pods of a new attempt)
+    kubetron_restarts_total{reason}                 restarted attempts: preemptions | failures | neverStarted
+    kubetron_reconcile_duration_seconds             one reconcile of one job (read, decide, apply)
+    kubetron_api_errors_total{code}                 Kubernetes API calls answered with an error, by HTTP status
+
+The handlers report through record()/forget()/RECONCILE; api_calls through api_error(). One registry of
+our own, so the process's default collectors do not mix in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+RESTART_KINDS = ("preemptions", "failures", "neverStarted")
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ATTEMPTS = Counter("kubetron_attempts", "Attempts created.", registry=REGISTRY)
+RESTARTS = Counter("kubetron_restarts", "Attempts restarted, by why the previous one ended.", ["reason"],
+                   registry=REGISTRY)
+RECONCILE = Histogram("kubetron_reconcile_duration_seconds", "Seconds one reconcile of one job took.",
+                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=REGISTRY)
+API_ERRORS = Counter("kubetron_api_errors", "Kubernetes API calls that failed, by HTTP status.", ["code"],
+                     registry=REGISTRY)
+
+_lock = threading.Lock()
+_phases: dict[tuple[str, str], str] = {}
+
+
+class _Jobs:
+    """kubetron_trainingjobs{phase}, counted at scrape time from the last phase seen per job."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("kubetron_trainingjobs", "TrainingJobs by status.phase.", labels=["phase"])
+        with _lock:
+            phases = list(_phases.values())
+        for phase in PHASES:
+            family.add_metric([phase], phases.count(phase))
+        yield family
+
+
+REGISTRY.register(_Jobs())
+
+
+def record(namespace: str, name: str, old_status: Mapping[str, Any], new_status: Mapping[str, Any],
+           created_attempt: bool) -> None:
+    """After one reconcile: the job's phase now, and what the status patch counted anew."""
+    phase = new_status.get("phase") or old_status.get("phase") or "Pending"
+    with _lock:
+        _phases[(namespace, name)] = phase
+    if created_attempt:
+        ATTEMPTS.inc()
+    old, new = old_status.get("restarts") or {}, new_status.get("restarts") or {}
+    for kind in RESTART_KINDS:
+        grown = int(new.get(kind) or 0) - int(old.get(kind) or 0)
+        if grown > 0 and kind in new:
+            RESTARTS.labels(reason=kind).inc(grown)
+
+
+def forget(namespace: str, name: str) -> None:
+    """The job is gone (deleted): it no longer counts in any phase."""
+    with _lock:
+        _phases.pop((namespace, name), None)
+
+
+def api_error(status: int) -> None:
+    API_ERRORS.labels(code=str(status)).inc()
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """GET /metrics on addr:port from a daemon thread."""
+    start_http_server(port, addr=addr, registry=REGISTRY)
