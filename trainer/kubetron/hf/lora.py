@@ -63,7 +63,7 @@ def peft_tensors(pairs: dict, m: dict) -> dict[str, torch.Tensor]:
         else:
             parts = (b,)
         for hf, b_part in zip(HF_MODULES[kind], parts, strict=True):
-            out[f"{prefix}.{hf}.lora_A.weight"] = a.contiguous()
+            out[f"{prefix}.{hf}.lora_A.weight"] = a.clone()  # one copy per module (safetensors)
             out[f"{prefix}.{hf}.lora_B.weight"] = b_part.contiguous()
     return out
 
@@ -72,8 +72,8 @@ def peft_config(info: dict) -> dict:
     """adapter_config.json for the checkpoint's `peft` record."""
     targets = sorted({hf for t in info["target_modules"] for hf in HF_MODULES[t]})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["dim"], "lora_alpha": info["alpha"],
-            "lora_dropout": info.get("dropout", 0.0), "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "inference_mode": True,
+            "lora_dropout": info.get("dropout", 0.0), "target_modules": targets, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
             "base_model_name_or_path": info.get("pretrained_checkpoint")}
 
 
