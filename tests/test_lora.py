@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 ITERS = 20
 DIM, ALPHA = 4, 8.0
 LORA = ["peft.scheme=lora", f"peft.dim={DIM}", f"peft.alpha={ALPHA}"]
-TP_TOL = 1e-4  # |loss(TP=2) - loss(TP=1)| over 20 iterations (fp32; measured: see test_tp2_equals_tp1)
+TP_TOL = 1e-5  # |loss(TP=2) - loss(TP=1)| over 20 iterations, fp32 on CPU (measured: 4.8e-07)
 SUMMARY = re.compile(r"trainable parameters (\d+) of (\d+) .*optimizer state (\d+) bytes "
                      r"\(full fine-tune: (\d+) bytes\)")
 
@@ -125,15 +125,14 @@ def test_tp2_equals_tp1(base, reference, tmp_path):
     assert set(tp1) == set(tp2)
     diff = max((tp1[k] - tp2[k]).abs().max().item() for k in tp1)
     print(f"max |adapter(TP=2) - adapter(TP=1)| after {ITERS} iterations: {diff:.3g}")
-    assert diff <= 1e-3
+    assert diff <= 1e-4  # measured: 2.2e-06
 
 
 def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_path):
-    from safetensors.torch import load_file
-
     from kubetron.hf.io import export_hf, load_hf_canonical, read_checkpoint
     from kubetron.training import peft, sharding
     from kubetron.training.model import build_model
+    from safetensors.torch import load_file
 
     export_hf(str(reference.store), str(tmp_path / "merged"))
     # kubetron's model with adapters: base from the HF directory, adapters from the LoRA checkpoint

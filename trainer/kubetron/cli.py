@@ -6,7 +6,8 @@
     kubetron progress  STORE [--json]
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
-    kubetron export-hf CKPT OUT                        kubetron checkpoint -> HF config.json + safetensors
+    kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
+                                                       (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
     kubetron render    FILE
 
