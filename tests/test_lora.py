@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 ITERS = 20
 DIM, ALPHA = 4, 8.0
 LORA = ["peft.scheme=lora", f"peft.dim={DIM}", f"peft.alpha={ALPHA}"]
-TP_TOL = 1e-5  # |loss(TP or PP=2) - loss(1 rank)| over 20 iterations, fp32 on CPU (measured: TP 4.8e-07, PP 0)
+TP_TOL = 1e-5  # |loss(TP or PP=2) - loss(1 rank)| over 20 iterations, fp32 on CPU (measured: TP 4.8e-07, PP 0, DP 0)
 SUMMARY = re.compile(r"trainable parameters (\d+) of (\d+) .*optimizer state (\d+) bytes "
                      r"\(full fine-tune: (\d+) bytes\)")
 
@@ -108,16 +108,24 @@ def test_sigterm_then_resume_is_bit_exact(base, reference, tmp_path):
         {i: reference.loss[i] for i in range(saved + 1, ITERS + 1)}
 
 
-@pytest.mark.parametrize("layout", ["tensor", "pipeline"])
-def test_tp2_and_pp2_equal_one_rank(base, reference, tmp_path, layout):
+LAYOUTS = {"tensor": ["model.tensor_model_parallel_size=2"], "pipeline": ["model.pipeline_model_parallel_size=2"],
+           "data": ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_equal_one_rank(base, reference, tmp_path, layout):
     """TP=2: B of column-parallel qkv/fc1 and A of row-parallel proj/fc2 are split over the two ranks;
-    PP=2: each stage holds its layers' adapters (global layer numbers in the checkpoint)."""
+    PP=2: each stage holds its layers' adapters (global layer numbers in the checkpoint); DP=2 with the
+    distributed optimizer and overlapped grad buffers: frozen weights have no buffer space, no state."""
     from kubetron.storage import open_store
     from kubetron.training.sharded import read_canonical
 
     store = tmp_path / layout
-    r = launch(finetune_args(base, store, *LORA, f"model.{layout}_model_parallel_size=2"), tmp_path / "ranks")
+    r = launch(finetune_args(base, store, *LORA, *LAYOUTS[layout]), tmp_path / "ranks")
     assert r.codes == {0: 0, 1: 0}, r.tail()
+    index = json.loads((store / "iter_0000020" / "shards" / "rank_00001.json").read_text())
+    assert any(e["name"].startswith("optim/") for e in index["pieces"])  # each rank saves its part
+    assert all(".adapter.linear_" in e["name"] for e in index["pieces"])
     loss = tb_scalars(store / "tb")
     worst = max(abs(loss[i] - reference.loss[i]) for i in range(1, ITERS + 1))
     print(f"max |loss({layout} parallel 2) - loss(one rank)| over {ITERS} iterations: {worst:.3g}")
@@ -187,3 +195,42 @@ def test_config_errors_are_one_line_exit_2(tmp_path):
     p = run(["finetune", "--config", TINY, "peft.scheme=lora"], tmp_path)
     assert p.returncode == exitcodes.CONFIG_ERROR
     assert p.stderr.strip().count("\n") == 0 and "checkpoint.pretrained_checkpoint" in p.stderr, p.stderr
+
+
+def test_adapter_checkpoint_without_its_peft_section_is_exit_2(base, reference, tmp_path):
+    """Resuming LoRA adapters without the peft section (or with another dim) is a spec error: one line, 2."""
+    args = finetune_args(base, tmp_path / "run", f"checkpoint.load={reference.store}")
+    p = run(args, tmp_path)
+    assert p.returncode == exitcodes.CONFIG_ERROR, p.stderr[-3000:]
+    assert p.stderr.strip().count("\n") == 0 and "peft.scheme" in p.stderr and "adapters only" in p.stderr
+    from kubetron.errors import ConfigError
+    from kubetron.training import peft
+
+    cfg = config_for(base.keys, *LORA, f"checkpoint.pretrained_checkpoint={base.hf}", "peft.dim=8")
+    saved = {"dim": DIM, "target_modules": list(cfg.peft.target_modules), "pretrained_checkpoint": str(base.hf)}
+    with pytest.raises(ConfigError, match="peft.dim"):
+        peft.load_filter(saved, cfg, "iter_0000020", as_pretrained=False)
+    with pytest.raises(ConfigError, match="checkpoint.pretrained_checkpoint"):
+        peft.load_filter(saved, cfg, "iter_0000020", as_pretrained=True)
+
+
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_adapter_dropout(position):
+    """dropout acts in training only; `post` drops output elements, `pre` input elements."""
+    from kubetron.training.peft import LoRAAdapter
+
+    ensure_world_of_one()
+    adapter = LoRAAdapter(torch.nn.Linear(8, 6, bias=False), row=False, dim=4, alpha=4.0, dropout=0.5,
+                          dropout_position=position, seed=1)
+    torch.nn.init.normal_(adapter.linear_out.weight)
+    x = torch.randn(3, 2, 8)
+    want = adapter.eval()(x)
+    got = adapter.train()(x)
+    assert not torch.allclose(got, want)
+    dropped = got == 0
+    if position == "post":
+        assert dropped.any()
+        torch.testing.assert_close(got[~dropped], want[~dropped] * 2)
+    else:
+        assert not dropped.any()
+

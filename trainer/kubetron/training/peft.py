@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from kubetron.config import LORA_TARGETS as TARGETS  # noqa: F401  (re-exported)
-from kubetron.errors import CheckpointError
+from kubetron.errors import ConfigError
 
 log = logging.getLogger("kubetron")
 
@@ -156,17 +156,20 @@ def checkpoint_info(cfg) -> dict | None:
 def load_filter(saved: dict | None, cfg, name: str, *, as_pretrained: bool):
     """Which of this model's tensors a checkpoint (common.pt's `peft` entry: `saved`) fills: an
     adapter-only one the adapters (the base comes from pretrained_checkpoint), a full one into a LoRA
-    model the base (adapters keep their initialisation); None: all."""
+    model the base (adapters keep their initialisation); None: all. A mismatch is a config error (exit 2):
+    no retry fixes it."""
     if saved is None:
         return is_base_name if enabled(cfg) else None
-    if as_pretrained or not enabled(cfg):
-        raise CheckpointError(f"{name} holds LoRA adapters only (base: {saved.get('pretrained_checkpoint')}); "
-                              "resume it with the same peft section, or merge it with `kubetron export-hf`")
+    only = f"{name} holds LoRA adapters only (base: {saved.get('pretrained_checkpoint')})"
+    if as_pretrained:
+        raise ConfigError("checkpoint.pretrained_checkpoint", f"{only}: merge them with `kubetron export-hf` "
+                                                              "to fine-tune from them")
+    if not enabled(cfg):
+        raise ConfigError("peft.scheme", f"{only}: resume it with the peft section it was trained with")
     p = cfg.peft
-    mine = {"dim": p.dim, "target_modules": list(p.target_modules)}
-    theirs = {k: saved.get(k) for k in mine}
-    if mine != theirs:
-        raise CheckpointError(f"{name} holds adapters {theirs}, this run's peft section {mine}")
+    for key, mine in (("dim", p.dim), ("target_modules", list(p.target_modules))):
+        if saved.get(key) != mine:
+            raise ConfigError(f"peft.{key}", f"{name} holds adapters with {key} {saved.get(key)}, this run {mine}")
     if saved.get("pretrained_checkpoint") != cfg.checkpoint.pretrained_checkpoint:
         log.warning("%s was trained on base %s; this run loads the base from %s", name,
                     saved.get("pretrained_checkpoint"), cfg.checkpoint.pretrained_checkpoint)
