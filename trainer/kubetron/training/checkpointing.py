@@ -573,8 +573,9 @@ class CheckpointManager:
         if keep is peft.is_adapter_name:  # an adapter-only checkpoint: first the frozen base
             self._load_pretrained()
         if keep is not None and fmt == "torch_dist":
-            raise CheckpointError(f"{name}: LoRA loads base weights from sharded or kubetron checkpoints or HF "
-                                  "directories, not torch_dist")
+            raise ConfigError("checkpoint.pretrained_checkpoint", f"{name}: LoRA reads its base from a sharded "
+                                                                   "or kubetron checkpoint or an HF directory, "
+                                                                   "not torch_dist")
         if fmt == "sharded":  # every rank reads only the byte ranges of its own boxes
             reader = sharded.ShardReader(store, name, common["num_shards"])
             sharded.load_model(model, reader, keep=keep)
