@@ -73,7 +73,7 @@ def test_lora_trains_only_adapters_and_saves_them_alone(base, reference):
     loss = reference.loss
     assert sorted(loss) == list(range(1, ITERS + 1))
     print(f"LoRA lm loss: iteration 1 {loss[1]:.3f} -> iteration {ITERS} {loss[ITERS]:.3f}")
-    assert loss[ITERS] < loss[1] - 0.3, f"loss did not fall: {loss[1]} -> {loss[ITERS]}"
+    assert loss[ITERS] < loss[1] - 0.2, f"loss did not fall: {loss[1]} -> {loss[ITERS]}"
     trainable, total, state, full_state = map(int, SUMMARY.search(reference.out).groups())
     assert trainable == _expected_trainable(base.keys) and total > 20 * trainable
     assert state == 8 * trainable and full_state == 8 * total  # Adam: two fp32 moments per trained element
