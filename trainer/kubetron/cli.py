@@ -6,7 +6,8 @@
     kubetron progress  STORE [--json]
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
-    kubetron export-hf CKPT OUT                        kubetron checkpoint -> HF config.json + safetensors
+    kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
+                                                       (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
                        [--metrics-port PORT]
     kubetron render    FILE
@@ -129,7 +130,10 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from kubetron.hf.io import export_hf
 
-    cfg = export_hf(args.ckpt, args.out)
+    cfg = export_hf(args.ckpt, args.out, adapter_only=args.adapter_only)
+    if args.adapter_only:
+        print(f"wrote {args.out}: PEFT LoRA adapter, r={cfg['r']}, {', '.join(cfg['target_modules'])}")
+        return 0
     print(f"wrote {args.out}: {cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, {cfg['torch_dtype']}")
     return 0
 
@@ -212,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "checkpoint holds) from the newest checkpoint in CKPT, for transformers.")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (or one iter_ directory, or s3://...)")
     p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="a LoRA checkpoint: write its adapter in PEFT's format (adapter_config.json + "
+                        "adapter_model.safetensors) instead of weights merged into the base")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("operator", help="run the Kubernetes operator",

@@ -421,6 +421,25 @@ class MixedPrecisionConfig(_Section):
     params_dtype: Literal["float32", "bfloat16", "float16"] | None = _d(None, "Derived: parameter dtype name.")
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class PeftConfig(_Section):
+    """Parameter-efficient fine-tuning (Megatron Bridge's `peft`): LoRA adapters, base weights frozen."""
+
+    scheme: Literal["lora"] | None = _f(
+        None, "lora: train low-rank adapters on the target modules, base weights frozen and loaded from "
+        "checkpoint.pretrained_checkpoint; checkpoints hold the adapters only (null: full fine-tuning).")
+    target_modules: list[str] = _f(
+        list(LORA_TARGETS),
+        "Linears of every layer that get an adapter (linear_qkv, linear_proj, linear_fc1, linear_fc2).")
+    dim: int = _f(32, "Adapter rank (the inner dimension of B x A).", ge=1)
+    alpha: float = _f(32.0, "Scale numerator: the adapter's output is multiplied by alpha / dim.", gt=0)
+    dropout: float = _f(0.0, "Dropout probability in the adapter (fraction).", ge=0, lt=1)
+    dropout_position: Literal["pre", "post"] = _f(
+        "pre", "Dropout on the adapter's input (pre) or on its output (post).")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "train": TrainingConfig,
     "validation": ValidationConfig,
@@ -439,6 +458,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "straggler": StragglerDetectionConfig,
     "profiling": ProfilingConfig,
     "mixed_precision": MixedPrecisionConfig,
+    "peft": PeftConfig,
 }
 
 
@@ -699,6 +719,7 @@ class ConfigContainer(BaseModel):
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiling.")
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig,
                                                   description="Numeric precision.")
+    peft: PeftConfig = Field(default_factory=PeftConfig, description="Parameter-efficient fine-tuning (LoRA).")
     data_parallel_size: int | None = _d(None, "Derived: world_size // (tp * pp).")
 
     # ---- construction ---------------------------------------------------------------------------
@@ -895,6 +916,36 @@ class ConfigContainer(BaseModel):
         if p.use_pytorch_profiler and p.profile_step_end <= p.profile_step_start:
             raise ConfigError("profiling.profile_step_end", f"{p.profile_step_end} must be greater than "
                                                             f"profile_step_start = {p.profile_step_start}")
+        self._validate_peft()
+
+    def _validate_peft(self) -> None:
+        """LoRA: known target modules, a base to adapt, and the layouts its adapter-only checkpoints use."""
+        p, m, c = self.peft, self.model, self.checkpoint
+        if p.scheme is None:
+            changed = sorted(k for k in p.model_fields_set if getattr(p, k) != PeftConfig.model_fields[k].default)
+            if changed:
+                raise ConfigError(f"peft.{changed[0]}", "has no effect without peft.scheme: lora")
+            return
+        unknown = [t for t in p.target_modules if t not in LORA_TARGETS]
+        if unknown or not p.target_modules:
+            what = f"unknown module {unknown[0]!r}" if unknown else "is empty"
+            raise ConfigError("peft.target_modules", f"{what} (expected some of {', '.join(LORA_TARGETS)})")
+        if len(set(p.target_modules)) != len(p.target_modules):
+            raise ConfigError("peft.target_modules", "contains duplicates")
+        if not c.pretrained_checkpoint:
+            raise ConfigError("checkpoint.pretrained_checkpoint", "required with peft.scheme lora (the frozen base "
+                                                                   "weights the adapters train on)")
+        if m.transformer_impl == "transformer_engine":
+            raise ConfigError("model.transformer_impl", "LoRA adapters attach to the local spec's linears: use "
+                                                        "local or auto")
+        if m.sequence_parallel and m.tensor_model_parallel_size > 1:
+            raise ConfigError("model.sequence_parallel", "is not supported with peft.scheme lora")
+        if c.ckpt_format != "sharded":
+            raise ConfigError("checkpoint.ckpt_format", "adapter-only checkpoints (peft.scheme lora) need the "
+                                                        "sharded format")
+        if c.non_persistent_ckpt_type == "local":
+            raise ConfigError("checkpoint.non_persistent_ckpt_type", "local is not supported with peft.scheme "
+                                                                     "lora (use global)")
 
     def _validate_recompute(self) -> None:
         """The combinations megatron-core's TransformerConfig accepts, as one-line errors."""

@@ -144,17 +144,47 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
                                   "checkpoint.ckpt_format sharded or kubetron, not torch_dist")
     from kubetron.training.sharded import read_canonical
 
-    # The sharded format keeps a gated fc1 as (2, ffn, hidden) = [gate, up]; canonical is [gate; up].
-    tensors = {k: (t.reshape(-1, t.shape[-1]) if k.endswith("mlp.linear_fc1.weight") and t.ndim == 3 else t)
+    # The sharded format keeps a gated fc1 (and its LoRA B) as (2, ffn, ...) = [gate, up]; canonical is [gate; up].
+    tensors = {k: (t.reshape(-1, t.shape[-1]) if ".mlp.linear_fc1." in k and t.ndim == 3 else t)
                for k, t in read_canonical(store, name)[0].items()}
     return run_cfg["model"], tensors, store, name
 
 
-def export_hf(location: str, out: str) -> dict:
-    """Write `out`/{config.json, model.safetensors, tokenizer files} from a kubetron checkpoint."""
+def _lora_record(store, name: str) -> dict | None:
+    """common.pt's `peft` entry: set for an adapter-only (LoRA) checkpoint."""
+    from kubetron.training.checkpointing import _safe_load
+
+    if not store.exists(f"{name}/common.pt"):
+        return None
+    return _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt").get("peft")
+
+
+def _read_base(location: str | None) -> dict[str, torch.Tensor]:
+    """Canonical tensors of a LoRA checkpoint's base (a kubetron checkpoint or an HF directory)."""
+    from kubetron.hf import is_hf_dir
+
+    if not location:
+        raise ConfigError("CKPT", "the LoRA checkpoint names no pretrained_checkpoint to merge into")
+    return load_hf_canonical(location)[1] if is_hf_dir(location) else read_checkpoint(location)[1]
+
+
+def export_hf(location: str, out: str, adapter_only: bool = False) -> dict:
+    """Write `out`/{config.json, model.safetensors, tokenizer files} from a kubetron checkpoint. A LoRA
+    checkpoint's adapters are merged into its base; with `adapter_only`, `out` gets a PEFT adapter."""
     from safetensors.torch import save_file
 
+    from kubetron.hf import lora
+
     m, tensors, store, name = read_checkpoint(location)
+    info = _lora_record(store, name)
+    if adapter_only and info is None:
+        raise ConfigError("--adapter-only", f"{location}/{name} is not a LoRA (peft) checkpoint")
+    if info is not None:
+        pairs = lora.adapters(tensors)
+        if adapter_only:
+            lora.write_peft(out, pairs, info, m)
+            return lora.peft_config(info)
+        tensors = lora.merge(_read_base(info.get("pretrained_checkpoint")), pairs, info["alpha"] / info["dim"])
     cfg = config_map.hf_config(m)
     try:
         hf = convert.canonical_to_hf(tensors, m)
@@ -175,8 +205,9 @@ def export_hf(location: str, out: str) -> dict:
     return cfg
 
 
-def load_hf_into_model(model, cfg, hf_dir: str):
-    """checkpoint.pretrained_checkpoint = an HF directory: its weights into this rank's model parts."""
+def load_hf_into_model(model, cfg, hf_dir: str, keep=None):
+    """checkpoint.pretrained_checkpoint = an HF directory: its weights into this rank's model parts
+    (`keep(name)`: only some; LoRA: the base)."""
     from kubetron.training import sharding
 
     m, tensors = load_hf_canonical(hf_dir)
@@ -185,4 +216,4 @@ def load_hf_into_model(model, cfg, hf_dir: str):
     if diffs:
         raise CheckpointError(f"{hf_dir} does not match this model (`kubetron import-hf` prints the model "
                               "section): " + "; ".join(diffs[:4]))
-    sharding.load_model_state(model, tensors)
+    sharding.load_model_state(model, tensors, keep=keep)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from kubetron import progress as progress_log
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.storage import open_store
-from kubetron.training import comm, sharded, sharding
+from kubetron.training import comm, peft, sharded, sharding
 
 log = logging.getLogger("kubetron")
 
@@ -148,7 +148,8 @@ def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
     """Restore state saved by optimizer_state_by_name. An fp32 main weight (`main_param`, saved by a
     bf16 run's MainParamsOptimizer) becomes the main weight again, or, for a plain optimizer over
     fp32 parameters, the parameter itself (more precise than the bf16 weight in model.pt)."""
-    by_name = dict(n_p for chunk in model for n_p in chunk.named_parameters())
+    # the parameters the optimizer steps (LoRA: frozen base weights have no state)
+    by_name = {n: p for chunk in model for n, p in chunk.named_parameters() if p.requires_grad}
     missing = [n for n in by_name if n not in saved["state"]]
     if missing and saved["state"]:
         raise CheckpointError(f"optimizer state lacks {len(missing)} parameters (e.g. {missing[0]})")
@@ -284,7 +285,8 @@ class CheckpointManager:
         by_name = optimizer_state_by_name(self.model, self.optimizer) if ck.save_optim and fmt != "torch_dist" \
             else None
         if fmt == "sharded":
-            shard = sharded.snapshot(self.model, by_name["state"] if by_name else None, self.buffers.copy)
+            shard = sharded.snapshot(self.model, by_name["state"] if by_name else None, self.buffers.copy,
+                                     keep=peft.is_adapter_name if peft.enabled(self.cfg) else None)
         elif fmt == "kubetron":  # (torch_dist: every rank writes in write())
             model_sd = sharding.gather_model_state(self.model, self.buffers)
             optim_sd = sharding.gather_optimizer_state(self.model, by_name, self.buffers) if by_name else None
@@ -411,6 +413,8 @@ class CheckpointManager:
                          "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
             "ckpt_format": fmt,
         }
+        if peft.enabled(self.cfg):  # adapter-only: the base is the pretrained checkpoint's
+            common["peft"] = peft.checkpoint_info(self.cfg)
         if fmt == "sharded":
             common["num_shards"] = self.state.world_size
             common["optim_param_groups"] = by_name["param_groups"] if by_name else None
@@ -513,7 +517,7 @@ class CheckpointManager:
                 f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")
         if found is not None:
             return self._resume(*found, expected=expected)
-        if finetune:
+        if finetune or peft.enabled(self.cfg):
             self._load_pretrained()
         elif ck.exit_on_missing_checkpoint and ck.load:
             raise CheckpointError(f"checkpoint.load={ck.load} holds no complete checkpoint "
@@ -540,7 +544,8 @@ class CheckpointManager:
         if is_hf_dir(ck.pretrained_checkpoint):  # a Hugging Face model directory: converted on load
             from kubetron.hf.io import load_hf_into_model
 
-            load_hf_into_model(self.model, self.cfg, ck.pretrained_checkpoint)
+            load_hf_into_model(self.model, self.cfg, ck.pretrained_checkpoint,
+                               keep=peft.is_base_name if peft.enabled(self.cfg) else None)
             self.optimizer.reload_model_params()
             log.info("finetuning from the Hugging Face model in %s", ck.pretrained_checkpoint)
             return
@@ -564,9 +569,16 @@ class CheckpointManager:
         device = next(model[0].parameters()).device
         with_optim = full and ck.load_optim
         optim_state = None
+        keep = peft.load_filter(common.get("peft"), self.cfg, name, as_pretrained=not full)
+        if keep is peft.is_adapter_name:  # an adapter-only checkpoint: first the frozen base
+            self._load_pretrained()
+        if keep is not None and fmt == "torch_dist":
+            raise ConfigError("checkpoint.pretrained_checkpoint", f"{name}: LoRA reads its base from a sharded "
+                                                                   "or kubetron checkpoint or an HF directory, "
+                                                                   "not torch_dist")
         if fmt == "sharded":  # every rank reads only the byte ranges of its own boxes
             reader = sharded.ShardReader(store, name, common["num_shards"])
-            sharded.load_model(model, reader)
+            sharded.load_model(model, reader, keep=keep)
             if with_optim and common.get("optim_param_groups") is not None:
                 optim_state = {"state": sharded.load_optimizer(model, reader),
                                "param_groups": common["optim_param_groups"]}
@@ -575,7 +587,7 @@ class CheckpointManager:
                                          device=device)
         else:
             with store.open_read(f"{name}/model.pt") as f:
-                sharding.load_model_state(model, _safe_load(f, f"{name}/model.pt"))
+                sharding.load_model_state(model, _safe_load(f, f"{name}/model.pt"), keep=keep)
             if with_optim and store.exists(f"{name}/optim.pt"):
                 with store.open_read(f"{name}/optim.pt") as f:
                     optim_state = sharding.scatter_optimizer_state(model, _safe_load(f, f"{name}/optim.pt"))

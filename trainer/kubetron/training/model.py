@@ -133,7 +133,8 @@ def _no_cuda_rng_state(*args, **kwargs):
 def layer_spec(cfg):
     """TE's spec when importable (and not disabled); otherwise the local spec with SDPA attention."""
     impl = cfg.model.transformer_impl
-    if impl == "transformer_engine" or (impl == "auto" and te_available()):
+    lora = getattr(getattr(cfg, "peft", None), "scheme", None) is not None  # adapters hook the local linears
+    if impl == "transformer_engine" or (impl == "auto" and te_available() and not lora):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         log.info("layer spec: TransformerEngine")
@@ -170,6 +171,9 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
                 original_max_position_embeddings=cfg.model.rope_scaling_original_max_position_embeddings)
     if getattr(model, "output_layer", None) is not None:
         mask_vocab_padding(model.output_layer, cfg)
+    from kubetron.training.peft import apply_lora
+
+    apply_lora([model], cfg)  # peft: adapters on the target linears, everything else frozen
     model.to(device)
     if cfg.model.compile:
         for layer in model.decoder.layers:

@@ -108,13 +108,14 @@ def _my_piece(name, t, gshape, start, dim, host_copy) -> Piece | None:
 
 # --- save -------------------------------------------------------------------------------------------
 
-def snapshot(model, optim_by_name: dict | None, host_copy) -> RankShard:
-    """This rank's pieces of the model (and optimizer state keyed by local parameter name), on the host."""
+def snapshot(model, optim_by_name: dict | None, host_copy, keep=None) -> RankShard:
+    """This rank's pieces of the model (and optimizer state keyed by local parameter name), on the host;
+    `keep(name)` selects the model tensors (LoRA: the adapters only)."""
     chunk = model[0]
     params = dict(chunk.named_parameters())
     offsets = sharding._layer_offsets(chunk)
     out = RankShard()
-    for k, v in sharding._local_state(chunk).items():
+    for k, v in sharding._local_state(chunk, keep).items():
         if sharding._is_tied_output_copy(chunk, k):
             continue
         t, gshape, start, dim = _placement(chunk, k, v.detach(), params)
@@ -278,12 +279,13 @@ def _local_box(start, t) -> list[tuple[int, int]]:
     return [(s, s + n) for s, n in zip(start, t.shape, strict=True)]
 
 
-def load_model(model, reader: ShardReader):
-    """Copy this rank's boxes of the canonical tensors into its parameters (and buffers)."""
+def load_model(model, reader: ShardReader, keep=None):
+    """Copy this rank's boxes of the canonical tensors into its parameters (and buffers); `keep(name)`
+    selects which (LoRA: the base from a full checkpoint, the adapters from an adapter-only one)."""
     chunk = model[0]
     params = dict(chunk.named_parameters())
     offsets = sharding._layer_offsets(chunk)
-    own = sharding._local_state(chunk)
+    own = sharding._local_state(chunk, keep)
     wanted = {k: "model/" + sharding._source_name(chunk, k, offsets) for k in own}
     missing = sorted(v for v in wanted.values() if not reader.has(v))
     if missing:

@@ -73,8 +73,10 @@ def _canonical_name(name: str, offsets: dict[int, int]) -> str:
 
 
 def _is_gated_fc1(chunk, name: str) -> bool:
+    """fc1's output rows are [gate; up] (its weight, bias, and a LoRA adapter's B, not its A)."""
     cfg = getattr(chunk, "config", None)
-    return bool(getattr(cfg, "gated_linear_unit", False)) and ".mlp.linear_fc1." in f".{name}"
+    return (bool(getattr(cfg, "gated_linear_unit", False)) and ".mlp.linear_fc1." in f".{name}"
+            and ".adapter.linear_in." not in name)
 
 
 def _tp_split(param) -> int | None:
@@ -167,8 +169,9 @@ def _participates() -> bool:
 
 # --- model -----------------------------------------------------------------------------------------
 
-def _local_state(chunk) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in chunk.state_dict().items() if not _skip(k)}
+def _local_state(chunk, keep=None) -> dict[str, torch.Tensor]:
+    """The chunk's tensors; `keep(name)` selects some (LoRA: base or adapter tensors)."""
+    return {k: v for k, v in chunk.state_dict().items() if not _skip(k) and (keep is None or keep(k))}
 
 
 def _global_rank() -> int:
@@ -222,11 +225,11 @@ def _source_name(chunk, name: str, offsets) -> str:
     return _WORD_EMBEDDING if _is_tied_output_copy(chunk, name) else _canonical_name(name, offsets)
 
 
-def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor]):
-    """Copy this rank's part of the canonical tensors into its parameters."""
+def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor], keep=None):
+    """Copy this rank's part of the canonical tensors into its parameters (`keep(name)`: only some)."""
     chunk = model[0]
     pp = _sizes()[1]
-    own = _local_state(chunk)
+    own = _local_state(chunk, keep)
     offsets = _layer_offsets(chunk)
     wanted = {k: _source_name(chunk, k, offsets) for k in own}
     missing = sorted(v for v in wanted.values() if v not in full)
