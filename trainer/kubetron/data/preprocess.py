@@ -34,6 +34,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -293,7 +294,10 @@ def _results(chunks: Iterator[tuple], workers: int, init_args: tuple):
         _init_worker(*init_args, pool=False)  # tokenizers' own batch encoder may use its threads
         yield from map(_encode_chunk, chunks)
         return
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    # fork is cheapest, but forking a process that runs other threads (a caller's HTTP server, an
+    # SDK's monitor thread) can leave a worker holding a lock forever: spawn then (light imports).
+    single_threaded = threading.active_count() == 1
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" and single_threaded else "spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
         yield from pool.imap(_encode_chunk, chunks, chunksize=1)
 
