@@ -316,7 +316,8 @@ class CheckpointConfig(_Section):
     most_recent_k: int = _f(-1, "Keep this many newest persistent checkpoints (-1: keep all).", ge=-1)
     ckpt_step: int | None = _f(None, "Load this iteration instead of the newest (iteration).", ge=0)
     pretrained_checkpoint: str | None = _f(
-        None, "Checkpoint to initialise model weights from when finetuning (store or iter_* directory).")
+        None, "Checkpoint to initialise model weights from (store or iter_* directory): `finetune`, and `train` "
+              "when checkpoint.load holds nothing to resume; training starts at iteration 0.")
     async_save: bool = _f(False, "Write checkpoints in the background while training continues.")
     ckpt_format: Literal["sharded", "kubetron", "torch_dist"] = _f(
         "sharded", "sharded: every rank streams its own part of the canonical tensors to the store and loads "
@@ -337,7 +338,7 @@ class CheckpointConfig(_Section):
         None, "Exit 4 if the store's newest checkpoint is older (iteration; None: env KUBETRON_EXPECTED_ITERATION).",
         ge=0)
     save_optim: bool = _f(True, "Save optimizer state.")
-    save_rng: bool = _f(True, "Save RNG state.")
+    save_rng: bool = _f(True, "Save RNG state (false: a resume keeps this run's seeded generators).")
     load_optim: bool = _f(True, "Load optimizer state.")
     load_rng: bool = _f(True, "Load RNG state.")
     s3_endpoint_url: str | None = _f(None, "S3 endpoint URL (None: env AWS_ENDPOINT_URL, else AWS).")

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from kubetron.training.comm import all_ranks, collective_device
 from kubetron.training.state import GlobalState
 
 MEMORY_KEYS: dict[str, str] = {
@@ -91,22 +90,6 @@ def reduce_losses(per_microbatch: list[dict[str, torch.Tensor]]) -> dict[str, to
                 acc = acc / dp
             out[key] = acc
     return out
-
-
-def reduce_max_stat_across_model_parallel_group(stat: float | None) -> float | None:
-    """Max of a stat over the model-parallel group; None on every rank if all had None."""
-    if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
-        return stat
-    group = parallel_state.get_model_parallel_group()
-    t = torch.tensor([-1.0 if stat is None else float(stat)], dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return None if t.item() == -1.0 else t.item()
-
-
-def logical_and_across_model_parallel_group(value: bool) -> bool:
-    if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
-        return value
-    return all_ranks(value, parallel_state.get_model_parallel_group())
 
 
 # --- throughput accounting -------------------------------------------------------------------------
