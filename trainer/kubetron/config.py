@@ -418,7 +418,15 @@ class MixedPrecisionConfig(_Section):
 
     bf16: bool = _f(False, "bfloat16 parameters and compute; the optimizer keeps fp32 main weights and state "
                            "(allowed on CPU, but slow there).")
-    fp16: bool = _f(False, "float16 compute (not together with bf16).")
+    fp16: bool = _f(False, "float16 parameters and compute with loss scaling; the optimizer keeps fp32 main weights "
+                           "and state, an iteration whose gradients overflow is skipped (not together with bf16).")
+    loss_scale: float | None = _f(None, "fp16: a static loss scale (None: dynamic loss scaling).", gt=0)
+    initial_loss_scale: float = _f(2.0**32, "fp16: the first dynamic loss scale.", gt=0)
+    min_loss_scale: float = _f(1.0, "fp16: the dynamic loss scale never backs off below this.", gt=0)
+    loss_scale_window: int = _f(1000, "fp16: iterations without overflow before the scale doubles (iterations).",
+                                ge=1)
+    hysteresis: int = _f(2, "fp16: overflows (counted since the last growth) before the scale halves; after that each "
+                            "overflow halves it.", ge=1)
     params_dtype: Literal["float32", "bfloat16", "float16"] | None = _d(None, "Derived: parameter dtype name.")
 
 

@@ -415,6 +415,8 @@ class CheckpointManager:
                          "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
             "ckpt_format": fmt,
         }
+        if self.optimizer.loss_scaler is not None:  # fp16: a resume continues with the same scale
+            common["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
         if fmt == "sharded":
             common["num_shards"] = self.state.world_size
             common["optim_param_groups"] = by_name["param_groups"] if by_name else None
@@ -479,6 +481,8 @@ class CheckpointManager:
         from kubetron.training.state import TrainState
 
         self.scheduler.load_state_dict(common["scheduler"])
+        if self.optimizer.loss_scaler is not None and common.get("loss_scaler"):
+            self.optimizer.loss_scaler.load_state_dict(common["loss_scaler"])
         self.state.train_state = TrainState.from_state_dict(common["train_state"])
         train_it, valid_it = self.data
         data = common.get("data", {})

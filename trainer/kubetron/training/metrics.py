@@ -40,6 +40,7 @@ class MetricsLogger:
 
             self.writer = SummaryWriter(log_dir=cfg.logger.tensorboard_dir, max_queue=1000)
         self._pending: list[tuple[int, dict, float, torch.Tensor | None, torch.Tensor | None]] = []
+        self._loss_scales: list[float] = []  # one per pending iteration (host floats)
         self._skipped = 0
         self._nan = 0
         self._last_log_time = time.perf_counter()
@@ -56,7 +57,7 @@ class MetricsLogger:
 
     # -- per iteration (cheap, no sync) ----------------------------------------------------------
     def record_step(self, iteration: int, loss_dict: dict, lr: float, grad_norm, skipped: int,
-                    params_norm=None):
+                    params_norm=None, loss_scale: float = 1.0):
         now = time.perf_counter()
         if self._job_start_iter is None:
             self._job_start_iter = iteration - 1
@@ -66,6 +67,7 @@ class MetricsLogger:
         if skipped and any(not bool(torch.isfinite(v.detach()).all()) for v in loss_dict.values()):
             self._nan += 1  # as Megatron: a skipped iteration whose loss was NaN/Inf (rare: syncs only then)
         self._pending.append((iteration, loss_dict, lr, grad_norm, params_norm))
+        self._loss_scales.append(loss_scale)  # the scale this iteration's backward used
         if iteration % self.cfg.logger.log_interval == 0:
             self.flush(iteration)
         elif self.status is not None and now - self._last_status >= STATUS_EVERY:
@@ -80,6 +82,7 @@ class MetricsLogger:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        scales, self._loss_scales = self._loss_scales, []
         host = _to_host([(d, g, p) for _, d, _, g, p in pending])  # one device→host copy
         now = time.perf_counter()
         n_iters = max(iteration - (self._last_log_iter or 0), 1)
@@ -94,10 +97,11 @@ class MetricsLogger:
         if not self.writes:
             return
         if self.writer is not None:
-            for (it, _, lr, _, _), (losses, gnorm, pnorm) in zip(pending, host):
+            for (it, _, lr, _, _), (losses, gnorm, pnorm), scale in zip(pending, host, scales, strict=True):
                 for k, v in losses.items():
                     self.writer.add_scalar(k, v, it)
                 self.writer.add_scalar("learning-rate", lr, it)
+                self.writer.add_scalar("loss-scale", scale, it)
                 self.writer.add_scalar("batch-size", gbs, it)
                 if gnorm is not None:
                     self.writer.add_scalar("grad-norm", gnorm, it)
@@ -117,9 +121,9 @@ class MetricsLogger:
                 for k, v in report_memory().items():
                     self.writer.add_scalar(k, v, iteration)
             self.writer.flush()
-        self._console(iteration, pending, host, elapsed_ms, gbs)
+        self._console(iteration, pending, host, elapsed_ms, gbs, scales[-1])
 
-    def _console(self, iteration, pending, host, elapsed_ms, gbs):
+    def _console(self, iteration, pending, host, elapsed_ms, gbs, loss_scale: float):
         from kubetron.training.utils import num_floating_point_operations
 
         cfg = self.cfg
@@ -141,7 +145,7 @@ class MetricsLogger:
         for k, vals in sums.items():
             finite = [v for v in vals if math.isfinite(v)]
             parts.append(f"{k}: {sum(finite) / max(len(finite), 1):.6E}")
-        parts.append("loss scale: 1.0")
+        parts.append(f"loss scale: {loss_scale:.1f}")
         gnorm = host[-1][1]
         if gnorm is not None:
             parts.append(f"grad norm: {gnorm:.3f}")

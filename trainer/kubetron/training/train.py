@@ -30,22 +30,24 @@ class DivergedError(RuntimeError):
     """NaN/Inf loss (exit code 3)."""
 
 
-def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool):
+def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
+                     loss_scale: float = 1.0):
     """No-pipelining schedule: forward (+ backward) each micro-batch; return their loss reports.
 
     The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
-    loss / num_microbatches, so gradients are the mean over the global batch on this rank.
+    loss / num_microbatches, so gradients are the mean over the global batch on this rank (times
+    `loss_scale`, fp16's loss scale; the optimizer divides it out).
     """
     if pipeline.runs_schedule(model):  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
         return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
-                                         forward_only=forward_only)
+                                         forward_only=forward_only, loss_scale=loss_scale)
     reports = []
     for _ in range(num_microbatches):
         output, loss_func = forward_step_func(data_iterator, model[0])
         loss, num_tokens, report = unpack_loss(loss_func(output))
         if not forward_only:
             scaled = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss
-            (scaled / num_microbatches).backward()
+            (scaled * (loss_scale / num_microbatches)).backward()
         reports.append(report)
     return reports
 
@@ -58,7 +60,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     optimizer.zero_grad()
     with straggler.compute_timer(global_state):  # no-op unless straggler detection is on
         reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
-                                   forward_only=False)
+                                   forward_only=False, loss_scale=optimizer.loss_scale)
     grad_norm = finalize_model_grads(optimizer, cfg)  # DP mean (+TP/embedding sums), clipping
     loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
 
@@ -77,7 +79,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
         optimizer.step()
         scheduler.step(1)
     else:
-        skipped_iter = 1  # non-finite gradients: skip the update, keep going
+        skipped_iter = 1  # non-finite gradients (an fp16 overflow): skip the update, keep going
+    optimizer.update_loss_scale(found_inf=bool(skipped_iter))
     return loss_dict, skipped_iter, False, False, None, grad_norm, None
 
 
@@ -187,6 +190,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             ts.skipped_train_samples += cfg.train.global_batch_size
             log.info("iteration %d skipped (iterations_to_skip)", ts.step)
         else:
+            loss_scale = optimizer.loss_scale  # the scale this step's backward uses
             loss_dict, skipped, _, _, _, grad_norm, _ = train_step(
                 fwd, train_data_iterator, model, optimizer, scheduler, global_state)
             ts.step += 1
@@ -196,7 +200,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             if cfg.logger.log_params_norm:
                 optimizer.finish_param_sync()  # the distributed optimizer may still be gathering weights
                 pnorm = params_l2_norm(model)
-            metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm)
+            metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm,
+                                loss_scale)
         post_training_step_callbacks(cfg, ts.step, profiler)
         if detector is not None and detector.after_step(ts.step) is not None:  # straggler.stop_if_detected
             checkpoint_manager.save(ts.step, blocking=True)
