@@ -18,6 +18,7 @@ this module is cheap: no torch (the operator image imports it too).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 import signal
@@ -304,6 +305,22 @@ class LoggerConfig(_Section):
     log_params_norm: bool = _f(False, "Compute and log the parameters' L2 norm.")
     throughput_window_size: int = _f(100, "Iterations averaged for the throughput figures.", ge=1)
     logging_level: str = _f("INFO", "Python logging level name (DEBUG, INFO, WARNING, ERROR).")
+    timing_log_level: int = _f(0, "Loop timers printed each log_interval: 0 the iteration; 1 also forward-backward, "
+                                  "grads, optimizer, save-checkpoint, evaluate; 2 also per-micro-batch "
+                                  "forward/backward compute.", ge=0, le=2)
+    log_timers_to_tensorboard: bool = _f(False, "Write the loop timers to TensorBoard and the trackers "
+                                                "(`iteration-time`, `<name>-time`; seconds per iteration).")
+    wandb_project: str | None = _f(None, "Weights & Biases project to log the TensorBoard scalars to (needs the "
+                                         "`wandb` extra; WANDB_MODE=offline writes locally).")
+    wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")
+    wandb_entity: str | None = _f(None, "Weights & Biases entity (team or user).")
+    wandb_save_dir: str | None = _f(None, "Directory for the local wandb files (None: the working directory).")
+    mlflow_experiment: str | None = _f(None, "MLflow experiment to log the TensorBoard scalars to (needs the "
+                                             "`mlflow` extra).")
+    mlflow_run_name: str | None = _f(None, "MLflow run name.")
+    mlflow_tracking_uri: str | None = _f(None, "MLflow tracking URI (a server, or file:///path; None: MLflow's "
+                                               "default / MLFLOW_TRACKING_URI).")
+    mlflow_tags: dict[str, str] | None = _f(None, "Tags for the MLflow run.")
 
 
 class CheckpointConfig(_Section):
@@ -900,6 +917,9 @@ class ConfigContainer(BaseModel):
             raise ConfigError("ddp.overlap_param_gather", "requires use_distributed_optimizer")
         if self.mixed_precision.bf16 and self.mixed_precision.fp16:
             raise ConfigError("mixed_precision.fp16", "bf16 and fp16 cannot both be true")
+        for key, module in (("wandb_project", "wandb"), ("mlflow_experiment", "mlflow")):
+            if getattr(self.logger, key) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"logger.{key}", f"needs the {module} package: pip install 'kubetron[{module}]'")
         p = self.profiling
         if p.use_pytorch_profiler and p.profile_step_end <= p.profile_step_start:
             raise ConfigError("profiling.profile_step_end", f"{p.profile_step_end} must be greater than "

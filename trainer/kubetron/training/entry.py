@@ -22,7 +22,7 @@ import torch.distributed as dist
 from kubetron import exitcodes
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.termination import write_termination_message
-from kubetron.training.state import GlobalState, SignalHandler
+from kubetron.training.state import GlobalState, SignalHandler, Timers
 
 log = logging.getLogger("kubetron")
 
@@ -121,7 +121,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     if rank == 0:
         cfg.log_non_default_values(log)
     set_seeds(cfg)
-    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device)
+    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device,
+                        timers=Timers(cfg.logger.timing_log_level))
     if holder is not None:
         holder["state"] = state  # so the caller can report progress even if setup fails later
     if cfg.train.exit_signal_handler:

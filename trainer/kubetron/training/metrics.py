@@ -20,6 +20,7 @@ from datetime import datetime
 
 import torch
 
+from kubetron.training.trackers import build_trackers
 from kubetron.training.utils import report_memory
 
 log = logging.getLogger("kubetron")
@@ -39,6 +40,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=cfg.logger.tensorboard_dir, max_queue=1000)
+        self.trackers = build_trackers(cfg) if writes else []  # wandb / MLflow: the same scalars as TensorBoard
+        self._memory_reported = False  # the console's memory line, once (after the optimizer state exists)
         self._pending: list[tuple[int, dict, float, torch.Tensor | None, torch.Tensor | None]] = []
         self._loss_scales: list[float] = []  # one per pending iteration (host floats)
         self._skipped = 0
@@ -94,34 +97,49 @@ class MetricsLogger:
         tokens_per_sec, device_tokens_per_sec = self._throughput(gbs * seq)
         remaining = self._remaining_seconds(iteration)
         self._publish(iteration, tokens_per_sec, remaining)
+        times = self.state.timers.pop_all()  # every rank resets its timers
         if not self.writes:
             return
+        for (it, _, lr, _, _), (losses, gnorm, pnorm), scale in zip(pending, host, scales, strict=True):
+            scalars = {**losses, "learning-rate": lr, "loss-scale": scale, "batch-size": gbs}
+            if gnorm is not None:
+                scalars["grad-norm"] = gnorm
+                if cfg.logger.log_l2_norm_grad_to_tensorboard:
+                    scalars["l2_norm/grad/global"] = gnorm
+            if pnorm is not None:
+                scalars["params-norm"] = pnorm
+            self._write(scalars, it)
+        scalars = {"time/remaining_estimate": remaining, "time/tokens": ts.consumed_train_samples * seq,
+                   "time/samples": ts.consumed_train_samples, "time/batches": iteration,
+                   "time/total": time.time() - self.state.start_time}
+        if cfg.logger.log_throughput:
+            scalars["throughput/tokens_per_sec"] = tokens_per_sec
+            scalars["throughput/device/tokens_per_sec"] = device_tokens_per_sec
+        memory = report_memory()
+        if cfg.logger.log_memory_to_tensorboard:
+            scalars.update(memory)
+        if cfg.logger.log_timers_to_tensorboard:  # Megatron's names: seconds per iteration
+            scalars.update({("iteration-time" if k == "interval-time" else f"{k}-time"): v / n_iters
+                            for k, v in times.items()})
+        self._write(scalars, iteration)
         if self.writer is not None:
-            for (it, _, lr, _, _), (losses, gnorm, pnorm), scale in zip(pending, host, scales, strict=True):
-                for k, v in losses.items():
-                    self.writer.add_scalar(k, v, it)
-                self.writer.add_scalar("learning-rate", lr, it)
-                self.writer.add_scalar("loss-scale", scale, it)
-                self.writer.add_scalar("batch-size", gbs, it)
-                if gnorm is not None:
-                    self.writer.add_scalar("grad-norm", gnorm, it)
-                    if cfg.logger.log_l2_norm_grad_to_tensorboard:
-                        self.writer.add_scalar("l2_norm/grad/global", gnorm, it)
-                if pnorm is not None:
-                    self.writer.add_scalar("params-norm", pnorm, it)
-            if cfg.logger.log_throughput:
-                self.writer.add_scalar("throughput/tokens_per_sec", tokens_per_sec, iteration)
-                self.writer.add_scalar("throughput/device/tokens_per_sec", device_tokens_per_sec, iteration)
-            self.writer.add_scalar("time/remaining_estimate", remaining, iteration)
-            self.writer.add_scalar("time/tokens", ts.consumed_train_samples * seq, iteration)
-            self.writer.add_scalar("time/samples", ts.consumed_train_samples, iteration)
-            self.writer.add_scalar("time/batches", iteration, iteration)
-            self.writer.add_scalar("time/total", time.time() - self.state.start_time, iteration)
-            if cfg.logger.log_memory_to_tensorboard:
-                for k, v in report_memory().items():
-                    self.writer.add_scalar(k, v, iteration)
             self.writer.flush()
         self._console(iteration, pending, host, elapsed_ms, gbs, scales[-1])
+        if times:
+            print(" time (ms, per iteration) | " + " | ".join(f"{k}: {1000 * v / n_iters:.2f}"
+                                                              for k, v in times.items()), flush=True)
+        if memory and not self._memory_reported:
+            self._memory_reported = True
+            print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (GB) | "
+                  + " | ".join(f"{k}: {v}" for k, v in memory.items()), flush=True)
+
+    def _write(self, scalars: dict[str, float], step: int):
+        """TensorBoard and the experiment trackers: the same names, values and step."""
+        if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        for t in self.trackers:
+            t.log(scalars, step)
 
     def _console(self, iteration, pending, host, elapsed_ms, gbs, loss_scale: float):
         from kubetron.training.utils import num_floating_point_operations
@@ -162,13 +180,13 @@ class MetricsLogger:
             return
         values = {k: float(v) for k, v in losses.items()}
         parts = [f" {label} loss at iteration {iteration}"]
+        scalars = {}
         for k, v in values.items():
             ppl = math.exp(min(20.0, v)) if math.isfinite(v) else float("nan")
             parts.append(f"{k} value: {v:.6E}")
             parts.append(f"{k} PPL: {ppl:.6E}")
-            if self.writer is not None:
-                self.writer.add_scalar(f"{k} {label}", v, iteration)
-                self.writer.add_scalar(f"{k} {label} ppl", ppl, iteration)
+            scalars.update({f"{k} {label}": v, f"{k} {label} ppl": ppl})
+        self._write(scalars, iteration)
         if self.writer is not None:
             self.writer.flush()
         line = " | ".join(parts)
@@ -214,6 +232,9 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
 
 
 def _to_host(items):

@@ -110,10 +110,21 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     return 3.0 * per_token * s * batch_size
 
 
-def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, float]:
-    """CUDA allocator statistics under the reference's names ({} on CPU)."""
-    if not torch.cuda.is_available():
-        return {}
-    stats = torch.cuda.memory_stats()
-    keys = memory_keys or MEMORY_KEYS
-    return {name: float(stats.get(k, 0)) for k, name in keys.items()}
+def report_memory(memory_keys: dict[str, str] | None = None, stats: dict | None = None) -> dict[str, float]:
+    """CUDA allocator statistics as the reference reports them ({} on CPU): byte counts in GB
+    (1e9 bytes, 5 significant digits) under the name with "bytes" -> "gigabytes"
+    (`mem-max-allocated-gigabytes`), counts as they are (`mem-alloc-retires`)."""
+    if stats is None:
+        if not torch.cuda.is_available():
+            return {}
+        stats = torch.cuda.memory_stats()
+    out = {}
+    for key, name in (memory_keys or MEMORY_KEYS).items():
+        if key not in stats:
+            continue
+        if "bytes" in key:
+            gb = stats[key] / 1.0e9
+            out[name.replace("bytes", "gigabytes")] = float(f"{gb:.5g}")
+        else:
+            out[name] = float(stats[key])
+    return out
