@@ -107,3 +107,16 @@ def test_fp16_resume_continues_bit_exactly(tmp_path):
     assert sorted(resumed.loss) == [4, 5, 6]
     assert all(resumed.loss[i] == full.loss[i] and resumed.scale[i] == full.scale[i] for i in (4, 5, 6))
     assert full.scale[1] < full.scale[6]  # the dynamic scale grew over the run, and the resume followed
+
+
+def test_megatron_optimizer_gets_the_loss_scaling_settings():
+    """On GPU with ddp.impl megatron, megatron-core's own grad scaler runs with the same settings
+    (its construction needs CUDA: make gpu-check)."""
+    from kubetron.training.megatron_ddp import optimizer_config
+
+    cfg = in_process_config(*FP16, "mixed_precision.initial_loss_scale=1024", "mixed_precision.min_loss_scale=2",
+                            "mixed_precision.loss_scale_window=50", "mixed_precision.hysteresis=3")
+    cfg.finalize()
+    o = optimizer_config(cfg)
+    assert (o.fp16, o.params_dtype, o.loss_scale, o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window,
+            o.hysteresis) == (True, torch.float16, None, 1024.0, 2.0, 50, 3)
