@@ -199,10 +199,10 @@ def test_ckpt_step_that_does_not_exist_is_refused(pretrained):
 
 
 def test_architecture_mismatch_names_the_field(pretrained):
-    from kubetron.errors import CheckpointError
+    from kubetron.errors import ConfigError
 
     cfg = in_process_config(f"checkpoint.load={pretrained.ckpt}", "train.train_iters=50", "model.hidden_size=128")
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(ConfigError) as e:  # a spec error: exit 2
         run_pretrain(cfg, _Recorder())
     msg = str(e.value)
     assert "model.hidden_size: checkpoint 64, this run 128" in msg
