@@ -93,7 +93,7 @@ def worker(args) -> int:
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
     from kubetron.training.state import GlobalState
-    from kubetron.training.train import train_step
+    from kubetron.training.train import LossChecks, train_step
     from kubetron.training.utils import prepare_forward_step_func
 
     base = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
@@ -123,11 +123,12 @@ def worker(args) -> int:
                                            parallel_state.get_data_parallel_world_size())
         fwd = prepare_forward_step_func(forward_step, state)
         runs[name] = dict(cfg=cfg, state=state, model=model, optimizer=optimizer, scheduler=scheduler, it=train_it,
-                          fwd=fwd, loss=None, times=[])
+                          fwd=fwd, loss=None, times=[], checks=LossChecks(cfg))
 
     def steps(r, n):
         for _ in range(n):
-            loss_dict, *_ = train_step(r["fwd"], r["it"], r["model"], r["optimizer"], r["scheduler"], r["state"])
+            loss_dict = train_step(r["fwd"], r["it"], r["model"], r["optimizer"], r["scheduler"], r["state"],
+                                   r["checks"]).loss_dict
             r["state"].train_state.step += 1
         r["loss"] = float(next(iter(loss_dict.values())))
 

@@ -191,18 +191,18 @@ def test_ckpt_step_and_iter_dir_load(pretrained, tmp_path, caplog):
 
 
 def test_ckpt_step_that_does_not_exist_is_refused(pretrained):
-    from kubetron.errors import CheckpointError
+    from kubetron.errors import ConfigError
 
     cfg = in_process_config(f"checkpoint.load={pretrained.ckpt}", "checkpoint.ckpt_step=10", "train.train_iters=41")
-    with pytest.raises(CheckpointError, match=r"ckpt_step=10.*no complete iter_0000010"):
+    with pytest.raises(ConfigError, match=r"ckpt_step: 10.*no complete iter_0000010"):
         run_pretrain(cfg, _Recorder())
 
 
 def test_architecture_mismatch_names_the_field(pretrained):
-    from kubetron.errors import CheckpointError
+    from kubetron.errors import ConfigError
 
     cfg = in_process_config(f"checkpoint.load={pretrained.ckpt}", "train.train_iters=50", "model.hidden_size=128")
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(ConfigError) as e:  # a spec error: exit 2
         run_pretrain(cfg, _Recorder())
     msg = str(e.value)
     assert "model.hidden_size: checkpoint 64, this run 128" in msg

@@ -18,6 +18,7 @@ this module is cheap: no torch (the operator image imports it too).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 import signal
@@ -304,6 +305,22 @@ class LoggerConfig(_Section):
     log_params_norm: bool = _f(False, "Compute and log the parameters' L2 norm.")
     throughput_window_size: int = _f(100, "Iterations averaged for the throughput figures.", ge=1)
     logging_level: str = _f("INFO", "Python logging level name (DEBUG, INFO, WARNING, ERROR).")
+    timing_log_level: int = _f(0, "Loop timers printed each log_interval: 0 the iteration; 1 also forward-backward, "
+                                  "grads, optimizer, save-checkpoint, evaluate; 2 also per-micro-batch "
+                                  "forward/backward compute.", ge=0, le=2)
+    log_timers_to_tensorboard: bool = _f(False, "Write the loop timers to TensorBoard and the trackers "
+                                                "(`iteration-time`, `<name>-time`; seconds per iteration).")
+    wandb_project: str | None = _f(None, "Weights & Biases project to log the TensorBoard scalars to (needs the "
+                                         "`wandb` extra; WANDB_MODE=offline writes locally).")
+    wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")
+    wandb_entity: str | None = _f(None, "Weights & Biases entity (team or user).")
+    wandb_save_dir: str | None = _f(None, "Directory for the local wandb files (None: the working directory).")
+    mlflow_experiment: str | None = _f(None, "MLflow experiment to log the TensorBoard scalars to (needs the "
+                                             "`mlflow` extra).")
+    mlflow_run_name: str | None = _f(None, "MLflow run name.")
+    mlflow_tracking_uri: str | None = _f(None, "MLflow tracking URI (a server, or file:///path; None: MLflow's "
+                                               "default / MLFLOW_TRACKING_URI).")
+    mlflow_tags: dict[str, str] | None = _f(None, "Tags for the MLflow run.")
 
 
 class CheckpointConfig(_Section):
@@ -316,7 +333,8 @@ class CheckpointConfig(_Section):
     most_recent_k: int = _f(-1, "Keep this many newest persistent checkpoints (-1: keep all).", ge=-1)
     ckpt_step: int | None = _f(None, "Load this iteration instead of the newest (iteration).", ge=0)
     pretrained_checkpoint: str | None = _f(
-        None, "Checkpoint to initialise model weights from when finetuning (store or iter_* directory).")
+        None, "Checkpoint to initialise model weights from (store or iter_* directory): `finetune`, and `train` "
+              "when checkpoint.load holds nothing to resume; training starts at iteration 0.")
     async_save: bool = _f(False, "Write checkpoints in the background while training continues.")
     ckpt_format: Literal["sharded", "kubetron", "torch_dist"] = _f(
         "sharded", "sharded: every rank streams its own part of the canonical tensors to the store and loads "
@@ -337,7 +355,7 @@ class CheckpointConfig(_Section):
         None, "Exit 4 if the store's newest checkpoint is older (iteration; None: env KUBETRON_EXPECTED_ITERATION).",
         ge=0)
     save_optim: bool = _f(True, "Save optimizer state.")
-    save_rng: bool = _f(True, "Save RNG state.")
+    save_rng: bool = _f(True, "Save RNG state (false: a resume keeps this run's seeded generators).")
     load_optim: bool = _f(True, "Load optimizer state.")
     load_rng: bool = _f(True, "Load RNG state.")
     s3_endpoint_url: str | None = _f(None, "S3 endpoint URL (None: env AWS_ENDPOINT_URL, else AWS).")
@@ -417,7 +435,15 @@ class MixedPrecisionConfig(_Section):
 
     bf16: bool = _f(False, "bfloat16 parameters and compute; the optimizer keeps fp32 main weights and state "
                            "(allowed on CPU, but slow there).")
-    fp16: bool = _f(False, "float16 compute (not together with bf16).")
+    fp16: bool = _f(False, "float16 parameters and compute with loss scaling; the optimizer keeps fp32 main weights "
+                           "and state, an iteration whose gradients overflow is skipped (not together with bf16).")
+    loss_scale: float | None = _f(None, "fp16: a static loss scale (None: dynamic loss scaling).", gt=0)
+    initial_loss_scale: float = _f(2.0**32, "fp16: the first dynamic loss scale.", gt=0)
+    min_loss_scale: float = _f(1.0, "fp16: the dynamic loss scale never backs off below this.", gt=0)
+    loss_scale_window: int = _f(1000, "fp16: iterations without overflow before the scale doubles (iterations).",
+                                ge=1)
+    hysteresis: int = _f(2, "fp16: overflows (counted since the last growth) before the scale halves; after that each "
+                            "overflow halves it.", ge=1)
     params_dtype: Literal["float32", "bfloat16", "float16"] | None = _d(None, "Derived: parameter dtype name.")
 
 
@@ -912,6 +938,9 @@ class ConfigContainer(BaseModel):
             raise ConfigError("ddp.overlap_param_gather", "requires use_distributed_optimizer")
         if self.mixed_precision.bf16 and self.mixed_precision.fp16:
             raise ConfigError("mixed_precision.fp16", "bf16 and fp16 cannot both be true")
+        for key, module in (("wandb_project", "wandb"), ("mlflow_experiment", "mlflow")):
+            if getattr(self.logger, key) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"logger.{key}", f"needs the {module} package: pip install 'kubetron[{module}]'")
         p = self.profiling
         if p.use_pytorch_profiler and p.profile_step_end <= p.profile_step_start:
             raise ConfigError("profiling.profile_step_end", f"{p.profile_step_end} must be greater than "

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 
 from kubetron import progress as progress_log
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
@@ -174,7 +175,8 @@ class ProgressLog:
         self.cfg, self.store, self.state = cfg, store, state
         self._start_wall = time.time()
         self._start_flops: float | None = None
-        self._job_start_time = None  # the job's first start, from the log (read once, at start())
+        self._job_start_time = None  # the job's first start at this GPU count, from the log (read at start())
+        self._job_start_flops = 0.0  # the FLOPs done before it (saved by runs at other GPU counts)
 
     @property
     def enabled(self) -> bool:
@@ -186,7 +188,7 @@ class ProgressLog:
             self.store.append_line("progress.txt", progress_log.starting_job_line(
                 iteration=self.state.train_state.step, train_iters=self.cfg.train.train_iters,
                 num_gpus=self.state.world_size))
-            self._job_start_time = self._job_start()[0]
+            self._job_start_time, self._job_start_flops = self._job_start()
 
     def exit(self, reason: str):
         if self.enabled:
@@ -208,7 +210,8 @@ class ProgressLog:
         start = self._job_start_time  # read at start(): no store access in the loop
         cum_elapsed = max(time.time() - start.timestamp(), 1e-9) if start else elapsed
         return dict(iteration=iteration, job_throughput_tflops=job_tp,
-                    cumulative_throughput_tflops=flops / cum_elapsed / ngpu / 1e12, flops_so_far=flops,
+                    cumulative_throughput_tflops=(flops - self._job_start_flops) / cum_elapsed / ngpu / 1e12,
+                    flops_so_far=flops,
                     tokens_so_far=ts.consumed_train_samples * cfg.model.seq_length,
                     train_iters=cfg.train.train_iters, num_gpus=ngpu)
 
@@ -336,7 +339,8 @@ class CheckpointManager:
         """Every rank: its own files into the transaction (background thread for async saves)."""
         rank, it = _rank(), snap.iteration
         txn = holder["txn"] = self.save_store.begin_dir(name, txn_id=f"{self.run_id}-{it}")
-        txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
+        if snap.rng:  # checkpoint.save_rng: false writes none (and a resume keeps this run's seeds)
+            txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
         if snap.shard is not None:
             self.last_save_bytes = sharded.write(txn, rank, snap.shard, after_data=lambda: _chaos("after-shard", it))
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
@@ -415,6 +419,8 @@ class CheckpointManager:
         }
         if peft.enabled(self.cfg):  # adapter-only: the base is the pretrained checkpoint's
             common["peft"] = peft.checkpoint_info(self.cfg)
+        if self.optimizer.loss_scaler is not None:  # fp16: a resume continues with the same scale
+            common["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
         if fmt == "sharded":
             common["num_shards"] = self.state.world_size
             common["optim_param_groups"] = by_name["param_groups"] if by_name else None
@@ -479,6 +485,8 @@ class CheckpointManager:
         from kubetron.training.state import TrainState
 
         self.scheduler.load_state_dict(common["scheduler"])
+        if self.optimizer.loss_scaler is not None and common.get("loss_scaler"):
+            self.optimizer.loss_scaler.load_state_dict(common["loss_scaler"])
         self.state.train_state = TrainState.from_state_dict(common["train_state"])
         train_it, valid_it = self.data
         data = common.get("data", {})
@@ -562,6 +570,8 @@ class CheckpointManager:
 
         model, optimizer = self.model, self.optimizer
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+        check_version(common, store, name)
+        log_run_config_changes(store, name, self.cfg)
         fmt = common.get("ckpt_format") or ("torch_dist" if dist_ckpt.is_dist_checkpoint(store, name) else "kubetron")
         check_architecture(common.get("model_config", {}), self.cfg, name,
                            saved_tokenizer_vocab=common.get("tokenizer_vocab_size") if fmt == "sharded" else None)
@@ -601,7 +611,9 @@ class CheckpointManager:
         rng_key = f"{name}/rng/rank_{_rank():05d}.pt"
         same_layout = common.get("parallel", {}).get("world_size") == self.state.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):
-            set_rng_state(_safe_load(store.read_bytes(rng_key), rng_key))
+            rng = _safe_load(store.read_bytes(rng_key), rng_key)
+            if rng:  # empty: saved with checkpoint.save_rng false by an older kubetron
+                set_rng_state(rng)
 
 
 def read_tokenizer_assets(store, name: str) -> dict[str, bytes]:
@@ -656,8 +668,42 @@ def check_architecture(saved: dict, cfg, name: str, saved_tokenizer_vocab: int |
     diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
              for k in ARCH_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)
              and not (k == "vocab_size" and same_tokenizer)]
-    if diffs:
-        raise CheckpointError(f"{name} does not match this model: " + "; ".join(diffs))
+    if diffs:  # a spec error no retry fixes (exit 2): the first differing field is named
+        field = diffs[0].split(":")[0]
+        raise ConfigError(field, f"{name} does not match this model: " + "; ".join(diffs))
+
+
+def check_version(common: dict, store, name: str):
+    """A checkpoint written by a newer kubetron (unknown layout) is refused with one line."""
+    version = common.get("checkpoint_version")
+    if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
+        raise ConfigError("checkpoint.load", f"{store.url}/{name} has checkpoint version {version!r}; this kubetron "
+                                             f"reads versions 1..{CHECKPOINT_VERSION} (use the kubetron that wrote it)")
+
+
+def run_config_changes(saved_yaml: str, cfg) -> list[str]:
+    """`section.key: old -> new` for every setting that differs from the saved run_config.yaml."""
+    saved = yaml.safe_load(saved_yaml) or {}
+    now = cfg.to_dict()
+    changes = []
+    for section, values in saved.items():
+        if not isinstance(values, dict) or not isinstance(now.get(section), dict):
+            continue
+        for key, old in values.items():
+            new = now[section].get(key, old)
+            if new != old:
+                changes.append(f"{section}.{key}: {old!r} -> {new!r}")
+    return changes
+
+
+def log_run_config_changes(store, name: str, cfg):
+    """A resume reads the run_config.yaml it resumes from and names what this run changes."""
+    key = f"{name}/run_config.yaml"
+    if _rank() != 0 or not store.exists(key):
+        return
+    changes = run_config_changes(store.read_bytes(key).decode(), cfg)
+    if changes:
+        log.info("settings changed since %s: %s", name, "; ".join(changes))
 
 
 def committed_iterations(store, prefix: str = "") -> list[int]:
@@ -691,8 +737,8 @@ def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent
     durable = committed_iterations(store)
     if ckpt_step is not None:
         if ckpt_step not in durable:
-            raise CheckpointError(f"checkpoint.ckpt_step={ckpt_step}: {loc} has no complete {iter_dir(ckpt_step)}"
-                                  f" (complete: {durable[-5:]})")
+            raise ConfigError("checkpoint.ckpt_step", f"{ckpt_step}: {loc} has no complete {iter_dir(ckpt_step)}"
+                                                      f" (complete: {durable[-5:]})")
         return store, iter_dir(ckpt_step), ckpt_step
     best = None
     if store.exists(TRACKER):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from kubetron import exitcodes
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.termination import write_termination_message
-from kubetron.training.state import GlobalState, SignalHandler
+from kubetron.training.state import GlobalState, SignalHandler, Timers
 
 log = logging.getLogger("kubetron")
 
@@ -112,6 +112,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     if cfg.tokenizer.assets() is None and adopt_checkpoint_tokenizer(cfg) and rank == 0:
         log.info("tokenizer: %s from the checkpoint being resumed", cfg.tokenizer.tokenizer_type)
     cfg.finalize(world_size=world)
+    apply_logging_level(cfg, rank)
     if parallel_state.model_parallel_is_initialized():  # a second pretrain() in one process
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
@@ -120,11 +121,12 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     if rank == 0:
         cfg.log_non_default_values(log)
     set_seeds(cfg)
-    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device)
+    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device,
+                        timers=Timers(cfg.logger.timing_log_level))
     if holder is not None:
         holder["state"] = state  # so the caller can report progress even if setup fails later
     if cfg.train.exit_signal_handler:
-        state.signal_handler = signal_handler or SignalHandler()
+        state.signal_handler = signal_handler or SignalHandler(exit_signals(cfg))
 
     model = pipeline.build(cfg, device, build_model)  # build_model + PP shared-embedding setup on CPU
     optimizer = build_optimizer(cfg, model)
@@ -139,7 +141,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
                              scheduler=scheduler, data=(train_it, valid_it), run_id=run_id)
     state.ckpt = ckpt
-    ckpt.load(finetune=(mode == "finetune"))
+    # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
+    ckpt.load(finetune=(mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)))
 
     status = None
     if rank == 0:
@@ -229,6 +232,19 @@ def finetune(config, forward_step_func) -> int:
     return _run(config, forward_step_func, "finetune")[0]
 
 
+def exit_signals(cfg) -> tuple:
+    """train.exit_signal (and SIGINT): what the signal handler saves and exits on."""
+    import signal
+
+    return (getattr(signal, cfg.train.exit_signal), signal.SIGINT)
+
+
+def apply_logging_level(cfg, rank: int):
+    """logger.logging_level on rank 0; other ranks log warnings and errors only."""
+    level = logging.getLevelName(str(cfg.logger.logging_level).upper())
+    logging.getLogger("kubetron").setLevel(level if rank == 0 else max(level, logging.WARNING))
+
+
 def _setup_logging():
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -249,6 +265,7 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
     cfg.finalize(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     warnings.filterwarnings("ignore", module="megatron")
     _setup_logging()
+    apply_logging_level(cfg, int(os.environ.get("RANK", "0")))
     from kubetron.training.gpt_step import forward_step
     from kubetron.training.train import DivergedError
 
@@ -256,9 +273,7 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
     # still ends with the "saved/preempted" exit code (the newest checkpoint is whatever was loaded).
     handler = None
     if cfg.train.exit_signal_handler:
-        import signal
-
-        handler = SignalHandler((getattr(signal, cfg.train.exit_signal), signal.SIGINT))
+        handler = SignalHandler(exit_signals(cfg))
     holder: dict = {}
     try:
         code, _ = _run(cfg, forward_step, mode, holder, handler)

@@ -59,7 +59,9 @@ def optimizer_config(cfg) -> OptimizerConfig:
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
         decoupled_weight_decay=True, clip_grad=o.clip_grad, bf16=bool(mp.bf16), fp16=bool(mp.fp16),
-        params_dtype=_DTYPES[mp.params_dtype or "float32"],
+        params_dtype=_DTYPES[mp.params_dtype or "float32"], loss_scale=mp.loss_scale,
+        initial_loss_scale=mp.initial_loss_scale, min_loss_scale=mp.min_loss_scale,
+        loss_scale_window=mp.loss_scale_window, hysteresis=mp.hysteresis,
         use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
         overlap_param_gather=cfg.ddp.overlap_param_gather)
 
@@ -108,6 +110,14 @@ class MegatronOptimizer(TrainingOptimizer):
 
     def finish_grad_sync(self):
         finalize_model_grads(self.chunks)
+
+    @property
+    def loss_scale(self) -> float:
+        """megatron's grad scaler (fp16); prepare_grads() in clip_grad_norm updates it."""
+        return float(self.inner.get_loss_scale())
+
+    def update_loss_scale(self, found_inf: bool):
+        """megatron's optimizer updated its scaler when it checked the gradients."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         self._found_inf = self.inner.prepare_grads()

@@ -20,6 +20,7 @@ from datetime import datetime
 
 import torch
 
+from kubetron.training.trackers import build_trackers
 from kubetron.training.utils import report_memory
 
 log = logging.getLogger("kubetron")
@@ -39,7 +40,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=cfg.logger.tensorboard_dir, max_queue=1000)
+        self.trackers = build_trackers(cfg) if writes else []  # wandb / MLflow: the same scalars as TensorBoard
+        self._memory_reported = False  # the console's memory line, once (after the optimizer state exists)
         self._pending: list[tuple[int, dict, float, torch.Tensor | None, torch.Tensor | None]] = []
+        self._loss_scales: list[float] = []  # one per pending iteration (host floats)
         self._skipped = 0
         self._nan = 0
         self._last_log_time = time.perf_counter()
@@ -56,7 +60,7 @@ class MetricsLogger:
 
     # -- per iteration (cheap, no sync) ----------------------------------------------------------
     def record_step(self, iteration: int, loss_dict: dict, lr: float, grad_norm, skipped: int,
-                    params_norm=None):
+                    params_norm=None, loss_scale: float = 1.0):
         now = time.perf_counter()
         if self._job_start_iter is None:
             self._job_start_iter = iteration - 1
@@ -66,6 +70,7 @@ class MetricsLogger:
         if skipped and any(not bool(torch.isfinite(v.detach()).all()) for v in loss_dict.values()):
             self._nan += 1  # as Megatron: a skipped iteration whose loss was NaN/Inf (rare: syncs only then)
         self._pending.append((iteration, loss_dict, lr, grad_norm, params_norm))
+        self._loss_scales.append(loss_scale)  # the scale this iteration's backward used
         if iteration % self.cfg.logger.log_interval == 0:
             self.flush(iteration)
         elif self.status is not None and now - self._last_status >= STATUS_EVERY:
@@ -80,6 +85,7 @@ class MetricsLogger:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        scales, self._loss_scales = self._loss_scales, []
         host = _to_host([(d, g, p) for _, d, _, g, p in pending])  # one device→host copy
         now = time.perf_counter()
         n_iters = max(iteration - (self._last_log_iter or 0), 1)
@@ -91,35 +97,51 @@ class MetricsLogger:
         tokens_per_sec, device_tokens_per_sec = self._throughput(gbs * seq)
         remaining = self._remaining_seconds(iteration)
         self._publish(iteration, tokens_per_sec, remaining, **self._latest(pending, host, elapsed_ms, gbs))
+        times = self.state.timers.pop_all()  # every rank resets its timers
         if not self.writes:
             return
+        for (it, _, lr, _, _), (losses, gnorm, pnorm), scale in zip(pending, host, scales, strict=True):
+            scalars = {**losses, "learning-rate": lr, "loss-scale": scale, "batch-size": gbs}
+            if gnorm is not None:
+                scalars["grad-norm"] = gnorm
+                if cfg.logger.log_l2_norm_grad_to_tensorboard:
+                    scalars["l2_norm/grad/global"] = gnorm
+            if pnorm is not None:
+                scalars["params-norm"] = pnorm
+            self._write(scalars, it)
+        scalars = {"time/remaining_estimate": remaining, "time/tokens": ts.consumed_train_samples * seq,
+                   "time/samples": ts.consumed_train_samples, "time/batches": iteration,
+                   "time/total": time.time() - self.state.start_time}
+        if cfg.logger.log_throughput:
+            scalars["throughput/tokens_per_sec"] = tokens_per_sec
+            scalars["throughput/device/tokens_per_sec"] = device_tokens_per_sec
+        memory = report_memory()
+        if cfg.logger.log_memory_to_tensorboard:
+            scalars.update(memory)
+        if cfg.logger.log_timers_to_tensorboard:  # Megatron's names: seconds per iteration
+            scalars.update({("iteration-time" if k == "interval-time" else f"{k}-time"): v / n_iters
+                            for k, v in times.items()})
+        self._write(scalars, iteration)
         if self.writer is not None:
-            for (it, _, lr, _, _), (losses, gnorm, pnorm) in zip(pending, host):
-                for k, v in losses.items():
-                    self.writer.add_scalar(k, v, it)
-                self.writer.add_scalar("learning-rate", lr, it)
-                self.writer.add_scalar("batch-size", gbs, it)
-                if gnorm is not None:
-                    self.writer.add_scalar("grad-norm", gnorm, it)
-                    if cfg.logger.log_l2_norm_grad_to_tensorboard:
-                        self.writer.add_scalar("l2_norm/grad/global", gnorm, it)
-                if pnorm is not None:
-                    self.writer.add_scalar("params-norm", pnorm, it)
-            if cfg.logger.log_throughput:
-                self.writer.add_scalar("throughput/tokens_per_sec", tokens_per_sec, iteration)
-                self.writer.add_scalar("throughput/device/tokens_per_sec", device_tokens_per_sec, iteration)
-            self.writer.add_scalar("time/remaining_estimate", remaining, iteration)
-            self.writer.add_scalar("time/tokens", ts.consumed_train_samples * seq, iteration)
-            self.writer.add_scalar("time/samples", ts.consumed_train_samples, iteration)
-            self.writer.add_scalar("time/batches", iteration, iteration)
-            self.writer.add_scalar("time/total", time.time() - self.state.start_time, iteration)
-            if cfg.logger.log_memory_to_tensorboard:
-                for k, v in report_memory().items():
-                    self.writer.add_scalar(k, v, iteration)
             self.writer.flush()
-        self._console(iteration, pending, host, elapsed_ms, gbs)
+        self._console(iteration, pending, host, elapsed_ms, gbs, scales[-1])
+        if times:
+            print(" time (ms, per iteration) | " + " | ".join(f"{k}: {1000 * v / n_iters:.2f}"
+                                                              for k, v in times.items()), flush=True)
+        if memory and not self._memory_reported:
+            self._memory_reported = True
+            print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (GB) | "
+                  + " | ".join(f"{k}: {v}" for k, v in memory.items()), flush=True)
 
-    def _console(self, iteration, pending, host, elapsed_ms, gbs):
+    def _write(self, scalars: dict[str, float], step: int):
+        """TensorBoard and the experiment trackers: the same names, values and step."""
+        if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        for t in self.trackers:
+            t.log(scalars, step)
+
+    def _console(self, iteration, pending, host, elapsed_ms, gbs, loss_scale: float):
         from kubetron.training.utils import num_floating_point_operations
 
         cfg = self.cfg
@@ -141,7 +163,7 @@ class MetricsLogger:
         for k, vals in sums.items():
             finite = [v for v in vals if math.isfinite(v)]
             parts.append(f"{k}: {sum(finite) / max(len(finite), 1):.6E}")
-        parts.append("loss scale: 1.0")
+        parts.append(f"loss scale: {loss_scale:.1f}")
         gnorm = host[-1][1]
         if gnorm is not None:
             parts.append(f"grad norm: {gnorm:.3f}")
@@ -158,13 +180,13 @@ class MetricsLogger:
             return
         values = {k: float(v) for k, v in losses.items()}
         parts = [f" {label} loss at iteration {iteration}"]
+        scalars = {}
         for k, v in values.items():
             ppl = math.exp(min(20.0, v)) if math.isfinite(v) else float("nan")
             parts.append(f"{k} value: {v:.6E}")
             parts.append(f"{k} PPL: {ppl:.6E}")
-            if self.writer is not None:
-                self.writer.add_scalar(f"{k} {label}", v, iteration)
-                self.writer.add_scalar(f"{k} {label} ppl", ppl, iteration)
+            scalars.update({f"{k} {label}": v, f"{k} {label} ppl": ppl})
+        self._write(scalars, iteration)
         if self.writer is not None:
             self.writer.flush()
         line = " | ".join(parts)
@@ -222,6 +244,9 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
 
 
 def _to_host(items):

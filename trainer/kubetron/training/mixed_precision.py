@@ -106,3 +106,59 @@ class MainParamsOptimizer(OptimizerOverCopies):
             m.copy_(saved)
             if m is not p:
                 p.copy_(m)
+
+
+class LossScaler:
+    """fp16's loss scale, megatron's DynamicGradScaler (ConstantGradScaler with `mixed_precision.loss_scale`).
+
+    fp16 gradients underflow to zero below 2^-24: the loss is multiplied by `scale` before the backward
+    pass and the gradients are divided by it (in fp32, with the main gradients). An overflow (a
+    non-finite gradient norm) skips the update; after `hysteresis` overflows the scale is multiplied by
+    `backoff_factor` (not below `min_scale`), and after `growth_interval` clean iterations by `growth_factor`.
+    `scale` is a host float: the loop already knows on the host whether the step overflowed.
+    """
+
+    def __init__(self, initial_scale: float, *, dynamic: bool = True, min_scale: float = 1.0,
+                 growth_interval: int = 1000, hysteresis: int = 2, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5):
+        self.scale = float(initial_scale)
+        self.dynamic, self.min_scale = dynamic, min_scale
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self._growth_tracker = 0
+        self._hysteresis_tracker = hysteresis
+
+    @classmethod
+    def from_config(cls, cfg) -> LossScaler | None:
+        mp = cfg.mixed_precision
+        if not mp.fp16:
+            return None
+        if mp.loss_scale is not None:
+            return cls(mp.loss_scale, dynamic=False)
+        return cls(mp.initial_loss_scale, min_scale=mp.min_loss_scale, growth_interval=mp.loss_scale_window,
+                   hysteresis=mp.hysteresis)
+
+    def update(self, found_inf: bool):
+        """After each step: back off on overflow (past the hysteresis), grow after a clean window."""
+        if not self.dynamic:
+            return
+        if found_inf:
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            if self._hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            return
+        self._growth_tracker += 1
+        if self._growth_tracker == self.growth_interval:
+            self._growth_tracker = 0
+            self._hysteresis_tracker = self.hysteresis
+            self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self._growth_tracker,
+                "hysteresis_tracker": self._hysteresis_tracker}
+
+    def load_state_dict(self, sd: dict):
+        self.scale = float(sd["scale"])
+        self._growth_tracker = int(sd["growth_tracker"])
+        self._hysteresis_tracker = int(sd["hysteresis_tracker"])

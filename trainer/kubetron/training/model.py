@@ -77,7 +77,8 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
     """Map kubetron's model section onto megatron-core's TransformerConfig."""
     m = cfg.model
     swiglu = m.activation == "swiglu"
-    bf16 = bool(cfg.mixed_precision.bf16)
+    bf16, fp16 = bool(cfg.mixed_precision.bf16), bool(cfg.mixed_precision.fp16)
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -99,9 +100,10 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
         init_method_std=m.init_method_std,
         use_cpu_initialization=True,  # deterministic from the seed, on CPU and GPU alike
         perform_initialization=True,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        params_dtype=dtype,
         bf16=bf16,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        pipeline_dtype=dtype,
         # Fusions that need apex/TE or CUDA extensions are off; torch.compile fuses instead.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -175,6 +177,9 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
 
     apply_lora([model], cfg)  # peft: adapters on the target linears, everything else frozen
     model.to(device)
+    if cfg.mixed_precision.fp16:  # as megatron's Float16Module: every parameter fp16, the norms' too
+        for p in model.parameters():
+            p.data = p.data.half()
     if cfg.model.compile:
         for layer in model.decoder.layers:
             layer.compile()

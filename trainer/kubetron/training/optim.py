@@ -21,7 +21,7 @@ import torch
 from kubetron.errors import ConfigError
 from kubetron.training.ddp import DistributedOptimizer, GradBuffers
 from kubetron.training.grads import FlatGradSync, counts_toward_norms, model_parallel_sum, sum_of_squares
-from kubetron.training.mixed_precision import MainParamsOptimizer
+from kubetron.training.mixed_precision import LossScaler, MainParamsOptimizer
 from kubetron.training.optimizer_base import PlainOptimizer, TrainingOptimizer
 
 
@@ -71,13 +71,18 @@ def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | No
         grad_sync = GradBuffers(model, grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap=d.overlap_grad_reduce,
                                 num_microbatches=cfg.train.num_microbatches, bucket_size=d.bucket_size,
                                 shard=d.use_distributed_optimizer)
-        if d.use_distributed_optimizer:
-            return DistributedOptimizer(model, groups, make, grad_sync, overlap_param_gather=d.overlap_param_gather)
     else:
         grad_sync = FlatGradSync(model, d.grad_reduce_in_fp32)
-    if any(p.dtype != torch.float32 for g in groups for p in g["params"]):
-        return MainParamsOptimizer(groups, make, grad_sync)
-    return PlainOptimizer(make(groups), grad_sync)
+    if d.use_distributed_optimizer:
+        opt = DistributedOptimizer(model, groups, make, grad_sync, overlap_param_gather=d.overlap_param_gather)
+    elif any(p.dtype != torch.float32 for g in groups for p in g["params"]):
+        opt = MainParamsOptimizer(groups, make, grad_sync)
+    else:
+        return PlainOptimizer(make(groups), grad_sync)
+    opt.loss_scaler = LossScaler.from_config(cfg)  # fp16 only
+    if opt.loss_scaler is not None and hasattr(model[0], "config"):  # megatron's schedule (GPU, PP > 1)
+        model[0].config.grad_scale_func = lambda loss: loss * opt.loss_scale
+    return opt
 
 
 def finalize_model_grads(optimizer: TrainingOptimizer, cfg) -> torch.Tensor:

@@ -34,6 +34,17 @@ class TrainingOptimizer:
     inner: torch.optim.Optimizer
     grad_sync = None  # .zero() / .finish(); None: the gradients need no reduction
     params: list[torch.nn.Parameter]
+    loss_scaler = None  # mixed_precision.LossScaler with fp16 (the optimizers over fp32 copies); else None
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the backward pass multiplied the loss by (1.0 without fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def update_loss_scale(self, found_inf: bool):
+        """After each iteration (found_inf: its update was skipped for non-finite gradients)."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -64,8 +75,13 @@ class TrainingOptimizer:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global grad L2 norm (fp32 device tensor, no host sync); gradients scaled down to
-        `max_norm` when above it (0: no clipping)."""
+        `max_norm` when above it (0: no clipping). With fp16 the norm and the gradients are divided by
+        the loss scale (an overflow leaves the norm non-finite: the loop skips the update)."""
         total = model_parallel_sum(self.grad_norm_squared()).sqrt().squeeze(0)
+        if self.loss_scale != 1.0:
+            unscale = torch.tensor(1.0 / self.loss_scale, dtype=torch.float32, device=total.device)
+            total = total * unscale
+            self.scale_grads(unscale)  # pending, applied in fp32 by the optimizers over copies
         if max_norm > 0:
             self.scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total

@@ -90,7 +90,7 @@ def build(cfg, device: torch.device, build_model) -> list[torch.nn.Module]:
     m = cfg.model
     _SHAPES = _Shapes(seq_length=m.seq_length, micro_batch_size=cfg.train.micro_batch_size,
                       hidden_size=m.hidden_size,
-                      dtype=torch.bfloat16 if cfg.mixed_precision.bf16 else torch.float32,
+                      dtype=model_dtype(cfg),
                       sequence_parallel=bool(m.sequence_parallel))
     return model
 
@@ -115,13 +115,21 @@ def runs_schedule(model: list[torch.nn.Module]) -> bool:
     return pp_size() > 1 or (config is not None and config.no_sync_func is not None)
 
 
-def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool):
-    """The schedule; returns the per-micro-batch loss reports (the same on every stage)."""
+def model_dtype(cfg) -> torch.dtype:
+    """The parameters' (and activations') dtype: mixed_precision.bf16 / fp16, else fp32."""
+    mp = cfg.mixed_precision
+    return torch.bfloat16 if mp.bf16 else torch.float16 if mp.fp16 else torch.float32
+
+
+def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
+                     loss_scale: float = 1.0):
+    """The schedule; returns the per-micro-batch loss reports (the same on every stage). The backward
+    pass starts from the loss times `loss_scale` (fp16; megatron's schedule reads config.grad_scale_func)."""
     device = next(model[0].parameters()).device
     if device.type == "cuda":
         reports = _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only)
     else:
-        reports = _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only)
+        reports = _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale)
     return broadcast_reports(reports, device) if pp_size() > 1 else reports
 
 
@@ -140,7 +148,7 @@ def _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches
         decoder_seq_length=seq, forward_only=forward_only))
 
 
-def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only):
+def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale=1.0):
     """All forwards, then all backwards (micro-batch order), blocking send/recv on the PP group.
 
     Every send is matched by the neighbour's recv in the same order, so blocking calls cannot
@@ -169,7 +177,7 @@ def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_on
             loss, num_tokens, report = unpack_loss(loss_func(output))
             reports.append(report)
             output = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss
-            output = output / num_microbatches
+            output = output * (loss_scale / num_microbatches)
         else:
             dist.send(output.detach().to(dtype).contiguous(), dst=next_rank, group=group)
         if not forward_only:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,27 +57,39 @@ class SignalHandler:
 
 
 class Timers:
-    """Wall-clock timers by name (seconds). Cheap: no device sync (the loop syncs at log time)."""
+    """The loop's wall-clock timers by name, summed until `pop_all()` (seconds), with Megatron's levels:
+    a timer whose level is above `log_level` (logger.timing_log_level) is not run. Cheap: no device
+    sync (on GPU a timer measures host time; the loop syncs once a step anyway).
 
-    def __init__(self):
-        self._start: dict[str, float] = {}
+    Level 0: interval-time (a whole iteration); 1: forward-backward, grads (reduction and clipping),
+    optimizer, save-checkpoint, evaluate; 2: forward-compute, backward-compute (per micro-batch).
+    """
+
+    def __init__(self, log_level: int = 0):
+        self.log_level = log_level
         self.elapsed: dict[str, float] = {}
 
-    def start(self, name: str):
-        self._start[name] = time.perf_counter()
+    @contextmanager
+    def time(self, name: str, level: int = 0) -> Iterator[None]:
+        if level > self.log_level:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - start
 
-    def stop(self, name: str) -> float:
-        dt = time.perf_counter() - self._start.pop(name)
-        self.elapsed[name] = self.elapsed.get(name, 0.0) + dt
-        return dt
-
-    def pop(self, name: str) -> float:
-        return self.elapsed.pop(name, 0.0)
+    def pop_all(self) -> dict[str, float]:
+        """Seconds per timer since the last call, then reset."""
+        out, self.elapsed = self.elapsed, {}
+        return out
 
 
-@dataclass
+@dataclass(slots=True)
 class GlobalState:
-    """Handed to forward-step functions that ask for it (by annotation or a first arg named state)."""
+    """Handed to forward-step functions that ask for it (by annotation or a first arg named state).
+    Every field is declared here (slots: assigning any other attribute raises AttributeError)."""
 
     cfg: Any
     train_state: TrainState = field(default_factory=TrainState)
@@ -86,3 +100,6 @@ class GlobalState:
     rank: int = 0
     world_size: int = 1
     device: Any = None  # torch.device
+    ckpt: Any = None  # kubetron.training.checkpointing.CheckpointManager, once built
+    straggler: Any = None  # kubetron.training.straggler.StragglerDetector while train() runs (None: off)
+    exit_code: int | None = None  # how the run ended (kubetron.exitcodes), once it has

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +18,7 @@ from kubetron import exitcodes
 from kubetron.training import pipeline, straggler
 from kubetron.training.comm import any_rank
 from kubetron.training.optim import finalize_model_grads, params_l2_norm
+from kubetron.training.state import Timers
 from kubetron.training.utils import (
     num_floating_point_operations,
     prepare_forward_step_func,
@@ -30,73 +33,94 @@ class DivergedError(RuntimeError):
     """NaN/Inf loss (exit code 3)."""
 
 
-def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool):
+@dataclass
+class StepResult:
+    """What one training iteration hands back to the loop."""
+
+    loss_dict: dict[str, torch.Tensor]  # averaged over micro-batches and DP ranks (device tensors)
+    grad_norm: torch.Tensor  # global grad L2 norm (unscaled); non-finite when the update was skipped
+    skipped: bool  # non-finite gradients (an fp16 overflow): no update, no scheduler step
+    loss_scale: float  # the factor this iteration's backward pass used (1.0 without fp16)
+
+
+class LossChecks:
+    """train.check_for_nan_in_loss and rerun_state_machine's spiky-loss check, with the loss window.
+
+    Created once by train(); the window lives in memory only: after a resume it refills before
+    spikes are judged again.
+    """
+
+    def __init__(self, cfg):
+        rs = cfg.rerun_state_machine
+        self.check_nan = cfg.train.check_for_nan_in_loss
+        self.check_spiky = rs.check_for_spiky_loss
+        self.spiky_factor = rs.spiky_loss_factor
+        self.window: deque[float] = deque(maxlen=rs.spiky_loss_window)
+
+    def check(self, iteration: int, losses: dict[str, float]):
+        """Raise DivergedError on a NaN/Inf loss or a spike of the first loss."""
+        if self.check_nan and not all(math.isfinite(v) for v in losses.values()):
+            raise DivergedError(f"loss is NaN/Inf at iteration {iteration}: {losses}")
+        first = next(iter(losses.values()), None)
+        if not self.check_spiky or first is None or not math.isfinite(first):
+            return
+        w = self.window
+        if len(w) == w.maxlen and first > self.spiky_factor * max(w):
+            raise DivergedError(f"spiky loss at iteration {iteration}: {first:.4g} is more than "
+                                f"{self.spiky_factor:g}x the maximum {max(w):.4g} of the last {len(w)} "
+                                "iterations (rerun_state_machine.check_for_spiky_loss)")
+        w.append(first)
+
+
+def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
+                     loss_scale: float = 1.0, timers: Timers | None = None):
     """No-pipelining schedule: forward (+ backward) each micro-batch; return their loss reports.
 
     The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
-    loss / num_microbatches, so gradients are the mean over the global batch on this rank.
+    loss / num_microbatches, so gradients are the mean over the global batch on this rank (times
+    `loss_scale`, fp16's loss scale; the optimizer divides it out).
     """
     if pipeline.runs_schedule(model):  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
         return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
-                                         forward_only=forward_only)
+                                         forward_only=forward_only, loss_scale=loss_scale)
+    timers = timers or Timers(log_level=0)
     reports = []
     for _ in range(num_microbatches):
-        output, loss_func = forward_step_func(data_iterator, model[0])
-        loss, num_tokens, report = unpack_loss(loss_func(output))
+        with timers.time("forward-compute", 2):
+            output, loss_func = forward_step_func(data_iterator, model[0])
+            loss, num_tokens, report = unpack_loss(loss_func(output))
         if not forward_only:
-            scaled = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss
-            (scaled / num_microbatches).backward()
+            with timers.time("backward-compute", 2):
+                scaled = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss
+                (scaled * (loss_scale / num_microbatches)).backward()
         reports.append(report)
     return reports
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state):
-    """One iteration. Returns the reference's tuple:
-    (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad).
-    """
-    cfg = global_state.cfg
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
+               checks: LossChecks) -> StepResult:
+    """One iteration: forward/backward over the micro-batches, gradient reduction and clipping, the
+    update unless the gradients are non-finite; `checks` judge the loss first."""
+    cfg, timers = global_state.cfg, global_state.timers
+    loss_scale = optimizer.loss_scale
     optimizer.zero_grad()
-    with straggler.compute_timer(global_state):  # no-op unless straggler detection is on
+    with straggler.compute_timer(global_state), timers.time("forward-backward", 1):  # straggler: no-op if off
         reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
-                                   forward_only=False)
-    grad_norm = finalize_model_grads(optimizer, cfg)  # DP mean (+TP/embedding sums), clipping
-    loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
+                                   forward_only=False, loss_scale=loss_scale, timers=timers)
+    with timers.time("grads", 1):
+        grad_norm = finalize_model_grads(optimizer, cfg)  # DP mean (+TP/embedding sums), unscale, clip
+        loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
 
-    # One host sync per step: is the loss finite, is the update finite, is the loss a spike?
-    checks = torch.stack([v.detach().float().reshape(()) for v in loss_dict.values()] + [grad_norm.float()])
-    host = checks.cpu()
-    finite = torch.isfinite(host)
-    iteration = global_state.train_state.step + 1
-    if cfg.train.check_for_nan_in_loss and not bool(finite[:-1].all()):
-        raise DivergedError(f"loss is NaN/Inf at iteration {iteration}: "
-                            f"{ {k: float(v) for k, v in loss_dict.items()} }")
-    if loss_dict and bool(finite[0]):
-        check_spiky_loss(global_state, float(host[0]), iteration)
-    skipped_iter = 0
-    if bool(finite.all()):
-        optimizer.step()
-        scheduler.step(1)
-    else:
-        skipped_iter = 1  # non-finite gradients: skip the update, keep going
-    return loss_dict, skipped_iter, False, False, None, grad_norm, None
-
-
-def check_spiky_loss(global_state, loss: float, iteration: int):
-    """rerun_state_machine: a loss above spiky_loss_factor x the max of the recent window is a spike.
-
-    The window lives in memory only: after a resume it refills before spikes are judged again.
-    """
-    rs = global_state.cfg.rerun_state_machine
-    if not rs.check_for_spiky_loss:
-        return
-    window = getattr(global_state, "loss_window", None)
-    if window is None or window.maxlen != rs.spiky_loss_window:
-        window = global_state.loss_window = deque(maxlen=rs.spiky_loss_window)
-    if len(window) == window.maxlen and loss > rs.spiky_loss_factor * max(window):
-        raise DivergedError(f"spiky loss at iteration {iteration}: {loss:.4g} is more than "
-                            f"{rs.spiky_loss_factor:g}x the maximum {max(window):.4g} of the last {len(window)} "
-                            "iterations (rerun_state_machine.check_for_spiky_loss)")
-    window.append(loss)
+    # One host sync per step: the losses and the grad norm together.
+    host = torch.stack([v.detach().float().reshape(()) for v in loss_dict.values()] + [grad_norm.float()]).tolist()
+    checks.check(global_state.train_state.step + 1, dict(zip(loss_dict, host[:-1], strict=True)))
+    skipped = not all(math.isfinite(v) for v in host)
+    with timers.time("optimizer", 1):
+        if not skipped:
+            optimizer.step()
+            scheduler.step(1)
+        optimizer.update_loss_scale(found_inf=skipped)
+    return StepResult(loss_dict=loss_dict, grad_norm=grad_norm, skipped=skipped, loss_scale=loss_scale)
 
 
 def evaluate(forward_step_func, data_iterator, model, global_state, eval_iters: int):
@@ -174,6 +198,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     skip = set(cfg.train.iterations_to_skip)
     for chunk in model:
         chunk.train()
+    checks = LossChecks(cfg)
+    timers = global_state.timers
     global_state.straggler = detector = straggler.StragglerDetector.from_config(cfg, global_state.device)
     if cfg.train.manual_gc:
         gc.disable()  # no collector pauses mid-step; post_training_step_callbacks collects on an interval
@@ -187,8 +213,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             ts.skipped_train_samples += cfg.train.global_batch_size
             log.info("iteration %d skipped (iterations_to_skip)", ts.step)
         else:
-            loss_dict, skipped, _, _, _, grad_norm, _ = train_step(
-                fwd, train_data_iterator, model, optimizer, scheduler, global_state)
+            with timers.time("interval-time", 0):
+                result = train_step(fwd, train_data_iterator, model, optimizer, scheduler, global_state, checks)
             ts.step += 1
             ts.consumed_train_samples += cfg.train.global_batch_size
             ts.floating_point_operations_so_far += flops_per_iter
@@ -196,7 +222,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             if cfg.logger.log_params_norm:
                 optimizer.finish_param_sync()  # the distributed optimizer may still be gathering weights
                 pnorm = params_l2_norm(model)
-            metrics.record_step(ts.step, loss_dict, optimizer.param_groups[0]["lr"], grad_norm, skipped, pnorm)
+            metrics.record_step(ts.step, result.loss_dict, optimizer.param_groups[0]["lr"], result.grad_norm,
+                                int(result.skipped), pnorm, result.loss_scale)
         post_training_step_callbacks(cfg, ts.step, profiler)
         if detector is not None and detector.after_step(ts.step) is not None:  # straggler.stop_if_detected
             checkpoint_manager.save(ts.step, blocking=True)
@@ -204,11 +231,13 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             return exitcodes.STRAGGLER
 
         if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator:
-            losses = evaluate(fwd, valid_data_iterator, model, global_state, cfg.validation.eval_iters)
+            with timers.time("evaluate", 1):
+                losses = evaluate(fwd, valid_data_iterator, model, global_state, cfg.validation.eval_iters)
             metrics.log_validation(ts.step, losses)
 
         checkpoint_manager.finalize(blocking=False)  # async saves that are done become durable
-        code = checkpoint_and_decide_exit(global_state, checkpoint_manager)
+        with timers.time("save-checkpoint", 1):
+            code = checkpoint_and_decide_exit(global_state, checkpoint_manager)
         if code is not None:
             metrics.flush(ts.step)
             return code

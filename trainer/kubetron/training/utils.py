@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from kubetron.training.comm import all_ranks, collective_device
 from kubetron.training.state import GlobalState
 
 MEMORY_KEYS: dict[str, str] = {
@@ -93,22 +92,6 @@ def reduce_losses(per_microbatch: list[dict[str, torch.Tensor]]) -> dict[str, to
     return out
 
 
-def reduce_max_stat_across_model_parallel_group(stat: float | None) -> float | None:
-    """Max of a stat over the model-parallel group; None on every rank if all had None."""
-    if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
-        return stat
-    group = parallel_state.get_model_parallel_group()
-    t = torch.tensor([-1.0 if stat is None else float(stat)], dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return None if t.item() == -1.0 else t.item()
-
-
-def logical_and_across_model_parallel_group(value: bool) -> bool:
-    if not dist.is_initialized() or parallel_state.get_model_parallel_group() is None:
-        return value
-    return all_ranks(value, parallel_state.get_model_parallel_group())
-
-
 # --- throughput accounting -------------------------------------------------------------------------
 
 def num_floating_point_operations(cfg, batch_size: int) -> float:
@@ -127,10 +110,21 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     return 3.0 * per_token * s * batch_size
 
 
-def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, float]:
-    """CUDA allocator statistics under the reference's names ({} on CPU)."""
-    if not torch.cuda.is_available():
-        return {}
-    stats = torch.cuda.memory_stats()
-    keys = memory_keys or MEMORY_KEYS
-    return {name: float(stats.get(k, 0)) for k, name in keys.items()}
+def report_memory(memory_keys: dict[str, str] | None = None, stats: dict | None = None) -> dict[str, float]:
+    """CUDA allocator statistics as the reference reports them ({} on CPU): byte counts in GB
+    (1e9 bytes, 5 significant digits) under the name with "bytes" -> "gigabytes"
+    (`mem-max-allocated-gigabytes`), counts as they are (`mem-alloc-retires`)."""
+    if stats is None:
+        if not torch.cuda.is_available():
+            return {}
+        stats = torch.cuda.memory_stats()
+    out = {}
+    for key, name in (memory_keys or MEMORY_KEYS).items():
+        if key not in stats:
+            continue
+        if "bytes" in key:
+            gb = stats[key] / 1.0e9
+            out[name.replace("bytes", "gigabytes")] = float(f"{gb:.5g}")
+        else:
+            out[name] = float(stats[key])
+    return out
