@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -58,6 +59,7 @@ PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt r
 DEBOUNCE = 0.2  # seconds: a burst of watch events (a gang of pods starting) becomes one reconcile
 RESYNC = 300.0  # seconds: an unfinished, unsuspended job is re-decided at least this often (no API request)
 UNSEEN_FOR = 60.0  # seconds a pod we created may stay unseen by the watch before we stop vouching for it
+RECONCILE_THREADS = 16  # jobs reconciled at once (each mostly waits for the API server)
 PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond"})  # throttled status fields
 
 
@@ -112,6 +114,9 @@ class Deps:
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
     last_progress: dict[str, tuple[datetime, dict[str, Any] | None]] = dataclasses.field(default_factory=dict)
     view: View = dataclasses.field(default_factory=View)
+    # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
+    executor: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile"))
 
 
 def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
@@ -161,7 +166,8 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
             current = view.bodies.get(uid) or copy.deepcopy(dict(body))
             pods = view.pods(uid, training_pods.get(uid, ()))
             try:
-                due = await asyncio.to_thread(react, deps, current, pods, logger)
+                due = await asyncio.get_running_loop().run_in_executor(
+                    deps.executor, react, deps, current, pods, logger)
             except Exception:  # one bad round must not kill the job's reconciler
                 logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
                 due = deps.interval

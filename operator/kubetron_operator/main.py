@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     # how to log in (the same credentials our own calls use).
     registry = handlers.register(kopf.OperatorRegistry())
     kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
+    configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS  # a connection per reconcile thread
     deps = handlers.Deps(kube=Kube(kubernetes_transport(client.ApiClient(configuration))), interval=interval)
     kopf.run(
         registry=registry,
