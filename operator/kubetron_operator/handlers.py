@@ -135,7 +135,14 @@ def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
 async def training_pods(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
     """The index: controller owner UID -> that job's pods (a copy; kopf's body changes in place)."""
     uid = controller_uid(body)
-    return {uid: copy.deepcopy(dict(body))} if uid else None
+    return {uid: _copy(body)} if uid else None
+
+
+def _copy(body: kopf.Body) -> dict[str, Any]:
+    """A deep copy without managedFields (most of a pod's bytes, never read here)."""
+    out = copy.deepcopy(dict(body))
+    out["metadata"] = {k: v for k, v in (out.get("metadata") or {}).items() if k != "managedFields"}
+    return out
 
 
 async def pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
@@ -150,7 +157,7 @@ async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> N
     if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
         view.bodies.pop(uid, None)
     else:
-        view.bodies[uid] = copy.deepcopy(dict(body))
+        view.bodies[uid] = _copy(body)
     view.wake(uid)
 
 
@@ -163,7 +170,7 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
     try:
         while not stopped:
             wake.clear()
-            current = view.bodies.get(uid) or copy.deepcopy(dict(body))
+            current = view.bodies.get(uid) or _copy(body)
             pods = view.pods(uid, training_pods.get(uid, ()))
             try:
                 due = await asyncio.get_running_loop().run_in_executor(
@@ -474,7 +481,19 @@ def _attempt_ended(obs: Observed, action: Action) -> bool:
 
 
 def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], resource_version: str | None) -> None:
-    if status:
-        meta = body["metadata"]
-        deps.kube.patch_status(meta.get("namespace") or "default", meta["name"], status, resource_version)
-        deps.view.patched[meta.get("uid") or ""] = time.monotonic()
+    """Patch status as of `resource_version`. When only metadata moved on since (kopf's finalizer or
+    annotations) and status and spec are as we read them, the decision stands: patch again as of now."""
+    if not status:
+        return
+    meta = body["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
+    try:
+        deps.kube.patch_status(namespace, name, status, resource_version)
+    except Conflict:
+        fresh = deps.kube.get_job(namespace, name) or {}
+        fresh_meta = fresh.get("metadata") or {}
+        if (fresh.get("status") or {}) != (body.get("status") or {}) or fresh.get("spec") != body.get("spec") \
+                or fresh_meta.get("deletionTimestamp") or fresh_meta.get("uid") != meta.get("uid"):
+            raise
+        deps.kube.patch_status(namespace, name, status, fresh_meta.get("resourceVersion"))
+    deps.view.patched[meta.get("uid") or ""] = time.monotonic()

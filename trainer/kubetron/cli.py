@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kopf's liveness endpoint (default: %(default)s; '' turns it off)")
     p.add_argument("--peering", default=None, metavar="NAME", help="kopf peering object name (for HA operators)")
     p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between two reconciles of one job (default: %(default)s)")
+                   help="seconds between live-progress reads of a running job; changes to a job or its "
+                   "pods are handled as they happen (default: %(default)s)")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
