@@ -54,6 +54,7 @@ KOPF_CALLS: frozenset[Call] = frozenset(
     _calls(GROUP, PLURAL, "list", "watch", "patch")  # watching; finalizers and kopf's own annotations
     | _calls(GROUP, f"{PLURAL}/status", "patch")
     | _calls("", "events", "create")
+    | _calls("", "pods", "list", "watch")  # the pods the daemons decide from (label-selected watch)
     | _calls("", "namespaces", "list", "watch")  # namespace patterns (`--namespace 'team-*'`)
     | _calls("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch")  # resource discovery
     | _calls("kopf.dev", "clusterkopfpeerings", "list", "watch", "patch", "get")  # --peering (HA), cluster-wide

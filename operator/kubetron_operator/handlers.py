@@ -1,17 +1,30 @@
 """The kopf layer: gather observations, call decide(), apply the action. No policy lives here.
 
-One daemon per TrainingJob reconciles every `memo.interval` seconds. Each round re-reads the job from
-the API (never trusting a possibly stale watch body), so counters in status are never applied twice,
-and applies the action in crash-safe order: a new attempt's pods are created before status names the
-attempt; an ended attempt is recorded in status before its pods are deleted.
+Event-driven: the operator watches its pods (kopf index `training_pods`, keyed by the controller
+owner's UID) and its TrainingJobs. One daemon per TrainingJob sleeps until a change to the job or to one
+of its pods wakes it (coalesced for DEBOUNCE seconds), or until the next moment time itself matters
+(`next_due`: backoff, deadlines, startup timeout, TTL, a live-progress read while running) plus jitter.
+A finished or suspended job is never revisited by itself. Each wake-up first decides from the watched
+body and pods, which costs no API request; only when that calls for an action is the job re-read from
+the API (never trusting a possibly stale watch body), so counters in status are never applied twice.
+The action is applied in crash-safe order: a new attempt's pods are created before status names the
+attempt; an ended attempt is recorded in status before its pods are deleted. Pods this operator has
+just created are remembered until the watch shows them, so a lagging watch is never taken for a
+preemption. Status is patched only when a field changed, and a change of live progress alone
+(iteration, ETA, tokens/s) at most every `2 * interval` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
-from collections.abc import Callable
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,11 +40,67 @@ from kubetron_operator.build import (
     pod_group_name,
     service_name,
 )
-from kubetron_operator.decide import FINISHED, Action, Observed, PodView, create_failed, decide, node_trouble
+from kubetron_operator.decide import (
+    FINISHED,
+    FORCE_DELETE_AFTER,
+    NOT_SCHEDULED_AFTER,
+    READER_TIMEOUT,
+    Action,
+    Observed,
+    PodView,
+    create_failed,
+    decide,
+    node_trouble,
+)
 from kubetron_operator.model import GROUP, PLURAL, VERSION, Job, S3Storage, SpecError
 from kubetron_operator.progress_io import read_s3_progress
 
 PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt runs quietly
+DEBOUNCE = 0.2  # seconds: a burst of watch events (a gang of pods starting) becomes one reconcile
+RESYNC = 300.0  # seconds: an unfinished, unsuspended job is re-decided at least this often (no API request)
+UNSEEN_FOR = 60.0  # seconds a pod we created may stay unseen by the watch before we stop vouching for it
+RECONCILE_THREADS = 16  # jobs reconciled at once (each mostly waits for the API server)
+PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond"})  # throttled status fields
+
+
+class View:
+    """What the watches told the daemons: a wake-up per job UID, the latest watched job bodies, the
+    pods we created that the watch has not delivered yet, and when each job's status was last patched."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # _created is written from worker threads
+        self.wakes: dict[str, asyncio.Event] = {}
+        self.bodies: dict[str, dict[str, Any]] = {}
+        self._created: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self.patched: dict[str, float] = {}
+
+    def wake(self, uid: str | None) -> None:
+        if uid and uid in self.wakes:
+            self.wakes[uid].set()
+
+    def created(self, uid: str, manifests: list[dict[str, Any]]) -> None:
+        with self._lock:
+            mine = self._created.setdefault(uid, {})
+            for m in manifests:
+                if m["kind"] == "Pod":
+                    mine[m["metadata"]["name"]] = (time.monotonic(), m)
+
+    def pods(self, uid: str, watched: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The watched pods of a job plus the ones we created and the watch has not shown yet."""
+        pods = list(watched)
+        seen = {p["metadata"]["name"] for p in pods}
+        now = time.monotonic()
+        with self._lock:
+            mine = self._created.get(uid, {})
+            for name in [n for n, (t, _) in mine.items() if n in seen or now - t > UNSEEN_FOR]:
+                del mine[name]
+            return pods + [m for _, m in mine.values()]
+
+    def forget(self, uid: str) -> None:
+        for table in (self.wakes, self.bodies, self.patched):
+            table.pop(uid, None)
+        with self._lock:
+            self._created.pop(uid, None)
 
 
 @dataclasses.dataclass
@@ -39,29 +108,171 @@ class Deps:
     """What the handlers use, injectable for tests (passed to kopf as its `memo`)."""
 
     kube: Kube
-    interval: float = 5.0  # seconds between reconciles of one job
+    interval: float = 5.0  # seconds between live-progress reads of a running job
     read_progress: Callable[[Job, Kube], dict[str, Any] | None] = read_s3_progress
     fetch_live: live.Fetch = live.http_fetch
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
     last_progress: dict[str, tuple[datetime, dict[str, Any] | None]] = dataclasses.field(default_factory=dict)
+    view: View = dataclasses.field(default_factory=View)
+    # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
+    executor: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile"))
 
 
 def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     """Attach the TrainingJob handlers to `registry` (main.run and the tests each bring their own)."""
+    pods = {"labels": {LABEL_JOB: kopf.PRESENT}, "registry": registry}
+    # kopf starts no handler before every index holds the initial listing: no daemon ever decides from
+    # a half-filled view of its pods (which would look like pods that vanished).
+    kopf.index("", "v1", "pods", id="training_pods", **pods)(training_pods)
+    kopf.on.event("", "v1", "pods", **pods)(pod_event)
+    kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)(job_event)
     kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=10.0)(reconcile_daemon)
     kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, optional=True)(cleanup_on_delete)
     return registry
 
 
-async def reconcile_daemon(name: str, namespace: str, stopped: kopf.DaemonStopped, memo: Any,
-                           logger: logging.Logger, **_: Any) -> None:
+async def training_pods(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
+    """The index: controller owner UID -> that job's pods (a copy; kopf's body changes in place)."""
+    uid = controller_uid(body)
+    return {uid: _copy(body)} if uid else None
+
+
+def _copy(body: kopf.Body) -> dict[str, Any]:
+    """A deep copy without managedFields (most of a pod's bytes, never read here)."""
+    out = copy.deepcopy(dict(body))
+    out["metadata"] = {k: v for k, v in (out.get("metadata") or {}).items() if k != "managedFields"}
+    return out
+
+
+async def pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
+    memo.deps.view.wake(controller_uid(body))
+
+
+async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
+    view: View = memo.deps.view
+    uid = (body.get("metadata") or {}).get("uid")
+    if not uid:
+        return
+    if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
+        view.bodies.pop(uid, None)
+    else:
+        view.bodies[uid] = _copy(body)
+    view.wake(uid)
+
+
+async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped,
+                           memo: Any, logger: logging.Logger, training_pods: kopf.Index, **_: Any) -> None:
+    """Decide whenever the job or one of its pods changes, or when the next deadline is due."""
     deps: Deps = memo.deps
-    while not stopped:
-        try:
-            await asyncio.to_thread(reconcile_once, deps, namespace, name, logger)
-        except Exception:  # one bad round must not kill the job's reconciler
-            logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
-        await stopped.wait(deps.interval)
+    view = deps.view
+    wake = view.wakes.setdefault(uid, asyncio.Event())
+    try:
+        while not stopped:
+            wake.clear()
+            current = view.bodies.get(uid) or _copy(body)
+            pods = view.pods(uid, training_pods.get(uid, ()))
+            try:
+                due = await asyncio.get_running_loop().run_in_executor(
+                    deps.executor, react, deps, current, pods, logger)
+            except Exception:  # one bad round must not kill the job's reconciler
+                logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
+                due = deps.interval
+            await _sleep(wake, stopped, due)
+            await asyncio.sleep(DEBOUNCE)
+    finally:
+        view.forget(uid)
+        deps.last_progress.pop(f"{namespace}/{name}", None)
+
+
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(until_stopped())]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: logging.Logger) -> float | None:
+    """One wake-up: decide from the watched state (no API request); act, from a fresh read of the job,
+    only when that calls for something. Returns the seconds until time itself matters (None: never)."""
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return None
+    obs, job = observe(deps, body, pods)
+    action, held = _throttle(deps, meta.get("uid") or "", decide(job, obs))
+    if not _idle(action):
+        reconcile_once(deps, meta.get("namespace") or "default", meta["name"], logger, pods, obs)
+    due = next_due(job, obs, deps.interval)
+    if held:  # a progress patch was held back: look again when it may go out
+        due = min(due if due is not None else float("inf"), 2 * deps.interval)
+    return due
+
+
+def _idle(action: Action) -> bool:
+    return not (action.status or action.delete_pods or action.force_delete_pods or action.events
+                or action.create_attempt is not None or action.create_reader is not None or action.delete_job)
+
+
+def _throttle(deps: Deps, uid: str, action: Action) -> tuple[Action, bool]:
+    """Hold back a status patch that only moves live progress when the last patch was recent.
+    Returns the action to apply and whether something was held back."""
+    if not action.status or not set(action.status) <= PROGRESS_KEYS:
+        return action, False
+    if time.monotonic() - deps.view.patched.get(uid, float("-inf")) >= 2 * deps.interval:
+        return action, False
+    return dataclasses.replace(action, status={}), True
+
+
+def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
+    """Seconds until decide() could answer differently with nothing but time passing (None: never);
+    changes to the job or its pods wake the daemon anyway. Jittered, so jobs applied together spread."""
+    st, now, phase = obs.status, obs.now, obs.status.get("phase")
+    if job is None:
+        return None
+    waits: list[float] = []
+    if phase in FINISHED:
+        done = _time(st.get("completionTime"))
+        if job.spec.ttl_seconds_after_finished is not None and done:
+            waits.append((done - now).total_seconds() + job.spec.ttl_seconds_after_finished)
+    elif job.spec.suspend or phase == "Suspended":
+        waits += [FORCE_DELETE_AFTER - p.deleting_for for p in obs.pods if p.deleting_for is not None]
+    else:
+        waits.append(RESYNC)
+        if phase == "Running":
+            waits.append(interval)  # live progress (rank 0's endpoint) and the store's log
+        for key in ("nextAttemptTime", "nextCreateTime"):
+            if when := _time(st.get(key)):
+                waits.append((when - now).total_seconds())
+        start, deadline = _time(st.get("startTime")), job.spec.active_deadline_seconds
+        if start and deadline:
+            waits.append((start - now).total_seconds() + deadline)
+        began = _time(st.get("admittedTime")) or _time(st.get("attemptStartTime"))  # Kueue: from admission
+        if began and phase == "Pending":
+            waits.append((began - now).total_seconds() + job.spec.startup_timeout_seconds)
+        for p in obs.pods:
+            if p.deleting_for is not None:
+                waits.append(FORCE_DELETE_AFTER - p.deleting_for)
+            elif p.role == "progress-reader" and not p.terminated:
+                waits.append(READER_TIMEOUT - p.created_for)
+            elif p.role == "worker" and not p.scheduler_seen:
+                waits.append(NOT_SCHEDULED_AFTER - p.created_for)
+    future = [w for w in waits if w > 0]
+    if not future:
+        return None
+    soonest = min(future)
+    return soonest + 0.05 + random.uniform(0, min(1.0, 0.1 * soonest))  # past the strict `>` in decide
+
+
+def _time(text: Any) -> datetime | None:
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
 
 
 def cleanup_on_delete(name: str, namespace: str, uid: str, status: Any, memo: Any, logger: logging.Logger,
@@ -90,19 +301,25 @@ def delete_attempt_children(kube: Kube, job: Job, attempt: int, logger: logging.
             logger.debug("no %s PodGroup to delete: %s", api_version, exc)
 
 
-def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger) -> Action | None:
+def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger,
+                   pods: list[dict[str, Any]] | None = None, prior: Observed | None = None) -> Action | None:
+    """Decide from a fresh read of the job and act. `pods`: the watched pods (None: list them);
+    `prior`: an observation of the same moment whose store and live reads may be reused."""
     with metrics.RECONCILE.time():
-        return _reconcile_once(deps, namespace, name, logger)
+        return _reconcile_once(deps, namespace, name, logger, pods, prior)
 
 
-def _reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger) -> Action | None:
+def _reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger,
+                    pods: list[dict[str, Any]] | None, prior: Observed | None) -> Action | None:
     kube = deps.kube
     body = kube.get_job(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         metrics.forget(namespace, name)
         return None
-    obs, job = observe(deps, body)
-    action = decide(job, obs)
+    obs, job = observe(deps, body, pods, prior)
+    action, _ = _throttle(deps, body["metadata"].get("uid") or "", decide(job, obs))
+    if _idle(action):
+        return action
     if action.create_attempt is not None and _backing_off(deps.kube, namespace, obs, action):
         return None
     try:
@@ -129,7 +346,11 @@ def _backing_off(kube: Kube, namespace: str, obs: Observed, action: Action) -> b
     return bool(leftovers) or obs.now < datetime.fromisoformat(retry_at)
 
 
-def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
+def observe(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]] | None = None,
+            prior: Observed | None = None) -> tuple[Observed, Job | None]:
+    """What decide needs. `pods_in`: the job's pods as watched (None: list them from the API);
+    `prior`: an earlier observation of the same attempt whose reads of the store, rank 0 and the nodes
+    are reused rather than repeated."""
     kube, now = deps.kube, deps.clock()
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
@@ -139,11 +360,16 @@ def observe(deps: Deps, body: dict[str, Any]) -> tuple[Observed, Job | None]:
         job, error = None, str(exc)
     status = dict(body.get("status") or {})
     # Only pods this job controls: a foreign pod with our label is never counted, nor deleted.
-    owned = [p for p in kube.list_pods(namespace, {LABEL_JOB: name}) if controller_uid(p) == meta.get("uid")]
+    if pods_in is None:
+        pods_in = kube.list_pods(namespace, {LABEL_JOB: name})
+    owned = [p for p in pods_in if controller_uid(p) == meta.get("uid")]
     pods = [PodView.from_pod(p, now) for p in owned]
     # A progress reader reports through its termination message (no pods/log, no kubelet round trip).
     pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.terminated
             else p for p, raw in zip(pods, owned)]
+    if prior is not None and prior.status.get("attempt") == status.get("attempt"):
+        return Observed(now=now, status=status, pods=tuple(pods), progress=prior.progress, live=prior.live,
+                        spec_error=error, node_trouble=prior.node_trouble), job
     trouble = _node_trouble(kube, status, pods)
     progress = live_data = None
     if job is not None and status.get("phase") not in FINISHED:
@@ -181,8 +407,9 @@ def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: date
     eventful = status.get("phase") in (None, "Restarting", "Suspended") or any(
         p.attempt == attempt and (p.terminated or p.deleting_for is not None or p.phase == "Unknown") for p in pods
     ) or len([p for p in pods if p.attempt == attempt and p.role == "worker"]) < job.spec.nodes
-    if cached and not eventful and (now - cached[0]).total_seconds() < PROGRESS_REFRESH:
-        return cached[1]
+    if cached and not eventful and (status.get("phase") != "Running"
+                                    or (now - cached[0]).total_seconds() < PROGRESS_REFRESH):
+        return cached[1]  # between events only a running attempt moves the log
     summary = deps.read_progress(job, deps.kube)
     deps.last_progress[key] = (now, summary)
     return summary
@@ -203,15 +430,16 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
-            _patch_status(kube, namespace, name, action.status, rv)
+            _patch_status(deps, body, action.status, rv)
         else:
+            deps.view.created(job.uid, manifests)  # until the watch shows them, never "vanished"
             retry = {"createFailures": None, "nextCreateTime": None} if obs.status.get("nextCreateTime") else {}
-            _patch_status(kube, namespace, name, {**action.status, **retry}, rv)
+            _patch_status(deps, body, {**action.status, **retry}, rv)
             if action.create_attempt > 1:
                 delete_attempt_children(kube, job, action.create_attempt - 1, logger)
     else:
         # Status first: an ended attempt is counted before its pods disappear.
-        _patch_status(kube, namespace, name, action.status, rv)
+        _patch_status(deps, body, action.status, rv)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
         if job is not None and _attempt_ended(obs, action):
@@ -219,7 +447,9 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
     if action.create_reader is not None and job is not None:
-        kube.create(build_reader_pod(job, action.create_reader))
+        reader = build_reader_pod(job, action.create_reader)
+        kube.create(reader)
+        deps.view.created(job.uid, [reader])
     now = obs.now.strftime("%Y-%m-%dT%H:%M:%SZ")
     for event in action.events:
         logger.log(logging.WARNING if event.type == "Warning" else logging.INFO, "%s: %s", event.reason, event.message)
@@ -259,6 +489,20 @@ def _attempt_ended(obs: Observed, action: Action) -> bool:
             and action.phase in ("Restarting", "Succeeded", "Failed", "Suspended"))
 
 
-def _patch_status(kube: Kube, namespace: str, name: str, status: dict[str, Any], resource_version: str | None) -> None:
-    if status:
-        kube.patch_status(namespace, name, status, resource_version)
+def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], resource_version: str | None) -> None:
+    """Patch status as of `resource_version`. When only metadata moved on since (kopf's finalizer or
+    annotations) and status and spec are as we read them, the decision stands: patch again as of now."""
+    if not status:
+        return
+    meta = body["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
+    try:
+        deps.kube.patch_status(namespace, name, status, resource_version)
+    except Conflict:
+        fresh = deps.kube.get_job(namespace, name) or {}
+        fresh_meta = fresh.get("metadata") or {}
+        if (fresh.get("status") or {}) != (body.get("status") or {}) or fresh.get("spec") != body.get("spec") \
+                or fresh_meta.get("deletionTimestamp") or fresh_meta.get("uid") != meta.get("uid"):
+            raise
+        deps.kube.patch_status(namespace, name, status, fresh_meta.get("resourceVersion"))
+    deps.view.patched[meta.get("uid") or ""] = time.monotonic()

@@ -1,7 +1,8 @@
 """Live numbers from rank 0's status endpoint (`GET http://<pod-ip>:<statusPort>/status`, docs/CONTRACT.md).
 
-The operator polls it on every reconcile (every few seconds, far inside the 60 s the status may lag),
-so the pods need no RBAC at all to report progress. The fetch is injectable for tests.
+The operator reads it every `--interval` seconds while an attempt runs (far inside the 60 s the status
+may lag), and on every change to the job's pods, so the pods need no RBAC at all to report progress.
+The fetch is injectable for tests.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from kubetron.errors import ConfigError
 
 from kubetron_operator import handlers
 from kubetron_operator.api_calls import Kube, kubernetes_transport
+from kubetron_operator.build import LABEL_JOB
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
@@ -51,6 +52,8 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
     s.persistence.finalizer = "kubetron.dev/operator"
     s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubetron.dev")
     s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kubetron.dev")
+    # Watch only our own pods: the server filters by the job label, so other pods cost nothing.
+    s.watching.label_selectors["v1", "pods"] = LABEL_JOB
     s.posting.level = logging.WARNING  # our own events are posted explicitly; kopf's only on trouble
     s.peering.standalone = not peering
     if peering:
@@ -61,6 +64,12 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
         # away (or its keep-alive lapses) the next highest resumes.
         s.peering.priority = secrets.randbelow(2**31 - 1) + 1
     return s
+
+
+def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
+    """Drop kopf's "Handler 'pod_event' succeeded." lines: one per watch event, thousands a minute."""
+    return not (record.levelno <= logging.INFO and record.getMessage().startswith(
+        ("Handler 'pod_event'", "Handler 'job_event'", "Handler 'training_pods'")))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     liveness = getattr(args, "liveness", DEFAULT_LIVENESS)
     interval = float(getattr(args, "interval", None) or 5.0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf.objects").addFilter(_quiet_watch_handlers)
     configuration = client_configuration()
     metrics_port = int(getattr(args, "metrics_port", 0) or 0)
     if metrics_port:
@@ -85,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     # how to log in (the same credentials our own calls use).
     registry = handlers.register(kopf.OperatorRegistry())
     kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
+    configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS  # a connection per reconcile thread
     deps = handlers.Deps(kube=Kube(kubernetes_transport(client.ApiClient(configuration))), interval=interval)
     kopf.run(
         registry=registry,

@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kopf's liveness endpoint (default: %(default)s; '' turns it off)")
     p.add_argument("--peering", default=None, metavar="NAME", help="kopf peering object name (for HA operators)")
     p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between two reconciles of one job (default: %(default)s)")
+                   help="seconds between live-progress reads of a running job; changes to a job or its "
+                   "pods are handled as they happen (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
     p.set_defaults(func=cmd_operator)

@@ -48,11 +48,11 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [kubetron.dev]
   resources: [trainingjobs/finalizers]
   verbs: [update]
-# Each attempt's pods: created, listed for phases/exit codes/termination messages (the progress-reader
-# pod's too, so no pods/log or pods/exec), deleted to end it.
+# Each attempt's pods: created, watched (label-selected) for phases/exit codes/termination messages
+# (the progress-reader pod's too, so no pods/log or pods/exec), deleted to end it.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [create, get, list, delete]
+  verbs: [create, get, list, watch, delete]
 # Rank 0's headless rendezvous Service and each attempt's trainer config. get: when one exists
 # already, only the job that controls it may use or delete it.
 - apiGroups: [""]

@@ -1,0 +1,192 @@
+"""The operator at scale on a real control plane: N TrainingJobs applied at once.
+
+    .venv/bin/python bench/operator_scale.py [--jobs 50 500] [--idle 30] [--failures 3] [--interval 5]
+
+Starts the test suite's control plane (tests/kube: etcd, kube-apiserver, controller-manager, scheduler;
+a stand-in kubelet registers one Node and runs nothing, so pods stay Pending) and, per N, a fresh
+namespace with the real `kubetron operator --namespace NS` subprocess under the chart's RBAC. Then:
+
+  * pods:    N two-node PVC jobs are applied at once (8 threads); seconds until all 2N worker pods
+             exist. Baseline in the same run: a bare loop creating the same 2N pod manifests (build())
+             one after another through the same client (the operator's `Kube`, its identity).
+  * idle:    API requests/s the operator makes while nothing changes (once its rate fell to <= 1/s over
+             10 s, or after --settle seconds if it never does: settle_s), counted
+             by the API server: a FlowSchema matching exactly the operator's ServiceAccount, read from
+             `apiserver_flowcontrol_dispatched_requests_total` on /metrics (tests/operator/test_on_kube_events.py).
+  * failure: one worker pod of a job is marked Failed (as a kubelet would); seconds until the job's
+             status shows it (restarts counted or phase changed; inf: not within 60 s). Repeated on
+             --failures jobs (median and max).
+  * RSS:     the operator's peak resident memory (VmHWM) at the end.
+
+Targets (issue 12): 1000 pods <= 30 s or <= 1.5x the bare loop; <= 1 request/s idle at N=500;
+failure-to-status <= 3 s at N=500; RSS <= 200 MB. To measure another commit's operator, run this
+script with PYTHONPATH pointing at that checkout's `operator:trainer` directories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.kube import cluster  # noqa: E402
+from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
+from tests.operator.jobs import PVC_JOB  # noqa: E402
+from tests.operator.test_on_kube_events import count_operator_requests, operator_requests  # noqa: E402
+
+
+def job_manifest(ns: str, i: int) -> dict[str, Any]:
+    body = copy.deepcopy(PVC_JOB)
+    body["metadata"] = {"name": f"j{i:04d}", "namespace": ns}
+    return body
+
+
+def worker_pods(env: KubeEnv, ns: str) -> dict[str, dict[str, Any]]:
+    return {n: p for n, p in env.pods(ns).items() if not p["metadata"].get("deletionTimestamp")}
+
+
+def wait(what: str, check: Any, timeout: float, every: float = 0.2) -> float:
+    t0 = time.monotonic()
+    cluster.wait_for(what, check, timeout, interval=every)
+    return time.monotonic() - t0
+
+
+def bare_loop(env: KubeEnv, n: int) -> float:
+    """Seconds to create the 2N pods of N jobs one by one through the operator's own client."""
+    from kubernetes import client, config
+    from kubetron_operator.api_calls import Kube, kubernetes_transport
+    from kubetron_operator.build import build
+    from kubetron_operator.model import Job
+
+    configuration = client.Configuration()
+    config.load_kube_config(str(env.kubeconfig), client_configuration=configuration)
+    kube = Kube(kubernetes_transport(client.ApiClient(configuration)))
+    ns = env.namespace("bare")
+    pods = []
+    for i in range(n):
+        body = job_manifest(ns, i)
+        body["metadata"]["uid"] = f"uid-{i}"
+        for m in build(Job.from_body(body), 1, 0, ()):
+            if m["kind"] == "Pod":
+                m["metadata"].pop("ownerReferences", None)  # no owner: the garbage collector leaves them be
+                pods.append(m)
+    t0 = time.monotonic()
+    for m in pods:
+        kube.create(m)
+    return time.monotonic() - t0
+
+
+def job_status(env: KubeEnv, ns: str, name: str) -> dict[str, Any]:
+    return (env.job(ns, name) or {}).get("status") or {}
+
+
+def failure_latency(env: KubeEnv, ns: str, name: str, limit: float = 60.0) -> float:
+    """Mark rank 1 of `name`'s current attempt Failed; seconds until the job's status shows it."""
+    before = job_status(env, ns, name)
+    pod = f"{name}-{before.get('attempt', 1)}-1"
+    t0 = time.monotonic()
+    cluster.set_exited(env.admin, ns, pod, 1, message="bench: simulated crash")
+
+    def shown() -> bool:
+        st = job_status(env, ns, name)
+        return (st.get("restarts") or {}) != (before.get("restarts") or {}) or st.get("phase") != before.get("phase")
+    try:
+        cluster.wait_for(f"{ns}/{name} status after its pod failed", shown, limit, interval=0.05)
+    except AssertionError:
+        return float("inf")  # not shown within `limit` seconds
+    return time.monotonic() - t0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU the process has used (clock ticks of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def settle(env: KubeEnv, limit: float, window: float = 10.0) -> float:
+    """Seconds until the operator made at most one request/s over `window` (the scheduler's verdicts on
+    the pods have arrived and been reported), or `limit` if it never gets that quiet."""
+    t0 = time.monotonic()
+    last = operator_requests(env)
+    while time.monotonic() - t0 < limit:
+        time.sleep(window)
+        now = operator_requests(env)
+        if now - last <= window:
+            break
+        last = now
+    return time.monotonic() - t0
+
+
+def run_n(env: KubeEnv, n: int, args: argparse.Namespace) -> dict[str, float]:
+    ns = env.namespace(f"scale{n}")
+    out: dict[str, float] = {"jobs": n}
+    with env.operator(ns, interval=args.interval) as op:
+        manifests = [job_manifest(ns, i) for i in range(n)]
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda m: env.admin.create(env.jobs(ns), m), manifests))
+        out["apply_s"] = time.monotonic() - t0
+        cluster.wait_for(f"{2 * n} worker pods", lambda: len(worker_pods(env, ns)) >= 2 * n, args.timeout,
+                         interval=0.5, explain=op.tail)
+        out["pods_s"] = time.monotonic() - t0
+        out["op_cpu_s"] = cpu_seconds(op.proc.pid)
+        out["settle_s"] = settle(env, args.settle)
+        r0, t1 = operator_requests(env), time.monotonic()
+        time.sleep(args.idle)
+        out["idle_rps"] = (operator_requests(env) - r0) / (time.monotonic() - t1)
+        latencies = [failure_latency(env, ns, f"j{i:04d}") for i in range(0, n, max(1, n // args.failures))]
+        out["fail_to_status_s"] = statistics.median(latencies[: args.failures])
+        out["fail_to_status_max_s"] = max(latencies[: args.failures])
+        out["rss_mb"] = peak_rss_mb(op.proc.pid)
+    out["bare_s"] = bare_loop(env, n)
+    out["ratio"] = out["pods_s"] / out["bare_s"]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, nargs="+", default=[500], help="N values to measure (default: 500)")
+    p.add_argument("--interval", type=float, default=5.0, help="the operator's --interval (default: 5)")
+    p.add_argument("--settle", type=float, default=120.0,
+                   help="at most this many seconds after the pods exist for the operator to quiet down")
+    p.add_argument("--idle", type=float, default=30.0, help="seconds of idle request counting")
+    p.add_argument("--failures", type=int, default=3, help="pod failures to time per N")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for all pods")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kubetron-scale-") as tmp:
+        cp, env, kubelet = start_env(Path(tmp))
+        try:
+            count_operator_requests(env)
+            head = ("jobs", "pods", "pods_s", "op_cpu_s", "bare_s", "ratio", "settle_s", "idle_rps",
+                    "fail_to_status_s", "fail_to_status_max_s", "rss_mb")
+            print("  ".join(f"{h:>10}" for h in head), flush=True)
+            for n in args.jobs:
+                r = run_n(env, n, args)
+                r["pods"] = 2 * n
+                print("  ".join(f"{r[h]:>10.2f}" if isinstance(r[h], float) else f"{r[h]:>10}" for h in head),
+                      flush=True)
+        finally:
+            kubelet.stop()
+            cp.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The operator is event-driven (issue 12): a job whose pods wait costs no API request, and a pod's
+failure reaches the job's status at once, not at the next `--interval`. The API server counts the
+operator's requests (a FlowSchema matching only its ServiceAccount; /metrics)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+
+from tests.kube.cluster import set_exited
+from tests.kube.fixtures import OPERATOR_NS, OPERATOR_SA, KubeEnv
+from tests.operator.jobs import PVC_JOB
+
+pytestmark = pytest.mark.timeout(180)
+FLOW_SCHEMA = "kubetron-test-operator"
+METRIC = "apiserver_flowcontrol_dispatched_requests_total"
+
+
+def count_operator_requests(env: KubeEnv) -> None:
+    """A FlowSchema that matches only the operator's identity, so /metrics counts its requests apart."""
+    env.admin.create("/apis/flowcontrol.apiserver.k8s.io/v1/flowschemas", {
+        "apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
+        "metadata": {"name": FLOW_SCHEMA},
+        "spec": {"priorityLevelConfiguration": {"name": "workload-high"}, "matchingPrecedence": 100,
+                 "distinguisherMethod": {"type": "ByUser"},
+                 "rules": [{"subjects": [{"kind": "ServiceAccount",
+                                          "serviceAccount": {"namespace": OPERATOR_NS, "name": OPERATOR_SA}}],
+                            "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                                               "clusterScope": True, "namespaces": ["*"]}],
+                            "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]},
+    }, ok=(409,))
+
+
+def operator_requests(env: KubeEnv) -> float:
+    """Requests the API server dispatched for the operator's ServiceAccount so far."""
+    text = env.admin.get("/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(METRIC + "{") and f'flow_schema="{FLOW_SCHEMA}"' in line)
+
+
+def quiet(env: KubeEnv, window: float = 3.0, limit: float = 60.0) -> float:
+    """Wait until the operator made no request for `window` seconds; the requests of the last window."""
+    t0, last = time.monotonic(), operator_requests(env)
+    while True:
+        time.sleep(window)
+        now = operator_requests(env)
+        if now == last or time.monotonic() - t0 > limit:
+            return now - last
+        last = now
+
+
+def pvc_job(ns: str, name: str) -> dict[str, Any]:
+    body = copy.deepcopy(PVC_JOB)
+    body["metadata"] = {"name": name, "namespace": ns}
+    return body
+
+
+def test_waiting_jobs_cost_no_requests_and_a_pod_failure_shows_at_once(kube, kube_ns):
+    ns, api = kube_ns, kube.admin
+    count_operator_requests(kube)
+    with kube.operator(ns, interval=2):  # the polling operator made a GET + a LIST per job every 2 s
+        for name in ("a", "b", "c"):
+            api.create(kube.jobs(ns), pvc_job(ns, name))
+        kube.wait_pods(ns, {f"{j}-1-{r}" for j in "abc" for r in (0, 1)})
+        kube.wait_status(ns, "c", "attempt 1", lambda s: s.get("attempt") == 1)
+        assert quiet(kube) == 0, "the operator still makes API requests while nothing changes"
+        r0 = operator_requests(kube)
+        time.sleep(6)
+        assert operator_requests(kube) - r0 == 0, "requests while three jobs wait for their pods"
+
+    with kube.operator(ns, interval=60):  # a restarted operator; nothing may wait for its interval
+        time.sleep(1)
+        t0 = time.monotonic()
+        set_exited(api, ns, "b-1-1", 1, message="boom")
+        st = kube.wait_status(ns, "b", "the failure counted",
+                              lambda s: (s.get("restarts") or {}).get("failures") == 1, timeout=60)
+        assert time.monotonic() - t0 < 10, "a pod failure waited for the next interval"
+        assert st["phase"] == "Restarting"
