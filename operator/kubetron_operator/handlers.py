@@ -323,7 +323,7 @@ def _reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logge
     if action.create_attempt is not None and _backing_off(deps.kube, namespace, obs, action):
         return None
     try:
-        apply(deps, body, job, obs, action, logger)
+        action = apply(deps, body, job, obs, action, logger)
     except Conflict:
         # Someone wrote the job after we read it: this decision may be stale. Never undo their write;
         # the next round decides again from a fresh read.
@@ -416,7 +416,8 @@ def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: date
 
 
 def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
-          logger: logging.Logger) -> None:
+          logger: logging.Logger) -> Action:
+    """Carry out `action`; returns what was applied (a failed creation applies create_failed instead)."""
     kube = deps.kube
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
@@ -459,6 +460,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             logger.warning("could not post event %s: %s", event.reason, exc)
     if action.delete_job:
         kube.delete_job(namespace, name)
+    return action
 
 
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
