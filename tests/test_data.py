@@ -492,6 +492,7 @@ def test_s3_prefix_gives_the_samples_of_the_local_copy(tmp_path, s3_server, monk
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(datasets, "S3_BIN_CHUNK_BYTES", 512)  # many ranged GETs, and reads across chunks
+    monkeypatch.setattr(datasets, "S3_INDEX_CACHE", str(tmp_path / "idx-cache"))
     tok = ByteTokenizer()
 
     def samples(data_path):
@@ -501,6 +502,8 @@ def test_s3_prefix_gives_the_samples_of_the_local_copy(tmp_path, s3_server, monk
     local, remote = samples([prefix]), samples([f"s3://{bucket}/{key}"])
     assert remote == local and len({tuple(t) for t in local[0]}) > 100
     assert os.path.getsize(prefix + ".bin") > 4 * 512  # the .bin really spans several chunks
+    assert os.path.isfile(tmp_path / "idx-cache" / bucket / (key + ".idx"))  # only the index is local
+    assert not list((tmp_path / "idx-cache").rglob("*.bin"))
     with pytest.raises(ConfigError) as e:
         build_gpt_datasets(SimpleNamespace(data_path=[f"s3://{bucket}/nope"], split="1"), 16, 3, tok, [10, 0, 0])
     assert e.value.field == "dataset.data_path" and f"s3://{bucket}/nope" in str(e.value)
