@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from kubetron.data import datasets
 from kubetron.data.datasets import (
     MockGPTDataset,
     build_gpt_datasets,
@@ -480,3 +481,29 @@ def test_missing_prefix_and_empty_splits(tmp_path):
     train, valid = build_data_iterators(make_cfg(data_path=[prefix], split="98,1,1"), 0, 1)  # test: never read
     assert valid is None
     train.close()
+
+
+def test_s3_prefix_gives_the_samples_of_the_local_copy(tmp_path, s3_server, monkeypatch):
+    """An s3:// prefix is read through megatron-core's S3 reader (index cached, .bin by ranged GETs)."""
+    prefix = _write_corpus(tmp_path, "s", 120)
+    bucket, key = s3_server.new_bucket(), "corpora/s_text_document"
+    for suffix in (".bin", ".idx"):
+        s3_server.client().upload_file(prefix + suffix, bucket, key + suffix)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(datasets, "S3_BIN_CHUNK_BYTES", 512)  # many ranged GETs, and reads across chunks
+    monkeypatch.setattr(datasets, "S3_INDEX_CACHE", str(tmp_path / "idx-cache"))
+    tok = ByteTokenizer()
+
+    def samples(data_path):
+        sets = build_gpt_datasets(SimpleNamespace(data_path=data_path, split="90,10,0"), 16, 3, tok, [300, 40, 0])
+        return [[ds[i]["tokens"].tolist() for i in range(n)] for ds, n in ((sets["train"], 300), (sets["valid"], 40))]
+
+    local, remote = samples([prefix]), samples([f"s3://{bucket}/{key}"])
+    assert remote == local and len({tuple(t) for t in local[0]}) > 100
+    assert os.path.getsize(prefix + ".bin") > 4 * 512  # the .bin really spans several chunks
+    assert os.path.isfile(tmp_path / "idx-cache" / bucket / (key + ".idx"))  # only the index is local
+    assert not list((tmp_path / "idx-cache").rglob("*.bin"))
+    with pytest.raises(ConfigError) as e:
+        build_gpt_datasets(SimpleNamespace(data_path=[f"s3://{bucket}/nope"], split="1"), 16, 3, tok, [10, 0, 0])
+    assert e.value.field == "dataset.data_path" and f"s3://{bucket}/nope" in str(e.value)

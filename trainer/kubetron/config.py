@@ -187,7 +187,7 @@ class GPTDatasetConfig(_Section):
 
     data_path: list[str] | None = _f(
         None, "Indexed dataset prefixes (.bin/.idx), optionally weighted: [\"0.7\", \"a\", \"0.3\", \"b\"] or "
-              "\"0.7 a 0.3 b\"; divided by split (None: mock data).")
+              "\"0.7 a 0.3 b\"; local paths or s3://bucket/key; divided by split (None: mock data).")
     split: str = _f("969,30,1", "Train,validation,test proportions of the documents of each data_path prefix "
                                 "(comma-separated weights).")
     train_data_path: list[str] | None = _f(

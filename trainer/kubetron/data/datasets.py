@@ -14,6 +14,10 @@ splits' documents and order as Megatron's. An unweighted list of prefixes is wei
 as in Megatron. The shuffle indices are built in memory on every rank (no cache files next to the
 data, which may be on a read-only volume).
 
+A prefix ``s3://bucket/key`` goes through megatron-core's object-storage reader: the ``.idx`` is
+copied to a local cache (``S3_INDEX_CACHE``), the ``.bin`` is read by ranged GETs; boto3 takes the
+endpoint and credentials from the standard AWS environment.
+
 Every dataset here is indexed by a *global sample index* ``0, 1, 2, ...``: the order never depends
 on the data-parallel size. Past the planned number of samples the order starts again from sample 0.
 
@@ -23,6 +27,7 @@ No data path -> :class:`MockGPTDataset`: synthetic, generated on demand, learnab
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +37,11 @@ from kubetron.config import parse_split as config_parse_split
 from kubetron.errors import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
+# Local cache of the .idx of s3:// prefixes (megatron-core's object_storage_cache_path).
+S3_INDEX_CACHE = os.path.join(tempfile.gettempdir(), "kubetron-s3-index")
+# Bytes of .bin per ranged GET for s3:// prefixes. megatron-core's default (256 MiB) would fetch
+# 256 MiB per shuffled sample read; a few MiB keeps a cache miss cheap and still amortises requests.
+S3_BIN_CHUNK_BYTES = 4 * 1024 * 1024
 
 _M64 = (1 << 64) - 1
 
@@ -215,10 +225,12 @@ def _strip_suffix(prefix: str) -> str:
 
 
 def open_indexed(prefix: str, field: str = "dataset.data_path"):
-    """Open a megatron-core ``IndexedDataset`` (mmap), or raise ConfigError naming the field."""
+    """Open a megatron-core ``IndexedDataset`` (mmap), or raise ConfigError naming the field.
+    For ``s3://`` the index is fetched to the local cache and only it is opened (its
+    ``sequence_lengths`` are all the checks here need; the .bin is read when sampling)."""
     prefix = _strip_suffix(prefix)
     if prefix.startswith("s3://"):
-        raise ConfigError(field, f"{prefix}: s3:// data is not read directly; copy the .bin/.idx to a volume")
+        return _open_s3_index(prefix, field)
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         raise ConfigError(field, f"no indexed dataset at {prefix!r}: missing {', '.join(missing)}")
@@ -226,6 +238,38 @@ def open_indexed(prefix: str, field: str = "dataset.data_path"):
 
     try:
         return IndexedDataset(prefix, mmap=True)
+    except Exception as exc:  # a truncated or foreign file
+        raise ConfigError(field, f"cannot read indexed dataset {prefix!r}: {exc}") from exc
+
+
+def _s3_cache_path(prefix: str) -> str:
+    """Where megatron-core keeps the local copy of ``prefix``.idx (its ``get_index_cache_path``)."""
+    return os.path.join(S3_INDEX_CACHE, prefix.removeprefix("s3://") + ".idx")
+
+
+def _open_s3_index(prefix: str, field: str):
+    """Fetch ``prefix``.idx into megatron-core's cache on *this* rank and open it.
+
+    Why on every rank: megatron-core downloads the index on global rank 0 only and the other ranks
+    merely assert that the file exists, which fails on every node but rank 0's (the cache is local).
+    The download goes to a temporary name and is renamed, so local ranks racing here are harmless.
+    Endpoint and credentials: boto3's standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...),
+    as megatron-core's own ``boto3.client("s3")`` reads them."""
+    import boto3
+    import botocore.exceptions as bce
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    bucket, _, key = prefix.removeprefix("s3://").partition("/")
+    local = _s3_cache_path(prefix)
+    try:
+        client = boto3.client("s3")
+        client.head_object(Bucket=bucket, Key=key + ".bin")
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        client.download_file(bucket, key + ".idx", local)
+    except (bce.BotoCoreError, bce.ClientError, ValueError) as exc:
+        raise ConfigError(field, f"cannot read indexed dataset {prefix!r} (.bin/.idx): {exc}") from exc
+    try:
+        return _IndexReader(local, multimodal=False)
     except Exception as exc:  # a truncated or foreign file
         raise ConfigError(field, f"cannot read indexed dataset {prefix!r}: {exc}") from exc
 
@@ -242,6 +286,24 @@ def _check_not_empty(prefix: str, ranges, split: str | None, field: str) -> None
             raise ConfigError(field, f"{prefix!r} holds no tokens")
         raise ConfigError("dataset.split", f"{split!r} gives the {name} split {r[1] - r[0]} of the {lengths.size} "
                                            f"documents of {prefix!r} (no tokens); give it more weight or 0")
+
+
+def _gpt_dataset_class():
+    """megatron-core's ``GPTDataset``, reading s3:// prefixes in S3_BIN_CHUNK_BYTES ranged GETs
+    (megatron-core's own path fixes the chunk at 256 MiB and needs ``mmap_bin_files`` off globally)."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
+
+    class KubetronGPTDataset(GPTDataset):
+        @staticmethod
+        def build_low_level_dataset(dataset_path, config):
+            if not dataset_path.startswith("s3://"):
+                return GPTDataset.build_low_level_dataset(dataset_path, config)
+            storage = ObjectStorageConfig(config.object_storage_cache_path, bin_chunk_nbytes=S3_BIN_CHUNK_BYTES)
+            return IndexedDataset(dataset_path, multimodal=False, mmap=False, object_storage_config=storage)
+
+    return KubetronGPTDataset
 
 
 def build_gpt_datasets(
@@ -263,7 +325,7 @@ def build_gpt_datasets(
         s = seed if getattr(d, "mock_seed", None) is None else d.mock_seed
         return {name: MockGPTDataset(seq_length, tokenizer.eod, seed=s, salt=i) for i, name in enumerate(SPLIT_NAMES)}
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     blend = blend_per_split = split = None
     wanted = [size > 0 for size in sizes]  # a split nobody reads is not built (nor required to hold data)
@@ -292,10 +354,11 @@ def build_gpt_datasets(
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=bool(getattr(d, "eod_mask_loss", False)),
         create_attention_mask=reset_attention_mask,  # otherwise causal is implied and no mask is built
+        object_storage_cache_path=S3_INDEX_CACHE,  # used for s3:// prefixes only
     )
     if config.split_matrix is not None:  # unwanted splits: None keeps the others' document ranges as they are
         config.split_matrix = [m if w else None for m, w in zip(config.split_matrix, wanted)]
-    built = BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+    built = BlendedMegatronDatasetBuilder(_gpt_dataset_class(), list(sizes), lambda: True, config).build()
     out = {name: (EndlessDataset(ds, name) if ds is not None and len(ds) > 0 else None)
            for name, ds in zip(SPLIT_NAMES, built)}
     if out["train"] is None:
