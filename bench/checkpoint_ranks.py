@@ -4,7 +4,8 @@ Every rank builds the same GPT and AdamW state as `kubetron train` does and save
 `CheckpointManager` (the default `sharded` format; `kubetron` for comparison). Rank 0 prints:
   * bytes each rank wrote, as a share of the total (target ~1/world each)
   * rank 0's host memory for a save: RSS growth over the first save (the manager's host buffers, which
-    later saves reuse), sampled every 2 ms, vs the total state size (target <= 1/world + 10 %)
+    later saves reuse), sampled every 2 ms, vs the total state size (target <= 1/world + 10 %); also
+    with the distributed optimizer (ZeRO-1), whose ranks write the state fragments they own
   * async save: how long the loop is blocked vs a sync save (target <= 0.1)
   * S3 (SeaweedFS, when KUBETRON_BENCH_S3=1 and AWS_* are set): per rank, a sync sharded save vs boto3
     `upload_file` of the same number of bytes, all ranks at once (target >= 0.8)
@@ -14,6 +15,7 @@ Every rank builds the same GPT and AdamW state as `kubetron train` does and save
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -59,7 +61,7 @@ class PeakRSS:
         return self.peak - self.base
 
 
-def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None = None):
+def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None = None, extra=()):
     from kubetron.config import ConfigContainer
     from kubetron.training.checkpointing import CheckpointManager, open_save_store
     from kubetron.training.entry import initialize_distributed, set_seeds
@@ -73,7 +75,7 @@ def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None
         "model.seq_length=128", "train.train_iters=100", "validation.eval_interval=null",
         f"checkpoint.save={store_url or 'null'}", f"checkpoint.load={load or 'null'}",
         f"checkpoint.ckpt_format={fmt}", f"checkpoint.async_save={'true' if async_save else 'false'}",
-        "checkpoint.most_recent_k=2", "logger.log_progress=false", "train.status_port=0", "dist.use_gpu=false"])
+        "checkpoint.most_recent_k=2", "logger.log_progress=false", "train.status_port=0", "dist.use_gpu=false", *extra])
     if not dist.is_initialized():
         initialize_distributed(cfg)
     cfg.finalize(world_size=dist.get_world_size())
@@ -85,6 +87,7 @@ def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None
     optimizer = build_optimizer(cfg, model)
     for p in model[0].parameters():  # one step, so Adam has its moments
         p.grad = torch.full_like(p, 1e-3)
+    optimizer.finish_grad_sync()  # (the distributed optimizer steps its reduced gradient buffers)
     optimizer.step()
     scheduler = LRScheduler(optimizer, cfg)
     ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
@@ -151,10 +154,23 @@ def main() -> int:
                 f"total {sum(written) / MB:.1f} MB; state {total / MB:.1f} MB",
                 "shares " + ", ".join(f"{w / sum(written):.3f}" for w in written) + f" (target ~{1 / world:.3f})")
         ckpt.close()
-    for fmt, (g, buffers) in growth.items():
+    # the distributed optimizer (ZeRO-1): each rank writes the fragments it owns, no gather
+    ckpt, model, optimizer = build(a, f"{a.dir}/distopt", "sharded", async_save=False,
+                                   extra=["ddp.use_distributed_optimizer=true"])
+    dist.barrier()
+    with PeakRSS() as m:
+        ckpt.save(next(step), blocking=True)
+    written = gather(ckpt.last_save_bytes)
+    growth["sharded, distributed optimizer"] = (gather(m.growth), ckpt.buffers.nbytes, sum(written))
+    row("bytes written per rank (sharded, distributed optimizer)", ", ".join(f"{w / MB:.1f} MB" for w in written),
+        f"total {sum(written) / MB:.1f} MB (fp32 params, moments, fp32 mains)",
+        "shares " + ", ".join(f"{w / sum(written):.3f}" for w in written) + f" (target ~{1 / world:.3f})")
+    ckpt.close()
+    for fmt, (g, buffers, *size) in growth.items():
+        size = size[0] if size else total
         row(f"rank 0 host memory for a save ({fmt})", f"{g[0] / MB:.1f} MB peak RSS growth",
-            f"state {total / MB:.1f} MB; host buffers {buffers / MB:.1f} MB", f"ratio {g[0] / total:.3f}"
-            + (f" (target <= {1 / world + 0.1:.2f})" if fmt == "sharded" else " (gathers everything on rank 0)"))
+            f"state {size / MB:.1f} MB; host buffers {buffers / MB:.1f} MB", f"ratio {g[0] / size:.3f}"
+            + (" (gathers everything on rank 0)" if fmt == "kubetron" else f" (target <= {1 / world + 0.1:.2f})"))
 
     row("sync save to dir, sharded vs kubetron", f"{save_s['sharded']:.3f}s", f"kubetron {save_s['kubetron']:.3f}s",
         f"ratio {save_s['kubetron'] / save_s['sharded']:.2f} (kubetron time / sharded time)")
@@ -171,10 +187,12 @@ def main() -> int:
     sync_s, block_s = statistics.median(syncs), statistics.median(blocks)
     row("async sharded save: loop blocked", f"{block_s:.3f}s", f"sync save {sync_s:.3f}s",
         f"ratio {block_s / sync_s:.3f} (target <= 0.1)")
-    src = torch.empty(ckpt.last_save_bytes // 4)
-    dst = torch.empty_like(src)
-    copy_s = statistics.median(max(gather(timed(lambda: dst.copy_(src)))) for _ in range(a.repeats))
-    row("  (floor) host memcpy of a rank's share", f"{copy_s:.3f}s", f"{ckpt.last_save_bytes / MB:.1f} MB",
+    # touched buffers (an untouched torch.empty reads the zero page: no memory traffic), libc memmove
+    src = torch.ones(ckpt.last_save_bytes // 4)
+    dst = torch.zeros_like(src)
+    copy_s = statistics.median(max(gather(timed(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(),
+                                                                       src.numel() * 4)))) for _ in range(a.repeats))
+    row("  (floor) one memcpy of a rank's share", f"{copy_s:.3f}s", f"{ckpt.last_save_bytes / MB:.1f} MB",
         f"ratio {copy_s / sync_s:.3f} of the sync save")
     loader = build(a, None, "sharded", False, load=f"{a.dir}/async")[0]
     load_s = max(gather(timed(loader.load)))

@@ -13,6 +13,8 @@ Tolerances (lm loss is about 5-6 here, fp32 throughout):
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import re
 import signal
@@ -97,6 +99,10 @@ def test_dp2_trains_and_matches_dp1(dp_runs):
     sizes = [(shards / f"rank_{r:05d}.bin").stat().st_size for r in range(2)]
     assert abs(sizes[0] - sizes[1]) <= 0.1 * sum(sizes), sizes
     assert not (shards.parent / "model.pt").exists()
+    # async saves are the default for multi-rank runs (sync for one rank), all four durable
+    progress = {n: (dp_runs["base"] / n / "progress.txt").read_text() for n in ("dp1", "dp2")}
+    assert progress["dp2"].count("Saved async checkpoint") == 4, progress["dp2"]
+    assert progress["dp1"].count("Saved checkpoint") == 4 and "async" not in progress["dp1"], progress["dp1"]
 
 
 def test_resume_dp2_at_dp1(dp_runs, tmp_path):
@@ -295,6 +301,27 @@ def test_distributed_optimizer_matches_dp1_and_shards_state(dp_runs, distopt_run
     buckets, own, total = map(int, m.groups())
     assert buckets >= 3 and abs(own - total / 2) <= buckets, m.group(0)
     assert r.consumed_at(ITERS) == ITERS * GBS
+
+
+def test_distributed_optimizer_saves_the_ranges_each_rank_owns(distopt_run):
+    """With the distributed optimizer, each rank writes the optimizer state of exactly the fragments it
+    owns (no gather of whole parameters): bucket boundaries cut parameters mid-row, so some pieces are
+    partial rows; together the two ranks cover every element of every state tensor once, each about
+    half the bytes."""
+    name = distopt_run["store"] / "iter_0000010" / "shards"
+    index = [json.loads((name / f"rank_{r:05d}.json").read_text())["pieces"] for r in (0, 1)]
+    optim = [[e for e in pieces if e["name"].startswith("optim/") and e["box"]] for pieces in index]
+    covered: dict[str, int] = {}
+    for e in optim[0] + optim[1]:
+        covered[e["name"]] = covered.get(e["name"], 0) + math.prod(hi - lo for lo, hi in e["box"])
+    assert covered and all(n == math.prod(next(e["global_shape"] for e in optim[0] + optim[1] if e["name"] == k))
+                           for k, n in covered.items()), covered
+    assert {k.rsplit("/", 1)[1] for k in covered} == {"exp_avg", "exp_avg_sq", "main_param"}, covered.keys()
+    cut = [e for e in optim[0] + optim[1] if len(e["box"]) == 2 and e["box"][0][1] - e["box"][0][0] == 1
+           and e["box"][1][1] - e["box"][1][0] < e["global_shape"][1]]
+    assert cut, "no piece is a partial row: the pieces do not follow the optimizer's fragments"
+    share = sum(e["nbytes"] for e in optim[0]) / sum(e["nbytes"] for e in optim[0] + optim[1])
+    assert 0.45 <= share <= 0.55, share
 
 
 def test_distributed_optimizer_checkpoints_reshard(dp_runs, distopt_run, tmp_path):

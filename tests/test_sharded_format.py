@@ -2,7 +2,8 @@
 
 The end-to-end cases (DP/TP/PP resharding, SIGKILL during saves) are in tests/test_multirank.py; this
 covers what a layout change can ask of the reader in one process: a box spanning both ranks' pieces,
-vocabulary rows the checkpoint lacks (padding: zeros), and a box no piece covers (refused).
+vocabulary rows the checkpoint lacks (padding: zeros), and a box no piece covers (refused); and the
+flat ranges a DP-sharded optimizer owns, written as boxes and read back as other ranges.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 from kubetron.errors import CheckpointError
 from kubetron.storage import open_store
-from kubetron.training.sharded import Piece, RankShard, ShardReader, write
+from kubetron.training.sharded import Piece, RankShard, ShardReader, flat_boxes, write
 
 WORD = "model/embedding.word_embeddings.weight"
 FC2 = "model/decoder.layers.0.mlp.linear_fc2.weight"
@@ -51,3 +52,40 @@ def test_boxes_across_ranks_padding_and_gaps(saved):
     assert torch.equal(padded[:2], emb[4:6]) and not padded[2:].any()
     with pytest.raises(CheckpointError, match="linear_fc2.weight box .* is not covered"):
         reader.read_many([(FC2, [(0, 4), (0, 5)])])  # not a vocabulary tensor: no padding allowed
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (2, 3, 4), (3, 1, 5), (1, 4)])
+def test_flat_ranges_are_exact_boxes(shape):
+    """Every flat range [lo, hi) of a C-contiguous tensor becomes boxes whose elements, in order, are
+    exactly that range (at most 2·ndim - 1 of them)."""
+    t = torch.arange(torch.Size(shape).numel()).view(shape)
+    n = t.numel()
+    for lo in range(n + 1):
+        for hi in range(lo, n + 1):
+            boxes = flat_boxes(shape, lo, hi)
+            assert len(boxes) <= max(2 * len(shape) - 1, 1)
+            got = [t[tuple(slice(a, b) for a, b in box)].reshape(-1) for box, _, _ in boxes]
+            assert torch.equal(torch.cat(got) if got else torch.empty(0, dtype=t.dtype), t.reshape(-1)[lo:hi])
+            assert [a for _, a, _ in boxes] == sorted(a for _, a, _ in boxes)
+            assert all(b - a == x.numel() for (_, a, b), x in zip(boxes, got, strict=True))
+
+
+def test_flat_ranges_of_three_ranks_read_back_as_other_ranges(tmp_path):
+    """A (5, 6) tensor's state split at flat offsets 0 | 8 | 19 | 30 (ranks 0..2, ranges cutting rows) is
+    read back whole, as rows, and as other flat ranges (a DP=2 run resuming a DP=3 distributed optimizer)."""
+    store = open_store(tmp_path / "store")
+    full = torch.randn(5, 6)
+    txn = store.begin_dir("iter_0000001")
+    for rank, (lo, hi) in enumerate(((0, 8), (8, 19), (19, 30))):
+        flat = full.reshape(-1)[lo:hi]
+        pieces = [Piece("optim/w/exp_avg", (5, 6), box, flat[a - lo:b - lo].view([y - x for x, y in box]))
+                  for box, a, b in flat_boxes((5, 6), lo, hi)]
+        write(txn, rank, RankShard(pieces))
+    txn.commit(b"{}")
+    reader = ShardReader(store, "iter_0000001", 3)
+    whole, rows = reader.read_many([("optim/w/exp_avg", [(0, 5), (0, 6)]), ("optim/w/exp_avg", [(1, 3), (2, 6)])])
+    assert torch.equal(whole, full) and torch.equal(rows, full[1:3, 2:6])
+    for lo, hi in ((0, 15), (15, 30), (3, 4), (11, 29)):
+        boxes = flat_boxes((5, 6), lo, hi)
+        parts = reader.read_many([("optim/w/exp_avg", box) for box, _, _ in boxes])
+        assert torch.equal(torch.cat([p.reshape(-1) for p in parts]), full.reshape(-1)[lo:hi])

@@ -335,7 +335,9 @@ class CheckpointConfig(_Section):
     pretrained_checkpoint: str | None = _f(
         None, "Checkpoint to initialise model weights from (store or iter_* directory): `finetune`, and `train` "
               "when checkpoint.load holds nothing to resume; training starts at iteration 0.")
-    async_save: bool = _f(False, "Write checkpoints in the background while training continues.")
+    async_save: bool | None = _f(
+        None, "Write checkpoints in the background while training continues; the loop blocks only for the copy "
+              "to host memory (None: on for multi-rank runs with ckpt_format sharded, off otherwise).")
     ckpt_format: Literal["sharded", "kubetron", "torch_dist"] = _f(
         "sharded", "sharded: every rank streams its own part of the canonical tensors to the store and loads "
         "only what its layout needs (any DP/TP/PP); kubetron: canonical unsharded tensors gathered on rank 0; "
@@ -925,7 +927,7 @@ class ConfigContainer(BaseModel):
             raise ConfigError("checkpoint.non_persistent_local_ckpt_dir", "must be a local directory, not s3://")
         if is_remote(c.dist_staging_dir):
             raise ConfigError("checkpoint.dist_staging_dir", "must be a local directory, not s3://")
-        if c.ckpt_format == "torch_dist" and c.async_save:
+        if c.ckpt_format == "torch_dist" and c.async_save is True:
             raise ConfigError("checkpoint.async_save", "is not supported with ckpt_format torch_dist (its save is "
                                                        "collective over all ranks); use ckpt_format sharded")
 
@@ -1047,6 +1049,8 @@ class ConfigContainer(BaseModel):
             raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not divisible by "
                                                          f"micro_batch_size*data_parallel_size = {per_step}")
         t.num_microbatches = t.global_batch_size // per_step
+        if self.checkpoint.async_save is None:  # async by default where ranks would wait on the slowest writer
+            self.checkpoint.async_save = world_size > 1 and self.checkpoint.ckpt_format == "sharded"
 
         # training length
         if t.train_samples is not None:

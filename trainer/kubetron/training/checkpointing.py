@@ -133,16 +133,35 @@ class Snapshot:
     run_config: str | None
     progress_fields: dict | None
     tokenizer: dict | None = None  # {file name: bytes} of a file-based tokenizer (rank 0 only)
+    copied: object = None  # CUDA: an event after the device→host copies (the buffers are valid once it is)
 
 
-def optimizer_state_by_name(model, optimizer) -> dict:
-    """Optimizer state keyed by parameter name (not by position), so layouts can change."""
+def optimizer_state_by_name(model, optimizer, with_state: bool = True) -> dict:
+    """Optimizer state keyed by parameter name (not by position), so layouts can change
+    (with_state=False: the param groups only)."""
     names = {id(p): n for chunk in model for n, p in chunk.named_parameters()}
     states = {}
-    for p, s in optimizer.state.items():
+    for p, s in (optimizer.state.items() if with_state else ()):
         states[names[id(p)]] = dict(s)  # live tensors: the gather below copies them to the host
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"state": states, "param_groups": groups}
+    return {"state": states, "param_groups": param_groups_of(optimizer)}
+
+
+def param_groups_of(optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _restore_param_groups(optimizer, saved_groups: list[dict]):
+    for g, sg in zip(optimizer.param_groups, saved_groups):
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = v
+
+
+def _state_on(device, optimizer, state: dict) -> dict:
+    """Saved state tensors onto the parameters' device (`step` stays on the host unless the optimizer
+    is fused, as torch keeps it)."""
+    fused = optimizer.defaults.get("fused")
+    return {k: (v.to(device) if torch.is_tensor(v) and (k != "step" or fused) else v) for k, v in state.items()}
 
 
 def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
@@ -158,14 +177,15 @@ def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
         p = by_name.get(name)
         if p is None:
             raise CheckpointError(f"optimizer state has a parameter this model lacks: {name}")
-        state = {k: (v.to(device) if torch.is_tensor(v) and k != "step" else v) for k, v in s.items()}
-        if "step" in state and optimizer.defaults.get("fused"):
-            state["step"] = state["step"].to(device)
-        optimizer.set_param_state(p, state)
-    for g, sg in zip(optimizer.param_groups, saved["param_groups"]):
-        for k, v in sg.items():
-            if k not in ("params",):
-                g[k] = v
+        optimizer.set_param_state(p, _state_on(device, optimizer, s))
+    _restore_param_groups(optimizer, saved["param_groups"])
+
+
+def load_owned_optimizer_state(optimizer, owned: list[tuple], param_groups: list[dict], device):
+    """Restore a DP-sharded optimizer from the state of the ranges it owns (sharded.load_owned)."""
+    for p, lo, hi, state in owned:
+        optimizer.set_owned_state(p, lo, hi, _state_on(device, optimizer, state))
+    _restore_param_groups(optimizer, param_groups)
 
 
 class ProgressLog:
@@ -239,6 +259,7 @@ class CheckpointManager:
         self.run_id = run_id  # same on all ranks: names the save transaction
         self.progress = ProgressLog(cfg, store, state)
         self.buffers = sharding.HostBuffers()
+        self._plan: dict = {}  # sharded.snapshot's cuts, worked out at the first save (the layout is fixed)
         ck = cfg.checkpoint
         self.local_store = None  # non-persistent "local": this rank's own directory on node-local disk
         if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
@@ -280,23 +301,32 @@ class CheckpointManager:
 
     # -- saving ---------------------------------------------------------------------------------------
     def snapshot(self, iteration: int) -> Snapshot:
-        """Copy what this rank saves to host memory (the only part of an async save that blocks).
-        sharded: this rank's own pieces; kubetron: full tensors gathered onto rank 0."""
+        """Copy what this rank saves to host memory (the only part of an async save that blocks; on CUDA
+        the copies are only queued). sharded: this rank's own pieces; kubetron: full tensors gathered
+        onto rank 0."""
         fmt, ck = self.cfg.checkpoint.ckpt_format, self.cfg.checkpoint
         self.optimizer.finish_param_sync()  # weights still being all-gathered (ddp.overlap_param_gather)
         model_sd = optim_sd = shard = None
-        by_name = optimizer_state_by_name(self.model, self.optimizer) if ck.save_optim and fmt != "torch_dist" \
-            else None
+        # a DP-sharded optimizer's own ranges go straight into the sharded format (no gather)
+        owned = self.optimizer.owned_state() if ck.save_optim and fmt == "sharded" else None
+        by_name = optimizer_state_by_name(self.model, self.optimizer, with_state=owned is None) \
+            if ck.save_optim and fmt != "torch_dist" else None
         if fmt == "sharded":
-            shard = sharded.snapshot(self.model, by_name["state"] if by_name else None, self.buffers.copy,
-                                     keep=peft.is_adapter_name if peft.enabled(self.cfg) else None)
+            shard = sharded.snapshot(self.model, by_name["state"] if owned is None and by_name else None,
+                                     self.buffers.copy, keep=peft.is_adapter_name if peft.enabled(self.cfg) else None,
+                                     owned=owned, plan=self._plan)
         elif fmt == "kubetron":  # (torch_dist: every rank writes in write())
             model_sd = sharding.gather_model_state(self.model, self.buffers)
             optim_sd = sharding.gather_optimizer_state(self.model, by_name, self.buffers) if by_name else None
         rank0 = _rank() == 0
         common = self._common_state(iteration, by_name) if rank0 else None
+        copied = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # the non-blocking device→host copies have landed
+            # The device→host copies are queued on the current stream (pinned buffers, non-blocking): the
+            # loop goes on at once, and anything that later changes the weights is queued behind them.
+            # The writer waits for this event before it reads the buffers.
+            copied = torch.cuda.Event()
+            copied.record()
         return Snapshot(
             iteration=iteration,
             model=model_sd if rank0 else None,
@@ -307,6 +337,7 @@ class CheckpointManager:
             run_config=self._run_config() if rank0 else None,
             progress_fields=self.progress.fields(iteration) if rank0 else None,
             tokenizer=self._tokenizer_files() if rank0 else None,
+            copied=copied,
         )
 
     def save(self, step: int, *, non_persistent: bool = False, blocking: bool | None = None):
@@ -338,6 +369,8 @@ class CheckpointManager:
     def _write(self, name: str, snap: Snapshot, holder: dict):
         """Every rank: its own files into the transaction (background thread for async saves)."""
         rank, it = _rank(), snap.iteration
+        if snap.copied is not None:
+            snap.copied.synchronize()
         txn = holder["txn"] = self.save_store.begin_dir(name, txn_id=f"{self.run_id}-{it}")
         if snap.rng:  # checkpoint.save_rng: false writes none (and a resume keeps this run's seeds)
             txn.write_bytes(f"rng/rank_{rank:05d}.pt", _to_bytes(snap.rng))
@@ -578,7 +611,7 @@ class CheckpointManager:
         ck = self.cfg.checkpoint
         device = next(model[0].parameters()).device
         with_optim = full and ck.load_optim
-        optim_state = None
+        optim_state = owned = None
         keep = peft.load_filter(common.get("peft"), self.cfg, name, as_pretrained=not full)
         if keep is peft.is_adapter_name:  # an adapter-only checkpoint: first the frozen base
             self._load_pretrained()
@@ -590,8 +623,12 @@ class CheckpointManager:
             reader = sharded.ShardReader(store, name, common["num_shards"])
             sharded.load_model(model, reader, keep=keep)
             if with_optim and common.get("optim_param_groups") is not None:
-                optim_state = {"state": sharded.load_optimizer(model, reader),
-                               "param_groups": common["optim_param_groups"]}
+                ranges = optimizer.owned_ranges()  # a DP-sharded optimizer reads only its own ranges
+                if ranges is not None:
+                    owned = sharded.load_owned(model, reader, ranges)
+                else:
+                    optim_state = {"state": sharded.load_optimizer(model, reader),
+                                   "param_groups": common["optim_param_groups"]}
         elif fmt == "torch_dist":
             optim_state = dist_ckpt.load(model, optimizer, store, name, self.cfg, common, with_optimizer=with_optim,
                                          device=device)
@@ -607,6 +644,8 @@ class CheckpointManager:
             return
         if optim_state is not None:
             load_optimizer_state_by_name(model, optimizer, optim_state, device)
+        elif owned is not None:
+            load_owned_optimizer_state(optimizer, owned, common["optim_param_groups"], device)
         self._restore_common(common)
         rng_key = f"{name}/rng/rank_{_rank():05d}.pt"
         same_layout = common.get("parallel", {}).get("world_size") == self.state.world_size

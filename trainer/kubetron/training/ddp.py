@@ -29,10 +29,11 @@ Distributed optimizer (`DistributedOptimizer`, `ddp.use_distributed_optimizer`, 
   with `overlap_param_gather` the all-gathers run async and each module waits for its own buckets
   in a forward pre-hook, so the gather overlaps the next forward pass;
 - grad norm: squares of the own fragments' grads, summed over the DP group, then over TP×PP;
-- checkpoints stay canonical: `state` (used by checkpointing.optimizer_state_by_name, on every rank)
-  all-gathers the fragments into full parameter-shaped tensors, and `set_param_state` takes this
-  rank's fragments out of full ones, so a checkpoint saved with the distributed optimizer resumes
-  without it, at another DP size, or at another TP/PP layout, and the other way round.
+- checkpoints stay canonical: the sharded format writes and reads each rank's fragments as boxes of
+  the canonical tensors (`owned_state` / `set_owned_state`, no gather); the other formats use `state`
+  (collective: all-gathers the fragments into full parameter-shaped tensors) and `set_param_state`
+  (this rank's fragments out of full ones). So a checkpoint saved with the distributed optimizer
+  resumes without it, at another DP size, or at another TP/PP layout, and the other way round.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from kubetron.training.grads import (
     model_parallel_grad_sums,
     sum_of_squares,
 )
-from kubetron.training.optimizer_base import OptimizerOverCopies
+from kubetron.training.optimizer_base import OptimizerOverCopies, take_main_param
 
 log = logging.getLogger("kubetron")
 
@@ -392,10 +393,7 @@ class DistributedOptimizer(OptimizerOverCopies):
     @torch.no_grad()
     def set_param_state(self, model_param: torch.nn.Parameter, state: dict):
         """Restore one parameter from full (canonical) state: this rank takes its fragments."""
-        state = dict(state)
-        saved_main = state.pop("main_param", None)
-        if saved_main is not None:
-            model_param.copy_(saved_main.to(model_param.device, model_param.dtype))
+        state, saved_main = take_main_param(model_param, state)
         for f in self._frags_of.get(model_param, []):
             if saved_main is not None:
                 f.main.copy_(saved_main.reshape(-1)[f.lo:f.hi])
@@ -407,6 +405,30 @@ class DistributedOptimizer(OptimizerOverCopies):
                 self.inner.state[f.main] = entry
             else:
                 self.inner.state.pop(f.main, None)
+
+    def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        return [(f.param, f.lo, f.hi) for f in self.fragments]
+
+    def owned_state(self) -> list[tuple[torch.nn.Parameter, int, int, dict]]:
+        """Each fragment's fp32 main and inner state, as they are (no gather: sharded checkpoints)."""
+        self.finish_param_sync()
+        return [(f.param, f.lo, f.hi, {"main_param": f.main.detach(), **self.inner.state.get(f.main, {})})
+                for f in self.fragments]
+
+    @torch.no_grad()
+    def set_owned_state(self, model_param: torch.nn.Parameter, lo: int, hi: int, state: dict):
+        """Restore one fragment from the state of exactly its range (a saved main becomes its fp32 main)."""
+        f = next((f for f in self._frags_of.get(model_param, []) if (f.lo, f.hi) == (lo, hi)), None)
+        if f is None:
+            raise ValueError(f"this rank owns no range [{lo}, {hi}) of a parameter of shape {list(model_param.shape)}")
+        state = dict(state)
+        main = state.pop("main_param", None)
+        f.main.copy_(main if main is not None else model_param.detach().reshape(-1)[lo:hi])
+        if state:
+            self.inner.state[f.main] = {k: v.to(f.main.device) if torch.is_tensor(v) and v.ndim > 0 else v
+                                        for k, v in state.items()}
+        else:
+            self.inner.state.pop(f.main, None)
 
     def state_dict(self) -> dict:
         """This rank's own shard (same-layout resumes only: node-local checkpoints)."""

@@ -38,7 +38,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params
 
-from kubetron.training.optimizer_base import TrainingOptimizer
+from kubetron.training.optimizer_base import TrainingOptimizer, take_main_param
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -189,10 +189,7 @@ class MegatronOptimizer(TrainingOptimizer):
     @torch.no_grad()
     def set_param_state(self, model_param: torch.nn.Parameter, state: dict):
         """Restore one parameter from full (canonical) state: this rank takes its range."""
-        state = dict(state)
-        saved_main = state.pop("main_param", None)
-        if saved_main is not None:
-            model_param.copy_(saved_main.to(model_param.device, model_param.dtype))
+        state, saved_main = take_main_param(model_param, state)
         part, main, rng = self._locate(model_param)
         if part is None:
             return
@@ -203,6 +200,43 @@ class MegatronOptimizer(TrainingOptimizer):
                  for k, v in state.items()}
         if entry:
             part.optimizer.state[main] = entry
+
+    def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]] | None:
+        """With megatron's distributed optimizer: the flat range of each parameter this rank's shard
+        holds (parameters outside its shard are left out); None without it (state per parameter)."""
+        out = []
+        for p in self.params:
+            part, _, rng = self._locate(p)
+            if part is not None and rng is None:
+                return None  # a non-distributed sub-optimizer: whole parameters
+            if part is not None and rng[1] > rng[0]:
+                out.append((p, *rng))
+        return out
+
+    def owned_state(self) -> list[tuple[torch.nn.Parameter, int, int, dict]] | None:
+        ranges = self.owned_ranges()
+        if ranges is None:
+            return None
+        self.finish_param_sync()
+        out = []
+        for p, lo, hi in ranges:
+            part, main, _ = self._locate(p)
+            state = {k: v.view(-1) if torch.is_tensor(v) and v.ndim > 0 else v
+                     for k, v in part.optimizer.state.get(main, {}).items()}
+            out.append((p, lo, hi, {"main_param": main.detach().view(-1), **state}))
+        return out
+
+    @torch.no_grad()
+    def set_owned_state(self, model_param: torch.nn.Parameter, lo: int, hi: int, state: dict):
+        part, main, rng = self._locate(model_param)
+        if part is None or rng != (lo, hi):
+            raise ValueError(f"this rank owns no range [{lo}, {hi}) of a parameter of shape {list(model_param.shape)}")
+        state = dict(state)
+        saved_main = state.pop("main_param", None)
+        main.copy_((saved_main if saved_main is not None else model_param.detach().reshape(-1)[lo:hi]).view_as(main))
+        if state:
+            part.optimizer.state[main] = {k: v.to(main.device).view_as(main) if torch.is_tensor(v) and v.ndim > 0
+                                          else v for k, v in state.items()}
 
     def state_dict(self) -> dict:
         """This rank's own pieces, by parameter position (same-layout, node-local checkpoints): the fp32

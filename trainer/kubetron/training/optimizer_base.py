@@ -11,6 +11,10 @@ Every optimizer kubetron builds (optim.build_optimizer) is a `TrainingOptimizer`
     finish_param_sync()    wait for overlapped parameter all-gathers before reading all weights
     reload_model_params()  the model's weights were loaded from elsewhere: refresh any copies
     state / set_param_state(p, state)    canonical state keyed by model parameter (checkpoints)
+    owned_ranges() / owned_state() / set_owned_state(p, lo, hi, state)
+                           optimizers that shard state over DP: the flat range of each parameter this
+                           rank owns, and its state (sharded checkpoints write and read only those);
+                           None for the others
     state_dict() / load_state_dict(sd)   positional state (same-layout, node-local checkpoints)
     param_groups / defaults              as torch optimizers (the LR scheduler sets "lr")
 
@@ -102,14 +106,24 @@ class TrainingOptimizer:
     @torch.no_grad()
     def set_param_state(self, model_param: torch.nn.Parameter, state: dict):
         """Restore one parameter; a saved fp32 `main_param` (a bf16 run's) becomes the weight itself."""
-        state = dict(state)
-        main = state.pop("main_param", None)
-        if main is not None:
-            model_param.copy_(main.to(model_param.device, model_param.dtype))
+        state, _ = take_main_param(model_param, state)
         if state:
             self.inner.state[model_param] = state
         else:
             self.inner.state.pop(model_param, None)
+
+    def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]] | None:
+        """[(model param, lo, hi)]: the flat ranges whose state this rank alone holds (None: the state
+        is per whole parameter, `state`)."""
+        return None
+
+    def owned_state(self) -> list[tuple[torch.nn.Parameter, int, int, dict]] | None:
+        """[(model param, lo, hi, {"main_param": fp32 flat, state key: flat tensor, "step": 0-d})] for
+        owned_ranges(); live tensors (the checkpointer copies them)."""
+        return None
+
+    def set_owned_state(self, model_param: torch.nn.Parameter, lo: int, hi: int, state: dict):
+        raise NotImplementedError(f"{type(self).__name__} keeps state per whole parameter (set_param_state)")
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
@@ -145,3 +159,14 @@ class OptimizerOverCopies(TrainingOptimizer):
         if self._grad_scale is not None and grads:
             torch._foreach_mul_(grads, self._grad_scale.to(grads[0].device, torch.float32))
         self._grad_scale = None
+
+
+@torch.no_grad()
+def take_main_param(model_param: torch.nn.Parameter, state: dict) -> tuple[dict, torch.Tensor | None]:
+    """(state without "main_param", the saved fp32 main or None); a saved main becomes the model's
+    weight (rounded to its dtype): more precise than the weight saved with the model."""
+    state = dict(state)
+    main = state.pop("main_param", None)
+    if main is not None:
+        model_param.copy_(main.to(model_param.device, model_param.dtype))
+    return state, main

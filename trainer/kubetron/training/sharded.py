@@ -18,6 +18,9 @@ tensor, so any layout reads any other's pieces by intersecting boxes:
   it has beyond this run's padded size are skipped.
 Optimizer state is saved per parameter like the parameter (param-shaped state such as Adam's moments and
 fp32 `main_param`); 0-d tensors (`step`) are pieces with an empty box; other values go in the index.
+An optimizer that shards its state over DP (ddp.DistributedOptimizer: each rank owns a flat range of
+each parameter) writes and reads exactly the ranges it owns, as boxes (`flat_boxes`): no rank ever
+holds a whole parameter's state, and the pieces are the same canonical tensors any layout reads.
 """
 
 from __future__ import annotations
@@ -91,54 +94,190 @@ def _replica_slot(tp_split: bool) -> tuple[int, int]:
     return dp_rank * tp + parallel_state.get_tensor_model_parallel_rank(), dp * tp
 
 
-def _my_piece(name, t, gshape, start, dim, host_copy) -> Piece | None:
+@dataclass(frozen=True)
+class _Cut:
+    """How one piece is cut out of a live tensor: view it as `shape` (canonical layout), take
+    [lo, lo + n) of dimension `dim` (None: all of it); it lands at `box` of canonical tensor `name`.
+    Depends only on the model and the parallel layout, so a CheckpointManager computes it once."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]
+    shape: tuple[int, ...]
+    dim: int | None = None
+    lo: int = 0
+    n: int = 0
+
+    def take(self, t: torch.Tensor, host_copy, key: str) -> Piece:
+        t = t.detach()
+        t = t.reshape(self.shape) if t.shape != self.shape else t
+        if self.dim is not None:
+            t = t.narrow(self.dim, self.lo, self.n)
+        return Piece(self.name, self.global_shape, list(self.box), host_copy(key, t))
+
+
+def _my_cut(name, t, gshape, start, dim) -> _Cut | None:
     """This rank's share of the local tensor `t` (a view in canonical layout), or None."""
     slot, n = _replica_slot(dim is not None)
     if t.ndim == 0:
-        return Piece(name, (), [], host_copy(name, t)) if slot == 0 else None
+        return _Cut(name, (), (), ()) if slot == 0 else None
     # Split the replicas' work along the first dimension long enough: a contiguous slice (a plain
     # memcpy into the host buffer, whole rows on load); the largest dimension if none is.
     d = next((i for i in range(t.ndim) if t.shape[i] >= n), max(range(t.ndim), key=lambda i: t.shape[i]))
     lo, hi = t.shape[d] * slot // n, t.shape[d] * (slot + 1) // n
     if hi <= lo:
         return None
-    box = [(s + (lo if i == d else 0), s + (hi if i == d else t.shape[i])) for i, s in enumerate(start)]
-    return Piece(name, gshape, box, host_copy(name, t.narrow(d, lo, hi - lo)))
+    box = tuple((s + (lo if i == d else 0), s + (hi if i == d else t.shape[i])) for i, s in enumerate(start))
+    return _Cut(name, gshape, box, tuple(t.shape), d, lo, hi - lo)
+
+
+def flat_boxes(shape, lo: int, hi: int) -> list[tuple[list[tuple[int, int]], int, int]]:
+    """The flat range [lo, hi) of a C-contiguous tensor of `shape` as boxes, in order: [(box, a, b)],
+    box b holding the elements [a, b) of the flat range (at most 2·ndim - 1 boxes)."""
+    if hi <= lo:
+        return []
+    if not shape:
+        return [([], lo, hi)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+
+    def within_row(row, a, b):  # part of one row: a box of the inner shape, one row high
+        return [([(row, row + 1), *box], row * inner + x, row * inner + y)
+                for box, x, y in flat_boxes(shape[1:], a - row * inner, b - row * inner)]
+
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last and (lo % inner or hi - lo < inner):
+        return within_row(first, lo, hi)
+    full_lo, full_hi = -(-lo // inner), hi // inner  # the whole rows inside [lo, hi)
+    out = within_row(first, lo, full_lo * inner) if lo % inner else []
+    if full_hi > full_lo:
+        out.append(([(full_lo, full_hi), *[(0, n) for n in shape[1:]]], full_lo * inner, full_hi * inner))
+    if hi % inner:
+        out += within_row(last, full_hi * inner, hi)
+    return out
 
 
 # --- save -------------------------------------------------------------------------------------------
 
-def snapshot(model, optim_by_name: dict | None, host_copy, keep=None) -> RankShard:
-    """This rank's pieces of the model (and optimizer state keyed by local parameter name), on the host;
-    `keep(name)` selects the model tensors (LoRA: the adapters only)."""
+def snapshot(model, optim_by_name: dict | None, host_copy, keep=None, owned=None, plan: dict | None = None
+             ) -> RankShard:
+    """This rank's pieces of the model (and optimizer state keyed by local parameter name, or `owned`:
+    the flat ranges of a DP-sharded optimizer, see _owned_cuts), on the host; `keep(name)` selects
+    the model tensors (LoRA: the adapters only). `plan`: a dict the caller keeps from one save to the
+    next (same model, same layout): where each tensor's pieces go is worked out once, so a later
+    snapshot (what an async save blocks for) is little more than the copies."""
     chunk = model[0]
-    params = dict(chunk.named_parameters())
-    offsets = sharding._layer_offsets(chunk)
+    plan = {} if plan is None else plan
+    layout = _Layout(chunk)
     out = RankShard()
     for k, v in sharding._local_state(chunk, keep).items():
-        if sharding._is_tied_output_copy(chunk, k):
-            continue
-        t, gshape, start, dim = _placement(chunk, k, v.detach(), params)
-        piece = _my_piece(f"model/{sharding._canonical_name(k, offsets)}", t, gshape, start, dim, host_copy)
-        if piece is not None:
-            out.pieces.append(piece)
+        cut = _planned(plan, ("model", k, tuple(v.shape)), lambda k=k, v=v: layout.model_cut(k, v))
+        if cut is not None:
+            out.pieces.append(cut.take(v, host_copy, cut.name))
     for k, state in (optim_by_name or {}).items():
-        if sharding._is_tied_output_copy(chunk, k):
-            continue
-        base = f"optim/{sharding._canonical_name(k, offsets)}"
         for key, v in state.items():
-            if torch.is_tensor(v) and v.ndim > 0:
-                t, gshape, start, dim = _placement(chunk, k, v.detach().reshape(params[k].shape), params)
-                piece = _my_piece(f"{base}/{key}", t, gshape, start, dim, host_copy)
-            elif torch.is_tensor(v):
-                piece = _my_piece(f"{base}/{key}", v.detach(), (), (), None, host_copy)
-            else:
-                piece = None
-                if _replica_slot(False)[0] == 0:
-                    out.values[f"{base}/{key}"] = v
-            if piece is not None:
-                out.pieces.append(piece)
+            if not torch.is_tensor(v):
+                if not layout.is_tied_copy(k) and _replica_slot(False)[0] == 0:
+                    out.values[f"{layout.base(k)}/{key}"] = v
+                continue
+            cut = _planned(plan, ("optim", k, key, tuple(v.shape)),
+                           lambda k=k, key=key, v=v: layout.optim_cut(k, key, v))
+            if cut is not None:
+                out.pieces.append(cut.take(v, host_copy, cut.name))
+    for p, lo, hi, state in owned or ():
+        for key, v in state.items():
+            if not torch.is_tensor(v):
+                if layout.writes_scalars(p, lo):
+                    out.values[f"{layout.base(layout.names[p])}/{key}"] = v
+                continue
+            cuts = _planned(plan, ("owned", id(p), key, lo, hi, v.ndim),
+                            lambda p=p, key=key, lo=lo, hi=hi, v=v: layout.owned_cuts(p, key, lo, hi, v))
+            flat = v.reshape(-1) if v.ndim else v
+            for cut, a, n in cuts:
+                out.pieces.append(cut.take(flat.narrow(0, a, n) if v.ndim else flat, host_copy, f"{cut.name}@{a}"))
     return out
+
+
+_MISS = object()
+
+
+def _planned(plan: dict, key, compute):
+    hit = plan.get(key, _MISS)
+    if hit is _MISS:
+        hit = plan[key] = compute()
+    return hit
+
+
+class _Layout:
+    """Where this rank's tensors sit in the canonical tensors (computed on a plan miss only)."""
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+        self._params = None
+        self._offsets = None
+
+    @property
+    def params(self) -> dict:
+        if self._params is None:
+            self._params = dict(self.chunk.named_parameters())
+        return self._params
+
+    @property
+    def names(self) -> dict:
+        return {p: k for k, p in self.params.items()}
+
+    def canonical(self, k: str) -> str:
+        if self._offsets is None:
+            self._offsets = sharding._layer_offsets(self.chunk)
+        return sharding._canonical_name(k, self._offsets)
+
+    def base(self, k: str) -> str:
+        return f"optim/{self.canonical(k)}"
+
+    def is_tied_copy(self, k: str) -> bool:
+        return sharding._is_tied_output_copy(self.chunk, k)
+
+    def model_cut(self, k: str, v: torch.Tensor) -> _Cut | None:
+        if self.is_tied_copy(k):
+            return None
+        t, gshape, start, dim = _placement(self.chunk, k, v.detach(), self.params)
+        return _my_cut(f"model/{self.canonical(k)}", t, gshape, start, dim)
+
+    def optim_cut(self, k: str, key: str, v: torch.Tensor) -> _Cut | None:
+        """Per-parameter optimizer state: param-shaped tensors like the parameter, 0-d ones once."""
+        if self.is_tied_copy(k):
+            return None
+        name = f"{self.base(k)}/{key}"
+        if v.ndim == 0:
+            return _my_cut(name, v, (), (), None)
+        meta = torch.empty(self.params[k].shape, device="meta")
+        t, gshape, start, dim = _placement(self.chunk, k, meta, self.params)
+        return _my_cut(name, t, gshape, start, dim)
+
+    def writes_scalars(self, p, lo: int) -> bool:
+        """A DP-sharded optimizer's 0-d and non-tensor values of a parameter: written once, by TP rank 0's
+        owner of element 0 (replicated over TP, only TP rank 0's DP group writes at all)."""
+        return lo == 0 and parallel_state.get_tensor_model_parallel_rank() == 0 \
+            and not self.is_tied_copy(self.names[p])
+
+    def owned_cuts(self, p, key: str, lo: int, hi: int, v: torch.Tensor) -> list[tuple[_Cut, int, int]]:
+        """The flat range [lo, hi) of parameter `p`'s state `key` as boxes: [(cut, offset, length) of
+        each box's slice of the range]."""
+        k = self.names[p]
+        replicated_elsewhere = parallel_state.get_tensor_model_parallel_rank() != 0 and sharding._tp_split(p) is None
+        if self.is_tied_copy(k) or replicated_elsewhere:
+            return []
+        name = f"{self.base(k)}/{key}"
+        if v.ndim == 0:
+            return [(_Cut(name, (), (), ()), 0, 0)] if self.writes_scalars(p, lo) else []
+        t, gshape, start, _ = _placement(self.chunk, k, torch.empty(p.shape, device="meta"), self.params)
+        return [(_Cut(name, gshape, tuple(_shifted(box, start)), tuple(y - x for x, y in box)), a - lo, b - a)
+                for box, a, b in flat_boxes(t.shape, lo, hi)]
+
+
+def _shifted(box, start) -> list[tuple[int, int]]:
+    return [(s + x, s + y) for s, (x, y) in zip(start, box, strict=True)]
 
 
 def write(txn, rank: int, shard: RankShard, after_data=None) -> int:
@@ -327,6 +466,43 @@ def load_optimizer(model, reader: ShardReader) -> dict:
     for (k, key, shape), data in zip(slots, reader.read_many(wants), strict=True):
         state.setdefault(k, {})[key] = data.reshape(shape)
     return state
+
+
+def load_owned(model, reader: ShardReader, ranges) -> list[tuple]:
+    """For a DP-sharded optimizer: the state of the flat ranges this rank owns ([(param, lo, hi)]), read
+    as boxes (no rank reads a whole parameter's state): [(param, lo, hi, {key: flat tensor or value})]."""
+    chunk = model[0]
+    offsets = sharding._layer_offsets(chunk)
+    params = dict(chunk.named_parameters())
+    names = {p: k for k, p in params.items()}
+    saved_any = any(n.startswith("optim/") for n in [*reader.pieces, *reader.values])
+    out, slots, wants = [], [], []
+    for p, lo, hi in ranges:
+        k = names[p]
+        src = sharding._source_name(chunk, k, offsets)
+        base = f"optim/{src}/"
+        keys = reader.keys_under(base)
+        if saved_any and not keys:
+            raise CheckpointError(f"{reader.name}: the optimizer state lacks {src}")
+        t, gshape, start, _ = _placement(chunk, k, torch.empty(p.shape, device="meta"), params)
+        state: dict = {}
+        for key in keys:
+            name = base + key
+            if name in reader.values:
+                state[key] = reader.values[name]
+            elif not reader.global_shape(name):  # 0-d (`step`)
+                slots.append((state, key, 0))
+                wants.append((name, []))
+            else:
+                _check_shape(reader, name, gshape, src in VOCAB_TENSORS)
+                boxes = flat_boxes(t.shape, lo, hi)
+                slots.append((state, key, len(boxes)))
+                wants += [(name, _shifted(box, start)) for box, _, _ in boxes]
+        out.append((p, lo, hi, state))
+    data = iter(reader.read_many(wants))
+    for state, key, n in slots:
+        state[key] = next(data).reshape(()) if n == 0 else torch.cat([next(data).reshape(-1) for _ in range(n)])
+    return out
 
 
 def read_canonical(store, name: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

@@ -30,6 +30,7 @@ parameter; anything else (`step`) is copied.
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import torch
@@ -196,7 +197,10 @@ class HostBuffers:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        buf.copy_(t, non_blocking=t.is_cuda)
+        if t.is_cuda or not t.is_contiguous() or t.numel() == 0:
+            buf.copy_(t, non_blocking=t.is_cuda)
+        else:  # libc memmove: ~1.6x torch's element-wise CPU copy kernel (bench/checkpoint.py --ranks 2)
+            ctypes.memmove(buf.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
         return buf
 
     @property
