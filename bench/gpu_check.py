@@ -8,8 +8,9 @@ Rows:
                           examples/gpt-1p3b.yaml's shape; target ratio >= 1.13
   bf16 vs fp32 loss       a small GPT trained 50 steps in bf16 (fp32 main weights) and in fp32 from
                           the same seed and data; target max abs loss difference <= PARITY_TOL
-  SIGTERM + exact resume  `kubetron train` stopped by SIGTERM mid-run (exit 75), resumed: its losses
-                          equal an uninterrupted run's, bit for bit (TensorBoard's fp32 values)
+  SIGTERM + exact resume  `kubetron train` with the distributed optimizer stopped by SIGTERM mid-run
+                          (exit 75), resumed: its losses equal an uninterrupted run's, bit for bit
+                          (TensorBoard's fp32 values)
   checkpoint 1.3B async   bench/checkpoint.py --device cuda at the 1.3B shape (21 GB of model +
                           optimizer state): the async save blocks the caller <= 1.0 s
   ddp.py (NCCL)           bench/ddp.py: kubetron's and megatron-core's DDP / distributed optimizer
@@ -141,10 +142,12 @@ def check_sigterm_resume(tiny: bool) -> Row:
     iters, k = (60, 3) if tiny else (40, 20)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         a, b = Path(tmp, "a"), Path(tmp, "b")
-        full = subprocess.Popen(_train_cmd(a, iters), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+        # with the distributed optimizer: its sharded save/load of the state it owns (on CUDA megatron-core's)
+        opt = ["ddp.use_distributed_optimizer=true"]
+        full = subprocess.Popen(_train_cmd(a, iters, *opt), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)  # the uninterrupted run, alongside
-        stopped = _run_until_then_sigterm(_train_cmd(b, iters), k, timeout=600)
-        resumed = _run(_train_cmd(b, iters), timeout=600)
+        stopped = _run_until_then_sigterm(_train_cmd(b, iters, *opt), k, timeout=600)
+        resumed = _run(_train_cmd(b, iters, *opt), timeout=600)
         full_rc = full.wait(timeout=600)
         if (full_rc, stopped, resumed.returncode) != (0, 75, 0):
             return Row("SIGTERM + exact resume", "FAIL", f"exit codes full/stopped/resumed = {full_rc}/{stopped}/"

@@ -90,8 +90,9 @@ def wandb_history(path: str) -> dict[str, dict[int, float]]:
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            break
+        if kind == 0:  # zero fill (a flush ended the block early): the next block goes on
+            pos += block - pos % block
+            continue
         piece += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
