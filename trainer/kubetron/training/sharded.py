@@ -163,7 +163,7 @@ def flat_boxes(shape, lo: int, hi: int) -> list[tuple[list[tuple[int, int]], int
 def snapshot(model, optim_by_name: dict | None, host_copy, keep=None, owned=None, plan: dict | None = None
              ) -> RankShard:
     """This rank's pieces of the model (and optimizer state keyed by local parameter name, or `owned`:
-    the flat ranges of a DP-sharded optimizer, see _owned_cuts), on the host; `keep(name)` selects
+    the flat ranges of a DP-sharded optimizer, see _Layout.owned_cuts), on the host; `keep(name)` selects
     the model tensors (LoRA: the adapters only). `plan`: a dict the caller keeps from one save to the
     next (same model, same layout): where each tensor's pieces go is worked out once, so a later
     snapshot (what an async save blocks for) is little more than the copies."""
@@ -214,8 +214,7 @@ class _Layout:
 
     def __init__(self, chunk):
         self.chunk = chunk
-        self._params = None
-        self._offsets = None
+        self._params = self._names = self._offsets = None
 
     @property
     def params(self) -> dict:
@@ -225,7 +224,9 @@ class _Layout:
 
     @property
     def names(self) -> dict:
-        return {p: k for k, p in self.params.items()}
+        if self._names is None:
+            self._names = {p: k for k, p in self.params.items()}
+        return self._names
 
     def canonical(self, k: str) -> str:
         if self._offsets is None:
