@@ -420,8 +420,8 @@ class CheckpointManager:
         """Finish async saves that are done (or all, if blocking). Collective when world_size > 1:
         a save is finalized only once every rank's background write has finished."""
         saver = self.async_saver
-        if saver is None:
-            return
+        if saver is None or not saver.pending:  # the same on every rank: saves start and end together,
+            return  # so the loop pays the collective below only while a save is in flight
         if blocking or not (dist.is_initialized() and dist.get_world_size() > 1):
             saver.maybe_finalize(blocking=blocking)
             return
