@@ -316,7 +316,8 @@ def test_distributed_optimizer_saves_the_ranges_each_rank_owns(distopt_run):
         covered[e["name"]] = covered.get(e["name"], 0) + math.prod(hi - lo for lo, hi in e["box"])
     assert covered and all(n == math.prod(next(e["global_shape"] for e in optim[0] + optim[1] if e["name"] == k))
                            for k, n in covered.items()), covered
-    assert {k.rsplit("/", 1)[1] for k in covered} == {"exp_avg", "exp_avg_sq", "main_param"}, covered.keys()
+    # fp32 parameters: no main_param (the fp32 weight saved with the model is the main, bit for bit)
+    assert {k.rsplit("/", 1)[1] for k in covered} == {"exp_avg", "exp_avg_sq"}, covered.keys()
     cut = [e for e in optim[0] + optim[1] if len(e["box"]) == 2 and e["box"][0][1] - e["box"][0][0] == 1
            and e["box"][1][1] - e["box"][1][0] < e["global_shape"][1]]
     assert cut, "no piece is a partial row: the pieces do not follow the optimizer's fragments"
@@ -361,16 +362,24 @@ def test_distributed_optimizer_sigterm_resume_is_exact(distopt_run, tmp_path):
 def test_distributed_optimizer_bf16_and_pp2_with_tied_embeddings(tmp_path):
     """bf16 parameters (fp32 grad buffers, fp32 main fragments) at DP=2, and PP=2 with tied embeddings
     (the shared embedding's grad in its own all-reduced bucket, summed over the embedding group): each
-    with the distributed optimizer tracks the same run without it."""
+    with the distributed optimizer tracks the same run without it; the bf16 one resumes bit for bit."""
     for name, extra in (("bf16", ["mixed_precision.bf16=true"]), ("pp2", PP2)):
         a = launch(args(tmp_path / f"{name}-plain", *extra, "train.train_iters=20"), tmp_path / f"r-{name}-a")
         ok(a)
-        b = launch(args(tmp_path / f"{name}-distopt", *extra, *DISTOPT, "train.train_iters=20"),
-                   tmp_path / f"r-{name}-b")
+        b = launch(args(tmp_path / f"{name}-distopt", *extra, *DISTOPT, "train.train_iters=20",
+                        "checkpoint.save_interval=10"), tmp_path / f"r-{name}-b")
         ok(b)
         ref, got = tb_scalars(tmp_path / f"{name}-plain" / "tb"), tb_scalars(tmp_path / f"{name}-distopt" / "tb")
         falls(got, 1, 20)
         close(got, ref, range(1, 21), 1e-5 if name == "pp2" else 2e-3)
+    # bf16: each rank saved the fp32 mains of the fragments it owns; a resume from iteration 10 at the same
+    # layout restores them (not the bf16-rounded weights), so iterations 11..20 repeat bit for bit
+    again = launch(args(tmp_path / "bf16-again", "mixed_precision.bf16=true", *DISTOPT, "train.train_iters=20",
+                        "checkpoint.ckpt_step=10", load=tmp_path / "bf16-distopt"), tmp_path / "r-bf16-c")
+    ok(again)
+    want, got = tb_scalars(tmp_path / "bf16-distopt" / "tb"), tb_scalars(tmp_path / "bf16-again" / "tb")
+    assert "at iteration 10" in again.stdout and {i: got[i] for i in range(11, 21)} == \
+        {i: want[i] for i in range(11, 21)}, again.tail()
 
 
 TORCH_DIST = ["checkpoint.ckpt_format=torch_dist"]

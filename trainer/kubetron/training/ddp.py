@@ -410,9 +410,11 @@ class DistributedOptimizer(OptimizerOverCopies):
         return [(f.param, f.lo, f.hi) for f in self.fragments]
 
     def owned_state(self) -> list[tuple[torch.nn.Parameter, int, int, dict]]:
-        """Each fragment's fp32 main and inner state, as they are (no gather: sharded checkpoints)."""
+        """Each fragment's inner state and, for a bf16/fp16 parameter, its fp32 main, as they are (no
+        gather: sharded checkpoints). An fp32 parameter is its main, bit for bit: the model's copy is saved."""
         self.finish_param_sync()
-        return [(f.param, f.lo, f.hi, {"main_param": f.main.detach(), **self.inner.state.get(f.main, {})})
+        return [(f.param, f.lo, f.hi, {**({"main_param": f.main.detach()} if f.param.dtype != torch.float32 else {}),
+                                       **self.inner.state.get(f.main, {})})
                 for f in self.fragments]
 
     @torch.no_grad()
