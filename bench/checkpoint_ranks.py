@@ -163,7 +163,7 @@ def main() -> int:
     written = gather(ckpt.last_save_bytes)
     growth["sharded, distributed optimizer"] = (gather(m.growth), ckpt.buffers.nbytes, sum(written))
     row("bytes written per rank (sharded, distributed optimizer)", ", ".join(f"{w / MB:.1f} MB" for w in written),
-        f"total {sum(written) / MB:.1f} MB (fp32 params, moments, fp32 mains)",
+        f"total {sum(written) / MB:.1f} MB (params, moments; fp32 mains of bf16 params only)",
         "shares " + ", ".join(f"{w / sum(written):.3f}" for w in written) + f" (target ~{1 / world:.3f})")
     ckpt.close()
     for fmt, (g, buffers, *size) in growth.items():
