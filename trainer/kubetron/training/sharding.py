@@ -199,7 +199,7 @@ class HostBuffers:
             buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         if t.is_cuda or not t.is_contiguous() or t.numel() == 0:
             buf.copy_(t, non_blocking=t.is_cuda)
-        else:  # libc memmove: ~1.6x torch's element-wise CPU copy kernel (bench/checkpoint.py --ranks 2)
+        else:  # libc memmove: as fast as torch's CPU copy kernel for MB pieces, 1.6x for 100s of MB
             ctypes.memmove(buf.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
         return buf
 
