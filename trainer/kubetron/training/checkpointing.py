@@ -312,7 +312,7 @@ class CheckpointManager:
         by_name = optimizer_state_by_name(self.model, self.optimizer, with_state=owned is None) \
             if ck.save_optim and fmt != "torch_dist" else None
         if fmt == "sharded":
-            shard = sharded.snapshot(self.model, by_name["state"] if owned is None and by_name else None,
+            shard = sharded.snapshot(self.model, by_name["state"] if by_name else None,
                                      self.buffers.copy, keep=peft.is_adapter_name if peft.enabled(self.cfg) else None,
                                      owned=owned, plan=self._plan)
         elif fmt == "kubetron":  # (torch_dist: every rank writes in write())

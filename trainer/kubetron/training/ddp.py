@@ -395,16 +395,9 @@ class DistributedOptimizer(OptimizerOverCopies):
         """Restore one parameter from full (canonical) state: this rank takes its fragments."""
         state, saved_main = take_main_param(model_param, state)
         for f in self._frags_of.get(model_param, []):
-            if saved_main is not None:
-                f.main.copy_(saved_main.reshape(-1)[f.lo:f.hi])
-            else:
-                f.main.copy_(model_param.detach().reshape(-1)[f.lo:f.hi])
-            entry = {k: (v.reshape(-1)[f.lo:f.hi].to(f.main.device).clone() if torch.is_tensor(v) and v.ndim > 0
-                         else (v.clone() if torch.is_tensor(v) else v)) for k, v in state.items()}
-            if entry:
-                self.inner.state[f.main] = entry
-            else:
-                self.inner.state.pop(f.main, None)
+            self._restore_fragment(f, None if saved_main is None else saved_main.reshape(-1)[f.lo:f.hi],
+                                   {k: v.reshape(-1)[f.lo:f.hi] if torch.is_tensor(v) and v.ndim > 0 else v
+                                    for k, v in state.items()})
 
     def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
         return [(f.param, f.lo, f.hi) for f in self.fragments]
@@ -424,11 +417,16 @@ class DistributedOptimizer(OptimizerOverCopies):
         if f is None:
             raise ValueError(f"this rank owns no range [{lo}, {hi}) of a parameter of shape {list(model_param.shape)}")
         state = dict(state)
-        main = state.pop("main_param", None)
-        f.main.copy_(main if main is not None else model_param.detach().reshape(-1)[lo:hi])
-        if state:
-            self.inner.state[f.main] = {k: v.to(f.main.device) if torch.is_tensor(v) and v.ndim > 0 else v
-                                        for k, v in state.items()}
+        self._restore_fragment(f, state.pop("main_param", None), state)
+
+    def _restore_fragment(self, f: _Fragment, main: torch.Tensor | None, state: dict):
+        """Fragment `f`'s fp32 main (None: from the model's weight) and inner state (flat tensors of its
+        range; tensors are copied, so no two fragments share a `step`)."""
+        f.main.copy_(main if main is not None else f.param.detach().reshape(-1)[f.lo:f.hi])
+        entry = {k: (v.to(f.main.device, copy=True) if v.ndim > 0 else v.clone()) if torch.is_tensor(v) else v
+                 for k, v in state.items()}
+        if entry:
+            self.inner.state[f.main] = entry
         else:
             self.inner.state.pop(f.main, None)
 

@@ -201,26 +201,29 @@ class MegatronOptimizer(TrainingOptimizer):
         if entry:
             part.optimizer.state[main] = entry
 
-    def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]] | None:
-        """With megatron's distributed optimizer: the flat range of each parameter this rank's shard
-        holds (parameters outside its shard are left out); None without it (state per parameter)."""
+    def _owned(self) -> list[tuple] | None:
+        """[(param, lo, hi, sub-optimizer, main)] with megatron's distributed optimizer (parameters
+        outside this rank's shard are left out); None without it (state per whole parameter)."""
         out = []
         for p in self.params:
-            part, _, rng = self._locate(p)
+            part, main, rng = self._locate(p)
             if part is not None and rng is None:
                 return None  # a non-distributed sub-optimizer: whole parameters
             if part is not None and rng[1] > rng[0]:
-                out.append((p, *rng))
+                out.append((p, *rng, part, main))
         return out
 
+    def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]] | None:
+        owned = self._owned()
+        return None if owned is None else [(p, lo, hi) for p, lo, hi, _, _ in owned]
+
     def owned_state(self) -> list[tuple[torch.nn.Parameter, int, int, dict]] | None:
-        ranges = self.owned_ranges()
-        if ranges is None:
+        owned = self._owned()
+        if owned is None:
             return None
         self.finish_param_sync()
         out = []
-        for p, lo, hi in ranges:
-            part, main, _ = self._locate(p)
+        for p, lo, hi, part, main in owned:
             state = {k: v.view(-1) if torch.is_tensor(v) and v.ndim > 0 else v
                      for k, v in part.optimizer.state.get(main, {}).items()}
             out.append((p, lo, hi, {"main_param": main.detach().view(-1), **state}))

@@ -118,8 +118,8 @@ class TrainingOptimizer:
         return None
 
     def owned_state(self) -> list[tuple[torch.nn.Parameter, int, int, dict]] | None:
-        """[(model param, lo, hi, {"main_param": fp32 flat, state key: flat tensor, "step": 0-d})] for
-        owned_ranges(); live tensors (the checkpointer copies them)."""
+        """[(model param, lo, hi, {state key: flat tensor, "step": 0-d, "main_param": fp32 flat where the
+        parameter is not fp32 itself})] for owned_ranges(); live tensors (the checkpointer copies them)."""
         return None
 
     def set_owned_state(self, model_param: torch.nn.Parameter, lo: int, hi: int, state: dict):

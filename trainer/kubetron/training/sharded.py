@@ -252,9 +252,7 @@ class _Layout:
         name = f"{self.base(k)}/{key}"
         if v.ndim == 0:
             return _my_cut(name, v, (), (), None)
-        meta = torch.empty(self.params[k].shape, device="meta")
-        t, gshape, start, dim = _placement(self.chunk, k, meta, self.params)
-        return _my_cut(name, t, gshape, start, dim)
+        return _my_cut(name, *_param_placement(self.chunk, k, self.params))
 
     def writes_scalars(self, p, lo: int) -> bool:
         """A DP-sharded optimizer's 0-d and non-tensor values of a parameter: written once, by TP rank 0's
@@ -272,7 +270,7 @@ class _Layout:
         name = f"{self.base(k)}/{key}"
         if v.ndim == 0:
             return [(_Cut(name, (), (), ()), 0, 0)] if self.writes_scalars(p, lo) else []
-        t, gshape, start, _ = _placement(self.chunk, k, torch.empty(p.shape, device="meta"), self.params)
+        t, gshape, start, _ = _param_placement(self.chunk, k, self.params)
         return [(_Cut(name, gshape, tuple(_shifted(box, start)), tuple(y - x for x, y in box)), a - lo, b - a)
                 for box, a, b in flat_boxes(t.shape, lo, hi)]
 
@@ -415,6 +413,11 @@ def _check_shape(reader, src: str, gshape, dim0_may_differ: bool):
                           f"{list(gshape)}")
 
 
+def _param_placement(chunk, k: str, params: dict):
+    """_placement of parameter `k` by its shape alone (for its optimizer state)."""
+    return _placement(chunk, k, torch.empty(params[k].shape, device="meta"), params)
+
+
 def _local_box(start, t) -> list[tuple[int, int]]:
     return [(s, s + n) for s, n in zip(start, t.shape, strict=True)]
 
@@ -444,39 +447,30 @@ def load_model(model, reader: ShardReader, keep=None):
 def load_optimizer(model, reader: ShardReader) -> dict:
     """This rank's optimizer state keyed by local parameter name (full local tensors), for
     checkpointing.load_optimizer_state_by_name."""
-    chunk = model[0]
-    offsets = sharding._layer_offsets(chunk)
-    params = dict(chunk.named_parameters())
+    params = dict(model[0].named_parameters())
+    ranges = [(p, 0, p.numel()) for p in params.values()]
     state: dict[str, dict] = {}
-    slots, wants = [], []
-    for k, p in params.items():
-        src = sharding._source_name(chunk, k, offsets)
-        base = f"optim/{src}/"
-        for key in reader.keys_under(base):
-            name = base + key
-            if name in reader.values:
-                state.setdefault(k, {})[key] = reader.values[name]
-                continue
-            box = []
-            if reader.global_shape(name):
-                t, gshape, start, _ = _placement(chunk, k, torch.empty(p.shape, device="meta"), params)
-                _check_shape(reader, name, gshape, src in VOCAB_TENSORS)
-                box = _local_box(start, t)
-            slots.append((k, key, p.shape if box else ()))
-            wants.append((name, box))
-    for (k, key, shape), data in zip(slots, reader.read_many(wants), strict=True):
-        state.setdefault(k, {})[key] = data.reshape(shape)
+    for (k, p), (_, _, _, st) in zip(params.items(), _read_ranges(model, reader, ranges), strict=True):
+        if st:
+            state[k] = {key: v.view(p.shape) if torch.is_tensor(v) and v.ndim else v for key, v in st.items()}
     return state
 
 
 def load_owned(model, reader: ShardReader, ranges) -> list[tuple]:
     """For a DP-sharded optimizer: the state of the flat ranges this rank owns ([(param, lo, hi)]), read
     as boxes (no rank reads a whole parameter's state): [(param, lo, hi, {key: flat tensor or value})]."""
+    return _read_ranges(model, reader, ranges, require=True)
+
+
+def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> list[tuple]:
+    """[(param, lo, hi, {state key: flat tensor of elements [lo, hi), 0-d tensor or value})] for the
+    flat ranges asked for, each read as its boxes; `require`: a parameter without saved optimizer state
+    is an error (when the checkpoint has any)."""
     chunk = model[0]
     offsets = sharding._layer_offsets(chunk)
     params = dict(chunk.named_parameters())
     names = {p: k for k, p in params.items()}
-    saved_any = any(n.startswith("optim/") for n in [*reader.pieces, *reader.values])
+    saved_any = require and any(n.startswith("optim/") for n in [*reader.pieces, *reader.values])
     out, slots, wants = [], [], []
     for p, lo, hi in ranges:
         k = names[p]
@@ -485,7 +479,6 @@ def load_owned(model, reader: ShardReader, ranges) -> list[tuple]:
         keys = reader.keys_under(base)
         if saved_any and not keys:
             raise CheckpointError(f"{reader.name}: the optimizer state lacks {src}")
-        t, gshape, start, _ = _placement(chunk, k, torch.empty(p.shape, device="meta"), params)
         state: dict = {}
         for key in keys:
             name = base + key
@@ -495,6 +488,7 @@ def load_owned(model, reader: ShardReader, ranges) -> list[tuple]:
                 slots.append((state, key, 0))
                 wants.append((name, []))
             else:
+                t, gshape, start, _ = _param_placement(chunk, k, params)
                 _check_shape(reader, name, gshape, src in VOCAB_TENSORS)
                 boxes = flat_boxes(t.shape, lo, hi)
                 slots.append((state, key, len(boxes)))
@@ -502,7 +496,8 @@ def load_owned(model, reader: ShardReader, ranges) -> list[tuple]:
         out.append((p, lo, hi, state))
     data = iter(reader.read_many(wants))
     for state, key, n in slots:
-        state[key] = next(data).reshape(()) if n == 0 else torch.cat([next(data).reshape(-1) for _ in range(n)])
+        parts = [next(data).reshape(-1) for _ in range(max(n, 1))]
+        state[key] = parts[0].reshape(()) if n == 0 else parts[0] if n == 1 else torch.cat(parts)
     return out
 
 
