@@ -89,3 +89,39 @@ def test_flat_ranges_of_three_ranks_read_back_as_other_ranges(tmp_path):
         boxes = flat_boxes((5, 6), lo, hi)
         parts = reader.read_many([("optim/w/exp_avg", box) for box, _, _ in boxes])
         assert torch.equal(torch.cat([p.reshape(-1) for p in parts]), full.reshape(-1)[lo:hi])
+
+
+@pytest.mark.parametrize(
+    ("shape", "view", "dim", "lo", "n", "fast"),
+    [
+        ((6, 5), (6, 5), None, 0, 0, True),  # the whole tensor
+        ((6, 5), (6, 5), 0, 2, 3, True),  # rows: one contiguous run
+        ((30,), (1, 6, 5), 1, 4, 2, True),  # viewed canonically, leading dimension 1: still one run
+        ((6, 5), (6, 5), 1, 1, 3, False),  # columns: strided, the torch copy
+        ((), (), None, 0, 0, True),  # a scalar
+    ],
+)
+def test_a_cut_copies_exactly_its_box_on_both_copy_paths(shape, view, dim, lo, n, fast):
+    from kubetron.training.sharded import _Cut
+    from kubetron.training.sharding import HostBuffers
+
+    live = torch.randn(shape)
+    cut = _Cut("t", view, (), view, dim, lo, n)
+    want = live.reshape(view) if dim is None else live.reshape(view).narrow(dim, lo, n)
+    assert (cut.flat_range is not None) == fast
+    buffers = HostBuffers()
+    assert torch.equal(cut.take(live, buffers, "k").data, want)
+    # in a batch the contiguous runs are queued and copied when the block ends, from the live tensor
+    # at that moment (a snapshot changes nothing in between); a temporary source stays alive until then
+    with buffers.batch():
+        piece = cut.take(live * 2, buffers, "k")
+        if fast and want.numel():
+            assert not torch.equal(piece.data, want * 2)  # not copied yet
+    assert torch.equal(piece.data, want * 2)
+    # a block that raises copies nothing (the snapshot failed; the buffers are not a checkpoint)
+    with pytest.raises(RuntimeError), buffers.batch():
+        cut.take(live * 3, buffers, "k")
+        raise RuntimeError("boom")
+    assert torch.equal(piece.data, want * 2 if fast else want * 3)  # (the torch path copies at once)
+    # a non-contiguous source takes the torch path too
+    assert torch.equal(cut.take(live.t().contiguous().t(), buffers, "k").data, want)

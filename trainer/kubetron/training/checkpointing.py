@@ -303,7 +303,11 @@ class CheckpointManager:
     def snapshot(self, iteration: int) -> Snapshot:
         """Copy what this rank saves to host memory (the only part of an async save that blocks; on CUDA
         the copies are only queued). sharded: this rank's own pieces; kubetron: full tensors gathered
-        onto rank 0."""
+        onto rank 0. The CPU copies of the sharded pieces run last, together (HostBuffers.batch)."""
+        with self.buffers.batch():
+            return self._snapshot(iteration)
+
+    def _snapshot(self, iteration: int) -> Snapshot:
         fmt, ck = self.cfg.checkpoint.ckpt_format, self.cfg.checkpoint
         self.optimizer.finish_param_sync()  # weights still being all-gathered (ddp.overlap_param_gather)
         model_sd = optim_sd = shard = None
@@ -313,7 +317,7 @@ class CheckpointManager:
             if ck.save_optim and fmt != "torch_dist" else None
         if fmt == "sharded":
             shard = sharded.snapshot(self.model, by_name["state"] if by_name else None,
-                                     self.buffers.copy, keep=peft.is_adapter_name if peft.enabled(self.cfg) else None,
+                                     self.buffers, keep=peft.is_adapter_name if peft.enabled(self.cfg) else None,
                                      owned=owned, plan=self._plan)
         elif fmt == "kubetron":  # (torch_dist: every rank writes in write())
             model_sd = sharding.gather_model_state(self.model, self.buffers)

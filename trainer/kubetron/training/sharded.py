@@ -26,7 +26,9 @@ holds a whole parameter's state, and the pieces are the same canonical tensors a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from megatron.core import parallel_state
@@ -108,12 +110,33 @@ class _Cut:
     lo: int = 0
     n: int = 0
 
-    def take(self, t: torch.Tensor, host_copy, key: str) -> Piece:
-        t = t.detach()
-        t = t.reshape(self.shape) if t.shape != self.shape else t
-        if self.dim is not None:
-            t = t.narrow(self.dim, self.lo, self.n)
-        return Piece(self.name, self.global_shape, list(self.box), host_copy(key, t))
+    @cached_property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @cached_property
+    def flat_range(self) -> tuple[int, tuple[int, ...]] | None:
+        """(first element, piece shape) when the piece is one run of the C-contiguous canonical view."""
+        if self.dim is None:
+            return 0, self.shape
+        if math.prod(self.shape[: self.dim]) != 1:
+            return None
+        inner = math.prod(self.shape[self.dim + 1 :])
+        return self.lo * inner, (*self.shape[: self.dim], self.n, *self.shape[self.dim + 1 :])
+
+    def take(self, t: torch.Tensor, buffers: sharding.HostBuffers, key: str) -> Piece:
+        run = self.flat_range
+        if run is not None and t.is_cpu and t.is_contiguous() and t.numel() == self.numel:
+            # the common case: one memmove from a computed offset, no view built (what an async save
+            # blocks for is the copies, so the per-piece Python is kept to a few attribute reads)
+            data = buffers.copy_range(key, t, run[0], run[1])
+        else:
+            t = t.detach()
+            t = t.reshape(self.shape) if t.shape != self.shape else t
+            if self.dim is not None:
+                t = t.narrow(self.dim, self.lo, self.n)
+            data = buffers.copy(key, t)
+        return Piece(self.name, self.global_shape, list(self.box), data)
 
 
 def _my_cut(name, t, gshape, start, dim) -> _Cut | None:
@@ -160,8 +183,8 @@ def flat_boxes(shape, lo: int, hi: int) -> list[tuple[list[tuple[int, int]], int
 
 # --- save -------------------------------------------------------------------------------------------
 
-def snapshot(model, optim_by_name: dict | None, host_copy, keep=None, owned=None, plan: dict | None = None
-             ) -> RankShard:
+def snapshot(model, optim_by_name: dict | None, buffers: sharding.HostBuffers, keep=None, owned=None,
+             plan: dict | None = None) -> RankShard:
     """This rank's pieces of the model (and optimizer state keyed by local parameter name, or `owned`:
     the flat ranges of a DP-sharded optimizer, see _Layout.owned_cuts), on the host; `keep(name)` selects
     the model tensors (LoRA: the adapters only). `plan`: a dict the caller keeps from one save to the
@@ -174,7 +197,7 @@ def snapshot(model, optim_by_name: dict | None, host_copy, keep=None, owned=None
     for k, v in sharding._local_state(chunk, keep).items():
         cut = _planned(plan, ("model", k, tuple(v.shape)), lambda k=k, v=v: layout.model_cut(k, v))
         if cut is not None:
-            out.pieces.append(cut.take(v, host_copy, cut.name))
+            out.pieces.append(cut.take(v, buffers, cut.name))
     for k, state in (optim_by_name or {}).items():
         for key, v in state.items():
             if not torch.is_tensor(v):
@@ -184,7 +207,7 @@ def snapshot(model, optim_by_name: dict | None, host_copy, keep=None, owned=None
             cut = _planned(plan, ("optim", k, key, tuple(v.shape)),
                            lambda k=k, key=key, v=v: layout.optim_cut(k, key, v))
             if cut is not None:
-                out.pieces.append(cut.take(v, host_copy, cut.name))
+                out.pieces.append(cut.take(v, buffers, cut.name))
     for p, lo, hi, state in owned or ():
         for key, v in state.items():
             if not torch.is_tensor(v):
@@ -195,7 +218,7 @@ def snapshot(model, optim_by_name: dict | None, host_copy, keep=None, owned=None
                             lambda p=p, key=key, lo=lo, hi=hi, v=v: layout.owned_cuts(p, key, lo, hi, v))
             flat = v.reshape(-1) if v.ndim else v
             for cut, a, n in cuts:
-                out.pieces.append(cut.take(flat.narrow(0, a, n) if v.ndim else flat, host_copy, f"{cut.name}@{a}"))
+                out.pieces.append(cut.take(flat.narrow(0, a, n) if v.ndim else flat, buffers, f"{cut.name}@{a}"))
     return out
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -190,17 +192,51 @@ class HostBuffers:
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
+        self._queued: list[tuple[torch.Tensor, torch.Tensor, int, int]] | None = None
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Inside the block `copy_range` only queues its copy; they all run, back to back, when the block
+        ends (none if it raises). Python work between copies of MBs runs on caches those copies just
+        flushed: ~12 us a piece, 2.5 ms of a 15 ms snapshot of 200 pieces (bench/checkpoint.py)."""
+        self._queued = queued = []
+        try:
+            yield
+        finally:
+            self._queued = None
+        for buf, src, offset, n in queued:
+            ctypes.memmove(buf.data_ptr(), src.data_ptr() + offset, n)
+
+    def _buffer(self, key: str, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        return buf
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """`t` copied to host memory, into the buffer this key used at the previous save."""
         t = t.detach()
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        buf = self._buffer(key, t.shape, t.dtype, t.is_cuda)
         if t.is_cuda or not t.is_contiguous() or t.numel() == 0:
             buf.copy_(t, non_blocking=t.is_cuda)
         else:  # libc memmove: as fast as torch's CPU copy kernel for MB pieces, 1.6x for 100s of MB
             ctypes.memmove(buf.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+        return buf
+
+    def copy_range(self, key: str, t: torch.Tensor, first: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Elements [first, first + prod(shape)) of the contiguous CPU tensor `t`, as `shape`, copied
+        into the buffer this key used at the previous save."""
+        buf = self._buffer(key, shape, t.dtype, False)
+        size = t.element_size()
+        n = buf.numel() * size
+        if first < 0 or first * size + n > t.numel() * size:
+            raise ValueError(f"{key}: elements {first}..{first + buf.numel()} outside a tensor of {t.numel()}")
+        if not n:
+            pass
+        elif self._queued is not None:
+            self._queued.append((buf, t, first * size, n))  # holds `t`: its memory stays valid until the copy
+        else:
+            ctypes.memmove(buf.data_ptr(), t.data_ptr() + first * size, n)
         return buf
 
     @property
