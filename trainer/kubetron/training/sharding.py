@@ -231,11 +231,9 @@ class HostBuffers:
         n = buf.numel() * size
         if first < 0 or first * size + n > t.numel() * size:
             raise ValueError(f"{key}: elements {first}..{first + buf.numel()} outside a tensor of {t.numel()}")
-        if not n:
-            pass
-        elif self._queued is not None:
+        if n and self._queued is not None:
             self._queued.append((buf, t, first * size, n))  # holds `t`: its memory stays valid until the copy
-        else:
+        elif n:
             ctypes.memmove(buf.data_ptr(), t.data_ptr() + first * size, n)
         return buf
 
