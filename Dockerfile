@@ -10,12 +10,16 @@
 # Override with --build-arg BASE_IMAGE=... (any image with torch; TransformerEngine is optional).
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.09-py3
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+# The wheel is built where there is a C compiler (the full image, not slim): setup.py's optional
+# extension kubetron._hostcopy, the async snapshot's copy (twice libc's speed), is compiled into it
+# (the limited API: one build serves the trainer image's Python too).
+ARG WHEEL_IMAGE=python:3.12-bookworm
 
 # ---------------------------------------------------------------------------------------------------
 # wheel: build kubetron once; the two images install the same wheel with different extras.
-FROM ${PYTHON_IMAGE} AS wheel
+FROM ${WHEEL_IMAGE} AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \

@@ -13,12 +13,13 @@ PINNED := -c constraints.txt
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.trainer: pyproject.toml constraints.txt | $(VENV)/bin/python
+# setup.py builds the one C extension (kubetron._hostcopy) into the source tree: a changed source rebuilds.
+$(VENV)/.trainer: pyproject.toml setup.py trainer/kubetron/_hostcopy.c constraints.txt | $(VENV)/bin/python
 	$(PIP) $(TORCH)
 	$(PIP) $(PINNED) -e '.[trainer]'
 	touch $@
 
-$(VENV)/.dev: pyproject.toml constraints.txt $(VENV)/.trainer
+$(VENV)/.dev: pyproject.toml setup.py constraints.txt $(VENV)/.trainer
 	$(PIP) $(PINNED) -e '.[trainer,operator,dev]'
 	touch $@
 

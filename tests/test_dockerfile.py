@@ -105,6 +105,19 @@ def test_no_credentials_baked_in():
     assert not re.search(r"AKIA[0-9A-Z]{16}", text)
 
 
+def test_the_wheel_is_built_with_a_compiler_and_the_extension_source():
+    """kubetron._hostcopy (setup.py) is optional: a wheel built without a compiler still installs, but
+    every async save copies at libc's speed. The wheel stage gets setup.py, the C source (trainer/),
+    and a base image that has gcc (python's full image, not -slim); a local build's .so stays out."""
+    args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)
+    wheel_from = next(rest for kw, rest in instructions() if kw == "FROM" and rest.endswith("AS wheel"))
+    image = args[re.fullmatch(r"\$\{(\w+)\} AS wheel", wheel_from).group(1)]
+    assert image.startswith("python:") and "slim" not in image and "alpine" not in image, image
+    copies = " ".join(rest for kw, rest in stages()["wheel"] if kw == "COPY")
+    assert "setup.py" in copies and "trainer/" in copies
+    assert "**/*.so" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
 def test_dockerignore_allows_only_what_the_wheel_needs():
     lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
