@@ -6,7 +6,8 @@ Every rank builds the same GPT and AdamW state as `kubetron train` does and save
   * rank 0's host memory for a save: RSS growth over the first save (the manager's host buffers, which
     later saves reuse), sampled every 2 ms, vs the total state size (target <= 1/world + 10 %); also
     with the distributed optimizer (ZeRO-1), whose ranks write the state fragments they own
-  * async save: how long the loop is blocked vs a sync save (target <= 0.1)
+  * async save: how long the loop is blocked vs a sync save (target <= 0.1); the baseline in the same run,
+    the snapshot's copies by ctypes.memmove instead of kubetron._hostcopy; one bare copy of each as the floor
   * S3 (SeaweedFS, when KUBETRON_BENCH_S3=1 and AWS_* are set): per rank, a sync sharded save vs boto3
     `upload_file` of the same number of bytes, all ranks at once (target >= 0.8)
   * load: CheckpointManager.load() of the newest checkpoint, from the directory and from S3
