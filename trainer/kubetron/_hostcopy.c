@@ -8,8 +8,9 @@
  * derives from the L3 size (190 MB on the 480 MB-L3 VM this was measured on), far above one
  * snapshot piece (KBs to MBs), so it copies those with `rep movsb`.
  *
- * Measured (bench/checkpoint.py --ranks 2: 77 MB per rank in 204 pieces, both ranks at once):
- * libc memmove 11.1-11.8 ms, this copy 5.7-6.2 ms. The loop below is glibc's own large-copy
+ * Measured (bench/checkpoint.py --ranks 2: 77 MB per rank in 204 pieces, both ranks at once): the
+ * snapshot's copies took 12.1-13.1 ms by libc memmove, 7.7-8.2 ms by this (5.7-6.2 ms vs 11.1-11.8 ms
+ * in a tight loop, where part of the source is still cached). The loop below is glibc's own large-copy
  * scheme (sysdeps/x86_64/multiarch/memmove-vec-unaligned-erms.S, large_memcpy_4x): four pages
  * interleaved, so four DRAM pages stream at once, with software prefetch ahead of the loads.
  *
