@@ -209,7 +209,6 @@ def main() -> int:
     # source is not in the caches (the snapshot copies state that the writer has long since evicted).
     src = torch.ones(ckpt.last_save_bytes // 4)
     dst, sweep = torch.zeros_like(src), torch.zeros(64 * 2**20)
-    impl = sharding.copy_impl()
     for name, fn in ((f"snapshot copy ({impl})", lambda: sharding.copy_host([(dst.data_ptr(), src.data_ptr(),
                                                                                src.numel() * 4)])),
                      ("libc memmove", lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * 4))):

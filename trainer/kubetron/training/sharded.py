@@ -503,6 +503,7 @@ def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> l
         if saved_any and not keys:
             raise CheckpointError(f"{reader.name}: the optimizer state lacks {src}")
         state: dict = {}
+        placed = None  # (global shape, start, boxes of [lo, hi)): the same for every state tensor of p
         for key in keys:
             name = base + key
             if name in reader.values:
@@ -511,9 +512,11 @@ def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> l
                 slots.append((state, key, 0))
                 wants.append((name, []))
             else:
-                t, gshape, start, _ = _param_placement(chunk, k, params)
+                if placed is None:
+                    t, gshape, start, _ = _param_placement(chunk, k, params)
+                    placed = gshape, start, flat_boxes(t.shape, lo, hi)
+                gshape, start, boxes = placed
                 _check_shape(reader, name, gshape, src in VOCAB_TENSORS)
-                boxes = flat_boxes(t.shape, lo, hi)
                 slots.append((state, key, len(boxes)))
                 wants += [(name, _shifted(box, start)) for box, _, _ in boxes]
         out.append((p, lo, hi, state))
