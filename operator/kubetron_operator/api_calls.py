@@ -5,6 +5,12 @@
 The chart's ClusterRole is derived from `ALL_CALLS` (`cluster_role_rules()`), and `Kube` refuses any
 call that is not declared, so the role and the code cannot drift apart.
 
+Calls the chart grants only with some values (the PodGroups of `gangScheduling`) are made only when
+the operator is told they are granted (`Kube(gang_schedulers=...)`, `kubetron operator
+--gang-schedulers`, set by the chart): otherwise `NotGranted`, with no request sent. A call the server
+refuses with 403 is logged at warning level naming the call (verb, resource, namespace), counted in
+`kubetron_api_errors_total{code="403"}` and raised as `Forbidden`.
+
 Idempotence and ownership: creating something that exists (409) is success only when the existing
 object's controller owner is the same TrainingJob (its UID); otherwise `NameConflict`, and nothing
 foreign is ever adopted. Deleting something absent (404) is success; `delete_owned` deletes only what
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +31,8 @@ from uuid import uuid4
 
 from kubetron_operator import metrics
 from kubetron_operator.model import GROUP, PLURAL, VERSION
+
+log = logging.getLogger("kubetron.api")
 
 
 @dataclass(frozen=True, order=True)
@@ -63,6 +73,9 @@ KOPF_CALLS: frozenset[Call] = frozenset(
 
 ALL_CALLS: frozenset[Call] = OPERATOR_CALLS | KOPF_CALLS
 
+# spec.scheduling.gang -> the API group of its PodGroup (the chart's gangScheduling.schedulers).
+GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io"}
+
 # apiVersion, kind -> (group, version, plural) for everything the operator creates or deletes.
 KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("v1", "Pod"): ("", "v1", "pods"),
@@ -72,6 +85,12 @@ KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): ("scheduling.volcano.sh", "v1beta1", "podgroups"),
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
 }
+
+
+def pod_group_api_version(gang: str) -> str | None:
+    """The apiVersion of the PodGroup that spec.scheduling.gang `gang` uses (None: "none")."""
+    group = GANG_GROUPS.get(gang)
+    return next((av for (av, kind), (g, _, _) in KINDS.items() if kind == "PodGroup" and g == group), None)
 
 
 def cluster_role_rules(calls: Iterable[Call] = ALL_CALLS) -> list[dict[str, Any]]:
@@ -100,6 +119,20 @@ class NameConflict(ApiError):
 
 class Conflict(ApiError):
     """The object changed since it was read (optimistic concurrency): decide again from a fresh read."""
+
+
+class Forbidden(ApiError):
+    """403: the operator's role does not grant the call, or admission refused it (quota, PodSecurity)."""
+
+
+class NotGranted(ApiError):
+    """A declared call this operator is configured not to make (the chart does not grant it); never sent."""
+
+    def __init__(self, call: Call, gang: str):
+        super().__init__(403, f"gang scheduling with {gang} is not enabled for this operator, so it may not "
+                         f"{call.verb} {call.group} {call.resource}: install the chart with "
+                         f"gangScheduling.enabled=true and {gang} in gangScheduling.schedulers "
+                         f"(`kubetron operator --gang-schedulers`), or remove spec.scheduling.gang")
 
 
 def controller_uid(obj: Mapping[str, Any] | None) -> str | None:
@@ -137,10 +170,12 @@ def kubernetes_transport(api_client: Any, timeout: float = 30.0) -> Transport:
 
 
 class Kube:
-    """The operator's only way to the API server. Raw dicts in and out; declared calls only."""
+    """The operator's only way to the API server. Raw dicts in and out; declared calls only.
+    `gang_schedulers`: the gang schedulers whose PodGroups the operator's role grants (GANG_GROUPS keys)."""
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, gang_schedulers: Iterable[str] = tuple(GANG_GROUPS)):
         self._send = transport
+        self._not_granted = {group: gang for gang, group in GANG_GROUPS.items() if gang not in set(gang_schedulers)}
 
     # -- plumbing --------------------------------------------------------------------------------------
 
@@ -148,13 +183,20 @@ class Kube:
                  body: Any = None, content_type: str = "application/json", ok: Iterable[int] = ()) -> Any:
         if call not in OPERATOR_CALLS:
             raise UndeclaredCall(f"{call} is not in api_calls.OPERATOR_CALLS")
+        if call.group in self._not_granted:
+            raise NotGranted(call, self._not_granted[call.group])
         status, data = self._send(method, path, dict(query or {}), body, content_type)
         if 200 <= status < 300:
             return json.loads(data) if data[:1] in (b"{", b"[") else data.decode("utf-8", "replace")
         if status in ok:
             return None
         metrics.api_error(status)
-        raise ApiError(status, _error_message(data))
+        message = _error_message(data)
+        if status == 403:
+            log.warning("API call forbidden (HTTP 403): %s %s in %s: %s", call.verb,
+                        f"{call.group}/{call.resource}" if call.group else call.resource, _where(path), message)
+            raise Forbidden(status, message)
+        raise ApiError(status, message)
 
     @staticmethod
     def _path(group: str, version: str, plural: str, namespace: str, name: str = "", sub: str = "") -> str:
@@ -278,6 +320,12 @@ class Kube:
         self._request(Call("", "events", "create"), "POST", self._path("", "v1", "events", ns), body=event)
 
 
+def _where(path: str) -> str:
+    """"namespace NS" (or "the cluster") from a request path; the object's name is in the server's message."""
+    found = re.search(r"/namespaces/([^/]+)/", path)
+    return f"namespace {found.group(1)}" if found else "the cluster"
+
+
 def _error_message(data: bytes) -> str:
     try:
         return str(json.loads(data).get("message", ""))[:500]
@@ -285,5 +333,6 @@ def _error_message(data: bytes) -> str:
         return data[:500].decode("utf-8", "replace")
 
 
-__all__ = ["ALL_CALLS", "KOPF_CALLS", "OPERATOR_CALLS", "ApiError", "Call", "Conflict", "Kube", "NameConflict",
-           "UndeclaredCall", "cluster_role_rules", "controller_uid", "kubernetes_transport"]
+__all__ = ["ALL_CALLS", "GANG_GROUPS", "KOPF_CALLS", "OPERATOR_CALLS", "ApiError", "Call", "Conflict", "Forbidden",
+           "Kube", "NameConflict", "NotGranted", "UndeclaredCall", "cluster_role_rules", "controller_uid",
+           "kubernetes_transport", "pod_group_api_version"]

@@ -31,7 +31,7 @@ from typing import Any
 import kopf
 
 from kubetron_operator import live, metrics
-from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid
+from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
 from kubetron_operator.build import (
     LABEL_JOB,
     build,
@@ -275,8 +275,8 @@ def _time(text: Any) -> datetime | None:
         return None
 
 
-def cleanup_on_delete(name: str, namespace: str, uid: str, status: Any, memo: Any, logger: logging.Logger,
-                      **_: Any) -> None:
+def cleanup_on_delete(name: str, namespace: str, uid: str, spec: Any, status: Any, memo: Any,
+                      logger: logging.Logger, **_: Any) -> None:
     """Delete the children now rather than waiting for the garbage collector (owner references); only
     those this job controls, never a foreign object that happens to carry a child's name or label."""
     kube: Kube = memo.deps.kube
@@ -285,20 +285,26 @@ def cleanup_on_delete(name: str, namespace: str, uid: str, status: Any, memo: An
         if controller_uid(pod) == uid:
             kube.delete_pod(namespace, pod["metadata"]["name"])
     fake = Job(name=name, namespace=namespace, uid=uid, spec=None)  # type: ignore[arg-type]  # names only
+    gang = ((spec or {}).get("scheduling") or {}).get("gang") or "none"
     for attempt in range(1, int((status or {}).get("attempt") or 0) + 1):
-        delete_attempt_children(kube, fake, attempt, logger)
+        delete_attempt_children(kube, fake, attempt, gang, logger)
     kube.delete_owned("v1", "Service", namespace, service_name(fake), uid)
     logger.info("deleted the children of %s", name)
 
 
-def delete_attempt_children(kube: Kube, job: Job, attempt: int, logger: logging.Logger) -> None:
-    """An attempt's ConfigMap and PodGroup (pods are decide's business), if this job controls them."""
+def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logger: logging.Logger) -> None:
+    """An attempt's ConfigMap and its `gang` PodGroup, if any (pods are decide's business), if this job
+    controls them. Only the PodGroup kind the job's spec.scheduling.gang names is asked for: the chart
+    grants PodGroups only with gangScheduling (one left by a since-changed spec goes with the job, by
+    its owner reference)."""
     kube.delete_owned("v1", "ConfigMap", job.namespace, config_map_name(job, attempt), job.uid)
-    for api_version in ("scheduling.volcano.sh/v1beta1", "scheduling.x-k8s.io/v1alpha1"):
-        try:
-            kube.delete_owned(api_version, "PodGroup", job.namespace, pod_group_name(job, attempt), job.uid)
-        except ApiError as exc:  # the PodGroup CRD may not be installed at all (404), or not granted (403)
-            logger.debug("no %s PodGroup to delete: %s", api_version, exc)
+    api_version = pod_group_api_version(gang)
+    if api_version is None:
+        return
+    try:
+        kube.delete_owned(api_version, "PodGroup", job.namespace, pod_group_name(job, attempt), job.uid)
+    except ApiError as exc:  # not granted (any more): the garbage collector deletes it with the job
+        logger.warning("cannot delete PodGroup %s/%s: %s", job.namespace, pod_group_name(job, attempt), exc)
 
 
 def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger,
@@ -437,14 +443,14 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             retry = {"createFailures": None, "nextCreateTime": None} if obs.status.get("nextCreateTime") else {}
             _patch_status(deps, body, {**action.status, **retry}, rv)
             if action.create_attempt > 1:
-                delete_attempt_children(kube, job, action.create_attempt - 1, logger)
+                delete_attempt_children(kube, job, action.create_attempt - 1, job.spec.scheduling.gang, logger)
     else:
         # Status first: an ended attempt is counted before its pods disappear.
         _patch_status(deps, body, action.status, rv)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
         if job is not None and _attempt_ended(obs, action):
-            delete_attempt_children(kube, job, int(obs.status["attempt"]), logger)
+            delete_attempt_children(kube, job, int(obs.status["attempt"]), job.spec.scheduling.gang, logger)
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
     if action.create_reader is not None and job is not None:

@@ -74,7 +74,8 @@ def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Blocks until the operator stops. `args`: namespace(s) (list; empty = cluster-wide), liveness
-    (endpoint URL, "" to disable), peering (a KopfPeering name for HA, or None), interval (seconds)."""
+    (endpoint URL, "" to disable), peering (a KopfPeering name for HA, or None), interval (seconds),
+    gang_schedulers (those whose PodGroups the role grants; None: all)."""
     from kubernetes import client
 
     namespaces = list(getattr(args, "namespaces", None) or getattr(args, "namespace", None) or [])
@@ -96,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
     registry = handlers.register(kopf.OperatorRegistry())
     kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
     configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS  # a connection per reconcile thread
-    deps = handlers.Deps(kube=Kube(kubernetes_transport(client.ApiClient(configuration))), interval=interval)
+    gang = getattr(args, "gang_schedulers", None)
+    kube = Kube(kubernetes_transport(client.ApiClient(configuration)),
+                **({} if gang is None else {"gang_schedulers": gang}))
+    deps = handlers.Deps(kube=kube, interval=interval)
     kopf.run(
         registry=registry,
         settings=settings(peering),

@@ -5,6 +5,7 @@ pod deletions), and tests set pod statuses themselves.
     with control_plane(workdir) as cp:         # ~7 s; the pytest fixture starts one per session
         api = cp.admin                         # system:masters
         cp.kubeconfig_for(token, path)         # a kubeconfig for a token-file identity
+        cp.audit(user)                         # the API server's record of every request `user` made
 
 Binaries (the envtest convention): `$KUBEBUILDER_ASSETS` (kube-apiserver + etcd; controller-manager and
 scheduler are used when present), else the .xz files of ../shared/k8s, unpacked once per machine into
@@ -43,6 +44,15 @@ OPTIONAL = ("kube-controller-manager", "kube-scheduler")
 HOW_TO_GET = ("no Kubernetes server binaries: set KUBEBUILDER_ASSETS to a directory with kube-apiserver and etcd "
               "(KUBEBUILDER_ASSETS=$(setup-envtest use -p path)), or provide ../shared/k8s/*.xz next to the repository")
 READY_TIMEOUT = 90.0
+# The API server's audit log: every request of a ServiceAccount (the operators under test), outside
+# kube-system (the controller manager's own), at Metadata level: who, verb, resource, response code,
+# and the authorizer's decision ("authorization.k8s.io/decision": "forbid" for an RBAC denial).
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+    "rules": [{"level": "None", "userGroups": ["system:serviceaccounts:kube-system"]},
+              {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+              {"level": "None"}],
+}
 
 
 class NoBinaries(RuntimeError):
@@ -266,6 +276,7 @@ class ControlPlane:
         self.sa_tokens: dict[tuple[str, str], str] = {}  # (namespace, name) -> token
         self.server = ""
         self.startup_seconds = 0.0
+        self.audit_log = workdir / "audit.log"
 
     # identities -----------------------------------------------------------------------------------
 
@@ -306,6 +317,20 @@ class ControlPlane:
 
     def api_for(self, token: str) -> Api:
         return Api(self.server, self.pki / "ca.crt", token=token)
+
+    def audit(self, user: str) -> list[dict[str, Any]]:
+        """Every request `user` (a ServiceAccount: system:serviceaccount:NS:NAME) made, as the API server
+        recorded it (audit.k8s.io/v1 Events, the response stage)."""
+        try:
+            lines = self.audit_log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+        events = []
+        for line in lines:
+            if f'"username":"{user}"' in line:
+                with contextlib.suppress(ValueError):  # the line being written right now
+                    events.append(json.loads(line))
+        return [e for e in events if (e.get("user") or {}).get("username") == user]
 
     # lifecycle ------------------------------------------------------------------------------------
 
@@ -360,6 +385,8 @@ class ControlPlane:
         tokens = self.dir / "tokens.csv"
         tokens.write_text("".join(f'{t},{user},{user},"{",".join(groups)}"\n'
                                   for t, (user, groups) in self.tokens.items()))
+        policy = self.dir / "audit-policy.json"
+        policy.write_text(json.dumps(AUDIT_POLICY))
         p = self.pki
         self.procs["kube-apiserver"] = _spawn([
             str(self.bin["kube-apiserver"]), f"--etcd-servers={self.etcd_url}", "--bind-address=127.0.0.1",
@@ -369,6 +396,7 @@ class ControlPlane:
             f"--service-account-key-file={p / 'sa.pub'}", f"--service-account-signing-key-file={p / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.0.0.0/24",
             "--authorization-mode=RBAC", "--allow-privileged=true", "--event-ttl=1h",
+            f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-mode=blocking",
         ], self._log("kube-apiserver"))
         admin = self.admin
 

@@ -9,7 +9,7 @@
     kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
                                                        (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
-                       [--metrics-port PORT]
+                       [--metrics-port PORT] [--gang-schedulers volcano,coscheduling|none]
     kubetron render    FILE
     kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
     kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
@@ -138,6 +138,18 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+GANG_SCHEDULERS = ("volcano", "coscheduling")  # spec.scheduling.gang values with a PodGroup
+
+
+def gang_schedulers(text: str) -> tuple[str, ...]:
+    """`--gang-schedulers volcano,coscheduling` (or 'none') -> the names, each checked."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    unknown = [n for n in names if n not in GANG_SCHEDULERS]
+    if unknown:
+        raise ConfigError("--gang-schedulers", f"{', '.join(unknown)}: must be volcano, coscheduling or none")
+    return names
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     from kubetron_operator.main import run
 
@@ -233,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "pods are handled as they happen (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
+    p.add_argument("--gang-schedulers", default=",".join(GANG_SCHEDULERS), metavar="LIST",
+                   help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
+                   "comma-separated volcano, coscheduling, or 'none'; a job asking for another fails with "
+                   "a status saying so, and no PodGroup API is called (default: %(default)s)")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
@@ -264,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval}")
         if args.command == "operator" and not 0 <= args.metrics_port <= 65535:
             raise ConfigError("--metrics-port", f"must be a port number (0 = off), got {args.metrics_port}")
+        if args.command == "operator":
+            args.gang_schedulers = gang_schedulers(args.gang_schedulers)
         return int(args.func(args) or 0)
     except ConfigError as exc:
         cfg = getattr(args, "_cfg", None)
