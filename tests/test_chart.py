@@ -269,6 +269,18 @@ def test_podgroup_rules_only_with_gang_scheduling():
     assert {"scheduling.volcano.sh", "scheduling.x-k8s.io"} <= groups({"gangScheduling": {"enabled": True}})
 
 
+def test_operator_asks_only_for_the_podgroups_the_role_grants(rendered):
+    """`--gang-schedulers` names exactly the schedulers whose PodGroup rules the chart renders: the
+    operator never calls the others' API (a job asking for one fails with a status saying why)."""
+    _, manifests = rendered
+    (container,) = deployment(manifests)["spec"]["template"]["spec"]["containers"]
+    (flag,) = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--gang-schedulers=")]
+    groups = {g for g, resource, _ in granted(rules_of(manifests, "ClusterRole") + rules_of(manifests, "Role"))
+              if resource == "podgroups"}
+    assert set(flag.split(",")) - {"none"} == {name for group, name in GANG_GROUPS.items() if group in groups}
+    assert (flag == "none") == (not groups)
+
+
 def test_rbac_off_renders_no_roles():
     manifests = render({"rbac": {"create": False}})
     assert not {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} & {m["kind"] for m in manifests}

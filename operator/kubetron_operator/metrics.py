@@ -5,6 +5,7 @@
     kubetron_restarts_total{reason}                 restarted attempts: preemptions | failures | neverStarted
     kubetron_reconcile_duration_seconds             one reconcile of one job (read, decide, apply)
     kubetron_api_errors_total{code}                 Kubernetes API calls answered with an error, by HTTP status
+                                                    (a 403 is also logged at warning level, naming the call)
 
 The handlers report through record()/forget()/RECONCILE; api_calls through api_error(). One registry of
 our own, so the process's default collectors do not mix in.

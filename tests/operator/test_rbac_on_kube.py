@@ -16,8 +16,11 @@ import base64
 import contextlib
 import copy
 import re
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +46,7 @@ RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 # test_the_variants_cover_every_rule_set_of_the_chart), with the gang schedulers its jobs ask for.
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "default": ({}, ("none", "volcano")),  # a gang job without gangScheduling: a clear status, no call
-    "gang": ({"gangScheduling": {"enabled": True}}, ("volcano", "coscheduling")),
+    "gang": ({"gangScheduling": {"enabled": True}}, ("volcano", "coscheduling", "none")),
     "peering": ({"operator": {"peering": PEERING}}, ("none",)),
     "namespaced": ({"watchNamespaces": [NS]}, ("none",)),
     "namespaced-gang": ({"watchNamespaces": [NS], "gangScheduling": {"enabled": True, "schedulers": ["volcano"]}},
@@ -161,6 +164,13 @@ def requested(kube: KubeEnv, user: str) -> set[tuple[str, str, str]]:
             for e in kube.cp.audit(user) if e.get("objectRef")}
 
 
+def podgroups(kube: KubeEnv, user: str) -> set[tuple[str, str]]:
+    """(apiGroup, job) of the PodGroup requests of `user` (a PodGroup is named <job>-<attempt>)."""
+    refs = [e.get("objectRef") or {} for e in kube.cp.audit(user)]
+    return {(ref.get("apiGroup", ""), ref.get("name", "?").rsplit("-", 1)[0]) for ref in refs
+            if ref.get("resource") == "podgroups"}
+
+
 def forbidden_metric(port: int) -> float:
     """kubetron_api_errors_total{code="403"} from the operator's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
@@ -262,8 +272,8 @@ def test_no_call_is_forbidden_through_a_jobs_life(kube, s3_server, podgroup_crds
     calls = requested(kube, release.user)
     assert {("create", "", "pods"), ("delete", "", "pods"), ("get", "", "secrets"), ("list", "", "nodes"),
             ("patch", "kubetron.dev", "trainingjobs")} <= calls, calls  # the whole life went through
-    assert {group for _, group, resource in calls if resource == "podgroups"} == {
-        GANG_GROUPS[g] for g in granted if g != "none"}
+    # Each job's PodGroup, of its gang scheduler's kind: none asked for a job without one.
+    assert podgroups(kube, release.user) == {(GANG_GROUPS[g], g) for g in granted if g != "none"}
 
 
 def test_a_call_the_role_does_not_grant_is_seen(kube, s3_server, tmp_path):
@@ -283,3 +293,11 @@ def test_a_call_the_role_does_not_grant_is_seen(kube, s3_server, tmp_path):
     assert set(refused(kube, release.user)) == {("create", "", "configmaps", ns)}
     (line, *_) = forbidden_log_lines(op)
     assert f"create configmaps in namespace {ns}" in line, line
+
+
+def test_gang_schedulers_flag_names_only_known_schedulers():
+    kubetron = str(Path(sys.executable).with_name("kubetron"))
+    out = subprocess.run([kubetron, "operator", "--gang-schedulers=volcano,kueue"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "kubetron: error: --gang-schedulers: kueue: must be volcano, coscheduling or none")
