@@ -440,9 +440,10 @@ class ControlPlane:
 
         for crd in yaml.safe_load_all(path.read_text()):
             if crd:
-                self._install_crd(crd)
+                self.install_crd_object(crd)
 
-    def _install_crd(self, crd: dict[str, Any]) -> None:
+    def install_crd_object(self, crd: dict[str, Any]) -> None:
+        """One CRD (a dict); waits until it is established and served."""
         admin = self.admin
         admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd, ok=(409,))
 

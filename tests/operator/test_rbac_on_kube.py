@@ -136,7 +136,7 @@ def chart_operator(kube: KubeEnv, release: Release, tmp_path) -> Iterator[tuple[
 def podgroup_crds(kube):
     """The PodGroup CRDs for this module only (elsewhere a gang job finds none: a 404 CreateFailed)."""
     for crd in PODGROUP_CRDS:
-        kube.cp._install_crd(crd)
+        kube.cp.install_crd_object(crd)
     yield
     for crd in PODGROUP_CRDS:
         kube.admin.delete(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}",
