@@ -6,6 +6,10 @@ status, post events). Everything decide needs is in `observed`; everything it mu
 the status patch (counters, `nextAttemptTime`, `avoidNodes`), so a restarted operator carries on
 exactly where the last one stopped.
 
+A pod's outcome is its trainer container's, found by name (PodView.from_pod): a rank has ended once that
+container terminated, whatever sidecars still run or how they exited; pods that still run when the
+attempt is over are deleted.
+
 How an attempt ends (gang semantics: the first pod to end ends the attempt):
 - config error (exit 2 anywhere)                                  -> Failed now, the trainer's message
 - preempted: DisruptionTarget, eviction, node lost, pod deleted by someone else or missing, exit 75
@@ -18,7 +22,8 @@ How an attempt ends (gang semantics: the first pod to end ends the attempt):
   created (unschedulable, image pull errors, a missing Secret key, a scheduler nobody runs)
                                                                   -> restart after a backoff; counts
   toward maxNeverStartedAttempts (not backoffLimit); nodes that rejected a pod are avoided next time
-- anything else that fails (trainer error, OOMKilled, ...)        -> restart after a backoff, counts
+- anything else that fails (trainer error, OOMKilled, an eviction for exceeding the pod's own limits:
+  ephemeral storage, an emptyDir sizeLimit)                       -> restart after a backoff, counts
   toward backoffLimit
 - every rank exited 0 and the progress log (or the ranks' termination messages) says train_iters was
   reached                                                         -> Succeeded
@@ -33,7 +38,12 @@ Crash loops (NoProgress): only attempts that ended by the job's own doing (a fai
 and only when they saved no checkpoint newer than the one they resumed from; maxNoProgressAttempts such
 attempts in a row -> Failed (NoProgress). Preemptions and never-started attempts neither count nor
 reset the streak (an attempt that saved something new does reset it): being preempted while the model
-loads is the cluster's doing, not a crash loop.
+loads is the cluster's doing, not a crash loop. Free restarts are bounded by a streak of their own:
+MAX_PREEMPTIONS_WITHOUT_PROGRESS running attempts in a row preempted without a new checkpoint -> Failed
+(NoProgress); any new checkpoint resets it, so a job preempted often while it progresses runs on.
+
+Kueue plain pod groups (one per attempt): the members of a group whose attempt is over are marked
+retriable-in-group "false" (Action.release_pods) before any of them is deleted, so Kueue frees the quota.
 
 activeDeadlineSeconds counts from status.startTime, which is reset when a suspended job resumes (as
 Kubernetes Job does): time spent suspended does not count.
