@@ -85,6 +85,26 @@ def test_pod_template_and_queue_reach_the_stored_pods(kube, kube_ns):
         assert st["restarts"]["total"] == 0
 
 
+def test_deleting_a_queued_job_releases_its_pod_group(kube, kube_ns):
+    """The job is deleted while its pods are held by Kueue's finalizer: they are marked not retriable, so
+    Kueue finishes the Workload instead of keeping quota for replacements."""
+    ns, api = kube_ns, kube.admin
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), tj(ns, queueName="team-a"))
+        pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+        for name in pods:
+            api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"metadata": {"finalizers": [KUEUE_FINALIZER]}})
+        kube.wait_status(ns, "gpt", "Pending", lambda s: s.get("phase") == "Pending")
+        api.delete(f"{kube.jobs(ns)}/gpt")
+        kube.wait_for("the pods deleted and marked not retriable", lambda: kube.pods(ns) and all(
+            p["metadata"].get("deletionTimestamp")
+            and p["metadata"].get("annotations", {}).get("kueue.x-k8s.io/retriable-in-group") == "false"
+            for p in kube.pods(ns).values()))
+        for name in pods:
+            api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"metadata": {"finalizers": None}})
+        kube.wait_pods(ns, set())
+
+
 def test_template_clash_fails_the_job_before_any_pod(kube, kube_ns):
     ns, api = kube_ns, kube.admin
     clash = {"spec": {"containers": [{"name": "trainer", "env": [{"name": "MASTER_ADDR", "value": "x"}]}]}}
