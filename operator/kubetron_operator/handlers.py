@@ -34,6 +34,7 @@ from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid
 from kubetron_operator.build import (
     LABEL_JOB,
+    READER_CONTAINER,
     build,
     build_reader_pod,
     config_map_name,
@@ -414,10 +415,10 @@ def _node_trouble(kube: Kube, status: dict, pods: list[PodView]) -> dict[str, st
 
 
 def termination_text(pod: dict[str, Any]) -> str:
+    """The progress reader's termination message, from its own container (an injected sidecar has others)."""
     for cs in (pod.get("status") or {}).get("containerStatuses") or ():
-        text = ((cs.get("state") or {}).get("terminated") or {}).get("message")
-        if text:
-            return text
+        if cs.get("name") == READER_CONTAINER:
+            return ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
     return ""
 
 

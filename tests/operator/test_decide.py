@@ -690,3 +690,12 @@ def test_an_ended_kueue_pod_group_is_marked_not_retriable():
                                                  queued(0, deleting_for=1.0)])
     assert stale.release_pods == ("gpt-1-0",)
     assert run(pods=[pod(0), pod(1, deleting_for=1.0)]).release_pods == ()  # no queue, nothing to mark
+
+
+def test_the_progress_readers_summary_is_read_from_its_own_container():
+    from kubetron_operator.handlers import termination_text
+
+    injected = {"status": {"containerStatuses": [  # a mesh sidecar injected into the reader pod sorts first
+        {"name": "istio-proxy", "state": {"terminated": {"exitCode": 0, "message": "proxy drained"}}},
+        {"name": "progress", "state": {"terminated": {"exitCode": 0, "message": '{"iteration": 7}'}}}]}}
+    assert termination_text(injected) == '{"iteration": 7}'
