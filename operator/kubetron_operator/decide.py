@@ -168,7 +168,10 @@ class PodView:
         meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
         role = labels.get(LABEL_ROLE, "worker")
-        states = {cs.get("name"): cs.get("state") or {} for cs in status.get("containerStatuses") or ()}
+        # Init containers too (names are unique across both lists): a native sidecar or an init container
+        # that cannot be pulled holds the pod as surely as the trainer's image.
+        states = {cs.get("name"): cs.get("state") or {} for key in ("initContainerStatuses", "containerStatuses")
+                  for cs in status.get(key) or ()}
         started = any("running" in st or (st.get("terminated") or {}).get("startedAt") for st in states.values())
         stuck = [st["waiting"] for st in states.values() if (st.get("waiting") or {}).get("reason") in STUCK_WAITING]
         waiting = f"{stuck[0]['reason']}: {stuck[0].get('message') or ''}".rstrip(": ") if stuck else ""

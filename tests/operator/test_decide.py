@@ -618,6 +618,16 @@ def test_the_trainer_container_is_found_by_name(containers, pod_phase, phase, co
     assert view.alive == (pod_phase in ("Running", "Unknown"))
 
 
+def test_a_native_sidecar_that_cannot_be_pulled_says_so():
+    raw = raw_pod("Pending", ("trainer", {"waiting": {"reason": "PodInitializing"}}),
+                  initContainerStatuses=[{"name": "log-shipper", "state": {"waiting": {
+                      "reason": "ImagePullBackOff", "message": 'Back-off pulling image "fluent/fluent-bit:nope"'}}}])
+    view = PodView.from_pod(raw, NOW)
+    assert view.waiting == 'ImagePullBackOff: Back-off pulling image "fluent/fluent-bit:nope"'
+    action = run({**RUNNING, "phase": "Pending"}, pods=[view, pod(1, phase="Pending")])
+    assert action.status["reason"] == "ImagePullBackOff" and "fluent-bit" in action.status["message"]
+
+
 def test_trainers_done_while_sidecars_run_succeed_and_the_pods_are_stopped():
     done = term(0, iteration=40, trainIters=40)
     pods = [pod(r, phase="Succeeded", pod_phase="Running", exit_code=0, termination=done) for r in (0, 1)]
