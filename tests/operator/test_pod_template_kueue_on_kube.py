@@ -114,7 +114,8 @@ def test_template_clash_fails_the_job_before_any_pod(kube, kube_ns):
         assert st["reason"] == "InvalidSpec"
         assert st["message"] == "spec.podTemplate.spec.containers[0].env[0].name: MASTER_ADDR is set by the operator"
         assert kube.pods(ns) == {}
-        assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in kube.events(ns))
+        kube.wait_for("an InvalidSpec Warning event", lambda: any(  # posted just after the status write
+            e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in kube.events(ns)))
         # The queue label on the job itself means spec.queueName.
         labeled = tj(ns, "labeled")
         labeled["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-b"}
