@@ -47,7 +47,7 @@ def _calls(group: str, resource: str, *verbs: str) -> set[Call]:
 
 
 OPERATOR_CALLS: frozenset[Call] = frozenset(
-    _calls("", "pods", "create", "get", "list", "delete")
+    _calls("", "pods", "create", "get", "list", "delete", "patch")  # patch: Kueue's retriable-in-group
     | _calls("", "services", "create", "get", "delete")  # get: whose is an existing one (409)?
     | _calls("", "configmaps", "create", "get", "delete")
     | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
@@ -255,6 +255,13 @@ class Kube:
 
     def delete_pod(self, namespace: str, name: str, force: bool = False) -> bool:
         return self.delete("v1", "Pod", namespace, name, grace_seconds=0 if force else None)
+
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
+        """Merge `annotations` into a pod's metadata (one that is being deleted too); False when it is gone."""
+        done = self._request(Call("", "pods", "patch"), "PATCH", self._path("", "v1", "pods", namespace, name),
+                             body={"metadata": {"annotations": dict(annotations)}},
+                             content_type="application/merge-patch+json", ok=(404,))
+        return done is not None
 
     def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
         """Pods matching all `labels` (filtered here too, in case a server ignores the selector)."""

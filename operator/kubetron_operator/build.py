@@ -10,13 +10,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetron_operator.model import API_VERSION, KIND, QUEUE_LABEL, Job, PvcStorage, S3Storage
+from kubetron_operator.model import (
+    API_VERSION,
+    COSCHEDULING_GROUP_LABEL,
+    KIND,
+    KUEUE_COUNT_ANNOTATION,
+    KUEUE_GROUP_LABEL,
+    QUEUE_LABEL,
+    TRAINER,
+    VOLCANO_GROUP_ANNOTATION,
+    Job,
+    PvcStorage,
+    S3Storage,
+)
 
 LABEL_JOB = "kubetron.dev/job"
 LABEL_ATTEMPT = "kubetron.dev/attempt"
 LABEL_RANK = "kubetron.dev/rank"
 LABEL_ROLE = "kubetron.dev/role"  # worker | progress-reader
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetron"}
+READER_CONTAINER = "progress"  # the progress-reader pod's one container
 
 CONFIG_DIR = "/etc/kubetron"
 CONFIG_PATH = f"{CONFIG_DIR}/config.yaml"
@@ -24,11 +37,7 @@ TERMINATION_LOG = "/dev/termination-log"
 RUN_AS_USER = 10001  # the images (Dockerfile) and the chart run as this UID
 PYTHON = "python3"  # what the trainer image's ENTRYPOINT runs; every Python image has it, not all have `python`
 DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
-VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
-COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
-KUEUE_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 
 
 # -- names (deterministic: a restarted operator computes the same ones) ------------------------------
@@ -248,7 +257,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
     mounts += [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                {"name": "dshm", "mountPath": "/dev/shm"}]
     container: dict[str, Any] = {
-        "name": "trainer",
+        "name": TRAINER,
         "image": spec.image,
         "command": [PYTHON, "-m", "kubetron.launch"],
         "args": trainer_args(job),
@@ -336,7 +345,7 @@ def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
         "terminationGracePeriodSeconds": 5,
         "securityContext": _security_context_pod(),
         "containers": [{
-            "name": "progress",
+            "name": READER_CONTAINER,
             "image": job.spec.image,
             "command": [PYTHON, "-m", "kubetron.progress", "--no-events", "--termination-log", TERMINATION_LOG,
                         job.store],

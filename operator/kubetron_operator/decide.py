@@ -6,6 +6,10 @@ status, post events). Everything decide needs is in `observed`; everything it mu
 the status patch (counters, `nextAttemptTime`, `avoidNodes`), so a restarted operator carries on
 exactly where the last one stopped.
 
+A pod's outcome is its trainer container's, found by name (PodView.from_pod): a rank has ended once that
+container terminated, whatever sidecars still run or how they exited; pods that still run when the
+attempt is over are deleted.
+
 How an attempt ends (gang semantics: the first pod to end ends the attempt):
 - config error (exit 2 anywhere)                                  -> Failed now, the trainer's message
 - preempted: DisruptionTarget, eviction, node lost, pod deleted by someone else or missing, exit 75
@@ -18,7 +22,8 @@ How an attempt ends (gang semantics: the first pod to end ends the attempt):
   created (unschedulable, image pull errors, a missing Secret key, a scheduler nobody runs)
                                                                   -> restart after a backoff; counts
   toward maxNeverStartedAttempts (not backoffLimit); nodes that rejected a pod are avoided next time
-- anything else that fails (trainer error, OOMKilled, ...)        -> restart after a backoff, counts
+- anything else that fails (trainer error, OOMKilled, an eviction for exceeding the pod's own limits:
+  ephemeral storage, an emptyDir sizeLimit)                       -> restart after a backoff, counts
   toward backoffLimit
 - every rank exited 0 and the progress log (or the ranks' termination messages) says train_iters was
   reached                                                         -> Succeeded
@@ -33,7 +38,12 @@ Crash loops (NoProgress): only attempts that ended by the job's own doing (a fai
 and only when they saved no checkpoint newer than the one they resumed from; maxNoProgressAttempts such
 attempts in a row -> Failed (NoProgress). Preemptions and never-started attempts neither count nor
 reset the streak (an attempt that saved something new does reset it): being preempted while the model
-loads is the cluster's doing, not a crash loop.
+loads is the cluster's doing, not a crash loop. Free restarts are bounded by a streak of their own:
+MAX_PREEMPTIONS_WITHOUT_PROGRESS running attempts in a row preempted without a new checkpoint -> Failed
+(NoProgress); any new checkpoint resets it, so a job preempted often while it progresses runs on.
+
+Kueue plain pod groups (one per attempt): the members of a group whose attempt is over are marked
+retriable-in-group "false" (Action.release_pods) before any of them is deleted, so Kueue frees the quota.
 
 activeDeadlineSeconds counts from status.startTime, which is reset when a suspended job resumes (as
 Kubernetes Job does): time spent suspended does not count.
@@ -49,14 +59,14 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from kubetron import exitcodes
 
-from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
-from kubetron_operator.model import Job, PvcStorage
+from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, READER_CONTAINER
+from kubetron_operator.model import KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, TRAINER, Job, PvcStorage
 
 FINISHED = ("Succeeded", "Failed")
 PREEMPT_POD_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated"})
@@ -67,12 +77,19 @@ STUCK_WAITING = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName
                            "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 """Container waiting reasons that do not clear up by themselves (ContainerCreating does)."""
 STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
+OWN_LIMIT_EVICTIONS = ("exceeds the total limit of containers", "exceeded its local ephemeral storage limit",
+                       "Usage of EmptyDir volume")
+"""Words of the kubelet's eviction manager (pkg/kubelet/eviction/helpers.go) when a pod outgrew its *own*
+limits (pod or container ephemeral-storage, an emptyDir sizeLimit): the job's doing, a failure. Its
+node-pressure evictions ("The node was low on resource: ...") stay free preemptions."""
+MAIN_CONTAINER = {"worker": TRAINER, "progress-reader": READER_CONTAINER}
 FREE_EXIT_CODES = {exitcodes.SAVED_ON_SIGNAL: "SavedOnSignal", exitcodes.EXIT_CONDITION: "ExitCondition"}
 READER_TIMEOUT = 180.0  # seconds a progress-reader pod may take before we go on without it
 FORCE_DELETE_AFTER = 60.0  # seconds past a pod's grace period before it is force-deleted (node lost)
 NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
 BACKOFF_BASE, BACKOFF_CAP, BACKOFF_JITTER = 10.0, 360.0, 0.2  # seconds, seconds, fraction (as Kubernetes Job)
 MAX_AVOID_NODES = 8  # nodes remembered in status.avoidNodes
+MAX_PREEMPTIONS_WITHOUT_PROGRESS = 10  # free restarts of running attempts in a row that saved nothing new -> NoProgress
 
 
 # -- observations --------------------------------------------------------------------------------------
@@ -86,7 +103,8 @@ class PodView:
     attempt: int
     rank: int = 0
     role: str = "worker"  # worker | progress-reader
-    phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
+    phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown; the trainer's once it ended
+    pod_phase: str = ""  # the pod's own status.phase (a sidecar may keep it Running); "" means as `phase`
     exit_code: int | None = None  # the trainer container's, once terminated
     reason: str = ""  # the container's terminated reason: OOMKilled, Error, Completed, ...
     pod_reason: str = ""  # status.reason: Evicted, NodeLost, OutOfnvidia.com/gpu, ...
@@ -105,6 +123,8 @@ class PodView:
     waiting: str = ""  # "Reason: message" of a container stuck waiting (STUCK_WAITING), else ""
     scheduler: str = ""  # spec.schedulerName
     gates: tuple[str, ...] = ()  # spec.schedulingGates: held back by an admission controller (Kueue), not stuck
+    kueue_group: str = ""  # label kueue.x-k8s.io/pod-group-name: a member of a Kueue plain pod group
+    retriable: bool = True  # annotation kueue.x-k8s.io/retriable-in-group is not "false" (Kueue keeps the group)
 
     @property
     def code(self) -> int | None:
@@ -117,6 +137,16 @@ class PodView:
     @property
     def terminated(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def alive(self) -> bool:
+        """The pod itself still runs (a sidecar may outlive the trainer) and nobody is deleting it."""
+        return (self.pod_phase or self.phase) not in ("Succeeded", "Failed") and self.deleting_for is None
+
+    @property
+    def over_limit(self) -> bool:
+        """Evicted by its kubelet for exceeding its own limits (not for the node's sake)."""
+        return self.pod_reason == "Evicted" and any(w in self.pod_message for w in OWN_LIMIT_EVICTIONS)
 
     @property
     def rejected(self) -> bool:
@@ -137,18 +167,19 @@ class PodView:
     def from_pod(cls, pod: Mapping[str, Any], now: datetime) -> PodView:
         meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
-        term_state, started, exit_code, reason, message, waiting = {}, False, None, "", "", ""
-        for cs in status.get("containerStatuses") or ():
-            state = cs.get("state") or {}
-            started = started or "running" in state or bool((state.get("terminated") or {}).get("startedAt"))
-            wait = state.get("waiting") or {}
-            if wait.get("reason") in STUCK_WAITING:
-                waiting = f"{wait['reason']}: {wait.get('message') or ''}".rstrip(": ")
-            if "terminated" in state:
-                term_state = state["terminated"] or {}
-                exit_code = term_state.get("exitCode")
-                reason = term_state.get("reason") or ""
-                message = term_state.get("message") or ""
+        role = labels.get(LABEL_ROLE, "worker")
+        # Init containers too (names are unique across both lists): a native sidecar or an init container
+        # that cannot be pulled holds the pod as surely as the trainer's image.
+        states = {cs.get("name"): cs.get("state") or {} for key in ("initContainerStatuses", "containerStatuses")
+                  for cs in status.get(key) or ()}
+        started = any("running" in st or (st.get("terminated") or {}).get("startedAt") for st in states.values())
+        stuck = [st["waiting"] for st in states.values() if (st.get("waiting") or {}).get("reason") in STUCK_WAITING]
+        waiting = f"{stuck[0]['reason']}: {stuck[0].get('message') or ''}".rstrip(": ") if stuck else ""
+        # The trainer by name, never by position: containerStatuses are sorted by name, sidecars included.
+        term_state = states.get(MAIN_CONTAINER.get(role, TRAINER), {}).get("terminated")
+        exit_code = (term_state or {}).get("exitCode")
+        reason, message = (term_state or {}).get("reason") or "", (term_state or {}).get("message") or ""
+        pod_phase = status.get("phase") or "Pending"
         disrupted, unschedulable, seen = "", "", False
         for cond in status.get("conditions") or ():
             if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
@@ -163,15 +194,16 @@ class PodView:
             name=meta.get("name", ""),
             attempt=_to_int(labels.get(LABEL_ATTEMPT)),
             rank=_to_int(labels.get(LABEL_RANK)),
-            role=labels.get(LABEL_ROLE, "worker"),
-            phase=status.get("phase") or "Pending",
+            role=role,
+            phase=_main_phase(pod_phase, term_state),
+            pod_phase=pod_phase,
             exit_code=exit_code,
             reason=reason,
             pod_reason=status.get("reason") or "",
             pod_message=status.get("message") or "",
             disrupted=disrupted,
             deleting_for=_age(deleting, now) if deleting else None,
-            started=started or status.get("phase") in ("Running", "Succeeded"),
+            started=started or pod_phase in ("Running", "Succeeded"),
             created_for=_age(meta.get("creationTimestamp"), now),
             termination=termination,
             term_text="" if termination else _last_line(message),
@@ -182,7 +214,18 @@ class PodView:
             waiting=waiting,
             scheduler=spec.get("schedulerName") or "default-scheduler",
             gates=tuple(g.get("name", "") for g in spec.get("schedulingGates") or ()),
+            kueue_group=labels.get(KUEUE_GROUP_LABEL) or "",
+            retriable=(meta.get("annotations") or {}).get(KUEUE_RETRIABLE_ANNOTATION) != "false",
         )
+
+
+def _main_phase(pod_phase: str, terminated: Mapping[str, Any] | None) -> str:
+    """The pod's phase as its main container (the trainer) sees it: once that container terminated, the
+    attempt's rank has ended with its exit code, whatever sidecars still run or how they exited. A pod
+    whose node is lost (Unknown) stays Unknown."""
+    if terminated is None or pod_phase == "Unknown":
+        return pod_phase
+    return "Succeeded" if terminated.get("exitCode") == 0 else "Failed"
 
 
 def node_trouble(nodes: Iterable[Mapping[str, Any]], wanted: Iterable[str]) -> dict[str, str]:
@@ -248,6 +291,7 @@ class Action:
     expected_iteration: int = 0
     avoid_nodes: tuple[str, ...] = ()
     create_reader: int | None = None  # create the progress-reader pod for this attempt
+    release_pods: tuple[str, ...] = ()  # Kueue group members to mark retriable-in-group "false" (before any delete)
     delete_job: bool = False
     events: tuple[Event, ...] = ()
 
@@ -261,6 +305,24 @@ class Action:
 
 def decide(job: Job | None, obs: Observed) -> Action:
     """The next step for `job` (None when its spec does not parse; obs.spec_error then says why)."""
+    action = _decide(job, obs)
+    release = _released(obs, action)
+    return replace(action, release_pods=release) if release else action
+
+
+def _released(obs: Observed, action: Action) -> tuple[str, ...]:
+    """Kueue plain pod groups: the members of every group that is over, so Kueue finishes its Workload and
+    frees the quota. Each attempt is its own group and is never resumed, so a group is over once its attempt
+    ended (or the pod is being deleted): Kueue would otherwise keep the quota for replacement pods that
+    never come (failed or deleted members of a group are retriable by default)."""
+    st = {**obs.status, **action.status}
+    live = _to_int(st.get("attempt")) if st.get("phase") in ("Pending", "Running") else None
+    deleting = {*action.delete_pods, *action.force_delete_pods}
+    return tuple(p.name for p in obs.pods if p.kueue_group and p.retriable
+                 and (p.attempt != live or p.name in deleting or p.deleting_for is not None))
+
+
+def _decide(job: Job | None, obs: Observed) -> Action:
     st = obs.status or {}
     phase = st.get("phase") or ""
     if phase in FINISHED:
@@ -285,7 +347,7 @@ def decide(job: Job | None, obs: Observed) -> Action:
 
 def _finished(job: Job | None, obs: Observed) -> Action:
     """Never create anything again. Stop what still runs; delete the job once its TTL is up."""
-    active = tuple(p.name for p in obs.pods if not p.terminated and p.deleting_for is None)
+    active = tuple(p.name for p in obs.pods if p.alive)
     ttl = job.spec.ttl_seconds_after_finished if job else None
     done = _parse_time(obs.status.get("completionTime"))
     if ttl is not None and done and obs.now >= done + timedelta(seconds=ttl):
@@ -296,7 +358,7 @@ def _finished(job: Job | None, obs: Observed) -> Action:
 
 def _suspend(obs: Observed) -> Action:
     st = obs.status
-    alive = [p for p in obs.pods if p.deleting_for is None and not (p.role == "worker" and p.terminated)]
+    alive = [p for p in obs.pods if p.alive or (p.role != "worker" and p.deleting_for is None)]
     deleting = [p for p in obs.pods if p.deleting_for is not None]
     status: dict[str, Any] = {}
     events: tuple[Event, ...] = ()
@@ -445,7 +507,9 @@ def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping 
     config_errors, failures, rejected = [], [], []
     for p in sorted(current, key=lambda p: p.rank):
         code = p.code
-        if p.disrupted:
+        if p.over_limit:  # the job outgrew its own limits: it would again, so it counts
+            failures.append(p)
+        elif p.disrupted:
             preempted.append(f"pod {p.name} disrupted ({p.disrupted})")
         elif p.pod_reason in PREEMPT_POD_REASONS:
             preempted.append(f"pod {p.name}: {p.detail}")
@@ -491,7 +555,10 @@ def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping 
 def _failure_reason(failures: list[PodView]) -> dict[str, str]:
     """The root cause among failed ranks: a rank's own error beats 'a peer died'."""
     own = [p for p in failures if p.code != exitcodes.PEER_FAILURE] or failures
-    p = own[0]
+    p = next((p for p in own if p.over_limit), own[0])
+    if p.over_limit:
+        return {"reason": "EvictedOverLimit", "message": f"pod {p.name} was evicted for exceeding its own limits: "
+                f"{p.pod_message.strip()} Raise spec.resources.limits (ephemeral-storage) or write less locally"}
     if p.reason == "OOMKilled":
         return {"reason": "OOMKilled", "message": f"pod {p.name} was OOMKilled: raise "
                 "spec.resources.limits.memory or lower the batch size"}
@@ -513,9 +580,13 @@ def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | No
         ckpt is not None and st.get("attemptStartCheckpoint") is None)
     streak = _to_int(st.get("noProgressAttempts"))
     no_progress = 0 if progressed else streak + (1 if kind == "failures" or own_doing else 0)
+    # Free restarts are bounded too: a running attempt preempted before it saved anything new, again and again.
+    free = kind == "preemptions" and not own_doing and st.get("phase") == "Running"
+    free_streak = 0 if progressed else _to_int(st.get("preemptionsWithoutProgress")) + int(free)
     avoid = list(st.get("avoidNodes") or ())
     avoid = ([n for n in avoid if n not in bad_nodes] + list(bad_nodes))[-MAX_AVOID_NODES:]
     common: dict[str, Any] = {"restarts": restarts, "noProgressAttempts": no_progress, "lastCheckpoint": ckpt,
+                              "preemptionsWithoutProgress": free_streak,
                               "lastAttemptIteration": _reached(obs, attempt, current)}
     if bad_nodes:
         common["avoidNodes"] = avoid
@@ -532,6 +603,12 @@ def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | No
     if no_progress >= job.spec.max_no_progress_attempts:
         action = _fail(obs, "NoProgress", f"{no_progress} attempts in a row ended by the trainer without a new "
                        f"checkpoint (last checkpoint: iteration {_it(ckpt)}); last: {message}")
+        action.status.update(common)
+        return action
+    if free_streak >= MAX_PREEMPTIONS_WITHOUT_PROGRESS:
+        action = _fail(obs, "NoProgress", f"{free_streak} running attempts in a row preempted before saving a new "
+                       f"checkpoint (last checkpoint: iteration {_it(ckpt)}): save checkpoints more often "
+                       f"(checkpoint.save_interval); last: {message}")
         action.status.update(common)
         return action
     delay = 0.0 if kind == "preemptions" else _backoff(job, attempt, restarts["failures"] + restarts["neverStarted"])
@@ -564,14 +641,14 @@ def _succeed(job: Job, obs: Observed, ckpt: Mapping | None) -> Action:
     if train_iters:
         status.update(iteration=train_iters, progress="100%")
     status.update(completionTime=_iso(obs.now), eta="0s", lastCheckpoint=ckpt, nextAttemptTime=None)
-    return Action("succeed", status=status,
+    return Action("succeed", status=status, delete_pods=tuple(p.name for p in obs.pods if p.alive),
                   events=(Event("Normal", "Succeeded", f"training completed at iteration {status.get('iteration')}"),))
 
 
 def _fail(obs: Observed, reason: str, message: str) -> Action:
     status = _phase_status(obs, "Failed", reason, message)
     status.update(completionTime=_iso(obs.now), eta=None, nextAttemptTime=None)
-    active = tuple(p.name for p in obs.pods if not p.terminated and p.deleting_for is None)
+    active = tuple(p.name for p in obs.pods if p.alive)
     return Action("fail", status=status, delete_pods=active, events=(Event("Warning", reason, message),))
 
 

@@ -34,6 +34,7 @@ from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
 from kubetron_operator.build import (
     LABEL_JOB,
+    READER_CONTAINER,
     build,
     build_reader_pod,
     config_map_name,
@@ -52,7 +53,16 @@ from kubetron_operator.decide import (
     decide,
     node_trouble,
 )
-from kubetron_operator.model import GROUP, PLURAL, VERSION, Job, S3Storage, SpecError
+from kubetron_operator.model import (
+    GROUP,
+    KUEUE_GROUP_LABEL,
+    KUEUE_RETRIABLE_ANNOTATION,
+    PLURAL,
+    VERSION,
+    Job,
+    S3Storage,
+    SpecError,
+)
 from kubetron_operator.progress_io import read_s3_progress
 
 PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt runs quietly
@@ -214,7 +224,7 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
 
 
 def _idle(action: Action) -> bool:
-    return not (action.status or action.delete_pods or action.force_delete_pods or action.events
+    return not (action.status or action.delete_pods or action.force_delete_pods or action.events or action.release_pods
                 or action.create_attempt is not None or action.create_reader is not None or action.delete_job)
 
 
@@ -281,15 +291,28 @@ def cleanup_on_delete(name: str, namespace: str, uid: str, spec: Any, status: An
     those this job controls, never a foreign object that happens to carry a child's name or label."""
     kube: Kube = memo.deps.kube
     metrics.forget(namespace, name)
-    for pod in kube.list_pods(namespace, {LABEL_JOB: name}):
-        if controller_uid(pod) == uid:
-            kube.delete_pod(namespace, pod["metadata"]["name"])
+    pods = [p for p in kube.list_pods(namespace, {LABEL_JOB: name}) if controller_uid(p) == uid]
+    release_groups(kube, namespace, [p["metadata"]["name"] for p in pods
+                                     if (p["metadata"].get("labels") or {}).get(KUEUE_GROUP_LABEL)], logger)
+    for pod in pods:
+        kube.delete_pod(namespace, pod["metadata"]["name"])
     fake = Job(name=name, namespace=namespace, uid=uid, spec=None)  # type: ignore[arg-type]  # names only
     gang = ((spec or {}).get("scheduling") or {}).get("gang") or "none"
     for attempt in range(1, int((status or {}).get("attempt") or 0) + 1):
         delete_attempt_children(kube, fake, attempt, gang, logger)
     kube.delete_owned("v1", "Service", namespace, service_name(fake), uid)
     logger.info("deleted the children of %s", name)
+
+
+def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: logging.Logger) -> None:
+    """Mark Kueue pod-group members `retriable-in-group: "false"` (decide.Action.release_pods): Kueue then
+    finishes the group's Workload once its pods are gone and frees the quota. Best effort: a pod that cannot
+    be marked is tried again next round (it stays in release_pods), the rest of the action goes on."""
+    for pod in pods:
+        try:
+            kube.annotate_pod(namespace, pod, {KUEUE_RETRIABLE_ANNOTATION: "false"})
+        except ApiError as exc:
+            logger.warning("cannot mark pod %s/%s %s=false: %s", namespace, pod, KUEUE_RETRIABLE_ANNOTATION, exc)
 
 
 def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logger: logging.Logger) -> None:
@@ -398,10 +421,10 @@ def _node_trouble(kube: Kube, status: dict, pods: list[PodView]) -> dict[str, st
 
 
 def termination_text(pod: dict[str, Any]) -> str:
+    """The progress reader's termination message, from its own container (an injected sidecar has others)."""
     for cs in (pod.get("status") or {}).get("containerStatuses") or ():
-        text = ((cs.get("state") or {}).get("terminated") or {}).get("message")
-        if text:
-            return text
+        if cs.get("name") == READER_CONTAINER:
+            return ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
     return ""
 
 
@@ -431,6 +454,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     if action.create_attempt is not None and job is not None:
         # Pods first: if we die before the status patch, the next round recreates them (409s), never
         # mistakes a not-yet-created pod for a preempted one.
+        release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
         manifests = build(job, action.create_attempt, action.expected_iteration, action.avoid_nodes)
@@ -447,6 +471,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     else:
         # Status first: an ended attempt is counted before its pods disappear.
         _patch_status(deps, body, action.status, rv)
+        release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
         if job is not None and _attempt_ended(obs, action):

@@ -38,11 +38,19 @@ GPU = "nvidia.com/gpu"
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """Kueue's queue label: on the TrainingJob it means spec.queueName; on the pods it is what Kueue reads."""
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
+"""Set to "false" on an ended attempt's pods: Kueue then finishes the group's Workload (its quota is freed)."""
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 
-RESERVED_LABEL_PREFIXES = ("kubetron.dev/", "kueue.x-k8s.io/", "app.kubernetes.io/managed-by",
-                           "scheduling.x-k8s.io/pod-group")
-RESERVED_ANNOTATION_PREFIXES = ("kueue.x-k8s.io/", "scheduling.k8s.io/group-name")
-"""Pod labels/annotations the operator sets (identity, Kueue, gang scheduling): spec.podTemplate may not set them."""
+RESERVED_LABEL_PREFIXES = ("kubetron.dev/",)
+RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by", COSCHEDULING_GROUP_LABEL, QUEUE_LABEL, KUEUE_GROUP_LABEL})
+RESERVED_ANNOTATIONS = frozenset({VOLCANO_GROUP_ANNOTATION, KUEUE_COUNT_ANNOTATION, KUEUE_RETRIABLE_ANNOTATION})
+"""Pod labels/annotations the operator sets (identity, Kueue, gang scheduling): spec.podTemplate may not set them.
+Only the exact Kueue keys the operator writes: users' other Kueue requests (`kueue.x-k8s.io/podset-required-topology`,
+`podset-preferred-topology`, ...) pass through to every pod."""
 
 RESERVED_VOLUMES = frozenset({"store", "config", "dshm"})
 RESERVED_CONTAINERS = frozenset({"progress"})
@@ -316,8 +324,8 @@ def parse_pod_template(t: Mapping[str, Any], spec: Mapping[str, Any]) -> PodTemp
     meta, pspec = t.get("metadata") or {}, t.get("spec") or {}
     _only(meta, ("labels", "annotations"), f"{f}.metadata")
     _only(pspec, TEMPLATE_SPEC_KEYS, f"{f}.spec")
-    labels = _string_map(meta.get("labels"), f"{f}.metadata.labels", RESERVED_LABEL_PREFIXES)
-    annotations = _string_map(meta.get("annotations"), f"{f}.metadata.annotations", RESERVED_ANNOTATION_PREFIXES)
+    labels = _string_map(meta.get("labels"), f"{f}.metadata.labels", RESERVED_LABELS, RESERVED_LABEL_PREFIXES)
+    annotations = _string_map(meta.get("annotations"), f"{f}.metadata.annotations", RESERVED_ANNOTATIONS)
     volumes = _named(pspec.get("volumes"), f"{f}.spec.volumes", RESERVED_VOLUMES)
     inits = _named(pspec.get("initContainers"), f"{f}.spec.initContainers", RESERVED_CONTAINERS | {TRAINER})
     containers = _named(pspec.get("containers"), f"{f}.spec.containers", RESERVED_CONTAINERS)
@@ -377,13 +385,13 @@ def _named(value: Any, where: str, reserved: frozenset[str] | set[str]) -> list[
     return items
 
 
-def _string_map(value: Any, where: str, reserved: tuple[str, ...]) -> dict[str, str]:
+def _string_map(value: Any, where: str, reserved: frozenset[str], prefixes: tuple[str, ...] = ()) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
         raise SpecError(where, "must map names to strings")
     for key in value:
-        if str(key).startswith(reserved):
+        if key in reserved or str(key).startswith(prefixes):
             raise SpecError(f"{where}[{key}]", "is set by the operator")
     return dict(value)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
+from kubetron import exitcodes
 from kubetron_operator.decide import (
+    MAX_PREEMPTIONS_WITHOUT_PROGRESS,
     Observed,
     PodView,
     decide,
@@ -582,3 +585,127 @@ def test_cleared_trouble_is_no_longer_shown():
     status = {**PENDING, "reason": "Unschedulable", "message": "pod gpt-1-1: 0/1 nodes are available"}
     action = run(status, pods=[pod(0), pod(1, phase="Pending", node="n1", scheduler_seen=True)])
     assert action.status["reason"] == "Starting" and action.events == ()
+
+
+# -- issue 21: sidecars, evictions the job caused, bounded free restarts, Kueue pod groups ----------------
+
+
+def raw_pod(phase: str, *containers: tuple[str, dict], **status: Any) -> dict[str, Any]:
+    """A pod as the API server stores it: containerStatuses sorted by name, as the kubelet writes them."""
+    return {"metadata": {"name": "gpt-1-0", "labels": {"kubetron.dev/attempt": "1", "kubetron.dev/rank": "0"}},
+            "status": {"phase": phase, **status, "containerStatuses": [
+                {"name": n, "state": state} for n, state in sorted(containers, key=lambda c: c[0])]}}
+
+
+RUN = {"running": {"startedAt": "2026-11-22T11:00:00Z"}}
+
+
+def ended(code: int, message: str = "") -> dict[str, Any]:
+    return {"terminated": {"exitCode": code, "reason": "Error" if code else "Completed", "message": message,
+                           "startedAt": "2026-11-22T11:00:00Z"}}
+
+
+@pytest.mark.parametrize(("containers", "pod_phase", "phase", "code"), [
+    ([("trainer", RUN), ("zz-exporter", ended(1))], "Running", "Running", None),  # the sidecar's 1 is not ours
+    ([("aa-proxy", ended(0)), ("trainer", ended(3))], "Failed", "Failed", 3),
+    ([("trainer", ended(0)), ("zz-exporter", RUN)], "Running", "Succeeded", 0),  # the sidecar keeps the pod up
+    ([("trainer", ended(0)), ("zz-exporter", ended(1))], "Failed", "Succeeded", 0),  # the trainer's word counts
+    ([("trainer", ended(1)), ("zz-exporter", RUN)], "Unknown", "Unknown", 1),  # node lost stays node lost
+])
+def test_the_trainer_container_is_found_by_name(containers, pod_phase, phase, code):
+    view = PodView.from_pod(raw_pod(pod_phase, *containers), NOW)
+    assert (view.phase, view.code, view.pod_phase) == (phase, code, pod_phase)
+    assert view.alive == (pod_phase in ("Running", "Unknown"))
+
+
+def test_a_native_sidecar_that_cannot_be_pulled_says_so():
+    raw = raw_pod("Pending", ("trainer", {"waiting": {"reason": "PodInitializing"}}),
+                  initContainerStatuses=[{"name": "log-shipper", "state": {"waiting": {
+                      "reason": "ImagePullBackOff", "message": 'Back-off pulling image "fluent/fluent-bit:nope"'}}}])
+    view = PodView.from_pod(raw, NOW)
+    assert view.waiting == 'ImagePullBackOff: Back-off pulling image "fluent/fluent-bit:nope"'
+    action = run({**RUNNING, "phase": "Pending"}, pods=[view, pod(1, phase="Pending")])
+    assert action.status["reason"] == "ImagePullBackOff" and "fluent-bit" in action.status["message"]
+
+
+def test_trainers_done_while_sidecars_run_succeed_and_the_pods_are_stopped():
+    done = term(0, iteration=40, trainIters=40)
+    pods = [pod(r, phase="Succeeded", pod_phase="Running", exit_code=0, termination=done) for r in (0, 1)]
+    action = run(pods=pods)
+    assert action.kind == "succeed" and set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}
+    finished = run({**RUNNING, **action.status}, pods=pods)  # the deletes were lost: the finished job retries
+    assert set(finished.delete_pods) == {"gpt-1-0", "gpt-1-1"}
+    one_left = run(pods=[pods[0], pod(1)])  # one trainer still runs: the attempt goes on
+    assert one_left.kind == "wait" and not one_left.delete_pods
+
+
+OWN_LIMIT = [
+    "Pod ephemeral local storage usage exceeds the total limit of containers 1Gi. ",
+    'Container trainer exceeded its local ephemeral storage limit "500Mi". ',
+    'Usage of EmptyDir volume "scratch" exceeds the limit "10Gi". ',
+]
+
+
+@pytest.mark.parametrize("message", OWN_LIMIT)
+def test_an_eviction_for_the_pods_own_limit_is_a_failure(message):
+    evicted = pod(1, phase="Failed", pod_reason="Evicted", pod_message=message, exit_code=137)
+    action = run(pods=[pod(0, phase="Failed", exit_code=exitcodes.PEER_FAILURE), evicted])
+    assert action.kind == "restart" and action.status["reason"] == "EvictedOverLimit"
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1}
+    assert message.strip() in action.status["message"] and "gpt-1-1" in action.status["message"]
+    assert action.status["nextAttemptTime"]  # backoff, as any failure
+
+
+def test_node_pressure_and_api_evictions_stay_free():
+    node_low = ("The node was low on resource: memory. Threshold quantity: 100Mi, available: 50Mi. Container "
+                "trainer was using 30Gi, request is 16Gi, has larger consumption of memory. ")
+    for rank1 in (pod(1, phase="Failed", pod_reason="Evicted", pod_message=node_low, disrupted="TerminationByKubelet"),
+                  pod(1, disrupted="EvictionByEvictionAPI"), pod(1, disrupted="PreemptionByScheduler"),
+                  pod(1, disrupted="DeletionByTaintManager")):
+        action = run(pods=[pod(0), rank1])
+        assert action.kind == "restart" and action.status["restarts"]["preemptions"] == 1, rank1
+
+
+def test_free_restarts_that_never_save_anything_new_are_bounded():
+    stuck = {**RUNNING, "attemptStartCheckpoint": 10, "lastCheckpoint": {"iteration": 10, "time": "t"}}
+    preempted = [pod(0), pod(1, disrupted="PreemptionByScheduler")]
+    status, kinds = stuck, []
+    for _ in range(MAX_PREEMPTIONS_WITHOUT_PROGRESS):
+        action = run(status, pods=preempted)
+        kinds.append(action.kind)
+        status = {**stuck, **{k: v for k, v in action.status.items() if k != "phase"}}
+    assert kinds == ["restart"] * (MAX_PREEMPTIONS_WITHOUT_PROGRESS - 1) + ["fail"]
+    assert action.status["reason"] == "NoProgress" and "preempted before saving" in action.status["message"]
+    # Preempted as often while making progress: never bounded.
+    progressed = run({**stuck, "preemptionsWithoutProgress": MAX_PREEMPTIONS_WITHOUT_PROGRESS - 1}, pods=preempted,
+                     progress={"lastCheckpoint": {"iteration": 20, "time": "t"}})
+    assert progressed.kind == "restart" and progressed.status["preemptionsWithoutProgress"] == 0
+    # Preempted before the gang ever ran (queue and scheduling churn): not counted.
+    pending = run({**stuck, "phase": "Pending", "preemptionsWithoutProgress": 9}, pods=[pod(0, phase="Pending")])
+    assert pending.kind == "restart" and pending.status["preemptionsWithoutProgress"] == 9
+
+
+def queued(rank, attempt=1, **kw):
+    return pod(rank, attempt=attempt, kueue_group=f"gpt-{attempt}", **kw)
+
+
+def test_an_ended_kueue_pod_group_is_marked_not_retriable():
+    assert run(pods=[queued(0), queued(1)]).release_pods == ()  # running: the group is alive
+    restart = run(pods=[queued(0), queued(1, deleting_for=2.0)])  # Kueue preempted it (deletes the pods)
+    assert restart.kind == "restart" and set(restart.release_pods) == {"gpt-1-0", "gpt-1-1"}
+    failed = run({**RUNNING, "phase": "Failed"}, pods=[queued(0, phase="Failed", exit_code=1),
+                                                        queued(1, retriable=False)])
+    assert failed.release_pods == ("gpt-1-0",)  # kept for its logs, but its group is over; 1 was marked
+    stale = run({**RUNNING, "attempt": 2}, pods=[queued(0, attempt=2), queued(1, attempt=2),
+                                                 queued(0, deleting_for=1.0)])
+    assert stale.release_pods == ("gpt-1-0",)
+    assert run(pods=[pod(0), pod(1, deleting_for=1.0)]).release_pods == ()  # no queue, nothing to mark
+
+
+def test_the_progress_readers_summary_is_read_from_its_own_container():
+    from kubetron_operator.handlers import termination_text
+
+    injected = {"status": {"containerStatuses": [  # a mesh sidecar injected into the reader pod sorts first
+        {"name": "istio-proxy", "state": {"terminated": {"exitCode": 0, "message": "proxy drained"}}},
+        {"name": "progress", "state": {"terminated": {"exitCode": 0, "message": '{"iteration": 7}'}}}]}}
+    assert termination_text(injected) == '{"iteration": 7}'

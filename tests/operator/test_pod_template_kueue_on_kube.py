@@ -15,10 +15,12 @@ from tests.operator.jobs import job_body
 from tests.operator.test_on_kube import tj
 
 pytestmark = pytest.mark.timeout(180)
+KUEUE_FINALIZER = "kueue.x-k8s.io/managed"  # Kueue's on the pods it manages
 
 TEMPLATE = {
     "metadata": {"labels": {"team": "nlp", "sidecar.istio.io/inject": "false"},
-                 "annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
+                 "annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net",
+                                 "kueue.x-k8s.io/podset-required-topology": "cloud.provider.com/topology-rack"}},
     "spec": {
         "volumes": [{"name": "cache", "emptyDir": {}}],
         "initContainers": [{"name": "warm", "image": "busybox", "command": ["true"]}],
@@ -42,6 +44,8 @@ def test_pod_template_and_queue_reach_the_stored_pods(kube, kube_ns):
             meta, spec = p["metadata"], p["spec"]
             assert meta["labels"]["team"] == "nlp" and meta["labels"]["kubetron.dev/job"] == "gpt"
             assert meta["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+            # A Kueue topology request of the user's: Kueue's TAS reads it from every pod of the group.
+            assert meta["annotations"]["kueue.x-k8s.io/podset-required-topology"] == "cloud.provider.com/topology-rack"
             # Kueue's plain pod group: one group per attempt, its size, the LocalQueue.
             assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
             assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "gpt-1"
@@ -57,17 +61,48 @@ def test_pod_template_and_queue_reach_the_stored_pods(kube, kube_ns):
             assert env["NCCL_IB_HCA"] == "mlx5" and env["NODE_RANK"] == name[-1]
 
         # Kueue suspends (preempts) a workload through spec.suspend: the pods go, and come back as a new group.
-        set_running(api, ns, "gpt-1-0")
-        set_running(api, ns, "gpt-1-1")
+        # Kueue's finalizer holds each pod until Kueue is done with it: the ended group must be marked
+        # retriable-in-group=false, or Kueue keeps its Workload (and quota) for replacements that never come.
+        for name in pods:
+            api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"metadata": {"finalizers": [KUEUE_FINALIZER]}})
+            set_running(api, ns, name)
         kube.wait_status(ns, "gpt", "Running", lambda s: s.get("phase") == "Running")
+        assert all("kueue.x-k8s.io/retriable-in-group" not in p["metadata"]["annotations"]
+                   for p in kube.pods(ns).values())  # a running group is left alone
         api.patch(f"{kube.jobs(ns)}/gpt", {"spec": {"suspend": True}})
         kube.wait_status(ns, "gpt", "Suspended", lambda s: s.get("phase") == "Suspended")
+        kube.wait_for("the ended group deleted and marked not retriable", lambda: all(
+            p["metadata"].get("deletionTimestamp")
+            and p["metadata"]["annotations"].get("kueue.x-k8s.io/retriable-in-group") == "false"
+            for p in kube.pods(ns).values()))
+        for name in pods:  # Kueue finishes the Workload and lets the pods go
+            api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"metadata": {"finalizers": None}})
         kube.wait_pods(ns, set())
         api.patch(f"{kube.jobs(ns)}/gpt", {"spec": {"suspend": False}})
         pods = kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"})
         assert {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in pods.values()} == {"gpt-2"}
         st = kube.wait_status(ns, "gpt", "attempt 2", lambda s: s.get("attempt") == 2)
         assert st["restarts"]["total"] == 0
+
+
+def test_deleting_a_queued_job_releases_its_pod_group(kube, kube_ns):
+    """The job is deleted while its pods are held by Kueue's finalizer: they are marked not retriable, so
+    Kueue finishes the Workload instead of keeping quota for replacements."""
+    ns, api = kube_ns, kube.admin
+    with kube.operator(ns):
+        api.create(kube.jobs(ns), tj(ns, queueName="team-a"))
+        pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
+        for name in pods:
+            api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"metadata": {"finalizers": [KUEUE_FINALIZER]}})
+        kube.wait_status(ns, "gpt", "Pending", lambda s: s.get("phase") == "Pending")
+        api.delete(f"{kube.jobs(ns)}/gpt")
+        kube.wait_for("the pods deleted and marked not retriable", lambda: kube.pods(ns) and all(
+            p["metadata"].get("deletionTimestamp")
+            and p["metadata"].get("annotations", {}).get("kueue.x-k8s.io/retriable-in-group") == "false"
+            for p in kube.pods(ns).values()))
+        for name in pods:
+            api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"metadata": {"finalizers": None}})
+        kube.wait_pods(ns, set())
 
 
 def test_template_clash_fails_the_job_before_any_pod(kube, kube_ns):
@@ -79,7 +114,8 @@ def test_template_clash_fails_the_job_before_any_pod(kube, kube_ns):
         assert st["reason"] == "InvalidSpec"
         assert st["message"] == "spec.podTemplate.spec.containers[0].env[0].name: MASTER_ADDR is set by the operator"
         assert kube.pods(ns) == {}
-        assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in kube.events(ns))
+        kube.wait_for("an InvalidSpec Warning event", lambda: any(  # posted just after the status write
+            e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in kube.events(ns)))
         # The queue label on the job itself means spec.queueName.
         labeled = tj(ns, "labeled")
         labeled["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-b"}
@@ -177,6 +213,12 @@ def test_no_queue_no_kueue_labels():
     ({"metadata": {"labels": {"kubetron.dev/job": "x"}}}, "spec.podTemplate.metadata.labels[kubetron.dev/job]"),
     ({"metadata": {"annotations": {"kueue.x-k8s.io/pod-group-total-count": "9"}}},
      "spec.podTemplate.metadata.annotations[kueue.x-k8s.io/pod-group-total-count]"),
+    ({"metadata": {"annotations": {"kueue.x-k8s.io/retriable-in-group": "true"}}},
+     "spec.podTemplate.metadata.annotations[kueue.x-k8s.io/retriable-in-group]"),
+    ({"metadata": {"labels": {"kueue.x-k8s.io/pod-group-name": "mine"}}},
+     "spec.podTemplate.metadata.labels[kueue.x-k8s.io/pod-group-name]"),
+    ({"metadata": {"labels": {"kueue.x-k8s.io/queue-name": "q"}}},
+     "spec.podTemplate.metadata.labels[kueue.x-k8s.io/queue-name]"),
     ({"spec": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "spec.podTemplate.spec.volumes[0].name"),
     ({"spec": {"containers": [{"name": "trainer", "image": "evil"}]}}, "spec.podTemplate.spec.containers[0].image"),
     ({"spec": {"containers": [{"name": "trainer", "volumeMounts": [{"name": "c", "mountPath": "/dev/shm"}]}]}},

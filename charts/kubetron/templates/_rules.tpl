@@ -49,10 +49,11 @@ required rules from that registry for every values combination and fails on anyt
   resources: [trainingjobs/finalizers]
   verbs: [update]
 # Each attempt's pods: created, watched (label-selected) for phases/exit codes/termination messages
-# (the progress-reader pod's too, so no pods/log or pods/exec), deleted to end it.
+# (the progress-reader pod's too, so no pods/log or pods/exec), deleted to end it; patched to mark an
+# ended attempt's Kueue pod group kueue.x-k8s.io/retriable-in-group=false (Kueue then frees its quota).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [create, get, list, watch, delete]
+  verbs: [create, get, list, watch, delete, patch]
 # Rank 0's headless rendezvous Service and each attempt's trainer config. get: when one exists
 # already, only the job that controls it may use or delete it.
 - apiGroups: [""]
