@@ -398,6 +398,10 @@ class DistributedDataParallelConfig(_Section):
     bucket_size: int | None = _f(
         None, "Elements per gradient bucket with overlap_grad_reduce / the distributed optimizer "
         "(null: max(40M, 1M x data-parallel size)).", ge=1)
+    check_for_nan_in_grad: bool = _f(
+        True, "Stop with exit code 3 when the gradient norm is NaN or Inf (fp32/bf16); false: the update is "
+        "applied as megatron does. With fp16 a non-finite gradient is a loss-scale overflow: the update is "
+        "skipped (its batch is consumed) and the scale backs off.")
 
 
 class RerunStateMachineConfig(_Section):
