@@ -358,7 +358,8 @@ class CheckpointConfig(_Section):
         ge=0)
     save_optim: bool = _f(True, "Save optimizer state.")
     save_rng: bool = _f(True, "Save RNG state (false: a resume keeps this run's seeded generators).")
-    load_optim: bool = _f(True, "Load optimizer state.")
+    load_optim: bool = _f(True, "Load optimizer state, and with it the LR scheduler and fp16 loss scale (as "
+                                "Megatron); false: those start afresh while weights and iteration resume.")
     load_rng: bool = _f(True, "Load RNG state.")
     s3_endpoint_url: str | None = _f(None, "S3 endpoint URL (None: env AWS_ENDPOINT_URL, else AWS).")
     s3_region: str | None = _f(None, "S3 region (None: env AWS_REGION).")
