@@ -278,6 +278,24 @@ DISTOPT = ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
            "ddp.bucket_size=20000"]  # several buckets, so overlap has something to overlap
 
 
+def test_data_parallel_random_init_is_one_model_and_resumes_exactly(dp_runs, tmp_path):
+    """rng.data_parallel_random_init: each DP rank initialises with its own seed, then DP rank 0's weights
+    are broadcast (as megatron's DDP), so the run is the plain DP=2 run (dropout is 0 here) bit for bit,
+    and its iteration-20 checkpoint resumes bit for bit."""
+    store = tmp_path / "s"
+    full = launch(args(store, *FLAVOR, "rng.data_parallel_random_init=true", "checkpoint.save_interval=20"),
+                  tmp_path / "ranks-full")
+    ok(full)
+    loss = tb_scalars(store / "tb")
+    assert loss == dp_runs["dp2"]
+    again = launch(args(tmp_path / "again", *FLAVOR, "rng.data_parallel_random_init=true", "checkpoint.ckpt_step=20",
+                        load=store), tmp_path / "ranks-again")
+    ok(again)
+    assert "at iteration 20" in again.stdout, again.tail()
+    resumed = tb_scalars(tmp_path / "again" / "tb")
+    assert resumed == {i: loss[i] for i in range(21, ITERS + 1)}
+
+
 @pytest.fixture(scope="module")
 def distopt_run(dp_runs):
     """The dp_runs DP=2 run again with the distributed optimizer and both overlaps on."""

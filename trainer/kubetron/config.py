@@ -382,7 +382,10 @@ class RNGConfig(_Section):
     """Random seeds."""
 
     seed: int = _f(1234, "Random seed for initialisation, dropout and mock data.", ge=0)
-    data_parallel_random_init: bool = _f(False, "Different initialisation on each data-parallel rank.")
+    data_parallel_random_init: bool = _f(
+        False, "Seed each data-parallel rank differently (seed + 10 x DP rank, so dropout differs per replica); "
+        "the weights are initialised per rank, then broadcast from DP rank 0 so the replicas are one model "
+        "(as Megatron).")
 
 
 class DistributedDataParallelConfig(_Section):
