@@ -443,3 +443,14 @@ def test_overlap_param_gather_needs_the_distributed_optimizer(tmp_path):
     r = launch(args(tmp_path / "s", "ddp.overlap_param_gather=true"), tmp_path / "ranks", nproc=1)
     assert r.returncode == exitcodes.CONFIG_ERROR, r.tail()
     assert "kubetron: error: ddp.overlap_param_gather: requires use_distributed_optimizer" in r.stderr, r.tail()
+
+
+def test_sequence_parallel_without_transformer_engine_is_a_config_error(tmp_path):
+    """The local layer spec's torch norms cannot shard the sequence: every rank exits 2 with one line
+    naming the key, not megatron's AssertionError."""
+    r = launch(args(tmp_path / "s", *TP2, "model.sequence_parallel=true", "model.transformer_impl=local"),
+               tmp_path / "ranks")
+    ok(r, exitcodes.CONFIG_ERROR)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kubetron: error: model.sequence_parallel: needs "
+                                                                  "TransformerEngine")]
+    assert len(lines) == 2 and "AssertionError" not in r.stderr, r.tail()

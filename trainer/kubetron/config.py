@@ -136,7 +136,9 @@ class GPTModelConfig(_Section):
     layernorm_epsilon: float = _f(1e-5, "Epsilon of the normalization layers.", gt=0)
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel ranks (tp).", ge=1)
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel stages (pp).", ge=1)
-    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs tp > 1; turned off at tp = 1).")
+    sequence_parallel: bool = _f(
+        False, "Megatron sequence parallelism (needs tp > 1; turned off at tp = 1). Needs the TransformerEngine "
+        "layer spec: with the local spec (TE not importable, or transformer_impl local) the run is refused (exit 2).")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", "Layer implementation (auto: TransformerEngine when importable, else local).")
     compile: bool = _f(False, "torch.compile the transformer layers.")
