@@ -109,6 +109,22 @@ def test_fp16_resume_continues_bit_exactly(tmp_path):
     assert full.scale[1] < full.scale[6]  # the dynamic scale grew over the run, and the resume followed
 
 
+def test_resume_without_optimizer_state_restarts_the_lr_schedule_and_loss_scale(tmp_path):
+    """checkpoint.load_optim false, as Megatron: the LR scheduler and the loss scaler are optimizer state,
+    so they start afresh (warmup again, the initial scale) while the iteration count resumes."""
+    scale = ["mixed_precision.initial_loss_scale=65536", "mixed_precision.loss_scale_window=2"]
+    full = _run(tmp_path, "full", *FP16, *scale, "train.train_iters=6")
+    cfg = in_process_config(*SMALL, *FP16, *scale, "train.train_iters=6", "train.exit_interval=3",
+                            f"checkpoint.save={tmp_path}/ckpt")
+    assert run_pretrain(cfg, Recorder()) == exitcodes.EXIT_CONDITION
+    fresh = _run(tmp_path, "fresh", *FP16, *scale, "train.train_iters=6", f"checkpoint.load={tmp_path}/ckpt",
+                 "checkpoint.load_optim=false")
+    assert sorted(fresh.loss) == [4, 5, 6]
+    assert full.lr[4] != full.lr[1] and full.scale[4] != full.scale[1]  # what a full resume continues
+    assert [fresh.lr[i] for i in (4, 5, 6)] == [full.lr[i] for i in (1, 2, 3)]
+    assert [fresh.scale[i] for i in (4, 5, 6)] == [full.scale[i] for i in (1, 2, 3)]
+
+
 def test_megatron_optimizer_gets_the_loss_scaling_settings():
     """On GPU with ddp.impl megatron, megatron-core's own grad scaler runs with the same settings
     (its construction needs CUDA: make gpu-check)."""

@@ -278,6 +278,24 @@ DISTOPT = ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
            "ddp.bucket_size=20000"]  # several buckets, so overlap has something to overlap
 
 
+def test_data_parallel_random_init_is_one_model_and_resumes_exactly(dp_runs, tmp_path):
+    """rng.data_parallel_random_init: each DP rank initialises with its own seed, then DP rank 0's weights
+    are broadcast (as megatron's DDP), so the run is the plain DP=2 run (dropout is 0 here) bit for bit,
+    and its iteration-20 checkpoint resumes bit for bit."""
+    store = tmp_path / "s"
+    full = launch(args(store, *FLAVOR, "rng.data_parallel_random_init=true", "checkpoint.save_interval=20"),
+                  tmp_path / "ranks-full")
+    ok(full)
+    loss = tb_scalars(store / "tb")
+    assert loss == dp_runs["dp2"]
+    again = launch(args(tmp_path / "again", *FLAVOR, "rng.data_parallel_random_init=true", "checkpoint.ckpt_step=20",
+                        load=store), tmp_path / "ranks-again")
+    ok(again)
+    assert "at iteration 20" in again.stdout, again.tail()
+    resumed = tb_scalars(tmp_path / "again" / "tb")
+    assert resumed == {i: loss[i] for i in range(21, ITERS + 1)}
+
+
 @pytest.fixture(scope="module")
 def distopt_run(dp_runs):
     """The dp_runs DP=2 run again with the distributed optimizer and both overlaps on."""
@@ -425,3 +443,14 @@ def test_overlap_param_gather_needs_the_distributed_optimizer(tmp_path):
     r = launch(args(tmp_path / "s", "ddp.overlap_param_gather=true"), tmp_path / "ranks", nproc=1)
     assert r.returncode == exitcodes.CONFIG_ERROR, r.tail()
     assert "kubetron: error: ddp.overlap_param_gather: requires use_distributed_optimizer" in r.stderr, r.tail()
+
+
+def test_sequence_parallel_without_transformer_engine_is_a_config_error(tmp_path):
+    """The local layer spec's torch norms cannot shard the sequence: every rank exits 2 with one line
+    naming the key, not megatron's AssertionError."""
+    r = launch(args(tmp_path / "s", *TP2, "model.sequence_parallel=true", "model.transformer_impl=local"),
+               tmp_path / "ranks")
+    ok(r, exitcodes.CONFIG_ERROR)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kubetron: error: model.sequence_parallel: needs "
+                                                                  "TransformerEngine")]
+    assert len(lines) == 2 and "AssertionError" not in r.stderr, r.tail()

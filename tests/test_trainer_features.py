@@ -401,10 +401,21 @@ def test_nan_from_a_forward_step_names_the_iteration():
     assert rec.state.train_state.step == 3  # iteration 4 never applied its update
 
 
-def test_nan_with_the_check_off_skips_the_update_and_counts_it(capsys):
+def test_nan_loss_with_the_loss_check_off_stops_at_the_gradient_check():
+    """As Megatron: the NaN loss gives NaN gradients, which ddp.check_for_nan_in_grad stops on (exit 3)."""
+    from kubetron.training.train import DivergedError
+
+    cfg = in_process_config("train.train_iters=6", "scheduler.lr_warmup_iters=1", "train.check_for_nan_in_loss=false")
+    with pytest.raises(DivergedError, match=r"gradient norm is nan at iteration 4 \(ddp.check_for_nan_in_grad\)"):
+        run_pretrain(cfg, _Recorder(nan_at=4))
+
+
+def test_nan_with_the_check_off_in_fp16_skips_the_update_and_counts_it(capsys):
+    """fp16: the NaN loss's gradients are a loss-scale overflow, so the update is skipped and counted."""
     rec = _Recorder(nan_at=4)
     cfg = in_process_config("train.train_iters=6", "scheduler.lr_warmup_iters=1", "logger.log_interval=1",
-                            "train.check_for_nan_in_loss=false")
+                            "train.check_for_nan_in_loss=false", "mixed_precision.fp16=true",
+                            "mixed_precision.initial_loss_scale=1024")
     assert run_pretrain(cfg, rec) == exitcodes.COMPLETED
     lines = {int(m.group(1)): ln for ln in capsys.readouterr().out.splitlines()
              if (m := re.search(r"iteration\s+(\d+)/", ln))}

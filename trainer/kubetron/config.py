@@ -136,7 +136,9 @@ class GPTModelConfig(_Section):
     layernorm_epsilon: float = _f(1e-5, "Epsilon of the normalization layers.", gt=0)
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel ranks (tp).", ge=1)
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel stages (pp).", ge=1)
-    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs tp > 1; turned off at tp = 1).")
+    sequence_parallel: bool = _f(
+        False, "Megatron sequence parallelism (needs tp > 1; turned off at tp = 1). Needs the TransformerEngine "
+        "layer spec: with the local spec (TE not importable, or transformer_impl local) the run is refused (exit 2).")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", "Layer implementation (auto: TransformerEngine when importable, else local).")
     compile: bool = _f(False, "torch.compile the transformer layers.")
@@ -358,7 +360,8 @@ class CheckpointConfig(_Section):
         ge=0)
     save_optim: bool = _f(True, "Save optimizer state.")
     save_rng: bool = _f(True, "Save RNG state (false: a resume keeps this run's seeded generators).")
-    load_optim: bool = _f(True, "Load optimizer state.")
+    load_optim: bool = _f(True, "Load optimizer state, and with it the LR scheduler and fp16 loss scale (as "
+                                "Megatron); false: those start afresh while weights and iteration resume.")
     load_rng: bool = _f(True, "Load RNG state.")
     s3_endpoint_url: str | None = _f(None, "S3 endpoint URL (None: env AWS_ENDPOINT_URL, else AWS).")
     s3_region: str | None = _f(None, "S3 region (None: env AWS_REGION).")
@@ -381,7 +384,10 @@ class RNGConfig(_Section):
     """Random seeds."""
 
     seed: int = _f(1234, "Random seed for initialisation, dropout and mock data.", ge=0)
-    data_parallel_random_init: bool = _f(False, "Different initialisation on each data-parallel rank.")
+    data_parallel_random_init: bool = _f(
+        False, "Seed each data-parallel rank differently (seed + 10 x DP rank, so dropout differs per replica); "
+        "the weights are initialised per rank, then broadcast from DP rank 0 so the replicas are one model "
+        "(as Megatron).")
 
 
 class DistributedDataParallelConfig(_Section):
@@ -398,6 +404,10 @@ class DistributedDataParallelConfig(_Section):
     bucket_size: int | None = _f(
         None, "Elements per gradient bucket with overlap_grad_reduce / the distributed optimizer "
         "(null: max(40M, 1M x data-parallel size)).", ge=1)
+    check_for_nan_in_grad: bool = _f(
+        True, "Stop with exit code 3 when the gradient norm is NaN or Inf (fp32/bf16); false: the update is "
+        "applied as megatron does. With fp16 a non-finite gradient is a loss-scale overflow: the update is "
+        "skipped (its batch is consumed) and the scale backs off.")
 
 
 class RerunStateMachineConfig(_Section):

@@ -13,7 +13,7 @@ CONFIG_ERROR = 2
 """Bad config or command line: one line naming the field. Retrying cannot help: fail the job."""
 
 DIVERGED = 3
-"""NaN/Inf loss or a spiky loss with stop enabled: a trainer error that counts toward backoffLimit."""
+"""NaN/Inf loss or gradient, or a spiky loss with stop enabled: a trainer error that counts toward backoffLimit."""
 
 RESUME_MISMATCH = 4
 """The store holds less than the operator expected (checkpoint.expected_resume_iteration)."""

@@ -514,16 +514,23 @@ class CheckpointManager:
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise CheckpointError(f"local checkpoint {key} does not match the model: {missing[:3]} {unexpected[:3]}")
-        self.optimizer.load_state_dict(state["optim"])
+        if self.cfg.checkpoint.load_optim:
+            self.optimizer.load_state_dict(state["optim"])
+        else:
+            self.optimizer.reload_model_params()
         self._restore_common(common)
-        set_rng_state(state["rng"])
+        if self.cfg.checkpoint.load_rng:
+            set_rng_state(state["rng"])
 
     def _restore_common(self, common):
+        """Train state and data positions; the LR scheduler and fp16 loss scale only with the optimizer
+        state (checkpoint.load_optim), as Megatron: without it they start afresh."""
         from kubetron.training.state import TrainState
 
-        self.scheduler.load_state_dict(common["scheduler"])
-        if self.optimizer.loss_scaler is not None and common.get("loss_scaler"):
-            self.optimizer.loss_scaler.load_state_dict(common["loss_scaler"])
+        if self.cfg.checkpoint.load_optim:
+            self.scheduler.load_state_dict(common["scheduler"])
+            if self.optimizer.loss_scaler is not None and common.get("loss_scaler"):
+                self.optimizer.loss_scaler.load_state_dict(common["loss_scaler"])
         self.state.train_state = TrainState.from_state_dict(common["train_state"])
         train_it, valid_it = self.data
         data = common.get("data", {})

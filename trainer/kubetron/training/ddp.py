@@ -61,6 +61,20 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; megatron's default is max(40M, 1M·dp)
 
 
+@torch.no_grad()
+def broadcast_params(model: list[torch.nn.Module]):
+    """Every parameter from the first rank of its data-parallel group (megatron's DDP.broadcast_params):
+    with `rng.data_parallel_random_init` each DP rank initialises with its own seed, then the replicas
+    become one model; the seeds stay different for dropout."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_data_parallel_group()
+    src = dist.get_global_rank(group, 0)
+    for chunk in model:
+        for p in chunk.parameters():
+            dist.broadcast(p.data, src=src, group=group)
+
+
 def _needs_full_grad(p: torch.nn.Parameter, shared_embedding) -> bool:
     """Parameters whose DP-reduced gradient is summed once more over another group."""
     sp = getattr(p, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1

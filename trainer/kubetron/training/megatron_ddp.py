@@ -44,7 +44,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def ddp_config(cfg) -> DistributedDataParallelConfig:
-    """kubetron's `ddp` section as megatron-core's DistributedDataParallelConfig."""
+    """kubetron's `ddp` section as megatron-core's DistributedDataParallelConfig. `check_for_nan_in_grad`
+    stays off here: the loop checks the global grad norm (train.LossChecks), so a NaN exits 3 and an fp16
+    overflow skips the step rather than raising in the bucket's reduction."""
     d = cfg.ddp
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,

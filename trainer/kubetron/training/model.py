@@ -18,7 +18,10 @@ from megatron.core.models.common.embeddings import rotary_pos_embedding as mcore
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from kubetron.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,10 @@ def layer_spec(cfg):
         log.info("layer spec: TransformerEngine")
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    if cfg.model.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm:  # megatron asserts
+        raise ConfigError("model.sequence_parallel", "needs TransformerEngine (model.transformer_impl auto with TE "
+                                                     "installed, or transformer_engine): the local layer spec's "
+                                                     "torch norms do not support it")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 

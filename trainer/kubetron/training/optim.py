@@ -19,7 +19,7 @@ import math
 import torch
 
 from kubetron.errors import ConfigError
-from kubetron.training.ddp import DistributedOptimizer, GradBuffers
+from kubetron.training.ddp import DistributedOptimizer, GradBuffers, broadcast_params
 from kubetron.training.grads import FlatGradSync, counts_toward_norms, model_parallel_sum, sum_of_squares
 from kubetron.training.mixed_precision import LossScaler, MainParamsOptimizer
 from kubetron.training.optimizer_base import PlainOptimizer, TrainingOptimizer
@@ -57,6 +57,8 @@ def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | No
         from kubetron.training.megatron_ddp import build_megatron_optimizer  # imports CUDA-only paths
 
         return build_megatron_optimizer(cfg, model)
+    if cfg.rng.data_parallel_random_init:
+        broadcast_params(model)  # before any copy of the weights (grad buffers, fp32 mains) is made
     o, d = cfg.optimizer, cfg.ddp
     groups = param_groups(model, o.weight_decay)
 

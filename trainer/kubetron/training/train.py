@@ -30,7 +30,7 @@ log = logging.getLogger("kubetron")
 
 
 class DivergedError(RuntimeError):
-    """NaN/Inf loss (exit code 3)."""
+    """NaN/Inf loss or gradient, or a spiky loss (exit code 3)."""
 
 
 @dataclass
@@ -39,12 +39,13 @@ class StepResult:
 
     loss_dict: dict[str, torch.Tensor]  # averaged over micro-batches and DP ranks (device tensors)
     grad_norm: torch.Tensor  # global grad L2 norm (unscaled); non-finite when the update was skipped
-    skipped: bool  # non-finite gradients (an fp16 overflow): no update, no scheduler step
+    skipped: bool  # fp16 loss-scale overflow (non-finite gradients): no update, no scheduler step
     loss_scale: float  # the factor this iteration's backward pass used (1.0 without fp16)
 
 
 class LossChecks:
-    """train.check_for_nan_in_loss and rerun_state_machine's spiky-loss check, with the loss window.
+    """train.check_for_nan_in_loss, rerun_state_machine's spiky-loss check (with the loss window) and
+    ddp.check_for_nan_in_grad.
 
     Created once by train(); the window lives in memory only: after a resume it refills before
     spikes are judged again.
@@ -56,6 +57,8 @@ class LossChecks:
         self.check_spiky = rs.check_for_spiky_loss
         self.spiky_factor = rs.spiky_loss_factor
         self.window: deque[float] = deque(maxlen=rs.spiky_loss_window)
+        self.check_grad = cfg.ddp.check_for_nan_in_grad
+        self.fp16 = bool(cfg.mixed_precision.fp16)
 
     def check(self, iteration: int, losses: dict[str, float]):
         """Raise DivergedError on a NaN/Inf loss or a spike of the first loss."""
@@ -70,6 +73,19 @@ class LossChecks:
                                 f"{self.spiky_factor:g}x the maximum {max(w):.4g} of the last {len(w)} "
                                 "iterations (rerun_state_machine.check_for_spiky_loss)")
         w.append(first)
+
+    def skip_update(self, iteration: int, grad_norm: float) -> bool:
+        """Whether a non-finite grad norm skips the update: only fp16's loss-scale overflow does. In
+        fp32/bf16 it raises DivergedError (ddp.check_for_nan_in_grad), or with the check off the update
+        is applied, as megatron's optimizer does (the next loss is then NaN)."""
+        if math.isfinite(grad_norm):
+            return False
+        if self.fp16:
+            return True
+        if self.check_grad:
+            raise DivergedError(f"gradient norm is {grad_norm} at iteration {iteration} "
+                                "(ddp.check_for_nan_in_grad)")
+        return False
 
 
 def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
@@ -100,7 +116,7 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches: 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
                checks: LossChecks) -> StepResult:
     """One iteration: forward/backward over the micro-batches, gradient reduction and clipping, the
-    update unless the gradients are non-finite; `checks` judge the loss first."""
+    update unless fp16's loss scale overflowed; `checks` judge the loss, then the gradient norm."""
     cfg, timers = global_state.cfg, global_state.timers
     loss_scale = optimizer.loss_scale
     optimizer.zero_grad()
@@ -113,8 +129,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
 
     # One host sync per step: the losses and the grad norm together.
     host = torch.stack([v.detach().float().reshape(()) for v in loss_dict.values()] + [grad_norm.float()]).tolist()
-    checks.check(global_state.train_state.step + 1, dict(zip(loss_dict, host[:-1], strict=True)))
-    skipped = not all(math.isfinite(v) for v in host)
+    iteration = global_state.train_state.step + 1
+    checks.check(iteration, dict(zip(loss_dict, host[:-1], strict=True)))
+    skipped = checks.skip_update(iteration, host[-1])
     with timers.time("optimizer", 1):
         if not skipped:
             optimizer.step()
