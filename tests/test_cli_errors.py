@@ -62,6 +62,8 @@ CASES = [
      "dataset.data_path"),
     ("missing-pretrained", "train: {train_iters: 5}\ncheckpoint: {pretrained_checkpoint: /nonexistent/ckpt}\n", [],
      "checkpoint.pretrained_checkpoint"),
+    ("missing-tokenizer", "train: {train_iters: 5}\ntokenizer: {tokenizer_type: HuggingFaceTokenizer, "
+     "tokenizer_model: /nonexistent/llama}\n", [], "tokenizer.tokenizer_model"),  # read at start, not at admission
     ("weights-unpaired", "train: {train_iters: 5}\ndataset: {data_path: ['0.5', a, '0.5']}\n", [],
      "dataset.data_path"),
     # overrides
@@ -200,7 +202,8 @@ def test_config_reference(capsys):
 # ---- the real command line ------------------------------------------------------------------------
 
 SUBPROCESS_CASES = [c for c in CASES if c[0] in {
-    "missing-file", "bad-yaml", "unknown-key", "not-an-integer", "override-no-equals", "missing-data"}]
+    "missing-file", "bad-yaml", "unknown-key", "not-an-integer", "override-no-equals", "missing-data",
+    "missing-tokenizer"}]
 
 
 def _run(args, env_extra=None, cwd=None):

@@ -184,3 +184,41 @@ def test_kubetron_render_output_is_valid_kubernetes(path, tmp_path):
     for obj in objects:
         if (obj["apiVersion"], obj["kind"]) not in CRD_KINDS:
             kv.validate(obj, KUBE_VERSION, strict=True)
+
+
+# ------------------------------------------------------------- the HF fine-tunes and their model
+
+
+def _hf_finetune_configs(hf_dir: Path) -> dict[str, dict]:
+    """The run configs of the examples that fine-tune examples/hf-sft's tiny Llama, pointed at `hf_dir`."""
+    (job,) = [doc for doc in load(ROOT / "examples" / "trainingjob-hf-finetune.yaml") if doc["kind"] == "TrainingJob"]
+    on_claim = job["spec"]["config"].replace("/ckpt/hf/tiny-llama", str(hf_dir))
+    local = (ROOT / "examples" / "hf-sft" / "sft.yaml").read_text()
+    return {"trainingjob-hf-finetune.yaml": yaml.safe_load(on_claim),
+            "hf-sft/sft.yaml": yaml.safe_load(local.replace("/tmp/kubetron-hf-sft/hf", str(hf_dir)))}
+
+
+def test_hf_finetune_examples_use_the_models_own_tokenizer_and_shape(tmp_path):
+    """make_tiny_llama.py writes a model with its tokenizer; the examples that fine-tune it read that
+    tokenizer from the model's directory, and their model section is what the HF config says."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    from kubetron.config import ConfigContainer
+    from kubetron.data.tokenizer import build_tokenizer
+    from kubetron.hf import config_map
+
+    hf_dir = tmp_path / "tiny-llama"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "hf-sft" / "make_tiny_llama.py"), str(hf_dir)],
+                   check=True, capture_output=True, timeout=300)
+    hf = config_map.read_hf_config(str(hf_dir))
+    expected = {k: v for k, v in config_map.model_section(hf).items() if k != "seq_length"}
+    for name, data in _hf_finetune_configs(hf_dir).items():
+        assert data["tokenizer"] == {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(hf_dir)}, name
+        cfg = ConfigContainer.from_dict(data).finalize(world_size=1, environ={}, check_paths=False)
+        assert {k: getattr(cfg.model, k) for k in expected} == expected, name
+        tok = build_tokenizer(cfg.tokenizer)
+        assert (tok.eod, tok.pad) == (hf["eos_token_id"], hf["pad_token_id"]), name
+        assert tok.vocab_size <= cfg.model.vocab_size, name
+        assert tok.decode(tok.encode("What color is snow? white")) == "What color is snow? white"

@@ -255,11 +255,14 @@ def _check_gpu_resources(resources: Mapping[str, Any], gpus: int) -> None:
 
 
 def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, world_size: int, gpus: bool) -> None:
-    """Parse spec.config + spec.overrides + the store overrides with the trainer's own ConfigContainer,
-    for this world size: what the trainer's command line (build.trainer_args) will load.
+    """Parse spec.config + spec.overrides + the store overrides with the trainer's own ConfigContainer
+    and derive it for this world size: what the trainer's command line (build.trainer_args) will load.
 
     Why here: a config the trainer would reject (exit 2) must fail the job before a single GPU pod is
     scheduled. kubetron.config needs only pydantic and yaml (no torch), so the operator can afford it.
+    Only the pure part (ConfigContainer.derive: schema, types, cross-field and world-size arithmetic):
+    what reads the pod's files, S3 or environment (tokenizer files, data and checkpoint paths, KUBETRON_*
+    defaults) is checked by the trainer at start (ConfigContainer.resolve), where those exist.
     """
     try:
         data = yaml.safe_load(config)
@@ -273,8 +276,7 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
         raise SpecError("spec.overrides", str(exc)) from None
     try:
         data = apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
-        ConfigContainer.from_dict(data).finalize(world_size=world_size, cuda_available=gpus, environ={},
-                                                 check_paths=False)
+        ConfigContainer.from_dict(data).derive(world_size=world_size, cuda_available=gpus)
     except ConfigError as exc:
         raise SpecError("spec.config", str(exc)) from None
 

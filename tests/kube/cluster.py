@@ -198,7 +198,8 @@ class Api:
 _PLURALS = {"Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "ClusterRole": "clusterroles",
             "ClusterRoleBinding": "clusterrolebindings", "Role": "roles", "RoleBinding": "rolebindings",
             "CustomResourceDefinition": "customresourcedefinitions", "Pod": "pods", "Secret": "secrets",
-            "ConfigMap": "configmaps", "Service": "services", "ResourceQuota": "resourcequotas",
+            "ConfigMap": "configmaps", "PersistentVolumeClaim": "persistentvolumeclaims", "Service": "services",
+            "ResourceQuota": "resourcequotas",
             "PriorityClass": "priorityclasses", "TrainingJob": "trainingjobs", "Node": "nodes", "Lease": "leases",
             "KopfPeering": "kopfpeerings", "ClusterKopfPeering": "clusterkopfpeerings"}
 

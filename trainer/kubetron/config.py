@@ -5,9 +5,14 @@ Life cycle, as in the reference:
 
 1. `ConfigContainer.from_yaml(path, overrides)` (or `from_dict`) parses and type-checks the user's
    YAML plus `section.key=value` overrides, and runs `validate()` (pure, no filesystem or torch).
-2. `finalize(world_size)` computes the derived values (data-parallel size, global batch size,
-   micro-batches per step, train_iters from train_samples, scheduler steps, padded vocabulary, ...),
-   re-validates, resolves environment-provided defaults and checks the paths the run reads.
+2. `finalize(world_size)` is `derive(world_size)` then `resolve()`:
+   - `derive` computes the derived values (data-parallel size, global batch size, micro-batches per
+     step, train_iters from train_samples, scheduler steps, the padded vocabulary of a byte/null
+     tokenizer, ...) and re-validates. It is pure: no file, S3, environment or installed-package
+     read, so the operator runs it at admission, for the job's world size, before any pod exists.
+   - `resolve` is the trainer's side: it reads what lives where the trainer runs (a file-based
+     tokenizer's vocabulary, from the pod's volume or S3; the KUBETRON_* environment defaults; the
+     logger's optional packages) and checks the input paths exist.
 3. `to_yaml()` is the resolved config saved as `run_config.yaml` in every checkpoint;
    `from_dict(yaml.safe_load(cfg.to_yaml())) == cfg` holds exactly.
 
@@ -851,7 +856,7 @@ class ConfigContainer(BaseModel):
             raise ConfigError("model.ffn_hidden_size", f"{m.ffn_hidden_size} is not divisible by "
                                                        f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
 
-        # tokenizer / vocabulary (a file-based tokenizer's size is checked in finalize: it reads files)
+        # tokenizer / vocabulary (a file-based tokenizer's size is checked in resolve: it reads files)
         tok = self.tokenizer
         tok.validate_fields()
         if m.vocab_size is not None:
@@ -950,9 +955,6 @@ class ConfigContainer(BaseModel):
             raise ConfigError("ddp.overlap_param_gather", "requires use_distributed_optimizer")
         if self.mixed_precision.bf16 and self.mixed_precision.fp16:
             raise ConfigError("mixed_precision.fp16", "bf16 and fp16 cannot both be true")
-        for key, module in (("wandb_project", "wandb"), ("mlflow_experiment", "mlflow")):
-            if getattr(self.logger, key) and importlib.util.find_spec(module) is None:
-                raise ConfigError(f"logger.{key}", f"needs the {module} package: pip install 'kubetron[{module}]'")
         p = self.profiling
         if p.use_pytorch_profiler and p.profile_step_end <= p.profile_step_start:
             raise ConfigError("profiling.profile_step_end", f"{p.profile_step_end} must be greater than "
@@ -1033,12 +1035,18 @@ class ConfigContainer(BaseModel):
 
     def finalize(self, world_size: int = 1, cuda_available: bool | None = None,
                  environ: dict[str, str] | None = None, check_paths: bool = True) -> ConfigContainer:
-        """Validate and compute every derived value for `world_size` ranks (idempotent); returns self.
+        """`derive(world_size, cuda_available)` then `resolve(environ, check_paths)`: what the trainer runs
+        at start (idempotent); returns self."""
+        return self.derive(world_size, cuda_available).resolve(environ, check_paths)
 
-        `cuda_available` (when given) resolves dist.use_gpu and dist.distributed_backend;
-        `environ` (default os.environ) supplies the KUBETRON_* defaults.
+    def derive(self, world_size: int = 1, cuda_available: bool | None = None) -> ConfigContainer:
+        """Validate and compute the derived values that follow from the config and `world_size` alone
+        (idempotent); returns self.
+
+        Pure: reads no file, S3 object, environment variable or installed package, so the operator
+        checks a job with it before any pod exists. A file-based tokenizer's vocabulary is resolve()'s.
+        `cuda_available` (when given) resolves dist.use_gpu and dist.distributed_backend.
         """
-        env = os.environ if environ is None else environ
         self.validate()
         t, m, s = self.train, self.model, self.scheduler
         if not isinstance(world_size, int) or world_size < 1:
@@ -1091,11 +1099,8 @@ class ConfigContainer(BaseModel):
             m.ffn_hidden_size = 4 * m.hidden_size
         if m.max_position_embeddings is None:
             m.max_position_embeddings = m.seq_length
-        if m.vocab_size is None:
-            m.vocab_size = padded_vocab_size(self)
-        elif self.tokenizer.file_based and m.vocab_size < self.tokenizer.base_vocab_size():
-            raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's vocabulary "
-                                                  f"({self.tokenizer.base_vocab_size()})")
+        if not self.tokenizer.file_based:
+            self._derive_vocab_size()
         if m.tensor_model_parallel_size == 1:
             m.sequence_parallel = False  # as Megatron: nothing to shard
         if m.ffn_hidden_size % m.tensor_model_parallel_size:
@@ -1117,7 +1122,55 @@ class ConfigContainer(BaseModel):
             raise ConfigError("checkpoint.non_persistent_local_ckpt_dir",
                               "required when non_persistent_ckpt_type is 'local'")
 
-        # environment-provided defaults (docs/CONTRACT.md)
+        # profiling output
+        p = self.profiling
+        if p.use_pytorch_profiler and p.output_dir is None:
+            base = c.save if c.save and not is_remote(c.save) else self.logger.tensorboard_dir
+            p.output_dir = os.path.join(base, "profile") if base else "profile"
+
+        # device
+        if cuda_available is not None:
+            if self.dist.use_gpu is None:
+                self.dist.use_gpu = bool(cuda_available)
+            elif self.dist.use_gpu and not cuda_available:
+                raise ConfigError("dist.use_gpu", "is true but no CUDA device is available")
+            if self.dist.distributed_backend is None:
+                self.dist.distributed_backend = "nccl" if self.dist.use_gpu else "gloo"
+            if self.dist.distributed_backend == "nccl" and not self.dist.use_gpu:
+                raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
+
+        self.validate()
+        return self
+
+    def resolve(self, environ: dict[str, str] | None = None, check_paths: bool = True) -> ConfigContainer:
+        """The trainer's side of finalize(), after derive(): what reads the files, S3 objects, environment and
+        packages of the place the trainer runs. A file-based tokenizer's vocabulary (model.vocab_size),
+        the KUBETRON_* defaults from `environ` (default os.environ), the logger's optional packages and,
+        with `check_paths`, the local input paths. Returns self."""
+        if self.tokenizer.file_based:
+            self._derive_vocab_size()
+        self._resolve_environ(os.environ if environ is None else environ)
+        for key, module in (("wandb_project", "wandb"), ("mlflow_experiment", "mlflow")):
+            if getattr(self.logger, key) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"logger.{key}", f"needs the {module} package: pip install 'kubetron[{module}]'")
+        self.validate()
+        if check_paths:
+            self.check_paths()
+        return self
+
+    def _derive_vocab_size(self) -> None:
+        """model.vocab_size: the tokenizer's vocabulary padded, or the given size checked against it
+        (a file-based tokenizer reads its files: resolve() calls this for those, derive() for the rest)."""
+        m, tok = self.model, self.tokenizer
+        if m.vocab_size is None:
+            m.vocab_size = padded_vocab_size(self)
+        elif tok.file_based and m.vocab_size < tok.base_vocab_size():
+            raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's vocabulary "
+                                                  f"({tok.base_vocab_size()})")
+
+    def _resolve_environ(self, env) -> None:
+        """The defaults docs/CONTRACT.md lets the pod's environment supply."""
+        t, c = self.train, self.checkpoint
         if c.expected_resume_iteration is None and env.get("KUBETRON_EXPECTED_ITERATION", "").strip():
             raw = env["KUBETRON_EXPECTED_ITERATION"].strip()
             try:
@@ -1141,28 +1194,6 @@ class ConfigContainer(BaseModel):
             from kubetron.termination import termination_log_path
 
             t.termination_log = termination_log_path(None, env)
-
-        # profiling output
-        p = self.profiling
-        if p.use_pytorch_profiler and p.output_dir is None:
-            base = c.save if c.save and not is_remote(c.save) else self.logger.tensorboard_dir
-            p.output_dir = os.path.join(base, "profile") if base else "profile"
-
-        # device
-        if cuda_available is not None:
-            if self.dist.use_gpu is None:
-                self.dist.use_gpu = bool(cuda_available)
-            elif self.dist.use_gpu and not cuda_available:
-                raise ConfigError("dist.use_gpu", "is true but no CUDA device is available")
-            if self.dist.distributed_backend is None:
-                self.dist.distributed_backend = "nccl" if self.dist.use_gpu else "gloo"
-            if self.dist.distributed_backend == "nccl" and not self.dist.use_gpu:
-                raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
-
-        self.validate()
-        if check_paths:
-            self.check_paths()
-        return self
 
     # ---- reporting ------------------------------------------------------------------------------
 
