@@ -169,6 +169,51 @@ def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_p
     assert out.shape == (1, prompt.shape[1] + 4)
 
 
+INSTRUCT_GENERATION = {"bos_token_id": 258, "eos_token_id": [256, 300], "pad_token_id": 257}  # Llama-3-Instruct-like
+
+
+def test_generate_stops_at_the_base_stop_ids_after_import_finetune_export(tmp_path):
+    """import-hf -> finetune -> export-hf keeps the base's special ids and its generation_config.json (two
+    stop ids): transformers' generate(), given no eos, stops at the second one, which the model emits."""
+    from transformers import AutoModelForCausalLM
+
+    hf = make_tiny_llama(tmp_path / "llama", argmax=300, generation_config=INSTRUCT_GENERATION)
+    p = _run(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = _run(_finetune_args(tmp_path, data, tmp_path / "ckpt", _model_keys(tmp_path / "ckpt"), 2), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (256, 257)  # config.json's, as the base had them
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == INSTRUCT_GENERATION
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    prompt = torch.tensor([list(b"Q3: what is 3 plus 3? ")])
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert out == [300], out  # stopped at the stop id, well before max_new_tokens
+
+
+def test_export_of_a_model_trained_from_scratch_takes_the_ids_from_its_tokenizer(tmp_path):
+    """No HF base: the byte tokenizer's eod (256) is eos, its pad (257) pad, in config.json and in
+    generation_config.json, so transformers' generate() stops at eod."""
+    from transformers import AutoModelForCausalLM
+
+    llama = ["model.normalization=RMSNorm", "model.activation=swiglu", "model.add_bias_linear=false",
+             "model.share_embeddings_and_output_weights=false", "train.train_iters=1", "scheduler.lr_warmup_iters=0",
+             "validation.eval_interval=null",
+             f"checkpoint.save={tmp_path / 'run'}", "checkpoint.save_interval=1"]
+    p = _run(["train", "--config", str(REPO / "examples" / "tiny-gpt.yaml"), *llama], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"], config.get("bos_token_id")) == (256, 257, None)
+    gen = AutoModelForCausalLM.from_pretrained(tmp_path / "out").generation_config
+    assert (gen.eos_token_id, gen.pad_token_id) == (256, 257)
+
+
 def test_jsonl_line_without_the_key_is_one_line_exit_2_nothing_written(imported, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps(SFT_LINES[0]) + "\n" + json.dumps({"input": "no answer"}) + "\n")
