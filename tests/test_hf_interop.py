@@ -262,6 +262,58 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
 
 
+def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(tmp_path):
+    """Mistral with an 8-token window on 48-token sequences: kubetron's model applies the window (alone and
+    in packed sequences) and export-hf writes MistralForCausalLM with it; logits equal at every position."""
+    from kubetron.hf.io import export_hf, import_hf
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(2)
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=8, initializer_range=0.1)
+    MistralForCausalLM(cfg).float().eval().save_pretrained(tmp_path / "mistral")
+    want = hf_logits(tmp_path / "mistral")
+    keys = import_hf(str(tmp_path / "mistral"), str(tmp_path / "ckpt"))
+    assert keys["sliding_window"] == 8
+    ensure_world_of_one()
+    model = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    diff = (kubetron_logits(model[0]) - want).abs().max().item()
+    print(f"Mistral, window 8, 48 tokens: max abs logit diff to transformers {diff:.3g}")
+    assert diff <= TOL
+    # two packed documents (20 + 28 tokens): the window inside each, as transformers on each alone
+    s, cut = TOKENS.shape[1], 20
+    doc = torch.arange(s) >= cut
+    mask = ~((doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool).tril())
+    positions = torch.cat([torch.arange(cut), torch.arange(s - cut)]).expand_as(TOKENS)
+    packed = kubetron_logits(model[0], attention_mask=mask.expand(TOKENS.shape[0], 1, s, s), position_ids=positions)
+    alone = torch.cat([hf_logits(tmp_path / "mistral", part) for part in (TOKENS[:, :cut], TOKENS[:, cut:])], dim=1)
+    assert (packed - alone).abs().max().item() <= TOL
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["architectures"], exported["sliding_window"]) == (["MistralForCausalLM"], 8)
+    assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
+    # the window is not a no-op here: without it the logits past the window are far off
+    full = build_model(config_for(keys, "model.sliding_window=null"), torch.device("cpu"))
+    sharding.load_model_state(full, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    assert (kubetron_logits(full[0]) - want)[:, 8:].abs().max().item() > 0.1
+
+
+def test_qwen2_sliding_window_is_refused_naming_the_field():
+    """Qwen2's window covers only the layers from max_window_layers on: refused, not dropped."""
+    from kubetron.errors import ConfigError
+    from kubetron.hf.config_map import model_section
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      use_sliding_window=True, sliding_window=8, max_window_layers=1).to_dict()
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        model_section({**cfg, "architectures": ["Qwen2ForCausalLM"]})
+
+
 def _write_tokenizer(hf_dir: Path):
     """A small BPE trained here with `tokenizers` (no download), eos declared as HF does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

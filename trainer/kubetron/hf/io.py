@@ -30,7 +30,7 @@ _ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "vocab_size", "rotary_base", "normalization", "activation", "add_bias_linear", "add_qkv_bias",
               "share_embeddings_and_output_weights", "position_embedding_type", "rope_scaling",
               "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-              "rope_scaling_original_max_position_embeddings", "layernorm_epsilon")
+              "rope_scaling_original_max_position_embeddings", "layernorm_epsilon", "sliding_window")
 
 
 def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -64,7 +64,8 @@ def load_hf_canonical(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> str:
     """The `model:` section to put into a run config, the checkpoint key pointing at `out` and, when the
     HF directory has a tokenizer, the tokenizer section reading the copy inside the checkpoint."""
-    keep = {k: v for k, v in m.items() if k in _ARCH_KEYS or k in ("seq_length", "max_position_embeddings")}
+    keep = {k: v for k, v in m.items() if (k in _ARCH_KEYS and not (k == "sliding_window" and v is None))
+            or k in ("seq_length", "max_position_embeddings")}
     text = yaml.safe_dump({"model": keep}, sort_keys=False)
     if out:
         text += yaml.safe_dump({"checkpoint": {"pretrained_checkpoint": out}}, sort_keys=False)
