@@ -300,6 +300,13 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
     full = build_model(config_for(keys, "model.sliding_window=null"), torch.device("cpu"))
     sharding.load_model_state(full, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
     assert (kubetron_logits(full[0]) - want)[:, 8:].abs().max().item() > 0.1
+    # ... so a run that leaves the window out of its model section may not start from the import
+    from kubetron.errors import ConfigError
+    from kubetron.training.checkpointing import check_architecture
+
+    common = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)
+    with pytest.raises(ConfigError, match="model.sliding_window: checkpoint 8, this run None"):
+        check_architecture(common["model_config"], config_for(keys, "model.sliding_window=null"), "iter_0000000")
 
 
 def test_qwen2_sliding_window_is_refused_naming_the_field():

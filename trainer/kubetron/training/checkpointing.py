@@ -45,7 +45,7 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
-               "share_embeddings_and_output_weights")
+               "share_embeddings_and_output_weights", "sliding_window")
 
 
 def _chaos(point: str, iteration: int):
