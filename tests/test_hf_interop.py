@@ -214,6 +214,42 @@ def test_export_of_a_model_trained_from_scratch_takes_the_ids_from_its_tokenizer
     assert (gen.eos_token_id, gen.pad_token_id) == (256, 257)
 
 
+def test_lora_on_an_import_exports_an_adapter_that_peft_loads_onto_the_hf_base(tiny, imported, tmp_path):
+    """LoRA on import-hf's checkpoint -> export-hf --adapter-only: the adapter names the HF directory the
+    import read, so PEFT's AutoPeftModelForCausalLM loads it, and computes the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    lora = ["peft.scheme=lora", "peft.dim=4", "peft.alpha=8.0", "optimizer.lr=2e-2"]
+    p = _run([*_finetune_args(tmp_path, data, imported, _model_keys(imported), 4), *lora], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for args in (["--adapter-only", str(tmp_path / "adapter")], [str(tmp_path / "merged")]):
+        p = _run(["export-hf", str(tmp_path / "run"), *args], tmp_path)
+        assert p.returncode == 0, p.stderr
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str(tiny.hf.resolve())
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    with torch.no_grad():
+        adapted = model(TOKENS).logits
+    diff = (adapted - hf_logits(tmp_path / "merged")).abs().max().item()
+    print(f"PEFT (HF base + exported adapter) vs merged export: max abs logit diff {diff:.3g}")
+    assert diff <= 1e-4
+    assert (adapted - tiny.logits).abs().max().item() > 1e-2  # the adapter changes the model
+    # adapters on a trained kubetron checkpoint (no import-hf output): no HF base to name, refused
+    import shutil
+
+    from kubetron.errors import ConfigError
+    from kubetron.hf.io import peft_base_name
+
+    trained = tmp_path / "trained"
+    shutil.copytree(imported, trained)
+    common = torch.load(trained / "iter_0000000" / "common.pt", weights_only=True)
+    del common["source"]
+    torch.save(common, trained / "iter_0000000" / "common.pt")
+    with pytest.raises(ConfigError, match="--adapter-only"):
+        peft_base_name(str(trained))
+
+
 def test_jsonl_line_without_the_key_is_one_line_exit_2_nothing_written(imported, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps(SFT_LINES[0]) + "\n" + json.dumps({"input": "no answer"}) + "\n")
