@@ -165,8 +165,8 @@ def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_p
         after = model(text, labels=text).loss.item()
     assert after < before, (before, after)
     prompt = torch.tensor([list(b"Q3: what is 3 plus 3? ")])
-    out = model.generate(prompt, max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, prompt.shape[1] + 4)
+    new = model.generate(prompt, max_new_tokens=4, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert 1 <= len(new) <= 4 and 256 not in new[:-1] and (len(new) == 4 or new[-1] == 256)  # eod (256) stops it
 
 
 INSTRUCT_GENERATION = {"bos_token_id": 258, "eos_token_id": [256, 300], "pad_token_id": 257}  # Llama-3-Instruct-like
