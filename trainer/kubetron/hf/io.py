@@ -232,13 +232,19 @@ def export_hf(location: str, out: str, adapter_only: bool = False) -> dict:
         raise ConfigError("CKPT", f"{location}/{name}: tensor {e} missing for this model") from None
     dtypes = {str(t.dtype).removeprefix("torch.") for t in hf.values()}
     cfg["torch_dtype"] = cfg["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
-    tok_files = {os.path.basename(k): store.read_bytes(k) for k in store.list(f"{name}/{TOKENIZER_DIR}")}
-    ids, gen = generation.export_ids(common.get("hf"), _run_tokenizer(store, name, tok_files))
+    _write_export(out, hf, _export_files(store, name, common.get("hf"), cfg), cfg)
+    return cfg
+
+
+def _export_files(store, name: str, record: dict | None, cfg: dict) -> dict[str, bytes]:
+    """The tokenizer files the checkpoint holds and generation_config.json; the special ids go into `cfg`:
+    the HF base's (`record`), else (a model trained from scratch) the tokenizer's."""
+    files = {os.path.basename(k): store.read_bytes(k) for k in store.list(f"{name}/{TOKENIZER_DIR}")}
+    ids, gen = generation.export_ids(record, None if record else _run_tokenizer(store, name, files))
     cfg.update(ids)
     if gen:  # else an older import's copy in tokenizer/, if any
-        tok_files[generation.GENERATION_CONFIG] = json.dumps(gen, indent=2).encode()
-    _write_export(out, hf, tok_files, cfg)
-    return cfg
+        files[generation.GENERATION_CONFIG] = json.dumps(gen, indent=2).encode()
+    return files
 
 
 def _write_export(out: str, hf: dict[str, torch.Tensor], files: dict[str, bytes], cfg: dict):
