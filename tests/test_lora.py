@@ -158,6 +158,8 @@ def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_pat
     print(f"max |logits(kubetron base + adapters) - logits(transformers, merged export)|: {diff:.3g}")
     assert diff <= 1e-4
     assert (merged - hf_logits(base.hf)).abs().max().item() > 1e-2  # the adapters changed the model
+    # pretrained_checkpoint was the HF directory itself: its special ids reach the export
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["eos_token_id"] == 256
 
     # --adapter-only: PEFT's files; applying them to the base by PEFT's rule gives the merged weights
     export_hf(str(reference.store), str(tmp_path / "peft"), adapter_only=True)
