@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -11,9 +12,14 @@ TOKENS = torch.tensor([[5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3, 77, 12, 0, 25
                        [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 110, 120, 130, 140, 150, 160] * 3])
 
 
-def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: int = 0) -> Path:
+def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: int = 0, argmax: int | None = None,
+                    generation_config: dict | None = None) -> Path:
     """GQA (4 heads, 2 groups), untied, Llama-3 rope scaling that changes the frequencies at this size,
-    norm weights away from 1 (so a swapped norm shows). Saved as safetensors."""
+    norm weights away from 1 (so a swapped norm shows). Saved as safetensors. config.json: eos 256, pad 257.
+
+    `argmax`: greedy decoding emits this token next whatever the input (every embedding shares one
+    direction that dominates the residual stream; that token's output row points along it).
+    `generation_config`: written as generation_config.json (else transformers' own from config.json)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -28,7 +34,14 @@ def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: in
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+        if argmax is not None:
+            u = torch.nn.functional.normalize(torch.randn(cfg.hidden_size), dim=0)
+            model.model.embed_tokens.weight.add_(20 * u)
+            model.model.norm.weight.fill_(1.0)
+            model.lm_head.weight[argmax] = 2 * u
     model.save_pretrained(out)
+    if generation_config is not None:
+        (out / "generation_config.json").write_text(json.dumps(generation_config))
     return out
 
 

@@ -165,8 +165,89 @@ def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_p
         after = model(text, labels=text).loss.item()
     assert after < before, (before, after)
     prompt = torch.tensor([list(b"Q3: what is 3 plus 3? ")])
-    out = model.generate(prompt, max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, prompt.shape[1] + 4)
+    new = model.generate(prompt, max_new_tokens=4, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert 1 <= len(new) <= 4 and 256 not in new[:-1] and (len(new) == 4 or new[-1] == 256)  # eod (256) stops it
+
+
+INSTRUCT_GENERATION = {"bos_token_id": 258, "eos_token_id": [256, 300], "pad_token_id": 257}  # Llama-3-Instruct-like
+
+
+def test_generate_stops_at_the_base_stop_ids_after_import_finetune_export(tmp_path):
+    """import-hf -> finetune -> export-hf keeps the base's special ids and its generation_config.json (two
+    stop ids): transformers' generate(), given no eos, stops at the second one, which the model emits."""
+    from transformers import AutoModelForCausalLM
+
+    hf = make_tiny_llama(tmp_path / "llama", argmax=300, generation_config=INSTRUCT_GENERATION)
+    p = _run(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = _run(_finetune_args(tmp_path, data, tmp_path / "ckpt", _model_keys(tmp_path / "ckpt"), 2), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (256, 257)  # config.json's, as the base had them
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == INSTRUCT_GENERATION
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    prompt = torch.tensor([list(b"Q3: what is 3 plus 3? ")])
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert out == [300], out  # stopped at the stop id, well before max_new_tokens
+
+
+def test_export_of_a_model_trained_from_scratch_takes_the_ids_from_its_tokenizer(tmp_path):
+    """No HF base: the byte tokenizer's eod (256) is eos, its pad (257) pad, in config.json and in
+    generation_config.json, so transformers' generate() stops at eod."""
+    from transformers import AutoModelForCausalLM
+
+    llama = ["model.normalization=RMSNorm", "model.activation=swiglu", "model.add_bias_linear=false",
+             "model.share_embeddings_and_output_weights=false", "train.train_iters=1", "scheduler.lr_warmup_iters=0",
+             "validation.eval_interval=null",
+             f"checkpoint.save={tmp_path / 'run'}", "checkpoint.save_interval=1"]
+    p = _run(["train", "--config", str(REPO / "examples" / "tiny-gpt.yaml"), *llama], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"], config.get("bos_token_id")) == (256, 257, None)
+    gen = AutoModelForCausalLM.from_pretrained(tmp_path / "out").generation_config
+    assert (gen.eos_token_id, gen.pad_token_id) == (256, 257)
+
+
+def test_lora_on_an_import_exports_an_adapter_that_peft_loads_onto_the_hf_base(tiny, imported, tmp_path):
+    """LoRA on import-hf's checkpoint -> export-hf --adapter-only: the adapter names the HF directory the
+    import read, so PEFT's AutoPeftModelForCausalLM loads it, and computes the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    lora = ["peft.scheme=lora", "peft.dim=4", "peft.alpha=8.0", "optimizer.lr=2e-2"]
+    p = _run([*_finetune_args(tmp_path, data, imported, _model_keys(imported), 4), *lora], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for args in (["--adapter-only", str(tmp_path / "adapter")], [str(tmp_path / "merged")]):
+        p = _run(["export-hf", str(tmp_path / "run"), *args], tmp_path)
+        assert p.returncode == 0, p.stderr
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str(tiny.hf.resolve())
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    with torch.no_grad():
+        adapted = model(TOKENS).logits
+    diff = (adapted - hf_logits(tmp_path / "merged")).abs().max().item()
+    print(f"PEFT (HF base + exported adapter) vs merged export: max abs logit diff {diff:.3g}")
+    assert diff <= 1e-4
+    assert (adapted - tiny.logits).abs().max().item() > 1e-2  # the adapter changes the model
+    # adapters on a trained kubetron checkpoint (no import-hf output): no HF base to name, refused
+    import shutil
+
+    from kubetron.errors import ConfigError
+    from kubetron.hf.io import peft_base_name
+
+    trained = tmp_path / "trained"
+    shutil.copytree(imported, trained)
+    common = torch.load(trained / "iter_0000000" / "common.pt", weights_only=True)
+    del common["source"]
+    torch.save(common, trained / "iter_0000000" / "common.pt")
+    with pytest.raises(ConfigError, match="--adapter-only"):
+        peft_base_name(str(trained))
 
 
 def test_jsonl_line_without_the_key_is_one_line_exit_2_nothing_written(imported, tmp_path):
@@ -215,6 +296,65 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
     original.pop("lm_head.weight", None)
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
+
+
+def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(tmp_path):
+    """Mistral with an 8-token window on 48-token sequences: kubetron's model applies the window (alone and
+    in packed sequences) and export-hf writes MistralForCausalLM with it; logits equal at every position."""
+    from kubetron.hf.io import export_hf, import_hf
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(2)
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=8, initializer_range=0.1)
+    MistralForCausalLM(cfg).float().eval().save_pretrained(tmp_path / "mistral")
+    want = hf_logits(tmp_path / "mistral")
+    keys = import_hf(str(tmp_path / "mistral"), str(tmp_path / "ckpt"))
+    assert keys["sliding_window"] == 8
+    ensure_world_of_one()
+    model = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    diff = (kubetron_logits(model[0]) - want).abs().max().item()
+    print(f"Mistral, window 8, 48 tokens: max abs logit diff to transformers {diff:.3g}")
+    assert diff <= TOL
+    # two packed documents (20 + 28 tokens): the window inside each, as transformers on each alone
+    s, cut = TOKENS.shape[1], 20
+    doc = torch.arange(s) >= cut
+    mask = ~((doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool).tril())
+    positions = torch.cat([torch.arange(cut), torch.arange(s - cut)]).expand_as(TOKENS)
+    packed = kubetron_logits(model[0], attention_mask=mask.expand(TOKENS.shape[0], 1, s, s), position_ids=positions)
+    alone = torch.cat([hf_logits(tmp_path / "mistral", part) for part in (TOKENS[:, :cut], TOKENS[:, cut:])], dim=1)
+    assert (packed - alone).abs().max().item() <= TOL
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["architectures"], exported["sliding_window"]) == (["MistralForCausalLM"], 8)
+    assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
+    # the window is not a no-op here: without it the logits past the window are far off
+    full = build_model(config_for(keys, "model.sliding_window=null"), torch.device("cpu"))
+    sharding.load_model_state(full, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    assert (kubetron_logits(full[0]) - want)[:, 8:].abs().max().item() > 0.1
+    # ... so a run that leaves the window out of its model section may not start from the import
+    from kubetron.errors import ConfigError
+    from kubetron.training.checkpointing import check_architecture
+
+    common = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)
+    with pytest.raises(ConfigError, match="model.sliding_window: checkpoint 8, this run None"):
+        check_architecture(common["model_config"], config_for(keys, "model.sliding_window=null"), "iter_0000000")
+
+
+def test_qwen2_sliding_window_is_refused_naming_the_field():
+    """Qwen2's window covers only the layers from max_window_layers on: refused, not dropped."""
+    from kubetron.errors import ConfigError
+    from kubetron.hf.config_map import model_section
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      use_sliding_window=True, sliding_window=8, max_window_layers=1).to_dict()
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        model_section({**cfg, "architectures": ["Qwen2ForCausalLM"]})
 
 
 def _write_tokenizer(hf_dir: Path):

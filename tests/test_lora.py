@@ -13,7 +13,7 @@ import pytest
 import torch
 from kubetron import exitcodes
 
-from tests.hf_utils import config_for, ensure_world_of_one, hf_logits, kubetron_logits, make_tiny_llama
+from tests.hf_utils import TOKENS, config_for, ensure_world_of_one, hf_logits, kubetron_logits, make_tiny_llama
 from tests.multirank.runner import launch
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
 
@@ -158,6 +158,8 @@ def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_pat
     print(f"max |logits(kubetron base + adapters) - logits(transformers, merged export)|: {diff:.3g}")
     assert diff <= 1e-4
     assert (merged - hf_logits(base.hf)).abs().max().item() > 1e-2  # the adapters changed the model
+    # pretrained_checkpoint was the HF directory itself: its special ids reach the export
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["eos_token_id"] == 256
 
     # --adapter-only: PEFT's files; applying them to the base by PEFT's rule gives the merged weights
     export_hf(str(reference.store), str(tmp_path / "peft"), adapter_only=True)
@@ -176,6 +178,12 @@ def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_pat
     adapted = {k.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight") for k in lora}
     frozen = [k for k in start if k not in adapted]  # embeddings, norms, output layer: bit-identical
     assert frozen and all(torch.equal(start[k], want[k]) for k in frozen)
+    # ... and PEFT itself loads it onto the HF directory it names, computing the merged model's logits
+    peft = pytest.importorskip("peft")
+    assert conf["base_model_name_or_path"] == str(base.hf.resolve())
+    with torch.no_grad():
+        by_peft = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "peft").eval()(TOKENS).logits
+    assert (by_peft - merged).abs().max().item() <= 1e-4
 
 
 def test_config_errors_are_one_line_exit_2(tmp_path):

@@ -1,6 +1,9 @@
 """Greedy generation with `transformers` from an HF model directory, with that model's own tokenizer.
 
     python examples/hf-sft/generate.py HF_DIR "prompt"
+
+No eos/pad ids are passed: `export-hf` writes the base model's (config.json, generation_config.json),
+so generation stops at the end of the answer as it would for any consumer of the export.
 """
 
 import sys
@@ -14,8 +17,7 @@ def main(hf_dir: str, prompt: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
     print(f"{prompt!r} -> {tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
 
 

@@ -14,6 +14,7 @@ import copy
 import importlib.util
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,11 @@ from tests.operator.jobs import PVC_JOB, S3_JOB
 ROOT = Path(__file__).resolve().parents[2]
 _WATCHED = ("open", "os.listdir", "os.scandir", "socket.connect", "socket.getaddrinfo", "subprocess.Popen")
 _reads: list[tuple[str, tuple]] | None = None
+_thread: int | None = None  # only the admitting thread: other tests' watch threads may share this process
 
 
 def _audit(event: str, args: tuple) -> None:
-    if _reads is not None and event in _WATCHED:
+    if _reads is not None and event in _WATCHED and threading.get_ident() == _thread:
         _reads.append((event, args))
 
 
@@ -39,8 +41,8 @@ sys.addaudithook(_audit)  # stays for the process (hooks cannot be removed); rec
 @contextlib.contextmanager
 def no_io():
     """Fail if the block opens a file, lists a directory, connects a socket or starts a process."""
-    global _reads
-    _reads = []
+    global _reads, _thread
+    _reads, _thread = [], threading.get_ident()
     try:
         yield
     finally:

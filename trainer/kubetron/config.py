@@ -134,6 +134,9 @@ class GPTModelConfig(_Section):
     activation: Literal["gelu", "swiglu"] = _f("gelu", "MLP activation (swiglu: gated SiLU).")
     add_bias_linear: bool = _f(True, "Biases in the linear layers.")
     add_qkv_bias: bool = _f(False, "Biases in the query/key/value projection only (Qwen2).")
+    sliding_window: int | None = _f(
+        None, "Sliding-window attention: each token attends to itself and the sliding_window - 1 tokens before "
+        "it (HF Mistral's sliding_window; null: all tokens before it).", ge=1)
     share_embeddings_and_output_weights: bool = _f(True, "Tie the input embedding and the output layer.")
     hidden_dropout: float = _f(0.0, "Dropout probability after attention and MLP (fraction).", ge=0, lt=1)
     attention_dropout: float = _f(0.0, "Dropout probability on attention weights (fraction).", ge=0, lt=1)

@@ -5,6 +5,9 @@
   (the TP=1/PP=1 megatron-core state dict that every checkpoint holds, see training/sharding.py);
 * :mod:`kubetron.hf.io` - read an HF directory (``*.safetensors``), write a kubetron checkpoint
   (``kubetron import-hf``), write an HF directory from a kubetron checkpoint (``kubetron export-hf``).
+* :mod:`kubetron.hf.generation` - the base's special token ids and generation_config.json, carried from
+  import through training to export;
+* :mod:`kubetron.hf.lora` - a LoRA checkpoint out as merged weights or a PEFT adapter.
 
 Only `safetensors` and torch are needed; `transformers` is never imported here.
 """

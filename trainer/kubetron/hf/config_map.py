@@ -2,7 +2,8 @@
 
 What the family shares and kubetron's model expresses: RMSNorm, SwiGLU MLP without biases, RoPE
 (rotate-half layout, optionally Llama-3 scaling), grouped-query attention, tied or untied output
-layer, and Qwen2's bias on the query/key/value projection only. Anything else (another rope type,
+layer, Qwen2's bias on the query/key/value projection only, and Mistral's sliding window
+(`model.sliding_window`; exported as MistralForCausalLM). Anything else (another rope type,
 a head size other than hidden/heads, MLP biases, another activation, another architecture) is an
 error naming the config.json field: converting it silently would give a different model.
 """
@@ -77,6 +78,17 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     return float(theta), {k: scaling[k] for k in _LLAMA3_KEYS if k in scaling}
 
 
+def _sliding_window(hf: dict, arch: str) -> int | None:
+    """Mistral's window (every layer; HF: key j is seen from query i when i - j < window). Qwen2's is on
+    some layers only (use_sliding_window, max_window_layers): refused."""
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        raise ConfigError("config.json: use_sliding_window", "Qwen2's sliding window (on the layers from "
+                          "max_window_layers on) is not supported")
+    if arch == "MistralForCausalLM" and hf.get("sliding_window"):
+        return int(hf["sliding_window"])
+    return None
+
+
 def _require(hf: dict, key: str):
     if key not in hf:
         raise ConfigError(f"config.json: {key}", "required")
@@ -96,11 +108,7 @@ def model_section(hf: dict) -> dict:
         raise ConfigError("config.json: hidden_act", f"{act!r} is not supported (supported: silu)")
     if hf.get("mlp_bias"):
         raise ConfigError("config.json: mlp_bias", "MLP biases are not supported")
-    if arch == "MistralForCausalLM" and hf.get("sliding_window") not in (None, 0):
-        # Attention is exact as long as sequences are not longer than the window.
-        window = int(hf["sliding_window"])
-    else:
-        window = None
+    window = _sliding_window(hf, arch)
     theta, scaling = _rope(hf)
     if theta != int(theta):
         raise ConfigError("config.json: rope_theta", f"{theta} is not a whole number (model.rotary_base is)")
@@ -113,7 +121,7 @@ def model_section(hf: dict) -> dict:
         "ffn_hidden_size": int(_require(hf, "intermediate_size")),
         "vocab_size": int(_require(hf, "vocab_size")),
         "max_position_embeddings": max_pos,
-        "seq_length": min(max_pos, window or max_pos, 4096),
+        "seq_length": min(max_pos, 4096),
         "position_embedding_type": "rope",
         "rotary_base": int(theta),
         "normalization": "RMSNorm",
@@ -122,6 +130,7 @@ def model_section(hf: dict) -> dict:
         "add_bias_linear": False,
         "add_qkv_bias": arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
         "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
+        "sliding_window": window,
         "hidden_dropout": 0.0,
         "attention_dropout": float(hf.get("attention_dropout", 0.0)),
         "init_method_std": float(hf.get("initializer_range", 0.02)),
@@ -141,7 +150,12 @@ def hf_config(model: dict, architecture_name: str | None = None, torch_dtype: st
             or model.get("position_embedding_type") != "rope" or model.get("add_bias_linear"):
         raise ConfigError("model", "export-hf needs a Llama-family model: normalization RMSNorm, activation "
                           "swiglu, position_embedding_type rope, add_bias_linear false")
-    arch = architecture_name or ("Qwen2ForCausalLM" if model.get("add_qkv_bias") else "LlamaForCausalLM")
+    window = model.get("sliding_window")
+    if window and model.get("add_qkv_bias"):
+        raise ConfigError("model.sliding_window", "export-hf writes a sliding window as MistralForCausalLM, which "
+                          "has no q/k/v biases (model.add_qkv_bias)")
+    arch = architecture_name or ("MistralForCausalLM" if window else "Qwen2ForCausalLM" if model.get("add_qkv_bias")
+                                 else "LlamaForCausalLM")
     heads = model["num_attention_heads"]
     out = {
         "architectures": [arch],
@@ -164,6 +178,8 @@ def hf_config(model: dict, architecture_name: str | None = None, torch_dtype: st
         "torch_dtype": torch_dtype,
         "rope_theta": float(model["rotary_base"]),
     }
+    if arch == "MistralForCausalLM":
+        out["sliding_window"] = window or None
     rope = {"rope_type": "default", "rope_theta": float(model["rotary_base"])}
     if model.get("rope_scaling"):
         llama3 = {k: model[f"rope_scaling_{k}"] for k in _LLAMA3_KEYS}

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from kubetron.errors import CheckpointError, ConfigError
-from kubetron.hf import config_map, convert
+from kubetron.hf import config_map, convert, generation
 
 # HF tokenizer files carried along (import: into the checkpoint; export: back out of it).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -30,7 +30,7 @@ _ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "vocab_size", "rotary_base", "normalization", "activation", "add_bias_linear", "add_qkv_bias",
               "share_embeddings_and_output_weights", "position_embedding_type", "rope_scaling",
               "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-              "rope_scaling_original_max_position_embeddings", "layernorm_epsilon")
+              "rope_scaling_original_max_position_embeddings", "layernorm_epsilon", "sliding_window")
 
 
 def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -64,7 +64,8 @@ def load_hf_canonical(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> str:
     """The `model:` section to put into a run config, the checkpoint key pointing at `out` and, when the
     HF directory has a tokenizer, the tokenizer section reading the copy inside the checkpoint."""
-    keep = {k: v for k, v in m.items() if k in _ARCH_KEYS or k in ("seq_length", "max_position_embeddings")}
+    keep = {k: v for k, v in m.items() if (k in _ARCH_KEYS and not (k == "sliding_window" and v is None))
+            or k in ("seq_length", "max_position_embeddings")}
     text = yaml.safe_dump({"model": keep}, sort_keys=False)
     if out:
         text += yaml.safe_dump({"checkpoint": {"pretrained_checkpoint": out}}, sort_keys=False)
@@ -98,7 +99,8 @@ def import_hf(hf_dir: str, out: str) -> dict:
     if committed_iterations(store):
         raise ConfigError("OUT", f"{out} already holds a checkpoint; give an empty or new directory")
     common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
-              "model_config": {f: m[f] for f in ARCH_FIELDS}, "source": {"hf_dir": os.path.abspath(hf_dir)}}
+              "model_config": {f: m[f] for f in ARCH_FIELDS}, "source": {"hf_dir": os.path.abspath(hf_dir)},
+              "hf": generation.record_of_hf_dir(hf_dir)}
     name = iter_dir(0)
     txn = store.begin_dir(name, txn_id="import-hf")
     try:
@@ -119,11 +121,11 @@ def import_hf(hf_dir: str, out: str) -> dict:
     return m
 
 
-def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], object, str]:
-    """(model keys, canonical tensors, store, iter dir) of a kubetron checkpoint (newest iteration)."""
+def _resolve(location: str) -> tuple[object, str]:
+    """(store, iter dir) of the newest complete checkpoint at `location`."""
     from types import SimpleNamespace
 
-    from kubetron.training.checkpointing import _safe_load, resolve_checkpoint
+    from kubetron.training.checkpointing import resolve_checkpoint
 
     shim = SimpleNamespace(checkpoint=SimpleNamespace(s3_endpoint_url=os.environ.get("AWS_ENDPOINT_URL"),
                                                       s3_region=None))
@@ -133,7 +135,14 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
         raise ConfigError("CKPT", str(e)) from None
     if found is None:
         raise ConfigError("CKPT", f"{location}: holds no complete checkpoint")
-    store, name, _ = found
+    return found[0], found[1]
+
+
+def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], object, str]:
+    """(model keys, canonical tensors, store, iter dir) of a kubetron checkpoint (newest iteration)."""
+    from kubetron.training.checkpointing import _safe_load
+
+    store, name = _resolve(location)
     run_cfg = yaml.safe_load(store.read_bytes(f"{name}/run_config.yaml"))
     if store.exists(f"{name}/model.pt"):  # ckpt_format kubetron (and import-hf's output)
         with store.open_read(f"{name}/model.pt") as f:
@@ -150,13 +159,27 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
     return run_cfg["model"], tensors, store, name
 
 
-def _lora_record(store, name: str) -> dict | None:
-    """common.pt's `peft` entry: set for an adapter-only (LoRA) checkpoint."""
+def _common(store, name: str) -> dict:
+    """common.pt of a checkpoint ({} if it has none): `peft` is set for an adapter-only (LoRA) checkpoint,
+    `hf` is its HF base's record (kubetron.hf.generation), `source` marks import-hf's output."""
     from kubetron.training.checkpointing import _safe_load
 
     if not store.exists(f"{name}/common.pt"):
+        return {}
+    return _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+
+
+def _run_tokenizer(store, name: str, assets: dict[str, bytes]):
+    """The tokenizer a checkpoint was trained with (None: its run_config names none, as import-hf's)."""
+    from kubetron.data.tokenizer import FILE_TOKENIZERS, build_tokenizer, tokenizer_from_assets
+
+    tok = (yaml.safe_load(store.read_bytes(f"{name}/run_config.yaml")) or {}).get("tokenizer") or {}
+    kind = tok.get("tokenizer_type")
+    if kind is None or (kind in FILE_TOKENIZERS and not assets):
         return None
-    return _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt").get("peft")
+    if kind in FILE_TOKENIZERS:
+        return tokenizer_from_assets(kind, assets, f"{name}/{TOKENIZER_DIR}")
+    return build_tokenizer(kind, tok.get("vocab_size"))
 
 
 def _read_base(location: str | None) -> dict[str, torch.Tensor]:
@@ -168,22 +191,39 @@ def _read_base(location: str | None) -> dict[str, torch.Tensor]:
     return load_hf_canonical(location)[1] if is_hf_dir(location) else read_checkpoint(location)[1]
 
 
-def export_hf(location: str, out: str, adapter_only: bool = False) -> dict:
-    """Write `out`/{config.json, model.safetensors, tokenizer files} from a kubetron checkpoint. A LoRA
-    checkpoint's adapters are merged into its base; with `adapter_only`, `out` gets a PEFT adapter."""
-    from safetensors.torch import save_file
+def peft_base_name(base: str | None) -> str:
+    """PEFT's `base_model_name_or_path` for adapters trained on `base`: the HF directory whose weights the
+    base holds (the directory itself, or the one import-hf converted). A trained kubetron checkpoint is
+    no HF model transformers can load: refused."""
+    from kubetron.hf import is_hf_dir
 
+    if not base:
+        raise ConfigError("CKPT", "the LoRA checkpoint names no pretrained_checkpoint (its base)")
+    if is_hf_dir(base):
+        return os.path.abspath(base)
+    store, name = _resolve(base)
+    hf_dir = (_common(store, name).get("source") or {}).get("hf_dir")
+    if not hf_dir:
+        raise ConfigError("--adapter-only", f"the adapters' base {base} is a kubetron checkpoint, not a Hugging "
+                                            "Face model transformers can load: export the merged weights instead")
+    return hf_dir
+
+
+def export_hf(location: str, out: str, adapter_only: bool = False) -> dict:
+    """Write `out`/{config.json, generation_config.json, model.safetensors, tokenizer files} from a kubetron
+    checkpoint. A LoRA checkpoint's adapters are merged into its base; with `adapter_only`, `out` gets a
+    PEFT adapter naming the base's HF directory."""
     from kubetron.hf import lora
 
     m, tensors, store, name = read_checkpoint(location)
-    info = _lora_record(store, name)
+    common = _common(store, name)
+    info = common.get("peft")
     if adapter_only and info is None:
         raise ConfigError("--adapter-only", f"{location}/{name} is not a LoRA (peft) checkpoint")
     if info is not None:
         pairs = lora.adapters(tensors)
         if adapter_only:
-            lora.write_peft(out, pairs, info, m)
-            return lora.peft_config(info)
+            return lora.write_peft(out, pairs, info, m, peft_base_name(info.get("pretrained_checkpoint")))
         tensors = lora.merge(_read_base(info.get("pretrained_checkpoint")), pairs, info["alpha"] / info["dim"])
     cfg = config_map.hf_config(m)
     try:
@@ -192,17 +232,33 @@ def export_hf(location: str, out: str, adapter_only: bool = False) -> dict:
         raise ConfigError("CKPT", f"{location}/{name}: tensor {e} missing for this model") from None
     dtypes = {str(t.dtype).removeprefix("torch.") for t in hf.values()}
     cfg["torch_dtype"] = cfg["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
-    tok_files = store.list(f"{name}/{TOKENIZER_DIR}")  # what import-hf (or the trainer) saved with it
+    _write_export(out, hf, _export_files(store, name, common.get("hf"), cfg), cfg)
+    return cfg
+
+
+def _export_files(store, name: str, record: dict | None, cfg: dict) -> dict[str, bytes]:
+    """The tokenizer files the checkpoint holds and generation_config.json; the special ids go into `cfg`:
+    the HF base's (`record`), else (a model trained from scratch) the tokenizer's."""
+    files = {os.path.basename(k): store.read_bytes(k) for k in store.list(f"{name}/{TOKENIZER_DIR}")}
+    ids, gen = generation.export_ids(record, None if record else _run_tokenizer(store, name, files))
+    cfg.update(ids)
+    if gen:  # else an older import's copy in tokenizer/, if any
+        files[generation.GENERATION_CONFIG] = json.dumps(gen, indent=2).encode()
+    return files
+
+
+def _write_export(out: str, hf: dict[str, torch.Tensor], files: dict[str, bytes], cfg: dict):
+    from safetensors.torch import save_file
+
     os.makedirs(out, exist_ok=True)
     if os.path.exists(os.path.join(out, "config.json")):
         raise ConfigError("OUT", f"{out} already holds a config.json; give an empty or new directory")
     save_file(hf, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    for key in tok_files:
-        with open(os.path.join(out, os.path.basename(key)), "wb") as f:
-            f.write(store.read_bytes(key))
+    for file_name, data in files.items():
+        with open(os.path.join(out, file_name), "wb") as f:
+            f.write(data)
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:  # last: marks a complete export
         json.dump(cfg, f, indent=2)
-    return cfg
 
 
 def load_hf_into_model(model, cfg, hf_dir: str, keep=None):

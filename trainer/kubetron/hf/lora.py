@@ -68,21 +68,23 @@ def peft_tensors(pairs: dict, m: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_config(info: dict) -> dict:
-    """adapter_config.json for the checkpoint's `peft` record."""
+def peft_config(info: dict, base_name: str) -> dict:
+    """adapter_config.json for the checkpoint's `peft` record; `base_name`: the base's HF directory."""
     targets = sorted({hf for t in info["target_modules"] for hf in HF_MODULES[t]})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["dim"], "lora_alpha": info["alpha"],
             "lora_dropout": info.get("dropout", 0.0), "target_modules": targets, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-            "base_model_name_or_path": info.get("pretrained_checkpoint")}
+            "base_model_name_or_path": base_name}
 
 
-def write_peft(out: str, pairs: dict, info: dict, m: dict):
+def write_peft(out: str, pairs: dict, info: dict, m: dict, base_name: str) -> dict:
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
     if os.path.exists(os.path.join(out, "adapter_config.json")):
         raise ConfigError("OUT", f"{out} already holds an adapter_config.json; give an empty or new directory")
     save_file(peft_tensors(pairs, m), os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    conf = peft_config(info, base_name)
     with open(os.path.join(out, "adapter_config.json"), "w", encoding="utf-8") as f:  # last: marks it complete
-        json.dump(peft_config(info), f, indent=2)
+        json.dump(conf, f, indent=2)
+    return conf

@@ -45,7 +45,7 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
-               "share_embeddings_and_output_weights")
+               "share_embeddings_and_output_weights", "sliding_window")
 
 
 def _chaos(point: str, iteration: int):
@@ -280,6 +280,7 @@ class CheckpointManager:
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
         self._run_config_yaml: str | None = None
         self._tokenizer_assets: dict[str, bytes] | None = None
+        self.hf_record: dict | None = None  # the HF base's special ids + generation config (kubetron.hf.generation)
 
     @property
     def enabled(self) -> bool:
@@ -456,6 +457,8 @@ class CheckpointManager:
         }
         if peft.enabled(self.cfg):  # adapter-only: the base is the pretrained checkpoint's
             common["peft"] = peft.checkpoint_info(self.cfg)
+        if self.hf_record:  # carried from the pretrained checkpoint to export-hf
+            common["hf"] = self.hf_record
         if self.optimizer.loss_scaler is not None:  # fp16: a resume continues with the same scale
             common["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
         if fmt == "sharded":
@@ -594,8 +597,10 @@ class CheckpointManager:
         from kubetron.hf import is_hf_dir
 
         if is_hf_dir(ck.pretrained_checkpoint):  # a Hugging Face model directory: converted on load
+            from kubetron.hf.generation import record_of_hf_dir
             from kubetron.hf.io import load_hf_into_model
 
+            self.hf_record = record_of_hf_dir(ck.pretrained_checkpoint)
             load_hf_into_model(self.model, self.cfg, ck.pretrained_checkpoint,
                                keep=peft.is_base_name if peft.enabled(self.cfg) else None)
             self.optimizer.reload_model_params()
@@ -616,6 +621,7 @@ class CheckpointManager:
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
         check_version(common, store, name)
         log_run_config_changes(store, name, self.cfg)
+        self.hf_record = common.get("hf", self.hf_record)
         fmt = common.get("ckpt_format") or ("torch_dist" if dist_ckpt.is_dist_checkpoint(store, name) else "kubetron")
         check_architecture(common.get("model_config", {}), self.cfg, name,
                            saved_tokenizer_vocab=common.get("tokenizer_vocab_size") if fmt == "sharded" else None)

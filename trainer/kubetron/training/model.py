@@ -36,7 +36,8 @@ def te_available() -> bool:
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal self-attention on torch SDPA. Takes/returns mcore's layout: [s, b, heads, dim] → [s, b, h]."""
+    """Causal self-attention on torch SDPA, in a sliding window when the config has one (window_size).
+    Takes/returns mcore's layout: [s, b, heads, dim] → [s, b, h]."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None,
                  attention_type: str = "self", attention_dropout: float | None = None,
@@ -44,6 +45,7 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        self.window = config.window_size[0] if config.window_size else None  # keys before the query's own
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -52,11 +54,21 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, dim)
         # mcore's mask (dataset.reset_attention_mask): (b, 1, s, s) bool, True = masked, causal included
         keep = None if attention_mask is None else ~attention_mask
+        if self.window is not None:
+            band = _causal_window(s, self.window, query.device)  # (s, s)
+            keep = band if keep is None else keep & band
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, is_causal=keep is None, dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale, enable_gqa=k.shape[1] != heads,
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)  # (s, b, h)
+
+
+def _causal_window(s: int, window: int, device) -> torch.Tensor:
+    """(s, s) bool, True = query i may attend key j: j <= i and i - j <= window."""
+    i = torch.arange(s, device=device)
+    dist = i[:, None] - i[None, :]
+    return (dist >= 0) & (dist <= window)
 
 
 class PortableRotaryEmbedding(mcore_rope.RotaryEmbedding):
@@ -98,6 +110,8 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
+        # megatron's (left, right) window, as TE and flash-attention take it: i attends [i - left, i + right]
+        window_size=(m.sliding_window - 1, 0) if m.sliding_window else None,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
