@@ -282,7 +282,8 @@ def _open_s3_index(prefix: str, field: str):
 
 def _check_not_empty(prefix: str, field: str) -> None:
     """A per-split prefix without tokens would make megatron-core spin forever: refuse it first."""
-    if int(np.array(open_indexed(prefix, field).sequence_lengths).sum()) == 0:
+    indexed = open_indexed(prefix, field)  # held while its mmap'd lengths are read
+    if int(np.asarray(indexed.sequence_lengths).sum()) == 0:
         raise ConfigError(field, f"{prefix!r} holds no tokens")
 
 
@@ -292,7 +293,8 @@ def _splits_with_tokens(prefixes, weights, wanted, required, split: str) -> list
     without any is a config error; an optional one is left out, with a log line."""
     wanted = list(wanted)
     for prefix in prefixes:
-        lengths = np.array(open_indexed(prefix).sequence_lengths)  # a copy: the mmap closes with the reader
+        indexed = open_indexed(prefix)
+        lengths = np.array(indexed.sequence_lengths)  # a copy: the mmap closes with `indexed`
         for i, r in enumerate(split_ranges(lengths.size, weights)):
             if not wanted[i] or r is None or int(lengths[r[0] : r[1]].sum()) > 0:
                 continue
