@@ -13,9 +13,9 @@ evaluation and the one after training; ``eval_iters * global_batch_size`` withou
 ``eval_iters * global_batch_size`` for test; a split of size 0 (``validation.eval_iters`` 0) is not
 built, which leaves the other splits' documents and order as Megatron's. A validation split that only
 the evaluation after training reads, or a test split, whose share of a prefix's documents holds no
-tokens is left out (logged); a validation split that ``validation.eval_interval`` needs is an error. An unweighted list of prefixes is weighted by size,
-as in Megatron. The shuffle indices are built in memory on every rank (no cache files next to the
-data, which may be on a read-only volume).
+tokens is left out (logged); a validation split that ``validation.eval_interval`` needs is an error.
+An unweighted list of prefixes is weighted by size, as in Megatron. The shuffle indices are built in
+memory on every rank (no cache files next to the data, which may be on a read-only volume).
 
 A prefix ``s3://bucket/key`` goes through megatron-core's object-storage reader: the ``.idx`` is
 copied to a local cache (``S3_INDEX_CACHE``), the ``.bin`` is read by ranged GETs; boto3 takes the
