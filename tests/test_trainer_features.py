@@ -522,6 +522,9 @@ def test_evaluation_config_is_checked():
     with pytest.raises(ConfigError, match="validation.eval_iters: 0 turns evaluation off, but "
                                           "validation.eval_interval is set"):
         in_process_config("validation.eval_iters=0", "validation.eval_interval=10")
+    with pytest.raises(ConfigError, match="validation.eval_iters: 0 turns evaluation off, but "
+                                          "validation.skip_train is set"):
+        in_process_config("validation.eval_iters=0", "validation.skip_train=true")
     with pytest.raises(ConfigError, match=r"train.skip_train: unknown key \(did you mean 'validation.skip_train'"):
         ConfigContainer.from_dict({"train": {"train_iters": 5, "skip_train": True}})
 

@@ -869,8 +869,10 @@ class ConfigContainer(BaseModel):
         if s.lr_warmup_init > o.lr:
             raise ConfigError("scheduler.lr_warmup_init", f"{s.lr_warmup_init} is larger than optimizer.lr = {o.lr}")
 
-        if self.validation.eval_iters == 0 and self.validation.eval_interval is not None:
-            raise ConfigError("validation.eval_iters", "0 turns evaluation off, but validation.eval_interval is set")
+        v = self.validation
+        if v.eval_iters == 0 and (v.eval_interval is not None or v.skip_train):
+            what = "validation.eval_interval" if v.eval_interval is not None else "validation.skip_train"
+            raise ConfigError("validation.eval_iters", f"0 turns evaluation off, but {what} is set")
 
         # dataset
         d = self.dataset

@@ -224,7 +224,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             metrics.flush(ts.step)
             return exitcodes.STRAGGLER
 
-        if ts.do_valid and cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0:
+        if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator:
             evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
                                        model, **non_loss)
 
