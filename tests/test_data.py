@@ -20,7 +20,12 @@ from kubetron.data.datasets import (
     parse_split,
     split_ranges,
 )
-from kubetron.data.loader import DataIterator, build_data_iterators, split_sizes
+from kubetron.data.loader import (
+    DataIterator,
+    build_data_iterators,
+    build_train_valid_test_data_iterators,
+    split_sizes,
+)
 from kubetron.data.preprocess import iter_documents, preprocess
 from kubetron.data.preprocess import main as preprocess_main
 from kubetron.data.tokenizer import ByteTokenizer, NullTokenizer, build_tokenizer
@@ -162,7 +167,7 @@ def test_same_seed_same_batches():
 def test_batch_layout():
     cfg = make_cfg(seq_length=16, mbs=3, gbs=6)
     it, valid = build_data_iterators(cfg, 0, 1)
-    assert valid is None
+    valid.close()  # mock data has a validation split: evaluated after training even without eval_interval
     b = next(it)
     assert b["tokens"].shape == (3, 16) and b["tokens"].dtype == torch.int64
     assert b["labels"].dtype == torch.int64 and b["position_ids"].dtype == torch.int64
@@ -448,7 +453,7 @@ def test_blend_with_weights(tmp_path):
 def test_indexed_training_through_the_loader_with_epochs_and_validation(tmp_path):
     prefix = _write_corpus(tmp_path, "e", 40)
     cfg = make_cfg(data_path=[prefix], split="90,10,0", seq_length=16, mbs=4, gbs=8, eval_interval=5, iters=40)
-    assert split_sizes(cfg) == [320, 9 * 2 * 8, 0]
+    assert split_sizes(cfg) == [320, 9 * 2 * 8, 2 * 8]  # (40 // 5 + 1) evaluations; test: one, after training
     train, valid = build_data_iterators(cfg, 0, 1)
     batches = take(train, 2 * len(train.dataset) // 4 + 3)  # past the planned samples: the order repeats
     assert all(b["tokens"].shape == (4, 16) and b["tokens"].max() <= 256 for b in batches)
@@ -478,9 +483,11 @@ def test_missing_prefix_and_empty_splits(tmp_path):
     with pytest.raises(ConfigError, match="gives the valid split 0 of the 30 documents") as e:
         build_data_iterators(make_cfg(data_path=[prefix], split="99,1,0", eval_interval=10), 0, 1)
     assert e.value.field == "dataset.split"
-    train, valid = build_data_iterators(make_cfg(data_path=[prefix], split="98,1,1"), 0, 1)  # test: never read
-    assert valid is None
+    # validation without eval_interval and test are only read after training: an empty one is left out
+    train, valid, test = build_train_valid_test_data_iterators(make_cfg(data_path=[prefix], split="98,1,1"), 0, 1)
+    assert len(valid.dataset) > 0 and test is None  # 1 document for validation, 0 for test
     train.close()
+    valid.close()
 
 
 def test_s3_prefix_gives_the_samples_of_the_local_copy(tmp_path, s3_server, monkeypatch):

@@ -45,8 +45,9 @@ def in_process_config(*overrides: str):
                                             "train.exit_signal_handler=false", *overrides])
 
 
-def run_pretrain(cfg, forward_step_func, mode: str = "pretrain") -> int:
-    """`pretrain()` / `finetune()` in this process (the entry point sets parallel_state up itself)."""
+def run_pretrain(cfg, forward_step_func, mode: str = "pretrain", **non_loss) -> int:
+    """`pretrain()` / `finetune()` in this process (the entry point sets parallel_state up itself);
+    `non_loss`: process_non_loss_data_func / non_loss_data_func."""
     import torch.distributed as dist
     from kubetron.training import entry
     from megatron.core import parallel_state
@@ -54,7 +55,7 @@ def run_pretrain(cfg, forward_step_func, mode: str = "pretrain") -> int:
     ensure_world_of_one()  # keeps one process group for the whole session
     parallel_state.destroy_model_parallel()  # pretrain() initializes it for its config
     try:
-        return (entry.finetune if mode == "finetune" else entry.pretrain)(cfg, forward_step_func)
+        return (entry.finetune if mode == "finetune" else entry.pretrain)(cfg, forward_step_func, **non_loss)
     finally:
         assert dist.is_initialized()
         ensure_world_of_one()
@@ -329,7 +330,9 @@ def test_custom_forward_step_trains_through_python_api(tmp_path, capsys):
     cfg = in_process_config("train.train_iters=30", "logger.log_interval=5", "scheduler.lr_warmup_iters=2",
                             f"logger.tensorboard_dir={tmp_path / 'tb'}")
     assert run_pretrain(cfg, step) == exitcodes.COMPLETED
-    assert step.calls == 30 * 2  # 2 micro-batches per iteration; the functor kept its counter
+    # 2 micro-batches per iteration, then validation and test after training (eval_iters 5 each, as the
+    # reference on mock data); the functor kept its counter
+    assert step.calls == 30 * 2 + 2 * 5 * 2
     assert isinstance(step.state, GlobalState) and step.state.train_state.step == 30
     assert step.state.train_state.consumed_train_samples == 30 * 8
     loss = tb_scalars(tmp_path / "tb", "my loss")
@@ -338,5 +341,128 @@ def test_custom_forward_step_trains_through_python_api(tmp_path, capsys):
     assert all(math.isfinite(v) for v in loss.values())
     assert loss[30] < loss[1] - 0.5, f"loss did not fall: {loss[1]} -> {loss[30]}"
     assert twice[30] == pytest.approx(2 * loss[30], rel=1e-6)
+    assert set(tb_scalars(tmp_path / "tb", "my loss validation")) == {30}  # after training: validation
+    assert set(tb_scalars(tmp_path / "tb", "my loss test")) == {30}  # and test
     out = capsys.readouterr().out
     assert "| my loss: " in out and "| twice: " in out and "iteration       30/      30" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# What Bridge forward steps use from GlobalState; the inference (non-loss data) pattern
+# --------------------------------------------------------------------------------------------------
+
+
+class BridgeStyleStep:
+    """Written for Megatron Bridge: `straggler_timer` around the batch fetch and the forward, the
+    tokenizer's ids, its own scalar on `tensorboard_logger`, `wandb_logger` when configured."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, state: GlobalState, data_iterator, model):
+        with state.straggler_timer(bdata=True):
+            batch = {k: v for k, v in next(data_iterator).items() if isinstance(v, torch.Tensor)}
+        tok = state.tokenizer
+        self.seen.append((tok.vocab_size, tok.eod, state.wandb_logger, int(batch["tokens"].max())))
+        with state.straggler_timer:
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        if state.tensorboard_logger is not None:
+            state.tensorboard_logger.add_scalar("custom/max token", float(batch["tokens"].max()),
+                                                state.train_state.step)
+        mask = batch["loss_mask"]
+
+        def loss_func(out):
+            loss = (out.float() * mask).sum() / mask.sum()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+
+def test_bridge_forward_step_uses_tokenizer_loggers_and_straggler_timer(tmp_path):
+    from pathlib import Path
+
+    from kubetron import exitcodes
+
+    step = BridgeStyleStep()
+    cfg = in_process_config("train.train_iters=4", "logger.log_interval=2", "scheduler.lr_warmup_iters=0",
+                            "straggler.log_straggler=true", "straggler.report_interval=2",
+                            "validation.eval_iters=1", f"logger.tensorboard_dir={tmp_path / 'tb'}")
+    assert run_pretrain(cfg, step) == exitcodes.COMPLETED
+    assert {(v, e, w) for v, e, w, _ in step.seen} == {(258, 256, None)}  # byte tokenizer; no wandb configured
+    assert max(m for *_, m in step.seen) < 256  # mock data never holds the eod id the tokenizer names
+    custom = tb_scalars(tmp_path / "tb", "custom/max token")
+    assert sorted(custom) == [0, 1, 2, 3, 4]  # 4 training steps, then the evaluations at step 4
+    assert sorted(tb_scalars(tmp_path / "tb")) == [1, 2, 3, 4]  # the loop's own scalars
+    assert len(list(Path(tmp_path / "tb").rglob("events.out.tfevents.*"))) == 1  # the loop and the step share it
+
+
+def _predicting_step(data_iterator, model):
+    """(loss, dict) in training and evaluation; with non_loss_data=True the per-row outputs (inference)."""
+    b = next(data_iterator)
+    out = model(b["x"])
+
+    def loss_func(output, non_loss_data=False):
+        if non_loss_data:
+            return {"rows": output.detach().clone(), "mask": b["mask"]}
+        loss = (output * b["mask"]).sum() / b["mask"].sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, loss_func
+
+
+def test_collect_non_loss_data_returns_what_the_loss_function_returns(world):
+    """The inference pattern (megatron's schedule contract): forward_only + collect_non_loss_data hands back
+    whatever loss_func(output, non_loss_data=True) returns, one item per micro-batch, no loss reduction."""
+    from kubetron.training.train import forward_backward
+
+    model = _Toy()
+    data = forward_backward(_predicting_step, _toy_batches(), [model], 2, forward_only=True,
+                            collect_non_loss_data=True)
+    assert [sorted(d) for d in data] == [["mask", "rows"], ["mask", "rows"]]
+    assert data[0]["rows"].tolist() == [1.0, 2.0, 3.0] and data[1]["rows"].tolist() == [2.0, 6.0, 15.0]
+    assert model.w.grad is None
+    with pytest.raises(ValueError, match="forward_only"):
+        forward_backward(_predicting_step, _toy_batches(), [model], 2, forward_only=False, collect_non_loss_data=True)
+
+
+class GPTPredictions(MyForwardStep):
+    """MyForwardStep whose loss function also serves the inference pattern: the predicted token ids."""
+
+    def __call__(self, state: GlobalState, data_iterator, model):
+        output, loss_func = super().__call__(state, data_iterator, model)
+
+        def with_predictions(out, non_loss_data=False):
+            return {"per-token loss": out.detach().float()} if non_loss_data else loss_func(out)
+
+        return output, with_predictions
+
+
+def test_process_non_loss_data_func_at_every_evaluation(tmp_path):
+    """pretrain(..., process_non_loss_data_func=f): at each evaluation one more global batch goes through
+    the schedule with collect_non_loss_data=True and f(data, iteration, writer) gets the loss function's
+    arbitrary returns; with non_loss_data_func(model) f gets what that returns instead."""
+    from kubetron import exitcodes
+
+    calls = []
+
+    def process(data, iteration, writer):
+        calls.append((iteration, data))
+        writer.add_scalar("non-loss/mean token loss", float(torch.cat([d["per-token loss"] for d in data]).mean()),
+                          iteration)
+
+    cfg = in_process_config("train.train_iters=4", "logger.log_interval=2", "scheduler.lr_warmup_iters=0",
+                            "validation.eval_interval=2", "validation.eval_iters=1",
+                            f"logger.tensorboard_dir={tmp_path / 'tb'}")
+    assert run_pretrain(cfg, GPTPredictions(), process_non_loss_data_func=process) == exitcodes.COMPLETED
+    # at 2 and 4 in the loop, then after training on validation and on test; 2 micro-batches of (4, 64) each
+    assert [it for it, _ in calls] == [2, 4, 4, 4]
+    assert all(len(d) == 2 and d[0]["per-token loss"].shape == (4, 64) for _, d in calls)
+    assert set(tb_scalars(tmp_path / "tb", "non-loss/mean token loss")) == {2, 4}
+
+    calls.clear()
+    cfg = in_process_config("train.train_iters=2", "scheduler.lr_warmup_iters=0", "validation.eval_iters=1",
+                            f"logger.tensorboard_dir={tmp_path / 'tb2'}")
+    code = run_pretrain(cfg, MyForwardStep(), process_non_loss_data_func=lambda d, it, w: calls.append((it, d)),
+                        non_loss_data_func=lambda model: ("params", sum(p.numel() for p in model[0].parameters())))
+    assert code == exitcodes.COMPLETED
+    assert [(it, d[0]) for it, d in calls] == [(2, "params"), (2, "params")] and calls[0][1][1] > 1000

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from kubetron import exitcodes
@@ -363,9 +364,12 @@ def test_iterations_to_skip_consumes_the_data(tmp_path, caplog, capsys):
     assert run_pretrain(in_process_config(*base, "train.iterations_to_skip=[3]"), skip) == exitcodes.COMPLETED
     out = capsys.readouterr().out
 
-    # 2 micro-batches of 4 per iteration; first global sample index each micro-batch reads
-    assert plain.seen == [(1, 0), (1, 4), (2, 8), (2, 12), (3, 16), (3, 20), (4, 24), (4, 28), (5, 32), (5, 36)]
-    assert skip.seen == [(1, 0), (1, 4), (2, 8), (2, 12), (4, 24), (4, 28), (5, 32), (5, 36)]
+    # 2 micro-batches of 4 per iteration; first global sample index each micro-batch reads (the training
+    # reads: the evaluations after training follow, at "iteration" 6)
+    assert [s for s in plain.seen if s[0] <= 5] == [(1, 0), (1, 4), (2, 8), (2, 12), (3, 16), (3, 20), (4, 24),
+                                                    (4, 28), (5, 32), (5, 36)]
+    assert [s for s in skip.seen if s[0] <= 5] == [(1, 0), (1, 4), (2, 8), (2, 12), (4, 24), (4, 28), (5, 32),
+                                                   (5, 36)]
     assert "iteration 3 skipped (iterations_to_skip)" in caplog.text
     assert re.search(r"iteration\s+4/\s+5 \| consumed samples:\s+32 \|", out)
     assert not re.search(r"iteration\s+3/", out)  # nothing computed, nothing logged for it
@@ -461,3 +465,100 @@ def test_exit_duration_in_mins(tmp_path):
 def test_losses_are_finite_in_the_pretrained_run(pretrained):
     assert all(math.isfinite(v) for v in pretrained.loss.values())
     assert pretrained.loss[PRE_ITERS] < pretrained.loss[1] - 0.5
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation as the reference: validation and test after training, evaluation-only runs
+# --------------------------------------------------------------------------------------------------
+
+EVAL_LINE = re.compile(r" validation loss at iteration (\d+) on (validation|test) set \| lm loss value: (\S+) \|"
+                       r" lm loss PPL: (\S+) \|")
+
+
+def final_evaluations(stdout: str) -> dict[str, tuple[int, float]]:
+    """{"validation"|"test": (iteration, lm loss)} from the reference's lines printed after training."""
+    return {m[2]: (int(m[1]), float(m[3])) for m in EVAL_LINE.finditer(stdout)}
+
+
+def _forward_step():
+    from kubetron.training.gpt_step import forward_step
+
+    return forward_step
+
+
+def _corpus(tmp_path: Path, name: str, texts: list[str]) -> str:
+    from kubetron.data.preprocess import preprocess
+
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    preprocess([str(path)], str(tmp_path / name), log=lambda m: None)
+    return str(tmp_path / name)
+
+
+def test_validation_and_test_splits_are_evaluated_after_training(tmp_path, capsys):
+    """dataset.split's validation and test shares (and train/valid/test_data_path) are evaluated once
+    training completes, with the reference's lines and `lm loss validation` / `lm loss test` scalars."""
+    rng = np.random.default_rng(0)
+    text = _corpus(tmp_path, "text", [f"{i}: " + " ".join(SENTENCES[(i + j) % 4] for j in range(3))
+                                      for i in range(200)])
+    noise = _corpus(tmp_path, "noise", ["".join(chr(c) for c in rng.integers(33, 127, 300)) for _ in range(50)])
+    base = ["train.train_iters=20", "scheduler.lr_warmup_iters=2", "logger.log_interval=10",
+            "validation.eval_iters=2"]
+
+    cfg = in_process_config(*base, f"dataset.data_path={text}", "dataset.split=80,10,10",
+                            f"logger.tensorboard_dir={tmp_path}/tb1")
+    assert run_pretrain(cfg, _forward_step()) == exitcodes.COMPLETED
+    got = final_evaluations(capsys.readouterr().out)
+    assert set(got) == {"validation", "test"} and got["validation"][0] == got["test"][0] == 20
+    assert tb_scalars(tmp_path / "tb1", "lm loss validation") == {20: pytest.approx(got["validation"][1])}
+    assert tb_scalars(tmp_path / "tb1", "lm loss test") == {20: pytest.approx(got["test"][1])}
+    assert tb_scalars(tmp_path / "tb1", "lm loss test ppl")[20] == pytest.approx(math.exp(got["test"][1]), rel=1e-5)
+
+    # per-split paths: the test blend is random characters the model never saw, validation is the text
+    cfg = in_process_config(*base, f"dataset.train_data_path={text}", f"dataset.valid_data_path={text}",
+                            f"dataset.test_data_path={noise}")
+    assert run_pretrain(cfg, _forward_step()) == exitcodes.COMPLETED
+    got = final_evaluations(capsys.readouterr().out)
+    assert got["test"][1] > got["validation"][1] + 1.0, got
+
+    # validation.eval_iters 0: no evaluation at all
+    assert run_pretrain(in_process_config(*base[:-1], "validation.eval_iters=0"), _forward_step()) == 0
+    assert final_evaluations(capsys.readouterr().out) == {}
+
+
+def test_evaluation_config_is_checked():
+    from kubetron.config import ConfigContainer
+    from kubetron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="validation.eval_iters: 0 turns evaluation off, but "
+                                          "validation.eval_interval is set"):
+        in_process_config("validation.eval_iters=0", "validation.eval_interval=10")
+    with pytest.raises(ConfigError, match="validation.eval_iters: 0 turns evaluation off, but "
+                                          "validation.skip_train is set"):
+        in_process_config("validation.eval_iters=0", "validation.skip_train=true")
+    with pytest.raises(ConfigError, match=r"train.skip_train: unknown key \(did you mean 'validation.skip_train'"):
+        ConfigContainer.from_dict({"train": {"train_iters": 5, "skip_train": True}})
+
+
+def test_skip_train_evaluates_the_checkpoint_and_leaves_the_store_alone(pretrained, tmp_path):
+    """validation.skip_train (as the reference): load the checkpoint, no training, the evaluations after
+    training from the first sample of each split: the same numbers the training run printed for its
+    final model. Nothing is saved, the progress log is untouched, TensorBoard gets no scalars, exit 0
+    with a termination message that claims no training progress."""
+    store = tmp_path / "store"
+    shutil.copytree(pretrained.ckpt, store)
+    progress = (store / "progress.txt").read_bytes()
+    p = run(["train", "--config", TINY, "validation.skip_train=true", f"checkpoint.save={store}",
+             f"checkpoint.load={store}", f"logger.tensorboard_dir={tmp_path}/tb", "validation.eval_interval=null",
+             f"train.train_iters={PRE_ITERS + 10}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "skipping training" in p.stdout and not re.search(r"iteration\s+\d+/", p.stdout)
+    got = final_evaluations(p.stdout)
+    assert got == final_evaluations(pretrained.stdout) and set(got) == {"validation", "test"}
+    assert got["validation"][0] == PRE_ITERS
+    assert iter_dirs(store) == ["iter_0000030", "iter_0000040"] and tracker_iteration(store) == PRE_ITERS
+    assert (store / "progress.txt").read_bytes() == progress
+    assert not tb_tags(tmp_path / "tb") & {"lm loss validation", "lm loss test"}
+    term = p.termination
+    assert term["reason"] == "Completed" and term["iteration"] == PRE_ITERS and term["trainIters"] is None
+    assert "evaluation completed" in term["message"]

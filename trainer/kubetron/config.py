@@ -100,10 +100,14 @@ class TrainingConfig(_Section):
 
 
 class ValidationConfig(_Section):
-    """Evaluation on the validation split during training."""
+    """Evaluation on the validation and test splits (as Megatron Bridge: periodically on validation, and
+    after training once more on validation and once on test, for each split that holds data)."""
 
-    eval_interval: int | None = _f(None, "Evaluate every this many iterations (None: no evaluation).", ge=1)
-    eval_iters: int = _f(10, "Validation batches (global batches) per evaluation.", ge=1)
+    eval_interval: int | None = _f(
+        None, "Evaluate on the validation split every this many iterations (None: only after training).", ge=1)
+    eval_iters: int = _f(10, "Global batches per evaluation, validation and test (0: no evaluation at all).", ge=0)
+    skip_train: bool = _f(False, "Evaluation only: load the checkpoint, skip training, evaluate on validation and "
+                                 "test (console and trackers, no TensorBoard), save nothing, exit 0.")
 
 
 class GPTModelConfig(_Section):
@@ -199,11 +203,13 @@ class GPTDatasetConfig(_Section):
         None, "Indexed dataset prefixes (.bin/.idx), optionally weighted: [\"0.7\", \"a\", \"0.3\", \"b\"] or "
               "\"0.7 a 0.3 b\"; local paths or s3://bucket/key; divided by split (None: mock data).")
     split: str = _f("969,30,1", "Train,validation,test proportions of the documents of each data_path prefix "
-                                "(comma-separated weights).")
+                                "(comma-separated weights; a validation or test share is evaluated after "
+                                "training, see the validation section).")
     train_data_path: list[str] | None = _f(
         None, "Per-split blend for training (instead of data_path + split); same forms as data_path.")
     valid_data_path: list[str] | None = _f(None, "Per-split blend for validation (with train_data_path).")
-    test_data_path: list[str] | None = _f(None, "Per-split blend for testing (with train_data_path).")
+    test_data_path: list[str] | None = _f(
+        None, "Per-split blend for testing (with train_data_path): evaluated once after training.")
     reset_position_ids: bool = _f(False, "Restart position ids at every document (after each eod token).")
     reset_attention_mask: bool = _f(
         False, "Attend only within a document (a per-sample attention mask cut at every eod token).")
@@ -236,7 +242,8 @@ class FinetuningDatasetConfig(_Section):
 
     data_path: str | None = _f(
         None, "JSONL training file, one {input, output} object per line (None: train on the dataset section).")
-    valid_data_path: str | None = _f(None, "JSONL validation file (needed when validation.eval_interval is set).")
+    valid_data_path: str | None = _f(None, "JSONL validation file (needed when validation.eval_interval is set; "
+                                           "also evaluated after training).")
     input_key: str = _f("input", "JSONL field holding the prompt (no loss on its tokens).")
     output_key: str = _f("output", "JSONL field holding the answer (the loss is taken on its tokens only).")
     messages_key: str = _f(
@@ -879,6 +886,11 @@ class ConfigContainer(BaseModel):
             raise ConfigError("scheduler.lr_wsd_decay_iters", "required when lr_decay_style is 'WSD'")
         if s.lr_warmup_init > o.lr:
             raise ConfigError("scheduler.lr_warmup_init", f"{s.lr_warmup_init} is larger than optimizer.lr = {o.lr}")
+
+        v = self.validation
+        if v.eval_iters == 0 and (v.eval_interval is not None or v.skip_train):
+            what = "validation.eval_interval" if v.eval_interval is not None else "validation.skip_train"
+            raise ConfigError("validation.eval_iters", f"0 turns evaluation off, but {what} is set")
 
         # dataset
         d = self.dataset

@@ -23,6 +23,7 @@ _LAZY = {
     "build_gpt_datasets": "kubetron.data.datasets",
     "DataIterator": "kubetron.data.loader",
     "build_data_iterators": "kubetron.data.loader",
+    "build_train_valid_test_data_iterators": "kubetron.data.loader",
     "build_datasets": "kubetron.data.loader",
 }
 
@@ -35,6 +36,7 @@ __all__ = [
     "build_data_iterators",
     "build_datasets",
     "build_gpt_datasets",
+    "build_train_valid_test_data_iterators",
     "build_tokenizer",
     "preprocess",
     "tokenizer_assets",

@@ -8,11 +8,14 @@ wheel ships the compiled ``helpers_cpp``), so the sample order is Megatron's for
 ``data_path``/``split`` (or per-split paths), seed, sequence length and sample counts, and
 ``reset_position_ids``, ``reset_attention_mask`` and ``eod_mask_loss`` are megatron-core's. The sample
 counts are Megatron's: ``train_iters * global_batch_size`` for train,
-``(train_iters // eval_interval + 1) * eval_iters * global_batch_size`` for validation; a split of
-size 0 (validation off; test, which the trainer never reads) is not built, which leaves the other
-splits' documents and order as Megatron's. An unweighted list of prefixes is weighted by size,
-as in Megatron. The shuffle indices are built in memory on every rank (no cache files next to the
-data, which may be on a read-only volume).
+``(train_iters // eval_interval + 1) * eval_iters * global_batch_size`` for validation (every periodic
+evaluation and the one after training; ``eval_iters * global_batch_size`` without eval_interval),
+``eval_iters * global_batch_size`` for test; a split of size 0 (``validation.eval_iters`` 0) is not
+built, which leaves the other splits' documents and order as Megatron's. A validation split that only
+the evaluation after training reads, or a test split, whose share of a prefix's documents holds no
+tokens is left out (logged); a validation split that ``validation.eval_interval`` needs is an error.
+An unweighted list of prefixes is weighted by size, as in Megatron. The shuffle indices are built in
+memory on every rank (no cache files next to the data, which may be on a read-only volume).
 
 A prefix ``s3://bucket/key`` goes through megatron-core's object-storage reader: the ``.idx`` is
 copied to a local cache (``S3_INDEX_CACHE``), the ``.bin`` is read by ranged GETs; boto3 takes the
@@ -26,6 +29,7 @@ No data path -> :class:`MockGPTDataset`: synthetic, generated on demand, learnab
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -35,6 +39,8 @@ import numpy as np
 from kubetron.config import parse_data_path as config_parse_data_path
 from kubetron.config import parse_split as config_parse_split
 from kubetron.errors import ConfigError
+
+log = logging.getLogger("kubetron")
 
 SPLIT_NAMES = ("train", "valid", "test")
 # Local cache of the .idx of s3:// prefixes (megatron-core's object_storage_cache_path).
@@ -274,18 +280,31 @@ def _open_s3_index(prefix: str, field: str):
         raise ConfigError(field, f"cannot read indexed dataset {prefix!r}: {exc}") from exc
 
 
-def _check_not_empty(prefix: str, ranges, split: str | None, field: str) -> None:
-    """megatron-core spins forever drawing samples from a split without tokens: refuse it first.
-    ``ranges(num_docs)`` gives the document range of each split (None: not built)."""
-    indexed = open_indexed(prefix, field)
-    lengths = np.array(indexed.sequence_lengths)  # a copy: the mmap closes with `indexed`
-    for name, r in zip(SPLIT_NAMES, ranges(lengths.size)):
-        if r is None or int(lengths[r[0] : r[1]].sum()) > 0:
-            continue
-        if split is None:
-            raise ConfigError(field, f"{prefix!r} holds no tokens")
-        raise ConfigError("dataset.split", f"{split!r} gives the {name} split {r[1] - r[0]} of the {lengths.size} "
-                                           f"documents of {prefix!r} (no tokens); give it more weight or 0")
+def _check_not_empty(prefix: str, field: str) -> None:
+    """A per-split prefix without tokens would make megatron-core spin forever: refuse it first."""
+    indexed = open_indexed(prefix, field)  # held while its mmap'd lengths are read
+    if int(np.asarray(indexed.sequence_lengths).sum()) == 0:
+        raise ConfigError(field, f"{prefix!r} holds no tokens")
+
+
+def _splits_with_tokens(prefixes, weights, wanted, required, split: str) -> list[bool]:
+    """`wanted` less the optional splits whose document range of some prefix holds no tokens.
+    megatron-core spins forever drawing samples from a split without tokens: a required split
+    without any is a config error; an optional one is left out, with a log line."""
+    wanted = list(wanted)
+    for prefix in prefixes:
+        indexed = open_indexed(prefix)
+        lengths = np.array(indexed.sequence_lengths)  # a copy: the mmap closes with `indexed`
+        for i, r in enumerate(split_ranges(lengths.size, weights)):
+            if not wanted[i] or r is None or int(lengths[r[0] : r[1]].sum()) > 0:
+                continue
+            what = (f"{split!r} gives the {SPLIT_NAMES[i]} split {r[1] - r[0]} of the {lengths.size} documents "
+                    f"of {prefix!r} (no tokens)")
+            if required[i]:
+                raise ConfigError("dataset.split", f"{what}; give it more weight or 0")
+            log.info("dataset.split %s: no %s evaluation", what, SPLIT_NAMES[i])
+            wanted[i] = False
+    return wanted
 
 
 def _gpt_dataset_class():
@@ -312,10 +331,12 @@ def build_gpt_datasets(
     seed: int,
     tokenizer,
     sizes: Sequence[int],
+    required: Sequence[bool] = (True, True, True),
 ) -> dict[str, object | None]:
     """``{"train": ds, "valid": ds|None, "test": ds|None}`` for a ``dataset`` config section.
 
-    ``sizes`` are the samples each split must provide (Megatron's train/valid/test counts).
+    ``sizes`` are the samples each split must provide (Megatron's train/valid/test counts); a split of
+    ``data_path`` that is not ``required`` and holds no tokens is None.
     No data path -> mock data for all three splits (different streams per split, from
     ``dataset_cfg.mock_seed`` or else ``seed``).
     """
@@ -331,16 +352,15 @@ def build_gpt_datasets(
     wanted = [size > 0 for size in sizes]  # a split nobody reads is not built (nor required to hold data)
     if d.data_path is not None:
         blend = megatron_blend(d.data_path)
-        split = ",".join(repr(w) for w in parse_split(d.split))
-        ranges = lambda n: [r if w else None for r, w in zip(split_ranges(n, parse_split(d.split)), wanted)]  # noqa: E731
-        for prefix in blend[0]:
-            _check_not_empty(prefix, ranges, str(d.split), "dataset.data_path")
+        weights = parse_split(d.split)
+        split = ",".join(repr(w) for w in weights)
+        wanted = _splits_with_tokens(blend[0], weights, wanted, required, str(d.split))
     else:
         blend_per_split = [None if v is None or not w else megatron_blend(v, f"dataset.{n}_data_path")
                            for (n, v), w in zip(per_split.items(), wanted)]
         for n, b in zip(SPLIT_NAMES, blend_per_split):
             for prefix in b[0] if b else ():
-                _check_not_empty(prefix, lambda n: [(0, n)], None, f"dataset.{n}_data_path")
+                _check_not_empty(prefix, f"dataset.{n}_data_path")
     reset_attention_mask = bool(getattr(d, "reset_attention_mask", False))
     config = GPTDatasetConfig(
         random_seed=int(seed),

@@ -253,15 +253,15 @@ def build_tokenizer_from_config(cfg):
 
 
 def split_sizes(cfg) -> list[int]:
-    """Megatron's samples per split: train_iters * gbs, (train_iters // eval_interval + 1) * eval_iters * gbs
-    for validation (0 without validation); 0 for test (the trainer never evaluates on it)."""
+    """Megatron's samples per split: train_iters * gbs; for validation (train_iters // eval_interval + 1) *
+    eval_iters * gbs, every periodic evaluation and the one after training (eval_iters * gbs without
+    eval_interval); eval_iters * gbs for test (one evaluation after training). eval_iters 0: none."""
     gbs = int(cfg.train.global_batch_size)
     iters = int(getattr(cfg.train, "train_iters", None) or 1)
-    validation = getattr(cfg, "validation", None)
-    eval_iters = int(getattr(validation, "eval_iters", None) or 1)
-    interval = getattr(validation, "eval_interval", None)
-    valid = (iters // interval + 1) * eval_iters * gbs if interval else 0
-    return [iters * gbs, valid, 0]
+    eval_iters = int(cfg.validation.eval_iters)
+    interval = cfg.validation.eval_interval
+    evaluations = (iters // interval if interval else 0) + 1
+    return [iters * gbs, evaluations * eval_iters * gbs, eval_iters * gbs]
 
 
 def build_datasets(cfg) -> dict:
@@ -277,7 +277,8 @@ def build_datasets(cfg) -> dict:
         from kubetron.data.finetuning import build_finetuning_datasets
 
         return build_finetuning_datasets(cfg, tokenizer)
-    return build_gpt_datasets(cfg.dataset, cfg.model.seq_length, cfg.rng.seed, tokenizer, split_sizes(cfg))
+    required = (True, bool(cfg.validation.eval_interval), False)  # the others: evaluated if they hold data
+    return build_gpt_datasets(cfg.dataset, cfg.model.seq_length, cfg.rng.seed, tokenizer, split_sizes(cfg), required)
 
 
 def build_data_iterators(
@@ -287,9 +288,25 @@ def build_data_iterators(
     train_consumed_samples: int = 0,
     valid_consumed_samples: int = 0,
 ) -> tuple[DataIterator, DataIterator | None]:
-    """Train and validation iterators for this data-parallel rank.
+    """Train and validation iterators for this data-parallel rank (see build_train_valid_test_data_iterators)."""
+    train, valid, test = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size, train_consumed_samples,
+                                                               valid_consumed_samples)
+    if test is not None:
+        test.close()
+    return train, valid
 
-    The validation iterator is None when ``cfg.validation.eval_interval`` is None (or 0).
+
+def build_train_valid_test_data_iterators(
+    cfg,
+    dp_rank: int,
+    dp_size: int,
+    train_consumed_samples: int = 0,
+    valid_consumed_samples: int = 0,
+) -> tuple[DataIterator, DataIterator | None, DataIterator | None]:
+    """Train, validation and test iterators for this data-parallel rank (the reference's name).
+
+    Validation and test are None when their split holds no data or ``validation.eval_iters`` is 0; the
+    test iterator always starts at the split's first sample (it is read once, after training).
     """
     mbs = int(cfg.train.micro_batch_size)
     gbs = int(cfg.train.global_batch_size)
@@ -302,21 +319,21 @@ def build_data_iterators(
     if nmb is not None and int(nmb) * mbs * dp_size != gbs:
         raise ConfigError("train.num_microbatches", f"{nmb} * {mbs} * {dp_size} != global_batch_size {gbs}")
     datasets = build_datasets(cfg)
+    eval_interval = cfg.validation.eval_interval
+    if eval_interval and datasets["valid"] is None:
+        raise ConfigError(
+            "dataset.split",
+            f"validation is on (validation.eval_interval={eval_interval}) but split {cfg.dataset.split!r} "
+            "leaves no validation data; give it weight or set validation.eval_interval to null",
+        )
     prefetch = getattr(cfg.dataset, "prefetch", 2)
     pin = bool(getattr(cfg.dataset, "pin_memory", False))
-    train = DataIterator(
-        datasets["train"], mbs, dp_rank, dp_size, train_consumed_samples, prefetch, pin, name="train"
-    )
-    valid = None
-    eval_interval = getattr(getattr(cfg, "validation", None), "eval_interval", None)
-    if eval_interval:
-        if datasets["valid"] is None:
-            raise ConfigError(
-                "dataset.split",
-                f"validation is on (validation.eval_interval={eval_interval}) but split {cfg.dataset.split!r} "
-                "leaves no validation data; give it weight or set validation.eval_interval to null",
-            )
-        valid = DataIterator(
-            datasets["valid"], mbs, dp_rank, dp_size, valid_consumed_samples, prefetch, pin, name="valid"
-        )
-    return train, valid
+    evaluated = cfg.validation.eval_iters > 0
+
+    def iterator(name: str, consumed: int) -> DataIterator | None:
+        if datasets[name] is None or (name != "train" and not evaluated):
+            return None
+        return DataIterator(datasets[name], mbs, dp_rank, dp_size, consumed, prefetch, pin, name=name)
+
+    return (iterator("train", train_consumed_samples), iterator("valid", valid_consumed_samples),
+            iterator("test", 0))

@@ -96,16 +96,15 @@ def _broadcast_str(value: str) -> str:
 
 
 def _run(config, forward_step_func, mode: str, holder: dict | None = None,
-         signal_handler: SignalHandler | None = None):
+         signal_handler: SignalHandler | None = None, **non_loss):
     from megatron.core import parallel_state
 
-    from kubetron.data import build_data_iterators
+    from kubetron.data import build_train_valid_test_data_iterators
     from kubetron.training import pipeline
     from kubetron.training.checkpointing import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
-    from kubetron.training.train import train
 
     cfg = config
     rank, world, device = initialize_distributed(cfg)
@@ -137,7 +136,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     state.ckpt = None
     run_id = _broadcast_str(f"{int(time.time())}-{os.getpid()}")
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    train_it, valid_it = build_data_iterators(cfg, dp_rank, dp_size)
+    train_it, valid_it, test_it = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size)
     ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
                              scheduler=scheduler, data=(train_it, valid_it), run_id=run_id)
     state.ckpt = ckpt
@@ -151,18 +150,22 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
         if cfg.train.status_port:  # finalize() resolved it from KUBETRON_STATUS_PORT when unset
             status = StatusServer(cfg.train.status_port)
     state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
-    ckpt.progress.start()
+    # this run's splits (the flags a loaded checkpoint carries are its run's)
+    state.train_state.do_valid, state.train_state.do_test = valid_it is not None, test_it is not None
+    progress = None if cfg.validation.skip_train else ckpt.progress  # evaluation only: the log is left alone
+    if progress is not None:
+        progress.start()
     code = exitcodes.ERROR
     profiler = make_profiler(cfg, rank, state.train_state.step)
     try:
         if profiler is not None:
             profiler.start()
-        code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt,
-                     profiler=profiler)
+        code = _train_then_evaluate(forward_step_func, model, optimizer, scheduler, (train_it, valid_it, test_it),
+                                    state, ckpt, profiler, non_loss)
     except BaseException as e:
         code = _exit_code_for(e)
-        if code is not None:
-            ckpt.progress.exit(exitcodes.NAMES[code])  # the progress log says how the job ended
+        if code is not None and progress is not None:
+            progress.exit(exitcodes.NAMES[code])  # the progress log says how the job ended
         raise
     finally:
         if state.signal_handler is not None:
@@ -174,14 +177,37 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
             profiler.stop()
         state.metrics.close()
         ckpt.close()  # pending async saves are finalized before exit
-        for it in (train_it, valid_it):
+        for it in (train_it, valid_it, test_it):
             if it is not None:
                 it.close()
         if status is not None:
             status.close()
     state.exit_code = code
-    ckpt.progress.exit(exitcodes.NAMES[code])
+    if progress is not None:
+        progress.exit(exitcodes.NAMES[code])
     return code, state
+
+
+def _train_then_evaluate(forward_step_func, model, optimizer, scheduler, iterators, state, ckpt, profiler,
+                         non_loss) -> int:
+    """train() (unless validation.skip_train), then, when training completed, the reference's evaluation
+    after training on the validation and test splits. Returns the exit code."""
+    from kubetron.training.eval import final_evaluation
+    from kubetron.training.train import train
+
+    train_it, valid_it, test_it = iterators
+    if state.cfg.validation.skip_train:
+        log.info("skipping training (validation.skip_train): evaluating the model of iteration %d",
+                 state.train_state.step)
+        if valid_it is not None:
+            valid_it.load_state_dict({"consumed_samples": 0})  # as the reference: from the split's start
+        code = exitcodes.COMPLETED
+    else:
+        code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt,
+                     profiler=profiler, **non_loss)
+    if code == exitcodes.COMPLETED:
+        final_evaluation(state, forward_step_func, model, valid_it, test_it, **non_loss)
+    return code
 
 
 def make_profiler(cfg, rank: int, first_iteration: int):
@@ -222,14 +248,23 @@ def _exit_code_for(e: BaseException) -> int | None:
     return None
 
 
-def pretrain(config, forward_step_func) -> int:
-    """Train from scratch (or resume from checkpoint.load). Returns an exit code."""
-    return _run(config, forward_step_func, "pretrain")[0]
+def pretrain(config, forward_step_func, *, process_non_loss_data_func=None, non_loss_data_func=None) -> int:
+    """Train from scratch (or resume from checkpoint.load), then evaluate; returns an exit code.
+
+    As Megatron's pretrain(): `non_loss_data_func(model)`, or else one forward-only pass with
+    `collect_non_loss_data=True` (`loss_func(output, non_loss_data=True)` returns anything), feeds
+    `process_non_loss_data_func(data, iteration, tensorboard_writer)` at every evaluation, on the rank
+    that writes TensorBoard (not called without logger.tensorboard_dir).
+    """
+    return _run(config, forward_step_func, "pretrain", process_non_loss_data_func=process_non_loss_data_func,
+                non_loss_data_func=non_loss_data_func)[0]
 
 
-def finetune(config, forward_step_func) -> int:
-    """Resume from checkpoint.load if it has a checkpoint; else start from pretrained weights at 0."""
-    return _run(config, forward_step_func, "finetune")[0]
+def finetune(config, forward_step_func, *, process_non_loss_data_func=None, non_loss_data_func=None) -> int:
+    """Resume from checkpoint.load if it has a checkpoint; else start from pretrained weights at 0.
+    The non-loss data functions: see pretrain()."""
+    return _run(config, forward_step_func, "finetune", process_non_loss_data_func=process_non_loss_data_func,
+                non_loss_data_func=non_loss_data_func)[0]
 
 
 def exit_signals(cfg) -> tuple:
@@ -277,7 +312,8 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
     holder: dict = {}
     try:
         code, _ = _run(cfg, forward_step, mode, holder, handler)
-        msg = {exitcodes.COMPLETED: "training completed",
+        msg = {exitcodes.COMPLETED: "evaluation completed (validation.skip_train)" if cfg.validation.skip_train
+               else "training completed",
                exitcodes.SAVED_ON_SIGNAL: "stopped by signal; checkpoint saved",
                exitcodes.EXIT_CONDITION: "exit condition reached; checkpoint saved",
                exitcodes.STRAGGLER: getattr(getattr(holder.get("state"), "straggler", None), "message", None)
@@ -306,7 +342,7 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
     write_termination_message({
         "exitCode": code, "reason": exitcodes.NAMES[code],
         "iteration": ts.step if ts else None,
-        "trainIters": getattr(cfg.train, "train_iters", None),
+        "trainIters": None if cfg.validation.skip_train else getattr(cfg.train, "train_iters", None),
         "lastCheckpoint": ckpt.last_durable if ckpt else None,
         "message": msg,
     }, cfg.train.termination_log)

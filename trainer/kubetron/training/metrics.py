@@ -35,12 +35,8 @@ class MetricsLogger:
         self.state = state
         self.writes = writes  # the last rank holds the loss: it prints and writes TensorBoard
         self.status = status  # StatusServer on rank 0, or None
-        self.writer = None
-        if writes and cfg.logger.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=cfg.logger.tensorboard_dir, max_queue=1000)
-        self.trackers = build_trackers(cfg) if writes else []  # wandb / MLflow: the same scalars as TensorBoard
+        self.writer = state.tensorboard_logger if writes else None  # the state's: forward steps share it
+        self.trackers = build_trackers(cfg, state) if writes else []  # wandb / MLflow: TensorBoard's scalars
         self._memory_reported = False  # the console's memory line, once (after the optimizer state exists)
         self._pending: list[tuple[int, dict, float, torch.Tensor | None, torch.Tensor | None]] = []
         self._loss_scales: list[float] = []  # one per pending iteration (host floats)
@@ -133,9 +129,9 @@ class MetricsLogger:
             print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (GB) | "
                   + " | ".join(f"{k}: {v}" for k, v in memory.items()), flush=True)
 
-    def _write(self, scalars: dict[str, float], step: int):
+    def _write(self, scalars: dict[str, float], step: int, tensorboard: bool = True):
         """TensorBoard and the experiment trackers: the same names, values and step."""
-        if self.writer is not None:
+        if tensorboard and self.writer is not None:
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
         for t in self.trackers:
@@ -175,22 +171,22 @@ class MetricsLogger:
         self._skipped = self._nan = 0
         print(" | ".join(parts) + " |", flush=True)
 
-    def log_validation(self, iteration: int, losses: dict[str, torch.Tensor], label: str = "validation"):
+    def log_validation(self, iteration: int, losses: dict[str, torch.Tensor], prefix: str | None = None,
+                       label: str = "validation", tensorboard: bool = True):
+        """The reference's ` validation loss at <prefix> | <key> value: ... | <key> PPL: ... |` line (prefix:
+        `iteration N`, or `iteration N on validation set` / `on test set` after training), and the
+        `<key> <label>`, `<key> <label> ppl` scalars at `iteration` (TensorBoard only if `tensorboard`)."""
         if not self.writes:
             return
-        values = {k: float(v) for k, v in losses.items()}
-        parts = [f" {label} loss at iteration {iteration}"]
-        scalars = {}
-        for k, v in values.items():
+        line, scalars = f" validation loss at {prefix or f'iteration {iteration}'} | ", {}
+        for k, v in ((k, float(v)) for k, v in losses.items()):
             ppl = math.exp(min(20.0, v)) if math.isfinite(v) else float("nan")
-            parts.append(f"{k} value: {v:.6E}")
-            parts.append(f"{k} PPL: {ppl:.6E}")
+            line += f"{k} value: {v:.6E} | {k} PPL: {ppl:.6E} | "
             scalars.update({f"{k} {label}": v, f"{k} {label} ppl": ppl})
-        self._write(scalars, iteration)
+        self._write(scalars, iteration, tensorboard=tensorboard)
         if self.writer is not None:
             self.writer.flush()
-        line = " | ".join(parts)
-        print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+        print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1), flush=True)
 
     # -- status endpoint ----------------------------------------------------------------------------
     def _publish(self, iteration: int, tokens_per_sec: float, remaining: float, **latest: float | None):
@@ -241,12 +237,12 @@ class MetricsLogger:
         return per_iter * max(self.cfg.train.train_iters - iteration, 0)
 
     def close(self):
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
         for t in self.trackers:
             t.close()
         self.trackers = []
+        self.writer = None
+        if self.writes:
+            self.state.close_loggers()  # the TensorBoard writer and the wandb run
 
 
 def _to_host(items):

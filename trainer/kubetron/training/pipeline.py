@@ -122,18 +122,25 @@ def model_dtype(cfg) -> torch.dtype:
 
 
 def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
-                     loss_scale: float = 1.0):
+                     loss_scale: float = 1.0, collect_non_loss_data: bool = False):
     """The schedule; returns the per-micro-batch loss reports (the same on every stage). The backward
-    pass starts from the loss times `loss_scale` (fp16; megatron's schedule reads config.grad_scale_func)."""
+    pass starts from the loss times `loss_scale` (fp16; megatron's schedule reads config.grad_scale_func).
+    With `collect_non_loss_data` (forward only) the last stage returns what `loss_func(output,
+    non_loss_data=True)` gave for each micro-batch, the other stages [] (as megatron's schedules)."""
     device = next(model[0].parameters()).device
     if device.type == "cuda":
-        reports = _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only)
+        reports = _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only,
+                                     collect_non_loss_data)
     else:
-        reports = _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale)
-    return broadcast_reports(reports, device) if pp_size() > 1 else reports
+        reports = _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
+                         collect_non_loss_data)
+    if collect_non_loss_data or pp_size() == 1:
+        return reports
+    return broadcast_reports(reports, device)
 
 
-def _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only):
+def _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only,
+                       collect_non_loss_data=False):
     """megatron-core's schedules (GPU): no pipelining at PP 1, 1F1B above. CI has no GPU: run
     `make gpu-check` on one."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -145,10 +152,11 @@ def _megatron_schedule(forward_step_func, data_iterator, model, num_microbatches
     return list(get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
-        decoder_seq_length=seq, forward_only=forward_only))
+        decoder_seq_length=seq, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data))
 
 
-def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale=1.0):
+def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale=1.0,
+           collect_non_loss_data=False):
     """All forwards, then all backwards (micro-batch order), blocking send/recv on the PP group.
 
     Every send is matched by the neighbour's recv in the same order, so blocking calls cannot
@@ -173,7 +181,9 @@ def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_on
             input_tensor.requires_grad_(not forward_only)
         chunk.set_input_tensor(input_tensor)
         output, loss_func = forward_step_func(data_iterator, chunk)
-        if last:
+        if last and collect_non_loss_data:
+            reports.append(loss_func(output, non_loss_data=True))
+        elif last:
             loss, num_tokens, report = unpack_loss(loss_func(output))
             reports.append(report)
             output = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss

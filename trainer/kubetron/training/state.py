@@ -21,7 +21,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     floating_point_operations_so_far: float = 0.0
     do_train: bool = True
-    do_valid: bool = False
+    do_valid: bool = False  # a validation split exists and validation.eval_iters > 0 (set by pretrain)
+    do_test: bool = False  # a test split exists and validation.eval_iters > 0 (set by pretrain)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,10 +87,31 @@ class Timers:
         return out
 
 
+class StragglerTimer:
+    """What Bridge forward steps use as `state.straggler_timer` (megatron-core's StragglerDetector
+    interface): `with timer:` around the forward compute, `with timer(bdata=True):` around the batch
+    fetch. kubetron's straggler detector (`straggler` section) times each step's whole micro-batch
+    schedule, which holds both regions, so they are measured there and add no timing of their own."""
+
+    def __call__(self, bdata: bool = False) -> StragglerTimer:
+        return self
+
+    def __enter__(self) -> StragglerTimer:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 @dataclass(slots=True)
 class GlobalState:
     """Handed to forward-step functions that ask for it (by annotation or a first arg named state).
-    Every field is declared here (slots: assigning any other attribute raises AttributeError)."""
+    Every field is declared here (slots: assigning any other attribute raises AttributeError).
+
+    As Bridge's GlobalState, `tokenizer`, `tensorboard_logger` and `wandb_logger` are created on first
+    use; the two loggers only on the last rank and only when configured (else None). The loop's own
+    metrics go through the same writer and run.
+    """
 
     cfg: Any
     train_state: TrainState = field(default_factory=TrainState)
@@ -103,3 +125,54 @@ class GlobalState:
     ckpt: Any = None  # kubetron.training.checkpointing.CheckpointManager, once built
     straggler: Any = None  # kubetron.training.straggler.StragglerDetector while train() runs (None: off)
     exit_code: int | None = None  # how the run ended (kubetron.exitcodes), once it has
+    _tokenizer: Any = field(default=None, init=False, repr=False)
+    _tensorboard_logger: Any = field(default=None, init=False, repr=False)
+    _wandb_logger: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def tokenizer(self):
+        """The run's tokenizer (`vocab_size`, `eod`, `pad`, `encode`/`decode`), built on first use."""
+        if self._tokenizer is None:
+            from kubetron.data.loader import build_tokenizer_from_config
+
+            self._tokenizer = build_tokenizer_from_config(self.cfg)
+        return self._tokenizer
+
+    def _logs_here(self, enabled) -> bool:
+        return bool(self.cfg is not None and enabled and self.rank == self.world_size - 1)
+
+    @property
+    def tensorboard_logger(self):
+        """A SummaryWriter on logger.tensorboard_dir on the last rank (None elsewhere or when unset)."""
+        if self._tensorboard_logger is None and self._logs_here(self.cfg and self.cfg.logger.tensorboard_dir):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard_logger = SummaryWriter(log_dir=self.cfg.logger.tensorboard_dir, max_queue=1000)
+        return self._tensorboard_logger
+
+    @property
+    def wandb_logger(self):
+        """The `wandb` module with this run's wandb.init done, on the last rank when logger.wandb_project
+        is set (None elsewhere): `state.wandb_logger.log({...}, step)` as in Bridge."""
+        if self._wandb_logger is None and self._logs_here(self.cfg and self.cfg.logger.wandb_project):
+            import wandb
+
+            lg = self.cfg.logger
+            wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
+                       dir=lg.wandb_save_dir, config=self.cfg.to_dict())
+            self._wandb_logger = wandb
+        return self._wandb_logger
+
+    @property
+    def straggler_timer(self) -> StragglerTimer:
+        """See StragglerTimer."""
+        return StragglerTimer()
+
+    def close_loggers(self):
+        """Flush and close the TensorBoard writer and finish the wandb run (those that were created)."""
+        if self._tensorboard_logger is not None:
+            self._tensorboard_logger.close()
+            self._tensorboard_logger = None
+        if self._wandb_logger is not None:
+            self._wandb_logger.finish()
+            self._wandb_logger = None

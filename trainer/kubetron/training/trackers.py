@@ -10,20 +10,17 @@ from __future__ import annotations
 
 
 class WandbTracker:
-    """A wandb run (`WANDB_MODE=offline` writes it to wandb_save_dir without a server)."""
+    """The run of `GlobalState.wandb_logger` (`WANDB_MODE=offline` writes it to wandb_save_dir without a
+    server); the state owns it and finishes it (`GlobalState.close_loggers`)."""
 
-    def __init__(self, cfg):
-        import wandb
-
-        lg = cfg.logger
-        self.run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
-                              dir=lg.wandb_save_dir, config=cfg.to_dict())
+    def __init__(self, wandb_module):
+        self.wandb = wandb_module
 
     def log(self, scalars: dict[str, float], step: int):
-        self.run.log(scalars, step=step)
+        self.wandb.log(scalars, step=step)
 
     def close(self):
-        self.run.finish()
+        pass
 
 
 class MlflowTracker:
@@ -46,11 +43,11 @@ class MlflowTracker:
         self.mlflow.end_run()
 
 
-def build_trackers(cfg) -> list:
-    """The trackers the logger section names (on the rank that writes metrics)."""
+def build_trackers(cfg, state) -> list:
+    """The trackers the logger section names (on the rank that writes metrics, the last)."""
     lg, out = cfg.logger, []
     if lg.wandb_project:
-        out.append(WandbTracker(cfg))
+        out.append(WandbTracker(state.wandb_logger))
     if lg.mlflow_experiment:
         out.append(MlflowTracker(cfg))
     return out

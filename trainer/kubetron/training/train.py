@@ -17,6 +17,7 @@ import torch
 from kubetron import exitcodes
 from kubetron.training import pipeline, straggler
 from kubetron.training.comm import any_rank
+from kubetron.training.eval import evaluate_and_print_results
 from kubetron.training.optim import finalize_model_grads, params_l2_norm
 from kubetron.training.state import Timers
 from kubetron.training.utils import (
@@ -89,21 +90,29 @@ class LossChecks:
 
 
 def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
-                     loss_scale: float = 1.0, timers: Timers | None = None):
+                     loss_scale: float = 1.0, timers: Timers | None = None, collect_non_loss_data: bool = False):
     """No-pipelining schedule: forward (+ backward) each micro-batch; return their loss reports.
 
     The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
     loss / num_microbatches, so gradients are the mean over the global batch on this rank (times
     `loss_scale`, fp16's loss scale; the optimizer divides it out).
+    `collect_non_loss_data` (with forward_only, megatron's inference pattern): the list of
+    `loss_func(output, non_loss_data=True)`, whatever it returns (on the last pipeline stage).
     """
+    if collect_non_loss_data and not forward_only:
+        raise ValueError("collect_non_loss_data needs forward_only=True")
     if pipeline.runs_schedule(model):  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
         return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
-                                         forward_only=forward_only, loss_scale=loss_scale)
+                                         forward_only=forward_only, loss_scale=loss_scale,
+                                         collect_non_loss_data=collect_non_loss_data)
     timers = timers or Timers(log_level=0)
     reports = []
     for _ in range(num_microbatches):
         with timers.time("forward-compute", 2):
             output, loss_func = forward_step_func(data_iterator, model[0])
+            if collect_non_loss_data:
+                reports.append(loss_func(output, non_loss_data=True))
+                continue
             loss, num_tokens, report = unpack_loss(loss_func(output))
         if not forward_only:
             with timers.time("backward-compute", 2):
@@ -138,22 +147,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
             scheduler.step(1)
         optimizer.update_loss_scale(found_inf=skipped)
     return StepResult(loss_dict=loss_dict, grad_norm=grad_norm, skipped=skipped, loss_scale=loss_scale)
-
-
-def evaluate(forward_step_func, data_iterator, model, global_state, eval_iters: int):
-    """Forward-only over eval_iters global batches; losses reduced like training's."""
-    cfg = global_state.cfg
-    for chunk in model:
-        chunk.eval()
-    reports = []
-    with torch.no_grad():
-        for _ in range(eval_iters):
-            reports += forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
-                                        forward_only=True)
-            global_state.train_state.consumed_valid_samples += cfg.train.global_batch_size
-    for chunk in model:
-        chunk.train()
-    return reduce_losses(reports)
 
 
 def _dummy_train_step(global_state, data_iterator):
@@ -206,8 +199,9 @@ def checkpoint_and_decide_exit(state, ckpt) -> int | None:
 
 
 def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
-          global_state, checkpoint_manager, profiler=None) -> int:
-    """Main loop: iterate until train_iters or an exit condition; returns an exit code."""
+          global_state, checkpoint_manager, profiler=None, **non_loss) -> int:
+    """Main loop: iterate until train_iters or an exit condition; returns an exit code. `non_loss`:
+    process_non_loss_data_func / non_loss_data_func for the evaluations (kubetron.training.eval)."""
     cfg, ts = global_state.cfg, global_state.train_state
     fwd = prepare_forward_step_func(forward_step_func, global_state)  # inspect once
     metrics = global_state.metrics
@@ -248,9 +242,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             return exitcodes.STRAGGLER
 
         if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator:
-            with timers.time("evaluate", 1):
-                losses = evaluate(fwd, valid_data_iterator, model, global_state, cfg.validation.eval_iters)
-            metrics.log_validation(ts.step, losses)
+            evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
+                                       model, **non_loss)
 
         checkpoint_manager.finalize(blocking=False)  # async saves that are done become durable
         with timers.time("save-checkpoint", 1):

@@ -1,0 +1,101 @@
+"""Evaluation on the validation or test split (the reference's `training/eval.py`).
+
+`evaluate()` runs `validation.eval_iters` global batches forward-only and reduces the reported losses
+as training does; then, as the reference, the non-loss data: `non_loss_data_func(model)` if given,
+else with `process_non_loss_data_func` one more global batch through the schedule with
+`collect_non_loss_data=True`, where `loss_func(output, non_loss_data=True)` returns anything (the
+inference pattern) and the list of those goes to `process_non_loss_data_func(data, iteration, writer)`.
+
+`evaluate_and_print_results()` prints the reference's line and writes its scalars. The loop calls it
+every `validation.eval_interval` iterations; `pretrain()` once more after training completes on the
+validation split and once on the test split (`final_evaluation`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kubetron.training.comm import any_rank
+from kubetron.training.utils import prepare_forward_step_func, reduce_losses
+
+log = logging.getLogger("kubetron")
+
+
+@dataclass
+class EvalResult:
+    losses: dict[str, torch.Tensor]  # averaged over the eval batches and data-parallel ranks (device tensors)
+    non_loss_data: Any = None  # what non_loss_data_func / the collect_non_loss_data pass returned
+
+
+def _time_limit_hit(state) -> bool:
+    """train.exit_duration_in_mins passed on any rank (the reference checks it after every eval batch)."""
+    limit = state.cfg.train.exit_duration_in_mins
+    return bool(limit) and any_rank((time.time() - state.start_time) / 60.0 > limit)
+
+
+def evaluate(forward_step_func, data_iterator, model, state, *, process_non_loss_data_func: Callable | None = None,
+             non_loss_data_func: Callable | None = None) -> EvalResult | None:
+    """Forward-only over validation.eval_iters global batches; None if the time limit cut it short."""
+    from kubetron.training.train import forward_backward  # train.py imports this module
+
+    cfg = state.cfg
+    fwd = prepare_forward_step_func(forward_step_func, state)
+    n = cfg.train.num_microbatches
+    for chunk in model:
+        chunk.eval()  # no dropout
+    try:
+        with torch.no_grad():
+            reports = []
+            for _ in range(cfg.validation.eval_iters):
+                reports += forward_backward(fwd, data_iterator, model, n, forward_only=True)
+                state.train_state.consumed_valid_samples += cfg.train.global_batch_size
+                if _time_limit_hit(state):
+                    log.info("exiting during evaluation, time limit reached")
+                    return None
+            result = EvalResult(reduce_losses(reports))
+            if non_loss_data_func is not None:
+                result.non_loss_data = non_loss_data_func(model)
+            elif process_non_loss_data_func is not None:  # every rank: the pipeline stages run together
+                result.non_loss_data = forward_backward(fwd, data_iterator, model, n, forward_only=True,
+                                                        collect_non_loss_data=True)
+    finally:
+        for chunk in model:
+            chunk.train()
+    return result
+
+
+def evaluate_and_print_results(state, prefix: str, forward_step_func, data_iterator, model, *,
+                               label: str = "validation", write_to_tensorboard: bool = True,
+                               process_non_loss_data_func: Callable | None = None,
+                               non_loss_data_func: Callable | None = None) -> dict[str, torch.Tensor] | None:
+    """evaluate(), then ` validation loss at <prefix> | ...` and the `<key> <label>` scalars at the current
+    iteration; process_non_loss_data_func runs on the rank holding the TensorBoard writer."""
+    with state.timers.time("evaluate", 1):
+        result = evaluate(forward_step_func, data_iterator, model, state,
+                          process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
+    if result is None:
+        return None
+    step = state.train_state.step
+    state.metrics.log_validation(step, result.losses, prefix, label=label, tensorboard=write_to_tensorboard)
+    writer = state.tensorboard_logger if write_to_tensorboard else None
+    if process_non_loss_data_func is not None and writer is not None:
+        process_non_loss_data_func(result.non_loss_data, step, writer)
+    return result.losses
+
+
+def final_evaluation(state, forward_step_func, model, valid_iterator, test_iterator, **non_loss) -> None:
+    """After training (or instead of it, validation.skip_train): the validation split if do_valid, the test
+    split if do_test, as the reference's pretrain(); skip_train runs write no TensorBoard scalars."""
+    ts, skip_train = state.train_state, state.cfg.validation.skip_train
+    for on, name, iterator, label in ((ts.do_valid, "validation", valid_iterator, "validation"),
+                                      (ts.do_test, "test", test_iterator, "test")):
+        if on and evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
+                                             iterator, model, label=label, write_to_tensorboard=not skip_train,
+                                             **non_loss) is None:
+            return  # the time limit (train.exit_duration_in_mins) was reached
