@@ -83,7 +83,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     from kubetron.training.entry import run_from_cli
 
-    return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain"))
+    # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.
+    return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain",
+                            keep_signal_handler=args.own_process))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -251,7 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `kubetron` command; returns the exit code (2 for user errors, 141 for a closed pipe)."""
+    """Run the `kubetron` command; returns the exit code (2 for user errors, 141 for a closed pipe).
+
+    `argv` None: this process is the command (the console script, `python -m kubetron`), its
+    arguments in sys.argv; it exits with the code returned, so what it installs (train's SIGTERM
+    handler) may stay until then. A list: an in-process call, which leaves the process as it was.
+    """
     try:
         code = _main(argv)
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
@@ -272,11 +279,13 @@ def _silence_stdout() -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = None
     try:
         args, extras = parser.parse_known_args(argv)
+        args.own_process = own_process
         if extras:
             if args.command not in ("train", "finetune", "config"):
                 parser.error(f"unrecognized arguments: {' '.join(extras)}")

@@ -33,7 +33,12 @@ class TrainState:
 
 
 class SignalHandler:
-    """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step)."""
+    """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step).
+
+    Once the loop has ended, a recorded signal changes nothing: the run's exit code is decided, and the
+    process goes on to exit with it. `kubetron train` keeps the handler until the process exits, so a
+    SIGTERM during teardown cannot turn a completed run into a killed one (143).
+    """
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.received: int | None = None
