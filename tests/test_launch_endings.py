@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -34,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 def pod_env(tmp_path: Path, nproc: int, **extra: str) -> dict:
     """What the operator puts in a one-node pod's environment (docs/CONTRACT.md)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.MESSAGES_DIR_ENV)}
+    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.MESSAGES_DIR_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), KUBETRON_TERMINATION_LOG=str(tmp_path / "termination-log"),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **extra)
