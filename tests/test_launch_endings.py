@@ -186,3 +186,20 @@ def test_sigterm_in_the_last_iteration_completes_the_run(tmp_path, at, expected)
     assert run_pretrain(cfg, _SigtermAt(at)) == expected
     progress = (tmp_path / "ckpt" / "progress.txt").read_text()
     assert f"Saved checkpoint\tIteration: {at}" in progress and exitcodes.NAMES[expected] in progress.splitlines()[-1]
+
+
+def test_a_settled_signal_handler_ignores_later_signals():
+    """After the loop (settle), a SIGTERM neither kills the process nor is recorded: it cannot turn the
+    decided ending (say a trainer error, 1) into 'stopped by signal during setup' (75)."""
+    from kubetron.training.state import SignalHandler
+
+    before = signal.getsignal(signal.SIGTERM)
+    handler = SignalHandler((signal.SIGTERM,))
+    try:
+        handler.settle()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the Python-level handler runs at the next bytecode boundary
+        assert handler.received is None
+    finally:
+        handler.release()
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -166,8 +166,10 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
             ckpt.progress.exit(exitcodes.NAMES[code])  # the progress log says how the job ended
         raise
     finally:
-        if own_handler and state.signal_handler is not None:
+        if state.signal_handler is not None and own_handler:
             state.signal_handler.release()
+        elif state.signal_handler is not None:  # the caller's: kept, but the loop is over, a signal changes nothing
+            state.signal_handler.settle()
         import gc
 
         gc.enable()  # train.manual_gc disables it for the loop
