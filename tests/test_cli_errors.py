@@ -236,3 +236,31 @@ def test_cli_does_not_import_torch():
     """)
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- output into a closed pipe (`kubetron progress DIR | head -1`) ---------------------------------
+
+def _into_closed_pipe(args: list[str], cwd=None) -> subprocess.CompletedProcess:
+    """Run `kubetron ARGS` with stdout a pipe whose reader has already gone, as `| head -1` leaves it
+    once head has its line: every write fails with EPIPE, deterministically."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "kubetron", *args], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=60, cwd=cwd, check=False)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("args", [
+    ["progress", "{tmp}"],                       # a few hundred bytes: fails at the final flush
+    ["progress", "{tmp}", "--json"],
+    ["config", "--reference"],                   # tens of KB: fails mid-write
+    ["config", "--config", "examples/tiny-gpt.yaml"],
+], ids=["progress", "progress-json", "config-reference", "config"])
+def test_closed_pipe_ends_quietly_with_141(tmp_path, args):
+    """No traceback and no 'Exception ignored' for a reader that left; the status a shell gives a
+    program killed by SIGPIPE (git, kubectl), so `set -o pipefail` still sees the output was cut."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = _into_closed_pipe([a.format(tmp=tmp_path) for a in args], cwd=root)
+    assert proc.stderr == "" and proc.returncode == 141, (proc.returncode, proc.stderr)

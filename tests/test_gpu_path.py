@@ -168,7 +168,8 @@ def test_recompute_gives_the_same_losses_and_really_recomputes():
 # --- make gpu-check TINY=1 ---------------------------------------------------------------------------
 
 def test_gpu_check_tiny_prints_one_table_that_passes():
-    """The CPU dry run of `make gpu-check` (CI): every row is there, none fails; GPU-only rows SKIP."""
+    """The CPU dry run of `make gpu-check` (CI): every row is there and judged, none fails or skips: the
+    speed rows' figures are within the dry run's bounds (DRY), the PP=2 row runs on two CPU ranks."""
     env = {**os.environ, "TINY": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -178,6 +179,72 @@ def test_gpu_check_tiny_prints_one_table_that_passes():
     assert names == ["gpu_step MFU ratio", "bf16 vs fp32 loss", "SIGTERM + exact resume", "checkpoint 1.3B async",
                      "ddp.py (NCCL)", "PP=2 megatron schedule"], table
     results = {n: r.split("|")[2].strip() for n, r in zip(names, rows, strict=True)}
-    assert results["bf16 vs fp32 loss"] == "PASS" and results["SIGTERM + exact resume"] == "PASS", table
-    assert "FAIL" not in results.values(), table
+    assert results == {"gpu_step MFU ratio": "DRY", "bf16 vs fp32 loss": "PASS", "SIGTERM + exact resume": "PASS",
+                       "checkpoint 1.3B async": "DRY", "ddp.py (NCCL)": "PASS", "PP=2 megatron schedule": "PASS"}, table
+    assert "2 CPU ranks (gloo)" in table
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _gpu_check():
+    """bench/gpu_check.py as a module (bench/ is not a package)."""
+    import importlib.util
+
+    if "gpu_check" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = module  # its dataclass looks itself up there
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_check"]
+
+
+def _variants(ours_ms=244.2, ours_tps=524.0, base_ms=29.8, base_tps=4295.0, mfu=0.0):
+    """gpu_step.py's rows as parsed (a tiny CPU run: 128 tokens a step): step ms, tokens/s, TFLOP/s, MFU, GiB."""
+    nan = float("nan")
+    return {"kubetron train() end to end": [ours_ms, ours_tps, 0.0, mfu, nan],
+            "plain PyTorch eager": [base_ms, base_tps, 0.0, 0.0, nan]}
+
+
+@pytest.mark.parametrize("ratio, variants, result", [
+    (0.122, _variants(), "DRY"),                                            # measured under load
+    (1.045, _variants(1252.2, 102, 1309.0, 98), "DRY"),
+    (float("nan"), _variants(), "FAIL"),                                    # the ratio not computed
+    (0.122, _variants(ours_tps=float("inf")), "FAIL"),
+    (0.0, _variants(ours_ms=float("inf"), ours_tps=0.0), "FAIL"),           # kubetron made no progress
+    (0.122, _variants(ours_tps=5240.0), "FAIL"),                            # tokens/s off by 10x: a unit slip
+    (0.5, _variants(), "FAIL"),                                             # the ratio is not the rows' ratio
+    (0.122, _variants(mfu=150.0), "FAIL"),                                  # MFU above 100 %
+    (100.0, _variants(2.98, 42953.0, 298.0, 430.0), "FAIL"),                # outside the dry run's bounds
+    (0.01, _variants(2980.0, 43.0, 29.8, 4295.0), "FAIL"),
+])
+def test_gpu_check_dry_run_fails_a_speed_row_with_insane_figures(ratio, variants, result):
+    gpu_check = _gpu_check()
+    assert gpu_check.judge_gpu_step(ratio, variants, 128, tiny=True).result == result
+
+
+def test_gpu_check_keeps_the_gpu_targets():
+    gpu_check = _gpu_check()
+    assert gpu_check.judge_gpu_step(1.045, _variants(1252.2, 102, 1309.0, 98), 128, tiny=False).result == "FAIL"
+    assert gpu_check.judge_gpu_step(1.2, _variants(100.0, 1280.0, 120.0, 1067.0), 128, tiny=False).result == "PASS"
+    assert gpu_check.judge_checkpoint(1.5, 9.0, tiny=False).result == "FAIL"
+    assert gpu_check.judge_checkpoint(0.4, 9.0, tiny=False).result == "PASS"
+
+
+@pytest.mark.parametrize("blocked, durable, result", [
+    (0.25, 0.31, "DRY"), (0.85, 0.92, "DRY"),
+    (0.9, 0.3, "FAIL"),                    # waited longer than the whole save took: a broken timer
+    (-0.1, 0.3, "FAIL"), (float("nan"), 0.3, "FAIL"), (0.0, 0.0, "FAIL"),
+    (6.0, 7.0, "FAIL"),                    # seconds for 16 MB: outside the dry run's bound
+])
+def test_gpu_check_dry_run_fails_a_checkpoint_row_with_insane_figures(blocked, durable, result):
+    assert _gpu_check().judge_checkpoint(blocked, durable, tiny=True).result == result
+
+
+@pytest.mark.parametrize("rc, losses, result", [
+    (0, {1: 5.58, 2: 5.4, 3: 5.1}, "PASS"),
+    (1, {1: 5.58, 2: 5.4, 3: 5.1}, "FAIL"),
+    (0, {1: 5.58, 2: 5.4, 3: 5.9}, "FAIL"),                # the loss did not fall
+    (0, {1: 5.58, 2: float("nan"), 3: 5.1}, "FAIL"),
+    (0, {1: 5.58, 3: 5.1}, "FAIL"),                        # an iteration without a loss
+])
+def test_gpu_check_pp2_row_is_judged(rc, losses, result):
+    assert _gpu_check().judge_pp2(rc, losses, 3, "2 CPU ranks (gloo)").result == result

@@ -232,11 +232,16 @@ def logs(args: argparse.Namespace) -> int:
     pods = select_pods(listed.get("items") or [], job, args.rank)
     prefix = len(pods) > 1
     errors: list[str] = []
-    threads = [threading.Thread(target=_stream, args=(cluster, p, args.follow, prefix, errors)) for p in pods]
+    closed = threading.Event()  # stdout's reader went away (`kubetron logs -f gpt | head`)
+    threads = [threading.Thread(target=_stream, args=(cluster, p, args.follow, prefix, errors, closed), daemon=True)
+               for p in pods]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive() and not closed.is_set():  # a followed pod may never write again
+            t.join(0.2)
+    if closed.is_set():
+        raise BrokenPipeError("stdout closed")  # the kubetron command ends quietly (exit 141)
     if errors:
         raise CliError("; ".join(errors))
     return 0
@@ -252,7 +257,8 @@ def whole_lines(chunks: Iterable[bytes]) -> Iterator[str]:
         yield pending.decode("utf-8", "replace")
 
 
-def _stream(cluster: Cluster, pod: Mapping[str, Any], follow_: bool, prefix: bool, errors: list[str]) -> None:
+def _stream(cluster: Cluster, pod: Mapping[str, Any], follow_: bool, prefix: bool, errors: list[str],
+            closed: threading.Event) -> None:
     name, rank = pod["metadata"]["name"], pod["metadata"]["labels"].get(LABEL_RANK, "0")
     try:
         resp = cluster.call(lambda: cluster.core.read_namespaced_pod_log(
@@ -263,6 +269,8 @@ def _stream(cluster: Cluster, pod: Mapping[str, Any], follow_: bool, prefix: boo
             sys.stdout.flush()
     except CliError as exc:
         errors.append(str(exc))
+    except BrokenPipeError:
+        closed.set()
 
 
 # -- the parser --------------------------------------------------------------------------------------

@@ -69,6 +69,14 @@ def test_submit_status_logs_delete(kube, kube_ns, tmp_path):
         assert head.split() == ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "LOSS", "AGE",
                                 "REASON", "LAST-CHECKPOINT"]  # the CRD's columns, the wide ones included
         assert row.split()[:2] == ["gpt", "Running"] and row.split()[-2:] == ["Running", "<none>"]
+        read_end, write_end = os.pipe()  # `kubetron status | head -1` once head has its line
+        os.close(read_end)
+        try:
+            got = subprocess.run([str(BIN / "kubetron"), "status", "-n", ns], stdout=write_end, stderr=subprocess.PIPE,
+                                 text=True, timeout=60, env=user_env(kube))
+        finally:
+            os.close(write_end)
+        assert (got.returncode, got.stderr) == (141, ""), got.stderr  # quiet, as a SIGPIPE'd program
 
         # No kubelet serves pods/log here: the API server answers 500; the user gets one line, exit 1.
         got = kubetron(kube, "logs", "gpt", "--rank", "1", "-n", ns)
@@ -134,6 +142,62 @@ def test_followed_logs_print_whole_lines():
     chunks = [b"iteration 1 | lo", b"ss: 2.0\niteration 2", b" \xc3", b"\xa9\n", b"tail"]
     assert list(whole_lines(chunks)) == ["iteration 1 | loss: 2.0", "iteration 2 \u00e9", "tail"]
     assert list(whole_lines([b"a\nb\n"])) == ["a", "b"]
+
+
+def test_followed_logs_end_quietly_when_stdout_closes(monkeypatch, capsys):
+    """`kubetron logs -f gpt | head`: the pods' streams are read in threads, one pod silent forever; the
+    closed pipe still ends the command at once, exit 141, no thread traceback."""
+    import threading
+
+    from kubetron.cli import main
+    from kubetron_operator import client_cli
+
+    silent = threading.Event()
+
+    class Stream:
+        def __init__(self, chatty: bool):
+            self.chatty = chatty
+
+        def stream(self):
+            while self.chatty:
+                yield b"iteration 1 | loss 2.0\n"
+            silent.wait()  # a pod that writes nothing more: its thread blocks in the read
+            yield b""
+
+    class Cluster:
+        namespace = "ns"
+
+        def __init__(self, _args):
+            self.api_client = type("C", (), {"sanitize_for_serialization": staticmethod(lambda x: x)})()
+            self.core = self
+
+        def job(self, name):
+            return {"metadata": {"name": name}, "status": {"attempt": 1}}
+
+        def call(self, fn, what):
+            return fn()
+
+        def list_namespaced_pod(self, ns, label_selector):
+            return {"items": [pod("gpt-1-0", 1, 0), pod("gpt-1-1", 1, 1)]}
+
+        def read_namespaced_pod_log(self, name, ns, **_):
+            return Stream(chatty=name.endswith("-1"))
+
+    class ClosedPipe:
+        def write(self, _text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(client_cli, "Cluster", Cluster)
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    result = []
+    command = threading.Thread(target=lambda: result.append(main(["logs", "gpt", "-f"])), daemon=True)
+    command.start()
+    command.join(10)
+    silent.set()
+    assert result == [141] and capsys.readouterr().err == ""
 
 
 def test_context_and_its_namespace_come_from_the_kubeconfig(kube, kube_ns, tmp_path):

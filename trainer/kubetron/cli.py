@@ -18,13 +18,16 @@
     (also installed as the kubectl plugin `kubectl-kubetron`: `kubectl kubetron status`)
 
 User errors (bad config, bad command line) print one line, `kubetron: error: <field>: <message>`,
-write the termination message and exit 2. Importing this module does not import torch: each
-command imports what it needs.
+write the termination message and exit 2. Output into a pipe that closed early (`kubetron progress
+DIR | head -1`) ends the command quietly with exit 141, what a shell reports for a program killed by
+SIGPIPE (as git and kubectl do). Importing this module does not import torch: each command imports
+what it needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -34,6 +37,7 @@ from kubetron import __version__, exitcodes
 from kubetron.errors import ConfigError
 
 PROG = "kubetron"
+CLOSED_PIPE = 141  # 128 + SIGPIPE: the exit status of `cmd | head` for a cmd that SIGPIPE kills
 
 
 class _UsageError(Exception):
@@ -79,7 +83,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     from kubetron.training.entry import run_from_cli
 
-    return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain"))
+    # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.
+    return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain",
+                            keep_signal_handler=args.own_process))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -263,12 +269,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `kubetron` command; returns the exit code (2 for user errors)."""
+    """Run the `kubetron` command; returns the exit code (2 for user errors, 141 for a closed pipe).
+
+    `argv` None: this process is the command (the console script, `python -m kubetron`), its
+    arguments in sys.argv; it exits with the code returned, so what it installs (train's SIGTERM
+    handler) may stay until then. A list: an in-process call, which leaves the process as it was.
+    """
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return CLOSED_PIPE
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's exit flushes what is left without an error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a real file (captured)
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = None
     try:
         args, extras = parser.parse_known_args(argv)
+        args.own_process = own_process
         if extras:
             if args.command not in ("train", "finetune", "config"):
                 parser.error(f"unrecognized arguments: {' '.join(extras)}")

@@ -2,7 +2,7 @@
 
 Runs `torchrun -m kubetron ARGS` (default ARGS: `train --config $KUBETRON_CONFIG`) with the rendezvous
 the operator put in the pod's environment (docs/CONTRACT.md): NNODES, NODE_RANK, NPROC_PER_NODE,
-MASTER_ADDR, MASTER_PORT. Three things make it more than `exec torchrun`:
+MASTER_ADDR, MASTER_PORT. Four things make it more than `exec torchrun`:
 
 - It is PID 1 in the container, so it forwards SIGTERM/SIGINT to torchrun (which forwards them to the
   ranks); a preempted pod's trainer gets to finish its step and save. torchrun's own grace before it
@@ -15,6 +15,12 @@ MASTER_ADDR, MASTER_PORT. Three things make it more than `exec torchrun`:
   through this module, which points KUBETRON_TERMINATION_LOG there and execs the trainer), so a rank
   that saw its peer die (5) cannot overwrite the message of the rank that caused it (say 3). The
   launcher then writes the root cause, one line, to the pod's real termination log.
+- The pod's log ends with the trainer's own last line (`kubetron: error: train.x: ...`, `kubetron:
+  SavedOnSignal: ...`), not torchrun's failure report: torchrun runs as `kubetron.torchrun`, which
+  leaves that report out, and the launcher adds one line of its own only when no rank's termination
+  message says why the run ended (a rank killed by a signal, a failed rendezvous).
+- A pod stopped (SIGTERM) after its ranks completed exits 0, not torchrun's "stopped by a signal":
+  every local rank wrote Completed, so there is nothing to restart.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 
 from kubetron import exitcodes
 from kubetron.termination import DEFAULT_TERMINATION_LOG, write_termination_message
+from kubetron.torchrun import FAILURES_FILE
 
 DEFAULT_CONFIG = "/etc/kubetron/config.yaml"
 MESSAGES_DIR_ENV = "KUBETRON_LAUNCH_MESSAGES"  # set by the launcher for its torchrun workers
@@ -42,7 +49,7 @@ def torchrun_argv(env: Mapping[str, str], args: Sequence[str], python: str = sys
     """The torchrun command line for this pod: one agent per pod, NPROC_PER_NODE ranks under it."""
     nnodes = int(env.get("NNODES", "1"))
     argv = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "kubetron.torchrun",  # torchrun without its failure report (kubetron/torchrun.py)
         f"--nnodes={nnodes}",
         f"--nproc-per-node={env.get('NPROC_PER_NODE', '1')}",
         # The operator restarts the whole gang from the last checkpoint; torchrun must not restart
@@ -85,9 +92,13 @@ def root_cause(messages: Sequence[dict]) -> dict | None:
     return (own or failed or list(messages) or [None])[0]
 
 
-def resolve_exit_code(torchrun_rc: int, message: dict | None) -> int:
-    """The pod's exit code: torchrun's 0, else the ranks' own code, else torchrun's."""
-    if torchrun_rc == 0:
+def resolve_exit_code(torchrun_rc: int, message: dict | None, stopped_after_completion: bool = False) -> int:
+    """The pod's exit code: torchrun's 0, else the ranks' own code, else torchrun's.
+
+    `stopped_after_completion`: the pod was stopped by a signal after every local rank wrote
+    Completed (torchrun then reports the signal): 0.
+    """
+    if torchrun_rc == 0 or stopped_after_completion:
         return 0
     if message is not None and 0 < message["exitCode"] < 256:
         return message["exitCode"]
@@ -96,16 +107,36 @@ def resolve_exit_code(torchrun_rc: int, message: dict | None) -> int:
     return torchrun_rc
 
 
-def run(argv: Sequence[str], env: Mapping[str, str]) -> int:
-    """Run torchrun as a child, forwarding termination signals; return its exit status."""
+def run(argv: Sequence[str], env: Mapping[str, str], received: list[int] | None = None) -> int:
+    """Run torchrun as a child, forwarding termination signals (appended to `received`); return its
+    exit status."""
     child = subprocess.Popen(list(argv), env=dict(env))
 
     def forward(signum: int, _frame: object) -> None:
+        if received is not None:
+            received.append(signum)
         child.send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
     return child.wait()
+
+
+def describe_failures(failures: Sequence[dict]) -> str | None:
+    """The first failed rank as torchrun saw it, for a run no rank explained."""
+    if not failures:
+        return None
+    f = failures[0]
+    how = f"was killed by {f['signal']}" if f.get("signal") else f"exited with status {f['exitcode']}"
+    return f"rank {f['rank']} (local rank {f['localRank']}, pid {f['pid']}) {how}"
+
+
+def read_failures(path: str | Path) -> list[dict]:
+    try:
+        failures = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return failures if isinstance(failures, list) else []
 
 
 def worker(args: Sequence[str]) -> None:
@@ -134,24 +165,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         env[MESSAGES_DIR_ENV] = messages_dir
     command = torchrun_argv(env, args, module="kubetron.launch" if messages_dir else "kubetron")
     print("kubetron.launch:", " ".join(command), file=sys.stderr, flush=True)
-    rc = run(command, env)
+    received: list[int] = []
+    rc = run(command, env, received)
 
-    messages = []
+    rank_messages, failures = [], []
     if messages_dir:
         for path in sorted(Path(messages_dir).glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1])):
-            messages += read_messages(path)
+            rank_messages += read_messages(path)
+        failures = read_failures(Path(messages_dir, FAILURES_FILE))
         shutil.rmtree(messages_dir, ignore_errors=True)
-    messages += read_messages(log_path)  # a rank whose config names its own train.termination_log
+    messages = rank_messages + read_messages(log_path)  # a rank whose config names its own termination_log
     message = root_cause(messages)
-    code = resolve_exit_code(rc, message)
+    completed = (bool(received) and len(rank_messages) == int(env.get("NPROC_PER_NODE", "1"))
+                 and all(m["exitCode"] == exitcodes.COMPLETED for m in rank_messages))
+    code = resolve_exit_code(rc, message, stopped_after_completion=completed)
     if code != 0 and (message is None or message["exitCode"] != code):
-        # No rank said why (rendezvous failure, import error, a rank SIGKILLed): say what we know.
-        message = {
-            "exitCode": code,
-            "reason": exitcodes.NAMES.get(code, "TrainerError"),
-            "message": f"torchrun exited with status {rc} and no rank wrote a termination message "
-                       "for it; see the pod's log",
-        }
+        # No rank said why (rendezvous failure, import error, a rank SIGKILLed): say what we know, in
+        # the pod's log (torchrun's own report is left out) and in the termination message.
+        why = describe_failures(failures) or f"torchrun exited with status {rc}"
+        message = {"exitCode": code, "reason": exitcodes.NAMES.get(code, "TrainerError"),
+                   "message": f"{why} and no rank wrote a termination message for it; see the pod's log"}
+        print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)
     if message is not None:
         write_termination_message(message, log_path)  # one line, at most 4 KiB, still valid JSON
     return code

@@ -124,6 +124,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
                         timers=Timers(cfg.logger.timing_log_level))
     if holder is not None:
         holder["state"] = state  # so the caller can report progress even if setup fails later
+    own_handler = signal_handler is None  # the caller's handler is the caller's to release
     if cfg.train.exit_signal_handler:
         state.signal_handler = signal_handler or SignalHandler(exit_signals(cfg))
 
@@ -168,8 +169,10 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
             progress.exit(exitcodes.NAMES[code])  # the progress log says how the job ended
         raise
     finally:
-        if state.signal_handler is not None:
+        if state.signal_handler is not None and own_handler:
             state.signal_handler.release()
+        elif state.signal_handler is not None:  # the caller's: kept, but the loop is over, a signal changes nothing
+            state.signal_handler.settle()
         import gc
 
         gc.enable()  # train.manual_gc disables it for the loop
@@ -288,8 +291,14 @@ def _setup_logging():
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_from_cli(cfg, mode: str = "pretrain") -> int:
-    """`kubetron train|finetune`: run, then map the ending to an exit code + termination message."""
+def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False) -> int:
+    """`kubetron train|finetune`: run, then map the ending to an exit code + termination message.
+
+    The signal handler (train.exit_signal_handler) is installed before the slow setup and stays
+    through teardown: a SIGTERM after the loop ended leaves the exit code as decided (0 for a
+    completed run). `keep_signal_handler`: this process is the command (it exits with the code), so
+    the handler stays until the process exits; otherwise it is released on return.
+    """
     import warnings
 
     if cfg.tokenizer.file_based and cfg.checkpoint.load:  # a resume trains with the checkpoint's tokenizer
@@ -301,14 +310,23 @@ def run_from_cli(cfg, mode: str = "pretrain") -> int:
     warnings.filterwarnings("ignore", module="megatron")
     _setup_logging()
     apply_logging_level(cfg, int(os.environ.get("RANK", "0")))
-    from kubetron.training.gpt_step import forward_step
-    from kubetron.training.train import DivergedError
 
     # Install the signal handler before the slow setup: a SIGTERM during imports or model building
     # still ends with the "saved/preempted" exit code (the newest checkpoint is whatever was loaded).
     handler = None
     if cfg.train.exit_signal_handler:
         handler = SignalHandler(exit_signals(cfg))
+    try:
+        return _run_and_report(cfg, mode, handler)
+    finally:
+        if handler is not None and not keep_signal_handler:
+            handler.release()
+
+
+def _run_and_report(cfg, mode: str, handler: SignalHandler | None) -> int:
+    from kubetron.training.gpt_step import forward_step
+    from kubetron.training.train import DivergedError
+
     holder: dict = {}
     try:
         code, _ = _run(cfg, forward_step, mode, holder, handler)

@@ -34,18 +34,28 @@ class TrainState:
 
 
 class SignalHandler:
-    """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step)."""
+    """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step).
+
+    Once the loop has ended (`settle()`), a signal changes nothing: the run's exit code is decided, and
+    the process goes on to exit with it. `kubetron train` keeps the handler until the process exits, so
+    a SIGTERM during teardown cannot turn a completed run into a killed one (143).
+    """
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.received: int | None = None
+        self._settled = False
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        if self.received is None:
+        if self.received is None and not self._settled:
             self.received = signum
+
+    def settle(self):
+        """The run's outcome is decided: later signals are ignored (not recorded) until `release()`."""
+        self._settled = True
 
     @property
     def signal_name(self) -> str:

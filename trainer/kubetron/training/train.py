@@ -172,7 +172,7 @@ def checkpoint_and_decide_exit(state, ckpt) -> int | None:
     """Save on interval / signal / exit condition; return an exit code when the loop must stop."""
     cfg, ts = state.cfg, state.train_state
     got_signal = _any_rank(state.signal_handler is not None and state.signal_handler.received is not None)
-    if got_signal:
+    if got_signal and ts.step < cfg.train.train_iters:  # at the last iteration: completed, saved as such (0)
         ckpt.save(ts.step, blocking=True)
         log.info("received %s: saved at iteration %d, exiting",
                  state.signal_handler.signal_name or "a signal on another rank", ts.step)
