@@ -4,6 +4,7 @@
     kubetron finetune  --config FILE [section.key=value ...]   finetune from checkpoint.pretrained_checkpoint
     kubetron config    [--reference] [--config FILE] [overrides ...]
     kubetron progress  STORE [--json]
+    kubetron plan      CONFIG --nodes N --gpus-per-node G [--gpu-memory 80GiB] [--json] [overrides ...]
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
     kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
@@ -117,6 +118,23 @@ def cmd_progress(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Parameters and per-GPU memory estimate of CONFIG on nodes x gpus_per_node; exit 1 when it does not fit."""
+    from kubetron.config import ConfigContainer
+    from kubetron.plan import format_plan, make_plan, parse_memory
+
+    for name in ("nodes", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}", f"must be >= 1, got {getattr(args, name)}")
+    args._cfg = cfg = ConfigContainer.from_yaml(args.config, list(args.overrides), check_paths=False)
+    plan = make_plan(cfg, args.nodes * args.gpus_per_node, parse_memory(args.gpu_memory))
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        sys.stdout.write(format_plan(plan, cfg, args.nodes, args.gpus_per_node))
+    return 0 if plan.fits else 1
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from kubetron.data.preprocess import run
 
@@ -214,6 +232,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="compact single-line JSON")
     p.set_defaults(func=cmd_progress)
 
+    p = sub.add_parser("plan", help="parameters and per-GPU memory estimate of a config at a GPU count",
+                       description="Print the parameters and the per-GPU memory estimate (weights, gradients, "
+                                   "optimizer state, activations with and without recompute) of CONFIG on "
+                                   "NODES x GPUS_PER_NODE GPUs, and whether it fits --gpu-memory. Exit 0: fits; "
+                                   "1: does not fit; 2: a config error. Tokenizer and data files are not read "
+                                   "(set model.vocab_size for file-based tokenizers).")
+    p.add_argument("config", metavar="CONFIG", help="YAML config file (e.g. recipes/llama3.1-8b-pretrain.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a config key")
+    p.add_argument("--nodes", type=int, required=True, help="nodes")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    p.add_argument("--gpu-memory", default="80GiB", metavar="SIZE",
+                   help="memory of one GPU: 80GiB, 141GB, ... (a bare number is GiB; default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the plan as one line of JSON (bytes)")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("preprocess", help="tokenize text/JSONL into an indexed dataset (.bin/.idx)",
                        description="Tokenize text or JSONL files with any of the trainer's tokenizers into "
                                    "PREFIX.bin and PREFIX.idx (usable as dataset.data_path).")
@@ -303,7 +336,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args, extras = parser.parse_known_args(argv)
         args.own_process = own_process
         if extras:
-            if args.command not in ("train", "finetune", "config"):
+            if args.command not in ("train", "finetune", "config", "plan"):
                 parser.error(f"unrecognized arguments: {' '.join(extras)}")
             # Overrides may come before and after options: `train a.b=1 --config f c.d=2`.
             args.overrides = list(args.overrides) + extras
