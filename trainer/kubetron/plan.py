@@ -191,18 +191,44 @@ class Layout:
                    micro_batches=cfg.train.num_microbatches)
 
 
-def layer_activation_bytes(s: Shape, lay: Layout, e: int, hidden_dropout: bool = False) -> float:
+@dataclass(frozen=True)
+class Lora:
+    """LoRA adapters (peft.scheme lora): the base is frozen, so its linears and norms keep fewer tensors."""
+
+    targets: frozenset[str]
+    dim: int
+
+    @classmethod
+    def of(cls, cfg: ConfigContainer) -> Lora | None:
+        p = cfg.peft
+        return cls(frozenset(p.target_modules), p.dim) if p.scheme == "lora" else None
+
+    def keeps_input(self, linear: str) -> bool:
+        """A frozen linear keeps no input; its adapter's A keeps one of the same size."""
+        return linear in self.targets
+
+
+def layer_activation_bytes(s: Shape, lay: Layout, e: int, hidden_dropout: bool = False,
+                           lora: Lora | None = None) -> float:
     """Bytes one layer saves for backward per micro-batch on one TP rank (e: the compute dtype's bytes)."""
     tokens = s.seq * lay.micro_batch
     h_split = lay.tp if lay.sp else 1  # h-sized tensors: split by sequence parallelism only
-    norm_extra = 1 if s.rms else 0  # RMSNorm also saves the normalized input (for its weight's gradient)
-    hidden_terms = (4 + 2 * norm_extra) * s.hidden * e  # input, norm outputs, residual after attention
+
+    def kept(linear: str) -> int:
+        return 1 if lora is None or lora.keeps_input(linear) else 0
+
+    # RMSNorm also saves its normalized input, for its weight's gradient (none when the base is frozen)
+    norm_extra = 1 if s.rms and lora is None else 0
+    hidden_terms = (2 + kept("linear_qkv") + kept("linear_fc1") + 2 * norm_extra) * s.hidden * e  # input,
+    # residual after attention, the norm outputs (the QKV and fc1 inputs)
     hidden_terms += 2 * (1 if s.rms else 2) * FP32  # the two norms' statistics (fp32)
     hidden_terms += 2 * s.hidden if hidden_dropout else 0  # two bool dropout masks
     attn = (s.q + 2 * s.kv) + s.q  # fused QKV output, attention output
     attn += (s.q + s.kv) if s.rope else 0  # q and k after RoPE
-    attn += (s.q + s.kv) if s.qk_norm else 0  # normalized q and k
-    mlp = 5 * s.ffn if s.swiglu else 2 * s.ffn  # fc1 output (2 ffn for swiglu) and activation intermediates
+    attn += (s.q + s.kv) if s.qk_norm and lora is None else 0  # normalized q and k
+    mlp = (4 if s.swiglu else 1) * s.ffn + kept("linear_fc2") * s.ffn  # fc1 output and activation
+    # intermediates (fc1: 2 ffn with swiglu), the fc2 input
+    mlp += len(lora.targets) * lora.dim if lora else 0  # the adapters' B inputs
     split_terms = (attn + mlp) * e + s.heads * FP32  # + softmax log-sum-exp per head
     rope = 4 * s.seq * s.head_dim * e if s.rope else 0  # cos/sin for q and k, per layer, not per sample
     return tokens * (hidden_terms / h_split + split_terms / lay.tp) + rope
@@ -212,7 +238,7 @@ def recompute_bytes(s: Shape, cfg: ConfigContainer, lay: Layout, layers: int, mo
     """Activation bytes of `layers` layers for one micro-batch: (kept at the end of the forward pass,
     held while the backward pass recomputes a group: the kept inputs plus one group's activations)."""
     e = Precision.of(cfg).activation
-    full = layer_activation_bytes(s, lay, e, cfg.model.hidden_dropout > 0)
+    full = layer_activation_bytes(s, lay, e, cfg.model.hidden_dropout > 0, Lora.of(cfg))
     layer_input = s.seq * lay.micro_batch * s.hidden * e / (lay.tp if lay.sp else 1)
     if mode is None:
         return layers * full, 0.0
@@ -226,13 +252,16 @@ def recompute_bytes(s: Shape, cfg: ConfigContainer, lay: Layout, layers: int, mo
     return kept, kept + n * full
 
 
-def edge_activation_bytes(s: Shape, lay: Layout, e: int, first: bool, last: bool) -> tuple[float, float]:
-    """Per micro-batch: (token ids on the first stage, final norm + fp32 logits + labels on the last)."""
+def edge_activation_bytes(s: Shape, lay: Layout, e: int, first: bool, last: bool,
+                          lora: Lora | None = None) -> tuple[float, float]:
+    """Per micro-batch: (token ids on the first stage, final norm + fp32 logits + labels on the last).
+    A frozen (LoRA) embedding keeps no ids, a frozen output layer not its input."""
     tokens = s.seq * lay.micro_batch
-    ids = 8 * tokens if first else 0
+    ids = 8 * tokens if first and lora is None else 0
     out = 0.0
     if last:
-        out = tokens * ((2 + (1 if s.rms else 0)) * s.hidden * e / (lay.tp if lay.sp else 1))
+        kept = 1 if lora else 2 + (1 if s.rms else 0)  # final norm input (+ output, normalized input)
+        out = tokens * (kept * s.hidden * e / (lay.tp if lay.sp else 1))
         out += tokens * (s.vocab // lay.tp * FP32 + 8)
     return ids, out
 
@@ -279,7 +308,7 @@ def plan_stage(s: Shape, cfg: ConfigContainer, lay: Layout, index: int) -> Stage
     params, trainable = stage_params(s, cfg, lay, index)
     in_flight = min(lay.pp - index, lay.micro_batches)  # 1F1B: stage i holds pp - i micro-batches
     layers = s.layers // lay.pp
-    ids, out = edge_activation_bytes(s, lay, prec.activation, index == 0, index == lay.pp - 1)
+    ids, out = edge_activation_bytes(s, lay, prec.activation, index == 0, index == lay.pp - 1, Lora.of(cfg))
 
     def act(mode, cfg_=cfg):
         """Micro-batches in flight keep their forward activations; the one in its backward pass may
