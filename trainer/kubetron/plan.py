@@ -11,15 +11,16 @@ The accounting follows Megatron-LM's `megatron/training/theoretical_memory_usage
   only); the adapters train.
 - **Activations**: what the forward pass saves for the backward pass, per micro-batch. Megatron's
   `s*b*h*(34 + 5*a*s/h)` (Korthikanti et al., Table 2) assumes materialized attention scores and
-  dropout masks; kubetron's layers use flash/SDPA attention (no s x s scores) and dropout 0 in the
-  recipes, so the per-layer terms here are the tensors kubetron's layer spec saves: layer input,
-  norm outputs (RMSNorm also its normalized input), the fused QKV output, q/k after RoPE, attention
-  output and softmax statistics, the MLP's fc1 output and activation intermediates, RoPE cos/sin.
+  dropout masks; kubetron's layers use flash/SDPA attention (no s x s scores), so the per-layer terms
+  here are the tensors kubetron's layer spec saves: layer input, norm outputs (RMSNorm also its
+  normalized input), the fused QKV output, q/k after RoPE, attention output and softmax statistics,
+  the MLP's fc1 output and activation intermediates, hidden-dropout masks, RoPE cos/sin. Attention
+  dropout keeps no mask in flash attention and is not counted.
   Tensor parallelism splits the attention/MLP terms; the h-sized terms too with sequence parallelism.
   The first pipeline stage holds min(pp, micro-batches) micro-batches in flight (1F1B). The output
   layer's logits are kept in fp32 by the cross entropy (Megatron's `4*s*b*v`). Full recompute keeps
   each recompute group's input plus, during the backward pass, one group's activations.
-  tests/test_plan.py checks these terms against the bytes measured for tiny models on CPU (15 %).
+  tests/test_plan.py checks these terms against the bytes measured for tiny models on CPU.
 
 It is an estimate: the CUDA context, NCCL buffers, allocator fragmentation and transient tensors
 (matmul workspaces, the gradients flowing through the backward pass, optimizer temporaries) are not in
@@ -39,6 +40,7 @@ GIB = 1024**3
 DEFAULT_GPU_MEMORY = 80 * GIB
 _UNITS = {"": GIB, "gib": GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "tib": 1024**4, "tb": 10**12}
 FP32 = 4  # bytes
+DROPOUT_MASK_BYTES = 1  # CUDA's dropout keeps a bool mask (torch on CPU keeps it in the compute dtype)
 
 
 def parse_memory(text: str) -> int:
@@ -208,62 +210,88 @@ class Lora:
         return linear in self.targets
 
 
-def layer_activation_bytes(s: Shape, lay: Layout, e: int, hidden_dropout: bool = False,
-                           lora: Lora | None = None) -> float:
-    """Bytes one layer saves for backward per micro-batch on one TP rank (e: the compute dtype's bytes)."""
+@dataclass(frozen=True)
+class Recompute:
+    """model.recompute_*: which activations the backward pass recomputes instead of keeping."""
+
+    granularity: str | None = None  # None, "selective" (core attention) or "full" (whole layers)
+    method: str | None = None  # full: "uniform" (groups of num_layers) or "block" (the first num_layers)
+    num_layers: int = 1
+
+    @classmethod
+    def of(cls, cfg: ConfigContainer) -> Recompute:
+        m = cfg.model
+        return cls(m.recompute_granularity, m.recompute_method, m.recompute_num_layers or 1)
+
+
+FULL_RECOMPUTE = Recompute("full", "uniform", 1)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes one micro-batch saves for backward on one GPU, before any recompute."""
+
+    layer: float  # one transformer layer
+    layer_input: float  # one layer's input: all a recomputed group keeps
+    softmax_stats: float  # one layer's attention log-sum-exp: what selective recompute drops
+    first: float  # first stage: token ids, embedding dropout mask
+    last: float  # last stage: final norm, fp32 logits, labels
+
+    def kept(self, layers: int, rc: Recompute) -> tuple[float, float]:
+        """`layers` layers: (kept at the end of the forward pass, held while the backward pass
+        recomputes a group: the groups' inputs plus one group's activations)."""
+        if rc.granularity is None:
+            return layers * self.layer, 0.0
+        if rc.granularity == "selective":
+            return layers * (self.layer - self.softmax_stats), 0.0
+        n = min(rc.num_layers, layers)
+        if rc.method == "block":  # the first n layers checkpointed one by one, the rest kept
+            return n * self.layer_input + (layers - n) * self.layer, n * self.layer_input + self.layer
+        inputs = math.ceil(layers / n) * self.layer_input  # uniform: groups of n layers
+        return inputs, inputs + n * self.layer
+
+    def peak(self, layers: int, in_flight: int, rc: Recompute) -> float:
+        """Micro-batches in flight keep their forward activations; the one in its backward pass may
+        hold more while it recomputes (the output layer's are released by then)."""
+        kept, recomputing = self.kept(layers, rc)
+        forward = kept + self.first + self.last
+        return (in_flight - 1) * forward + max(forward, recomputing + self.first)
+
+
+def activations(s: Shape, lay: Layout, e: int, dropout: bool, lora: Lora | None, first: bool,
+                last: bool) -> Activations:
+    """What kubetron's layer spec saves per micro-batch on one TP rank (e: the compute dtype's bytes)."""
     tokens = s.seq * lay.micro_batch
     h_split = lay.tp if lay.sp else 1  # h-sized tensors: split by sequence parallelism only
+    mask = DROPOUT_MASK_BYTES if dropout else 0
+    frozen = lora is not None
 
     def kept(linear: str) -> int:
+        """A linear keeps its input; a frozen one does not, but its adapter's A keeps one of the size."""
         return 1 if lora is None or lora.keeps_input(linear) else 0
 
-    # RMSNorm also saves its normalized input, for its weight's gradient (none when the base is frozen)
-    norm_extra = 1 if s.rms and lora is None else 0
-    hidden_terms = (2 + kept("linear_qkv") + kept("linear_fc1") + 2 * norm_extra) * s.hidden * e  # input,
-    # residual after attention, the norm outputs (the QKV and fc1 inputs)
-    hidden_terms += 2 * (1 if s.rms else 2) * FP32  # the two norms' statistics (fp32)
-    hidden_terms += 2 * s.hidden if hidden_dropout else 0  # two bool dropout masks
+    # RMSNorm also keeps its normalized input, for its weight's gradient (none when frozen).
+    norm_extra = 1 if s.rms and not frozen else 0
+    # layer input, residual after attention, norm outputs (the QKV and fc1 inputs)
+    hidden = (2 + kept("linear_qkv") + kept("linear_fc1") + 2 * norm_extra) * s.hidden * e
+    hidden += 2 * (1 if s.rms else 2) * FP32  # the two norms' statistics (fp32)
+    hidden += 2 * s.hidden * mask  # dropout after attention and after the MLP
     attn = (s.q + 2 * s.kv) + s.q  # fused QKV output, attention output
     attn += (s.q + s.kv) if s.rope else 0  # q and k after RoPE
-    attn += (s.q + s.kv) if s.qk_norm and lora is None else 0  # normalized q and k
-    mlp = (4 if s.swiglu else 1) * s.ffn + kept("linear_fc2") * s.ffn  # fc1 output and activation
-    # intermediates (fc1: 2 ffn with swiglu), the fc2 input
+    attn += (s.q + s.kv) if s.qk_norm and not frozen else 0  # normalized q and k
+    # fc1 output (2 ffn with swiglu) and the activation's intermediates, the fc2 input
+    mlp = (4 if s.swiglu else 1) * s.ffn + kept("linear_fc2") * s.ffn
     mlp += len(lora.targets) * lora.dim if lora else 0  # the adapters' B inputs
-    split_terms = (attn + mlp) * e + s.heads * FP32  # + softmax log-sum-exp per head
+    stats = tokens * s.heads * FP32 / lay.tp
     rope = 4 * s.seq * s.head_dim * e if s.rope else 0  # cos/sin for q and k, per layer, not per sample
-    return tokens * (hidden_terms / h_split + split_terms / lay.tp) + rope
-
-
-def recompute_bytes(s: Shape, cfg: ConfigContainer, lay: Layout, layers: int, mode: str | None) -> tuple[float, float]:
-    """Activation bytes of `layers` layers for one micro-batch: (kept at the end of the forward pass,
-    held while the backward pass recomputes a group: the kept inputs plus one group's activations)."""
-    e = Precision.of(cfg).activation
-    full = layer_activation_bytes(s, lay, e, cfg.model.hidden_dropout > 0, Lora.of(cfg))
-    layer_input = s.seq * lay.micro_batch * s.hidden * e / (lay.tp if lay.sp else 1)
-    if mode is None:
-        return layers * full, 0.0
-    if mode == "selective":  # core attention recomputed: its softmax statistics are not kept
-        return layers * (full - s.seq * lay.micro_batch * s.heads * FP32 / lay.tp), 0.0
-    m = cfg.model
-    n = min(m.recompute_num_layers or 1, layers)
-    if m.recompute_method == "block":  # the first n layers checkpointed one by one, the rest kept
-        return n * layer_input + (layers - n) * full, n * layer_input + full
-    kept = math.ceil(layers / n) * layer_input  # uniform: groups of n layers, each keeps its input
-    return kept, kept + n * full
-
-
-def edge_activation_bytes(s: Shape, lay: Layout, e: int, first: bool, last: bool,
-                          lora: Lora | None = None) -> tuple[float, float]:
-    """Per micro-batch: (token ids on the first stage, final norm + fp32 logits + labels on the last).
-    A frozen (LoRA) embedding keeps no ids, a frozen output layer not its input."""
-    tokens = s.seq * lay.micro_batch
-    ids = 8 * tokens if first and lora is None else 0
-    out = 0.0
-    if last:
-        kept = 1 if lora else 2 + (1 if s.rms else 0)  # final norm input (+ output, normalized input)
-        out = tokens * (kept * s.hidden * e / (lay.tp if lay.sp else 1))
-        out += tokens * (s.vocab // lay.tp * FP32 + 8)
-    return ids, out
+    layer = tokens * (hidden / h_split + (attn + mlp) * e / lay.tp) + stats + rope
+    first_bytes = tokens * ((0 if frozen else 8) + s.hidden * mask / h_split) if first else 0.0
+    last_bytes = 0.0
+    if last:  # final norm input (+ output and normalized input, unless frozen), logits, labels
+        norm = 1 if frozen else 2 + (1 if s.rms else 0)
+        last_bytes = tokens * (norm * s.hidden * e / h_split + s.vocab // lay.tp * FP32 + 8)
+    return Activations(layer=layer, layer_input=tokens * s.hidden * e / h_split, softmax_stats=stats,
+                       first=first_bytes, last=last_bytes)
 
 
 @dataclass
@@ -286,7 +314,7 @@ class Stage:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def stage_params(s: Shape, cfg: ConfigContainer, lay: Layout, index: int) -> tuple[int, int]:
+def stage_params(s: Shape, lay: Layout, lora: Lora | None, index: int) -> tuple[int, int]:
     """(all, trainable) parameters of pipeline stage `index` on one TP rank."""
     first, last = index == 0, index == lay.pp - 1
     layers = s.layers // lay.pp
@@ -296,33 +324,23 @@ def stage_params(s: Shape, cfg: ConfigContainer, lay: Layout, index: int) -> tup
     if last:
         n += s.norm * s.hidden
         n += emb_rows if (not s.tied or lay.pp > 1) else 0  # untied output, or the tied copy on the last stage
-    p = cfg.peft
-    if p.scheme != "lora":
+    if lora is None:
         return n, n
-    adapters = layers * lora_params(s, list(p.target_modules), p.dim, lay.tp)
+    adapters = layers * lora_params(s, sorted(lora.targets), lora.dim, lay.tp)
     return n + adapters, adapters
 
 
 def plan_stage(s: Shape, cfg: ConfigContainer, lay: Layout, index: int) -> Stage:
-    prec = Precision.of(cfg)
-    params, trainable = stage_params(s, cfg, lay, index)
+    prec, lora = Precision.of(cfg), Lora.of(cfg)
+    params, trainable = stage_params(s, lay, lora, index)
     in_flight = min(lay.pp - index, lay.micro_batches)  # 1F1B: stage i holds pp - i micro-batches
     layers = s.layers // lay.pp
-    ids, out = edge_activation_bytes(s, lay, prec.activation, index == 0, index == lay.pp - 1, Lora.of(cfg))
-
-    def act(mode, cfg_=cfg):
-        """Micro-batches in flight keep their forward activations; the one in its backward pass may
-        hold more while it recomputes (the output layer's are released by then)."""
-        kept, recomputing = recompute_bytes(s, cfg_, lay, layers, mode)
-        forward = kept + ids + out
-        return (in_flight - 1) * forward + max(forward, recomputing + ids)
-
-    full_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={
-        "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1})})
+    act = activations(s, lay, prec.activation, cfg.model.hidden_dropout > 0, lora, index == 0, index == lay.pp - 1)
     return Stage(index=index, params=params, trainable=trainable, weights=params * prec.weight,
                  gradients=trainable * prec.grad, optimizer=trainable * (prec.main + prec.states) / prec.dp_shards,
-                 activations=act(cfg.model.recompute_granularity), activations_no_recompute=act(None),
-                 activations_full_recompute=act("full", full_cfg), in_flight=in_flight)
+                 activations=act.peak(layers, in_flight, Recompute.of(cfg)),
+                 activations_no_recompute=act.peak(layers, in_flight, Recompute()),
+                 activations_full_recompute=act.peak(layers, in_flight, FULL_RECOMPUTE), in_flight=in_flight)
 
 
 @dataclass
@@ -358,9 +376,8 @@ def make_plan(cfg: ConfigContainer, world_size: int, gpu_memory: int = DEFAULT_G
     stages = [plan_stage(s, cfg, lay, i) for i in range(lay.pp)]
     worst = max(stages, key=lambda st: st.total)
     counts = total_params(s)
-    trainable = counts["total"]
-    if cfg.peft.scheme == "lora":
-        trainable = s.layers * lora_params(s, list(cfg.peft.target_modules), cfg.peft.dim)
+    lora = Lora.of(cfg)
+    trainable = s.layers * lora_params(s, sorted(lora.targets), lora.dim) if lora else counts["total"]
     return Plan(world_size=world_size, layout=lay, parameters=counts, trainable_parameters=trainable,
                 stage=worst, gpu_memory=gpu_memory)
 
