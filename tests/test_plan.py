@@ -263,6 +263,8 @@ def test_plan_command_prints_the_table_and_json():
                  "model.recompute_method=uniform", "model.recompute_num_layers=1")
     per_gpu = json.loads(full.stdout)["per_gpu_bytes"]
     assert per_gpu["activations"] == per_gpu["activations_full_recompute"] < data["per_gpu_bytes"]["activations"]
+    usage = _plan("--help")
+    assert usage.returncode == 0 and "--gpu-memory" in usage.stdout
 
 
 @pytest.mark.parametrize("args, field", [

@@ -5,6 +5,7 @@
     kubetron config    [--reference] [--config FILE] [overrides ...]
     kubetron progress  STORE [--json]
     kubetron plan      CONFIG --nodes N --gpus-per-node G [--gpu-memory 80GiB] [--json] [overrides ...]
+                       parameters and per-GPU memory estimate; exit 1 when it does not fit
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
     kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors

@@ -154,6 +154,8 @@ def total_params(s: Shape) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Precision:
+    """Bytes per parameter of each kind of static memory."""
+
     weight: int  # bytes per parameter of the model
     grad: int
     main: int  # fp32 main weight (0 when the model is fp32)
@@ -178,6 +180,8 @@ class Precision:
 
 @dataclass(frozen=True)
 class Layout:
+    """The parallel layout and batch of a derived config."""
+
     tp: int
     pp: int
     dp: int
