@@ -282,13 +282,15 @@ def activations(s: Shape, lay: Layout, e: int, dropout: bool, lora: Lora | None,
     hidden += 2 * s.hidden * mask  # dropout after attention and after the MLP
     attn = (s.q + 2 * s.kv) + s.q  # fused QKV output, attention output
     attn += (s.q + s.kv) if s.rope else 0  # q and k after RoPE
-    attn += (s.q + s.kv) if s.qk_norm and not frozen else 0  # normalized q and k
+    if s.qk_norm:  # the q norm's input (a copy; k's is a view of the QKV output), normalized q and k
+        attn += s.q + (0 if frozen else s.q + s.kv)
     # fc1 output (2 ffn with swiglu) and the activation's intermediates, the fc2 input
     mlp = (4 if s.swiglu else 1) * s.ffn + kept("linear_fc2") * s.ffn
     mlp += len(lora.targets) * lora.dim if lora else 0  # the adapters' B inputs
     stats = tokens * s.heads * FP32 / lay.tp
+    qk_stats = tokens * (s.heads + s.groups) * FP32 / lay.tp if s.qk_norm else 0  # per-head norm statistics
     rope = 4 * s.seq * s.head_dim * e if s.rope else 0  # cos/sin for q and k, per layer, not per sample
-    layer = tokens * (hidden / h_split + (attn + mlp) * e / lay.tp) + stats + rope
+    layer = tokens * (hidden / h_split + (attn + mlp) * e / lay.tp) + stats + qk_stats + rope
     first_bytes = tokens * ((0 if frozen else 8) + s.hidden * mask / h_split) if first else 0.0
     last_bytes = 0.0
     if last:  # final norm input (+ output and normalized input, unless frozen), logits, labels
