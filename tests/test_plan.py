@@ -299,6 +299,9 @@ def test_plan_runs_without_torch():
 def test_docs_table_lists_every_recipe_with_its_current_estimate():
     from kubetron.config import ConfigContainer
 
+    readme = (REPO / "README.md").read_text()
+    assert all(f"`{p.stem}`" in readme for p in RECIPES)
+
     rows = re.findall(r"^\| `([\w.-]+)\.yaml` \|.*\| (\d+) GiB \|$", (REPO / "docs" / "recipes.md").read_text(), re.M)
     assert {name for name, _ in rows} == {p.stem for p in RECIPES}
     for name, gib in rows:
