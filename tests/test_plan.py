@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import subprocess
 import sys
@@ -80,8 +81,9 @@ class _SavedBytes:
         return held.t if isinstance(held, _Held) else held
 
 
-def measure(*overrides: str) -> tuple[dict[str, int], object]:
-    """Train a tiny fp32 model for two steps on CPU; return the measured bytes and the config.
+def measure(*overrides: str, world_size: int = 1) -> tuple[dict[str, int], object]:
+    """Train a tiny fp32 model for two steps on CPU; return this rank's measured bytes and the config.
+    `world_size` > 1: under torchrun, model parallel as the config says.
 
     static: every tensor alive after the steps, minus those alive before the model was built.
     activations: the peak of the bytes held for backward during the last step.
@@ -90,9 +92,17 @@ def measure(*overrides: str) -> tuple[dict[str, int], object]:
     from kubetron.training.model import build_model
     from kubetron.training.optim import build_optimizer
 
-    ensure_world_of_one()
-    cfg = in_process_config("train.micro_batch_size=2", "train.global_batch_size=2", *overrides)
-    cfg.finalize()
+    cfg = in_process_config("train.micro_batch_size=2", f"train.global_batch_size={2 * world_size}", *overrides)
+    cfg.finalize(world_size=world_size)
+    if world_size == 1:
+        ensure_world_of_one()
+    else:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.init_process_group("gloo")
+        parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
+                                                 cfg.model.pipeline_model_parallel_size)
     set_seeds(cfg)
     gc.collect()
     before = _live_tensor_bytes()
@@ -311,3 +321,31 @@ def test_docs_table_lists_every_recipe_with_its_current_estimate():
         world_size, gpu_memory = _size(_stated(path))
         plan = make_plan(ConfigContainer.from_yaml(str(path), check_paths=False), world_size, gpu_memory)
         assert round(plan.stage.total / GIB) == int(gib), name
+
+
+TP2 = ["model.tensor_model_parallel_size=2", *SHAPES["llama-gqa-swiglu"]]
+
+
+def test_tensor_parallel_estimate_matches_the_bytes_measured_on_two_ranks():
+    """TP 2 under torchrun (gloo): each rank holds half the linears, embedding and output layer and keeps
+    half the attention/MLP activations (the h-sized ones whole: no sequence parallelism on CPU)."""
+    from tests.multirank.runner import free_port
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "tests.test_plan",
+                          *TP2],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = in_process_config("train.micro_batch_size=2", "train.global_batch_size=2", *TP2)
+    st = make_plan(cfg, world_size=2).stage
+    assert st.params == measured["params"]
+    assert st.weights + st.gradients + st.optimizer == pytest.approx(measured["static"], rel=TOLERANCE)
+    assert st.activations == pytest.approx(measured["activations"], rel=TOLERANCE)
+
+
+if __name__ == "__main__":  # one rank of the test above: prints its measurement as JSON (rank 0)
+    result, _ = measure(*sys.argv[1:], world_size=int(os.environ["WORLD_SIZE"]))
+    if os.environ["RANK"] == "0":
+        print(json.dumps(result))
