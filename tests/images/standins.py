@@ -1,0 +1,190 @@
+"""Stand-ins, made from Debian packages, for the three base images the Dockerfile names.
+
+No registry is reachable where `make image-test` runs, so `python:3.12-slim-bookworm`,
+`python:3.12-bookworm` and the NGC PyTorch image cannot be pulled. Each stand-in plays one of them
+with Debian bookworm's Python (3.11), and keeps what makes the Dockerfile's job harder, not easier:
+that Python refuses system-wide pip installs (PEP 668), and nothing is there that the recipe does
+not ask for.
+
+    PYTHON_IMAGE  python   python3 + venv, passwd (groupadd/useradd)          ~ python:3.12-slim
+    WHEEL_IMAGE   wheel    + pip, gcc, Python headers                          ~ python:3.12 (full)
+    BASE_IMAGE    torch    python3 + pip, torch's CPU wheel installed system-wide  ~ NGC PyTorch
+
+`mmdebstrap` writes each root filesystem as a tarball, cached under ~/.cache/kubetron/images by a
+hash of its recipe (packages, hooks, the torch wheel, constraints.txt): a second local run skips it.
+The tarball is then imported into buildah's storage with the building machine's CA bundle (a
+TLS-inspecting proxy's CA must be trusted by pip inside the builds), as
+`localhost/kubetron-standin-<name>:<hash>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.kube.cluster import CACHE
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE_DIR = CACHE / "images"
+SUITE = "bookworm"  # its python3 is 3.11: the torch wheel's cp311, and megatron-core 0.16.1 (the Dockerfile's pin)
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    build_arg: str  # the Dockerfile ARG this stand-in fills
+    packages: tuple[str, ...]
+    installs_torch: bool = False
+
+
+RECIPES = (
+    Recipe("python", "PYTHON_IMAGE", ("python3", "python3-venv", "ca-certificates", "passwd")),
+    Recipe("wheel", "WHEEL_IMAGE", ("python3", "python3-pip", "python3-dev", "gcc", "libc6-dev", "ca-certificates")),
+    # No python3-venv: like NGC's Ubuntu Python, it has pip but no ensurepip.
+    Recipe("torch", "BASE_IMAGE", ("python3", "python3-pip", "ca-certificates", "passwd"), installs_torch=True),
+)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def torch_wheel(spec: str, python: str) -> Path:
+    """The CPU torch wheel for the stand-in's Python 3.11 (`spec` like torch==2.13.0, the Makefile's),
+    fetched by the host's pip: its config's find-links holds the local CPU build."""
+    dest = CACHE_DIR / "wheels"
+    dest.mkdir(parents=True, exist_ok=True)
+    cpu_spec = spec if "+" in spec else f"{spec}+cpu"  # never a CUDA build: the stand-in has no CUDA
+    subprocess.run([python, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--python-version=3.11", "--implementation=cp", "--abi=cp311",
+                    "--platform=manylinux_2_28_x86_64", f"--dest={dest}", cpu_spec], check=True)
+    version = cpu_spec.split("==", 1)[1]
+    (wheel,) = dest.glob(f"torch-{version}-cp311-*.whl")
+    return wheel
+
+
+def _pip_install(wheel_name: str) -> str:
+    """The torch install inside the chroot: into its system Python (PEP 668 lifted for this one
+    install, as NGC's image has its torch system-wide), other packages pinned by constraints.txt."""
+    return ("env -i PATH=" + PATH + " HOME=/root python3 -m pip install --break-system-packages --no-cache-dir"
+            " --cert /tmp/ca-certificates.crt -c /tmp/constraints.txt /tmp/" + shlex.quote(wheel_name))
+
+
+def mmdebstrap_argv(recipe: Recipe, wheel: Path | None, out: Path) -> list[str]:
+    argv = ["mmdebstrap", "--variant=minbase", f"--include={','.join(recipe.packages)}",
+            '--aptopt=Acquire::Retries "3"']
+    if recipe.installs_torch:
+        assert wheel is not None
+        argv += [f"--customize-hook=copy-in {shlex.quote(str(wheel))} {ROOT / 'constraints.txt'} {HOST_CA} /tmp",
+                 f'--customize-hook=chroot "$1" {_pip_install(wheel.name)}',
+                 '--customize-hook=rm -f "$1"/tmp/*.whl "$1"/tmp/constraints.txt "$1"/tmp/ca-certificates.crt']
+    return [*argv, SUITE, str(out)]
+
+
+def recipe_key(recipe: Recipe, wheel: Path | None) -> str:
+    """Changes when anything the tarball is made of changes (not with where the files lie)."""
+    parts: dict[str, object] = {"suite": SUITE, "packages": recipe.packages}
+    if recipe.installs_torch:
+        assert wheel is not None
+        parts.update(pip=_pip_install(wheel.name), wheel_size=wheel.stat().st_size,
+                     constraints=sha256(ROOT / "constraints.txt"))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def image_exists(ref: str) -> bool:
+    return subprocess.run(["buildah", "inspect", "--type", "image", ref], capture_output=True).returncode == 0
+
+
+@dataclass
+class Standin:
+    recipe: Recipe
+    tarball: Path
+    image: str
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+
+def plan(wheel: Path) -> list[Standin]:
+    ca = sha256(HOST_CA)[:16]
+    out = []
+    for recipe in RECIPES:
+        key = recipe_key(recipe, wheel if recipe.installs_torch else None)
+        tag = hashlib.sha256(f"{key}{ca}".encode()).hexdigest()[:16]
+        out.append(Standin(recipe, CACHE_DIR / f"{recipe.name}-{key}.tar",
+                           f"localhost/kubetron-standin-{recipe.name}:{tag}"))
+    return out
+
+
+def make_tarballs(standins: list[Standin], wheel: Path) -> None:
+    """Run mmdebstrap for each missing tarball, all at once (mostly download and unpack)."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    for s in standins:
+        if s.tarball.exists() or image_exists(s.image):
+            print(f"  {s.recipe.name}: cached ({s.tarball.name})")
+            continue
+        partial = s.tarball.with_suffix(".partial.tar")
+        s.log = s.tarball.with_suffix(".log")
+        argv = mmdebstrap_argv(s.recipe, wheel, partial)
+        print(f"  {s.recipe.name}: mmdebstrap ... (log {s.log})")
+        with open(s.log, "wb") as log:
+            s.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    failed = []
+    for s in standins:
+        if s.proc is None:
+            continue
+        if s.proc.wait() != 0:
+            failed.append(f"{s.recipe.name}: mmdebstrap exited {s.proc.returncode}:\n"
+                          + "\n".join(s.log.read_text(errors="replace").splitlines()[-30:]))
+            continue
+        s.tarball.with_suffix(".partial.tar").rename(s.tarball)
+    if failed:
+        raise RuntimeError("\n".join(failed))
+
+
+def import_image(s: Standin) -> None:
+    """The tarball as an image, trusting the CAs this machine trusts (pip reaches PyPI through them)."""
+    if image_exists(s.image):
+        return
+    t0 = time.monotonic()
+    ctr = subprocess.run(["buildah", "from", "scratch"], check=True, capture_output=True, text=True).stdout.strip()
+    try:
+        subprocess.run(["buildah", "add", "--quiet", ctr, str(s.tarball), "/"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["buildah", "copy", "--quiet", ctr, str(HOST_CA), str(HOST_CA)], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(["buildah", "config", f"--env=PATH={PATH}", "--env=LANG=C.UTF-8", "--cmd=/bin/bash",
+                        f"--label=dev.kubetron.standin={s.recipe.name}", ctr], check=True)
+        subprocess.run(["buildah", "commit", "--quiet", ctr, s.image], check=True, stdout=subprocess.DEVNULL)
+    finally:
+        subprocess.run(["buildah", "rm", ctr], capture_output=True)
+    print(f"  {s.recipe.name}: imported as {s.image} ({time.monotonic() - t0:.0f}s)")
+
+
+def build_args(standins: list[Standin]) -> list[str]:
+    return [f"--build-arg={s.recipe.build_arg}={s.image}" for s in standins]
+
+
+def prepare(torch_spec: str, python: str) -> list[str]:
+    """Make (or reuse) the three stand-ins; the --build-arg flags that point the Dockerfile at them."""
+    wheel = torch_wheel(torch_spec, python)
+    standins = plan(wheel)
+    make_tarballs(standins, wheel)
+    for s in standins:
+        import_image(s)
+    return build_args(standins)
+
+
+if __name__ == "__main__":  # python -m tests.images.standins torch==2.13.0: make them, print the flags
+    import sys
+
+    print(" ".join(prepare(sys.argv[1], sys.executable)))
