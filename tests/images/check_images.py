@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,6 +45,7 @@ ROOT = standins.ROOT
 TAG = "dev"
 TRAINER, OPERATOR = f"localhost/kubetron-trainer:{TAG}", f"localhost/kubetron-operator:{TAG}"
 USER = "10001:10001"
+POD = "gpt-1-0"  # the trainer container's hostname
 TRAIN_ITERS, SAVE_INTERVAL = 20, 10
 BUILD_TIMEOUT, RUN_TIMEOUT = 1800, 600  # seconds
 
@@ -58,16 +60,17 @@ def expect(condition: Any, message: str) -> None:
 
 
 def sh(argv: list[str], timeout: float = RUN_TIMEOUT, log: Path | None = None, **kw: Any) -> str:
-    """Run `argv`; its output (returned) goes to `log` if given. A non-zero exit raises Failed with
-    the output's tail."""
-    run = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                         stdin=subprocess.DEVNULL, **kw)
-    if log:
-        log.write_text(run.stdout)
+    """Run `argv` and return its output, which goes to `log` as it comes when given. A non-zero exit
+    raises Failed with the output's tail."""
+    with open(log, "w+") if log else tempfile.TemporaryFile("w+") as out:
+        run = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL, **kw)
+        out.seek(0)
+        output = out.read()
     if run.returncode != 0:
-        tail = "\n".join(run.stdout.splitlines()[-40:])
+        tail = "\n".join(output.splitlines()[-40:])
         raise Failed(f"`{' '.join(argv[:6])} ...` exited {run.returncode}:\n{tail}")
-    return run.stdout
+    return output
 
 
 # -- phases ----------------------------------------------------------------------------------------------
@@ -91,7 +94,7 @@ def build(target: str, flags: list[str], log: Path) -> str:
     before = image_id(image)
     env = {**os.environ, "BUILDAH_ISOLATION": "chroot"}
     sh(["make", "-C", str(ROOT), f"image-{target}", "CONTAINER_TOOL=buildah", f"IMAGE_TAG={TAG}",
-        f"IMAGE_BUILD_FLAGS={' '.join([*flags, '--force-rm'])}"], timeout=BUILD_TIMEOUT, log=log, env=env)
+        f"IMAGE_BUILD_FLAGS={' '.join(flags)}"], timeout=BUILD_TIMEOUT, log=log, env=env)
     after = image_id(image)
     expect(after, f"make image-{target} succeeded but there is no {image}")
     if before and before != after:  # the previous build, now untagged: don't let reruns fill the disk
@@ -116,14 +119,16 @@ def check_trainer(work: Path) -> str:
     overrides = [f"train.train_iters={TRAIN_ITERS}", f"checkpoint.save_interval={SAVE_INTERVAL}",
                  f"validation.eval_interval={SAVE_INTERVAL}", "logger.log_interval=5",
                  "checkpoint.save=/store/tiny-gpt", "logger.tensorboard_dir=/store/tiny-gpt/tb"]
-    mounts = [f"--volume={store}:/store", f"--volume={etc}:/etc/kubetron:ro",
-              f"--env=KUBETRON_TERMINATION_LOG=/store/{termination_log.name}"]
-    with container(TRAINER) as ctr:
+    # As in a pod: a hostname that /etc/hosts resolves (torchrun's rendezvous advertises it).
+    options = [f"--volume={store}:/store", f"--volume={etc}:/etc/kubetron:ro", f"--hostname={POD}",
+               f"--env=KUBETRON_TERMINATION_LOG=/store/{termination_log.name}"]
+    with container(TRAINER, f"--add-host={POD}:127.0.0.1") as ctr:
         # The wheel stage compiled the async snapshot's copy (kubetron._hostcopy) with the base's gcc.
         probe = run_in(ctr, ["python3", "-c", "import kubetron._hostcopy, megatron.core, torch; "
                                               "print(torch.__version__, megatron.core.__version__)"])
+        pinned = check_pins(ctr)
         t0 = time.monotonic()
-        run_in(ctr, [*entrypoint, "train", "--config", "/etc/kubetron/config.yaml", *overrides], mounts,
+        run_in(ctr, [*entrypoint, "train", "--config", "/etc/kubetron/config.yaml", *overrides], options,
                log=work / "trainer.log")
         seconds = time.monotonic() - t0
     run_dir = store / "tiny-gpt"
@@ -135,12 +140,13 @@ def check_trainer(work: Path) -> str:
     expect(not foreign, f"files in the store not owned by 10001: {foreign[:5]}")
     message = json.loads(termination_log.read_text() or "{}")
     expect(message.get("exitCode") == 0, f"termination message: {message}")
-    return f"torch/megatron-core {probe.split()[-2:]}, {TRAIN_ITERS} iterations in {seconds:.0f}s, saved {saved}"
+    return (f"torch, megatron-core {' '.join(probe.split()[-2:])}; {pinned} packages at constraints.txt's versions; "
+            f"{TRAIN_ITERS} iterations in {seconds:.0f}s, saved {saved}")
 
 
 def check_operator(work: Path) -> str:
     """The operator image has no torch; its entry point, as 10001, reconciles a job on a real API server."""
-    from tests.kube.cluster import free_port, set_running, wait_for
+    from tests.kube.cluster import NoBinaries, free_port, set_running, wait_for
     from tests.kube.fixtures import start_env
     from tests.operator.jobs import PVC_JOB, job_body
 
@@ -151,15 +157,19 @@ def check_operator(work: Path) -> str:
     with container(OPERATOR) as ctr:
         found = run_in(ctr, ["python3", "-c", "import importlib.util as u; print(u.find_spec('torch'))"]).strip()
         expect(found == "None", f"the operator image has torch: {found}")
-        cp, kube, kubelet = start_env(work / "kube")
+        pinned = check_pins(ctr)
+        try:
+            cp, kube, kubelet = start_env(work / "kube")
+        except NoBinaries as exc:
+            raise Failed(str(exc)) from None
         try:
             ns = kube.namespace("img")
             mount = operator_kubeconfig(kube.kubeconfig, work / "kubeconfig")
             port = free_port()
             log = work / "operator.log"
             argv = [*entrypoint, f"--liveness=http://127.0.0.1:{port}/healthz", "--interval=0.5", f"--namespace={ns}"]
-            with running_in(ctr, argv, [f"--volume={mount}:/var/run/kubetron:ro",
-                                        "--env=KUBECONFIG=/var/run/kubetron/kubeconfig"], log) as alive:
+            with running_in(ctr, argv, [f"--volume={mount}:/kube:ro",
+                                        "--env=KUBECONFIG=/kube/kubeconfig"], log) as alive:
                 wait_for("the operator's liveness endpoint", lambda: alive() and healthy(port), 120, 0.5,
                          explain=lambda: tail(log))
                 body = job_body(PVC_JOB)
@@ -175,11 +185,36 @@ def check_operator(work: Path) -> str:
         finally:
             kubelet.stop()
             cp.stop()
-    return f"pods {sorted(pods)} created, job Running (log {log})"
+    return f"no torch; {pinned} packages at constraints.txt's versions; pods {sorted(pods)} created, job Running"
+
+
+def check_pins(ctr: str) -> int:
+    """Every installed package constraints.txt names is at its version (constraints.txt has no torch:
+    the trainer's is the base's). Returns how many were checked."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, _, version = line.split("#", 1)[0].strip().partition("==")
+        if version:
+            pins[canonical(name)] = version
+    # What the image's Python imports: the first distribution of each name on sys.path (venv, then base).
+    listing = run_in(ctr, ["python3", "-c", "import importlib.metadata as m, json; "
+                                            "print(json.dumps([[d.name, d.version] for d in m.distributions()]))"])
+    found: dict[str, str] = {}
+    for name, version in json.loads(listing.splitlines()[-1]):
+        if canonical(name) in pins:
+            found.setdefault(canonical(name), version)
+    off = sorted(f"{name}=={version} (pinned {pins[name]})" for name, version in found.items()
+                 if version != pins[name])
+    expect(not off, f"installed at other versions than constraints.txt's: {off}")
+    return len(found)
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def sizes() -> str:
-    return ", ".join(f"{image} {image_size(image) / 1e6:.0f} MB" for image in (OPERATOR, TRAINER))
+    return ", ".join(f"{image} {image_size(image)}" for image in (OPERATOR, TRAINER))
 
 
 # -- buildah helpers -------------------------------------------------------------------------------------
@@ -195,15 +230,16 @@ def image_config(image: str) -> dict[str, Any]:
     return json.loads(sh(["buildah", "inspect", "--type", "image", image]))["OCIv1"]["config"]
 
 
-def image_size(image: str) -> int:
+def image_size(image: str) -> str:
+    """As buildah reports it (uncompressed, e.g. "441 MB")."""
     (info,) = json.loads(sh(["buildah", "images", "--json", image]))
-    return int(info["size"])
+    return info["size"]
 
 
 @contextlib.contextmanager
-def container(image: str) -> Iterator[str]:
+def container(image: str, *options: str) -> Iterator[str]:
     """A working container of `image`, removed afterwards whatever happens."""
-    ctr = sh(["buildah", "from", "--pull-never", image]).strip().splitlines()[-1]
+    ctr = sh(["buildah", "from", "--pull-never", *options, image]).strip().splitlines()[-1]
     try:
         yield ctr
     finally:
@@ -249,13 +285,13 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def operator_kubeconfig(kubeconfig: Path, mount: Path) -> Path:
-    """A directory to mount at /var/run/kubetron: the operator's kubeconfig with its CA beside it,
+    """A directory to mount at /kube: the operator's kubeconfig with its CA beside it,
     readable by UID 10001 (the test's own files are root's)."""
     mount.mkdir(mode=0o755)
     config = json.loads(kubeconfig.read_text())
     for cluster in config["clusters"]:
         shutil.copy(cluster["cluster"]["certificate-authority"], mount / "ca.crt")
-        cluster["cluster"]["certificate-authority"] = "/var/run/kubetron/ca.crt"
+        cluster["cluster"]["certificate-authority"] = "/kube/ca.crt"
     (mount / "kubeconfig").write_text(json.dumps(config))
     for path in mount.iterdir():
         path.chmod(0o644)

@@ -11,18 +11,23 @@ not ask for.
     BASE_IMAGE    torch    python3 + pip, torch's CPU wheel installed system-wide  ~ NGC PyTorch
 
 `mmdebstrap` writes each root filesystem as a tarball, cached under ~/.cache/kubetron/images by a
-hash of its recipe (packages, hooks, the torch wheel, constraints.txt): a second local run skips it.
-The tarball is then imported into buildah's storage with the building machine's CA bundle (a
-TLS-inspecting proxy's CA must be trusted by pip inside the builds), as
-`localhost/kubetron-standin-<name>:<hash>`.
+hash of its recipe (packages, options, the torch wheel, constraints.txt): a second local run skips
+it. buildah pulls the tarball as the layer of an OCI image layout, with a second layer holding the
+building machine's CA bundle (pip inside the builds may reach PyPI through a TLS-inspecting proxy),
+as `localhost/kubetron-standin-<name>:<hash>`; a run that finds that image skips the import too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 import shlex
+import shutil
 import subprocess
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,11 @@ CACHE_DIR = CACHE / "images"
 SUITE = "bookworm"  # its python3 is 3.11: the torch wheel's cp311, and megatron-core 0.16.1 (the Dockerfile's pin)
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What every stand-in is made with: Debian's minimal base, without docs, man pages and translations
+# (as Debian's -slim images), and apt retrying a flaky mirror.
+MMDEBSTRAP_OPTIONS = ("--variant=minbase", '--aptopt=Acquire::Retries "3"',
+                      *(f"--dpkgopt=path-exclude=/usr/share/{d}/*" for d in ("doc", "man", "locale", "info")),
+                      "--dpkgopt=path-include=/usr/share/doc/*/copyright")
 
 
 @dataclass(frozen=True)
@@ -82,8 +92,7 @@ def _pip_install(wheel_name: str) -> str:
 
 
 def mmdebstrap_argv(recipe: Recipe, wheel: Path | None, out: Path) -> list[str]:
-    argv = ["mmdebstrap", "--variant=minbase", f"--include={','.join(recipe.packages)}",
-            '--aptopt=Acquire::Retries "3"']
+    argv = ["mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(recipe.packages)}"]
     if recipe.installs_torch:
         assert wheel is not None
         argv += [f"--customize-hook=copy-in {shlex.quote(str(wheel))} {ROOT / 'constraints.txt'} {HOST_CA} /tmp",
@@ -94,7 +103,7 @@ def mmdebstrap_argv(recipe: Recipe, wheel: Path | None, out: Path) -> list[str]:
 
 def recipe_key(recipe: Recipe, wheel: Path | None) -> str:
     """Changes when anything the tarball is made of changes (not with where the files lie)."""
-    parts: dict[str, object] = {"suite": SUITE, "packages": recipe.packages}
+    parts: dict[str, object] = {"suite": SUITE, "options": MMDEBSTRAP_OPTIONS, "packages": recipe.packages}
     if recipe.installs_torch:
         assert wheel is not None
         parts.update(pip=_pip_install(wheel.name), wheel_size=wheel.stat().st_size,
@@ -152,26 +161,69 @@ def make_tarballs(standins: list[Standin], wheel: Path) -> None:
         raise RuntimeError("\n".join(failed))
 
 
+def _blob(layout: Path, data: bytes | None = None, path: Path | None = None) -> dict[str, object]:
+    """Put a blob into an OCI layout (a file is hard-linked, not copied); its descriptor fields."""
+    digest = hashlib.sha256(data).hexdigest() if data is not None else sha256(path)
+    target = layout / "blobs" / "sha256" / digest
+    if data is not None:
+        target.write_bytes(data)
+    else:
+        os.link(path, target)
+    return {"digest": f"sha256:{digest}", "size": target.stat().st_size}
+
+
+def _ca_layer() -> bytes:
+    """A layer holding this machine's CA bundle (pip inside the builds reaches PyPI through it)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tar.gettarinfo(str(HOST_CA), arcname=str(HOST_CA).lstrip("/"))
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        with open(HOST_CA, "rb") as f:
+            tar.addfile(info, f)
+    return out.getvalue()
+
+
+def _oci_layout(s: Standin, layout: Path) -> None:
+    """The tarball as an OCI image layout (one layer, plus the CA layer): buildah pulls it in one pass,
+    where `buildah add` + `commit` would unpack and pack it again."""
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    ca = _ca_layer()
+    layers = [_blob(layout, path=s.tarball), _blob(layout, data=ca)]
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Env": [f"PATH={PATH}", "LANG=C.UTF-8"], "Cmd": ["/bin/bash"],
+                         "Labels": {"dev.kubetron.standin": s.recipe.name}},
+              "rootfs": {"type": "layers", "diff_ids": [layer["digest"] for layer in layers]}}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           **_blob(layout, data=json.dumps(config).encode())},
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **layer} for layer in layers]}
+    index = {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                                **_blob(layout, data=json.dumps(manifest).encode())}]}
+    (layout / "index.json").write_text(json.dumps(index))
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+
+
 def import_image(s: Standin) -> None:
-    """The tarball as an image, trusting the CAs this machine trusts (pip reaches PyPI through them)."""
+    """The tarball as the image `s.image`, unless buildah's storage has it already."""
     if image_exists(s.image):
         return
     t0 = time.monotonic()
-    ctr = subprocess.run(["buildah", "from", "scratch"], check=True, capture_output=True, text=True).stdout.strip()
+    layout = Path(tempfile.mkdtemp(prefix=f"layout-{s.recipe.name}-", dir=CACHE_DIR))  # same filesystem: links
     try:
-        subprocess.run(["buildah", "add", "--quiet", ctr, str(s.tarball), "/"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["buildah", "copy", "--quiet", ctr, str(HOST_CA), str(HOST_CA)], check=True,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(["buildah", "config", f"--env=PATH={PATH}", "--env=LANG=C.UTF-8", "--cmd=/bin/bash",
-                        f"--label=dev.kubetron.standin={s.recipe.name}", ctr], check=True)
-        subprocess.run(["buildah", "commit", "--quiet", ctr, s.image], check=True, stdout=subprocess.DEVNULL)
+        _oci_layout(s, layout)
+        image_id = subprocess.run(["buildah", "pull", "--quiet", f"oci:{layout}"], check=True, capture_output=True,
+                                  text=True).stdout.strip().splitlines()[-1]
+        subprocess.run(["buildah", "tag", image_id, s.image], check=True)
     finally:
-        subprocess.run(["buildah", "rm", ctr], capture_output=True)
+        shutil.rmtree(layout, ignore_errors=True)
     print(f"  {s.recipe.name}: imported as {s.image} ({time.monotonic() - t0:.0f}s)")
 
 
 def build_args(standins: list[Standin]) -> list[str]:
-    return [f"--build-arg={s.recipe.build_arg}={s.image}" for s in standins]
+    """The Dockerfile's base-image args, and PIN_CONSTRAINTS: the torch stand-in has no pins of its own
+    (NGC's /etc/pip/constraint.txt), so the trainer installs at constraints.txt's versions."""
+    return [f"--build-arg={s.recipe.build_arg}={s.image}" for s in standins] + ["--build-arg=PIN_CONSTRAINTS=1"]
 
 
 def prepare(torch_spec: str, python: str) -> list[str]:
