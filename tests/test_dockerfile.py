@@ -203,7 +203,13 @@ def test_dockerignore_allows_only_what_the_wheel_needs():
     allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     copied = {src.rstrip("/") for kw, rest in instructions() if kw == "COPY" and "--from" not in rest
               for src in rest.split()[:-1]}
-    assert copied <= allowed, copied - allowed
+    # RUN --mount=type=bind,source=X without from=: X comes from the build context too.
+    mounted = {opts["source"] for kw, rest in instructions() if kw == "RUN"
+               for mount in re.findall(r"--mount=(\S+)", rest)
+               for opts in [dict(kv.split("=", 1) for kv in mount.split(","))]
+               if opts.get("type") == "bind" and "from" not in opts}
+    assert mounted, "no context file is bind-mounted (constraints.txt is)"
+    assert copied | mounted <= allowed, (copied | mounted) - allowed
 
 
 # ------------------------------------------------------------------------------ the trainer's launcher

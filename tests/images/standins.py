@@ -209,15 +209,23 @@ def import_image(s: Standin) -> None:
     if image_exists(s.image):
         return
     t0 = time.monotonic()
-    layout = Path(tempfile.mkdtemp(prefix=f"layout-{s.recipe.name}-", dir=CACHE_DIR))  # same filesystem: links
+    staging = Path(tempfile.mkdtemp(prefix="import-", dir=CACHE_DIR))  # beside the tarball: hard links
+    name = f"kubetron-standin-{s.recipe.name}"
     try:
-        _oci_layout(s, layout)
-        image_id = subprocess.run(["buildah", "pull", "--quiet", f"oci:{layout}"], check=True, capture_output=True,
-                                  text=True).stdout.strip().splitlines()[-1]
-        subprocess.run(["buildah", "tag", image_id, s.image], check=True)
+        _oci_layout(s, staging / name)
+        # buildah 1.28 names an image pulled from a layout after its path: a relative one gives localhost/<name>.
+        _buildah("pull", "--quiet", f"oci:{name}", cwd=staging)
+        _buildah("tag", f"localhost/{name}:latest", s.image)
+        _buildah("rmi", f"localhost/{name}:latest")  # only the name goes: the image keeps s.image
     finally:
-        shutil.rmtree(layout, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
     print(f"  {s.recipe.name}: imported as {s.image} ({time.monotonic() - t0:.0f}s)")
+
+
+def _buildah(*args: str, cwd: Path | None = None) -> None:
+    run = subprocess.run(["buildah", *args], cwd=cwd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"buildah {' '.join(args)} exited {run.returncode}: {run.stderr.strip()}")
 
 
 def build_args(standins: list[Standin]) -> list[str]:
