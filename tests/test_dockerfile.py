@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -194,6 +195,22 @@ def test_the_image_test_is_not_collected_by_make_test():
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           str(ROOT / "tests" / "images")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 5 and "no tests collected" in run.stdout, run.stdout + run.stderr
+
+
+def test_image_test_fails_without_buildah_it_cannot_install(tmp_path, monkeypatch, capsys):
+    """CI must not pass `make image-test` by skipping it: no buildah and no way to install it is a FAIL,
+    and every phase after it is reported as not run, with exit status 1."""
+    from tests.images import check_images
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name in ("buildah", "mmdebstrap") else real_which(name))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert check_images.main([]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  tools" in out and "buildah and mmdebstrap missing" in out
+    assert "FAIL  trainer" in out and "not run: build trainer failed" in out
+    assert out.rstrip().splitlines()[-1].startswith("logs kept in")
 
 
 def test_dockerignore_allows_only_what_the_wheel_needs():

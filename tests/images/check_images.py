@@ -99,11 +99,12 @@ def build(target: str, flags: list[str], log: Path) -> str:
     expect(after, f"make image-{target} succeeded but there is no {image}")
     if before and before != after:  # the previous build, now untagged: don't let reruns fill the disk
         subprocess.run(["buildah", "rmi", before], capture_output=True)
-    return f"{image} {after[:12]} (log {log})"
+    return f"{image} {after[:12]}"
 
 
-def check_trainer(work: Path) -> str:
-    """The trainer image trains the tiny GPT through its entry point as UID 10001, into a mounted store."""
+def check_trainer(work: Path, torch_version: str) -> str:
+    """The trainer image trains the tiny GPT through its entry point as UID 10001, into a mounted store;
+    its torch is the base's (`torch_version`), not one pip pulled over it."""
     config = image_config(TRAINER)
     expect(config.get("User") == USER, f"trainer image's USER is {config.get('User')!r}, not {USER}")
     entrypoint = config.get("Entrypoint") or []
@@ -126,6 +127,7 @@ def check_trainer(work: Path) -> str:
         # The wheel stage compiled the async snapshot's copy (kubetron._hostcopy) with the base's gcc.
         probe = run_in(ctr, ["python3", "-c", "import kubetron._hostcopy, megatron.core, torch; "
                                               "print(torch.__version__, megatron.core.__version__)"])
+        expect(probe.split()[-2] == torch_version, f"torch {probe.split()[-2]}, not the base's {torch_version}")
         pinned = check_pins(ctr)
         t0 = time.monotonic()
         run_in(ctr, [*entrypoint, "train", "--config", "/etc/kubetron/config.yaml", *overrides], options,
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     report.phase("bases", bases, needs=("tools",))
     report.phase("build operator", lambda: build("operator", flags, work / "build-operator.log"), needs=("bases",))
     report.phase("build trainer", lambda: build("trainer", flags, work / "build-trainer.log"), needs=("bases",))
-    report.phase("trainer", lambda: check_trainer(work), needs=("build trainer",))
+    report.phase("trainer", lambda: check_trainer(work, standins.torch_version(args.torch)), needs=("build trainer",))
     report.phase("operator", lambda: check_operator(work), needs=("build operator",))
     report.phase("sizes", sizes, needs=("build operator", "build trainer"))
     ok = report.summary()
@@ -382,4 +384,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A CI timeout's SIGTERM unwinds like an exception: containers and the control plane are cleaned up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

@@ -70,16 +70,22 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def torch_version(spec: str) -> str:
+    """The torch the stand-in gets for `spec` (torch==2.13.0, the Makefile's): its CPU build, never a
+    CUDA one (the stand-in has no CUDA)."""
+    version = spec.split("==", 1)[1]
+    return version if "+" in version else f"{version}+cpu"
+
+
 def torch_wheel(spec: str, python: str) -> Path:
-    """The CPU torch wheel for the stand-in's Python 3.11 (`spec` like torch==2.13.0, the Makefile's),
-    fetched by the host's pip: its config's find-links holds the local CPU build."""
+    """The CPU torch wheel for the stand-in's Python 3.11, fetched by the host's pip: its config's
+    find-links holds the local CPU build."""
     dest = CACHE_DIR / "wheels"
     dest.mkdir(parents=True, exist_ok=True)
-    cpu_spec = spec if "+" in spec else f"{spec}+cpu"  # never a CUDA build: the stand-in has no CUDA
+    version = torch_version(spec)
     subprocess.run([python, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                     "--python-version=3.11", "--implementation=cp", "--abi=cp311",
-                    "--platform=manylinux_2_28_x86_64", f"--dest={dest}", cpu_spec], check=True)
-    version = cpu_spec.split("==", 1)[1]
+                    "--platform=manylinux_2_28_x86_64", f"--dest={dest}", f"torch=={version}"], check=True)
     (wheel,) = dest.glob(f"torch-{version}-cp311-*.whl")
     return wheel
 
