@@ -105,34 +105,46 @@ def build(target: str, flags: list[str], log: Path) -> str:
 def check_trainer(work: Path, torch_version: str) -> str:
     """The trainer image trains the tiny GPT through its entry point as UID 10001, into a mounted store;
     its torch is the base's (`torch_version`), not one pip pulled over it."""
-    config = image_config(TRAINER)
-    expect(config.get("User") == USER, f"trainer image's USER is {config.get('User')!r}, not {USER}")
-    entrypoint = config.get("Entrypoint") or []
+    entrypoint = check_config(TRAINER)
     expect(entrypoint[-2:] == ["-m", "kubetron.launch"], f"trainer entry point {entrypoint}")
-    store, etc = work / "store", work / "etc-kubetron"
-    store.mkdir()
-    etc.mkdir()
-    os.chown(store, 10001, 10001)
-    shutil.copy(ROOT / "examples" / "tiny-gpt.yaml", etc / "config.yaml")
-    termination_log = store / "termination-log"
-    termination_log.touch()
-    os.chown(termination_log, 10001, 10001)
-    overrides = [f"train.train_iters={TRAIN_ITERS}", f"checkpoint.save_interval={SAVE_INTERVAL}",
-                 f"validation.eval_interval={SAVE_INTERVAL}", "logger.log_interval=5",
-                 "checkpoint.save=/store/tiny-gpt", "logger.tensorboard_dir=/store/tiny-gpt/tb"]
-    # As in a pod: a hostname that /etc/hosts resolves (torchrun's rendezvous advertises it).
-    options = [f"--volume={store}:/store", f"--volume={etc}:/etc/kubetron:ro", f"--hostname={POD}",
-               f"--env=KUBETRON_TERMINATION_LOG=/store/{termination_log.name}"]
+    store = work / "store"
     with container(TRAINER, f"--add-host={POD}:127.0.0.1") as ctr:
         # The wheel stage compiled the async snapshot's copy (kubetron._hostcopy) with the base's gcc.
         probe = run_in(ctr, ["python3", "-c", "import kubetron._hostcopy, megatron.core, torch; "
                                               "print(torch.__version__, megatron.core.__version__)"])
-        expect(probe.split()[-2] == torch_version, f"torch {probe.split()[-2]}, not the base's {torch_version}")
+        torch, megatron = probe.split()[-2:]
+        expect(torch == torch_version, f"torch {torch}, not the base's {torch_version}")
         pinned = check_pins(ctr)
         t0 = time.monotonic()
-        run_in(ctr, [*entrypoint, "train", "--config", "/etc/kubetron/config.yaml", *overrides], options,
-               log=work / "trainer.log")
+        train(ctr, entrypoint, store, work)
         seconds = time.monotonic() - t0
+    saved = check_store(store)
+    return (f"torch {torch}, megatron-core {megatron}; {pinned} packages at constraints.txt's versions; "
+            f"{TRAIN_ITERS} iterations in {seconds:.0f}s, saved {saved}")
+
+
+def train(ctr: str, entrypoint: list[str], store: Path, work: Path) -> None:
+    """`<entrypoint> train --config ...` as in a pod: the config mounted at /etc/kubetron, a store owned
+    by the image's user, a termination log, a hostname /etc/hosts resolves (torchrun advertises it)."""
+    etc = work / "etc-kubetron"
+    etc.mkdir()
+    shutil.copy(ROOT / "examples" / "tiny-gpt.yaml", etc / "config.yaml")
+    store.mkdir()
+    (store / "termination-log").touch()
+    for path in (store, store / "termination-log"):
+        os.chown(path, 10001, 10001)
+    overrides = [f"train.train_iters={TRAIN_ITERS}", f"checkpoint.save_interval={SAVE_INTERVAL}",
+                 f"validation.eval_interval={SAVE_INTERVAL}", "logger.log_interval=5",
+                 "checkpoint.save=/store/tiny-gpt", "logger.tensorboard_dir=/store/tiny-gpt/tb"]
+    options = [f"--volume={store}:/store", f"--volume={etc}:/etc/kubetron:ro", f"--hostname={POD}",
+               "--env=KUBETRON_TERMINATION_LOG=/store/termination-log"]
+    run_in(ctr, [*entrypoint, "train", "--config", "/etc/kubetron/config.yaml", *overrides], options,
+           log=work / "trainer.log")
+
+
+def check_store(store: Path) -> list[str]:
+    """Checkpoints every SAVE_INTERVAL, the progress log, all owned by 10001; the termination message
+    says done. Returns the checkpoints."""
     run_dir = store / "tiny-gpt"
     saved = sorted(p.name for p in run_dir.glob("iter_*"))
     want = [f"iter_{i:07d}" for i in range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL)]
@@ -140,54 +152,65 @@ def check_trainer(work: Path, torch_version: str) -> str:
     expect((run_dir / "progress.txt").is_file(), f"no progress.txt in {run_dir}: {os.listdir(run_dir)}")
     foreign = [str(p) for p in store.rglob("*") if p.lstat().st_uid != 10001]
     expect(not foreign, f"files in the store not owned by 10001: {foreign[:5]}")
-    message = json.loads(termination_log.read_text() or "{}")
+    message = json.loads((store / "termination-log").read_text() or "{}")
     expect(message.get("exitCode") == 0, f"termination message: {message}")
-    return (f"torch, megatron-core {' '.join(probe.split()[-2:])}; {pinned} packages at constraints.txt's versions; "
-            f"{TRAIN_ITERS} iterations in {seconds:.0f}s, saved {saved}")
+    return saved
 
 
 def check_operator(work: Path) -> str:
     """The operator image has no torch; its entry point, as 10001, reconciles a job on a real API server."""
-    from tests.kube.cluster import NoBinaries, free_port, set_running, wait_for
-    from tests.kube.fixtures import start_env
-    from tests.operator.jobs import PVC_JOB, job_body
-
-    config = image_config(OPERATOR)
-    expect(config.get("User") == USER, f"operator image's USER is {config.get('User')!r}, not {USER}")
-    entrypoint = config.get("Entrypoint") or []
+    entrypoint = check_config(OPERATOR)
     expect(entrypoint == ["kubetron", "operator"], f"operator entry point {entrypoint}")
     with container(OPERATOR) as ctr:
         found = run_in(ctr, ["python3", "-c", "import importlib.util as u; print(u.find_spec('torch'))"]).strip()
         expect(found == "None", f"the operator image has torch: {found}")
         pinned = check_pins(ctr)
-        try:
-            cp, kube, kubelet = start_env(work / "kube")
-        except NoBinaries as exc:
-            raise Failed(str(exc)) from None
-        try:
-            ns = kube.namespace("img")
-            mount = operator_kubeconfig(kube.kubeconfig, work / "kubeconfig")
-            port = free_port()
-            log = work / "operator.log"
-            argv = [*entrypoint, f"--liveness=http://127.0.0.1:{port}/healthz", "--interval=0.5", f"--namespace={ns}"]
-            with running_in(ctr, argv, [f"--volume={mount}:/kube:ro",
-                                        "--env=KUBECONFIG=/kube/kubeconfig"], log) as alive:
-                wait_for("the operator's liveness endpoint", lambda: alive() and healthy(port), 120, 0.5,
-                         explain=lambda: tail(log))
-                body = job_body(PVC_JOB)
-                body["metadata"] = {"name": "gpt", "namespace": ns}
-                uid = kube.admin.create(kube.jobs(ns), body)["metadata"]["uid"]
-                pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"}, timeout=60)
-                owners = {p["metadata"]["ownerReferences"][0]["uid"] for p in pods.values()}
-                expect(owners == {uid}, f"pods owned by {owners}, not the job {uid}")
-                for name in pods:
-                    set_running(kube.admin, ns, name)
-                kube.wait_status(ns, "gpt", "phase Running", lambda s: s.get("phase") == "Running", timeout=60)
-            expect("Traceback" not in log.read_text(errors="replace"), f"the operator logged a traceback:\n{tail(log)}")
-        finally:
-            kubelet.stop()
-            cp.stop()
-    return f"no torch; {pinned} packages at constraints.txt's versions; pods {sorted(pods)} created, job Running"
+        pods = reconcile_one_job(ctr, entrypoint, work)
+    return f"no torch; {pinned} packages at constraints.txt's versions; pods {pods} created, job Running"
+
+
+def reconcile_one_job(ctr: str, entrypoint: list[str], work: Path) -> list[str]:
+    """A real control plane (tests/kube, the chart's RBAC); the operator in the container with the chart's
+    ServiceAccount's kubeconfig mounted; a TrainingJob applied: its pods appear, owned by it, and once
+    they run (the test plays the kubelet) the job's status says Running. Returns the pods' names."""
+    from tests.kube.cluster import NoBinaries, free_port, set_running, wait_for
+    from tests.kube.fixtures import start_env
+    from tests.operator.jobs import PVC_JOB, job_body
+
+    try:
+        cp, kube, kubelet = start_env(work / "kube")
+    except NoBinaries as exc:
+        raise Failed(str(exc)) from None
+    try:
+        ns = kube.namespace("img")
+        mount = operator_kubeconfig(kube.kubeconfig, work / "kubeconfig")
+        port, log = free_port(), work / "operator.log"
+        argv = [*entrypoint, f"--liveness=http://127.0.0.1:{port}/healthz", "--interval=0.5", f"--namespace={ns}"]
+        options = [f"--volume={mount}:/kube:ro", "--env=KUBECONFIG=/kube/kubeconfig"]
+        with running_in(ctr, argv, options, log) as alive:
+            wait_for("the operator's liveness endpoint", lambda: alive() and healthy(port), 120, 0.5,
+                     explain=lambda: tail(log))
+            body = job_body(PVC_JOB)
+            body["metadata"] = {"name": "gpt", "namespace": ns}
+            uid = kube.admin.create(kube.jobs(ns), body)["metadata"]["uid"]
+            pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"}, timeout=60)
+            owners = {p["metadata"]["ownerReferences"][0]["uid"] for p in pods.values()}
+            expect(owners == {uid}, f"pods owned by {owners}, not the job {uid}")
+            for name in pods:
+                set_running(kube.admin, ns, name)
+            kube.wait_status(ns, "gpt", "phase Running", lambda s: s.get("phase") == "Running", timeout=60)
+        expect("Traceback" not in log.read_text(errors="replace"), f"the operator logged a traceback:\n{tail(log)}")
+    finally:
+        kubelet.stop()
+        cp.stop()
+    return sorted(pods)
+
+
+def check_config(image: str) -> list[str]:
+    """The image runs as USER (numeric, non-root); returns its entry point."""
+    config = image_config(image)
+    expect(config.get("User") == USER, f"{image}'s USER is {config.get('User')!r}, not {USER}")
+    return config.get("Entrypoint") or []
 
 
 def check_pins(ctr: str) -> int:
