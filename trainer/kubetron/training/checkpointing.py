@@ -32,11 +32,12 @@ import yaml
 from kubetron import progress as progress_log
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.storage import open_store
-from kubetron.training import comm, peft, sharded, sharding
+from kubetron.training import comm, dist_ckpt, peft, sharded, sharding
 
 log = logging.getLogger("kubetron")
 
 TRACKER = "latest_train_state.pt"
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "metadata.json"
 NON_PERSISTENT = "non_persistent"
 TOKENIZER_DIR = "tokenizer"
@@ -382,10 +383,9 @@ class CheckpointManager:
         if snap.shard is not None:
             self.last_save_bytes = sharded.write(txn, rank, snap.shard, after_data=lambda: _chaos("after-shard", it))
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
-            from kubetron.training import dist_ckpt
-
+            common = dist_ckpt.megatron_common(it, self.scheduler.state_dict(), self.state.train_state.state_dict())
             facts = dist_ckpt.save(self.model, self.optimizer, txn, self.cfg,
-                                   with_optimizer=self.cfg.checkpoint.save_optim)
+                                   with_optimizer=self.cfg.checkpoint.save_optim, common=common)
             if snap.common is not None and facts:
                 snap.common["dist_optimizer"] = facts
         if snap.common is not None:
@@ -611,13 +611,26 @@ class CheckpointManager:
             raise ConfigError("checkpoint.pretrained_checkpoint",
                               f"no complete checkpoint in {ck.pretrained_checkpoint}")
         store, name, iteration = found
-        self._restore(store, name, full=False)
+        if dist_ckpt.megatron_backend(store, name) is not None:  # written by Megatron-LM / Bridge / megatron-core
+            self._load_megatron(store, name)
+        else:
+            self._restore(store, name, full=False)
         log.info("finetuning from weights of %s/%s (iteration %d); training starts at 0", store.url, name, iteration)
 
-    def _restore(self, store, name, *, full: bool):
-        from kubetron.training import dist_ckpt
+    def _load_megatron(self, store, name: str):
+        backend = dist_ckpt.megatron_backend(store, name)
+        if backend != "torch_dist" or peft.enabled(self.cfg):
+            raise ConfigError("checkpoint.pretrained_checkpoint",
+                              f"{store.url}/{name} is a megatron-core {backend} checkpoint: kubetron reads megatron's "
+                              "torch_dist format" + (", and not as a LoRA base" if backend == "torch_dist" else ""))
+        dist_ckpt.load_megatron(self.model, store, name, self.cfg)
+        self.optimizer.reload_model_params()
 
+    def _restore(self, store, name, *, full: bool):
         model, optimizer = self.model, self.optimizer
+        if dist_ckpt.megatron_backend(store, name) is not None:
+            raise ConfigError("checkpoint.load", f"{store.url}/{name} was written by megatron-core (Megatron-LM, "
+                                                 "Megatron Bridge): fine-tune from it as checkpoint.pretrained_checkpoint")
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
         check_version(common, store, name)
         log_run_config_changes(store, name, self.cfg)
@@ -773,6 +786,22 @@ def committed_iterations(store, prefix: str = "") -> list[int]:
     return sorted(its)
 
 
+def tracked_iteration(store) -> int | None:
+    """The iteration the tracker names: kubetron's `latest_train_state.pt` ({"iteration": ...}), Megatron
+    Bridge's (its TrainState, {"step": ...}) or Megatron-LM's `latest_checkpointed_iteration.txt`."""
+    if store.exists(TRACKER):
+        tracker = _safe_load(store.read_bytes(TRACKER), TRACKER)
+        value = tracker.get("iteration", tracker.get("step")) if isinstance(tracker, dict) else None
+    elif store.exists(MEGATRON_LM_TRACKER):
+        value = store.read_bytes(MEGATRON_LM_TRACKER).decode(errors="replace").strip()
+    else:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{store.url}: the tracker names no iteration ({str(value)[:40]!r})") from None
+
+
 def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent: bool = True):
     """(store, dir name, iteration) of the checkpoint to load, or None if there is none.
 
@@ -797,8 +826,8 @@ def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent
                                                       f" (complete: {durable[-5:]})")
         return store, iter_dir(ckpt_step), ckpt_step
     best = None
-    if store.exists(TRACKER):
-        tracked = int(_safe_load(store.read_bytes(TRACKER), TRACKER)["iteration"])
+    tracked = tracked_iteration(store)
+    if tracked is not None:
         if tracked in durable:
             best = tracked
         else:
