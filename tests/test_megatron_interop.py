@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.hf_utils import config_for, ensure_world_of_one
-from tests.trainer_utils import kubetron_cmd, env_for
+from tests.trainer_utils import env_for, kubetron_cmd
 
 pytest.importorskip("megatron.core")
 
@@ -75,12 +75,11 @@ def assert_bit_exact(got: dict, want: dict):
 def megatron_save(state: dict, directory: Path):
     """megatron-core's dist_checkpointing.save (torch_dist), with the CPU save strategy kubetron uses (megatron's
     default strategy calls torch.cuda.synchronize(); the files it writes are the same)."""
+    from kubetron.training.dist_ckpt import cpu_save_strategy
     from megatron.core import dist_checkpointing
 
-    from kubetron.training.dist_ckpt import _cpu_save_strategy
-
     directory.mkdir(parents=True)
-    dist_checkpointing.save(state, str(directory), sharded_strategy=_cpu_save_strategy())
+    dist_checkpointing.save(state, str(directory), sharded_strategy=cpu_save_strategy())
 
 
 def megatron_state(model, iteration: int, **common) -> dict:
@@ -112,7 +111,9 @@ def write_bridge(model, root: Path, iteration: int):
                    "consumed_train_samples": torch.tensor(iteration * 8), "do_train": torch.tensor(True)}
     torch.save(train_state, d / "train_state.pt")
     torch.save(train_state, root / "latest_train_state.pt")
-    (d / "run_config.yaml").write_text("model:\n  num_layers: 2\n  hidden_size: 64\n")
+    (d / "run_config.yaml").write_text("model:\n  _target_: megatron.bridge.models.gpt_provider.GPTModelProvider\n"
+                                       "  num_layers: 2\n  hidden_size: 64\n  num_attention_heads: 4\n"
+                                       "  num_query_groups: 2\n")
 
 
 def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
@@ -206,6 +207,8 @@ def test_megatron_lm_tracker_picks_the_iteration(tmp_path):
     ({"share_embeddings_and_output_weights": True}, "model.share_embeddings_and_output_weights"),
     ({"add_bias_linear": True}, "model.add_bias_linear"),
     ({"normalization": "LayerNorm"}, "model.normalization"),
+    # the same tensor shapes (hidden 64: 8 heads of 8 with 4 groups = 4 heads of 16 with 2): Bridge's run_config.yaml
+    ({"num_attention_heads": 8, "num_query_groups": 4}, "model.num_attention_heads"),
 ])
 def test_architecture_mismatch_names_the_model_key(tmp_path, override, field):
     from kubetron.errors import ConfigError

@@ -623,6 +623,7 @@ class CheckpointManager:
             raise ConfigError("checkpoint.pretrained_checkpoint",
                               f"{store.url}/{name} is a megatron-core {backend} checkpoint: kubetron reads megatron's "
                               "torch_dist format" + (", and not as a LoRA base" if backend == "torch_dist" else ""))
+        check_architecture(bridge_heads(store, name), self.cfg, name)  # what the tensor shapes cannot tell
         dist_ckpt.load_megatron(self.model, store, name, self.cfg)
         self.optimizer.reload_model_params()
 
@@ -630,7 +631,8 @@ class CheckpointManager:
         model, optimizer = self.model, self.optimizer
         if dist_ckpt.megatron_backend(store, name) is not None:
             raise ConfigError("checkpoint.load", f"{store.url}/{name} was written by megatron-core (Megatron-LM, "
-                                                 "Megatron Bridge): fine-tune from it as checkpoint.pretrained_checkpoint")
+                                                 "Megatron Bridge): fine-tune from it as "
+                                                 "checkpoint.pretrained_checkpoint")
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
         check_version(common, store, name)
         log_run_config_changes(store, name, self.cfg)
@@ -740,6 +742,22 @@ def check_architecture(saved: dict, cfg, name: str, saved_tokenizer_vocab: int |
     if diffs:  # a spec error no retry fixes (exit 2): the first differing field is named
         field = diffs[0].split(":")[0]
         raise ConfigError(field, f"{name} does not match this model: " + "; ".join(diffs))
+
+
+def bridge_heads(store, name: str) -> dict:
+    """num_attention_heads / num_query_groups from a Megatron Bridge checkpoint's run_config.yaml (safe YAML;
+    {} without one, e.g. Megatron-LM's, whose args sit in a pickle that is never read)."""
+    key = f"{name}/run_config.yaml"
+    if not store.exists(key):
+        return {}
+    try:
+        model = (yaml.safe_load(store.read_bytes(key)) or {}).get("model") or {}
+    except (yaml.YAMLError, AttributeError) as e:
+        log.warning("%s: not read (%s); the attention heads are not checked", key, str(e).splitlines()[0][:100])
+        return {}
+    heads = model.get("num_attention_heads")
+    groups = model.get("num_query_groups") or heads
+    return {k: v for k, v in (("num_attention_heads", heads), ("num_query_groups", groups)) if isinstance(v, int)}
 
 
 def check_version(common: dict, store, name: str):

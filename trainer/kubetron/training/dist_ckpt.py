@@ -6,13 +6,19 @@ Layout inside a checkpoint directory (everything else is as in the default forma
     iter_0000020/{common.pt, rng/, run_config.yaml, <commit marker>}               kubetron, as always
 
 `dist/` is a megatron-core `torch_dist` checkpoint of the sharded state dict
-`{"model": model.sharded_state_dict(), "optimizer": {<key>: ...}}`: every rank writes its own shards
+`{"model": model.sharded_state_dict(), "optimizer": {<key>: ...}, <Megatron-LM's common entries>}` (the
+model's `_extra_state` objects included, so megatron's own `dist_checkpointing.load` of the model works at
+its default strictness; dist/common.pt holds iteration, scheduler, FLOPs): every rank writes its own shards
 (no gather onto rank 0; the DP replicas split what they hold in common, megatron's fully parallel
 save), and megatron's ShardedTensor offsets let it load into another TP/PP/DP layout.
 Optimizer state (Adam's `exp_avg`/`exp_avg_sq`, SGD's `momentum_buffer`, and the fp32 main weights
 `main_param`) is saved as ShardedTensors that mirror each parameter's (`make_sharded_optimizer_tensor`,
 key `optimizer.<state key>.<parameter key>`); the scalar `step` and the param groups go to kubetron's
 common.pt.
+
+`load_megatron` reads a checkpoint megatron-core wrote itself (Megatron-LM, Megatron Bridge: `iter_N/` is the
+dist_checkpointing directory): its model tensors only, after `check_tensors` compared their global shapes
+with this model's; megatron's common.pt (Megatron-LM pickles `args` there) is never read.
 
 Three things around megatron-core 0.16.1:
 - Its save hard-codes CUDA in two callbacks (`torch.cuda.synchronize()` after the device→host preload,
@@ -80,7 +86,7 @@ def check_metadata_pickle(data: bytes, where: str):
         raise CheckpointError(f"{where}: refusing to load: {e}") from None
 
 
-def _cpu_save_strategy():
+def cpu_save_strategy():
     """megatron's torch_dist save strategy without its two CUDA calls (see the module docstring)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -117,7 +123,7 @@ def _save_strategy(on_gpu: bool):
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    base = get_default_save_sharded_strategy() if on_gpu else _cpu_save_strategy()
+    base = get_default_save_sharded_strategy() if on_gpu else cpu_save_strategy()
     if parallel_state.get_data_parallel_world_size() == 1:
         return base
     return FullyParallelSaveStrategyWrapper(base, parallel_state.get_data_parallel_group())
