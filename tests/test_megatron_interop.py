@@ -256,3 +256,17 @@ def test_cli_finetunes_from_megatron_lm_checkpoint_and_megatron_loads_the_result
                                      str(tmp_path / "ckpt" / "iter_0000002" / "dist"))
     theirs.load_state_dict(loaded["model"], strict=True)
     assert loaded["iteration"] == 2
+
+
+def test_unknown_pretrained_checkpoint_version_names_pretrained_checkpoint(tmp_path):
+    """A pretrained checkpoint of an unknown kubetron version is refused naming the key the user set."""
+    from kubetron.errors import ConfigError
+
+    model, ckpt = kubetron_parts(f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.ckpt_format=kubetron")
+    ckpt.save(3)
+    common = tmp_path / "ckpt" / "iter_0000003" / "common.pt"
+    torch.save({**torch.load(common, weights_only=True), "checkpoint_version": 99}, common)
+    model, ckpt = kubetron_parts(f"checkpoint.pretrained_checkpoint={tmp_path / 'ckpt'}")
+    with pytest.raises(ConfigError) as e:
+        ckpt.load(finetune=True)
+    assert e.value.field == "checkpoint.pretrained_checkpoint" and "version 99" in str(e.value)

@@ -634,7 +634,7 @@ class CheckpointManager:
                                                  "Megatron Bridge): fine-tune from it as "
                                                  "checkpoint.pretrained_checkpoint")
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
-        check_version(common, store, name)
+        check_version(common, store, name, field="checkpoint.load" if full else "checkpoint.pretrained_checkpoint")
         log_run_config_changes(store, name, self.cfg)
         self.hf_record = common.get("hf", self.hf_record)
         fmt = common.get("ckpt_format") or ("torch_dist" if dist_ckpt.is_dist_checkpoint(store, name) else "kubetron")
@@ -760,12 +760,12 @@ def bridge_heads(store, name: str) -> dict:
     return {k: v for k, v in (("num_attention_heads", heads), ("num_query_groups", groups)) if isinstance(v, int)}
 
 
-def check_version(common: dict, store, name: str):
-    """A checkpoint written by a newer kubetron (unknown layout) is refused with one line."""
+def check_version(common: dict, store, name: str, field: str = "checkpoint.load"):
+    """A checkpoint written by a newer kubetron (unknown layout) is refused with one line naming `field`."""
     version = common.get("checkpoint_version")
     if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
-        raise ConfigError("checkpoint.load", f"{store.url}/{name} has checkpoint version {version!r}; this kubetron "
-                                             f"reads versions 1..{CHECKPOINT_VERSION} (use the kubetron that wrote it)")
+        raise ConfigError(field, f"{store.url}/{name} has checkpoint version {version!r}; this kubetron "
+                                 f"reads versions 1..{CHECKPOINT_VERSION} (use the kubetron that wrote it)")
 
 
 def run_config_changes(saved_yaml: str, cfg) -> list[str]:
