@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.hf_utils import config_for, ensure_world_of_one
-from tests.trainer_utils import env_for, kubetron_cmd
+from tests.multirank.runner import launch
 
 pytest.importorskip("megatron.core")
 
@@ -233,29 +232,33 @@ def test_resuming_a_megatron_checkpoint_points_at_pretrained_checkpoint(tmp_path
     assert e.value.field == "checkpoint.load" and "pretrained_checkpoint" in str(e.value)
 
 
-def test_cli_finetunes_from_megatron_lm_checkpoint_and_megatron_loads_the_result(tmp_path):
-    """End to end: `kubetron train` fine-tunes from a Megatron-LM checkpoint, saves torch_dist, and megatron-core
-    loads that at its default strictness into its own GPTModel."""
+def test_cli_pp2_finetunes_from_megatron_lm_checkpoint_and_megatron_loads_the_result(tmp_path):
+    """End to end under torchrun at PP=2: `kubetron train` fine-tunes from a Megatron-LM checkpoint written at
+    PP=1 (each stage reads its own layers), saves torch_dist (each stage writes its own), and megatron-core
+    loads that at its default strictness into its own single-stage GPTModel. With lr 0 the step leaves the
+    weights alone, so what megatron gets back is bit-exact what it wrote."""
     from megatron.core import dist_checkpointing
 
     root = tmp_path / "megatron"
-    write_megatron_lm(megatron_gpt(seed=5), root, 10, tmp_path / "PWNED")
-    cfg = {"model": MODEL, "tokenizer": {"tokenizer_type": "null", "vocab_size": 128},
-           "train": {"train_iters": 2, "micro_batch_size": 2, "global_batch_size": 2},
-           "optimizer": {"lr": 1e-3}, "logger": {"log_interval": 1},
+    ours = megatron_gpt(seed=5)
+    write_megatron_lm(ours, root, 10, tmp_path / "PWNED")
+    cfg = {"model": {**MODEL, "pipeline_model_parallel_size": 2},
+           "tokenizer": {"tokenizer_type": "null", "vocab_size": 128},
+           "train": {"train_iters": 1, "micro_batch_size": 2, "global_batch_size": 4},
+           "optimizer": {"lr": 0.0}, "logger": {"log_interval": 1}, "validation": {"eval_interval": None},
            "checkpoint": {"pretrained_checkpoint": str(root), "save": str(tmp_path / "ckpt"),
-                          "ckpt_format": "torch_dist", "save_interval": 2}}
+                          "ckpt_format": "torch_dist", "save_interval": 1}}
     (tmp_path / "run.yaml").write_text(json.dumps(cfg))
-    p = subprocess.run(kubetron_cmd("train", "--config", str(tmp_path / "run.yaml")), env=env_for(tmp_path),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert f"finetuning from weights of {root}/iter_0000010 (iteration 10)" in p.stdout + p.stderr
+    r = launch(["train", "--config", str(tmp_path / "run.yaml")], tmp_path / "ranks")
+    assert r.codes == {0: 0, 1: 0}, r.tail()
+    assert f"finetuning from weights of {root}/iter_0000010 (iteration 10)" in r.stdout + r.stderr, r.tail()
     assert not (tmp_path / "PWNED").exists()
     theirs = megatron_gpt(seed=6)
     loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()},
-                                     str(tmp_path / "ckpt" / "iter_0000002" / "dist"))
+                                     str(tmp_path / "ckpt" / "iter_0000001" / "dist"))
     theirs.load_state_dict(loaded["model"], strict=True)
-    assert loaded["iteration"] == 2
+    assert_bit_exact(weights(theirs), weights(ours))
+    assert loaded["iteration"] == 1
 
 
 def test_unknown_pretrained_checkpoint_version_names_pretrained_checkpoint(tmp_path):
@@ -270,3 +273,26 @@ def test_unknown_pretrained_checkpoint_version_names_pretrained_checkpoint(tmp_p
     with pytest.raises(ConfigError) as e:
         ckpt.load(finetune=True)
     assert e.value.field == "checkpoint.pretrained_checkpoint" and "version 99" in str(e.value)
+
+
+def test_tensor_check_knows_pipeline_stages():
+    """Under PP a stage asks for its own tensors only: what other stages hold is no mismatch, a missing layer is."""
+    from kubetron.errors import ConfigError
+    from kubetron.training.dist_ckpt import check_tensors
+
+    saved = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.mlp.linear_fc2.weight": (2, 64, 96),
+             "decoder.final_layernorm.weight": (64,), "output_layer.weight": (128, 64)}
+    first = {k: saved[k] for k in ("embedding.word_embeddings.weight", "decoder.layers.mlp.linear_fc2.weight")}
+    last = {k: saved[k] for k in ("decoder.layers.mlp.linear_fc2.weight", "decoder.final_layernorm.weight",
+                                  "output_layer.weight")}
+    check_tensors(first, saved, "ckpt", first=True, last=False)
+    check_tensors(last, saved, "ckpt", first=False, last=True)
+    with pytest.raises(ConfigError) as e:  # a single stage must hold all of it
+        check_tensors(first, saved, "ckpt")
+    assert e.value.field == "model.share_embeddings_and_output_weights"  # output_layer.weight names a field
+    with pytest.raises(ConfigError) as e:
+        check_tensors({**last, "decoder.layers.mlp.linear_fc2.weight": (3, 64, 96)}, saved, "ckpt", first=False)
+    assert e.value.field == "model.num_layers"
+    with pytest.raises(ConfigError) as e:  # a tensor kubetron has no field for: the model section is named
+        check_tensors(saved, {**saved, "decoder.layers.mlp.experts.weight1": (2, 8, 64)}, "ckpt")
+    assert e.value.field == "model"

@@ -316,13 +316,27 @@ def _shape_field(key: str, saved: tuple, wanted: tuple) -> str:
     return "hidden_size"
 
 
-def check_tensors(wanted: dict[str, tuple], saved: dict[str, tuple], where: str):
-    """The model's tensors against the checkpoint's, as a one-line ConfigError naming the first model.<field>
-    that explains a difference (a tensor only one side has, or a different global shape)."""
-    for key in sorted(wanted.keys() ^ saved.keys()):
-        field = next((f for part, f in _PRESENCE_FIELDS if part in key), "num_layers")
+def _on_stage(key: str, first: bool, last: bool) -> bool:
+    """Whether a pipeline stage's chunk would hold `key` (every stage holds the stacked decoder layers)."""
+    if key.startswith("embedding."):
+        return first
+    if key.startswith(("output_layer.", "decoder.final_layernorm.")):
+        return last
+    return True
+
+
+def check_tensors(wanted: dict[str, tuple], saved: dict[str, tuple], where: str, *, first: bool = True,
+                  last: bool = True):
+    """This stage's tensors (`first`/`last`: pipeline stage) against the checkpoint's, as a one-line ConfigError
+    naming the first model.<field> that explains a difference (a tensor only one side has, or another global
+    shape); `model` alone where no field does (e.g. MoE experts, which kubetron does not build)."""
+    only_saved = {k for k in saved.keys() - wanted.keys() if _on_stage(k, first, last)}
+    one_side = [(next((f"model.{f}" for part, f in _PRESENCE_FIELDS if part in key), "model"), key)
+                for key in sorted((wanted.keys() - saved.keys()) | only_saved)]
+    if one_side:  # a key a field explains first
+        field, key = min(one_side, key=lambda fk: fk[0] == "model")
         side = "this model has" if key in wanted else "only the checkpoint has"
-        raise ConfigError(f"model.{field}", f"{where} does not match this model: {side} {key}")
+        raise ConfigError(field, f"{where} does not match this model: {side} {key}")
     for key in sorted(wanted):
         if wanted[key] != saved[key]:
             raise ConfigError(f"model.{_shape_field(key, saved[key], wanted[key])}",
@@ -359,7 +373,9 @@ def load_megatron(model, store, name: str, cfg):
     try:
         metadata = _stage(store, prefix, staging)
         sd = _model_sharded(model)
-        check_tensors(_wanted_shapes(sd), _saved_shapes(metadata), f"{store.url}/{name}")
+        chunk = model[0]
+        check_tensors(_wanted_shapes(sd), _saved_shapes(metadata), f"{store.url}/{name}",
+                      first=chunk.pre_process, last=chunk.post_process)
         loaded = _load_sharded(sd, staging, prefix)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
