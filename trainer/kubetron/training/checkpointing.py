@@ -611,14 +611,14 @@ class CheckpointManager:
             raise ConfigError("checkpoint.pretrained_checkpoint",
                               f"no complete checkpoint in {ck.pretrained_checkpoint}")
         store, name, iteration = found
-        if dist_ckpt.megatron_backend(store, name) is not None:  # written by Megatron-LM / Bridge / megatron-core
-            self._load_megatron(store, name)
+        backend = dist_ckpt.megatron_backend(store, name)
+        if backend is not None:  # written by Megatron-LM / Megatron Bridge / megatron-core itself
+            self._load_megatron(store, name, backend)
         else:
             self._restore(store, name, full=False)
         log.info("finetuning from weights of %s/%s (iteration %d); training starts at 0", store.url, name, iteration)
 
-    def _load_megatron(self, store, name: str):
-        backend = dist_ckpt.megatron_backend(store, name)
+    def _load_megatron(self, store, name: str, backend: str):
         if backend != "torch_dist" or peft.enabled(self.cfg):
             raise ConfigError("checkpoint.pretrained_checkpoint",
                               f"{store.url}/{name} is a megatron-core {backend} checkpoint: kubetron reads megatron's "
