@@ -350,8 +350,9 @@ class CheckpointConfig(_Section):
     most_recent_k: int = _f(-1, "Keep this many newest persistent checkpoints (-1: keep all).", ge=-1)
     ckpt_step: int | None = _f(None, "Load this iteration instead of the newest (iteration).", ge=0)
     pretrained_checkpoint: str | None = _f(
-        None, "Checkpoint to initialise model weights from (store or iter_* directory): `finetune`, and `train` "
-              "when checkpoint.load holds nothing to resume; training starts at iteration 0.")
+        None, "Checkpoint to initialise model weights from (store or iter_* directory; kubetron's, a Hugging Face "
+              "model directory, or a torch_dist checkpoint of megatron-core / Megatron-LM / Megatron Bridge): "
+              "`finetune`, and `train` when checkpoint.load holds nothing to resume; training starts at iteration 0.")
     async_save: bool | None = _f(
         None, "Write checkpoints in the background while training continues; the loop blocks only for the copy "
               "to host memory (None: on for multi-rank runs with ckpt_format sharded, off otherwise).")
