@@ -459,6 +459,23 @@ def test_qwen3_sliding_window_and_attention_bias_are_one_line_exit_2(tmp_path, f
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("both,named", [(("qk_layernorm", "add_qkv_bias"), "model.add_qkv_bias"),
+                                        (("add_qkv_bias", "sliding_window"), "model.sliding_window"),
+                                        (("qk_layernorm", "sliding_window"), "model.sliding_window")])
+def test_export_refuses_attention_no_hf_architecture_has(both, named):
+    """Qwen3 has q/k norms, Qwen2 q/k/v biases, Mistral a window: a model with two of them has no HF class."""
+    from kubetron.config import GPTModelConfig
+    from kubetron.errors import ConfigError
+    from kubetron.hf.config_map import hf_config
+
+    llama = {"normalization": "RMSNorm", "activation": "swiglu", "add_bias_linear": False, "vocab_size": 512}
+    m = GPTModelConfig(**llama, **{k: 8 if k == "sliding_window" else True for k in both}).model_dump()
+    with pytest.raises(ConfigError, match=f"{named}: export-hf has no architecture with both"):
+        hf_config(m)
+    assert hf_config({**m, both[1]: None if both[1] == "sliding_window" else False})["architectures"] != [
+        "LlamaForCausalLM"]
+
+
 def test_qwen2_sliding_window_is_refused_naming_the_field():
     """Qwen2's window covers only the layers from max_window_layers on: refused, not dropped."""
     from kubetron.errors import ConfigError
