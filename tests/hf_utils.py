@@ -14,7 +14,7 @@ TOKENS = torch.tensor([[5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3, 77, 12, 0, 25
 
 
 def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: int = 0, argmax: int | None = None,
-                    generation_config: dict | None = None) -> Path:
+                    generation_config: dict | None = None, rope_theta: float = 500000.0) -> Path:
     """GQA (4 heads, 2 groups), untied, Llama-3 rope scaling that changes the frequencies at this size,
     norm weights away from 1 (so a swapped norm shows). Saved as safetensors. config.json: eos 256, pad 257.
 
@@ -26,7 +26,7 @@ def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: in
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rope_theta=500000.0, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=tied,
+                      rope_theta=rope_theta, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=tied,
                       rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
                       bos_token_id=None, eos_token_id=256, pad_token_id=257)

@@ -77,6 +77,29 @@ def test_import_gives_transformers_logits_at_tp1(tiny, imported):
     assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() > 0.1
 
 
+def test_llama3_rope_scaling_equals_transformers_in_all_three_bands(tmp_path):
+    """Llama 3.1/3.2 `rope_type: llama3`: with rope_theta 10000 the head's frequencies fall in all three
+    bands of transformers' _compute_llama3_parameters (kept, divided by factor, interpolated between);
+    the model's inv_freq equals transformers' and so do the logits."""
+    from kubetron.hf.io import import_hf
+    from kubetron.training.model import build_model
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = make_tiny_llama(tmp_path / "llama", rope_theta=10000.0)
+    keys = import_hf(str(hf), str(tmp_path / "ckpt"))
+    ensure_world_of_one()
+    model = build_model(config_for(keys), torch.device("cpu"))
+    got = model[0].rotary_pos_emb.inv_freq
+    want = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(hf), "cpu")[0]
+    assert torch.equal(got, want), (got, want)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    kept, divided = torch.isclose(got, plain), torch.isclose(got, plain / 4)
+    assert kept.any() and divided.any() and (~kept & ~divided).any(), got / plain
+    _load_canonical(model, tmp_path / "ckpt")
+    assert (kubetron_logits(model[0]) - hf_logits(hf)).abs().max().item() <= TOL
+
+
 def test_import_then_export_is_bit_exact_and_transformers_loads_it(tiny, imported, capsys):
     from kubetron.cli import main
     from safetensors.torch import load_file
