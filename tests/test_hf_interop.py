@@ -422,6 +422,34 @@ def test_qwen3_head_dim_and_qk_norm_round_trip_with_equal_logits(tmp_path, tied)
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
 
 
+def test_qwen3_import_finetune_export_through_the_cli(tmp_path):
+    """The user's path for Qwen3: import-hf -> finetune from the import (its printed model section) ->
+    export-hf; transformers computes what the trained checkpoint computes, and the q/k norms trained."""
+    from kubetron.hf.io import read_checkpoint
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+    from safetensors.torch import load_file
+
+    hf = make_tiny_qwen3(tmp_path / "qwen3", tied=True)
+    p = _run(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "kv_channels: 24" in p.stdout and "qk_layernorm: true" in p.stdout, p.stdout
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = _run(_finetune_args(tmp_path, data, tmp_path / "ckpt", _model_keys(tmp_path / "ckpt"), 3), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    tuned, start = load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors")
+    q_norm = "model.layers.0.self_attn.q_norm.weight"
+    assert not torch.equal(tuned[q_norm], start[q_norm])
+    ensure_world_of_one()
+    keys, tensors, _, _ = read_checkpoint(str(tmp_path / "run"))
+    trained = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(trained, tensors)
+    assert (kubetron_logits(trained[0]) - hf_logits(tmp_path / "out")).abs().max().item() <= TOL
+
+
 def test_qwen3_at_tp2_gives_transformers_logits(tmp_path):
     """The q/k norms are replicated over TP ranks that each hold half of the heads (24 channels each)."""
     from kubetron.hf.io import import_hf
