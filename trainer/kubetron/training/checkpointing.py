@@ -46,7 +46,18 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
-               "share_embeddings_and_output_weights", "sliding_window")
+               "share_embeddings_and_output_weights", "sliding_window", "qk_layernorm", "kv_channels")
+
+
+def arch_value(model, field: str):
+    """A field of a `model:` section (GPTModelConfig) as it decides the architecture: kv_channels is the
+    head size (null and hidden_size / num_attention_heads are the same model)."""
+    return model.head_size() if field == "kv_channels" else getattr(model, field)
+
+
+def arch_record(model) -> dict:
+    """The ARCH_FIELDS of a `model:` section, as common.pt records them."""
+    return {f: arch_value(model, f) for f in ARCH_FIELDS}
 
 
 def _chaos(point: str, iteration: int):
@@ -449,7 +460,7 @@ class CheckpointManager:
             "scheduler": self.scheduler.state_dict(),
             "data": {"train": train_it.state_dict() if train_it is not None else None,
                      "valid": valid_it.state_dict() if valid_it is not None else None},
-            "model_config": {f: getattr(self.cfg.model, f) for f in ARCH_FIELDS},
+            "model_config": arch_record(self.cfg.model),
             "tokenizer_vocab_size": _tokenizer_vocab(self.cfg),
             "parallel": {"world_size": self.state.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
                          "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
@@ -736,8 +747,9 @@ def check_architecture(saved: dict, cfg, name: str, saved_tokenizer_vocab: int |
     """Resume asserts what it restores: the model shape must match, field by field. A sharded
     checkpoint may differ in the padded vocabulary (it grows with TP) when the tokenizer is the same."""
     same_tokenizer = saved_tokenizer_vocab is not None and saved_tokenizer_vocab == _tokenizer_vocab(cfg)
-    diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
-             for k in ARCH_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)
+    current = arch_record(cfg.model)
+    diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {current[k]!r}"
+             for k in ARCH_FIELDS if k in saved and saved[k] != current[k]
              and not (k == "vocab_size" and same_tokenizer)]
     if diffs:  # a spec error no retry fixes (exit 2): the first differing field is named
         field = diffs[0].split(":")[0]
