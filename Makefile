@@ -8,7 +8,8 @@ TORCH  := torch==2.13.0
 # Every other package at the version CI tested (regenerate with `make constraints`).
 PINNED := -c constraints.txt
 
-.PHONY: demo test venv venv-dev lint chart images bench gpu-check clean constraints
+.PHONY: demo test venv venv-dev lint chart images image-operator image-trainer image-test bench gpu-check clean \
+        constraints
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,9 +45,29 @@ lint: $(VENV)/.dev
 chart: $(VENV)/.dev
 	$(VENV)/bin/python -m kubetron_operator.helm package charts/kubetron dist/
 
-images:
-	docker build --target operator -t kubetron-operator:dev .
-	docker build --target trainer -t kubetron-trainer:dev .
+## images: kubetron-operator:dev and kubetron-trainer:dev, built by Docker (when its daemon answers), else
+## podman, else buildah. CONTAINER_TOOL=docker|podman|buildah picks one; IMAGE_TAG (dev) names the tag;
+## IMAGE_BUILD_FLAGS adds flags, e.g. IMAGE_BUILD_FLAGS='--build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3'.
+IMAGE_TAG         ?= dev
+IMAGE_BUILD_FLAGS ?=
+ifeq ($(origin CONTAINER_TOOL),undefined)
+# Looked up once, and only when an image target needs it.
+CONTAINER_TOOL = $(eval CONTAINER_TOOL := $(shell \
+    if docker info >/dev/null 2>&1; then echo docker; \
+    elif command -v podman >/dev/null 2>&1; then echo podman; \
+    elif command -v buildah >/dev/null 2>&1; then echo buildah; fi))$(CONTAINER_TOOL)
+endif
+
+images: image-operator image-trainer
+
+image-operator image-trainer: image-%:
+	$(if $(CONTAINER_TOOL),,$(error make images: no Docker daemon, podman or buildah found; install one or set CONTAINER_TOOL=))
+	$(CONTAINER_TOOL) build --target $* -t kubetron-$*:$(IMAGE_TAG) $(IMAGE_BUILD_FLAGS) .
+
+## image-test: build both images with buildah on Debian-packaged stand-ins for their bases, then run them:
+## the trainer trains the tiny GPT, the operator reconciles a job on a real API server (tests/images/).
+image-test: $(VENV)/.dev
+	$(PY) -m tests.images.check_images --torch '$(TORCH)'
 
 bench: $(VENV)/.trainer
 	$(PY) bench/loop_overhead.py

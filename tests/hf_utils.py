@@ -1,4 +1,5 @@
-"""Shared helpers for the Hugging Face interop tests: a tiny random Llama made with `transformers`."""
+"""Shared helpers for the Hugging Face interop tests: tiny random Llama and Qwen3 models made with
+`transformers` (never downloaded)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ TOKENS = torch.tensor([[5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3, 77, 12, 0, 25
 
 
 def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: int = 0, argmax: int | None = None,
-                    generation_config: dict | None = None) -> Path:
+                    generation_config: dict | None = None, rope_theta: float = 500000.0) -> Path:
     """GQA (4 heads, 2 groups), untied, Llama-3 rope scaling that changes the frequencies at this size,
     norm weights away from 1 (so a swapped norm shows). Saved as safetensors. config.json: eos 256, pad 257.
 
@@ -25,7 +26,7 @@ def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: in
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rope_theta=500000.0, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=tied,
+                      rope_theta=rope_theta, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=tied,
                       rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
                       bos_token_id=None, eos_token_id=256, pad_token_id=257)
@@ -42,6 +43,24 @@ def make_tiny_llama(out: Path, *, vocab: int = 512, tied: bool = False, seed: in
     model.save_pretrained(out)
     if generation_config is not None:
         (out / "generation_config.json").write_text(json.dumps(generation_config))
+    return out
+
+
+def make_tiny_qwen3(out: Path, *, tied: bool, head_dim: int = 24, seed: int = 3) -> Path:
+    """Qwen3: GQA (4 heads, 2 groups), head_dim 24 (4 * 24 != hidden 64), per-head q/k RMSNorm; every
+    norm weight away from 1 (a dropped or swapped q/k norm shows). Saved as safetensors."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(out)
     return out
 
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -118,6 +119,100 @@ def test_the_wheel_is_built_with_a_compiler_and_the_extension_source():
     assert "**/*.so" in (ROOT / ".dockerignore").read_text().splitlines()
 
 
+def env_values(stage: str) -> dict[str, str]:
+    """ENV name=value pairs of a stage (quotes not used in this Dockerfile)."""
+    return dict(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=(\S+)", " ".join(rest for kw, rest in stages()[stage]
+                                                                        if kw == "ENV")))
+
+
+@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_images_install_into_a_virtualenv_on_the_path(target):
+    """A distribution's Python (Debian's, Ubuntu's) refuses `pip install` outside a virtualenv (PEP 668):
+    both images install into /opt/kubetron, whose bin/ comes first on PATH, so the entry points run it."""
+    runs = [rest for kw, rest in stages()[target] if kw == "RUN" and "pip install" in rest]
+    assert runs, f"{target} installs nothing"
+    for run in runs:
+        assert "python3 -m venv" in run and re.search(r"/opt/kubetron/bin/python -m pip install", run), run
+        assert not re.search(r"(^|&&|;)\s*pip3? install", run), f"a system-wide pip install: {run}"
+    env = env_values(target)
+    assert env["PATH"].startswith("/opt/kubetron/bin:") and env["VIRTUAL_ENV"] == "/opt/kubetron"
+
+
+def test_trainer_venv_sees_the_bases_torch():
+    """--system-site-packages: NGC's CUDA torch and TransformerEngine stay the ones used."""
+    (run,) = [rest for kw, rest in stages()["trainer"] if kw == "RUN" and "pip install" in rest]
+    assert "--system-site-packages" in run
+
+
+def test_trainer_pins_are_the_bases_unless_asked():
+    """On NGC its own constraints govern; PIN_CONSTRAINTS=1 (the stand-in base of `make image-test`)
+    adds constraints.txt, which has no torch pin, so the base's torch is never replaced."""
+    (run,) = [rest for kw, rest in stages()["trainer"] if kw == "RUN" and "pip install" in rest]
+    assert "${PIN_CONSTRAINTS:+-c /tmp/constraints.txt}" in run
+    assert "source=constraints.txt,target=/tmp/constraints.txt" in run
+    assert ("PIN_CONSTRAINTS=" in [rest for kw, rest in stages()["trainer"] if kw == "ARG"])
+    assert not [ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln.startswith("torch==")]
+
+
+def make_dry_run(tmp_path: Path, tools: dict[str, int], *args: str) -> list[str]:
+    """`make -n images` with only `tools` on PATH (each a script exiting with the given code)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, code in tools.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\nexit {code}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": str(bin_dir)}
+    env.pop("CONTAINER_TOOL", None)
+    run = subprocess.run([shutil.which("make"), "-s", "-n", "-C", str(ROOT), "images", *args], env=env,
+                         capture_output=True, text=True, timeout=60)
+    return [" ".join(line.split()) for line in (run.stdout + run.stderr).splitlines()]
+
+
+@pytest.mark.parametrize("tools, chosen", [
+    ({"docker": 0, "podman": 0, "buildah": 0}, "docker"),
+    ({"docker": 1, "podman": 0, "buildah": 0}, "podman"),   # a docker CLI without a daemon is passed over
+    ({"docker": 1, "buildah": 0}, "buildah"),
+])
+def test_make_images_uses_whatever_the_machine_has(tmp_path, tools, chosen):
+    lines = make_dry_run(tmp_path, tools)
+    assert lines == [f"{chosen} build --target operator -t kubetron-operator:dev .",
+                     f"{chosen} build --target trainer -t kubetron-trainer:dev ."], lines
+
+
+def test_make_images_tool_and_flags_can_be_chosen(tmp_path):
+    lines = make_dry_run(tmp_path, {"docker": 0}, "CONTAINER_TOOL=buildah", "IMAGE_TAG=1.0",
+                         "IMAGE_BUILD_FLAGS=--build-arg BASE_IMAGE=torch:x")
+    assert lines[0] == "buildah build --target operator -t kubetron-operator:1.0 --build-arg BASE_IMAGE=torch:x ."
+
+
+def test_make_images_without_any_tool_says_so(tmp_path):
+    lines = make_dry_run(tmp_path, {})
+    assert any("no Docker daemon, podman or buildah" in ln for ln in lines), lines
+
+
+def test_the_image_test_is_not_collected_by_make_test():
+    """tests/images/ is `make image-test`'s (buildah, minutes): pytest must find nothing there."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          str(ROOT / "tests" / "images")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 5 and "no tests collected" in run.stdout, run.stdout + run.stderr
+
+
+def test_image_test_fails_without_buildah_it_cannot_install(tmp_path, monkeypatch, capsys):
+    """CI must not pass `make image-test` by skipping it: no buildah and no way to install it is a FAIL,
+    and every phase after it is reported as not run, with exit status 1."""
+    from tests.images import check_images
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name in ("buildah", "mmdebstrap") else real_which(name))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert check_images.main([]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  tools" in out and "buildah and mmdebstrap missing" in out
+    assert "FAIL  trainer" in out and "not run: build trainer failed" in out
+    assert out.rstrip().splitlines()[-1].startswith("logs kept in")
+
+
 def test_dockerignore_allows_only_what_the_wheel_needs():
     lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
@@ -125,7 +220,13 @@ def test_dockerignore_allows_only_what_the_wheel_needs():
     allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     copied = {src.rstrip("/") for kw, rest in instructions() if kw == "COPY" and "--from" not in rest
               for src in rest.split()[:-1]}
-    assert copied <= allowed, copied - allowed
+    # RUN --mount=type=bind,source=X without from=: X comes from the build context too.
+    mounted = {opts["source"] for kw, rest in instructions() if kw == "RUN"
+               for mount in re.findall(r"--mount=(\S+)", rest)
+               for opts in [dict(kv.split("=", 1) for kv in mount.split(","))]
+               if opts.get("type") == "bind" and "from" not in opts}
+    assert mounted, "no context file is bind-mounted (constraints.txt is)"
+    assert copied | mounted <= allowed, (copied | mounted) - allowed
 
 
 # ------------------------------------------------------------------------------ the trainer's launcher

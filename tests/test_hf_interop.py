@@ -1,6 +1,7 @@
 """Hugging Face interop: a tiny random `transformers` Llama (GQA, untied, Llama-3 rope scaling) through
 `kubetron import-hf`, the trainer's model at TP=1 and TP=2, `kubetron finetune` on packed SFT data and
-`kubetron export-hf` back to `transformers`; bad inputs are one line and exit 2 with nothing written.
+`kubetron export-hf` back to `transformers`; Qwen2, Qwen3 (head_dim != hidden/heads, q/k norms) and
+Mistral round trips; bad inputs are one line and exit 2 with nothing written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.hf_utils import TOKENS, config_for, ensure_world_of_one, hf_logits, kubetron_logits, make_tiny_llama
+from tests.hf_utils import (
+    TOKENS,
+    config_for,
+    ensure_world_of_one,
+    hf_logits,
+    kubetron_logits,
+    make_tiny_llama,
+    make_tiny_qwen3,
+)
 from tests.trainer_utils import env_for, kubetron_cmd
 
 pytest.importorskip("transformers")
@@ -66,6 +75,29 @@ def test_import_gives_transformers_logits_at_tp1(tiny, imported):
     model = build_model(config_for(keys, "model.rope_scaling=false"), torch.device("cpu"))
     sharding.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
     assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() > 0.1
+
+
+def test_llama3_rope_scaling_equals_transformers_in_all_three_bands(tmp_path):
+    """Llama 3.1/3.2 `rope_type: llama3`: with rope_theta 10000 the head's frequencies fall in all three
+    bands of transformers' _compute_llama3_parameters (kept, divided by factor, interpolated between);
+    the model's inv_freq equals transformers' and so do the logits."""
+    from kubetron.hf.io import import_hf
+    from kubetron.training.model import build_model
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = make_tiny_llama(tmp_path / "llama", rope_theta=10000.0)
+    keys = import_hf(str(hf), str(tmp_path / "ckpt"))
+    ensure_world_of_one()
+    model = build_model(config_for(keys), torch.device("cpu"))
+    got = model[0].rotary_pos_emb.inv_freq
+    want = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(hf), "cpu")[0]
+    assert torch.equal(got, want), (got, want)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    kept, divided = torch.isclose(got, plain), torch.isclose(got, plain / 4)
+    assert kept.any() and divided.any() and (~kept & ~divided).any(), got / plain
+    _load_canonical(model, tmp_path / "ckpt")
+    assert (kubetron_logits(model[0]) - hf_logits(hf)).abs().max().item() <= TOL
 
 
 def test_import_then_export_is_bit_exact_and_transformers_loads_it(tiny, imported, capsys):
@@ -343,6 +375,156 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
     common = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)
     with pytest.raises(ConfigError, match="model.sliding_window: checkpoint 8, this run None"):
         check_architecture(common["model_config"], config_for(keys, "model.sliding_window=null"), "iter_0000000")
+
+
+def _load_canonical(model, ckpt: Path, drop: tuple[str, ...] = ()):
+    from kubetron.training import sharding
+
+    tensors = torch.load(ckpt / "iter_0000000" / "model.pt", weights_only=True)
+    sharding.load_model_state(model, {k: v for k, v in tensors.items() if not any(d in k for d in drop)})
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qwen3_head_dim_and_qk_norm_round_trip_with_equal_logits(tmp_path, tied):
+    """Qwen3: head_dim 24 with 4 heads on hidden 64 (model.kv_channels), per-head q/k RMSNorm
+    (model.qk_layernorm), GQA, tied or untied: import-hf gives transformers' logits, export-hf writes
+    Qwen3ForCausalLM with the same tensors bit for bit."""
+    from kubetron.hf.io import export_hf, import_hf
+    from kubetron.training.model import build_model
+    from safetensors.torch import load_file
+
+    hf = make_tiny_qwen3(tmp_path / "qwen3", tied=tied)
+    want = hf_logits(hf)
+    keys = import_hf(str(hf), str(tmp_path / "ckpt"))
+    assert (keys["kv_channels"], keys["qk_layernorm"], keys["num_query_groups"],
+            keys["share_embeddings_and_output_weights"]) == (24, True, 2, tied)
+    ensure_world_of_one()
+    model = build_model(config_for(keys), torch.device("cpu"))
+    _load_canonical(model, tmp_path / "ckpt")
+    assert model[0].decoder.layers[0].self_attention.linear_qkv.weight.shape == ((4 + 2 * 2) * 24, 64)
+    diff = (kubetron_logits(model[0]) - want).abs().max().item()
+    print(f"Qwen3 ({'tied' if tied else 'untied'}): max abs logit diff to transformers {diff:.3g}")
+    assert diff <= TOL
+    # the q/k norms are not a no-op: the same weights without them give other logits
+    plain = build_model(config_for(keys, "model.qk_layernorm=false"), torch.device("cpu"))
+    _load_canonical(plain, tmp_path / "ckpt", drop=(".q_layernorm.", ".k_layernorm."))
+    assert (kubetron_logits(plain[0]) - want).abs().max().item() > 0.1
+
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["architectures"], config["head_dim"], config["tie_word_embeddings"]) == (["Qwen3ForCausalLM"], 24,
+                                                                                            tied)
+    original = load_file(hf / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    if tied:
+        original.pop("lm_head.weight", None)
+    assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
+
+
+def test_qwen3_import_finetune_export_through_the_cli(tmp_path):
+    """The user's path for Qwen3: import-hf -> finetune from the import (its printed model section) ->
+    export-hf; transformers computes what the trained checkpoint computes, and the q/k norms trained."""
+    from kubetron.hf.io import read_checkpoint
+    from kubetron.training import sharding
+    from kubetron.training.model import build_model
+    from safetensors.torch import load_file
+
+    hf = make_tiny_qwen3(tmp_path / "qwen3", tied=True)
+    p = _run(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "kv_channels: 24" in p.stdout and "qk_layernorm: true" in p.stdout, p.stdout
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = _run(_finetune_args(tmp_path, data, tmp_path / "ckpt", _model_keys(tmp_path / "ckpt"), 3), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 0, p.stderr
+    tuned, start = load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors")
+    q_norm = "model.layers.0.self_attn.q_norm.weight"
+    assert not torch.equal(tuned[q_norm], start[q_norm])
+    ensure_world_of_one()
+    keys, tensors, _, _ = read_checkpoint(str(tmp_path / "run"))
+    trained = build_model(config_for(keys), torch.device("cpu"))
+    sharding.load_model_state(trained, tensors)
+    assert (kubetron_logits(trained[0]) - hf_logits(tmp_path / "out")).abs().max().item() <= TOL
+
+
+def test_qwen3_at_tp2_gives_transformers_logits(tmp_path):
+    """The q/k norms are replicated over TP ranks that each hold half of the heads (24 channels each)."""
+    from kubetron.hf.io import import_hf
+
+    from tests.multirank.runner import environment, free_port
+
+    hf = make_tiny_qwen3(tmp_path / "qwen3", tied=False)
+    import_hf(str(hf), str(tmp_path / "ckpt"))
+    out = tmp_path / "logits.pt"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    p = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
+                        "tests.multirank.hf_logits", str(tmp_path / "ckpt"), str(hf), str(out)],
+                       cwd=REPO, env=environment(tmp_path), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    assert got["local_qkv_rows"] == (4 + 2 * 2) * 24 // 2
+    want = hf_logits(hf)
+    for key in ("from_checkpoint", "from_hf_dir"):
+        diff = (got[key] - want).abs().max().item()
+        print(f"Qwen3 TP=2 {key} vs transformers: max abs logit diff {diff:.3g}")
+        assert diff <= TOL
+
+
+def test_checkpoint_records_qk_layernorm_and_head_size(tmp_path):
+    """A run whose model lacks the q/k norms or has another head size may not start from a Qwen3 import;
+    kv_channels null and kv_channels = hidden/heads are the same model."""
+    from kubetron.errors import ConfigError
+    from kubetron.hf.io import import_hf
+    from kubetron.training.checkpointing import check_architecture
+
+    keys = import_hf(str(make_tiny_qwen3(tmp_path / "qwen3", tied=True)), str(tmp_path / "ckpt"))
+    saved = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)["model_config"]
+    assert (saved["qk_layernorm"], saved["kv_channels"]) == (True, 24)
+    check_architecture(saved, config_for(keys), "iter_0000000")
+    with pytest.raises(ConfigError, match="model.qk_layernorm: checkpoint True, this run False"):
+        check_architecture(saved, config_for(keys, "model.qk_layernorm=false"), "iter_0000000")
+    with pytest.raises(ConfigError, match="model.kv_channels: checkpoint 24, this run 16"):
+        check_architecture(saved, config_for(keys, "model.kv_channels=null"), "iter_0000000")
+    llama = {**saved, "qk_layernorm": False, "kv_channels": 16}
+    check_architecture(llama, config_for(keys, "model.qk_layernorm=false", "model.kv_channels=null"), "x")
+    check_architecture(llama, config_for(keys, "model.qk_layernorm=false", "model.kv_channels=16"), "x")
+
+
+@pytest.mark.parametrize("field,value", [("use_sliding_window", True), ("layer_types", ["full_attention",
+                                                                                      "sliding_attention"]),
+                                         ("attention_bias", True)])
+def test_qwen3_sliding_window_and_attention_bias_are_one_line_exit_2(tmp_path, field, value):
+    """Qwen3's per-layer sliding window and its attention biases (o_proj's too) are refused, not dropped."""
+    hf = make_tiny_qwen3(tmp_path / "qwen3", tied=False)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg[field] = value
+    if field == "use_sliding_window":
+        cfg.update(sliding_window=8, max_window_layers=1)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    p = _run(["import-hf", str(hf), str(tmp_path / "out")], tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and f"config.json: {field}" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("both,named", [(("qk_layernorm", "add_qkv_bias"), "model.add_qkv_bias"),
+                                        (("add_qkv_bias", "sliding_window"), "model.sliding_window"),
+                                        (("qk_layernorm", "sliding_window"), "model.sliding_window")])
+def test_export_refuses_attention_no_hf_architecture_has(both, named):
+    """Qwen3 has q/k norms, Qwen2 q/k/v biases, Mistral a window: a model with two of them has no HF class."""
+    from kubetron.config import GPTModelConfig
+    from kubetron.errors import ConfigError
+    from kubetron.hf.config_map import hf_config
+
+    llama = {"normalization": "RMSNorm", "activation": "swiglu", "add_bias_linear": False, "vocab_size": 512}
+    m = GPTModelConfig(**llama, **{k: 8 if k == "sliding_window" else True for k in both}).model_dump()
+    with pytest.raises(ConfigError, match=f"{named}: export-hf has no architecture with both"):
+        hf_config(m)
+    assert hf_config({**m, both[1]: None if both[1] == "sliding_window" else False})["architectures"] != [
+        "LlamaForCausalLM"]
 
 
 def test_qwen2_sliding_window_is_refused_naming_the_field():

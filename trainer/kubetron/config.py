@@ -118,6 +118,11 @@ class GPTModelConfig(_Section):
     num_attention_heads: int = _f(4, "Attention heads.", ge=1)
     num_query_groups: int | None = _f(
         None, "Key/value head groups for grouped-query attention (None: = num_attention_heads).", ge=1)
+    kv_channels: int | None = _f(
+        None, "Channels per attention head (HF head_dim; may differ from hidden_size / num_attention_heads, as in "
+        "Qwen3; None: hidden_size / num_attention_heads).", ge=1)
+    qk_layernorm: bool = _f(False, "Normalize queries and keys per head before RoPE, with model.normalization "
+                                   "(Qwen3's q_norm/k_norm).")
     ffn_hidden_size: int | None = _f(None, "MLP hidden size (None: 4 * hidden_size).", ge=1)
     seq_length: int = _f(64, "Training sequence length (tokens).", ge=1)
     max_position_embeddings: int | None = _f(None, "Maximum sequence length the model supports (None: seq_length).",
@@ -162,6 +167,10 @@ class GPTModelConfig(_Section):
         "first recompute_num_layers layers of each pipeline stage).")
     recompute_num_layers: int | None = _f(
         None, "With full recompute: layers per group (uniform) or layers recomputed per stage (block).", ge=1)
+
+    def head_size(self) -> int:
+        """Channels per attention head: kv_channels, else hidden_size / num_attention_heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 class OptimizerConfig(_Section):
@@ -350,8 +359,9 @@ class CheckpointConfig(_Section):
     most_recent_k: int = _f(-1, "Keep this many newest persistent checkpoints (-1: keep all).", ge=-1)
     ckpt_step: int | None = _f(None, "Load this iteration instead of the newest (iteration).", ge=0)
     pretrained_checkpoint: str | None = _f(
-        None, "Checkpoint to initialise model weights from (store or iter_* directory): `finetune`, and `train` "
-              "when checkpoint.load holds nothing to resume; training starts at iteration 0.")
+        None, "Checkpoint to initialise model weights from (store or iter_* directory; kubetron's, a Hugging Face "
+              "model directory, or a torch_dist checkpoint of megatron-core / Megatron-LM / Megatron Bridge): "
+              "`finetune`, and `train` when checkpoint.load holds nothing to resume; training starts at iteration 0.")
     async_save: bool | None = _f(
         None, "Write checkpoints in the background while training continues; the loop blocks only for the copy "
               "to host memory (None: on for multi-rank runs with ckpt_format sharded, off otherwise).")
@@ -838,9 +848,10 @@ class ConfigContainer(BaseModel):
             raise ConfigError("train.iterations_to_skip", "contains duplicates")
 
         # model
-        if m.hidden_size % m.num_attention_heads:
+        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
             raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by "
-                                                   f"num_attention_heads = {m.num_attention_heads}")
+                                                   f"num_attention_heads = {m.num_attention_heads} "
+                                                   "(set model.kv_channels for another head size)")
         if m.num_attention_heads % m.tensor_model_parallel_size:
             raise ConfigError("model.num_attention_heads",
                               f"{m.num_attention_heads} is not divisible by "
@@ -856,8 +867,9 @@ class ConfigContainer(BaseModel):
                 raise ConfigError("model.num_query_groups",
                                   f"{m.num_query_groups} is not divisible by tensor_model_parallel_size = "
                                   f"{m.tensor_model_parallel_size}")
-        if m.position_embedding_type == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
-            raise ConfigError("model.hidden_size", "rope needs an even head size (hidden_size / num_attention_heads)")
+        if m.position_embedding_type == "rope" and m.head_size() % 2:
+            raise ConfigError("model.kv_channels" if m.kv_channels else "model.hidden_size",
+                              f"rope needs an even head size, not {m.head_size()}")
         if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
             raise ConfigError("model.max_position_embeddings",
                               f"{m.max_position_embeddings} is smaller than seq_length = {m.seq_length}")

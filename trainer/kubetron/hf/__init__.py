@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, for the Llama family (Llama 2/3, Mistral, Qwen2).
+"""Hugging Face checkpoints in and out, for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3 dense).
 
 * :mod:`kubetron.hf.config_map` - an HF ``config.json`` <-> kubetron's ``model:`` section;
 * :mod:`kubetron.hf.convert` - HF tensor names and layouts <-> kubetron's canonical tensors

@@ -2,10 +2,12 @@
 
 What the family shares and kubetron's model expresses: RMSNorm, SwiGLU MLP without biases, RoPE
 (rotate-half layout, optionally Llama-3 scaling), grouped-query attention, tied or untied output
-layer, Qwen2's bias on the query/key/value projection only, and Mistral's sliding window
-(`model.sliding_window`; exported as MistralForCausalLM). Anything else (another rope type,
-a head size other than hidden/heads, MLP biases, another activation, another architecture) is an
-error naming the config.json field: converting it silently would give a different model.
+layer, any head size (`head_dim` -> `model.kv_channels`), Qwen2's bias on the query/key/value
+projection only, Qwen3's per-head query/key RMSNorm (`model.qk_layernorm`), and Mistral's sliding
+window (`model.sliding_window`; exported as MistralForCausalLM). Anything else (another rope type,
+Qwen2/Qwen3's per-layer sliding window, MLP or attention-output biases, another activation, another
+architecture) is an error naming the config.json field: converting it silently would give a
+different model.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 from kubetron.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -79,11 +81,15 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 
 
 def _sliding_window(hf: dict, arch: str) -> int | None:
-    """Mistral's window (every layer; HF: key j is seen from query i when i - j < window). Qwen2's is on
-    some layers only (use_sliding_window, max_window_layers): refused."""
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        raise ConfigError("config.json: use_sliding_window", "Qwen2's sliding window (on the layers from "
-                          "max_window_layers on) is not supported")
+    """Mistral's window (every layer; HF: key j is seen from query i when i - j < window). Qwen2's and
+    Qwen3's are on some layers only (use_sliding_window, max_window_layers; layer_types): refused."""
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        name = arch.removesuffix("ForCausalLM")
+        if hf.get("use_sliding_window"):
+            raise ConfigError("config.json: use_sliding_window", f"{name}'s sliding window (on the layers from "
+                              "max_window_layers on) is not supported")
+        if "sliding_attention" in (hf.get("layer_types") or []):
+            raise ConfigError("config.json: layer_types", f"{name}'s sliding_attention layers are not supported")
     if arch == "MistralForCausalLM" and hf.get("sliding_window"):
         return int(hf["sliding_window"])
     return None
@@ -99,15 +105,15 @@ def model_section(hf: dict) -> dict:
     """kubetron's `model:` keys for this HF config (raises ConfigError for what it cannot express)."""
     arch = architecture(hf)
     hidden, heads = int(_require(hf, "hidden_size")), int(_require(hf, "num_attention_heads"))
-    head_dim = hf.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise ConfigError("config.json: head_dim", f"{head_dim} * {heads} heads != hidden_size {hidden} "
-                          "(not supported)")
+    head_dim = int(hf.get("head_dim") or hidden // heads)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError("config.json: hidden_act", f"{act!r} is not supported (supported: silu)")
     if hf.get("mlp_bias"):
         raise ConfigError("config.json: mlp_bias", "MLP biases are not supported")
+    if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":  # Llama's and Qwen3's bias o_proj too
+        raise ConfigError("config.json: attention_bias", "biases on the attention projections (o_proj's included) "
+                          "are not supported")
     window = _sliding_window(hf, arch)
     theta, scaling = _rope(hf)
     if theta != int(theta):
@@ -118,6 +124,8 @@ def model_section(hf: dict) -> dict:
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "kv_channels": head_dim if head_dim * heads != hidden else None,
+        "qk_layernorm": arch == "Qwen3ForCausalLM",
         "ffn_hidden_size": int(_require(hf, "intermediate_size")),
         "vocab_size": int(_require(hf, "vocab_size")),
         "max_position_embeddings": max_pos,
@@ -128,7 +136,7 @@ def model_section(hf: dict) -> dict:
         "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "activation": "swiglu",
         "add_bias_linear": False,
-        "add_qkv_bias": arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+        "add_qkv_bias": arch == "Qwen2ForCausalLM",
         "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
         "sliding_window": window,
         "hidden_dropout": 0.0,
@@ -144,18 +152,26 @@ def model_section(hf: dict) -> dict:
     return m
 
 
-def hf_config(model: dict, architecture_name: str | None = None, torch_dtype: str = "float32") -> dict:
+def _export_architecture(model: dict) -> str:
+    """The one HF architecture that has this model's attention: Qwen3 (q/k norms), Qwen2 (q/k/v
+    biases), Mistral (a sliding window) or Llama; a combination none of them has is refused."""
+    features = {"Qwen3ForCausalLM": ("model.qk_layernorm", model.get("qk_layernorm")),
+                "Qwen2ForCausalLM": ("model.add_qkv_bias", model.get("add_qkv_bias")),
+                "MistralForCausalLM": ("model.sliding_window", model.get("sliding_window"))}
+    on = [(arch, key) for arch, (key, value) in features.items() if value]
+    if len(on) > 1:
+        raise ConfigError(on[1][1], f"export-hf has no architecture with both {on[0][1]} and {on[1][1]}")
+    return on[0][0] if on else "LlamaForCausalLM"
+
+
+def hf_config(model: dict, torch_dtype: str = "float32") -> dict:
     """An HF config.json for kubetron's `model:` keys (a dict as `cfg.model.model_dump()` gives)."""
     if model.get("normalization") != "RMSNorm" or model.get("activation") != "swiglu" \
             or model.get("position_embedding_type") != "rope" or model.get("add_bias_linear"):
         raise ConfigError("model", "export-hf needs a Llama-family model: normalization RMSNorm, activation "
                           "swiglu, position_embedding_type rope, add_bias_linear false")
+    arch = _export_architecture(model)
     window = model.get("sliding_window")
-    if window and model.get("add_qkv_bias"):
-        raise ConfigError("model.sliding_window", "export-hf writes a sliding window as MistralForCausalLM, which "
-                          "has no q/k/v biases (model.add_qkv_bias)")
-    arch = architecture_name or ("MistralForCausalLM" if window else "Qwen2ForCausalLM" if model.get("add_qkv_bias")
-                                 else "LlamaForCausalLM")
     heads = model["num_attention_heads"]
     out = {
         "architectures": [arch],
@@ -165,13 +181,13 @@ def hf_config(model: dict, architecture_name: str | None = None, torch_dtype: st
         "num_hidden_layers": model["num_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": model.get("num_query_groups") or heads,
-        "head_dim": model["hidden_size"] // heads,
+        "head_dim": model.get("kv_channels") or model["hidden_size"] // heads,
         "vocab_size": model["vocab_size"],
         "max_position_embeddings": model.get("max_position_embeddings") or model["seq_length"],
         "rms_norm_eps": model["layernorm_epsilon"],
         "hidden_act": "silu",
         "tie_word_embeddings": bool(model["share_embeddings_and_output_weights"]),
-        "attention_bias": bool(model.get("add_qkv_bias")) and arch == "LlamaForCausalLM",
+        "attention_bias": False,
         "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": model.get("init_method_std", 0.02),
@@ -180,6 +196,8 @@ def hf_config(model: dict, architecture_name: str | None = None, torch_dtype: st
     }
     if arch == "MistralForCausalLM":
         out["sliding_window"] = window or None
+    if arch == "Qwen3ForCausalLM":
+        out.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * model["num_layers"])
     rope = {"rope_type": "default", "rope_theta": float(model["rotary_base"])}
     if model.get("rope_scaling"):
         llama3 = {k: model[f"rope_scaling_{k}"] for k in _LLAMA3_KEYS}

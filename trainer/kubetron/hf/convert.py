@@ -6,7 +6,8 @@ bit-exact):
   query group: for each of the `g` groups, its `heads/g` query heads, then its key head, then its
   value head (rows of `head_dim` each). Qwen2's q/k/v biases are fused the same way.
 - MLP: HF's `gate_proj` and `up_proj` become `linear_fc1` = [gate; up] (megatron's SwiGLU layout).
-A tied model has no `lm_head.weight` (HF) and no `output_layer.weight` (kubetron).
+A tied model has no `lm_head.weight` (HF) and no `output_layer.weight` (kubetron). Qwen3's per-head
+`q_norm`/`k_norm` are megatron's `q_layernorm`/`k_layernorm` (`model.qk_layernorm`), renamed.
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ _RENAMES = {  # HF name -> canonical name ("{i}" = layer number)
     "model.layers.{i}.self_attn.o_proj.weight": "decoder.layers.{i}.self_attention.linear_proj.weight",
     "model.layers.{i}.mlp.down_proj.weight": "decoder.layers.{i}.mlp.linear_fc2.weight",
 }
+_QK_NORMS = {  # with model.qk_layernorm
+    "model.layers.{i}.self_attn.q_norm.weight": "decoder.layers.{i}.self_attention.q_layernorm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "decoder.layers.{i}.self_attention.k_layernorm.weight",
+}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
 def _shape(m: dict) -> tuple[int, int, int]:
     heads = m["num_attention_heads"]
     groups = m.get("num_query_groups") or heads
-    return heads, groups, m["hidden_size"] // heads
+    return heads, groups, m.get("kv_channels") or m["hidden_size"] // heads
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> torch.Tensor:
@@ -53,8 +58,10 @@ def _split_qkv(qkv: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, 
             v.reshape(groups * d, *rest).contiguous())
 
 
-def _layer_names(template: dict) -> dict[str, str]:
-    return {k: v for k, v in template.items() if "{i}" in k}
+def _layer_names(m: dict) -> dict[str, str]:
+    """HF -> canonical names of the per-layer tensors that are only renamed."""
+    names = {k: v for k, v in _RENAMES.items() if "{i}" in k}
+    return {**names, **_QK_NORMS} if m.get("qk_layernorm") else names
 
 
 def hf_to_canonical(hf: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
@@ -72,7 +79,7 @@ def hf_to_canonical(hf: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Ten
             continue
         out[dst] = take(src)
     for i in range(m["num_layers"]):
-        for src, dst in _layer_names(_RENAMES).items():
+        for src, dst in _layer_names(m).items():
             out[dst.format(i=i)] = take(src.format(i=i))
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         pre = f"decoder.layers.{i}"
@@ -99,7 +106,7 @@ def canonical_to_hf(canon: dict[str, torch.Tensor], m: dict) -> dict[str, torch.
             continue
         out[src] = canon[dst]
     for i in range(m["num_layers"]):
-        for src, dst in _layer_names(_RENAMES).items():
+        for src, dst in _layer_names(m).items():
             out[src.format(i=i)] = canon[dst.format(i=i)]
         attn, mlp, pre = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"decoder.layers.{i}"
         q, k, v = _split_qkv(canon[f"{pre}.self_attention.linear_qkv.weight"], m)

@@ -30,7 +30,9 @@ _ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "vocab_size", "rotary_base", "normalization", "activation", "add_bias_linear", "add_qkv_bias",
               "share_embeddings_and_output_weights", "position_embedding_type", "rope_scaling",
               "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-              "rope_scaling_original_max_position_embeddings", "layernorm_epsilon", "sliding_window")
+              "rope_scaling_original_max_position_embeddings", "layernorm_epsilon", "sliding_window",
+              "qk_layernorm", "kv_channels")
+_UNSET_IS_DEFAULT = ("sliding_window", "kv_channels")  # left out of the printed section when null
 
 
 def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -64,7 +66,7 @@ def load_hf_canonical(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> str:
     """The `model:` section to put into a run config, the checkpoint key pointing at `out` and, when the
     HF directory has a tokenizer, the tokenizer section reading the copy inside the checkpoint."""
-    keep = {k: v for k, v in m.items() if (k in _ARCH_KEYS and not (k == "sliding_window" and v is None))
+    keep = {k: v for k, v in m.items() if (k in _ARCH_KEYS and not (k in _UNSET_IS_DEFAULT and v is None))
             or k in ("seq_length", "max_position_embeddings")}
     text = yaml.safe_dump({"model": keep}, sort_keys=False)
     if out:
@@ -92,14 +94,15 @@ def import_hf(hf_dir: str, out: str) -> dict:
     if not os.path.isdir(hf_dir):
         raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
     m, tensors = load_hf_canonical(hf_dir)  # every check before megatron-core is even imported
+    from kubetron.config import GPTModelConfig
     from kubetron.storage import open_store
-    from kubetron.training.checkpointing import ARCH_FIELDS, CHECKPOINT_VERSION, MARKER, committed_iterations, iter_dir
+    from kubetron.training.checkpointing import CHECKPOINT_VERSION, MARKER, arch_record, committed_iterations, iter_dir
 
     store = open_store(out)
     if committed_iterations(store):
         raise ConfigError("OUT", f"{out} already holds a checkpoint; give an empty or new directory")
     common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
-              "model_config": {f: m[f] for f in ARCH_FIELDS}, "source": {"hf_dir": os.path.abspath(hf_dir)},
+              "model_config": arch_record(GPTModelConfig(**m)), "source": {"hf_dir": os.path.abspath(hf_dir)},
               "hf": generation.record_of_hf_dir(hf_dir)}
     name = iter_dir(0)
     txn = store.begin_dir(name, txn_id="import-hf")
@@ -264,11 +267,14 @@ def _write_export(out: str, hf: dict[str, torch.Tensor], files: dict[str, bytes]
 def load_hf_into_model(model, cfg, hf_dir: str, keep=None):
     """checkpoint.pretrained_checkpoint = an HF directory: its weights into this rank's model parts
     (`keep(name)`: only some; LoRA: the base)."""
+    from kubetron.config import GPTModelConfig
     from kubetron.training import sharding
+    from kubetron.training.checkpointing import arch_value
 
     m, tensors = load_hf_canonical(hf_dir)
-    diffs = [f"model.{k}: HF {m[k]!r}, this run {getattr(cfg.model, k)!r}" for k in _ARCH_KEYS
-             if m[k] != getattr(cfg.model, k)]
+    hf_model = GPTModelConfig(**m)
+    diffs = [f"model.{k}: HF {arch_value(hf_model, k)!r}, this run {arch_value(cfg.model, k)!r}" for k in _ARCH_KEYS
+             if arch_value(hf_model, k) != arch_value(cfg.model, k)]
     if diffs:
         raise CheckpointError(f"{hf_dir} does not match this model (`kubetron import-hf` prints the model "
                               "section): " + "; ".join(diffs[:4]))

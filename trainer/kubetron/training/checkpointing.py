@@ -32,11 +32,12 @@ import yaml
 from kubetron import progress as progress_log
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.storage import open_store
-from kubetron.training import comm, peft, sharded, sharding
+from kubetron.training import comm, dist_ckpt, peft, sharded, sharding
 
 log = logging.getLogger("kubetron")
 
 TRACKER = "latest_train_state.pt"
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "metadata.json"
 NON_PERSISTENT = "non_persistent"
 TOKENIZER_DIR = "tokenizer"
@@ -45,7 +46,18 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
-               "share_embeddings_and_output_weights", "sliding_window")
+               "share_embeddings_and_output_weights", "sliding_window", "qk_layernorm", "kv_channels")
+
+
+def arch_value(model, field: str):
+    """A field of a `model:` section (GPTModelConfig) as it decides the architecture: kv_channels is the
+    head size (null and hidden_size / num_attention_heads are the same model)."""
+    return model.head_size() if field == "kv_channels" else getattr(model, field)
+
+
+def arch_record(model) -> dict:
+    """The ARCH_FIELDS of a `model:` section, as common.pt records them."""
+    return {f: arch_value(model, f) for f in ARCH_FIELDS}
 
 
 def _chaos(point: str, iteration: int):
@@ -382,10 +394,9 @@ class CheckpointManager:
         if snap.shard is not None:
             self.last_save_bytes = sharded.write(txn, rank, snap.shard, after_data=lambda: _chaos("after-shard", it))
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
-            from kubetron.training import dist_ckpt
-
+            common = dist_ckpt.megatron_common(it, self.scheduler.state_dict(), self.state.train_state.state_dict())
             facts = dist_ckpt.save(self.model, self.optimizer, txn, self.cfg,
-                                   with_optimizer=self.cfg.checkpoint.save_optim)
+                                   with_optimizer=self.cfg.checkpoint.save_optim, common=common)
             if snap.common is not None and facts:
                 snap.common["dist_optimizer"] = facts
         if snap.common is not None:
@@ -449,7 +460,7 @@ class CheckpointManager:
             "scheduler": self.scheduler.state_dict(),
             "data": {"train": train_it.state_dict() if train_it is not None else None,
                      "valid": valid_it.state_dict() if valid_it is not None else None},
-            "model_config": {f: getattr(self.cfg.model, f) for f in ARCH_FIELDS},
+            "model_config": arch_record(self.cfg.model),
             "tokenizer_vocab_size": _tokenizer_vocab(self.cfg),
             "parallel": {"world_size": self.state.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
                          "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
@@ -611,15 +622,30 @@ class CheckpointManager:
             raise ConfigError("checkpoint.pretrained_checkpoint",
                               f"no complete checkpoint in {ck.pretrained_checkpoint}")
         store, name, iteration = found
-        self._restore(store, name, full=False)
+        backend = dist_ckpt.megatron_backend(store, name)
+        if backend is not None:  # written by Megatron-LM / Megatron Bridge / megatron-core itself
+            self._load_megatron(store, name, backend)
+        else:
+            self._restore(store, name, full=False)
         log.info("finetuning from weights of %s/%s (iteration %d); training starts at 0", store.url, name, iteration)
 
-    def _restore(self, store, name, *, full: bool):
-        from kubetron.training import dist_ckpt
+    def _load_megatron(self, store, name: str, backend: str):
+        if backend != "torch_dist" or peft.enabled(self.cfg):
+            raise ConfigError("checkpoint.pretrained_checkpoint",
+                              f"{store.url}/{name} is a megatron-core {backend} checkpoint: kubetron reads megatron's "
+                              "torch_dist format" + (", and not as a LoRA base" if backend == "torch_dist" else ""))
+        check_architecture(bridge_heads(store, name), self.cfg, name)  # what the tensor shapes cannot tell
+        dist_ckpt.load_megatron(self.model, store, name, self.cfg)
+        self.optimizer.reload_model_params()
 
+    def _restore(self, store, name, *, full: bool):
         model, optimizer = self.model, self.optimizer
+        if dist_ckpt.megatron_backend(store, name) is not None:
+            raise ConfigError("checkpoint.load", f"{store.url}/{name} was written by megatron-core (Megatron-LM, "
+                                                 "Megatron Bridge): fine-tune from it as "
+                                                 "checkpoint.pretrained_checkpoint")
         common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
-        check_version(common, store, name)
+        check_version(common, store, name, field="checkpoint.load" if full else "checkpoint.pretrained_checkpoint")
         log_run_config_changes(store, name, self.cfg)
         self.hf_record = common.get("hf", self.hf_record)
         fmt = common.get("ckpt_format") or ("torch_dist" if dist_ckpt.is_dist_checkpoint(store, name) else "kubetron")
@@ -721,20 +747,37 @@ def check_architecture(saved: dict, cfg, name: str, saved_tokenizer_vocab: int |
     """Resume asserts what it restores: the model shape must match, field by field. A sharded
     checkpoint may differ in the padded vocabulary (it grows with TP) when the tokenizer is the same."""
     same_tokenizer = saved_tokenizer_vocab is not None and saved_tokenizer_vocab == _tokenizer_vocab(cfg)
-    diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
-             for k in ARCH_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)
+    current = arch_record(cfg.model)
+    diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {current[k]!r}"
+             for k in ARCH_FIELDS if k in saved and saved[k] != current[k]
              and not (k == "vocab_size" and same_tokenizer)]
     if diffs:  # a spec error no retry fixes (exit 2): the first differing field is named
         field = diffs[0].split(":")[0]
         raise ConfigError(field, f"{name} does not match this model: " + "; ".join(diffs))
 
 
-def check_version(common: dict, store, name: str):
-    """A checkpoint written by a newer kubetron (unknown layout) is refused with one line."""
+def bridge_heads(store, name: str) -> dict:
+    """num_attention_heads / num_query_groups from a Megatron Bridge checkpoint's run_config.yaml (safe YAML;
+    {} without one, e.g. Megatron-LM's, whose args sit in a pickle that is never read)."""
+    key = f"{name}/run_config.yaml"
+    if not store.exists(key):
+        return {}
+    try:
+        model = (yaml.safe_load(store.read_bytes(key)) or {}).get("model") or {}
+    except (yaml.YAMLError, AttributeError) as e:
+        log.warning("%s: not read (%s); the attention heads are not checked", key, str(e).splitlines()[0][:100])
+        return {}
+    heads = model.get("num_attention_heads")
+    groups = model.get("num_query_groups") or heads
+    return {k: v for k, v in (("num_attention_heads", heads), ("num_query_groups", groups)) if isinstance(v, int)}
+
+
+def check_version(common: dict, store, name: str, field: str = "checkpoint.load"):
+    """A checkpoint written by a newer kubetron (unknown layout) is refused with one line naming `field`."""
     version = common.get("checkpoint_version")
     if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
-        raise ConfigError("checkpoint.load", f"{store.url}/{name} has checkpoint version {version!r}; this kubetron "
-                                             f"reads versions 1..{CHECKPOINT_VERSION} (use the kubetron that wrote it)")
+        raise ConfigError(field, f"{store.url}/{name} has checkpoint version {version!r}; this kubetron "
+                                 f"reads versions 1..{CHECKPOINT_VERSION} (use the kubetron that wrote it)")
 
 
 def run_config_changes(saved_yaml: str, cfg) -> list[str]:
@@ -773,6 +816,22 @@ def committed_iterations(store, prefix: str = "") -> list[int]:
     return sorted(its)
 
 
+def tracked_iteration(store) -> int | None:
+    """The iteration the tracker names: kubetron's `latest_train_state.pt` ({"iteration": ...}), Megatron
+    Bridge's (its TrainState, {"step": ...}) or Megatron-LM's `latest_checkpointed_iteration.txt`."""
+    if store.exists(TRACKER):
+        tracker = _safe_load(store.read_bytes(TRACKER), TRACKER)
+        value = tracker.get("iteration", tracker.get("step")) if isinstance(tracker, dict) else None
+    elif store.exists(MEGATRON_LM_TRACKER):
+        value = store.read_bytes(MEGATRON_LM_TRACKER).decode(errors="replace").strip()
+    else:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{store.url}: the tracker names no iteration ({str(value)[:40]!r})") from None
+
+
 def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent: bool = True):
     """(store, dir name, iteration) of the checkpoint to load, or None if there is none.
 
@@ -797,8 +856,8 @@ def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent
                                                       f" (complete: {durable[-5:]})")
         return store, iter_dir(ckpt_step), ckpt_step
     best = None
-    if store.exists(TRACKER):
-        tracked = int(_safe_load(store.read_bytes(TRACKER), TRACKER)["iteration"])
+    tracked = tracked_iteration(store)
+    if tracked is not None:
         if tracked in durable:
             best = tracked
         else:

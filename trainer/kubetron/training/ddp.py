@@ -14,9 +14,9 @@ Gradient buffers (`GradBuffers`, for `ddp.overlap_grad_reduce` and the distribut
 - a post-accumulate-grad hook adds each micro-batch's `param.grad` into the buffer and frees it
   (megatron's `main_grad`); with `overlap_grad_reduce`, a bucket whose parameters have all received
   their last micro-batch's gradient starts its reduction at once (async), while backward goes on;
-- `finish()` starts what has not started, waits, divides by the DP size; then sums the
-  sequence-parallel layer-norm grads over TP and the tied embedding over the embedding group, as
-  megatron's `finalize_model_grads` does. Parameters that need those extra sums sit in one bucket of
+- `finish()` starts what has not started, waits, divides by the DP size; then sums the TP-partial
+  grads (sequence-parallel layer norms, q/k layer norms) over TP and the tied embedding over the
+  embedding group, as megatron's `finalize_model_grads` does. Parameters that need those extra sums sit in one bucket of
   their own that is all-reduced (their full gradient is needed), the others are reduce-scattered
   when the optimizer is distributed and all-reduced otherwise.
 
@@ -49,6 +49,7 @@ from kubetron.training.grads import (
     embedding_group_weight,
     model_parallel_grad_sums,
     sum_of_squares,
+    summed_over_tp,
 )
 from kubetron.training.optimizer_base import OptimizerOverCopies, take_main_param
 
@@ -77,7 +78,7 @@ def broadcast_params(model: list[torch.nn.Module]):
 
 def _needs_full_grad(p: torch.nn.Parameter, shared_embedding) -> bool:
     """Parameters whose DP-reduced gradient is summed once more over another group."""
-    sp = getattr(p, "sequence_parallel", False) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    sp = summed_over_tp(p) and parallel_state.get_tensor_model_parallel_world_size() > 1
     return sp or p is shared_embedding
 
 

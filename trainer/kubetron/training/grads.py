@@ -44,6 +44,13 @@ def embedding_group_weight(model: list[torch.nn.Module]) -> torch.nn.Parameter |
     return None
 
 
+def summed_over_tp(param: torch.nn.Parameter) -> bool:
+    """A parameter replicated over TP whose gradient each TP rank has only a part of: the layer norms
+    under sequence parallelism (megatron marks them `sequence_parallel`) and the q/k layer norms, which
+    each rank applies to its own heads (model.mark_qk_layernorm)."""
+    return bool(getattr(param, "sequence_parallel", False) or getattr(param, "qk_layernorm", False))
+
+
 def _allreduce_flat(grads: list[torch.Tensor], group, divide_by: int = 1, fp32: bool = False):
     if not grads:
         return
@@ -61,8 +68,8 @@ def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool 
     """What megatron's finalize_model_grads does, for plain `.grad`s, in the same order:
 
     1. data-parallel mean of all gradients (one flat bucket, one all-reduce);
-    2. with sequence parallelism, sum the grads of params replicated across TP ranks that saw only
-       their sequence shard (layer norms; megatron marks them `sequence_parallel`) over the TP group;
+    2. sum the grads of params replicated across TP ranks that saw only a part of the data (their
+       sequence shard, their heads: `summed_over_tp`) over the TP group;
     3. with pipeline parallelism and tied embeddings, sum the word-embedding grad of the first stage
        and its copy on the last stage (`output_layer.weight`) over the embedding group, so the two
        copies get the same update.
@@ -78,7 +85,7 @@ def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool 
 def model_parallel_grad_sums(params, grad_of, shared_embedding):
     """Steps 2 and 3 above, on the DP-reduced gradients `grad_of(param)` (None: no gradient)."""
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
+        sp = [grad_of(p) for p in params if summed_over_tp(p)]
         _allreduce_flat([g for g in sp if g is not None], parallel_state.get_tensor_model_parallel_group())
     if shared_embedding is not None and grad_of(shared_embedding) is not None:
         dist.all_reduce(grad_of(shared_embedding), group=parallel_state.get_embedding_group())

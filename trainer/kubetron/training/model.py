@@ -100,7 +100,8 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size,
-        kv_channels=m.hidden_size // m.num_attention_heads,
+        kv_channels=m.head_size(),
+        qk_layernorm=m.qk_layernorm,  # the spec's q/k_layernorm (layer_spec), per head, before RoPE
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         sequence_parallel=m.sequence_parallel,
@@ -157,8 +158,8 @@ def layer_spec(cfg):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         log.info("layer spec: TransformerEngine")
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.model.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization, qk_layernorm=cfg.model.qk_layernorm)
     if cfg.model.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm:  # megatron asserts
         raise ConfigError("model.sequence_parallel", "needs TransformerEngine (model.transformer_impl auto with TE "
                                                      "installed, or transformer_engine): the local layer spec's "
@@ -194,6 +195,7 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
                 original_max_position_embeddings=cfg.model.rope_scaling_original_max_position_embeddings)
     if getattr(model, "output_layer", None) is not None:
         mask_vocab_padding(model.output_layer, cfg)
+    mark_qk_layernorm(model)
     from kubetron.training.peft import apply_lora
 
     apply_lora([model], cfg)  # peft: adapters on the target linears, everything else frozen
@@ -205,6 +207,15 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
         for layer in model.decoder.layers:
             layer.compile()
     return [model]
+
+
+def mark_qk_layernorm(model: torch.nn.Module):
+    """q/k_layernorm weights are replicated over TP while each TP rank normalizes its own heads: their
+    gradient is the sum over the TP group (megatron's finalize_model_grads finds them by name; kubetron's
+    grad sync, grads.summed_over_tp, by this mark)."""
+    for name, p in model.named_parameters():
+        if ".q_layernorm." in name or ".k_layernorm." in name:
+            p.qk_layernorm = True
 
 
 def mask_vocab_padding(output_layer: torch.nn.Module, cfg):

@@ -97,15 +97,17 @@ def reduce_losses(per_microbatch: list[dict[str, torch.Tensor]]) -> dict[str, to
 def num_floating_point_operations(cfg, batch_size: int) -> float:
     """Training FLOPs for `batch_size` sequences (fwd + bwd = 3x fwd; causal attention counted half).
 
-    Per token and layer, forward: 2*(QKV + proj + MLP weights) + 2*2*s*h/2 for QK^T and AV.
-    Plus the logits layer 2*h*V. The same formula is used for the plain-PyTorch baseline in bench/.
+    Per token and layer, forward: 2*(QKV + proj + MLP weights) + 2*2*s*q/2 for QK^T and AV, where
+    q = heads * head size (= h unless model.kv_channels says otherwise). Plus the logits layer 2*h*V.
+    The same formula is used for the plain-PyTorch baseline in bench/.
     """
     m = cfg.model
     h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, m.vocab_size
-    kv = (m.num_query_groups or m.num_attention_heads) / m.num_attention_heads
+    q = m.num_attention_heads * m.head_size()
+    kv = 2 * (m.num_query_groups or m.num_attention_heads) * m.head_size()
     ffn = m.ffn_hidden_size or 4 * h
     gated = 3 if m.activation == "swiglu" else 2  # number of h x ffn matrices
-    per_layer = 2 * (h * h * (1 + 2 * kv) + h * h + gated * h * ffn) + 2 * s * h  # causal: 4*s*h/2
+    per_layer = 2 * (h * (q + kv) + q * h + gated * h * ffn) + 2 * s * q  # causal: 4*s*q/2
     per_token = L * per_layer + 2 * h * V
     return 3.0 * per_token * s * batch_size
 
