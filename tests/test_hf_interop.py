@@ -163,6 +163,19 @@ def _finetune_args(tmp: Path, data: Path, pretrained: Path, keys: dict, iters: i
             f"checkpoint.save_interval={iters}", "logger.log_interval=1", "train.exit_signal_handler=false"]
 
 
+def _import_finetune_export(tmp: Path, hf: Path, iters: int) -> str:
+    """import-hf HF -> finetune `iters` packed SFT iterations -> export-hf to tmp/out; import-hf's stdout."""
+    imported = _run(["import-hf", str(hf), str(tmp / "ckpt")], tmp)
+    assert imported.returncode == 0, imported.stderr
+    data = tmp / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = _run(_finetune_args(tmp, data, tmp / "ckpt", _model_keys(tmp / "ckpt"), iters), tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["export-hf", str(tmp / "run"), str(tmp / "out")], tmp)
+    assert p.returncode == 0, p.stderr
+    return imported.stdout
+
+
 def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_path):
     """The user's path: import-hf -> finetune (packed SFT) -> export-hf -> transformers generate."""
     data = tmp_path / "sft.jsonl"
@@ -210,14 +223,7 @@ def test_generate_stops_at_the_base_stop_ids_after_import_finetune_export(tmp_pa
     from transformers import AutoModelForCausalLM
 
     hf = make_tiny_llama(tmp_path / "llama", argmax=300, generation_config=INSTRUCT_GENERATION)
-    p = _run(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
-    assert p.returncode == 0, p.stderr
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
-    p = _run(_finetune_args(tmp_path, data, tmp_path / "ckpt", _model_keys(tmp_path / "ckpt"), 2), tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
-    assert p.returncode == 0, p.stderr
+    _import_finetune_export(tmp_path, hf, 2)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["eos_token_id"], config["pad_token_id"]) == (256, 257)  # config.json's, as the base had them
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == INSTRUCT_GENERATION
@@ -431,15 +437,8 @@ def test_qwen3_import_finetune_export_through_the_cli(tmp_path):
     from safetensors.torch import load_file
 
     hf = make_tiny_qwen3(tmp_path / "qwen3", tied=True)
-    p = _run(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
-    assert p.returncode == 0, p.stderr
-    assert "kv_channels: 24" in p.stdout and "qk_layernorm: true" in p.stdout, p.stdout
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
-    p = _run(_finetune_args(tmp_path, data, tmp_path / "ckpt", _model_keys(tmp_path / "ckpt"), 3), tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
-    assert p.returncode == 0, p.stderr
+    out = _import_finetune_export(tmp_path, hf, 3)
+    assert "kv_channels: 24" in out and "qk_layernorm: true" in out, out
     tuned, start = load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors")
     q_norm = "model.layers.0.self_attn.q_norm.weight"
     assert not torch.equal(tuned[q_norm], start[q_norm])
