@@ -32,6 +32,9 @@ STARTING_JOB = "Starting job"
 SAVED_CHECKPOINT = "Saved checkpoint"
 SAVED_ASYNC_CHECKPOINT = "Saved async checkpoint"
 EXITING_JOB = "Exiting job"
+RESTARTED_IN_PLACE = "Restarted in place"  # before the "Starting job" of a gang restarted inside its pods
+IN_PLACE_RESTARTS_KEY = "In-place restarts"  # its count within the attempt (docs/recovery.md)
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's, in every rank's environment
 CHECKPOINT_EVENTS = frozenset({SAVED_CHECKPOINT, SAVED_ASYNC_CHECKPOINT})
 
 _JOB_ID_PREFIX = "Job ID:"
@@ -99,6 +102,30 @@ def starting_job_line(
         fields={"Iteration": int(iteration), "Train iters": int(train_iters)},
         now=now,
     )
+
+
+def restarted_in_place_line(
+    iteration: int,
+    restarts: int,
+    train_iters: int,
+    *,
+    num_gpus: int,
+    job_id: str | None = None,
+    now: datetime | None = None,
+) -> str:
+    """`Restarted in place  Iteration: <resumed from>  In-place restarts: <n in this attempt>  Train iters: <n>`."""
+    return format_line(
+        RESTARTED_IN_PLACE,
+        job_id=_job_id_or_env(job_id),
+        num_gpus=num_gpus,
+        fields={"Iteration": int(iteration), IN_PLACE_RESTARTS_KEY: int(restarts), "Train iters": int(train_iters)},
+        now=now,
+    )
+
+
+def in_place_restarts() -> int:
+    """How often torchrun has restarted this process's gang inside its pods, this attempt (0 outside torchrun)."""
+    return _as_int(os.environ.get(RESTART_COUNT_ENV)) or 0
 
 
 def saved_checkpoint_line(

@@ -1,0 +1,134 @@
+"""In-place recovery (docs/recovery.md), as two pods' entry points see it: two `python -m kubetron.launch`
+processes on localhost (NNODES=2, NODE_RANK=0/1, one rank each, real torchrun with gloo) training the
+tiny GPT into one store.
+
+- A trainer process SIGKILLed mid-run is restarted inside the same "pods" (the launchers never exit):
+  every rank resumes from the newest checkpoint, recomputes the lost iterations to the same losses,
+  and the job completes with exit 0. Rank 0 records the restart in the progress log.
+- An end no restart can cure (a config error, exit 2) is not restarted: the pod exits 2 at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from kubetron import exitcodes, launch
+from kubetron import progress as progress_log
+
+from tests.multirank.runner import free_port
+from tests.test_launch_endings import QUICK, pod_env
+from tests.trainer_utils import TINY
+
+REPO = Path(__file__).resolve().parent.parent
+LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
+
+pytestmark = pytest.mark.slow
+
+
+def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3) -> list[subprocess.Popen]:
+    port = str(free_port())
+    pods = []
+    for rank in (0, 1):
+        (tmp_path / f"pod{rank}").mkdir()
+        env = {**pod_env(tmp_path / f"pod{rank}", 1), "NNODES": "2", "NODE_RANK": str(rank), "MASTER_PORT": port,
+               "KUBETRON_JOB_ID": "default/tiny/0", launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts)}
+        pods.append(subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True))
+    return pods
+
+
+def trainer_pid(pod: subprocess.Popen) -> int:
+    """The pod's trainer process (`python -m kubetron train ...` under torchrun), not its launcher."""
+    for child in psutil.Process(pod.pid).children(recursive=True):
+        if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
+            return child.pid
+    raise AssertionError("no trainer process under the launcher")
+
+
+def collect(pod: subprocess.Popen, lines: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: lines.extend(pod.stdout), daemon=True)
+    thread.start()
+    return thread
+
+
+def finish(pods: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """The pods' exit codes, None for one still running after `timeout` (then killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pod.poll() is None for pod in pods):
+        time.sleep(0.1)
+    codes = [pod.poll() for pod in pods]
+    for pod in pods:
+        if pod.poll() is None:
+            os.killpg(pod.pid, signal.SIGKILL)
+            pod.wait()
+    return codes
+
+
+def losses(lines: list[str]) -> list[tuple[int, str]]:
+    return [(int(m.group(1)), m.group(2)) for m in map(LOSS_RE.search, lines) if m]
+
+
+def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path):
+    store = tmp_path / "ckpt"
+    pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=100",
+                                 "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10",
+                                 f"checkpoint.save={store}", f"checkpoint.load={store}"])  # as the operator sets them
+    launchers = [p.pid for p in pods]
+    out0, out1 = [], []
+    threads = [collect(pods[0], out0), collect(pods[1], out1)]
+    deadline = time.monotonic() + 300
+    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) >= 15 for line in list(out1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(out0 + out1)[-4000:]
+        time.sleep(0.02)
+    killed = trainer_pid(pods[0])  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
+    os.kill(killed, signal.SIGKILL)
+
+    codes = finish(pods, timeout=120)
+    for t in threads:
+        t.join(timeout=10)
+    log = "".join(out0) + "\n----- pod 1 -----\n" + "".join(out1)
+    assert codes == [0, 0], log[-6000:]
+    assert [p.pid for p in pods] == launchers  # the same "pods": no launcher was replaced
+    restarted = f"rank 0 (local rank 0, pid {killed}) was killed by SIGKILL: restarting the gang in place"
+    assert restarted in log, log[-6000:]
+
+    # Resumed from the newest checkpoint before the kill: the iterations after it ran twice, to the same losses
+    # (the last rank, in pod 1, logs them).
+    seen = losses(out1)
+    again = [i for i, (it, _) in enumerate(seen) if i and it <= seen[i - 1][0]]
+    assert len(again) == 1, seen
+    resumed_at = seen[again[0]][0]
+    assert resumed_at % 10 == 1 and resumed_at > 10, seen
+    first, second = dict(seen[:again[0]]), dict(seen[again[0]:])
+    assert {it: first[it] for it in second if it in first} == {it: second[it] for it in second if it in first}, seen
+    assert max(second) == 100
+
+    events = progress_log.parse_progress((store / "progress.txt").read_text())
+    restarts = [e for e in events if e.event == progress_log.RESTARTED_IN_PLACE]
+    assert [e.fields.get(progress_log.IN_PLACE_RESTARTS_KEY) for e in restarts] == ["1"], events
+    assert events[-1].event == progress_log.EXITING_JOB
+
+
+def test_a_config_error_is_not_restarted_in_place(tmp_path):
+    """Exit 2 is final: pod 0 exits 2 at once (its rank's own one line last), nothing is restarted.
+    Pod 1 ends too (2, or 1 when the rendezvous host in pod 0 went away before its rank's end was seen)."""
+    pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=-3"])
+    outs: list[list[str]] = [[], []]
+    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    codes = finish(pods, timeout=120)
+    for t in threads:
+        t.join(timeout=10)
+    log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+    assert codes[0] == exitcodes.CONFIG_ERROR and codes[1] in (exitcodes.CONFIG_ERROR, exitcodes.ERROR), log[-4000:]
+    assert "restarting the gang in place" not in log, log[-4000:]
+    assert outs[0][-1].startswith("kubetron: error: train.train_iters"), log[-4000:]
