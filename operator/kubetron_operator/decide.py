@@ -450,7 +450,8 @@ def _running(job: Job, obs: Observed, attempt: int) -> Action:
     status = {k: v for k, v in status.items() if obs.status.get(k) != v}
     events = (Event("Normal", "Running", f"attempt {attempt}: all {job.spec.nodes} pods running"),) if (
         "phase" in status) else ()
-    return Action("wait", status=status, delete_pods=stale, events=events)
+    restarts, in_place = _in_place_news(obs, attempt)
+    return Action("wait", status={**status, **restarts}, delete_pods=stale, events=events + in_place)
 
 
 def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: Mapping | None,
@@ -573,7 +574,7 @@ def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | No
     """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
     st = obs.status
     attempt = _to_int(st.get("attempt"))
-    restarts = _restarts(st)
+    restarts = _restarts(st, obs.progress)
     restarts[kind] += 1
     restarts["total"] = restarts["preemptions"] + restarts["failures"] + restarts["neverStarted"]
     progressed = _it(ckpt) > _to_int(st.get("attemptStartCheckpoint")) or (
@@ -640,7 +641,8 @@ def _succeed(job: Job, obs: Observed, ckpt: Mapping | None) -> Action:
     train_iters = status.get("trainIters")
     if train_iters:
         status.update(iteration=train_iters, progress="100%")
-    status.update(completionTime=_iso(obs.now), eta="0s", lastCheckpoint=ckpt, nextAttemptTime=None)
+    status.update(completionTime=_iso(obs.now), eta="0s", lastCheckpoint=ckpt, nextAttemptTime=None,
+                  restarts=_restarts(obs.status, obs.progress))
     return Action("succeed", status=status, delete_pods=tuple(p.name for p in obs.pods if p.alive),
                   events=(Event("Normal", "Succeeded", f"training completed at iteration {status.get('iteration')}"),))
 
@@ -794,10 +796,31 @@ def _conditions(old: list, phase: str, reason: str, message: str, now: datetime)
     return out
 
 
-def _restarts(st: Mapping[str, Any]) -> dict[str, int]:
+def _restarts(st: Mapping[str, Any], log: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """The restart counters; `inPlace` (docs/recovery.md) is not in `total`, which counts attempts, and
+    takes the progress log's count when that is newer."""
     r = st.get("restarts") or {}
     p, f, n = _to_int(r.get("preemptions")), _to_int(r.get("failures")), _to_int(r.get("neverStarted"))
-    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n}
+    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n,
+            "inPlace": max(_to_int(r.get("inPlace")), _log_in_place(log or {}))}
+
+
+def _log_in_place(log: Mapping[str, Any]) -> int:
+    """In-place restarts over all attempts, as the progress log records them (one count per job id)."""
+    by_job = log.get("inPlaceRestarts")
+    return sum(_to_int(n) for n in by_job.values()) if isinstance(by_job, Mapping) else 0
+
+
+def _in_place_news(obs: Observed, attempt: int) -> tuple[dict[str, Any], tuple[Event, ...]]:
+    """While running: the restarts counters when the log shows new in-place restarts, and an event for each."""
+    before = _restarts(obs.status)["inPlace"]
+    restarts = _restarts(obs.status, obs.progress)
+    if restarts["inPlace"] <= before:
+        return {}, ()
+    events = tuple(Event("Warning", "RestartedInPlace", f"attempt {attempt}: a trainer process ended ({n} in-place "
+                         "restarts in all); the gang restarted inside its pods from the newest checkpoint")
+                   for n in range(before + 1, restarts["inPlace"] + 1))
+    return {"restarts": restarts}, events
 
 
 def _overdue(obs: Observed) -> tuple[str, ...]:

@@ -133,6 +133,7 @@ class JobSpec:
     termination_grace_period_seconds: int = 120
     startup_timeout_seconds: int = 600
     max_never_started_attempts: int = 5
+    max_in_place_restarts: int = 3
     status_port: int = 8080
     master_port: int = 29500
     env: tuple[Mapping[str, Any], ...] = ()
@@ -233,6 +234,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         termination_grace_period_seconds=_int(spec, "terminationGracePeriodSeconds", 120, minimum=0),
         startup_timeout_seconds=_int(spec, "startupTimeoutSeconds", 600, minimum=1),
         max_never_started_attempts=_int(spec, "maxNeverStartedAttempts", 5, minimum=1),
+        max_in_place_restarts=_int(spec, "maxInPlaceRestarts", 3, minimum=0),
         status_port=ports[0],
         master_port=ports[1],
         env=env,

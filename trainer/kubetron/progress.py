@@ -335,7 +335,8 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
     the latest iteration its lines mention: the operator's job ids are <ns>/<job>/<attempt>), tokens,
     floatingPointOperations, jobThroughput, cumulativeThroughput (of the last checkpoint), jobs (number of
     Starting job lines), startTime (earliest Starting job), completed, lastExit ({iteration, reason,
-    time} or None) and events (every parsed line).
+    time} or None), inPlaceRestarts (job id -> its in-place restarts, from Restarted in place lines)
+    and events (every parsed line).
 
     `completed` is true when the last Exiting job after the last Starting job says `Completed`, or the
     last checkpoint's iteration reached the latest Train iters.
@@ -348,6 +349,7 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
     jobs = 0
     start_time: datetime | None = None
     by_job: dict[str, int] = {}
+    in_place: dict[str, int] = {}
 
     for ev in events:
         it = ev.iteration
@@ -368,6 +370,9 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
         elif ev.event == EXITING_JOB:
             last_exit = ev
             exit_since_start = ev
+        elif ev.event == RESTARTED_IN_PLACE:
+            count = _as_int(ev.fields.get(IN_PLACE_RESTARTS_KEY)) or 0
+            in_place[ev.job_id] = max(in_place.get(ev.job_id, 0), count)
 
     completed = False
     if exit_since_start is not None and exit_since_start.fields.get("Reason") == "Completed":
@@ -401,6 +406,7 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
             if last_exit
             else None
         ),
+        "inPlaceRestarts": in_place,
         "events": [ev.to_json() for ev in events],
     }
 
