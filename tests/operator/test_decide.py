@@ -493,7 +493,7 @@ def test_admission_rejection_backs_off_and_avoids_the_node(case, reason, msg):
 
 def test_backoff_doubles_to_a_cap_with_jitter():
     def delay(failures):
-        status = {**RUNNING, "restarts": {"preemptions": 0, "failures": failures, "neverStarted": 0, "total": 0, "inPlace": 0}}
+        status = {**RUNNING, "restarts": {"preemptions": 0, "failures": failures, "neverStarted": 0, "total": 0}}
         job = Job.from_body(job_body(S3_JOB, backoffLimit=20))
         action = run(status, pods=[pod(0), pod(1, phase="Failed", exit_code=1)], job=job)
         return (datetime.fromisoformat(action.status["nextAttemptTime"]) - NOW).total_seconds()

@@ -110,7 +110,8 @@ def test_preempted_then_resumed_then_succeeded(kube, kube_ns, s3_server, status_
         api.create(kube.jobs(ns), body)
         pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
         st = kube.wait_status(ns, "gpt", "Pending attempt 1", lambda s: s.get("phase") == "Pending")
-        assert st["attempt"] == 1 and st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}
+        assert st["attempt"] == 1
+        assert st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}
         env = {e["name"]: e for e in pods["gpt-1-0"]["spec"]["containers"][0]["env"]}
         assert env["MASTER_ADDR"]["value"] == f"gpt-1-0.gpt.{ns}.svc"
         assert "value" not in env["AWS_SECRET_ACCESS_KEY"]  # a secretKeyRef, never the secret itself
