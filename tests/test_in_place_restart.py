@@ -92,6 +92,11 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
         time.sleep(0.02)
     killed = trainer_pid(pods[0])  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
     os.kill(killed, signal.SIGKILL)
+    killed_at, seen_before = time.monotonic(), len(out1)
+    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) <= 11 for line in out1[seen_before:]):
+        assert time.monotonic() - killed_at < 120 and all(p.poll() is None for p in pods), "".join(out0 + out1)[-4000:]
+        time.sleep(0.05)
+    print(f"recovery: {time.monotonic() - killed_at:.1f} s from the kill to the first step after the restart")
 
     codes = finish(pods, timeout=120)
     for t in threads:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -99,6 +100,9 @@ def _only_restart_restartable_ends(agent_class) -> None:
         # apart would have the new ranks read the previous round's addresses.
         if worker_group.state.name == "HEALTHY":
             self._remaining_restarts -= 1
+        # The surviving ranks cannot finish a step with a peer gone, and they resume from the newest
+        # checkpoint anyway: SIGKILL them now rather than SIGTERM and wait 30 s for a save that cannot come.
+        self._shutdown(death_sig=signal.SIGKILL)
         restart_workers(self, worker_group)
 
     agent_class._restart_workers = _restart_workers
