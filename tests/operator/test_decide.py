@@ -729,22 +729,35 @@ def test_in_place_restarts_are_counted_apart_with_an_event_each():
     action = run(pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)))
     assert action.kind == "wait" and not action.delete_pods
     assert action.status["restarts"] == {**RUNNING["restarts"], "inPlace": 2}
+    assert action.status["attemptInPlaceRestarts"] == 2
     assert [e.reason for e in action.events] == ["RestartedInPlace"] * 2
-    assert "2 in-place restarts in all" in action.events[-1].message
+    assert "(2 in this attempt, 2 in all)" in action.events[-1].message
+
+
+def test_in_place_restarts_from_rank_0s_status_endpoint():
+    """A PVC store's log is not read while running: rank 0's endpoint says how often its gang restarted."""
+    action = run(pods=[pod(0), pod(1)], live={"iteration": 12, "inPlaceRestarts": 1})
+    assert action.status["restarts"]["inPlace"] == 1 and len(action.events) == 1
 
 
 def test_in_place_restarts_already_counted_post_nothing():
-    status = {**RUNNING, "restarts": {**RUNNING["restarts"], "inPlace": 2}}
-    action = run(status, pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)))
+    status = {**RUNNING, "restarts": {**RUNNING["restarts"], "inPlace": 2}, "attemptInPlaceRestarts": 2}
+    action = run(status, pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)),
+                 live={"inPlaceRestarts": 2})
     assert "restarts" not in action.status and not action.events
 
 
 def test_in_place_restarts_add_up_over_attempts_and_survive_the_attempts_end():
-    """Attempt 1 restarted once in place, attempt 2 once so far; then attempt 2 fails: the count is kept."""
-    status = {**RUNNING, "attempt": 2, "restarts": {**RUNNING["restarts"], "failures": 1, "total": 1, "inPlace": 1}}
+    """Attempt 1 restarted once in place, attempt 2 once so far; then attempt 2 fails: the count is kept,
+    and the next attempt starts its own count from 0."""
+    status = {**RUNNING, "attempt": 2, "restarts": {**RUNNING["restarts"], "failures": 1, "total": 1, "inPlace": 1},
+              "attemptInPlaceRestarts": 0}
     log = _log_with_restarts((1, 1), (2, 1))
     running = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2)], progress=log)
     assert running.status["restarts"]["inPlace"] == 2 and len(running.events) == 1
     failed = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2, phase="Failed", exit_code=1)], progress=log)
     assert failed.kind == "restart" and failed.status["restarts"]["inPlace"] == 2
     assert failed.status["restarts"]["total"] == 2  # the failure counts as an attempt, the in-place restarts not
+    created = run({**status, **failed.status, "nextAttemptTime": None}, pods=[], progress=log)
+    assert created.kind == "create" and created.status["attemptInPlaceRestarts"] == 0
+    assert created.status["restarts"]["inPlace"] == 2
