@@ -459,6 +459,7 @@ def test_status_server_serves_updates():
             "loss": None,
             "learningRate": None,
             "tflopsPerGpu": None,
+            "inPlaceRestarts": 0,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
         status = json.loads(get(base + "/status?x=1")[1])
