@@ -31,28 +31,28 @@ from tests.trainer_utils import TINY
 REPO = Path(__file__).resolve().parent.parent
 LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
-pytestmark = pytest.mark.slow
-
-
-def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3) -> list[subprocess.Popen]:
+def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,
+               nproc: int = 1) -> list[subprocess.Popen]:
     port = str(free_port())
     pods = []
-    for rank in (0, 1):
+    for rank in range(nodes):
         (tmp_path / f"pod{rank}").mkdir()
-        env = {**pod_env(tmp_path / f"pod{rank}", 1), "NNODES": "2", "NODE_RANK": str(rank), "MASTER_PORT": port,
-               "KUBETRON_JOB_ID": "default/tiny/0", launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts)}
+        env = {**pod_env(tmp_path / f"pod{rank}", nproc), "NNODES": str(nodes), "NODE_RANK": str(rank),
+               "MASTER_PORT": port, "KUBETRON_JOB_ID": "default/tiny/0",
+               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts)}
         pods.append(subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True))
     return pods
 
 
-def trainer_pid(pod: subprocess.Popen) -> int:
-    """The pod's trainer process (`python -m kubetron train ...` under torchrun), not its launcher."""
-    for child in psutil.Process(pod.pid).children(recursive=True):
-        if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
-            return child.pid
-    raise AssertionError("no trainer process under the launcher")
+def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:
+    """Global rank `rank`'s trainer process (`python -m kubetron train ...` under torchrun), not a launcher."""
+    for pod in pods:
+        for child in psutil.Process(pod.pid).children(recursive=True):
+            if child.cmdline()[1:4] == ["-m", "kubetron", "train"] and child.environ().get("RANK") == str(rank):
+                return child.pid
+    raise AssertionError(f"no trainer process of rank {rank}")
 
 
 def collect(pod: subprocess.Popen, lines: list[str]) -> threading.Thread:
@@ -78,38 +78,43 @@ def losses(lines: list[str]) -> list[tuple[int, str]]:
     return [(int(m.group(1)), m.group(2)) for m in map(LOSS_RE.search, lines) if m]
 
 
-def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, nproc", [(2, 1), (1, 2)], ids=["2 pods x 1 rank", "1 pod x 2 ranks"])
+def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path, nodes, nproc):
     store = tmp_path / "ckpt"
     pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=100",
                                  "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10",
-                                 f"checkpoint.save={store}", f"checkpoint.load={store}"])  # as the operator sets them
+                                 f"checkpoint.save={store}", f"checkpoint.load={store}"],  # as the operator sets them
+                      nodes=nodes, nproc=nproc)
     launchers = [p.pid for p in pods]
-    out0, out1 = [], []
-    threads = [collect(pods[0], out0), collect(pods[1], out1)]
+    outs: list[list[str]] = [[] for _ in pods]
+    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    out_last = outs[-1]  # the last rank logs the iterations
     deadline = time.monotonic() + 300
-    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) >= 15 for line in list(out1)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(out0 + out1)[-4000:]
+    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) >= 15 for line in list(out_last)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(sum(outs, []))[-4000:]
         time.sleep(0.02)
-    killed = trainer_pid(pods[0])  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
+    killed = trainer_pid(pods, 0)  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
     os.kill(killed, signal.SIGKILL)
-    killed_at, seen_before = time.monotonic(), len(out1)
-    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) <= 11 for line in out1[seen_before:]):
-        assert time.monotonic() - killed_at < 120 and all(p.poll() is None for p in pods), "".join(out0 + out1)[-4000:]
+    killed_at, seen_before = time.monotonic(), len(out_last)
+    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) <= 11 for line in out_last[seen_before:]):
+        assert time.monotonic() - killed_at < 120 and all(p.poll() is None for p in pods), "".join(
+            sum(outs, []))[-4000:]
         time.sleep(0.05)
     print(f"recovery: {time.monotonic() - killed_at:.1f} s from the kill to the first step after the restart")
 
     codes = finish(pods, timeout=120)
     for t in threads:
         t.join(timeout=10)
-    log = "".join(out0) + "\n----- pod 1 -----\n" + "".join(out1)
-    assert codes == [0, 0], log[-6000:]
+    log = "\n----- next pod -----\n".join("".join(out) for out in outs)
+    assert codes == [0] * nodes, log[-6000:]
     assert [p.pid for p in pods] == launchers  # the same "pods": no launcher was replaced
     restarted = f"rank 0 (local rank 0, pid {killed}) was killed by SIGKILL: restarting the gang in place"
     assert restarted in log, log[-6000:]
 
     # Resumed from the newest checkpoint before the kill: the iterations after it ran twice, to the same losses
-    # (the last rank, in pod 1, logs them).
-    seen = losses(out1)
+    # (the last rank logs them).
+    seen = losses(out_last)
     again = [i for i, (it, _) in enumerate(seen) if i and it <= seen[i - 1][0]]
     assert len(again) == 1, seen
     resumed_at = seen[again[0]][0]
@@ -124,6 +129,7 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     assert events[-1].event == progress_log.EXITING_JOB
 
 
+@pytest.mark.slow
 def test_a_config_error_is_not_restarted_in_place(tmp_path):
     """Exit 2 is final: pod 0 exits 2 at once (its rank's own one line last), nothing is restarted.
     Pod 1 ends too (2, or 1 when the rendezvous host in pod 0 went away before its rank's end was seen)."""
@@ -137,3 +143,30 @@ def test_a_config_error_is_not_restarted_in_place(tmp_path):
     assert codes[0] == exitcodes.CONFIG_ERROR and codes[1] in (exitcodes.CONFIG_ERROR, exitcodes.ERROR), log[-4000:]
     assert "restarting the gang in place" not in log, log[-4000:]
     assert outs[0][-1].startswith("kubetron: error: train.train_iters"), log[-4000:]
+
+
+# -- which ends are restarted in place (no processes) ------------------------------------------------------
+
+@pytest.mark.parametrize("ends, expected", [
+    ([-9], True),  # SIGKILL (the OOM killer, a test)
+    ([-11], True),  # a segfault
+    ([exitcodes.PEER_FAILURE], True),
+    ([exitcodes.STRAGGLER], True),
+    ([137], True),  # not a code of the contract's
+    ([-9, -15], True),  # torchrun SIGTERMed the sibling of the rank that died
+    ([-15], False),  # only SIGTERMs: nothing to cure
+    ([exitcodes.ERROR], False),
+    ([exitcodes.CONFIG_ERROR, -15], False),
+    ([exitcodes.DIVERGED], False),
+    ([exitcodes.RESUME_MISMATCH], False),
+    ([exitcodes.SAVED_ON_SIGNAL], False),
+    ([exitcodes.EXIT_CONDITION], False),
+    ([-9, exitcodes.CONFIG_ERROR], False),  # any end a restart cannot cure stops the restarts
+])
+def test_which_ends_are_restarted_in_place(ends, expected):
+    from kubetron import torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+                for rank, code in enumerate(ends)}
+    assert torchrun.restartable(failures) is expected

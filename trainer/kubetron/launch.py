@@ -58,14 +58,8 @@ def torchrun_argv(env: Mapping[str, str], args: Sequence[str], python: str = sys
         # ends a restart can cure. Beyond the bound the pod fails and the operator restarts the gang.
         f"--max-restarts={int(env.get(MAX_IN_PLACE_RESTARTS_ENV) or 0)}",
     ]
-    if nnodes > 1:
+    if nnodes > 1 or env.get("MASTER_ADDR"):
         argv += rendezvous_args(env)
-    elif env.get("MASTER_ADDR"):
-        argv += [
-            f"--node-rank={env.get('NODE_RANK', '0')}",
-            f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
-            f"--master-port={env.get('MASTER_PORT', '29500')}",
-        ]
     else:
         argv.append("--standalone")
     trainer_args = list(args) or ["train", "--config", env.get("KUBETRON_CONFIG", DEFAULT_CONFIG)]

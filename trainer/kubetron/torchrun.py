@@ -68,9 +68,16 @@ def _write_failures(failures, name: str = FAILURES_FILE, mode: str = "w") -> Non
 
 
 def restartable(failures) -> bool:
-    """Whether every failed local rank ended in a way an in-place restart can cure."""
-    return all(exitcodes.restartable_in_place(f.exitcode, f.signal_name() if f.exitcode < 0 else None)
-               for f in failures.values())
+    """Whether the failed local ranks ended in a way an in-place restart can cure.
+
+    Ranks killed by SIGTERM/SIGINT are left out: once one rank fails, torchrun SIGTERMs its siblings
+    itself (a preemption's SIGTERM reaches torchrun first, which then stops without restarting).
+    """
+    def signal_name(f):
+        return f.signal_name() if f.exitcode < 0 else None
+
+    causes = [f for f in failures.values() if signal_name(f) not in ("SIGTERM", "SIGINT")]
+    return bool(causes) and all(exitcodes.restartable_in_place(f.exitcode, signal_name(f)) for f in causes)
 
 
 def _only_restart_restartable_ends(agent_class) -> None:
