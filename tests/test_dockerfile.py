@@ -232,14 +232,23 @@ def test_dockerignore_allows_only_what_the_wheel_needs():
 # ------------------------------------------------------------------------------ the trainer's launcher
 
 
-def test_torchrun_argv_multi_node():
-    env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "8", "MASTER_ADDR": "job-1-0.job.ns.svc",
-           "MASTER_PORT": "29500"}
+@pytest.mark.parametrize("node_rank, host_args", [
+    ("0", {"--rdzv-conf=is_host=true", "--local-addr=job-1-0.job.ns.svc"}), ("1", {"--rdzv-conf=is_host=false"})])
+def test_torchrun_argv_multi_node(node_rank, host_args):
+    """A c10d rendezvous hosted by pod 0 (it re-forms after an in-place restart, docs/recovery.md)."""
+    env = {"NNODES": "2", "NODE_RANK": node_rank, "NPROC_PER_NODE": "8", "MASTER_ADDR": "job-1-0.job.ns.svc",
+           "MASTER_PORT": "29500", "KUBETRON_JOB_ID": "ns/job/1", launch.MAX_IN_PLACE_RESTARTS_ENV: "3"}
     argv = launch.torchrun_argv(env, ["train", "--config", "/etc/kubetron/config.yaml"], python="py")
     assert argv[:3] == ["py", "-m", "kubetron.torchrun"]  # torchrun's run(), its failure report left out
-    assert {"--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--master-addr=job-1-0.job.ns.svc",
-            "--master-port=29500", "--max-restarts=0"} <= set(argv)
+    assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=job-1-0.job.ns.svc:29500",
+            "--rdzv-id=ns-job-1", "--max-restarts=3", *host_args} <= set(argv)
+    assert not any(a.startswith("--local-addr") for a in argv) or node_rank == "0"
     assert argv[-5:] == ["-m", "kubetron", "train", "--config", "/etc/kubetron/config.yaml"]
+
+
+def test_torchrun_argv_restarts_nothing_in_place_unless_told():
+    argv = launch.torchrun_argv({"NNODES": "2", "MASTER_ADDR": "a"}, [], python="py")
+    assert "--max-restarts=0" in argv
 
 
 def test_torchrun_argv_defaults_to_a_standalone_run_of_the_mounted_config():

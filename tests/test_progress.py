@@ -443,6 +443,7 @@ def test_status_server_serves_updates():
             "loss": None,
             "learningRate": None,
             "tflopsPerGpu": None,
+            "inPlaceRestarts": 0,  # not under torchrun, or not restarted
         }
         server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
         server.update(etaSeconds=30.2, lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
@@ -458,6 +459,7 @@ def test_status_server_serves_updates():
             "loss": None,
             "learningRate": None,
             "tflopsPerGpu": None,
+            "inPlaceRestarts": 0,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
         status = json.loads(get(base + "/status?x=1")[1])
@@ -519,3 +521,10 @@ def test_progress_command_writes_its_summary_as_a_termination_message(tmp_path, 
     assert len(line.encode()) <= progress.TERMINATION_MESSAGE_LIMIT
     assert progress.main(["--termination-log"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_status_server_says_how_often_the_gang_restarted_in_place(monkeypatch):
+    """Under torchrun, a restarted gang's rank 0 serves its restart count (the operator's inPlace, docs/recovery.md)."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with StatusServer(0, host="127.0.0.1") as server:
+        assert json.loads(get(f"http://127.0.0.1:{server.port}/status")[1])["inPlaceRestarts"] == 2

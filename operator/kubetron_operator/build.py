@@ -154,6 +154,7 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> 
         "NNODES": str(spec.nodes),
         "NODE_RANK": str(rank),
         "NPROC_PER_NODE": str(spec.nproc_per_node),
+        "KUBETRON_MAX_IN_PLACE_RESTARTS": str(spec.max_in_place_restarts),
     }
     env: list[dict[str, Any]] = [dict(var) for var in spec.env]  # user's first; ours cannot be overridden
     env += [{"name": k, "value": v} for k, v in plain.items()]

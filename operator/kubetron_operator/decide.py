@@ -415,6 +415,7 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
         "admittedTime": None,
         "lastCheckpoint": ckpt,
         "restarts": _restarts(st),
+        "attemptInPlaceRestarts": 0,
         "lostIterations": lost,
         "lastAttemptIteration": None,
         "nextAttemptTime": None,
@@ -450,7 +451,8 @@ def _running(job: Job, obs: Observed, attempt: int) -> Action:
     status = {k: v for k, v in status.items() if obs.status.get(k) != v}
     events = (Event("Normal", "Running", f"attempt {attempt}: all {job.spec.nodes} pods running"),) if (
         "phase" in status) else ()
-    return Action("wait", status=status, delete_pods=stale, events=events)
+    restarts, in_place = _in_place_news(obs, attempt)
+    return Action("wait", status={**status, **restarts}, delete_pods=stale, events=events + in_place)
 
 
 def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: Mapping | None,
@@ -573,7 +575,8 @@ def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | No
     """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
     st = obs.status
     attempt = _to_int(st.get("attempt"))
-    restarts = _restarts(st)
+    in_place, _ = _in_place_news(obs, attempt)
+    restarts = in_place.get("restarts") or _restarts(st)
     restarts[kind] += 1
     restarts["total"] = restarts["preemptions"] + restarts["failures"] + restarts["neverStarted"]
     progressed = _it(ckpt) > _to_int(st.get("attemptStartCheckpoint")) or (
@@ -641,6 +644,7 @@ def _succeed(job: Job, obs: Observed, ckpt: Mapping | None) -> Action:
     if train_iters:
         status.update(iteration=train_iters, progress="100%")
     status.update(completionTime=_iso(obs.now), eta="0s", lastCheckpoint=ckpt, nextAttemptTime=None)
+    status.update(_in_place_news(obs, _to_int(obs.status.get("attempt")))[0])
     return Action("succeed", status=status, delete_pods=tuple(p.name for p in obs.pods if p.alive),
                   events=(Event("Normal", "Succeeded", f"training completed at iteration {status.get('iteration')}"),))
 
@@ -795,9 +799,29 @@ def _conditions(old: list, phase: str, reason: str, message: str, now: datetime)
 
 
 def _restarts(st: Mapping[str, Any]) -> dict[str, int]:
+    """The restart counters; `inPlace` (docs/recovery.md) is not in `total`, which counts attempts."""
     r = st.get("restarts") or {}
     p, f, n = _to_int(r.get("preemptions")), _to_int(r.get("failures")), _to_int(r.get("neverStarted"))
-    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n}
+    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n,
+            "inPlace": _to_int(r.get("inPlace"))}
+
+
+def _in_place_news(obs: Observed, attempt: int) -> tuple[dict[str, Any], tuple[Event, ...]]:
+    """In-place restarts of the current attempt not counted yet, from rank 0's status endpoint or the
+    progress log: the status fields that count them, and an event for each."""
+    counted = _to_int(obs.status.get("attemptInPlaceRestarts"))
+    by_job = (obs.progress or {}).get("inPlaceRestarts")
+    logged = [_to_int(n) for job_id, n in by_job.items() if str(job_id).endswith(f"/{attempt}")] if isinstance(
+        by_job, Mapping) else []
+    now = max([counted, _to_int((obs.live or {}).get("inPlaceRestarts")), *logged])
+    if now <= counted:
+        return {}, ()
+    restarts = _restarts(obs.status)
+    total = restarts["inPlace"] + now - counted
+    events = tuple(Event("Warning", "RestartedInPlace", f"attempt {attempt}: a trainer process ended; the gang "
+                         f"restarted inside its pods from the newest checkpoint ({n} in this attempt, "
+                         f"{total - now + n} in all)") for n in range(counted + 1, now + 1))
+    return {"restarts": {**restarts, "inPlace": total}, "attemptInPlaceRestarts": now}, events
 
 
 def _overdue(obs: Observed) -> tuple[str, ...]:

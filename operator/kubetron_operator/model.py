@@ -28,6 +28,7 @@ RESERVED_ENV = frozenset({
     "KUBETRON_JOB_ID", "KUBETRON_EXPECTED_ITERATION", "KUBETRON_TERMINATION_LOG", "KUBETRON_STATUS_PORT",
     "KUBETRON_CONFIG", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NNODES", "NODE_RANK",
     "NPROC_PER_NODE", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+    "KUBETRON_MAX_IN_PLACE_RESTARTS",
 })
 """Variables the operator sets itself (docs/CONTRACT.md); a spec.env entry may not override them."""
 
@@ -133,6 +134,7 @@ class JobSpec:
     termination_grace_period_seconds: int = 120
     startup_timeout_seconds: int = 600
     max_never_started_attempts: int = 5
+    max_in_place_restarts: int = 3
     status_port: int = 8080
     master_port: int = 29500
     env: tuple[Mapping[str, Any], ...] = ()
@@ -233,6 +235,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         termination_grace_period_seconds=_int(spec, "terminationGracePeriodSeconds", 120, minimum=0),
         startup_timeout_seconds=_int(spec, "startupTimeoutSeconds", 600, minimum=1),
         max_never_started_attempts=_int(spec, "maxNeverStartedAttempts", 5, minimum=1),
+        max_in_place_restarts=_int(spec, "maxInPlaceRestarts", 3, minimum=0),
         status_port=ports[0],
         master_port=ports[1],
         env=env,

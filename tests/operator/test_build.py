@@ -68,6 +68,14 @@ def test_rendezvous_env(gpus, nproc):
         assert limits.get("nvidia.com/gpu") == (gpus or None)
 
 
+@pytest.mark.parametrize(("spec", "expected"), [({}, "3"), ({"maxInPlaceRestarts": 0}, "0"),
+                                                ({"maxInPlaceRestarts": 5}, "5")])
+def test_max_in_place_restarts_reaches_the_launcher(spec, expected):
+    """spec.maxInPlaceRestarts (default 3) becomes the launcher's bound (docs/recovery.md), in every pod."""
+    pods = by_kind(build(Job.from_body(job_body(**spec)), 1), "Pod")
+    assert {env_of(pod)["KUBETRON_MAX_IN_PLACE_RESTARTS"]["value"] for pod in pods} == {expected}
+
+
 def test_pod_is_safe_and_never_restarts_itself():
     pod = by_kind(build(Job.from_body(job_body(terminationGracePeriodSeconds=300)), 1), "Pod")[0]
     spec, container = pod["spec"], pod["spec"]["containers"][0]

@@ -24,7 +24,7 @@ from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 JOB = Job.from_body(S3_JOB)  # 2 nodes, backoffLimit 2
 RUNNING = {"phase": "Running", "attempt": 1, "startTime": "2026-11-22T11:00:00Z", "attemptStartCheckpoint": 0,
-           "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0}}
+           "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}}
 
 
 def pod(rank, phase="Running", attempt=1, **kw):
@@ -58,7 +58,7 @@ def test_preemption_restarts_free(case, rank1):
     action = run(pods=[pod(0), rank1])
     assert action.kind == "restart"
     assert action.phase == "Restarting"
-    assert action.status["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1}
+    assert action.status["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1, "inPlace": 0}
     assert set(action.delete_pods) == ({"gpt-1-0", "gpt-1-1"} if rank1.deleting_for is None else {"gpt-1-0"})
     assert action.create_attempt is None  # the next attempt waits until every pod is gone
     assert action.events and action.events[0].type == "Warning"
@@ -84,7 +84,7 @@ FAILURES = [
 def test_failures_count_toward_backoff(case, rank1, reason):
     action = run(pods=[pod(0), rank1])
     assert action.kind == "restart" and action.status["reason"] == reason
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1, "inPlace": 0}
     if reason == "OOMKilled":
         assert "OOMKilled" in action.status["message"] and "memory" in action.status["message"]
 
@@ -228,7 +228,7 @@ def test_new_job_creates_attempt_one():
     assert action.kind == "create" and action.create_attempt == 1 and action.expected_iteration == 0
     assert action.phase == "Pending" and action.status["attempt"] == 1
     assert action.status["startTime"] == "2026-11-22T12:00:00Z"
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}
 
 
 def test_restarting_waits_for_every_old_pod_to_go():
@@ -432,7 +432,7 @@ def test_startup_timeout_ends_the_attempt_as_never_started():
     action = run(status, pods=[pod(0), stuck])
     assert action.kind == "restart" and action.status["reason"] == "StartupTimeout"
     assert "didn't match selector" in action.status["message"] and "600s" in action.status["message"]
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1, "inPlace": 0}
     assert set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}  # the partial gang lets go of its GPUs
     assert action.status["nextAttemptTime"] > "2026-11-22T12:00:09Z"  # backoff: 10 s + jitter
     job = Job.from_body(job_body(S3_JOB, startupTimeoutSeconds=3600))
@@ -463,7 +463,7 @@ def test_pods_gated_for_admission_are_queued_not_stuck():
 
 def test_never_started_attempts_are_capped():
     status = {**PENDING, "attemptStartTime": "2026-11-22T11:00:00Z",
-              "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 4, "total": 4}}
+              "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 4, "total": 4, "inPlace": 0}}
     action = run(status, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")])
     assert action.kind == "fail" and action.status["reason"] == "NeverStarted"
     assert "5 attempts never started (maxNeverStartedAttempts 5)" in action.status["message"]
@@ -651,7 +651,7 @@ def test_an_eviction_for_the_pods_own_limit_is_a_failure(message):
     evicted = pod(1, phase="Failed", pod_reason="Evicted", pod_message=message, exit_code=137)
     action = run(pods=[pod(0, phase="Failed", exit_code=exitcodes.PEER_FAILURE), evicted])
     assert action.kind == "restart" and action.status["reason"] == "EvictedOverLimit"
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1, "inPlace": 0}
     assert message.strip() in action.status["message"] and "gpt-1-1" in action.status["message"]
     assert action.status["nextAttemptTime"]  # backoff, as any failure
 
@@ -709,3 +709,55 @@ def test_the_progress_readers_summary_is_read_from_its_own_container():
         {"name": "istio-proxy", "state": {"terminated": {"exitCode": 0, "message": "proxy drained"}}},
         {"name": "progress", "state": {"terminated": {"exitCode": 0, "message": '{"iteration": 7}'}}}]}}
     assert termination_text(injected) == '{"iteration": 7}'
+
+
+# -- in-place restarts (docs/recovery.md) ---------------------------------------------------------------
+
+def _log_with_restarts(*lines: tuple[int, int]) -> dict:
+    """A progress-log summary with `Restarted in place` lines (attempt, count in that attempt)."""
+    from kubetron import progress as progress_log
+
+    text = "".join(progress_log.restarted_in_place_line(10, n, 40, num_gpus=2, job_id=f"ns/gpt/{attempt}") + "\n"
+                   for attempt, n in lines)
+    summary = progress_log.summarize_events(progress_log.parse_progress(text))
+    summary.pop("events")
+    return summary
+
+
+def test_in_place_restarts_are_counted_apart_with_an_event_each():
+    """The log shows two restarts inside the pods of attempt 1: inPlace 2, two events; `total` (attempts) stays."""
+    action = run(pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)))
+    assert action.kind == "wait" and not action.delete_pods
+    assert action.status["restarts"] == {**RUNNING["restarts"], "inPlace": 2}
+    assert action.status["attemptInPlaceRestarts"] == 2
+    assert [e.reason for e in action.events] == ["RestartedInPlace"] * 2
+    assert "(2 in this attempt, 2 in all)" in action.events[-1].message
+
+
+def test_in_place_restarts_from_rank_0s_status_endpoint():
+    """A PVC store's log is not read while running: rank 0's endpoint says how often its gang restarted."""
+    action = run(pods=[pod(0), pod(1)], live={"iteration": 12, "inPlaceRestarts": 1})
+    assert action.status["restarts"]["inPlace"] == 1 and len(action.events) == 1
+
+
+def test_in_place_restarts_already_counted_post_nothing():
+    status = {**RUNNING, "restarts": {**RUNNING["restarts"], "inPlace": 2}, "attemptInPlaceRestarts": 2}
+    action = run(status, pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)),
+                 live={"inPlaceRestarts": 2})
+    assert "restarts" not in action.status and not action.events
+
+
+def test_in_place_restarts_add_up_over_attempts_and_survive_the_attempts_end():
+    """Attempt 1 restarted once in place, attempt 2 once so far; then attempt 2 fails: the count is kept,
+    and the next attempt starts its own count from 0."""
+    status = {**RUNNING, "attempt": 2, "restarts": {**RUNNING["restarts"], "failures": 1, "total": 1, "inPlace": 1},
+              "attemptInPlaceRestarts": 0}
+    log = _log_with_restarts((1, 1), (2, 1))
+    running = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2)], progress=log)
+    assert running.status["restarts"]["inPlace"] == 2 and len(running.events) == 1
+    failed = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2, phase="Failed", exit_code=1)], progress=log)
+    assert failed.kind == "restart" and failed.status["restarts"]["inPlace"] == 2
+    assert failed.status["restarts"]["total"] == 2  # the failure counts as an attempt, the in-place restarts not
+    created = run({**status, **failed.status, "nextAttemptTime": None}, pods=[], progress=log)
+    assert created.kind == "create" and created.status["attemptInPlaceRestarts"] == 0
+    assert created.status["restarts"]["inPlace"] == 2

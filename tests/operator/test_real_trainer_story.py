@@ -283,7 +283,8 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     assert a.kind == "restart" and a.delete_pods == ("gpt-1-0",), a
     st = op.status
     assert st["phase"] == "Restarting" and st["reason"] == "Preempted" and "SavedOnSignal" in st["message"]
-    assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1}  # backoffLimit kept
+    assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1,
+                              "inPlace": 0}  # backoffLimit kept
     assert st["lastCheckpoint"]["iteration"] == saved and st["lostIterations"] == 0
     assert st["iteration"] == saved
 
@@ -317,7 +318,8 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     st = op.status
     assert st["phase"] == "Succeeded" and st["iteration"] == ITERS and st["progress"] == "100%"
     assert st["eta"] == "0s" and st["lastCheckpoint"]["iteration"] == ITERS and st["lostIterations"] == 0
-    assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1} and st["completionTime"]
+    assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1, "inPlace": 0}
+    assert st["completionTime"]
     assert op.round([]).kind == "wait" and op.status["phase"] == "Succeeded"  # never rerun
 
     # -- the loss trace: continuous, bit for bit the uninterrupted run's --------------------------------

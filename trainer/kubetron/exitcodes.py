@@ -41,3 +41,18 @@ NAMES = {
     SAVED_ON_SIGNAL: "SavedOnSignal",
     EXIT_CONDITION: "ExitCondition",
 }
+
+
+NOT_RESTARTED_IN_PLACE = frozenset({COMPLETED, ERROR, CONFIG_ERROR, DIVERGED, RESUME_MISMATCH, SAVED_ON_SIGNAL,
+                                    EXIT_CONDITION})
+"""Ends that a restart inside the same pods would not cure, or that the operator must see (docs/recovery.md)."""
+
+
+def restartable_in_place(exitcode: int, signal_name: str | None = None) -> bool:
+    """Whether a rank's end calls for restarting the gang inside its pods (docs/recovery.md): a peer
+    failure or collective timeout (5), a straggler exit (6), a crash with a code that is not the
+    contract's, or a kill by a signal other than SIGTERM/SIGINT (a preemption the trainer did not see
+    through). `exitcode` is the process's, negative for a signal (as torchrun reports it)."""
+    if exitcode < 0:
+        return signal_name not in ("SIGTERM", "SIGINT")
+    return exitcode not in NOT_RESTARTED_IN_PLACE

@@ -37,11 +37,13 @@ from pathlib import Path
 
 from kubetron import exitcodes
 from kubetron.termination import DEFAULT_TERMINATION_LOG, write_termination_message
-from kubetron.torchrun import FAILURES_FILE
+from kubetron.torchrun import FAILURES_FILE, describe_failure
+from kubetron.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
 
 DEFAULT_CONFIG = "/etc/kubetron/config.yaml"
 MESSAGES_DIR_ENV = "KUBETRON_LAUNCH_MESSAGES"  # set by the launcher for its torchrun workers
 TRAINER_MODULE_ENV = "KUBETRON_LAUNCH_MODULE"  # the module a worker runs (default: kubetron)
+MAX_IN_PLACE_RESTARTS_ENV = "KUBETRON_MAX_IN_PLACE_RESTARTS"  # spec.maxInPlaceRestarts (docs/recovery.md)
 
 
 def torchrun_argv(env: Mapping[str, str], args: Sequence[str], python: str = sys.executable,
@@ -52,20 +54,36 @@ def torchrun_argv(env: Mapping[str, str], args: Sequence[str], python: str = sys
         python, "-m", "kubetron.torchrun",  # torchrun without its failure report (kubetron/torchrun.py)
         f"--nnodes={nnodes}",
         f"--nproc-per-node={env.get('NPROC_PER_NODE', '1')}",
-        # The operator restarts the whole gang from the last checkpoint; torchrun must not restart
-        # ranks in place behind its back.
-        "--max-restarts=0",
+        # Restarts of the gang inside its pods (docs/recovery.md); kubetron.torchrun restarts only the
+        # ends a restart can cure. Beyond the bound the pod fails and the operator restarts the gang.
+        f"--max-restarts={int(env.get(MAX_IN_PLACE_RESTARTS_ENV) or 0)}",
     ]
     if nnodes > 1 or env.get("MASTER_ADDR"):
-        argv += [
-            f"--node-rank={env.get('NODE_RANK', '0')}",
-            f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
-            f"--master-port={env.get('MASTER_PORT', '29500')}",
-        ]
+        argv += rendezvous_args(env)
     else:
         argv.append("--standalone")
     trainer_args = list(args) or ["train", "--config", env.get("KUBETRON_CONFIG", DEFAULT_CONFIG)]
     return argv + ["-m", module, *trainer_args]
+
+
+def rendezvous_args(env: Mapping[str, str]) -> list[str]:
+    """A c10d rendezvous hosted by the NODE_RANK 0 pod's agent at MASTER_ADDR:MASTER_PORT.
+
+    Unlike a static one, it re-forms across the pods after an in-place restart (docs/recovery.md):
+    each restart is a new round that every agent joins. Group ranks follow NODE_RANK
+    (kubetron.torchrun), so global rank 0 stays in the pod the operator reads.
+    """
+    node_rank = env.get("NODE_RANK", "0")
+    host = node_rank == "0"
+    argv = [
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', '29500')}",
+        f"--rdzv-id={(env.get('KUBETRON_JOB_ID') or 'kubetron').replace('/', '-')}",
+        f"--rdzv-conf=is_host={str(host).lower()}",
+    ]
+    if host:  # the ranks' own store is rank 0's, reached by the name the others already resolve
+        argv.append(f"--local-addr={env.get('MASTER_ADDR', '127.0.0.1')}")
+    return argv
 
 
 def read_messages(path: str | Path) -> list[dict]:
@@ -124,11 +142,7 @@ def run(argv: Sequence[str], env: Mapping[str, str], received: list[int] | None 
 
 def describe_failures(failures: Sequence[dict]) -> str | None:
     """The first failed rank as torchrun saw it, for a run no rank explained."""
-    if not failures:
-        return None
-    f = failures[0]
-    how = f"was killed by {f['signal']}" if f.get("signal") else f"exited with status {f['exitcode']}"
-    return f"rank {f['rank']} (local rank {f['localRank']}, pid {f['pid']}) {how}"
+    return describe_failure(failures[0]) if failures else None
 
 
 def read_failures(path: str | Path) -> list[dict]:
@@ -143,7 +157,8 @@ def worker(args: Sequence[str]) -> None:
     """One rank under torchrun: give it its own termination log, then become the trainer (exec, so
     torchrun's signals reach it directly)."""
     local_rank = os.environ.get("LOCAL_RANK", "0")
-    os.environ["KUBETRON_TERMINATION_LOG"] = os.path.join(os.environ[MESSAGES_DIR_ENV], f"rank-{local_rank}.json")
+    log = os.environ["KUBETRON_TERMINATION_LOG"] = os.path.join(os.environ[MESSAGES_DIR_ENV], f"rank-{local_rank}.json")
+    Path(log).unlink(missing_ok=True)  # a restarted rank: its predecessor's message no longer says why the run ends
     module = os.environ.get(TRAINER_MODULE_ENV) or "kubetron"
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
@@ -163,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         messages_dir = None
     if messages_dir:
         env[MESSAGES_DIR_ENV] = messages_dir
+    env[RDZV_NODE_RANK_ENV] = env.get("NODE_RANK", "0")
     command = torchrun_argv(env, args, module="kubetron.launch" if messages_dir else "kubetron")
     print("kubetron.launch:", " ".join(command), file=sys.stderr, flush=True)
     received: list[int] = []

@@ -32,6 +32,9 @@ STARTING_JOB = "Starting job"
 SAVED_CHECKPOINT = "Saved checkpoint"
 SAVED_ASYNC_CHECKPOINT = "Saved async checkpoint"
 EXITING_JOB = "Exiting job"
+RESTARTED_IN_PLACE = "Restarted in place"  # before the "Starting job" of a gang restarted inside its pods
+IN_PLACE_RESTARTS_KEY = "In-place restarts"  # its count within the attempt (docs/recovery.md)
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's, in every rank's environment
 CHECKPOINT_EVENTS = frozenset({SAVED_CHECKPOINT, SAVED_ASYNC_CHECKPOINT})
 
 _JOB_ID_PREFIX = "Job ID:"
@@ -99,6 +102,30 @@ def starting_job_line(
         fields={"Iteration": int(iteration), "Train iters": int(train_iters)},
         now=now,
     )
+
+
+def restarted_in_place_line(
+    iteration: int,
+    restarts: int,
+    train_iters: int,
+    *,
+    num_gpus: int,
+    job_id: str | None = None,
+    now: datetime | None = None,
+) -> str:
+    """`Restarted in place  Iteration: <resumed from>  In-place restarts: <n in this attempt>  Train iters: <n>`."""
+    return format_line(
+        RESTARTED_IN_PLACE,
+        job_id=_job_id_or_env(job_id),
+        num_gpus=num_gpus,
+        fields={"Iteration": int(iteration), IN_PLACE_RESTARTS_KEY: int(restarts), "Train iters": int(train_iters)},
+        now=now,
+    )
+
+
+def in_place_restarts() -> int:
+    """How often torchrun has restarted this process's gang inside its pods, this attempt (0 outside torchrun)."""
+    return _as_int(os.environ.get(RESTART_COUNT_ENV)) or 0
 
 
 def saved_checkpoint_line(
@@ -308,7 +335,8 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
     the latest iteration its lines mention: the operator's job ids are <ns>/<job>/<attempt>), tokens,
     floatingPointOperations, jobThroughput, cumulativeThroughput (of the last checkpoint), jobs (number of
     Starting job lines), startTime (earliest Starting job), completed, lastExit ({iteration, reason,
-    time} or None) and events (every parsed line).
+    time} or None), inPlaceRestarts (job id -> its in-place restarts, from Restarted in place lines)
+    and events (every parsed line).
 
     `completed` is true when the last Exiting job after the last Starting job says `Completed`, or the
     last checkpoint's iteration reached the latest Train iters.
@@ -321,6 +349,7 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
     jobs = 0
     start_time: datetime | None = None
     by_job: dict[str, int] = {}
+    in_place: dict[str, int] = {}
 
     for ev in events:
         it = ev.iteration
@@ -341,6 +370,9 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
         elif ev.event == EXITING_JOB:
             last_exit = ev
             exit_since_start = ev
+        elif ev.event == RESTARTED_IN_PLACE:
+            count = _as_int(ev.fields.get(IN_PLACE_RESTARTS_KEY)) or 0
+            in_place[ev.job_id] = max(in_place.get(ev.job_id, 0), count)
 
     completed = False
     if exit_since_start is not None and exit_since_start.fields.get("Reason") == "Completed":
@@ -374,6 +406,7 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
             if last_exit
             else None
         ),
+        "inPlaceRestarts": in_place,
         "events": [ev.to_json() for ev in events],
     }
 

@@ -9,6 +9,12 @@ stopped by SIGTERM). In a pod that buries the one line the trainer printed (`kub
 to a JSON file in the launcher's messages directory, and the launcher says, in one line, what no
 rank's termination message explains. Exit status: 0 when the ranks succeeded, 1 when one failed,
 128 + N when torchrun itself was stopped by signal N.
+
+In-place restarts (docs/recovery.md): run with `--max-restarts=N`, torchrun restarts its worker group
+after a failure, up to N times. Only ends that a restart can cure are restarted
+(`exitcodes.restartable_in_place`): a failed group with any other end (config error, divergence,
+SIGTERM saved, ...) is not restarted, and the pod ends as without restarts. Each restart is appended,
+one JSON line, to `RESTARTS_FILE` in the launcher's messages directory.
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
+from kubetron import exitcodes
+
 FAILURES_FILE = "torchrun-failures.json"  # in the launcher's messages directory (KUBETRON_LAUNCH_MESSAGES)
+NODE_RANK_ENV = "KUBETRON_RDZV_NODE_RANK"  # set by the launcher with a c10d rendezvous: this node's group rank
+RESTARTS_FILE = "torchrun-restarts.jsonl"  # ditto: one line per in-place restart of the local workers
 
 
 class _NoFailureReport(logging.Filter):
@@ -39,22 +50,108 @@ def failure_records(failures) -> list[dict]:
     return out
 
 
-def _write_failures(failures) -> None:
+def describe_failure(f: dict) -> str:
+    """One failed rank as torchrun saw it: `rank 1 (local rank 0, pid 42) was killed by SIGKILL`."""
+    how = f"was killed by {f['signal']}" if f.get("signal") else f"exited with status {f['exitcode']}"
+    return f"rank {f['rank']} (local rank {f['localRank']}, pid {f['pid']}) {how}"
+
+
+def _write_failures(failures, name: str = FAILURES_FILE, mode: str = "w") -> None:
     directory = os.environ.get("KUBETRON_LAUNCH_MESSAGES")
     if not directory:
         return
     try:
-        with open(os.path.join(directory, FAILURES_FILE), "w", encoding="utf-8") as fh:
-            json.dump(failure_records(failures), fh)
+        with open(os.path.join(directory, name), mode, encoding="utf-8") as fh:
+            fh.write(json.dumps(failure_records(failures)) + "\n")
     except OSError:
         pass  # the launcher falls back to torchrun's exit status
 
 
+def restartable(failures) -> bool:
+    """Whether the failed local ranks ended in a way an in-place restart can cure.
+
+    Ranks killed by SIGTERM/SIGINT are left out: once one rank fails, torchrun SIGTERMs its siblings
+    itself (a preemption's SIGTERM reaches torchrun first, which then stops without restarting).
+    """
+    def signal_name(f):
+        return f.signal_name() if f.exitcode < 0 else None
+
+    causes = [f for f in failures.values() if signal_name(f) not in ("SIGTERM", "SIGINT")]
+    return bool(causes) and all(exitcodes.restartable_in_place(f.exitcode, signal_name(f)) for f in causes)
+
+
+def _only_restart_restartable_ends(agent_class) -> None:
+    """Make torchrun's agent restart a failed worker group only when `restartable`, recording each restart."""
+    monitor = agent_class._monitor_workers
+
+    def _monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.is_failed() and self._remaining_restarts > 0:
+            if restartable(result.failures):
+                _write_failures(result.failures, RESTARTS_FILE, "a")
+                spec = worker_group.spec
+                print(f"kubetron.torchrun: {describe_failure(failure_records(result.failures)[0])}: restarting "
+                      f"the gang in place from the newest checkpoint (restart "
+                      f"{spec.max_restarts - self._remaining_restarts + 1} of {spec.max_restarts})",
+                      file=sys.stderr, flush=True)
+            else:
+                self._remaining_restarts = 0  # the group is stopped and the failure reported, as without restarts
+        return result
+
+    agent_class._monitor_workers = _monitor_workers
+    restart_workers = agent_class._restart_workers
+
+    def _restart_workers(self, worker_group):
+        # Healthy workers restarted because a peer node joined a new round: count it as the peer
+        # counts its restart. The ranks' store keys are per restart count, so counts that drifted
+        # apart would have the new ranks read the previous round's addresses.
+        if worker_group.state.name == "HEALTHY":
+            self._remaining_restarts -= 1
+        # The surviving ranks cannot finish a step with a peer gone, and they resume from the newest
+        # checkpoint anyway: SIGKILL them now rather than SIGTERM and wait 30 s for a save that cannot come.
+        self._shutdown(death_sig=signal.SIGKILL)
+        restart_workers(self, worker_group)
+
+    agent_class._restart_workers = _restart_workers
+
+
+def _ranks_follow_node_rank(handler_class, node_rank: int) -> None:
+    """Make each round of torchrun's c10d rendezvous give this node the group rank NODE_RANK, with a
+    fresh store for the ranks hosted by global rank 0.
+
+    The rendezvous ranks nodes by host name, but the operator's contract puts global rank 0 (status
+    endpoint, progress log) in the pod with NODE_RANK 0. The pods' NODE_RANKs are a permutation of
+    0..NNODES-1 and every round has all NNODES nodes (min = max), so the renumbering is consistent.
+    The ranks' store address (MASTER_ADDR, a free port of NODE_RANK 0's pod) is published anew in the
+    round's own store, so a restarted rank never reads the previous round's keys (with torchrun's
+    shared store it would, and connect to a dead peer).
+    """
+    from torch.distributed import PrefixStore
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # global rank 0 hosts each round's own store
+    next_rendezvous = handler_class.next_rendezvous
+
+    def _next_rendezvous(self):
+        info = next_rendezvous(self)
+        store = PrefixStore("kubetron/", info.store)  # the round's own keys
+        ours = RendezvousStoreInfo.build(node_rank, store, local_addr=self._this_node.addr)
+        return RendezvousInfo(info.store, node_rank, info.world_size, ours)
+
+    handler_class.next_rendezvous = _next_rendezvous
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    _only_restart_restartable_ends(LocalElasticAgent)
+    if os.environ.get(NODE_RANK_ENV):
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+        _ranks_follow_node_rank(DynamicRendezvousHandler, int(os.environ[NODE_RANK_ENV]))
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureReport())
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -217,6 +217,10 @@ class ProgressLog:
     def start(self):
         if self.enabled:
             self._start_flops = self.state.train_state.floating_point_operations_so_far
+            if progress_log.in_place_restarts():
+                self.store.append_line("progress.txt", progress_log.restarted_in_place_line(
+                    iteration=self.state.train_state.step, restarts=progress_log.in_place_restarts(),
+                    train_iters=self.cfg.train.train_iters, num_gpus=self.state.world_size))
             self.store.append_line("progress.txt", progress_log.starting_job_line(
                 iteration=self.state.train_state.step, train_iters=self.cfg.train.train_iters,
                 num_gpus=self.state.world_size))

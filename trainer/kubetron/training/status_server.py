@@ -20,6 +20,8 @@ from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
+from kubetron.progress import in_place_restarts
+
 logger = logging.getLogger(__name__)
 
 STATUS_PORT_ENV = "KUBETRON_STATUS_PORT"
@@ -34,8 +36,9 @@ STATUS_KEYS = (
     "loss",
     "learningRate",
     "tflopsPerGpu",
+    "inPlaceRestarts",
 )
-"""The keys `GET /status` always carries (null until known)."""
+"""The keys `GET /status` always carries (null until known; inPlaceRestarts: this attempt's, from the start)."""
 
 METRICS = (  # (name, status key, help): gauges of GET /metrics
     ("kubetron_trainer_iteration", "iteration", "Last completed training iteration."),
@@ -143,6 +146,7 @@ class StatusServer:
     def __init__(self, port: int, host: str = "0.0.0.0"):
         self._lock = threading.Lock()
         self._status: dict[str, Any] = {key: None for key in STATUS_KEYS}
+        self._status["inPlaceRestarts"] = in_place_restarts()  # docs/recovery.md
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self.host = host

@@ -1,0 +1,172 @@
+"""In-place recovery (docs/recovery.md), as two pods' entry points see it: two `python -m kubetron.launch`
+processes on localhost (NNODES=2, NODE_RANK=0/1, one rank each, real torchrun with gloo) training the
+tiny GPT into one store.
+
+- A trainer process SIGKILLed mid-run is restarted inside the same "pods" (the launchers never exit):
+  every rank resumes from the newest checkpoint, recomputes the lost iterations to the same losses,
+  and the job completes with exit 0. Rank 0 records the restart in the progress log.
+- An end no restart can cure (a config error, exit 2) is not restarted: the pod exits 2 at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from kubetron import exitcodes, launch
+from kubetron import progress as progress_log
+
+from tests.multirank.runner import free_port
+from tests.test_launch_endings import QUICK, pod_env
+from tests.trainer_utils import TINY
+
+REPO = Path(__file__).resolve().parent.parent
+LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
+
+def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,
+               nproc: int = 1) -> list[subprocess.Popen]:
+    port = str(free_port())
+    pods = []
+    for rank in range(nodes):
+        (tmp_path / f"pod{rank}").mkdir()
+        env = {**pod_env(tmp_path / f"pod{rank}", nproc), "NNODES": str(nodes), "NODE_RANK": str(rank),
+               "MASTER_PORT": port, "KUBETRON_JOB_ID": "default/tiny/0",
+               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts)}
+        pods.append(subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True))
+    return pods
+
+
+def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:
+    """Global rank `rank`'s trainer process (`python -m kubetron train ...` under torchrun), not a launcher."""
+    for pod in pods:
+        for child in psutil.Process(pod.pid).children(recursive=True):
+            if child.cmdline()[1:4] == ["-m", "kubetron", "train"] and child.environ().get("RANK") == str(rank):
+                return child.pid
+    raise AssertionError(f"no trainer process of rank {rank}")
+
+
+def collect(pod: subprocess.Popen, lines: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: lines.extend(pod.stdout), daemon=True)
+    thread.start()
+    return thread
+
+
+def finish(pods: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """The pods' exit codes, None for one still running after `timeout` (then killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pod.poll() is None for pod in pods):
+        time.sleep(0.1)
+    codes = [pod.poll() for pod in pods]
+    for pod in pods:
+        if pod.poll() is None:
+            os.killpg(pod.pid, signal.SIGKILL)
+            pod.wait()
+    return codes
+
+
+def losses(lines: list[str]) -> list[tuple[int, str]]:
+    return [(int(m.group(1)), m.group(2)) for m in map(LOSS_RE.search, lines) if m]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, nproc", [(2, 1), (1, 2)], ids=["2 pods x 1 rank", "1 pod x 2 ranks"])
+def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path, nodes, nproc):
+    store = tmp_path / "ckpt"
+    pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=100",
+                                 "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10",
+                                 f"checkpoint.save={store}", f"checkpoint.load={store}"],  # as the operator sets them
+                      nodes=nodes, nproc=nproc)
+    launchers = [p.pid for p in pods]
+    outs: list[list[str]] = [[] for _ in pods]
+    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    out_last = outs[-1]  # the last rank logs the iterations
+    deadline = time.monotonic() + 300
+    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) >= 15 for line in list(out_last)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(sum(outs, []))[-4000:]
+        time.sleep(0.02)
+    killed = trainer_pid(pods, 0)  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
+    os.kill(killed, signal.SIGKILL)
+    killed_at, seen_before = time.monotonic(), len(out_last)
+    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) <= 11 for line in out_last[seen_before:]):
+        assert time.monotonic() - killed_at < 120 and all(p.poll() is None for p in pods), "".join(
+            sum(outs, []))[-4000:]
+        time.sleep(0.05)
+    print(f"recovery: {time.monotonic() - killed_at:.1f} s from the kill to the first step after the restart")
+
+    codes = finish(pods, timeout=120)
+    for t in threads:
+        t.join(timeout=10)
+    log = "\n----- next pod -----\n".join("".join(out) for out in outs)
+    assert codes == [0] * nodes, log[-6000:]
+    assert [p.pid for p in pods] == launchers  # the same "pods": no launcher was replaced
+    restarted = f"rank 0 (local rank 0, pid {killed}) was killed by SIGKILL: restarting the gang in place"
+    assert restarted in log, log[-6000:]
+
+    # Resumed from the newest checkpoint before the kill: the iterations after it ran twice, to the same losses
+    # (the last rank logs them).
+    seen = losses(out_last)
+    again = [i for i, (it, _) in enumerate(seen) if i and it <= seen[i - 1][0]]
+    assert len(again) == 1, seen
+    resumed_at = seen[again[0]][0]
+    assert resumed_at % 10 == 1 and resumed_at > 10, seen
+    first, second = dict(seen[:again[0]]), dict(seen[again[0]:])
+    assert {it: first[it] for it in second if it in first} == {it: second[it] for it in second if it in first}, seen
+    assert max(second) == 100
+
+    events = progress_log.parse_progress((store / "progress.txt").read_text())
+    restarts = [e for e in events if e.event == progress_log.RESTARTED_IN_PLACE]
+    assert [e.fields.get(progress_log.IN_PLACE_RESTARTS_KEY) for e in restarts] == ["1"], events
+    assert events[-1].event == progress_log.EXITING_JOB
+
+
+@pytest.mark.slow
+def test_a_config_error_is_not_restarted_in_place(tmp_path):
+    """Exit 2 is final: pod 0 exits 2 at once (its rank's own one line last), nothing is restarted.
+    Pod 1 ends too (2, or 1 when the rendezvous host in pod 0 went away before its rank's end was seen)."""
+    pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=-3"])
+    outs: list[list[str]] = [[], []]
+    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    codes = finish(pods, timeout=120)
+    for t in threads:
+        t.join(timeout=10)
+    log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+    assert codes[0] == exitcodes.CONFIG_ERROR and codes[1] in (exitcodes.CONFIG_ERROR, exitcodes.ERROR), log[-4000:]
+    assert "restarting the gang in place" not in log, log[-4000:]
+    assert outs[0][-1].startswith("kubetron: error: train.train_iters"), log[-4000:]
+
+
+# -- which ends are restarted in place (no processes) ------------------------------------------------------
+
+@pytest.mark.parametrize("ends, expected", [
+    ([-9], True),  # SIGKILL (the OOM killer, a test)
+    ([-11], True),  # a segfault
+    ([exitcodes.PEER_FAILURE], True),
+    ([exitcodes.STRAGGLER], True),
+    ([137], True),  # not a code of the contract's
+    ([-9, -15], True),  # torchrun SIGTERMed the sibling of the rank that died
+    ([-15], False),  # only SIGTERMs: nothing to cure
+    ([exitcodes.ERROR], False),
+    ([exitcodes.CONFIG_ERROR, -15], False),
+    ([exitcodes.DIVERGED], False),
+    ([exitcodes.RESUME_MISMATCH], False),
+    ([exitcodes.SAVED_ON_SIGNAL], False),
+    ([exitcodes.EXIT_CONDITION], False),
+    ([-9, exitcodes.CONFIG_ERROR], False),  # any end a restart cannot cure stops the restarts
+])
+def test_which_ends_are_restarted_in_place(ends, expected):
+    from kubetron import torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+                for rank, code in enumerate(ends)}
+    assert torchrun.restartable(failures) is expected
