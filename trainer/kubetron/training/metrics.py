@@ -209,7 +209,7 @@ class MetricsLogger:
         seconds = max(elapsed_ms, 1e-6) / 1000.0
         tflops = num_floating_point_operations(self.cfg, gbs) / seconds / 1e12 / self.state.world_size
         return {"loss": sum(values) / len(values) if values else None, "learningRate": float(pending[-1][2]),
-                "tflopsPerGpu": round(tflops, 3)}
+                "tflopsPerGpu": float(f"{tflops:.4g}")}  # 4 digits: a CPU run's 0.0004 is not 0
 
     def _last_checkpoint(self) -> dict | None:
         """{iteration, time} of the newest durable checkpoint this run knows of (None before any)."""
