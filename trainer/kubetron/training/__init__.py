@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,9 @@ def _import_megatron_core() -> None:
     real = torch.compile
     torch.compile = compile_on_first_call(real)
     try:
-        import megatron.core  # noqa: F401 - its fusion modules bind the stand-in
+        with warnings.catch_warnings():  # "TE and Apex are not installed": the CLI's one-line errors stay one line
+            warnings.filterwarnings("ignore", module="megatron")
+            import megatron.core  # noqa: F401 - its fusion modules bind the stand-in
     finally:
         torch.compile = real
 
