@@ -436,7 +436,8 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
         "resizeTo": None,
     })
     if job.spec.elastic and attempt == 0:
-        status.update(minNodes=job.spec.sizes[0], sizes=list(job.spec.sizes), minNodesNote=job.spec.min_nodes_note or None)
+        status.update(minNodes=job.spec.sizes[0], sizes=list(job.spec.sizes),
+                      minNodesNote=job.spec.min_nodes_note or None)
     if not st.get("startTime") or st.get("phase") == "Suspended":
         status["startTime"] = _iso(obs.now)  # activeDeadlineSeconds counts from here
     status.update(_progress_fields(obs, ckpt))
