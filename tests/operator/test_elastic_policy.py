@@ -5,11 +5,13 @@ back once they are all bound, and build() sizes each attempt (env, PodGroup, Kue
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import yaml
 from kubetron_operator.build import LABEL_ROLE, build, build_probe_pod
 from kubetron_operator.decide import Observed, PodView, decide
+from kubetron_operator.handlers import next_due
 from kubetron_operator.model import KUEUE_COUNT_ANNOTATION, KUEUE_GROUP_LABEL, Job, SpecError
 
 from tests.operator.jobs import S3_JOB, job_body
@@ -80,6 +82,12 @@ def test_a_range_that_cannot_work_is_refused_in_one_line(spec, words):
     assert str(err.value) == words and "\n" not in str(err.value)
 
 
+def test_the_example_runs_at_the_sizes_its_comment_says():
+    path = Path(__file__).resolve().parents[2] / "examples" / "trainingjob-elastic.yaml"
+    (body,) = [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "TrainingJob"]
+    assert Job.from_body(body).spec.sizes == (2, 4)
+
+
 # -- shrink ---------------------------------------------------------------------------------------------
 
 
@@ -95,6 +103,15 @@ def test_unschedulable_past_the_wait_shrinks_to_what_the_scheduler_placed():
     assert set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}
     assert action.events[0].reason == "Resized" and "2 -> 1 nodes" in action.events[0].message
     assert "Insufficient cpu" in action.events[0].message
+
+
+def test_the_operator_wakes_when_the_shrink_is_due():
+    job, placed = elastic(), pod(0, node="a", scheduler_seen=True)
+    stuck = PodView(**{**vars(unplaced(1)), "scheduler_seen": True})
+    due = next_due(job, Observed(now=NOW, status=starting(age=15), pods=(placed, stuck)), interval=5.0)
+    assert 15 < due < 16.6  # shrinkAfterSeconds 30, 15 s gone; not the 600 s startup timeout
+    both = (placed, pod(1, node="b", scheduler_seen=True))
+    assert next_due(job, Observed(now=NOW, status=starting(age=15), pods=both), interval=5.0) > 300
 
 
 def test_shrink_picks_the_largest_working_size_at_most_the_placed_pods():
