@@ -215,10 +215,10 @@ def elastic_sizes(spec: JobSpec, store: str) -> tuple[tuple[int, ...], str]:
 def _elastic_sizes(config: str, overrides: tuple[str, ...], store: str, low: int, nodes: int, nproc: int,
                    gpus: bool) -> tuple[tuple[int, ...], str]:
     # Cached: the operator parses the job on every reconcile; derive() per size is ~1 ms.
-    sizes, first_error = [], ""
+    data, sizes, first_error = trainer_config(config, overrides, store), [], ""
     for n in range(low, nodes):
         try:
-            check_trainer_config(config, overrides, store, n * nproc, gpus)
+            derive_at(data, n * nproc, gpus)
         except SpecError as exc:
             first_error = first_error or f"{n} node(s): {exc}"
             continue
@@ -314,6 +314,11 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
     what reads the pod's files, S3 or environment (tokenizer files, data and checkpoint paths, KUBETRON_*
     defaults) is checked by the trainer at start (ConfigContainer.resolve), where those exist.
     """
+    derive_at(trainer_config(config, overrides, store), world_size, gpus)
+
+
+def trainer_config(config: str, overrides: tuple[str, ...], store: str) -> dict[str, Any]:
+    """spec.config + spec.overrides + the store overrides, as the trainer's command line composes them."""
     try:
         data = yaml.safe_load(config)
     except yaml.YAMLError as exc:
@@ -325,7 +330,14 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
     except ConfigError as exc:
         raise SpecError("spec.overrides", str(exc)) from None
     try:
-        data = apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
+        return apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
+    except ConfigError as exc:
+        raise SpecError("spec.config", str(exc)) from None
+
+
+def derive_at(data: dict[str, Any], world_size: int, gpus: bool) -> None:
+    """ConfigContainer.derive of trainer_config()'s data for `world_size`, or SpecError naming spec.config."""
+    try:
         ConfigContainer.from_dict(data).derive(world_size=world_size, cuda_available=gpus)
     except ConfigError as exc:
         raise SpecError("spec.config", str(exc)) from None

@@ -159,6 +159,13 @@ def test_elastic_job_shrinks_runs_grows_and_succeeds(kube, kube_ns, tmp_path):
             t_grown = time.monotonic() - t_grow
             st = kube.wait_status(ns, "gpt", "Succeeded", lambda s: s.get("phase") == "Succeeded", timeout=180)
             events = [e for e in kube.events(ns) if e["reason"] == "Resized"]
+        # The API server keeps minNodes in range and immutable (the CRD's rules).
+        with pytest.raises(ApiError, match="spec.minNodes cannot change"):
+            api.patch(f"{kube.jobs(ns)}/gpt", {"spec": {"minNodes": 2}})
+        wide = job_body(PVC_JOB, nodes=2, minNodes=3)
+        wide["metadata"] = {"name": "wide"}
+        with pytest.raises(ApiError, match="spec.minNodes must be at most spec.nodes"):
+            api.create(kube.jobs(ns), wide)
     finally:
         pool.stop()
         out, _ = reference.communicate(timeout=300)
