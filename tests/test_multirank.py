@@ -22,6 +22,7 @@ import time
 
 import pytest
 from kubetron import exitcodes
+from kubetron.progress import parse_progress, summarize_events
 
 from tests.multirank.runner import (
     REPO,
@@ -247,6 +248,9 @@ def test_sigkill_one_rank_other_exits_5_then_resume(tmp_path):
     assert code == exitcodes.PEER_FAILURE, out0[-3000:]
     assert elapsed < 30, elapsed  # the timeout (30 s) bounds it; a dead process is noticed at once
     assert terms[0]["reason"] == "PeerFailure" and "peer" in terms[0]["message"], terms
+    # the progress log (rank 0's) says how the job ended as the exit code does
+    last_exit = summarize_events(parse_progress((store / "progress.txt").read_text()))["lastExit"]
+    assert last_exit["reason"] == "PeerFailure", last_exit
     r = launch(args(store), tmp_path / "ranks-resume", nproc=1)
     ok(r, nproc=1)
     assert "at iteration 5" in r.stdout or "at iteration 10" in r.stdout, r.tail()
