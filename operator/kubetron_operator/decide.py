@@ -567,7 +567,7 @@ def _failure_reason(failures: list[PodView]) -> tuple[str, str]:
         return "OOMKilled", f"pod {p.name} was OOMKilled: raise spec.resources.limits.memory or lower the batch size"
     if p.code is None:  # no container ever ended: the kubelet (or whoever failed it) has the words
         return p.pod_reason or "PodFailed", f"pod {p.name} failed: {p.detail}"
-    name = exitcodes.NAMES.get(p.code, "TrainerError")
+    name = exitcodes.reason(p.code)
     return name, f"pod {p.name} exited {p.code} ({name}): {p.detail}"
 
 
