@@ -249,7 +249,8 @@ def node_trouble(nodes: Iterable[Mapping[str, Any]], wanted: Iterable[str]) -> d
         if node is None:
             out[name] = f"node {name} no longer exists"
             continue
-        ready = next((c for c in (node.get("status") or {}).get("conditions") or () if c.get("type") == "Ready"), {})
+        conditions = (node.get("status") or {}).get("conditions") or ()
+        ready: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
         if ready.get("status") != "True":
             words = ": ".join(x for x in (ready.get("reason"), ready.get("message")) if x)
             out[name] = f"node {name} is not Ready ({ready.get('status', 'Unknown')}{': ' + words if words else ''})"
@@ -640,23 +641,23 @@ def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping 
         return _restart(job, obs, current, ckpt, kind="neverStarted", reason="AdmissionRejected",
                         message=f"node {p.node or '?'} rejected pod {p.name}: {p.detail}",
                         bad_nodes=tuple(p.node for p in rejected if p.node))
-    return _restart(job, obs, current, ckpt, kind="failures", **_failure_reason(failures))
+    reason, message = _failure_reason(failures)
+    return _restart(job, obs, current, ckpt, kind="failures", reason=reason, message=message)
 
 
-def _failure_reason(failures: list[PodView]) -> dict[str, str]:
-    """The root cause among failed ranks: a rank's own error beats 'a peer died'."""
+def _failure_reason(failures: list[PodView]) -> tuple[str, str]:
+    """(reason, message) of the root cause among failed ranks: a rank's own error beats 'a peer died'."""
     own = [p for p in failures if p.code != exitcodes.PEER_FAILURE] or failures
     p = next((p for p in own if p.over_limit), own[0])
     if p.over_limit:
-        return {"reason": "EvictedOverLimit", "message": f"pod {p.name} was evicted for exceeding its own limits: "
-                f"{p.pod_message.strip()} Raise spec.resources.limits (ephemeral-storage) or write less locally"}
+        return "EvictedOverLimit", (f"pod {p.name} was evicted for exceeding its own limits: "
+                f"{p.pod_message.strip()} Raise spec.resources.limits (ephemeral-storage) or write less locally")
     if p.reason == "OOMKilled":
-        return {"reason": "OOMKilled", "message": f"pod {p.name} was OOMKilled: raise "
-                "spec.resources.limits.memory or lower the batch size"}
+        return "OOMKilled", f"pod {p.name} was OOMKilled: raise spec.resources.limits.memory or lower the batch size"
     if p.code is None:  # no container ever ended: the kubelet (or whoever failed it) has the words
-        return {"reason": p.pod_reason or "PodFailed", "message": f"pod {p.name} failed: {p.detail}"}
-    name = exitcodes.NAMES.get(p.code, "TrainerError")
-    return {"reason": name, "message": f"pod {p.name} exited {p.code} ({name}): {p.detail}"}
+        return p.pod_reason or "PodFailed", f"pod {p.name} failed: {p.detail}"
+    name = exitcodes.reason(p.code)
+    return name, f"pod {p.name} exited {p.code} ({name}): {p.detail}"
 
 
 def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | None, *, kind: str,

@@ -395,7 +395,10 @@ def parse_pod_template(t: Mapping[str, Any], spec: Mapping[str, Any]) -> PodTemp
     containers = _named(pspec.get("containers"), f"{f}.spec.containers", RESERVED_CONTAINERS)
     trainer = [c for c in containers if c["name"] == TRAINER]
     sidecars = tuple(c for c in containers if c["name"] != TRAINER)
-    env, env_from, mounts, caps = (), (), (), ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    env_from: tuple[Mapping[str, Any], ...] = ()
+    mounts: tuple[Mapping[str, Any], ...] = ()
+    caps: tuple[str, ...] = ()
     if trainer:
         i = containers.index(trainer[0])
         tf = f"{f}.spec.containers[{i}]"
@@ -436,7 +439,7 @@ def _list(value: Any, where: str) -> list[Mapping[str, Any]]:
 
 def _named(value: Any, where: str, reserved: frozenset[str] | set[str]) -> list[Mapping[str, Any]]:
     """A list of objects with unique names, none of them reserved by the operator."""
-    items, seen = _list(value, where), set()
+    items, seen = _list(value, where), set[str]()
     for i, item in enumerate(items):
         name = item.get("name")
         if not name or not isinstance(name, str):

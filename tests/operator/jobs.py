@@ -45,3 +45,11 @@ def kubectl_get(job: dict[str, Any], now: datetime) -> str:
     head = ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE"]
     widths = [max(len(a), len(b)) + 3 for a, b in zip(head, row, strict=True)]
     return "\n".join("".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (head, row))
+
+
+def tj(ns: str, name: str = "gpt", **spec: Any) -> dict[str, Any]:
+    """An S3 TrainingJob to create in namespace `ns` of the real API server (tests/kube)."""
+    body = copy.deepcopy(S3_JOB)
+    body["metadata"] = {"name": name, "namespace": ns}
+    body["spec"].update(spec)
+    return body

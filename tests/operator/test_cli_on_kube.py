@@ -16,7 +16,7 @@ import yaml
 from kubetron_operator.client_cli import CliError, format_table, select_pods, whole_lines
 
 from tests.kube.cluster import set_running
-from tests.operator.test_on_kube import tj
+from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
 BIN = Path(sys.executable).parent
