@@ -36,6 +36,7 @@ from kubetron_operator.build import (
     LABEL_JOB,
     READER_CONTAINER,
     build,
+    build_probe_pod,
     build_reader_pod,
     config_map_name,
     pod_group_name,
@@ -49,9 +50,11 @@ from kubetron_operator.decide import (
     Action,
     Observed,
     PodView,
+    attempt_size,
     create_failed,
     decide,
     node_trouble,
+    shrink_due,
 )
 from kubetron_operator.model import (
     GROUP,
@@ -228,7 +231,8 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
 
 def _idle(action: Action) -> bool:
     return not (action.status or action.delete_pods or action.force_delete_pods or action.events or action.release_pods
-                or action.create_attempt is not None or action.create_reader is not None or action.delete_job)
+                or action.create_attempt is not None or action.create_reader is not None or action.delete_job
+                or action.create_probes)
 
 
 def _throttle(deps: Deps, uid: str, action: Action) -> tuple[Action, bool]:
@@ -267,6 +271,10 @@ def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
         began = _time(st.get("admittedTime")) or _time(st.get("attemptStartTime"))  # Kueue: from admission
         if began and phase == "Pending":
             waits.append((began - now).total_seconds() + job.spec.startup_timeout_seconds)
+            current = [p for p in obs.pods if p.role == "worker" and str(p.attempt) == str(st.get("attempt"))]
+            shrink_in = shrink_due(job, obs, current, began)
+            if shrink_in is not None:
+                waits.append(shrink_in)
         for p in obs.pods:
             if p.deleting_for is not None:
                 waits.append(FORCE_DELETE_AFTER - p.deleting_for)
@@ -438,7 +446,7 @@ def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: date
     attempt = int(status.get("attempt") or 0)
     eventful = status.get("phase") in (None, "Restarting", "Suspended") or any(
         p.attempt == attempt and (p.terminated or p.deleting_for is not None or p.phase == "Unknown") for p in pods
-    ) or len([p for p in pods if p.attempt == attempt and p.role == "worker"]) < job.spec.nodes
+    ) or len([p for p in pods if p.attempt == attempt and p.role == "worker"]) < attempt_size(job, status)
     if cached and not eventful and (status.get("phase") != "Running"
                                     or (now - cached[0]).total_seconds() < PROGRESS_REFRESH):
         return cached[1]  # between events only a running attempt moves the log
@@ -461,7 +469,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        manifests = build(job, attempt, action.expected_iteration, action.avoid_nodes)
+        manifests = build(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes)
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
@@ -482,6 +490,12 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             delete_attempt_children(kube, job, int(obs.status["attempt"]), job.spec.scheduling.gang, logger)
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
+    if action.create_probes and job is not None:
+        probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
+                  for rank in action.create_probes]
+        for probe in probes:
+            kube.create(probe)
+        deps.view.created(job.uid, probes)
     if action.create_reader is not None and job is not None:
         reader = build_reader_pod(job, action.create_reader)
         kube.create(reader)
