@@ -41,8 +41,6 @@ DEFAULT_GPU_MEMORY = 80 * GIB
 _UNITS = {"": GIB, "gib": GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "tib": 1024**4, "tb": 10**12}
 FP32 = 4  # bytes
 DROPOUT_MASK_BYTES = 1  # CUDA's dropout keeps a bool mask (torch on CPU keeps it in the compute dtype)
-# E-wide fp32 tensors the router keeps per token (softmax scores, top-k probabilities, aux-loss scores)
-ROUTER_FP32_TENSORS = 3
 
 
 def parse_memory(text: str) -> int:
@@ -68,6 +66,7 @@ class Moe:
     ffn: int  # one expert's MLP hidden size
     shared_ffn: int  # the shared expert's MLP hidden size (0: none)
     pattern: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
+    aux_loss: bool  # a load-balancing loss is computed (its scores are kept for backward)
 
     @classmethod
     def of(cls, m) -> Moe | None:
@@ -78,7 +77,8 @@ class Moe:
         pattern = (tuple(bool(x) for x in freq) if isinstance(freq, list)
                    else tuple(i % freq == 0 for i in range(m.num_layers)))
         return cls(experts=experts, topk=m.moe_router_topk, ffn=m.moe_ffn_hidden_size or m.ffn_hidden_size,
-                   shared_ffn=m.moe_shared_expert_intermediate_size or 0, pattern=pattern)
+                   shared_ffn=m.moe_shared_expert_intermediate_size or 0, pattern=pattern,
+                   aux_loss=m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff > 0)
 
 
 @dataclass(frozen=True)
@@ -391,36 +391,37 @@ def activations(s: Shape, lay: Layout, e: int, dropout: bool, lora: Lora | None,
                        first=first_bytes, last=last_bytes)
 
 
-def mlp_activations(s: Shape, ffn: int, lay: Layout, e: int, lora: Lora | None, kept) -> float:
+def mlp_activations(s: Shape, ffn: int, lay: Layout, e: int, lora: Lora | None, kept, own_input: bool = True) -> float:
     """Bytes per token a dense MLP of hidden size `ffn` saves on one TP rank: its input (the norm output,
-    split by sequence parallelism), fc1 output (2 ffn with swiglu) and the activation's intermediates,
-    the fc2 input, the adapters' B inputs."""
+    split by sequence parallelism; a shared expert's is the router's), fc1 output (2 ffn with swiglu)
+    and the activation's intermediates, the fc2 input, the adapters' B inputs."""
     h_split = lay.tp if lay.sp else 1
     inner = (4 if s.swiglu else 1) * ffn + kept("linear_fc2") * ffn
     inner += len(lora.targets & set(MLP)) * lora.dim if lora else 0
-    return kept("linear_fc1") * s.hidden * e / h_split + inner * e / lay.tp
+    return own_input * kept("linear_fc1") * s.hidden * e / h_split + inner * e / lay.tp
 
 
 def moe_activations(s: Shape, lay: Layout, e: int, lora: Lora | None, kept, tokens: int) -> float:
-    """Bytes an MoE layer's MLP saves per micro-batch on one GPU, megatron-core's router, token dispatcher
-    and experts as run here (top-k routing without token dropping).
+    """Bytes an MoE layer's MLP saves per micro-batch on one GPU: megatron-core's top-k router, token
+    dispatcher and SequentialMLP experts, without token dropping.
 
-    The router keeps its input (the norm output), its logits and the softmax/top-k scores over all E
-    experts and the routing map, per token of this rank. Dispatch sends each token to k experts; with
-    balanced routing an EP rank receives `tokens * k` token copies (with sequence parallelism its
-    tokens / tp, gathered over TP for the TP-split experts): the permuted copies (the experts' fc1
-    input) and their probabilities and indices, each expert's MLP activations per copy, the
-    probability-weighted expert outputs kept for the combine. A shared expert is a dense MLP."""
+    Per token of this rank: the router's input (the norm output), the routing map (bool) and
+    probabilities (fp32) over all E experts, the top-k indices and probabilities; with an auxiliary
+    load-balancing loss also its scores over all E experts and top-k indices. Per routed copy (each
+    token goes to k experts; with balanced routing an EP rank receives `tokens * k` copies, with
+    sequence parallelism its tokens / tp, gathered over TP for the TP-split experts): the copy (the
+    experts' fc1 input), its index and probability, and the expert MLP's activations, one ffn more
+    than a dense MLP's (the probability scales the activation's output before fc2). A shared expert
+    is a dense MLP."""
     moe = s.moe
     h_split = lay.tp if lay.sp else 1
-    router = (moe.experts * (e + ROUTER_FP32_TENSORS * FP32 + 1) + moe.topk * 8) / h_split  # + the norm output
-    router += s.hidden * e / h_split
-    copies = tokens * moe.topk
-    inner = (5 if s.swiglu else 2) * moe.ffn + kept("linear_fc2") * moe.ffn  # the probabilities scale fc2's input
+    router = s.hidden * e + moe.experts * (1 + FP32) + moe.topk * (8 + FP32)
+    router += moe.experts * FP32 + moe.topk * 8 if moe.aux_loss else 0
+    inner = (5 if s.swiglu else 2) * moe.ffn + kept("linear_fc2") * moe.ffn
     inner += len(lora.targets & set(MLP)) * lora.dim if lora else 0
-    per_copy = kept("linear_fc1") * s.hidden * e + inner * e / lay.tp + s.hidden * e + FP32 + 2 * 8
-    shared = mlp_activations(s, moe.shared_ffn, lay, e, lora, kept) if moe.shared_ffn else 0.0
-    return tokens * (router + shared) + copies * per_copy
+    per_copy = kept("linear_fc1") * s.hidden * e + inner * e / lay.tp + 8 + FP32
+    shared = mlp_activations(s, moe.shared_ffn, lay, e, lora, kept, own_input=False) if moe.shared_ffn else 0.0
+    return tokens * (router / h_split + shared) + tokens * moe.topk * per_copy
 
 
 @dataclass
