@@ -290,14 +290,15 @@ def judge_pp2(returncode: int, losses: dict[int, float], iters: int, where: str)
 def judge_run(name: str, returncode: int, losses: dict[int, float], iters: int, where: str,
               tokens_per_s: dict[int, float] | None = None) -> Row:
     """Exit 0, one finite loss per iteration, the last below the first; with `tokens_per_s` (the logged
-    throughput per iteration) also a finite, positive throughput, shown as its median."""
+    throughput per iteration; the first iteration's is 0, nothing timed before it) also a finite, positive
+    throughput after it, shown as its median."""
     complete = sorted(losses) == list(range(1, iters + 1)) and all(math.isfinite(v) for v in losses.values())
     ok = returncode == 0 and complete and losses[iters] < losses[1]
     fig = (f"loss {losses[1]:.3f} -> {losses[iters]:.3f} over {iters} iterations, {where}" if complete
            else f"exit {returncode}, losses logged for {len(losses)} of {iters} iterations")
     target = "exit 0, loss falls"
     if tokens_per_s is not None:
-        rates = sorted(tokens_per_s.values())
+        rates = sorted(v for it, v in tokens_per_s.items() if it > 1)
         ok = ok and bool(rates) and _finite_positive(*rates)
         fig += f", {rates[len(rates) // 2]:.0f} tokens/s" if rates else ", no throughput logged"
         target += ", tokens/s > 0"

@@ -70,8 +70,8 @@ class Moe:
 
     @classmethod
     def of(cls, m) -> Moe | None:
-        experts = getattr(m, "num_moe_experts", None)
-        if not experts:
+        experts = m.num_moe_experts
+        if experts is None:
             return None
         freq = m.moe_layer_freq  # every N-th layer from the first, or one 0/1 per layer (megatron-core's rule)
         pattern = (tuple(bool(x) for x in freq) if isinstance(freq, list)
@@ -279,7 +279,7 @@ class Layout:
     @classmethod
     def of(cls, cfg: ConfigContainer) -> Layout:
         m = cfg.model
-        dp, ep = cfg.data_parallel_size, getattr(m, "expert_model_parallel_size", 1)
+        dp, ep = cfg.data_parallel_size, m.expert_model_parallel_size
         return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=dp,
                    sp=m.sequence_parallel, ep=ep, edp=dp // ep, micro_batch=cfg.train.micro_batch_size,
                    micro_batches=cfg.train.num_microbatches)
