@@ -15,7 +15,7 @@ import pytest
 import torch
 from kubetron.config import GPTModelConfig
 from kubetron.errors import ConfigError
-from kubetron.plan import GIB, make_plan, parse_memory
+from kubetron.plan import GIB, Shape, make_plan, parse_memory
 
 from tests.test_forward_step import ensure_world_of_one, in_process_config
 
@@ -102,7 +102,8 @@ def measure(*overrides: str, world_size: int = 1) -> tuple[dict[str, int], objec
 
         dist.init_process_group("gloo")
         parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
-                                                 cfg.model.pipeline_model_parallel_size)
+                                                 cfg.model.pipeline_model_parallel_size,
+                                                 expert_model_parallel_size=cfg.model.expert_model_parallel_size)
     set_seeds(cfg)
     gc.collect()
     before = _live_tensor_bytes()
@@ -124,7 +125,8 @@ def measure(*overrides: str, world_size: int = 1) -> tuple[dict[str, int], objec
     gc.collect()
     static = sum(n for ptr, n in _live_tensor_bytes().items() if ptr not in before)
     return {"static": static, "activations": saved.peak,
-            "params": sum(p.numel() for p in model[0].parameters())}, cfg
+            "params": sum(p.numel() for p in model[0].parameters()),
+            "expert_params": sum(p.numel() for n, p in model[0].named_parameters() if ".experts." in n)}, cfg
 
 
 SHAPES = {
@@ -152,13 +154,49 @@ RECOMPUTE = {
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_estimate_matches_the_bytes_measured_on_cpu(shape, recompute):
     measured, cfg = measure(*SHAPES[shape], *RECOMPUTE[recompute])
-    plan = make_plan(cfg, world_size=1)
+    _assert_estimate_matches(measured, cfg)
+
+
+def _assert_estimate_matches(measured: dict[str, int], cfg, world_size: int = 1):
+    plan = make_plan(cfg, world_size=world_size)
     st = plan.stage
-    assert plan.parameters["total"] == measured["params"] == st.params  # exact, not estimated
+    if world_size == 1 and cfg.peft.scheme is None:
+        assert plan.parameters["total"] == measured["params"]  # exact, not estimated
+    assert st.params == measured["params"] and st.expert_params == measured["expert_params"]
     static = st.weights + st.gradients + st.optimizer
     assert static == pytest.approx(measured["static"], rel=TOLERANCE), (static, measured)
     assert st.activations == pytest.approx(measured["activations"], rel=TOLERANCE), (st.activations, measured)
     assert st.total == pytest.approx(measured["static"] + measured["activations"], rel=TOLERANCE)
+    return plan
+
+
+# Tiny mixtures of experts on the Llama shape: megatron-core's top-k router, all-to-all dispatcher and
+# SequentialMLP experts (the local spec), with their load-balancing losses.
+MOE = {
+    "top2-aux-loss": ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=96",
+                      "model.moe_aux_loss_coeff=0.01"],
+    "every-2nd-layer-shared-expert": ["model.num_moe_experts=4", "model.moe_router_topk=2",
+                                      "model.moe_ffn_hidden_size=64", "model.moe_layer_freq=[1,0,1,0]",
+                                      "model.moe_shared_expert_intermediate_size=64",
+                                      "model.moe_router_load_balancing_type=seq_aux_loss",
+                                      "model.moe_aux_loss_coeff=0.01"],
+}
+
+
+@pytest.mark.parametrize("moe, extra", [
+    ("top2-aux-loss", []),
+    ("every-2nd-layer-shared-expert", RECOMPUTE["full-block-1"]),  # the recomputed layer is an MoE layer
+    ("top2-aux-loss", [*LORA, "peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]),
+], ids=["top2-aux-loss", "every-2nd-layer-shared-expert-block-recompute", "lora-on-every-expert"])
+def test_moe_estimate_matches_the_bytes_measured_on_cpu(moe, extra):
+    """Parameters exact (router, E experts, shared expert, per-expert LoRA adapters); the router's and
+    dispatcher's tensors and the experts' activations for top-k copies of each token, measured."""
+    measured, cfg = measure(*SHAPES["llama-gqa-swiglu"], *MOE[moe], *extra)
+    plan = _assert_estimate_matches(measured, cfg)
+    p = plan.parameters
+    moe_layers = sum(Shape.of(cfg).moe.pattern)
+    per_expert = p["experts"] // (moe_layers * 4)
+    assert p["active"] == p["total"] - moe_layers * 2 * per_expert  # top 2 of 4 experts: two idle per layer
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -323,26 +361,30 @@ def test_docs_table_lists_every_recipe_with_its_current_estimate():
         assert round(plan.stage.total / GIB) == int(gib), name
 
 
-TP2 = ["model.tensor_model_parallel_size=2", *SHAPES["llama-gqa-swiglu"]]
+TWO_RANKS = {
+    # TP 2: each rank holds half the linears, embedding and output layer and keeps half the attention/MLP
+    # activations (the h-sized ones whole: no sequence parallelism on CPU)
+    "tp2": ["model.tensor_model_parallel_size=2", *SHAPES["llama-gqa-swiglu"]],
+    # EP 2 (DP 2): each rank holds 2 of the 4 experts and receives its tokens' copies for them by all-to-all
+    # (the distributed optimizer with EP needs megatron-core's, CUDA: its sharding over expert DP is not measured)
+    "ep2": ["model.expert_model_parallel_size=2", *SHAPES["llama-gqa-swiglu"], *MOE["top2-aux-loss"]],
+}
 
 
-def test_tensor_parallel_estimate_matches_the_bytes_measured_on_two_ranks():
-    """TP 2 under torchrun (gloo): each rank holds half the linears, embedding and output layer and keeps
-    half the attention/MLP activations (the h-sized ones whole: no sequence parallelism on CPU)."""
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_model_parallel_estimate_matches_the_bytes_measured_on_two_ranks(layout):
+    """Under torchrun (gloo), rank 0's parameters, static bytes and activations."""
     from tests.multirank.runner import free_port
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "tests.test_plan",
-                          *TP2],
+                          *TWO_RANKS[layout]],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    cfg = in_process_config("train.micro_batch_size=2", "train.global_batch_size=2", *TP2)
-    st = make_plan(cfg, world_size=2).stage
-    assert st.params == measured["params"]
-    assert st.weights + st.gradients + st.optimizer == pytest.approx(measured["static"], rel=TOLERANCE)
-    assert st.activations == pytest.approx(measured["activations"], rel=TOLERANCE)
+    cfg = in_process_config("train.micro_batch_size=2", "train.global_batch_size=4", *TWO_RANKS[layout])
+    _assert_estimate_matches(measured, cfg, world_size=2)
 
 
 if __name__ == "__main__":  # one rank of the test above: prints its measurement as JSON (rank 0)
