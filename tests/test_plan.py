@@ -229,7 +229,9 @@ def test_lora_estimate_matches_the_bytes_measured_on_cpu(targets):
 PUBLISHED_PARAMETERS = {  # the models' Hugging Face cards / safetensors index totals
     "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496,
     "qwen3-8b": 8_190_735_360, "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704,
 }
+PUBLISHED_ACTIVE = {"qwen3-30b-a3b": 3.3, "mixtral-8x7b": 12.9}  # billions per token, as the model cards round them
 
 
 def _stated(path: Path) -> list[str]:
@@ -267,6 +269,8 @@ def test_recipe_loads_at_its_stated_size_and_fits(path):
     assert plan.fits, f"{path.name}: {plan.stage.total / GIB:.1f} GiB > {gpu_memory / GIB:.0f} GiB"
     model = path.stem.rsplit("-", 1)[0]
     assert plan.parameters["total"] == PUBLISHED_PARAMETERS[model]
+    if model in PUBLISHED_ACTIVE:
+        assert abs(plan.parameters["active"] / 1e9 - PUBLISHED_ACTIVE[model]) < 0.1
     assert plan.stage.total > 0.3 * gpu_memory  # a layout that uses the GPUs it states, not a far larger count
 
 
@@ -285,6 +289,25 @@ def test_qwen3_recipes_count_the_published_parameters():
         cfg = ConfigContainer.from_dict(data).derive(_size(_stated(REPO / "recipes" / f"{model}-pretrain.yaml"))[0])
         shape = dataclasses.replace(Shape.of(cfg), head_dim=extra["kv_channels"], qk_norm=extra["qk_layernorm"])
         assert total_params(shape)["total"] == PUBLISHED_PARAMETERS[model]
+
+
+def test_expert_parallelism_splits_the_experts_and_their_optimizer_state_over_expert_dp():
+    """Qwen3-30B-A3B on 16 GPUs at EP 8 and EP 4: the GPU holds twice the experts at EP 4, but with the
+    distributed optimizer their fp32 state is sharded over expert DP (2 vs 4 ranks), so it stays the
+    same per GPU; the dense parameters and their state do not change."""
+    from kubetron.config import ConfigContainer
+
+    path = str(REPO / "recipes" / "qwen3-30b-a3b-pretrain.yaml")
+    ep8, ep4 = (make_plan(ConfigContainer.from_yaml(path, [f"model.expert_model_parallel_size={ep}"],
+                                                    check_paths=False), 16) for ep in (8, 4))
+    assert (ep8.layout.edp, ep4.layout.edp) == (2, 4)
+    assert ep4.stage.expert_params == 2 * ep8.stage.expert_params
+    assert ep4.stage.params - ep4.stage.expert_params == ep8.stage.params - ep8.stage.expert_params
+    assert ep4.stage.weights > ep8.stage.weights and ep4.stage.optimizer == pytest.approx(ep8.stage.optimizer)
+    plain = make_plan(ConfigContainer.from_yaml(path, ["optimizer.use_distributed_optimizer=false",
+                                                      "ddp.overlap_param_gather=false"],
+                                                check_paths=False), 16)
+    assert plain.stage.optimizer == 12 * plain.stage.params  # unsharded: fp32 main weights and two moments
 
 
 # --- the command --------------------------------------------------------------------------------------
@@ -315,6 +338,17 @@ def test_plan_command_prints_the_table_and_json():
     assert per_gpu["activations"] == per_gpu["activations_full_recompute"] < data["per_gpu_bytes"]["activations"]
     usage = _plan("--help")
     assert usage.returncode == 0 and "--gpu-memory" in usage.stdout
+
+
+def test_plan_command_on_a_mixture_of_experts():
+    path = REPO / "recipes" / "mixtral-8x7b-pretrain.yaml"
+    out = _plan(str(path), *_stated(path))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^layout +TP 1, PP 2, DP 8, EP 8,", out.stdout, re.M), out.stdout
+    assert "8 per MoE layer in 32 of 32 layers, top-2" in out.stdout and "active per token 12.88 B" in out.stdout
+    assert "1 per MoE layer)" in out.stdout and "experts' over expert DP 1" in out.stdout
+    few = _plan(str(path), "--nodes", "1", "--gpus-per-node", "8")  # PP 2 leaves DP 4: EP 8 does not fit in it
+    assert few.returncode == 2 and few.stderr.startswith("kubetron: error: model.expert_model_parallel_size")
 
 
 @pytest.mark.parametrize("args, field", [

@@ -21,6 +21,12 @@ The accounting follows Megatron-LM's `megatron/training/theoretical_memory_usage
   layer's logits are kept in fp32 by the cross entropy (Megatron's `4*s*b*v`). Full recompute keeps
   each recompute group's input plus, during the backward pass, one group's activations.
   tests/test_plan.py checks these terms against the bytes measured for tiny models on CPU.
+- **Mixture of experts** (megatron-core's MoE layer): an MoE layer's experts are split over EP ranks
+  and by TP (expert TP = TP), the router and a shared expert are dense; with the distributed optimizer
+  the experts' fp32 state is sharded over the expert-data-parallel group (DP / EP ranks), the dense
+  parameters' over DP. Its activations: the router's tensors per token, then per routed copy (top-k
+  per token, routing taken as balanced over EP ranks) the dispatched token, its index and probability
+  and the expert MLP's activations. Parameters are reported in total and active per token.
 
 It is an estimate: the CUDA context, NCCL buffers, allocator fragmentation and transient tensors
 (matmul workspaces, the gradients flowing through the backward pass, optimizer temporaries) are not in
