@@ -79,8 +79,8 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env={**_env(), **env}, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _tail(p: subprocess.CompletedProcess) -> str:
@@ -247,12 +247,13 @@ def check_ddp(tiny: bool, gpus: int) -> Row:
                f"{len(losses)} variants, {nproc} ranks ({backend}), loss spread {spread:.1e}", "spread <= 1e-3")
 
 
-def _train_run(name: str, tmp: Path, iters: int, nproc: int, where: str, *extra: str, throughput: bool = False) -> Row:
+def _train_run(name: str, tmp: Path, iters: int, nproc: int, where: str, *extra: str, throughput: bool = False,
+               **env: str) -> Row:
     """`kubetron train` on `nproc` ranks (torchrun when more than one), judged by judge_run."""
     train = _train_cmd(tmp, iters, *extra)
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(nproc), *train[1:]] \
         if nproc > 1 else train
-    p = _run(cmd, timeout=600)
+    p = _run(cmd, timeout=600, **env)
     row = judge_run(name, p.returncode, _tb_losses(tmp / "tb"), iters, where,
                     _tb_losses(tmp / "tb", "throughput/tokens_per_sec") if throughput else None)
     return row if row.result == "PASS" or p.returncode == 0 else Row(row.name, "FAIL", _tail(p), row.target)
@@ -277,10 +278,13 @@ def check_moe(tiny: bool, gpus: int, ep: int) -> Row:
     iters = 10 if tiny else 30
     where = f"{ep} CPU rank(s) (gloo)" if tiny else f"{ep} GPU(s)"
     shape = [] if tiny else MOE_GPU
+    # on CPU one intra-op thread per rank, as torchrun gives each (a busy 2-core machine otherwise spends
+    # the step in thread contention: 40x slower measured under load)
+    env = {"OMP_NUM_THREADS": "1"} if tiny else {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-moe-") as tmp:
         return _train_run(name, Path(tmp), iters, ep, where, *MOE, *shape, f"model.expert_model_parallel_size={ep}",
-                          f"train.global_batch_size={4 * ep}", "checkpoint.ckpt_format=torch_dist",
-                          "scheduler.lr_warmup_iters=1", "optimizer.lr=3e-3", throughput=True)
+                          f"train.global_batch_size={4 * ep}", "scheduler.lr_warmup_iters=1", "optimizer.lr=3e-3",
+                          throughput=True, **env)
 
 
 def judge_pp2(returncode: int, losses: dict[int, float], iters: int, where: str) -> Row:
