@@ -36,6 +36,17 @@ ERRORS = [
     ("expert-ffn-not-div-tp", MOE.replace(
         "num_moe_experts: 4", "num_moe_experts: 4, tensor_model_parallel_size: 2, sequence_parallel: true, "
                               "moe_ffn_hidden_size: 33"), 2, "model.moe_ffn_hidden_size"),
+    ("per-layer-logging-without-loss", MOE.replace("num_moe_experts: 4", "num_moe_experts: 4, "
+                                                   "moe_per_layer_logging: true"), 1, "model.moe_per_layer_logging"),
+    ("kubetron-format-at-ep2", MOE.replace("num_moe_experts: 4", "num_moe_experts: 4, expert_model_parallel_size: 2")
+     + "checkpoint: {ckpt_format: kubetron}\n", 2, "checkpoint.ckpt_format"),
+    ("distributed-optimizer-at-ep2", MOE.replace("num_moe_experts: 4", "num_moe_experts: 4, "
+                                                 "expert_model_parallel_size: 2") + "ddp: {use_distributed_optimizer: "
+                                                                                    "true}\n", 2,
+     "ddp.use_distributed_optimizer"),
+    ("overlap-grad-reduce-at-ep2", MOE.replace("num_moe_experts: 4", "num_moe_experts: 4, "
+                                               "expert_model_parallel_size: 2") + "ddp: {overlap_grad_reduce: true}\n",
+     2, "ddp.overlap_grad_reduce"),
     ("grouped-gemm-local", MOE.replace("num_moe_experts: 4", "num_moe_experts: 4, moe_grouped_gemm: true, "
                                        "transformer_impl: local"), 1, "model.moe_grouped_gemm"),
 ]
