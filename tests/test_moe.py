@@ -1,4 +1,5 @@
-"""Mixture of experts (megatron-core's MoE layers): the config's one-line errors (training: test_moe_expert_parallel)."""
+"""Mixture of experts (megatron-core's MoE layers): the config's one-line errors (training and
+checkpoints: tests/test_moe_expert_parallel.py)."""
 
 from __future__ import annotations
 
