@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 
 from kubetron.errors import ConfigError
@@ -39,7 +40,7 @@ from kubetron.errors import ConfigError
 BYTE_TOKENIZER_VOCAB = 258
 """The byte tokenizer's base vocabulary: 256 byte values + eod + pad."""
 
-_DERIVED = {"derived": True}
+_DERIVED: JsonDict = {"derived": True}
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
@@ -857,7 +858,8 @@ class ConfigContainer(BaseModel):
 
     # ---- validation -----------------------------------------------------------------------------
 
-    def validate(self) -> None:
+    # Bridge's name; it hides pydantic's deprecated v1 classmethod `BaseModel.validate(value)`.
+    def validate(self) -> None:  # type: ignore[override]
         """Cross-field checks that need neither the world size, the filesystem nor torch."""
         t, m, o, s = self.train, self.model, self.optimizer, self.scheduler
 
@@ -1086,6 +1088,12 @@ class ConfigContainer(BaseModel):
                 raise ConfigError(f"model.{name}", f"{size} is not divisible by tensor_model_parallel_size = {tp}")
         if tp > 1 and not m.sequence_parallel:  # megatron's MoELayer refuses to train so
             raise ConfigError("model.sequence_parallel", "must be true for MoE with tensor_model_parallel_size > 1")
+        d = self.ddp
+        if ep > 1 and d.impl != "megatron" and (d.use_distributed_optimizer or self.optimizer.use_distributed_optimizer
+                                                 or d.overlap_grad_reduce):
+            # kubetron's bucketed buffers reduce over one DP group; experts need the expert-DP one
+            field = "ddp.overlap_grad_reduce" if d.overlap_grad_reduce else "ddp.use_distributed_optimizer"
+            raise ConfigError(field, "with model.expert_model_parallel_size > 1 needs ddp.impl megatron (CUDA)")
         if ep > 1 and self.checkpoint.ckpt_format == "kubetron":
             raise ConfigError("checkpoint.ckpt_format", "kubetron (one file gathered on rank 0) does not gather the "
                                                         "experts of expert_model_parallel_size > 1: use sharded or "
@@ -1185,6 +1193,7 @@ class ConfigContainer(BaseModel):
                 raise ConfigError("train.train_samples", f"{t.train_samples} is smaller than "
                                                          f"global_batch_size = {t.global_batch_size}")
             t.train_iters = iters
+        assert t.train_iters is not None  # validate(): train_iters or train_samples is set
 
         # scheduler, in iterations
         decay = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters

@@ -39,7 +39,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from kubetron.config import ConfigContainer
+from kubetron.config import ConfigContainer, GPTModelConfig
 from kubetron.errors import ConfigError
 
 GIB = 1024**3
@@ -56,6 +56,13 @@ def parse_memory(text: str) -> int:
     if not m or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ConfigError("--gpu-memory", f"expected a size like 80GiB or 141GB, got {text!r}")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def derived(*values: int | None) -> tuple[int, ...]:
+    """Values `ConfigContainer.derive()` sets (None before it): plan reads derived configs."""
+    if None in values:
+        raise ValueError("plan needs a derived config: call cfg.derive() or cfg.finalize() first")
+    return tuple(v for v in values if v is not None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,14 +82,15 @@ class Moe:
     aux_loss: bool  # a load-balancing loss is computed (its scores are kept for backward)
 
     @classmethod
-    def of(cls, m) -> Moe | None:
+    def of(cls, m: GPTModelConfig) -> Moe | None:
         experts = m.num_moe_experts
         if experts is None:
             return None
         freq = m.moe_layer_freq  # every N-th layer from the first, or one 0/1 per layer (megatron-core's rule)
         pattern = (tuple(bool(x) for x in freq) if isinstance(freq, list)
                    else tuple(i % freq == 0 for i in range(m.num_layers)))
-        return cls(experts=experts, topk=m.moe_router_topk, ffn=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        (ffn,) = derived(m.moe_ffn_hidden_size or m.ffn_hidden_size)
+        return cls(experts=experts, topk=m.moe_router_topk, ffn=ffn,
                    shared_ffn=m.moe_shared_expert_intermediate_size or 0, pattern=pattern,
                    aux_loss=m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff > 0)
 
@@ -129,13 +137,14 @@ class Shape:
             raise ConfigError("model.vocab_size", f"plan does not read tokenizer files: set it for "
                                                   f"tokenizer_type {cfg.tokenizer.tokenizer_type}")
         kv_channels = getattr(m, "kv_channels", None)  # the Qwen3 keys, where this version has them
-        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, groups=m.num_query_groups,
-                   head_dim=kv_channels or m.hidden_size // m.num_attention_heads, ffn=m.ffn_hidden_size,
+        groups, ffn, max_positions = derived(m.num_query_groups, m.ffn_hidden_size, m.max_position_embeddings)
+        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, groups=groups,
+                   head_dim=kv_channels or m.hidden_size // m.num_attention_heads, ffn=ffn,
                    vocab=m.vocab_size, seq=m.seq_length, swiglu=m.activation == "swiglu",
                    rms=m.normalization == "RMSNorm", linear_bias=m.add_bias_linear,
                    qkv_bias=m.add_qkv_bias or m.add_bias_linear, qk_norm=bool(getattr(m, "qk_layernorm", False)),
                    rope=m.position_embedding_type == "rope",
-                   learned_pos=m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0,
+                   learned_pos=max_positions if m.position_embedding_type == "learned_absolute" else 0,
                    tied=m.share_embeddings_and_output_weights, moe=Moe.of(m))
 
     def has_experts(self, layer: int) -> bool:
@@ -285,10 +294,11 @@ class Layout:
     @classmethod
     def of(cls, cfg: ConfigContainer) -> Layout:
         m = cfg.model
-        dp, ep = cfg.data_parallel_size, m.expert_model_parallel_size
+        dp, micro_batches = derived(cfg.data_parallel_size, cfg.train.num_microbatches)
+        ep = m.expert_model_parallel_size
         return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=dp,
                    sp=m.sequence_parallel, ep=ep, edp=dp // ep, micro_batch=cfg.train.micro_batch_size,
-                   micro_batches=cfg.train.num_microbatches)
+                   micro_batches=micro_batches)
 
 
 @dataclass(frozen=True)
@@ -543,7 +553,7 @@ def format_plan(plan: Plan, cfg: ConfigContainer, nodes: int, gpus_per_node: int
     optim = f"{cfg.optimizer.optimizer}, " + ("not sharded" if not cfg.ddp.use_distributed_optimizer else
                                               f"distributed over DP {lay.dp}" + (f", experts' over expert DP {lay.edp}"
                                                                                  if s.moe else ""))
-    recompute = m.recompute_granularity or "off"
+    recompute: str = m.recompute_granularity or "off"
     if m.recompute_granularity == "full":
         recompute += f" {m.recompute_method} {m.recompute_num_layers}"
     stage = f"pipeline stage {st.index} of {lay.pp}, " if lay.pp > 1 else ""
