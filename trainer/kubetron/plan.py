@@ -147,8 +147,9 @@ class Shape:
                    learned_pos=max_positions if m.position_embedding_type == "learned_absolute" else 0,
                    tied=m.share_embeddings_and_output_weights, moe=Moe.of(m))
 
-    def has_experts(self, layer: int) -> bool:
-        return self.moe is not None and self.moe.pattern[layer]
+    def experts_in(self, layer: int) -> Moe | None:
+        """The experts of layer `layer` (None: it has a dense MLP)."""
+        return self.moe if self.moe is not None and self.moe.pattern[layer] else None
 
 
 ATTENTION = ("linear_qkv", "linear_proj")
@@ -197,9 +198,9 @@ def layer_params(s: Shape, layer: int = 0, tp: int = 1, ep: int = 1) -> Count:
     expert is a dense MLP."""
     dense = _linear_params(s, ATTENTION, s.ffn, tp) + 2 * s.norm * s.hidden
     dense += 2 * s.norm * s.head_dim if s.qk_norm else 0
-    if not s.has_experts(layer):
+    moe = s.experts_in(layer)
+    if moe is None:
         return Count(dense + _linear_params(s, MLP, s.ffn, tp))
-    moe = s.moe
     dense += moe.experts * s.hidden + (moe.experts if s.linear_bias else 0)  # the router
     dense += _linear_params(s, MLP, moe.shared_ffn, tp) if moe.shared_ffn else 0
     return Count(dense, moe.experts // ep * _linear_params(s, MLP, moe.ffn, tp))
@@ -217,9 +218,9 @@ def lora_params(s: Shape, targets: frozenset[str], dim: int, layer: int = 0, tp:
         return n
 
     dense = adapters(ATTENTION, s.ffn)
-    if not s.has_experts(layer):
+    moe = s.experts_in(layer)
+    if moe is None:
         return Count(dense + adapters(MLP, s.ffn))
-    moe = s.moe
     dense += adapters(MLP, moe.shared_ffn) if moe.shared_ffn else 0
     return Count(dense, moe.experts // ep * adapters(MLP, moe.ffn))
 
@@ -395,9 +396,9 @@ def activations(s: Shape, lay: Layout, e: int, dropout: bool, lora: Lora | None,
     rope = 4 * s.seq * s.head_dim * e if s.rope else 0  # cos/sin for q and k, per layer, not per sample
     common = tokens * (hidden / h_split + attn * e / lay.tp) + stats + qk_stats + rope
     dense = common + tokens * mlp_activations(s, s.ffn, lay, e, lora, kept)
-    moe = common + moe_activations(s, lay, e, lora, kept, tokens) if s.moe else 0.0
+    moe = common + moe_activations(s, s.moe, lay, e, lora, kept, tokens) if s.moe else 0.0
     per = s.layers // lay.pp
-    layers = tuple(moe if s.has_experts(i) else dense for i in range(index * per, (index + 1) * per))
+    layers = tuple(moe if s.experts_in(i) else dense for i in range(index * per, (index + 1) * per))
     first_bytes = tokens * ((0 if frozen else 8) + s.hidden * mask / h_split) if index == 0 else 0.0
     last_bytes = 0.0
     if index == lay.pp - 1:  # final norm input (+ output and normalized input, unless frozen), logits, labels
@@ -417,7 +418,7 @@ def mlp_activations(s: Shape, ffn: int, lay: Layout, e: int, lora: Lora | None, 
     return own_input * kept("linear_fc1") * s.hidden * e / h_split + inner * e / lay.tp
 
 
-def moe_activations(s: Shape, lay: Layout, e: int, lora: Lora | None, kept, tokens: int) -> float:
+def moe_activations(s: Shape, moe: Moe, lay: Layout, e: int, lora: Lora | None, kept, tokens: int) -> float:
     """Bytes an MoE layer's MLP saves per micro-batch on one GPU: megatron-core's top-k router, token
     dispatcher and SequentialMLP experts, without token dropping.
 
@@ -429,7 +430,6 @@ def moe_activations(s: Shape, lay: Layout, e: int, lora: Lora | None, kept, toke
     experts' fc1 input), its index and probability, and the expert MLP's activations, one ffn more
     than a dense MLP's (the probability scales the activation's output before fc2). A shared expert
     is a dense MLP."""
-    moe = s.moe
     h_split = lay.tp if lay.sp else 1
     router = s.hidden * e + moe.experts * (1 + FP32) + moe.topk * (8 + FP32)
     router += moe.experts * FP32 + moe.topk * 8 if moe.aux_loss else 0
