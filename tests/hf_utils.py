@@ -1,5 +1,5 @@
-"""Shared helpers for the Hugging Face interop tests: tiny random Llama and Qwen3 models made with
-`transformers` (never downloaded)."""
+"""Shared helpers for the Hugging Face interop tests: tiny random Llama, Qwen3, Qwen3-MoE and Mixtral
+models made with `transformers` (never downloaded)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,48 @@ def make_tiny_qwen3(out: Path, *, tied: bool, head_dim: int = 24, seed: int = 3)
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+def _norms_away_from_one(model):
+    """Every norm weight away from 1 (a dropped or swapped norm shows in the logits)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+
+
+def make_tiny_qwen3_moe(out: Path, *, norm_topk_prob: bool = False, mlp_only_layers=(1,), seed: int = 5) -> Path:
+    """Qwen3-MoE: 3 layers, layer 1 a dense MLP (96) and the others 8 experts (32) with top-2 routing; Qwen3's
+    attention (head_dim 24, GQA, q/k norms). norm_topk_prob False (transformers' default): the chosen router
+    probabilities are not renormalised. Saved as safetensors (one tensor per expert projection)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                         mlp_only_layers=list(mlp_only_layers), router_aux_loss_coef=0.02, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, initializer_range=0.1)
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    _norms_away_from_one(model)
+    model.save_pretrained(out)
+    return out
+
+
+def make_tiny_mixtral(out: Path, *, sliding_window: int | None = 8, seed: int = 6) -> Path:
+    """Mixtral: 2 layers of 8 experts (48) with top-2 routing (renormalised, as Mixtral always does), GQA,
+    an 8-token sliding window, norm weights away from 1. Saved as safetensors (w1/w2/w3 per expert)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=48, num_local_experts=8,
+                        num_experts_per_tok=2, router_aux_loss_coef=0.03, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=256, sliding_window=sliding_window,
+                        rms_norm_eps=1e-5, initializer_range=0.1)
+    model = MixtralForCausalLM(cfg).float().eval()
+    _norms_away_from_one(model)
     model.save_pretrained(out)
     return out
 
