@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 from pathlib import Path
 
 import torch
+
+from tests.trainer_utils import env_for, kubetron_cmd
+
+REPO = Path(__file__).resolve().parent.parent
+SFT_LINES = [{"input": f"Q{i}: what is {i} plus {i}? ", "output": f"{2 * i}"} for i in range(40)]
 
 TOKENS = torch.tensor([[5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3, 77, 12, 0, 255, 31] * 3,
                        [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 110, 120, 130, 140, 150, 160] * 3])
@@ -156,3 +162,37 @@ def kubetron_logits(model, tokens: torch.Tensor = TOKENS, attention_mask=None, p
         dist.all_gather(parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
         out = torch.cat(parts, dim=-1)
     return out
+
+
+def run_cli(args, tmp: Path, timeout=400) -> subprocess.CompletedProcess:
+    """`kubetron ARGS` in a subprocess, as a user runs it."""
+    return subprocess.run(kubetron_cmd(*args), env=env_for(tmp), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def imported_model_keys(ckpt: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]
+
+
+def finetune_args(tmp: Path, data: Path, pretrained: Path, keys: dict, iters: int) -> list[str]:
+    model = [f"model.{k}={json.dumps(v)}" for k, v in keys.items() if k not in ("seq_length",)]
+    return ["finetune", *model, "model.seq_length=64", f"train.train_iters={iters}", "train.micro_batch_size=2",
+            "train.global_batch_size=4", "optimizer.lr=1e-3", "scheduler.lr_decay_style=constant",
+            "validation.eval_interval=null", f"finetuning.data_path={data}", "finetuning.packing=true",
+            f"checkpoint.pretrained_checkpoint={pretrained}", f"checkpoint.save={tmp / 'run'}",
+            f"checkpoint.save_interval={iters}", "logger.log_interval=1", "train.exit_signal_handler=false"]
+
+
+def import_finetune_export(tmp: Path, hf: Path, iters: int) -> str:
+    """import-hf HF -> finetune `iters` packed SFT iterations -> export-hf to tmp/out; import-hf's stdout."""
+    imported = run_cli(["import-hf", str(hf), str(tmp / "ckpt")], tmp)
+    assert imported.returncode == 0, imported.stderr
+    data = tmp / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = run_cli(finetune_args(tmp, data, tmp / "ckpt", imported_model_keys(tmp / "ckpt"), iters), tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_cli(["export-hf", str(tmp / "run"), str(tmp / "out")], tmp)
+    assert p.returncode == 0, p.stderr
+    return imported.stdout

@@ -8,7 +8,6 @@ coefficient) are carried both ways; what has no counterpart is refused in one li
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,14 @@ from tests.hf_utils import (
     config_for,
     ensure_world_of_one,
     hf_logits,
+    import_finetune_export,
     kubetron_logits,
     make_tiny_mixtral,
     make_tiny_qwen3_moe,
+    run_cli,
 )
-from tests.trainer_utils import env_for, kubetron_cmd
 
 pytest.importorskip("transformers")
-REPO = Path(__file__).resolve().parent.parent
 # fp32, the issue's bound. Measured 1.6e-6 (Qwen3-MoE) and 1.2e-6 (Mixtral): megatron takes the top-k logits
 # and then their softmax where transformers renormalises the top-k of the softmax (the same numbers, rounded
 # differently), and sums the experts' outputs in another order.
@@ -100,6 +99,28 @@ def test_moe_import_gives_transformers_logits_and_export_round_trips_bit_exact(n
     assert diff <= TOL
 
 
+def test_qwen3_moe_import_finetune_export_through_the_cli(tmp_path):
+    """The user's path: import-hf -> finetune (packed SFT, the aux loss on) -> export-hf. The experts, the
+    router and the dense layer trained; transformers computes what the trained checkpoint computes."""
+    from kubetron.hf.io import read_checkpoint
+    from safetensors.torch import load_file
+
+    hf = make_tiny_qwen3_moe(tmp_path / "hf")
+    printed = import_finetune_export(tmp_path, hf, 2)
+    assert "num_moe_experts: 8" in printed and "moe_aux_loss_coeff: 0.02" in printed, printed
+    tuned, start = load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors")
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.up_proj.weight",
+                 "model.layers.2.mlp.experts.3.down_proj.weight"):
+        assert not torch.equal(tuned[name], start[name]), name
+    ensure_world_of_one()
+    keys, tensors, _, _ = read_checkpoint(str(tmp_path / "run"))
+    diff = (kubetron_logits(_build_and_load(keys, tensors)[0]) - hf_logits(tmp_path / "out")).abs().max().item()
+    print(f"trained Qwen3-MoE checkpoint vs its export in transformers: max abs logit diff {diff:.3g}")
+    assert diff <= TOL
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["router_aux_loss_coef"], config["mlp_only_layers"], config["norm_topk_prob"]) == (0.02, [1], False)
+
+
 def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_directory(tmp_path):
     """norm_topk_prob true is megatron's top-k then softmax (moe_router_pre_softmax false), with the same
     logits; a run whose MoE keys differ from the HF directory's may not load it (the field is named)."""
@@ -143,8 +164,7 @@ def test_unrepresentable_moe_configs_are_refused_naming_the_field(tmp_path, make
 
 def test_unrepresentable_moe_config_is_one_line_exit_2_nothing_written(tmp_path):
     hf = _edit_config(make_tiny_mixtral(tmp_path / "hf"), router_jitter_noise=0.1)
-    p = subprocess.run(kubetron_cmd("import-hf", str(hf), str(tmp_path / "out")), env=env_for(tmp_path),
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    p = run_cli(["import-hf", str(hf), str(tmp_path / "out")], tmp_path)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().count("\n") == 0 and "config.json: router_jitter_noise" in p.stderr, p.stderr
     assert not (tmp_path / "out").exists()
