@@ -15,8 +15,10 @@ import torch
 import yaml
 
 from tests.hf_utils import (
+    SFT_LINES,
     config_for,
     ensure_world_of_one,
+    finetune_args,
     hf_logits,
     import_finetune_export,
     kubetron_logits,
@@ -119,6 +121,44 @@ def test_qwen3_moe_import_finetune_export_through_the_cli(tmp_path):
     assert diff <= TOL
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["router_aux_loss_coef"], config["mlp_only_layers"], config["norm_topk_prob"]) == (0.02, [1], False)
+
+
+def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsys):
+    """LoRA on a Mixtral import (adapters on attention and on every expert's fc1/fc2): the merged export
+    computes what kubetron's base + adapters compute; --adapter-only is one line, exit 2, nothing written
+    (PEFT has no by-name form for transformers' fused expert parameters)."""
+    from kubetron.cli import main
+    from kubetron.hf.io import import_hf, read_checkpoint
+    from kubetron.training import peft, sharding
+    from kubetron.training.model import build_model
+
+    hf = make_tiny_mixtral(tmp_path / "hf")
+    keys = import_hf(str(hf), str(tmp_path / "ckpt"))
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    lora = ["peft.scheme=lora", "peft.dim=4", "peft.alpha=8.0", "optimizer.lr=2e-2"]
+    p = run_cli([*finetune_args(tmp_path, data, tmp_path / "ckpt", keys, 2), *lora], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    adapters = read_checkpoint(str(tmp_path / "run"))[1]
+    assert any(".experts.local_experts.7.linear_fc2.adapter." in k for k in adapters)
+    capsys.readouterr()
+    assert main(["export-hf", "--adapter-only", str(tmp_path / "run"), str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "--adapter-only" in err and "experts" in err, err
+    assert not (tmp_path / "adapter").exists()
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+
+    ensure_world_of_one()
+    cfg = config_for(keys, *lora[:3], f"checkpoint.pretrained_checkpoint={tmp_path / 'ckpt'}")
+    model = build_model(cfg, torch.device("cpu"))
+    base = torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True)
+    sharding.load_model_state(model, base, keep=peft.is_base_name)
+    sharding.load_model_state(model, adapters, keep=peft.is_adapter_name)
+    merged = hf_logits(tmp_path / "merged")
+    diff = (kubetron_logits(model[0]) - merged).abs().max().item()
+    print(f"Mixtral, LoRA on experts: kubetron base + adapters vs transformers on the merged export {diff:.3g}")
+    assert diff <= TOL
+    assert (merged - hf_logits(hf)).abs().max().item() > 1e-2  # the adapters changed the model
 
 
 def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_directory(tmp_path):

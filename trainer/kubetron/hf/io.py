@@ -166,8 +166,9 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
                                   "checkpoint.ckpt_format sharded or kubetron, not torch_dist")
     from kubetron.training.sharded import read_canonical
 
-    # The sharded format keeps a gated fc1 (and its LoRA B) as (2, ffn, ...) = [gate, up]; canonical is [gate; up].
-    tensors = {k: (t.reshape(-1, t.shape[-1]) if ".mlp.linear_fc1." in k and t.ndim == 3 else t)
+    # The sharded format keeps a gated fc1 (a dense layer's or an expert's, and its LoRA B) as (2, ffn, ...) =
+    # [gate, up]; canonical is [gate; up].
+    tensors = {k: (t.reshape(-1, t.shape[-1]) if ".linear_fc1." in k and t.ndim == 3 else t)
                for k, t in read_canonical(store, name)[0].items()}
     return run_cfg["model"], tensors, store, name
 
