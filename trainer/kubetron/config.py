@@ -176,8 +176,8 @@ class GPTModelConfig(_Section):
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = _f(
         "aux_loss", "Load-balancing loss: aux_loss (GShard/Switch, per micro-batch), seq_aux_loss (per sequence, "
         "DeepSeek), none.")
-    moe_aux_loss_coeff: float = _f(0.0, "Weight of the load-balancing loss added to the LM loss (0: logged only, "
-                                        "not trained on).", ge=0)
+    moe_aux_loss_coeff: float = _f(0.0, "Weight of the load-balancing loss added to the LM loss (0: none is "
+                                        "computed, trained on or logged).", ge=0)
     moe_shared_expert_intermediate_size: int | None = _f(
         None, "Hidden size of the shared expert every token also passes through (null: none; Qwen2-MoE, DeepSeek).",
         ge=1)
@@ -192,6 +192,8 @@ class GPTModelConfig(_Section):
         "on gloo and NCCL) or allgather (every rank sees every token).")
     moe_grouped_gemm: bool = _f(
         False, "All local experts in one grouped GEMM (TransformerEngine's TEGroupedMLP); needs the TE layer spec.")
+    moe_per_layer_logging: bool = _f(
+        False, "Also write each layer's load-balancing loss to TensorBoard (moe/<name>_layer_<i>).")
     expert_model_parallel_size: int = _f(
         1, "Expert-parallel ranks (ep): each holds num_moe_experts / ep experts; must divide the data-parallel "
         "size.", ge=1)
@@ -1068,6 +1070,9 @@ class ConfigContainer(BaseModel):
                               f"{ep} does not divide num_moe_experts = {e}")
         if m.moe_router_load_balancing_type == "none" and m.moe_aux_loss_coeff:
             raise ConfigError("model.moe_aux_loss_coeff", "has no effect with moe_router_load_balancing_type none")
+        if m.moe_per_layer_logging and not m.moe_aux_loss_coeff:
+            raise ConfigError("model.moe_per_layer_logging", "has no effect without model.moe_aux_loss_coeff > 0 "
+                                                             "(no load-balancing loss is computed)")
         freq = m.moe_layer_freq
         if isinstance(freq, int):
             if not 1 <= freq <= m.num_layers:
@@ -1081,6 +1086,10 @@ class ConfigContainer(BaseModel):
                 raise ConfigError(f"model.{name}", f"{size} is not divisible by tensor_model_parallel_size = {tp}")
         if tp > 1 and not m.sequence_parallel:  # megatron's MoELayer refuses to train so
             raise ConfigError("model.sequence_parallel", "must be true for MoE with tensor_model_parallel_size > 1")
+        if ep > 1 and self.checkpoint.ckpt_format == "kubetron":
+            raise ConfigError("checkpoint.ckpt_format", "kubetron (one file gathered on rank 0) does not gather the "
+                                                        "experts of expert_model_parallel_size > 1: use sharded or "
+                                                        "torch_dist")
         if m.moe_grouped_gemm and m.transformer_impl == "local":
             raise ConfigError("model.moe_grouped_gemm", "needs the TransformerEngine layer spec "
                                                         "(transformer_impl auto or transformer_engine)")

@@ -18,20 +18,15 @@ from megatron.core.models.common.embeddings import rotary_pos_embedding as mcore
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from kubetron.errors import ConfigError
+from kubetron.training import moe
 
 log = logging.getLogger(__name__)
-
-if not hasattr(moe_utils, "te_general_gemm"):  # mcore 0.16.1 leaves it undefined without TE, then NameErrors
-    moe_utils.te_general_gemm = None  # where its router GEMM would fall back to torch.mm
 
 
 def te_available() -> bool:
@@ -96,35 +91,6 @@ class PortableRotaryEmbedding(mcore_rope.RotaryEmbedding):
         return super()._apply(fn, *args, **kwargs)
 
 
-class PortableTopKRouter(TopKRouter):
-    """mcore's top-k router without its move of CPU-held weights to CUDA in `gating` (the model moves them)."""
-
-    def gating(self, input: torch.Tensor) -> torch.Tensor:
-        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
-        return moe_utils.router_gating_linear(input, self.weight, self.bias, dtype)  # (tokens, experts)
-
-
-class HostAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
-    """mcore's all-to-all token dispatcher where torch has no CUDA: mcore's copies the split sizes to the
-    host on a CUDA stream, and CPU tensors are there already."""
-
-    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
-        return tokens_per_expert
-
-
-def _without_cuda_streams():
-    """Before the MoE layers are built without CUDA: the dispatcher's __init__ makes its CUDA stream once
-    per process unless one is there; this stands for it (HostAlltoAllTokenDispatcher never uses it)."""
-    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
-
-
-def _host_token_dispatch(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if type(getattr(module, "token_dispatcher", None)) is MoEAlltoAllTokenDispatcher:
-            module.token_dispatcher.__class__ = HostAlltoAllTokenDispatcher
-
-
 def moe_config(m) -> dict:
     """TransformerConfig's mixture-of-experts fields (none for a dense model: megatron asserts so)."""
     if m.num_moe_experts is None:
@@ -141,6 +107,7 @@ def moe_config(m) -> dict:
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=m.moe_grouped_gemm,
         expert_model_parallel_size=m.expert_model_parallel_size,
+        moe_per_layer_logging=m.moe_per_layer_logging,
         moe_router_dtype="fp32",  # routing probabilities in fp32 under bf16 too (Bridge's MoE recipes)
     )
 
@@ -241,7 +208,7 @@ def _portable_layer(cfg, spec: ModuleSpec, te: bool) -> None:
     """Swap the CUDA-only pieces of a local layer spec for ours; an MoE layer's router on either spec."""
     mlp = spec.submodules.mlp
     if mlp.module is MoELayer:
-        mlp.submodules.router = PortableTopKRouter
+        mlp.submodules.router = moe.PortableTopKRouter
     if te:
         return
     if cfg.model.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm:  # megatron asserts
@@ -259,7 +226,7 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
         _portable_recompute_rng()
     host_moe = cfg.model.num_moe_experts is not None and not torch.cuda.is_available()
     if host_moe:
-        _without_cuda_streams()
+        moe.before_build_without_cuda()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg, config),
@@ -272,7 +239,7 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
         rotary_base=cfg.model.rotary_base,
     )
     if host_moe:
-        _host_token_dispatch(model)
+        moe.without_cuda(model)
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.__class__ = PortableRotaryEmbedding
         if cfg.model.rope_scaling:  # mcore's llama3 scaling, with all four of the HF config's parameters

@@ -20,7 +20,7 @@ import torch
 
 from kubetron.errors import ConfigError
 from kubetron.training.ddp import DistributedOptimizer, GradBuffers, broadcast_params
-from kubetron.training.grads import FlatGradSync, counts_toward_norms, model_parallel_sum, sum_of_squares
+from kubetron.training.grads import FlatGradSync, is_expert_parallel, model_parallel_sum, norm_squared
 from kubetron.training.mixed_precision import LossScaler, MainParamsOptimizer
 from kubetron.training.optimizer_base import PlainOptimizer, TrainingOptimizer
 
@@ -70,6 +70,7 @@ def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | No
                                  fused=fused or None)
 
     if d.use_distributed_optimizer or d.overlap_grad_reduce:
+        _buffers_without_expert_parallelism(model, d)
         grad_sync = GradBuffers(model, grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap=d.overlap_grad_reduce,
                                 num_microbatches=cfg.train.num_microbatches, bucket_size=d.bucket_size,
                                 shard=d.use_distributed_optimizer)
@@ -85,6 +86,15 @@ def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | No
     if opt.loss_scaler is not None and hasattr(model[0], "config"):  # megatron's schedule (GPU, PP > 1)
         model[0].config.grad_scale_func = lambda loss: loss * opt.loss_scale
     return opt
+
+
+def _buffers_without_expert_parallelism(model, d):
+    """kubetron's bucketed buffers reduce every bucket over one data-parallel group; experts under EP need
+    the expert-data-parallel one (megatron's DDP on CUDA has both)."""
+    if any(is_expert_parallel(p) for chunk in model for p in chunk.parameters()):
+        field = "ddp.use_distributed_optimizer" if d.use_distributed_optimizer else "ddp.overlap_grad_reduce"
+        raise ConfigError(field, "with model.expert_model_parallel_size > 1 needs ddp.impl megatron (CUDA); "
+                                 "ddp.impl kubetron reduces experts' gradients only without it")
 
 
 def finalize_model_grads(optimizer: TrainingOptimizer, cfg) -> torch.Tensor:
@@ -150,6 +160,5 @@ class LRScheduler:
 
 def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
     """calc_params_l2_norm: the L2 norm of all parameters across the model-parallel group."""
-    params = [p for chunk in model for p in chunk.parameters() if counts_toward_norms(p)]
-    sq = sum_of_squares([p.detach() for p in params])
-    return model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)
+    params = [p for chunk in model for p in chunk.parameters()]
+    return model_parallel_sum(norm_squared(params, lambda p: p.detach())).sqrt().squeeze(0)
