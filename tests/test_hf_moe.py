@@ -8,6 +8,8 @@ coefficient) are carried both ways; what has no counterpart is refused in one li
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,6 @@ from tests.hf_utils import (
     ensure_world_of_one,
     finetune_args,
     hf_logits,
-    import_finetune_export,
     kubetron_logits,
     make_tiny_mixtral,
     make_tiny_qwen3_moe,
@@ -28,6 +29,7 @@ from tests.hf_utils import (
 )
 
 pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parent.parent
 # fp32, the issue's bound. Measured 1.6e-6 (Qwen3-MoE) and 1.2e-6 (Mixtral): megatron takes the top-k logits
 # and then their softmax where transformers renormalises the top-k of the softmax (the same numbers, rounded
 # differently), and sums the experts' outputs in another order.
@@ -101,15 +103,23 @@ def test_moe_import_gives_transformers_logits_and_export_round_trips_bit_exact(n
     assert diff <= TOL
 
 
-def test_qwen3_moe_import_finetune_export_through_the_cli(tmp_path):
-    """The user's path: import-hf -> finetune (packed SFT, the aux loss on) -> export-hf. The experts, the
-    router and the dense layer trained; transformers computes what the trained checkpoint computes."""
+def test_qwen3_moe_import_finetune_export_through_the_cli(tmp_path, capsys):
+    """The user's path: import-hf -> finetune from its printed section (packed SFT, the aux loss on) ->
+    export-hf. The experts, the router and the dense layer trained; transformers computes what the trained
+    checkpoint (the sharded format) computes."""
+    from kubetron.cli import main
     from kubetron.hf.io import read_checkpoint
     from safetensors.torch import load_file
 
     hf = make_tiny_qwen3_moe(tmp_path / "hf")
-    printed = import_finetune_export(tmp_path, hf, 2)
-    assert "num_moe_experts: 8" in printed and "moe_aux_loss_coeff: 0.02" in printed, printed
+    capsys.readouterr()
+    assert main(["import-hf", str(hf), str(tmp_path / "ckpt")]) == 0
+    keys = yaml.safe_load(capsys.readouterr().out)["model"]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = run_cli(finetune_args(tmp_path, data, tmp_path / "ckpt", keys, 2), tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     tuned, start = load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors")
     for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.up_proj.weight",
                  "model.layers.2.mlp.experts.3.down_proj.weight"):
@@ -159,6 +169,29 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     print(f"Mixtral, LoRA on experts: kubetron base + adapters vs transformers on the merged export {diff:.3g}")
     assert diff <= TOL
     assert (merged - hf_logits(hf)).abs().max().item() > 1e-2  # the adapters changed the model
+
+
+def test_mixtral_import_at_ep2_gives_transformers_logits(tmp_path):
+    """Expert parallelism: two ranks (torchrun, gloo) hold 4 of the 8 experts each, from import-hf's
+    checkpoint and from the HF directory itself, and give transformers' logits."""
+    from kubetron.hf.io import import_hf
+
+    from tests.multirank.runner import environment, free_port
+
+    hf = make_tiny_mixtral(tmp_path / "hf")
+    import_hf(str(hf), str(tmp_path / "ckpt"))
+    out = tmp_path / "logits.pt"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    p = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
+                        "tests.multirank.hf_logits", str(tmp_path / "ckpt"), str(hf), str(out), "ep"],
+                       cwd=REPO, env=environment(tmp_path), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got, want = torch.load(out, weights_only=True), hf_logits(hf)
+    assert got["local_experts"] == 4
+    for key in ("from_checkpoint", "from_hf_dir"):
+        diff = (got[key] - want).abs().max().item()
+        print(f"Mixtral EP=2 {key} vs transformers: max abs logit diff {diff:.3g}")
+        assert diff <= TOL
 
 
 def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_directory(tmp_path):
