@@ -1086,6 +1086,12 @@ class ConfigContainer(BaseModel):
                 raise ConfigError(f"model.{name}", f"{size} is not divisible by tensor_model_parallel_size = {tp}")
         if tp > 1 and not m.sequence_parallel:  # megatron's MoELayer refuses to train so
             raise ConfigError("model.sequence_parallel", "must be true for MoE with tensor_model_parallel_size > 1")
+        d = self.ddp
+        if ep > 1 and d.impl != "megatron" and (d.use_distributed_optimizer or self.optimizer.use_distributed_optimizer
+                                                 or d.overlap_grad_reduce):
+            # kubetron's bucketed buffers reduce over one DP group; experts need the expert-DP one
+            field = "ddp.overlap_grad_reduce" if d.overlap_grad_reduce else "ddp.use_distributed_optimizer"
+            raise ConfigError(field, "with model.expert_model_parallel_size > 1 needs ddp.impl megatron (CUDA)")
         if ep > 1 and self.checkpoint.ckpt_format == "kubetron":
             raise ConfigError("checkpoint.ckpt_format", "kubetron (one file gathered on rank 0) does not gather the "
                                                         "experts of expert_model_parallel_size > 1: use sharded or "

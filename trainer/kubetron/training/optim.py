@@ -20,7 +20,7 @@ import torch
 
 from kubetron.errors import ConfigError
 from kubetron.training.ddp import DistributedOptimizer, GradBuffers, broadcast_params
-from kubetron.training.grads import FlatGradSync, is_expert_parallel, model_parallel_sum, norm_squared
+from kubetron.training.grads import FlatGradSync, model_parallel_sum, norm_squared
 from kubetron.training.mixed_precision import LossScaler, MainParamsOptimizer
 from kubetron.training.optimizer_base import PlainOptimizer, TrainingOptimizer
 
@@ -70,7 +70,6 @@ def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | No
                                  fused=fused or None)
 
     if d.use_distributed_optimizer or d.overlap_grad_reduce:
-        _buffers_without_expert_parallelism(model, d)
         grad_sync = GradBuffers(model, grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap=d.overlap_grad_reduce,
                                 num_microbatches=cfg.train.num_microbatches, bucket_size=d.bucket_size,
                                 shard=d.use_distributed_optimizer)
@@ -86,15 +85,6 @@ def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | No
     if opt.loss_scaler is not None and hasattr(model[0], "config"):  # megatron's schedule (GPU, PP > 1)
         model[0].config.grad_scale_func = lambda loss: loss * opt.loss_scale
     return opt
-
-
-def _buffers_without_expert_parallelism(model, d):
-    """kubetron's bucketed buffers reduce every bucket over one data-parallel group; experts under EP need
-    the expert-data-parallel one (megatron's DDP on CUDA has both)."""
-    if any(is_expert_parallel(p) for chunk in model for p in chunk.parameters()):
-        field = "ddp.use_distributed_optimizer" if d.use_distributed_optimizer else "ddp.overlap_grad_reduce"
-        raise ConfigError(field, "with model.expert_model_parallel_size > 1 needs ddp.impl megatron (CUDA); "
-                                 "ddp.impl kubetron reduces experts' gradients only without it")
 
 
 def finalize_model_grads(optimizer: TrainingOptimizer, cfg) -> torch.Tensor:
