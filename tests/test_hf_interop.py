@@ -19,7 +19,6 @@ from tests.hf_utils import (
     SFT_LINES,
     TOKENS,
     config_for,
-    ensure_world_of_one,
     finetune_args,
     hf_logits,
     import_finetune_export,
@@ -29,6 +28,7 @@ from tests.hf_utils import (
     make_tiny_qwen3,
     run_cli,
 )
+from tests.inprocess import ensure_world_of_one
 
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,6 @@ import yaml
 from tests.hf_utils import (
     SFT_LINES,
     config_for,
-    ensure_world_of_one,
     finetune_args,
     hf_logits,
     kubetron_logits,
@@ -27,6 +26,7 @@ from tests.hf_utils import (
     make_tiny_qwen3_moe,
     run_cli,
 )
+from tests.inprocess import ensure_world_of_one
 
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent

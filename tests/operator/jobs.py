@@ -39,8 +39,17 @@ def kubectl_get(job: dict[str, Any], now: datetime) -> str:
     st = job.get("status") or {}
     created = datetime.fromisoformat(job["metadata"]["creationTimestamp"])
     age = f"{max(0, int((now - created).total_seconds()))}s"
-    row = [job["metadata"]["name"], st.get("phase", ""), st.get("progress", ""), str(st.get("iteration", "")),
+    row = [job["metadata"]["name"], st.get("phase", ""), str(st.get("nodes", "")), st.get("progress", ""),
+           str(st.get("iteration", "")),
            str((st.get("restarts") or {}).get("total", "")), st.get("eta") or "<none>", age]
-    head = ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE"]
+    head = ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE"]
     widths = [max(len(a), len(b)) + 3 for a, b in zip(head, row, strict=True)]
     return "\n".join("".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (head, row))
+
+
+def tj(ns: str, name: str = "gpt", **spec: Any) -> dict[str, Any]:
+    """An S3 TrainingJob to create in namespace `ns` of the real API server (tests/kube)."""
+    body = copy.deepcopy(S3_JOB)
+    body["metadata"] = {"name": name, "namespace": ns}
+    body["spec"].update(spec)
+    return body
