@@ -196,9 +196,11 @@ def test_mixtral_import_at_ep2_gives_transformers_logits(tmp_path):
 
 def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_directory(tmp_path):
     """norm_topk_prob true is megatron's top-k then softmax (moe_router_pre_softmax false), with the same
-    logits; a run whose MoE keys differ from the HF directory's may not load it (the field is named)."""
-    from kubetron.errors import CheckpointError
+    logits; a run whose MoE keys differ from the HF directory's or the import's may not load it (the field
+    is named)."""
+    from kubetron.errors import CheckpointError, ConfigError
     from kubetron.hf.io import import_hf, load_hf_into_model
+    from kubetron.training.checkpointing import check_architecture
     from kubetron.training.model import build_model
 
     hf = make_tiny_qwen3_moe(tmp_path / "hf", norm_topk_prob=True, mlp_only_layers=())
@@ -210,6 +212,11 @@ def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_direct
     cfg = config_for(keys, "model.moe_router_topk=3")
     with pytest.raises(CheckpointError, match="model.moe_router_topk: HF 2, this run 3"):
         load_hf_into_model(build_model(cfg, torch.device("cpu")), cfg, str(hf))
+    # ... nor the import (its architecture record); the same layers written out one by one are the same model
+    common = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)
+    with pytest.raises(ConfigError, match="model.moe_router_pre_softmax: checkpoint False, this run True"):
+        check_architecture(common["model_config"], config_for(keys, "model.moe_router_pre_softmax=true"), "x")
+    check_architecture(common["model_config"], config_for(keys, "model.moe_layer_freq=[1,1,1]"), "x")
 
 
 def _edit_config(hf: Path, **fields) -> Path:
