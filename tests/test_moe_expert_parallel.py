@@ -1,6 +1,6 @@
 """An MoE GPT at expert parallelism 2 under `torchrun --nproc-per-node 2` (CPU, gloo): trains with its loss
 falling, logs the load-balancing loss, resumes from its sharded checkpoint at EP=2 and at EP=1, and
-fine-tunes with LoRA on the experts' linears at EP=2.
+fine-tunes with LoRA on the experts' linears at EP=2 (with the all-gather token dispatcher: both run on gloo).
 
 - EP=2 -> EP=2: bit-exact (the same layout, the same arithmetic).
 - EP=2 -> EP=1 (DP=2 both): the resumed iteration's loss is bit-exact (every token meets the same expert
@@ -55,10 +55,11 @@ def test_ep2_trains_and_resumes_at_ep2_and_ep1(tmp_path):
     print(f"EP=1 resume: max |loss difference| {worst:.3g}")
     assert worst <= 1e-5, {i: (ep1[i], ref[i]) for i in ep1}
 
-    # LoRA on the experts' linears at EP=2: each expert's adapter trains on its own gradient (adapters
-    # reduced over the whole DP group would make expert 2's adapter, on rank 1, a copy of expert 0's)
-    run(tmp_path, "lora", "model.expert_model_parallel_size=2", "peft.scheme=lora",
-        f"checkpoint.pretrained_checkpoint={tmp_path / 'ep2'}", f"train.train_iters={SAVED}")
+    # LoRA on the experts' linears at EP=2, tokens dispatched by all-gather: each expert's adapter trains on
+    # its own gradient (adapters reduced over the whole DP group would make expert 2's adapter, on rank 1,
+    # a copy of expert 0's)
+    run(tmp_path, "lora", "model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=allgather",
+        "peft.scheme=lora", f"checkpoint.pretrained_checkpoint={tmp_path / 'ep2'}", f"train.train_iters={SAVED}")
     from kubetron.storage import open_store
     from kubetron.training.sharded import read_canonical
 
