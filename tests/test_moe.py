@@ -62,3 +62,23 @@ def test_config_errors_are_one_line(tmp_path, capsys, monkeypatch, name, text, w
     err = capsys.readouterr().err
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and err.startswith(f"kubetron: error: {field}"), err
+
+
+@pytest.mark.parametrize("change, field", [({"num_moe_experts": 8}, "model.num_moe_experts"),
+                                           ({"num_moe_experts": None}, "model.num_moe_experts"),
+                                           ({"moe_layer_freq": [0, 1]}, "model.moe_layer_freq"),
+                                           ({"moe_shared_expert_intermediate_size": 32},
+                                            "model.moe_shared_expert_intermediate_size")])
+def test_resume_names_the_moe_field_that_differs(change, field):
+    """Resume asserts what it restores: an MoE checkpoint's experts, expert sizes and layer pattern."""
+    from kubetron.config import ConfigContainer
+    from kubetron.errors import ConfigError
+    from kubetron.training.checkpointing import arch_record, check_architecture
+
+    def model(**kw):
+        m = {"num_moe_experts": 4, "add_bias_linear": False, **kw}
+        return ConfigContainer.from_dict({"train": {"train_iters": 5}, "model": m}).derive()
+
+    with pytest.raises(ConfigError) as e:
+        check_architecture(arch_record(model().model), model(**change), "iter_0000005")
+    assert e.value.field == field, str(e.value)

@@ -46,7 +46,8 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
-               "share_embeddings_and_output_weights", "sliding_window", "qk_layernorm", "kv_channels")
+               "share_embeddings_and_output_weights", "sliding_window", "qk_layernorm", "kv_channels",
+               "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq")
 
 
 def arch_value(model, field: str):
