@@ -82,3 +82,17 @@ def test_resume_names_the_moe_field_that_differs(change, field):
     with pytest.raises(ConfigError) as e:
         check_architecture(arch_record(model().model), model(**change), "iter_0000005")
     assert e.value.field == field, str(e.value)
+
+
+def test_flops_count_the_router_and_the_routed_experts():
+    """Throughput (TFLOP/s) of an MoE model counts what a token meets: top-2 experts of half the dense
+    MLP's size and the router (2*h*E per token per MoE layer, forward; x3 with backward) in layer 2 of 2."""
+    from kubetron.config import ConfigContainer
+    from kubetron.training.utils import num_floating_point_operations
+
+    def flops(**kw):
+        cfg = ConfigContainer.from_dict({"train": {"train_iters": 5}, "model": {"ffn_hidden_size": 256, **kw}})
+        return num_floating_point_operations(cfg.derive(), batch_size=2)
+
+    moe = flops(num_moe_experts=8, moe_ffn_hidden_size=128, moe_layer_freq=[0, 1], add_bias_linear=False)
+    assert moe - flops(add_bias_linear=False) == 3 * 64 * 2 * (2 * 64 * 8)  # s * b * 2*h*E
