@@ -315,6 +315,17 @@ def _source_name(chunk, name: str, offsets) -> str:
     return _WORD_EMBEDDING if _is_tied_output_copy(chunk, name) else _canonical_name(name, offsets)
 
 
+def _held_elsewhere(chunk, name: str, pp: int) -> bool:
+    """A canonical tensor another rank of this model holds: another stage's (PP), or another EP rank's expert;
+    a layer or an expert number beyond the model's is no rank's."""
+    m = _LAYER_RE.match(name)
+    if m is None or int(m.group(1)) >= int(getattr(chunk.config, "num_layers", 0)):
+        return m is None and pp > 1
+    if e := _LOCAL_EXPERT_RE.match(m.group(2)):
+        return int(e.group(2)) < (getattr(chunk.config, "num_moe_experts", None) or 0)
+    return pp > 1
+
+
 def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor], keep=None):
     """Copy this rank's part of the canonical tensors into its parameters (`keep(name)`: only some)."""
     chunk = model[0]
@@ -323,11 +334,7 @@ def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor]
     offsets = _layer_offsets(chunk)
     wanted = {k: _source_name(chunk, k, offsets) for k in own}
     missing = sorted(v for v in wanted.values() if v not in full)
-    if pp == 1:
-        unexpected = sorted(set(full) - set(wanted.values()))
-    else:  # other stages' tensors are expected; only layer numbers beyond the model are not
-        num_layers = int(getattr(chunk.config, "num_layers", 0))
-        unexpected = sorted(k for k in full if (m := _LAYER_RE.match(k)) and int(m.group(1)) >= num_layers)
+    unexpected = sorted(k for k in set(full) - set(wanted.values()) if not _held_elsewhere(chunk, k, pp))
     if missing or unexpected:
         raise CheckpointError(f"checkpoint tensors do not match the model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
