@@ -86,9 +86,7 @@ class Moe:
         experts = m.num_moe_experts
         if experts is None:
             return None
-        freq = m.moe_layer_freq  # every N-th layer from the first, or one 0/1 per layer (megatron-core's rule)
-        pattern = (tuple(bool(x) for x in freq) if isinstance(freq, list)
-                   else tuple(i % freq == 0 for i in range(m.num_layers)))
+        pattern = tuple(bool(x) for x in m.moe_layer_pattern())  # megatron-core's reading of moe_layer_freq
         (ffn,) = derived(m.moe_ffn_hidden_size or m.ffn_hidden_size)
         return cls(experts=experts, topk=m.moe_router_topk, ffn=ffn,
                    shared_ffn=m.moe_shared_expert_intermediate_size or 0, pattern=pattern,
