@@ -9,6 +9,7 @@ namespace with the real `kubetron operator --namespace NS` subprocess under the 
   * pods:    N two-node PVC jobs are applied at once (8 threads); seconds until all 2N worker pods
              exist. Baseline in the same run: a bare loop creating the same 2N pod manifests (build())
              one after another through the same client (the operator's `Kube`, its identity).
+             req_per_job: the operator's API requests from the first apply until all pods exist, per job.
   * idle:    API requests/s the operator makes while nothing changes (once its rate fell to <= 1/s over
              10 s, or after --settle seconds if it never does: settle_s), counted
              by the API server: a FlowSchema matching exactly the operator's ServiceAccount, read from
@@ -139,13 +140,14 @@ def run_n(env: KubeEnv, n: int, args: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {"jobs": n}
     with env.operator(ns, interval=args.interval) as op:
         manifests = [job_manifest(ns, i) for i in range(n)]
-        t0 = time.monotonic()
+        r0, t0 = operator_requests(env), time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda m: env.admin.create(env.jobs(ns), m), manifests))
         out["apply_s"] = time.monotonic() - t0
         cluster.wait_for(f"{2 * n} worker pods", lambda: len(worker_pods(env, ns)) >= 2 * n, args.timeout,
                          interval=0.5, explain=op.tail)
         out["pods_s"] = time.monotonic() - t0
+        out["req_per_job"] = (operator_requests(env) - r0) / n
         out["op_cpu_s"] = cpu_seconds(op.proc.pid)
         out["settle_s"] = settle(env, args.settle)
         r0, t1 = operator_requests(env), time.monotonic()
@@ -174,7 +176,7 @@ def main() -> int:
         cp, env, kubelet = start_env(Path(tmp))
         try:
             count_operator_requests(env)
-            head = ("jobs", "pods", "pods_s", "op_cpu_s", "bare_s", "ratio", "settle_s", "idle_rps",
+            head = ("jobs", "pods", "pods_s", "op_cpu_s", "bare_s", "ratio", "req_per_job", "settle_s", "idle_rps",
                     "fail_to_status_s", "fail_to_status_max_s", "rss_mb")
             print("  ".join(f"{h:>10}" for h in head), flush=True)
             for n in args.jobs:

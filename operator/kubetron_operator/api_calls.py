@@ -61,7 +61,7 @@ OPERATOR_CALLS: frozenset[Call] = frozenset(
 )
 
 KOPF_CALLS: frozenset[Call] = frozenset(
-    _calls(GROUP, PLURAL, "list", "watch", "patch")  # watching; finalizers and kopf's own annotations
+    _calls(GROUP, PLURAL, "list", "watch", "patch")  # watching; kopf's finalizer (the daemon's)
     | _calls(GROUP, f"{PLURAL}/status", "patch")
     | _calls("", "events", "create")
     | _calls("", "pods", "list", "watch")  # the pods the daemons decide from (label-selected watch)
@@ -290,14 +290,15 @@ class Kube:
                              self._path(GROUP, VERSION, PLURAL, namespace, name), ok=(404,))
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
-                     resource_version: str | None = None) -> None:
+                     resource_version: str | None = None) -> dict[str, Any] | None:
         """JSON merge patch of .status (the status subresource); None values remove keys. With
-        `resource_version` the server refuses it (Conflict) if the job changed since that version."""
+        `resource_version` the server refuses it (Conflict) if the job changed since that version.
+        Returns the job as the server holds it now."""
         body: dict[str, Any] = {"status": dict(status)}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
         try:
-            self._request(Call(GROUP, f"{PLURAL}/status", "patch"), "PATCH",
+            return self._request(Call(GROUP, f"{PLURAL}/status", "patch"), "PATCH",
                           self._path(GROUP, VERSION, PLURAL, namespace, name, "status"),
                           body=body, content_type="application/merge-patch+json")
         except ApiError as exc:

@@ -4,9 +4,14 @@ Event-driven: the operator watches its pods (kopf index `training_pods`, keyed b
 owner's UID) and its TrainingJobs. One daemon per TrainingJob sleeps until a change to the job or to one
 of its pods wakes it (coalesced for DEBOUNCE seconds), or until the next moment time itself matters
 (`next_due`: backoff, deadlines, startup timeout, TTL, a live-progress read while running) plus jitter.
-A finished or suspended job is never revisited by itself. Each wake-up first decides from the watched
-body and pods, which costs no API request; only when that calls for an action is the job re-read from
-the API (never trusting a possibly stale watch body), so counters in status are never applied twice.
+A finished or suspended job is never revisited by itself. Each wake-up decides from the freshest body
+known, the watched one or the one our own last status patch returned (whichever is newer: a lagging
+watch never brings back a status we already replaced), and acts on it with no read of the job: every
+status patch carries that body's resourceVersion, so a decision someone else's write made stale is
+refused (Conflict) and taken again, and counters in status are never applied twice. A new job is acted
+on only once kopf's finalizer is on it (kopf adds it first; acting before would race that patch).
+kopf keeps no diff base (NoDiffBase): its only change handler, on.delete, needs none, so kopf writes
+nothing to a job but its finalizer.
 The action is applied in crash-safe order: a new attempt's pods are created before status names the
 attempt; an ended attempt is recorded in status before its pods are deleted. Pods this operator has
 just created are remembered until the watch shows them, so a lagging watch is never taken for a
@@ -17,13 +22,13 @@ preemption. Status is patched only when a field changed, and a change of live pr
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
+import json
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
@@ -74,22 +79,57 @@ RESYNC = 300.0  # seconds: an unfinished, unsuspended job is re-decided at least
 UNSEEN_FOR = 60.0  # seconds a pod we created may stay unseen by the watch before we stop vouching for it
 RECONCILE_THREADS = 16  # jobs reconciled at once (each mostly waits for the API server)
 PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond"})  # throttled status fields
+FINALIZER = "kubetron.dev/operator"  # kopf's (settings.persistence.finalizer): kopf adds it before all else
+FINALIZER_WAIT = 1.0  # seconds a new job waits for kopf's finalizer at most before looking again
 
 
 class View:
-    """What the watches told the daemons: a wake-up per job UID, the latest watched job bodies, the
-    pods we created that the watch has not delivered yet, and when each job's status was last patched."""
+    """What the watches told the daemons: a wake-up per job UID, the freshest job bodies (watched, or
+    returned by our own status patch), the pods we created that the watch has not delivered yet, and
+    when each job's status was last patched."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # _created is written from worker threads
+        self._lock = threading.Lock()  # bodies and _created are written from worker threads too
         self.wakes: dict[str, asyncio.Event] = {}
         self.bodies: dict[str, dict[str, Any]] = {}
         self._created: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self._jobs: dict[str, tuple[str, Job | None, str]] = {}
         self.patched: dict[str, float] = {}
 
     def wake(self, uid: str | None) -> None:
         if uid and uid in self.wakes:
             self.wakes[uid].set()
+
+    def saw(self, uid: str, body: dict[str, Any]) -> None:
+        """Hold `body` as the job's freshest, unless the one held is newer: the watch may still deliver
+        versions older than the one our own status patch returned."""
+        with self._lock:
+            held = self.bodies.get(uid)
+            if held is None or not _older(body, held):
+                self.bodies[uid] = body
+
+    def drop(self, uid: str) -> None:
+        with self._lock:
+            self.bodies.pop(uid, None)
+
+    def job(self, body: dict[str, Any]) -> tuple[Job | None, str]:
+        """Job.from_body (or its SpecError's message), kept per job until its name, labels or spec
+        change: parsing checks the trainer config (milliseconds), and a job wakes many times unchanged."""
+        meta = body.get("metadata") or {}
+        uid = meta.get("uid") or ""
+        key = json.dumps([meta.get("name"), meta.get("namespace"), meta.get("labels"), body.get("spec")],
+                         sort_keys=True)
+        with self._lock:
+            held = self._jobs.get(uid)
+        if held is not None and held[0] == key:
+            return held[1], held[2]
+        try:
+            job, error = Job.from_body(body), ""
+        except SpecError as exc:
+            job, error = None, str(exc)
+        with self._lock:
+            self._jobs[uid] = (key, job, error)
+        return job, error
 
     def created(self, uid: str, manifests: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -110,10 +150,19 @@ class View:
             return pods + [m for _, m in mine.values()]
 
     def forget(self, uid: str) -> None:
-        for table in (self.wakes, self.bodies, self.patched):
+        for table in (self.wakes, self.patched):
             table.pop(uid, None)
         with self._lock:
+            self.bodies.pop(uid, None)
+            self._jobs.pop(uid, None)
             self._created.pop(uid, None)
+
+
+def _older(body: dict[str, Any], than: dict[str, Any]) -> bool:
+    """Whether `body` is an older version of the object than `than`. etcd's revisions are numbers; an
+    API server that says otherwise gets no comparison (the status patch's precondition still holds)."""
+    mine, other = (str((b.get("metadata") or {}).get("resourceVersion") or "") for b in (body, than))
+    return mine.isdigit() and other.isdigit() and int(mine) < int(other)
 
 
 @dataclasses.dataclass
@@ -148,17 +197,34 @@ def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     return registry
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's record of the spec it last handled, kept for change handlers' diffs (on.create/update),
+    would cost an annotation patch on every new or edited job; the one change handler here is on.delete,
+    which needs no diff. With none stored, every change of a live job is a "creation" without handlers.
+    Nor is the essence built (a deep copy of every watched job and pod, for those diffs and for daemons'
+    idle timeouts, unused here)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 async def training_pods(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
     """The index: controller owner UID -> that job's pods (a copy; kopf's body changes in place)."""
     uid = controller_uid(body)
     return {uid: _copy(body)} if uid else None
 
 
-def _copy(body: kopf.Body) -> dict[str, Any]:
-    """A deep copy without managedFields (most of a pod's bytes, never read here)."""
-    out = copy.deepcopy(dict(body))
-    out["metadata"] = {k: v for k, v in (out.get("metadata") or {}).items() if k != "managedFields"}
-    return out
+def _copy(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy without managedFields (most of a pod's bytes, never read here). Bodies are JSON:
+    a JSON round trip copies them several times faster than copy.deepcopy."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    return json.loads(json.dumps({**body, "metadata": meta}))
 
 
 async def pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
@@ -170,10 +236,10 @@ async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> N
     uid = (body.get("metadata") or {}).get("uid")
     if not uid:
         return
-    if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp"):
-        view.bodies.pop(uid, None)
+    if type == "DELETED":
+        view.drop(uid)
     else:
-        view.bodies[uid] = _copy(body)
+        view.saw(uid, _copy(body))
     view.wake(uid)
 
 
@@ -183,14 +249,14 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
     deps: Deps = memo.deps
     view = deps.view
     wake = view.wakes.setdefault(uid, asyncio.Event())
+    loop = asyncio.get_running_loop()
     try:
         while not stopped:
             wake.clear()
             current = view.bodies.get(uid) or _copy(body)
             pods = view.pods(uid, training_pods.get(uid, ()))
             try:
-                due = await asyncio.get_running_loop().run_in_executor(
-                    deps.executor, react, deps, current, pods, logger)
+                due = await loop.run_in_executor(deps.executor, react, deps, current, pods, logger)
             except Exception:  # one bad round must not kill the job's reconciler
                 logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
                 due = deps.interval
@@ -214,15 +280,18 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: floa
 
 
 def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: kopf.Logger) -> float | None:
-    """One wake-up: decide from the watched state (no API request); act, from a fresh read of the job,
-    only when that calls for something. Returns the seconds until time itself matters (None: never)."""
+    """One wake-up: decide from the freshest known body and the watched pods, and act when that calls
+    for something. Returns the seconds until time itself matters (None: never)."""
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return None
+    if FINALIZER not in (meta.get("finalizers") or ()):
+        return FINALIZER_WAIT  # kopf's finalizer patch is under way; its watch event wakes us
     obs, job = observe(deps, body, pods)
     action, held = _throttle(deps, meta.get("uid") or "", decide(job, obs))
     if not _idle(action):
-        reconcile_once(deps, meta.get("namespace") or "default", meta["name"], logger, pods, obs)
+        with metrics.RECONCILE.time():
+            act(deps, body, job, obs, action, logger)
     due = next_due(job, obs, deps.interval)
     if held:  # a progress patch was held back: look again when it may go out
         due = min(due if due is not None else float("inf"), 2 * deps.interval)
@@ -341,32 +410,18 @@ def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logge
         logger.warning("cannot delete PodGroup %s/%s: %s", job.namespace, pod_group_name(job, attempt), exc)
 
 
-def reconcile_once(deps: Deps, namespace: str, name: str, logger: kopf.Logger,
-                   pods: list[dict[str, Any]] | None = None, prior: Observed | None = None) -> Action | None:
-    """Decide from a fresh read of the job and act. `pods`: the watched pods (None: list them);
-    `prior`: an observation of the same moment whose store and live reads may be reused."""
-    with metrics.RECONCILE.time():
-        return _reconcile_once(deps, namespace, name, logger, pods, prior)
-
-
-def _reconcile_once(deps: Deps, namespace: str, name: str, logger: kopf.Logger,
-                    pods: list[dict[str, Any]] | None, prior: Observed | None) -> Action | None:
-    kube = deps.kube
-    body = kube.get_job(namespace, name)
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        metrics.forget(namespace, name)
-        return None
-    obs, job = observe(deps, body, pods, prior)
-    action, _ = _throttle(deps, body["metadata"].get("uid") or "", decide(job, obs))
-    if _idle(action):
-        return action
+def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
+        logger: kopf.Logger) -> Action | None:
+    """Apply `action`, decided from `body` (its resourceVersion guards every status patch): what was
+    applied, or None when it waits (creation backoff) or the job changed meanwhile (decide again)."""
+    namespace, name = body["metadata"].get("namespace") or "default", body["metadata"]["name"]
     if action.create_attempt is not None and _backing_off(deps.kube, namespace, obs, action):
         return None
     try:
         action = apply(deps, body, job, obs, action, logger)
     except Conflict:
-        # Someone wrote the job after we read it: this decision may be stale. Never undo their write;
-        # the next round decides again from a fresh read.
+        # Someone wrote the job after the version we decided from: never undo their write; the next
+        # round decides again from the newer version (read by _patch_status, or the watch's).
         logger.info("%s/%s changed while reconciling; deciding again", namespace, name)
         return None
     metrics.record(namespace, name, obs.status or {}, action.status, action.create_attempt is not None)
@@ -386,18 +441,13 @@ def _backing_off(kube: Kube, namespace: str, obs: Observed, action: Action) -> b
     return bool(leftovers) or obs.now < datetime.fromisoformat(retry_at)
 
 
-def observe(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]] | None = None,
-            prior: Observed | None = None) -> tuple[Observed, Job | None]:
-    """What decide needs. `pods_in`: the job's pods as watched (None: list them from the API);
-    `prior`: an earlier observation of the same attempt whose reads of the store, rank 0 and the nodes
-    are reused rather than repeated."""
+def observe(deps: Deps, body: dict[str, Any],
+            pods_in: list[dict[str, Any]] | None = None) -> tuple[Observed, Job | None]:
+    """What decide needs. `pods_in`: the job's pods as watched (None: list them from the API)."""
     kube, now = deps.kube, deps.clock()
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
-    try:
-        job, error = Job.from_body(body), ""
-    except SpecError as exc:
-        job, error = None, str(exc)
+    job, error = deps.view.job(body)
     status = dict(body.get("status") or {})
     # Only pods this job controls: a foreign pod with our label is never counted, nor deleted.
     if pods_in is None:
@@ -407,9 +457,6 @@ def observe(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]] | No
     # A progress reader reports through its termination message (no pods/log, no kubelet round trip).
     pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.terminated
             else p for p, raw in zip(pods, owned)]
-    if prior is not None and prior.status.get("attempt") == status.get("attempt"):
-        return Observed(now=now, status=status, pods=tuple(pods), progress=prior.progress, live=prior.live,
-                        spec_error=error, node_trouble=prior.node_trouble), job
     trouble = _node_trouble(kube, status, pods)
     progress = live_data = None
     if job is not None and status.get("phase") not in FINISHED:
@@ -541,19 +588,24 @@ def _attempt_ended(obs: Observed, action: Action) -> bool:
 
 
 def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], resource_version: str | None) -> None:
-    """Patch status as of `resource_version`. When only metadata moved on since (kopf's finalizer or
-    annotations) and status and spec are as we read them, the decision stands: patch again as of now."""
+    """Patch status as of `resource_version`. When only metadata moved on since (a label, an annotation)
+    and status and spec are as we read them, the decision stands: patch again as of now. The job the
+    server returns is the freshest known version (View.saw); a stale one is replaced by a fresh read."""
     if not status:
         return
     meta = body["metadata"]
-    namespace, name = meta.get("namespace") or "default", meta["name"]
+    namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid") or ""
     try:
-        deps.kube.patch_status(namespace, name, status, resource_version)
+        patched = deps.kube.patch_status(namespace, name, status, resource_version)
     except Conflict:
         fresh = deps.kube.get_job(namespace, name) or {}
         fresh_meta = fresh.get("metadata") or {}
+        if fresh_meta.get("uid") == uid:
+            deps.view.saw(uid, _copy(fresh))
         if (fresh.get("status") or {}) != (body.get("status") or {}) or fresh.get("spec") != body.get("spec") \
-                or fresh_meta.get("deletionTimestamp") or fresh_meta.get("uid") != meta.get("uid"):
+                or fresh_meta.get("deletionTimestamp") or fresh_meta.get("uid") != uid:
             raise
-        deps.kube.patch_status(namespace, name, status, fresh_meta.get("resourceVersion"))
-    deps.view.patched[meta.get("uid") or ""] = time.monotonic()
+        patched = deps.kube.patch_status(namespace, name, status, fresh_meta.get("resourceVersion"))
+    if patched:
+        deps.view.saw(uid, _copy(patched))
+    deps.view.patched[uid] = time.monotonic()

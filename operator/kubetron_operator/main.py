@@ -49,9 +49,9 @@ def connection_info(configuration: Any) -> kopf.ConnectionInfo:
 
 def settings(peering: str | None) -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
-    s.persistence.finalizer = "kubetron.dev/operator"
+    s.persistence.finalizer = handlers.FINALIZER
     s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubetron.dev")
-    s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kubetron.dev")
+    s.persistence.diffbase_storage = handlers.NoDiffBase()  # no annotation patch per new or edited job
     # Watch only our own pods: the server filters by the job label, so other pods cost nothing.
     s.watching.label_selectors["v1", "pods"] = LABEL_JOB
     s.posting.level = logging.WARNING  # our own events are posted explicitly; kopf's only on trouble

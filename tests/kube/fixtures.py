@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,17 @@ class KubeEnv:
 
     def events(self, ns: str) -> list[dict[str, Any]]:
         return self.admin.get(f"/api/v1/namespaces/{ns}/events")["items"]
+
+    def operator_calls(self, ns: str) -> Counter[tuple[str, str, int]]:
+        """The operator's requests on objects in `ns` so far, as the API server's audit log has them:
+        (verb, resource[/subresource], HTTP code) -> how many."""
+        calls: Counter[tuple[str, str, int]] = Counter()
+        for event in self.cp.audit(f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"):
+            ref = event.get("objectRef") or {}
+            if ref.get("namespace") == ns:
+                resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+                calls[(event["verb"], resource, (event.get("responseStatus") or {}).get("code", 0))] += 1
+        return calls
 
     @contextlib.contextmanager
     def operator(self, ns: str | None, *args: str, interval: float = 0.5, env: dict[str, str] | None = None,

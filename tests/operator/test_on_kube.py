@@ -185,6 +185,9 @@ def test_deletion_removes_children_and_stops_reconciling(kube, kube_ns):
                       and not kube.pods(ns, role=None)
                       and api.get(f"/api/v1/namespaces/{ns}/services/gpt", ok=(404,)) is None
                       and api.get(f"/api/v1/namespaces/{ns}/configmaps/gpt-1-config", ok=(404,)) is None)
+        # the operator deleted them (not only the garbage collector, later)
+        calls = kube.operator_calls(ns)
+        assert calls[("delete", "services", 200)] == calls[("delete", "configmaps", 200)] == 1, calls
 
 
 # -- how the operator logs in, and with which kopf -----------------------------------------------------
