@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import copy
 from datetime import datetime
+from pathlib import Path
 from typing import Any
+
+import yaml
+
+from tests.trainer_utils import TINY
 
 CONFIG = "model:\n  num_layers: 2\ntrain:\n  train_iters: 40\n"
 
@@ -26,6 +31,19 @@ PVC_JOB: dict[str, Any] = {
 S3_JOB: dict[str, Any] = copy.deepcopy(PVC_JOB)
 S3_JOB["spec"]["storage"] = {"s3": {"bucket": "bkt", "prefix": "runs", "endpoint": "http://s3:9000",
                                     "region": "us-east-1", "secretRef": {"name": "s3-creds"}}}
+
+
+def tiny_config(train_iters: int = 100, save_interval: int = 10) -> str:
+    """The tiny GPT at its smallest (1 layer, hidden 32) for jobs whose pods run as local processes;
+    checkpoint.save/load are the operator's (the job's store)."""
+    config = yaml.safe_load(Path(TINY).read_text())
+    config["train"]["train_iters"] = train_iters
+    config["model"].update(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=32)
+    config["scheduler"]["lr_warmup_iters"] = 1
+    config["validation"]["eval_interval"] = None
+    config["checkpoint"] = {"save_interval": save_interval, "most_recent_k": 2}
+    config["logger"] = {"log_interval": 1}
+    return yaml.safe_dump(config)
 
 
 def job_body(base: dict[str, Any] = PVC_JOB, **spec: Any) -> dict[str, Any]:
