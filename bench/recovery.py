@@ -1,0 +1,305 @@
+"""Recovery time on a real control plane: a rank's death to the job's next completed iteration, in place
+(the gang restarted inside its pods, docs/recovery.md) vs whole-gang recreation (new pods).
+
+    .venv/bin/python bench/recovery.py [--repeats 3] [--imports 5] [--json OUT]
+    .venv/bin/python bench/recovery.py --quick          # one run of each, ~1 minute (what CI runs)
+
+Starts the test suite's control plane (tests/kube: etcd, kube-apiserver, controller-manager, scheduler)
+and the real `kubetron operator`; a ProcessKubelet (tests/kube/pods.py) runs every pod the scheduler
+binds as local processes, the pods' exact commands (real launcher, torchrun, trainer; gloo on CPU),
+reports their ends, and stops the containers of pods being deleted. Each run: a 2-pod job of the tiny
+GPT on a hostPath claim trains; once rank 1 has logged half an interval past a durable checkpoint
+(the progress log's), its trainer process is SIGKILLed. Then
+
+  * in place:  spec.maxInPlaceRestarts 3: the torchrun agents restart the gang in the same pods;
+  * recreate:  spec.maxInPlaceRestarts 0: the pod fails, the operator deletes the gang, reads the
+               progress log (reader pod) and creates attempt 2.
+
+Phases, each from the end of the one before: detect (the agent's restart line / the killed rank's pod
+ended, as the kubelet reports it), the operator deleting the gang, old pods gone, the progress log read,
+the operator's failure backoff (a SIGKILL is a failure: no new attempt before status.nextAttemptTime,
+10 s and more; a preemption has none), new pods created and bound, then up to the start of rank 0's
+new trainer process (container start, launcher, torchrun agent, rendezvous), then the trainer's own
+start-up line (kubetron.startup: python + config, imports, distributed init, model + data, checkpoint
+load, first step). Times come from the kubelet's observations (polled every 50 ms), the arrival of
+log lines, status.nextAttemptTime, and the start-up line (its end is the line's arrival; process
+start = end - total). The ratio in place / recreate is given with and without the backoff.
+
+`--imports N`: the import of megatron-core as it is, vs as kubetron.training imports it before this
+change (wandb run at import) and now, N alternating fresh processes each (median seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kubetron import startup  # noqa: E402
+from kubetron.progress import summarize  # noqa: E402
+
+from tests.kube import cluster  # noqa: E402
+from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
+from tests.kube.pods import Container, ProcessKubelet, hostpath_claim  # noqa: E402
+from tests.operator.jobs import PVC_JOB, job_body, tiny_config  # noqa: E402
+
+IN_PLACE, RECREATE = "in place", "recreate"
+ITER_RE = re.compile(r"iteration\s+(\d+)/")
+RESTART_LINE = "restarting the gang in place"
+# The rows before the trainer's own start-up phases; '-' where a mode has no such phase.
+BACKOFF = "failure backoff (status.nextAttemptTime)"
+OUTSIDE = ("detect", "operator deletes the gang", "old pods gone", "progress log read (reader pod)", BACKOFF,
+           "new pods created + bound", "to trainer process start")
+PHASES = OUTSIDE + startup.PHASES
+TIMEOUT = 300.0
+
+
+@dataclass
+class Recovery:
+    mode: str
+    phases: dict[str, float]  # seconds, PHASES order
+    total: float  # kill -> end of the first step after it, measured directly
+    first_iteration: int  # the first iteration completed after the kill (resumed from the one before)
+    killed_at_iteration: int  # the last iteration rank 1 logged before the kill
+    checkpoint_at_kill: int  # the newest durable checkpoint then (the progress log's)
+    lines: list[str] = field(default_factory=list, repr=False)
+
+
+def last_iteration(c: Container) -> int:
+    return max([int(m.group(1)) for m in map(ITER_RE.search, c.lines) if m] or [0])
+
+
+def startup_after(c: Container, t: float) -> tuple[float, tuple[float, int, dict[str, float]]] | None:
+    """(arrival time, parsed line) of the container's first start-up line that arrived after `t`."""
+    for arrived, line in list(c.stamped):
+        if arrived > t and (parsed := startup.parse_line(line)) is not None:
+            return arrived, parsed
+    return None
+
+
+def wait(what: str, check, node: ProcessKubelet, timeout: float = TIMEOUT):
+    def explain() -> str:
+        return "\n".join(f"--- {name}\n" + "".join(c.lines[-15:]) for name, c in node.containers.items())
+    return cluster.wait_for(what, check, timeout, interval=0.02, explain=explain)
+
+
+def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int) -> Recovery:
+    """One job, one SIGKILL of rank 1's trainer, the phases until rank 0's first step after it."""
+    ns = env.namespace("recovery")
+    store = workdir / ns / "pvc"
+    store.mkdir(parents=True)
+    hostpath_claim(env.admin, ns, store)
+    body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=save_interval),
+                    storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
+                    statusPort=cluster.free_port(), masterPort=cluster.free_port(),
+                    maxInPlaceRestarts=3 if mode == IN_PLACE else 0, terminationGracePeriodSeconds=30)
+    body["metadata"] = {"name": "gpt"}
+    with env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns) as node, BackoffWatch(env, ns) as backoff:
+        env.admin.create(env.jobs(ns), body)
+        rank1 = wait("rank 1 mid-interval after a durable checkpoint",
+                     lambda: mid_interval(node.containers.get("gpt-1-1"), store / "gpt", save_interval), node)
+        pid, reached, durable = rank1.trainer_pid(), last_iteration(rank1), last_checkpoint(store / "gpt")
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)  # rank 1's trainer process, not its pod's PID 1
+        rank0 = "gpt-1-0" if mode == IN_PLACE else "gpt-2-0"
+        arrived, (total, first, trainer) = wait(
+            f"{rank0}'s first step after the kill",
+            lambda: (c := node.containers.get(rank0)) is not None and startup_after(c, killed), node)
+        if mode == IN_PLACE:
+            outside = in_place_phases(node, killed, arrived - total)
+        else:
+            outside = recreate_phases(node, killed, arrived - total, backoff.not_before)
+        lines = [f"--- {name}\n" + "".join(c.lines) for name, c in node.containers.items()]
+    return Recovery(mode, {**outside, **trainer}, arrived - killed, first, reached, durable, lines)
+
+
+def last_checkpoint(store: Path) -> int:
+    """The newest durable checkpoint's iteration by the store's progress log (0: none)."""
+    try:
+        return (summarize(str(store)).get("lastCheckpoint") or {}).get("iteration") or 0
+    except OSError:
+        return 0
+
+
+def mid_interval(rank1: Container | None, store: Path, save_interval: int) -> Container | None:
+    """Rank 1's container once it is half an interval past a durable checkpoint (none yet: keep waiting)."""
+    if rank1 is None:
+        return None
+    durable = last_checkpoint(store)
+    return rank1 if durable and last_iteration(rank1) >= durable + save_interval // 2 else None
+
+
+def consecutive(names: tuple[str, ...], times: list[float]) -> dict[str, float]:
+    """{name: seconds from the time before to its own} over a timeline (kill first)."""
+    return {name: b - a for name, a, b in zip(names, times, times[1:], strict=False)}
+
+
+def in_place_phases(node: ProcessKubelet, killed: float, process_start: float) -> dict[str, float]:
+    restart = min(t for c in node.containers.values() for t, line in list(c.stamped)
+                  if t > killed and RESTART_LINE in line)
+    return consecutive(("detect", "to trainer process start"), [killed, restart, process_start])
+
+
+def recreate_phases(node: ProcessKubelet, killed: float, process_start: float,
+                    not_before: float | None) -> dict[str, float]:
+    seen, old = node.seen, ("gpt-1-0", "gpt-1-1")
+    read = seen[("gpt-1-progress", "exited")]
+    # A pod that ended (Failed) is deleted at once, never seen "deleting": its deletion shows as "gone".
+    times = [killed, seen[("gpt-1-1", "exited")], min(seen.get((p, "deleting"), seen[(p, "gone")]) for p in old),
+             max(seen[(p, "gone")] for p in old), read, max(read, not_before or read), seen[("gpt-2-0", "bound")],
+             process_start]
+    return consecutive(OUTSIDE, times)
+
+
+class BackoffWatch:
+    """The job's status.nextAttemptTime (the operator's backoff after a failed attempt: no new pods
+    before it), polled every 0.2 s while the block runs: `not_before`, seconds since the epoch."""
+
+    def __init__(self, env: KubeEnv, ns: str):
+        self.env, self.ns, self.not_before = env, ns, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> BackoffWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _poll(self) -> None:
+        while self.not_before is None and not self._stop.wait(0.2):
+            with contextlib.suppress(OSError, cluster.ApiError):
+                when = ((self.env.job(self.ns, "gpt") or {}).get("status") or {}).get("nextAttemptTime")
+                if when:
+                    self.not_before = datetime.strptime(when, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def elastic_timings(env: KubeEnv, workdir: Path) -> dict[str, float] | None:
+    """Elastic node range (spec.minNodes): seconds from "capacity gone" to training at the smaller size,
+    and from "capacity back" to training at full size. Not measured yet: the elastic node range is being
+    built on the `elastic` branch; fill this in once it lands (see bench/README.md)."""
+    return None
+
+
+# -- imports: megatron-core as it is vs as kubetron.training imports it ----------------------------------
+
+IMPORTS = {
+    "megatron-core as it is": "import torch, megatron.core",
+    "kubetron.training, wandb run at import (before)": "import torch, wandb, kubetron.training",
+    "kubetron.training (now)": "import torch, kubetron.training",
+}
+
+
+def import_seconds(code: str) -> float:
+    """Seconds a fresh process spends in `code` (after `import torch`, which every variant pays alike)."""
+    timed = (f"import time, torch; t = time.perf_counter(); {code.replace('import torch, ', 'import ')}; "
+             "print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", timed], capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def imports(rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in IMPORTS}
+    for _ in range(rounds):
+        for name, code in IMPORTS.items():  # alternating: machine noise hits every variant alike
+            times[name].append(import_seconds(code))
+    return times
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def table(runs: list[Recovery]) -> tuple[str, float]:
+    """The phase table (medians over runs of each mode) and the ratio of the total medians."""
+    by_mode = {m: [r for r in runs if r.mode == m] for m in (IN_PLACE, RECREATE)}
+
+    def cell(mode: str, phase: str) -> str:
+        values = [r.phases[phase] for r in by_mode[mode] if phase in r.phases]
+        return f"{median(values):10.2f}" if values else f"{'-':>10}"
+
+    head = f"phase (seconds; median of {len(by_mode[IN_PLACE])} + {len(by_mode[RECREATE])} runs)"
+    rows = [f"{head:<48}{IN_PLACE:>10}{RECREATE:>10}"]
+    rows += [f"{phase:<48}{cell(IN_PLACE, phase)}{cell(RECREATE, phase)}" for phase in PHASES]
+    totals = {m: median([r.total for r in rs]) for m, rs in by_mode.items()}
+    total = "total: kill -> end of the first step after it"
+    rows.append(f"{total:<48}{totals[IN_PLACE]:10.2f}{totals[RECREATE]:10.2f}")
+    ratio = totals[IN_PLACE] / totals[RECREATE]
+    backoff = median([r.phases[BACKOFF] for r in by_mode[RECREATE]])
+    rows.append(f"in place / recreate: {ratio:.2f} (target <= 0.5); without the failure backoff "
+                f"({backoff:.2f} s): {totals[IN_PLACE] / (totals[RECREATE] - backoff):.2f}")
+    return "\n".join(rows), ratio
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one run of each mode, one round of imports (CI)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating (default: %(default)s)")
+    p.add_argument("--imports", type=int, default=None,
+                   help="rounds of the import comparison, 0: none (default: 5, --quick: 1)")
+    p.add_argument("--save-interval", type=int, default=4, help="iterations between checkpoints (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, help="also write the runs and the table here")
+    p.add_argument("--logs", type=Path, default=None, help="write each run's pod logs into this directory")
+    args = p.parse_args(argv)
+    repeats = 1 if args.quick else args.repeats
+    rounds = args.imports if args.imports is not None else 1 if args.quick else 5
+
+    runs: list[Recovery] = []
+    with tempfile.TemporaryDirectory(prefix="kubetron-recovery-", ignore_cleanup_errors=True) as tmp:
+        workdir = Path(tmp)
+        cp, env, kubelet = start_env(workdir / "kube")
+        kubelet.finish_deletions = False  # the ProcessKubelet finishes them once the containers stopped
+        try:
+            for i in range(repeats):
+                for mode in (IN_PLACE, RECREATE) if i % 2 == 0 else (RECREATE, IN_PLACE):
+                    runs.append(recover(env, workdir, mode, args.save_interval))
+                    if args.logs:
+                        args.logs.mkdir(parents=True, exist_ok=True)
+                        (args.logs / f"{len(runs)}-{mode.replace(' ', '-')}.log").write_text("".join(runs[-1].lines))
+                    print(f"{mode}: {runs[-1].total:.2f} s (killed after iteration {runs[-1].killed_at_iteration}, "
+                          f"first step after it: iteration {runs[-1].first_iteration})", flush=True)
+            elastic = elastic_timings(env, workdir)
+        finally:
+            kubelet.stop()
+            cp.stop()
+    import_times = imports(rounds)
+
+    text, ratio = table(runs)
+    print(f"\nrecovery of a 2-pod job of the tiny GPT (1 layer, hidden 32, gloo on CPU) after a SIGKILL of rank 1's "
+          f"trainer, checkpoint every {args.save_interval} iterations; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n{text}")
+    print("elastic (spec.minNodes): " + ("not measured: the elastic node range has not landed"
+                                         if elastic is None else json.dumps(elastic)))
+    if rounds:
+        print(f"\nimport seconds after `import torch` (median of {rounds}, fresh processes):")
+        for name, xs in import_times.items():
+            print(f"  {name:<52}{median(xs):6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "runs": [{k: v for k, v in asdict(r).items() if k != "lines"} for r in runs], "ratio": ratio,
+            "phases": list(PHASES), "elastic": elastic, "imports": import_times}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
