@@ -39,6 +39,7 @@ test: $(VENV)/.dev
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check trainer operator tests bench
+	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/python -m kubetron_operator.helm lint charts/kubetron
 

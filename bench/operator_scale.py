@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from tests.kube import cluster  # noqa: E402
 from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
+from tests.kube.request_count import count_operator_requests, operator_requests  # noqa: E402
 from tests.operator.jobs import PVC_JOB  # noqa: E402
-from tests.operator.test_on_kube_events import count_operator_requests, operator_requests  # noqa: E402
 
 
 def job_manifest(ns: str, i: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@
     .venv/bin/python bench/recovery.py --quick          # one run of each, ~1 minute (what CI runs)
 
 Starts the test suite's control plane (tests/kube: etcd, kube-apiserver, controller-manager, scheduler)
-and the real `kubetron operator`; a ProcessKubelet (tests/kube/pods.py) runs every pod the scheduler
+and the real `kubetron operator`; a ProcessKubelet (tests/operator/local_pods.py) runs every pod the scheduler
 binds as local processes, the pods' exact commands (real launcher, torchrun, trainer; gloo on CPU),
 reports their ends, and stops the containers of pods being deleted. Each run: a 2-pod job of the tiny
 GPT on a hostPath claim trains; once rank 1 has logged half an interval past a durable checkpoint
@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -55,11 +54,10 @@ from kubetron.progress import summarize  # noqa: E402
 
 from tests.kube import cluster  # noqa: E402
 from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
-from tests.kube.pods import Container, ProcessKubelet, hostpath_claim  # noqa: E402
-from tests.operator.jobs import PVC_JOB, job_body, tiny_config  # noqa: E402
+from tests.operator.jobs import PVC_JOB, job_body  # noqa: E402
+from tests.operator.local_pods import Container, ProcessKubelet, pvc, tiny_config  # noqa: E402
 
 IN_PLACE, RECREATE = "in place", "recreate"
-ITER_RE = re.compile(r"iteration\s+(\d+)/")
 RESTART_LINE = "restarting the gang in place"
 # The rows before the trainer's own start-up phases; '-' where a mode has no such phase.
 BACKOFF = "failure backoff (status.nextAttemptTime)"
@@ -78,10 +76,6 @@ class Recovery:
     killed_at_iteration: int  # the last iteration rank 1 logged before the kill
     checkpoint_at_kill: int  # the newest durable checkpoint then (the progress log's)
     lines: list[str] = field(default_factory=list, repr=False)
-
-
-def last_iteration(c: Container) -> int:
-    return max([int(m.group(1)) for m in map(ITER_RE.search, c.lines) if m] or [0])
 
 
 def startup_after(c: Container, t: float) -> tuple[float, tuple[float, int, dict[str, float]]] | None:
@@ -103,7 +97,7 @@ def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int) -> Recov
     ns = env.namespace("recovery")
     store = workdir / ns / "pvc"
     store.mkdir(parents=True)
-    hostpath_claim(env.admin, ns, store)
+    pvc(env, ns, store)
     body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=save_interval),
                     storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=cluster.free_port(), masterPort=cluster.free_port(),
@@ -113,7 +107,7 @@ def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int) -> Recov
         env.admin.create(env.jobs(ns), body)
         rank1 = wait("rank 1 mid-interval after a durable checkpoint",
                      lambda: mid_interval(node.containers.get("gpt-1-1"), store / "gpt", save_interval), node)
-        pid, reached, durable = rank1.trainer_pid(), last_iteration(rank1), last_checkpoint(store / "gpt")
+        pid, reached, durable = rank1.trainer_pid(), rank1.last_iteration(), last_checkpoint(store / "gpt")
         killed = time.time()
         os.kill(pid, signal.SIGKILL)  # rank 1's trainer process, not its pod's PID 1
         rank0 = "gpt-1-0" if mode == IN_PLACE else "gpt-2-0"
@@ -141,7 +135,7 @@ def mid_interval(rank1: Container | None, store: Path, save_interval: int) -> Co
     if rank1 is None:
         return None
     durable = last_checkpoint(store)
-    return rank1 if durable and last_iteration(rank1) >= durable + save_interval // 2 else None
+    return rank1 if durable and rank1.last_iteration() >= durable + save_interval // 2 else None
 
 
 def consecutive(names: tuple[str, ...], times: list[float]) -> dict[str, float]:

@@ -67,7 +67,8 @@ def main() -> int:
     from kubetron.data.tokenizer import ByteTokenizer
     from kubetron.training.model import build_model
 
-    from tests.hf_utils import config_for, ensure_world_of_one
+    from tests.hf_utils import config_for
+    from tests.inprocess import ensure_world_of_one
 
     ensure_world_of_one()
     cfg = config_for({"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": args.seq,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import torch
@@ -70,20 +69,6 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
-
-
-def ensure_world_of_one():
-    """A gloo process group of 1 and parallel_state at tp = pp = 1 (idempotent)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
 
 
 def config_for(model_keys: dict, *overrides: str, world_size: int = 1):

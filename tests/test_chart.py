@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.chart_values import VALUE_SETS
+
 helm = pytest.importorskip("kubetron_operator.helm")
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
 kv = pytest.importorskip("kubernetes_validate.utils")
@@ -20,35 +22,6 @@ RELEASE_NS = "kubetron-system"
 
 # Oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest bundled schema.
 KUBE_VERSIONS = ["1.27", kv.latest_version()]
-
-VALUE_SETS = {
-    "default": {},
-    "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
-    "gang": {"gangScheduling": {"enabled": True}},
-    "gang-volcano-namespaced": {
-        "watchNamespaces": ["team-a"],
-        "gangScheduling": {"enabled": True, "schedulers": ["volcano"]},
-    },
-    "peering": {"operator": {"peering": "kubetron"}},
-    "peering-namespaced": {"operator": {"peering": "kubetron"}, "watchNamespaces": ["team-a", "team-b"]},
-    "replicas": {"replicas": 2},
-    "replicas-namespaced": {"replicas": 3, "watchNamespaces": ["team-a"]},
-    "custom": {
-        "image": {"repository": "registry.example.com/ml/kubetron-operator", "tag": "dev",
-                  "pullPolicy": "Always"},
-        "imagePullSecrets": [{"name": "regcred"}],
-        "fullnameOverride": "kt",
-        "serviceAccount": {"create": False, "name": "existing-sa"},
-        "operator": {"healthPort": 9090,
-                     "extraEnv": [{"name": "TZ", "value": "UTC"}]},
-        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": 1, "memory": "512Mi"}},
-        "podAnnotations": {"prometheus.io/scrape": "false"},
-        "podLabels": {"team": "ml"},
-        "priorityClassName": "system-cluster-critical",
-        "nodeSelector": {"kubernetes.io/os": "linux"},
-        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
-    },
-}
 
 
 def render(values: dict) -> list[dict]:

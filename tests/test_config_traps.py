@@ -18,7 +18,7 @@ import torch
 from kubetron import exitcodes
 from kubetron.errors import ConfigError
 
-from tests.test_forward_step import in_process_config, run_pretrain
+from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, tb_scalars
 
 SMALL = ["model.seq_length=32", "scheduler.lr_warmup_iters=0", "train.micro_batch_size=2", "train.global_batch_size=4",
@@ -145,11 +145,3 @@ def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp
     tflops = log.fields(6)["cumulative_throughput_tflops"]
     after = time.time()
     assert 3.0 / (after - start.timestamp()) <= tflops <= 3.0 / (before - start.timestamp())
-
-
-def test_dead_reduction_helpers_are_gone():
-    from kubetron.training import utils
-
-    assert not hasattr(utils, "reduce_max_stat_across_model_parallel_group")
-    assert not hasattr(utils, "logical_and_across_model_parallel_group")
-

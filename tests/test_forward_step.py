@@ -6,59 +6,18 @@ trained through the Python API `kubetron.training.entry.pretrain(cfg, forward_st
 """
 
 import math
-import socket
 from functools import partial
 
 import pytest
 import torch
 from kubetron.training.state import GlobalState
 
-from tests.trainer_utils import TINY, tb_scalars
+from tests.inprocess import ensure_world_of_one, in_process_config, run_pretrain
+from tests.trainer_utils import tb_scalars
 
 # --------------------------------------------------------------------------------------------------
 # A world of one rank (gloo) with megatron's parallel_state, shared by every in-process test
 # --------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_world_of_one():
-    """A gloo process group of 1 and parallel_state at tp = pp = 1 (idempotent)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-
-
-def in_process_config(*overrides: str):
-    """The tiny example config for an in-process run: no saving, no signal handlers in pytest."""
-    from kubetron.config import ConfigContainer
-
-    return ConfigContainer.from_yaml(TINY, ["checkpoint.save=null", "validation.eval_interval=null",
-                                            "train.exit_signal_handler=false", *overrides])
-
-
-def run_pretrain(cfg, forward_step_func, mode: str = "pretrain", **non_loss) -> int:
-    """`pretrain()` / `finetune()` in this process (the entry point sets parallel_state up itself);
-    `non_loss`: process_non_loss_data_func / non_loss_data_func."""
-    import torch.distributed as dist
-    from kubetron.training import entry
-    from megatron.core import parallel_state
-
-    ensure_world_of_one()  # keeps one process group for the whole session
-    parallel_state.destroy_model_parallel()  # pretrain() initializes it for its config
-    try:
-        return (entry.finetune if mode == "finetune" else entry.pretrain)(cfg, forward_step_func, **non_loss)
-    finally:
-        assert dist.is_initialized()
-        ensure_world_of_one()
 
 
 @pytest.fixture

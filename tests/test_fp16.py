@@ -14,7 +14,7 @@ import torch
 from kubetron import exitcodes
 from kubetron.training.mixed_precision import LossScaler
 
-from tests.test_forward_step import in_process_config, run_pretrain
+from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import tb_scalars
 
 SMALL = ["model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4", "logger.log_interval=1",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from kubetron.errors import ConfigError
 
-from tests.test_forward_step import ensure_world_of_one, in_process_config
+from tests.inprocess import ensure_world_of_one, in_process_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

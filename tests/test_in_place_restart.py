@@ -25,8 +25,7 @@ from kubetron import exitcodes, launch
 from kubetron import progress as progress_log
 
 from tests.multirank.runner import free_port
-from tests.test_launch_endings import QUICK, pod_env
-from tests.trainer_utils import TINY
+from tests.trainer_utils import QUICK, TINY, pod_env
 
 REPO = Path(__file__).resolve().parent.parent
 LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")

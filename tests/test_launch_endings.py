@@ -21,24 +21,11 @@ from pathlib import Path
 import pytest
 from kubetron import exitcodes, launch
 
-from tests.multirank.runner import free_port
-from tests.trainer_utils import ITER_RE, TINY
+from tests.trainer_utils import ITER_RE, QUICK, TINY, pod_env
 
 REPO = Path(__file__).resolve().parent.parent
-QUICK = ["train.train_iters=400", "logger.log_interval=1", "validation.eval_interval=null",
-         "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32"]
 
 pytestmark = pytest.mark.slow
-
-
-def pod_env(tmp_path: Path, nproc: int, **extra: str) -> dict:
-    """What the operator puts in a one-node pod's environment (docs/CONTRACT.md)."""
-    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.MESSAGES_DIR_ENV)
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), KUBETRON_TERMINATION_LOG=str(tmp_path / "termination-log"),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **extra)
-    return env
 
 
 def start_pod(tmp_path: Path, args: list[str], nproc: int = 1, **extra: str) -> subprocess.Popen:
@@ -179,7 +166,7 @@ class _SigtermAt:
 def test_sigterm_in_the_last_iteration_completes_the_run(tmp_path, at, expected):
     """A signal mid-run saves and exits 75 (restart, free); one during the last iteration completes the run
     (0, its final checkpoint saved): a 75 there would reschedule a gang only to find the job done."""
-    from tests.test_forward_step import in_process_config, run_pretrain
+    from tests.inprocess import in_process_config, run_pretrain
 
     cfg = in_process_config("train.train_iters=5", "scheduler.lr_warmup_iters=1", "train.exit_signal_handler=true",
                             f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=100")

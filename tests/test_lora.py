@@ -13,7 +13,8 @@ import pytest
 import torch
 from kubetron import exitcodes
 
-from tests.hf_utils import TOKENS, config_for, ensure_world_of_one, hf_logits, kubetron_logits, make_tiny_llama
+from tests.hf_utils import TOKENS, config_for, hf_logits, kubetron_logits, make_tiny_llama
+from tests.inprocess import ensure_world_of_one
 from tests.multirank.runner import launch
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
 

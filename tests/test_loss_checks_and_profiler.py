@@ -9,7 +9,7 @@ import torch
 from kubetron import exitcodes
 from kubetron.training.state import GlobalState
 
-from tests.test_forward_step import in_process_config, run_pretrain
+from tests.inprocess import in_process_config, run_pretrain
 
 
 class _SpikeAt:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_utils import config_for, ensure_world_of_one
+from tests.hf_utils import config_for
+from tests.inprocess import ensure_world_of_one
 from tests.multirank.runner import launch
 
 pytest.importorskip("megatron.core")

@@ -13,7 +13,7 @@ from kubetron.training.mixed_precision import MainParamsOptimizer
 from kubetron.training.optim import build_optimizer
 from kubetron.training.optimizer_base import PlainOptimizer
 
-from tests.test_forward_step import ensure_world_of_one, in_process_config, run_pretrain
+from tests.inprocess import ensure_world_of_one, in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
 
 SMALL = ["model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4"]

@@ -22,53 +22,34 @@ import time
 
 import pytest
 from kubetron import exitcodes
+from kubetron.progress import parse_progress, summarize_events
 
 from tests.multirank.runner import (
-    REPO,
-    Result,
+    GBS,
+    ITERS,
+    LOSS_TOL,
+    TP2,
+    args,
+    close,
     collect,
     launch,
     launch_and_signal,
+    ok,
     start_plain_ranks,
     tb_scalars,
     wait_for_iteration,
 )
 
-TINY = str(REPO / "examples" / "tiny-gpt.yaml")
-ITERS = 40
-GBS = 8
-COMMON = [f"train.train_iters={ITERS}", f"train.global_batch_size={GBS}", "logger.log_interval=1",
-          "validation.eval_interval=null", "checkpoint.most_recent_k=-1"]
 # For the DP/TP runs: SwiGLU (gated fc1 re-interleaving), grouped-query attention, untied output layer
 # (vocab-parallel along dim 0, padded to 384 rows at TP=1 and 512 at TP=2).
 FLAVOR = ["model.activation=swiglu", "model.num_query_groups=2",
           "model.share_embeddings_and_output_weights=false"]
-TP2 = ["model.tensor_model_parallel_size=2"]
 PP2 = ["model.pipeline_model_parallel_size=2"]
-LOSS_TOL = 2e-3
-
-
-def args(store, *extra, load=None, tb=None):
-    out = ["train", "--config", TINY, *COMMON, f"checkpoint.save={store}",
-           f"checkpoint.load={load if load is not None else store}",
-           f"logger.tensorboard_dir={tb if tb is not None else f'{store}/tb'}"]
-    return out + list(extra)
-
-
-def ok(r: Result, code: int = exitcodes.COMPLETED, nproc: int = 2):
-    assert r.codes == {i: code for i in range(nproc)}, r.tail()
 
 
 def falls(loss: dict[int, float], start: int, end: int):
     assert max(loss) >= end, loss
     assert loss[end] < loss[start] - 0.3, f"loss did not fall: {loss[start]} -> {loss[end]}"
-
-
-def close(a: dict[int, float], b: dict[int, float], steps, tol: float) -> float:
-    worst = max(abs(a[i] - b[i]) for i in steps)
-    print(f"max |loss difference| over iterations {steps.start}..{steps.stop - 1}: {worst:.3g}")
-    assert worst <= tol, {i: (a[i], b[i]) for i in steps}
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +228,9 @@ def test_sigkill_one_rank_other_exits_5_then_resume(tmp_path):
     assert code == exitcodes.PEER_FAILURE, out0[-3000:]
     assert elapsed < 30, elapsed  # the timeout (30 s) bounds it; a dead process is noticed at once
     assert terms[0]["reason"] == "PeerFailure" and "peer" in terms[0]["message"], terms
+    # the progress log (rank 0's) says how the job ended as the exit code does
+    last_exit = summarize_events(parse_progress((store / "progress.txt").read_text()))["lastExit"]
+    assert last_exit["reason"] == "PeerFailure", last_exit
     r = launch(args(store), tmp_path / "ranks-resume", nproc=1)
     ok(r, nproc=1)
     assert "at iteration 5" in r.stdout or "at iteration 10" in r.stdout, r.tail()

@@ -17,7 +17,7 @@ from kubetron.config import GPTModelConfig
 from kubetron.errors import ConfigError
 from kubetron.plan import GIB, make_plan, parse_memory
 
-from tests.test_forward_step import ensure_world_of_one, in_process_config
+from tests.inprocess import ensure_world_of_one, in_process_config
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -206,7 +206,7 @@ def _size(args: list[str]) -> tuple[int, int]:
     return int(opts["--nodes"]) * int(opts["--gpus-per-node"]), parse_memory(opts["--gpu-memory"])
 
 
-def test_every_model_of_the_issue_has_recipes():
+def test_every_published_model_has_pretrain_and_lora_recipes():
     names = {p.stem for p in RECIPES}
     for model in PUBLISHED_PARAMETERS:
         assert f"{model}-pretrain" in names and f"{model}-lora" in names

@@ -6,7 +6,7 @@ The q/k norm weights are replicated over TP while each TP rank normalizes only i
 gradient is the sum over the TP group (as megatron's finalize_model_grads does). Measured on CPU over
 30 iterations, TP=2 vs TP=1: losses within 4.8e-7 and q/k norm weights within 1e-6 with that sum;
 without it 1.4e-4 and 1e-2 (the weights moved 1.5e-2 from 1). The resumed run: within LOSS_TOL of
-test_multirank.py.
+tests/multirank/runner.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_utils import config_for, ensure_world_of_one
-from tests.multirank.runner import launch, tb_scalars
-from tests.test_multirank import LOSS_TOL, TP2, args, close, ok
+from tests.hf_utils import config_for
+from tests.inprocess import ensure_world_of_one
+from tests.multirank.runner import LOSS_TOL, TP2, args, close, launch, ok, tb_scalars
 
 ITERS = 30
 QWEN3 = ["model.normalization=RMSNorm", "model.activation=swiglu", "model.num_query_groups=2",

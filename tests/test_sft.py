@@ -62,7 +62,8 @@ def test_packed_logits_equal_each_example_alone(tmp_path):
     from kubetron.training.gpt_step import document_mask
     from kubetron.training.model import build_model
 
-    from tests.hf_utils import config_for, ensure_world_of_one, kubetron_logits
+    from tests.hf_utils import config_for, kubetron_logits
+    from tests.inprocess import ensure_world_of_one
 
     ensure_world_of_one()
     torch.manual_seed(0)

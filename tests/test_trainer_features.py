@@ -22,7 +22,7 @@ import torch
 from kubetron import exitcodes
 from kubetron.training.state import GlobalState
 
-from tests.test_forward_step import in_process_config, run_pretrain
+from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
 
 PRE_ITERS = 40

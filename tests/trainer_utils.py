@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "tiny-gpt.yaml")
 ITER_RE = re.compile(r"iteration\s+(\d+)/")
+QUICK = ["train.train_iters=400", "logger.log_interval=1", "validation.eval_interval=null",
+         "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32"]
+"""An even smaller GPT than TINY's, for tests about how a run ends rather than what it learns."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pod_env(tmp_path: Path, nproc: int, **extra: str) -> dict:
+    """What the operator puts in a one-node pod's environment (docs/CONTRACT.md)."""
+    from kubetron import launch
+
+    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.MESSAGES_DIR_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
+    env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), KUBETRON_TERMINATION_LOG=str(tmp_path / "termination-log"),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **extra)
+    return env
 
 
 def kubetron_cmd(*args: str) -> list[str]:

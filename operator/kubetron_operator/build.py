@@ -27,7 +27,7 @@ from kubetron_operator.model import (
 LABEL_JOB = "kubetron.dev/job"
 LABEL_ATTEMPT = "kubetron.dev/attempt"
 LABEL_RANK = "kubetron.dev/rank"
-LABEL_ROLE = "kubetron.dev/role"  # worker | progress-reader
+LABEL_ROLE = "kubetron.dev/role"  # worker | progress-reader | probe
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetron"}
 READER_CONTAINER = "progress"  # the progress-reader pod's one container
 
@@ -59,6 +59,11 @@ def pod_group_name(job: Job, attempt: int) -> str:
     return f"{job.name}-{attempt}"
 
 
+def probe_pod_name(job: Job, attempt: int, rank: int) -> str:
+    """A placeholder for the missing rank `rank` while attempt `attempt` runs on fewer nodes (docs/elastic.md)."""
+    return f"{job.name}-{attempt}-probe-{rank}"
+
+
 def reader_pod_name(job: Job, attempt: int) -> str:
     """The short-lived pod that prints a PVC store's progress log after attempt `attempt` ended."""
     return f"{job.name}-{attempt}-progress"
@@ -73,17 +78,19 @@ def master_addr(job: Job, attempt: int) -> str:
 
 
 def build(job: Job, attempt: int, expected_iteration: int = 0,
-          avoid_nodes: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+          avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> list[dict[str, Any]]:
     """All objects of attempt `attempt`, in creation order (Service, ConfigMap, PodGroup, pods).
 
+    `nodes` is the attempt's size (0: spec.nodes); an elastic job's attempt may be smaller (docs/elastic.md).
     `expected_iteration` is the last durable checkpoint the operator knows of; the pods pass it to the
     trainer (KUBETRON_EXPECTED_ITERATION), which fails loudly if the store holds less. `avoid_nodes` are
     nodes that rejected or lost an earlier attempt: the pods get a node anti-affinity to them.
     """
+    nodes = nodes or job.spec.nodes
     manifests = [build_service(job), build_config_map(job, attempt)]
     if job.spec.scheduling.gang != "none":
-        manifests.append(build_pod_group(job, attempt))
-    manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes) for rank in range(job.spec.nodes)]
+        manifests.append(build_pod_group(job, attempt, nodes))
+    manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes, nodes) for rank in range(nodes)]
     return manifests
 
 
@@ -125,9 +132,9 @@ def build_config_map(job: Job, attempt: int) -> dict[str, Any]:
     }
 
 
-def build_pod_group(job: Job, attempt: int) -> dict[str, Any]:
-    """Volcano or scheduler-plugins PodGroup: schedule all `nodes` pods or none."""
-    spec: dict[str, Any] = {"minMember": job.spec.nodes}
+def build_pod_group(job: Job, attempt: int, nodes: int = 0) -> dict[str, Any]:
+    """Volcano or scheduler-plugins PodGroup: schedule all the attempt's `nodes` pods or none."""
+    spec: dict[str, Any] = {"minMember": nodes or job.spec.nodes}
     if job.spec.scheduling.gang == "volcano":
         api_version = "scheduling.volcano.sh/v1beta1"
         if job.spec.scheduling.priority_class_name:
@@ -138,9 +145,11 @@ def build_pod_group(job: Job, attempt: int) -> dict[str, Any]:
             "metadata": _metadata(job, pod_group_name(job, attempt), attempt), "spec": spec}
 
 
-def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> list[dict[str, Any]]:
-    """The container environment of one rank, as Kubernetes EnvVars (secrets as secretKeyRef)."""
+def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nodes: int = 0) -> list[dict[str, Any]]:
+    """The container environment of one rank of an attempt of `nodes` pods (0: spec.nodes), as Kubernetes
+    EnvVars (secrets as secretKeyRef)."""
     spec = job.spec
+    nodes = nodes or spec.nodes
     plain = {
         "KUBETRON_JOB_ID": f"{job.namespace}/{job.name}/{attempt}",
         "KUBETRON_EXPECTED_ITERATION": str(expected_iteration),
@@ -149,9 +158,9 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> 
         "KUBETRON_CONFIG": CONFIG_PATH,
         "MASTER_ADDR": master_addr(job, attempt),
         "MASTER_PORT": str(spec.master_port),
-        "WORLD_SIZE": str(spec.nodes * spec.nproc_per_node),
+        "WORLD_SIZE": str(nodes * spec.nproc_per_node),
         "RANK": str(rank * spec.nproc_per_node),
-        "NNODES": str(spec.nodes),
+        "NNODES": str(nodes),
         "NODE_RANK": str(rank),
         "NPROC_PER_NODE": str(spec.nproc_per_node),
         "KUBETRON_MAX_IN_PLACE_RESTARTS": str(spec.max_in_place_restarts),
@@ -179,13 +188,14 @@ def trainer_args(job: Job) -> list[str]:
             f"checkpoint.save={job.store}", f"checkpoint.load={job.store}"]
 
 
-def rank_command(job: Job, attempt: int, rank: int, expected_iteration: int = 0) -> tuple[list[str], dict[str, str]]:
+def rank_command(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
+                 nodes: int = 0) -> tuple[list[str], dict[str, str]]:
     """(argv, plain env) of one rank's container, for running a pod's process locally in tests.
 
     Secret-backed variables are left out (the caller supplies credentials its own way).
     """
     argv = [PYTHON, "-m", "kubetron.launch", *trainer_args(job)]
-    env = {v["name"]: v["value"] for v in rank_env(job, attempt, rank, expected_iteration) if "value" in v}
+    env = {v["name"]: v["value"] for v in rank_env(job, attempt, rank, expected_iteration, nodes) if "value" in v}
     return argv, env
 
 
@@ -250,7 +260,7 @@ def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, An
 
 
 def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
-              avoid_nodes: tuple[str, ...] = ()) -> dict[str, Any]:
+              avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> dict[str, Any]:
     spec = job.spec
     volumes, mounts = _storage_volume(job)
     volumes += [{"name": "config", "configMap": {"name": config_map_name(job, attempt)}},
@@ -262,7 +272,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
         "image": spec.image,
         "command": [PYTHON, "-m", "kubetron.launch"],
         "args": trainer_args(job),
-        "env": rank_env(job, attempt, rank, expected_iteration),
+        "env": rank_env(job, attempt, rank, expected_iteration, nodes),
         "resources": _resources(job),
         "volumeMounts": mounts,
         "ports": [{"name": "rendezvous", "containerPort": spec.master_port}],
@@ -293,8 +303,40 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     _apply_template(job, pod_spec, container, metadata)
     _apply_scheduling(job, pod_spec, metadata, attempt, avoid_nodes)
-    _apply_queue(job, metadata, attempt)
+    _apply_queue(job, metadata, pod_group_name(job, attempt), nodes or spec.nodes)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+PROBE_COMMAND = [PYTHON, "-c", "import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+                 "signal.pause()"]
+"""A probe's container: sleeps until SIGTERM, then exits at once (PID 1 has no default SIGTERM action)."""
+
+
+def build_probe_pod(job: Job, attempt: int, rank: int, nodes: int) -> dict[str, Any]:
+    """A placeholder for missing rank `rank` while attempt `attempt` runs on `nodes` < spec.nodes pods: the
+    rank's own pod (requests, limits, affinity, tolerations, volumes, scheduler, priority) with the trainer
+    replaced by a sleep and no init containers or sidecars, so the real kube-scheduler judges whether the
+    full gang fits again. Role `probe`: never a rank, never behind the Service. Its own Kueue pod group
+    (the missing members), so Kueue admits probes only where quota for them is free; no gang PodGroup."""
+    pod = build_pod(job, attempt, rank)
+    meta, spec = pod["metadata"], pod["spec"]
+    meta["name"] = probe_pod_name(job, attempt, rank)
+    meta["labels"][LABEL_ROLE] = "probe"
+    for key in (COSCHEDULING_GROUP_LABEL, KUEUE_GROUP_LABEL):
+        meta["labels"].pop(key, None)
+    meta.get("annotations", {}).pop(VOLCANO_GROUP_ANNOTATION, None)
+    meta.get("annotations", {}).pop(KUEUE_COUNT_ANNOTATION, None)
+    trainer = spec["containers"][0]
+    spec["containers"] = [{"name": "probe", "image": trainer["image"], "command": list(PROBE_COMMAND),
+                           "resources": trainer["resources"], "securityContext": trainer["securityContext"],
+                           **({"imagePullPolicy": trainer["imagePullPolicy"]} if "imagePullPolicy" in trainer
+                              else {})}]
+    for key in ("initContainers", "hostname", "subdomain"):
+        spec.pop(key, None)
+    spec["volumes"] = [v for v in spec["volumes"] if "configMap" not in v]  # the attempt's config: not needed
+    spec["terminationGracePeriodSeconds"] = 5
+    _apply_queue(job, meta, f"{pod_group_name(job, attempt)}-probes", job.spec.nodes - nodes)
+    return pod
 
 
 def _apply_template(job: Job, pod_spec: dict[str, Any], container: dict[str, Any], metadata: dict[str, Any]) -> None:
@@ -320,13 +362,14 @@ def _apply_template(job: Job, pod_spec: dict[str, Any], container: dict[str, Any
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # rank 0's Service name must still resolve
 
 
-def _apply_queue(job: Job, metadata: dict[str, Any], attempt: int) -> None:
-    """Kueue plain pod groups: one group per attempt (each attempt is admitted, and counted, anew)."""
+def _apply_queue(job: Job, metadata: dict[str, Any], group: str, count: int) -> None:
+    """Kueue plain pod groups: one group per attempt (each attempt is admitted, and counted, anew), of the
+    attempt's size; an elastic job's probes form a group of their own."""
     if not job.spec.queue_name:
         return
     metadata["labels"][QUEUE_LABEL] = job.spec.queue_name
-    metadata["labels"][KUEUE_GROUP_LABEL] = pod_group_name(job, attempt)
-    metadata.setdefault("annotations", {})[KUEUE_COUNT_ANNOTATION] = str(job.spec.nodes)
+    metadata["labels"][KUEUE_GROUP_LABEL] = group
+    metadata.setdefault("annotations", {})[KUEUE_COUNT_ANNOTATION] = str(count)
 
 
 def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:

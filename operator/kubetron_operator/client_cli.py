@@ -69,8 +69,9 @@ class Cluster:
             if resp.status >= 300:
                 raise CliError(f"{what}: HTTP {resp.status}: {_message(resp.data)}",
                                2 if resp.status in (400, 403, 422) else 1)
-        else:
-            resp = self.call(lambda: self.api_client.call_api(
+        else:  # kubernetes < 35: call_api takes the request's parts (the pinned client's types say otherwise)
+            legacy: Any = self.api_client
+            resp = self.call(lambda: legacy.call_api(
                 path, "GET", header_params=headers, query_params=query, auth_settings=["BearerToken"],
                 _preload_content=False, _return_http_data_only=True), what)
         return json.loads(resp.data)

@@ -48,6 +48,14 @@ retriable-in-group "false" (Action.release_pods) before any of them is deleted, 
 activeDeadlineSeconds counts from status.startTime, which is reset when a suspended job resumes (as
 Kubernetes Job does): time spent suspended does not count.
 
+Elastic node range (spec.minNodes < spec.nodes, docs/elastic.md): an attempt's size is status.nodes. A
+starting attempt whose pods are Unschedulable for shrinkAfterSeconds ends (Resized) and the next one
+runs on the largest admitted size (spec.sizes) not above the pods the scheduler did place. While an
+attempt runs smaller than spec.nodes, one probe pod per missing rank (role probe) asks the scheduler;
+once every probe is bound to a node the attempt ends (Resized: its trainers save on SIGTERM) and the
+next one runs at spec.nodes. Any other restart tries spec.nodes again. Resizes have no backoff and
+count only in status.resizes.
+
 status.iteration follows the current attempt (from the checkpoint it resumed from, forward);
 lostIterations adds, once per ended attempt, the last iteration that attempt reached minus the
 checkpoint the next attempt resumes from.
@@ -241,7 +249,8 @@ def node_trouble(nodes: Iterable[Mapping[str, Any]], wanted: Iterable[str]) -> d
         if node is None:
             out[name] = f"node {name} no longer exists"
             continue
-        ready = next((c for c in (node.get("status") or {}).get("conditions") or () if c.get("type") == "Ready"), {})
+        conditions = (node.get("status") or {}).get("conditions") or ()
+        ready: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
         if ready.get("status") != "True":
             words = ": ".join(x for x in (ready.get("reason"), ready.get("message")) if x)
             out[name] = f"node {name} is not Ready ({ready.get('status', 'Unknown')}{': ' + words if words else ''})"
@@ -287,9 +296,11 @@ class Action:
     status: dict[str, Any] = field(default_factory=dict)  # merge patch for .status
     delete_pods: tuple[str, ...] = ()
     force_delete_pods: tuple[str, ...] = ()
-    create_attempt: int | None = None  # create build(job, create_attempt, expected_iteration, avoid_nodes)
+    create_attempt: int | None = None  # create build(job, create_attempt, expected_iteration, avoid_nodes, nodes)
     expected_iteration: int = 0
     avoid_nodes: tuple[str, ...] = ()
+    nodes: int = 0  # the size of the attempt to create (0: spec.nodes)
+    create_probes: tuple[int, ...] = ()  # ranks whose probe pod to create for the current attempt (docs/elastic.md)
     create_reader: int | None = None  # create the progress-reader pod for this attempt
     release_pods: tuple[str, ...] = ()  # Kueue group members to mark retriable-in-group "false" (before any delete)
     delete_job: bool = False
@@ -381,6 +392,8 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
     st = obs.status
     attempt = int(st.get("attempt") or 0)
     old = [p for p in obs.pods if p.role == "worker" and p.attempt <= attempt]
+    # Probes hold the capacity the next attempt may need: they go once the old gang is gone.
+    old = old or [p for p in obs.pods if p.role == "probe" and p.attempt <= attempt]
     if old:
         return Action("wait", delete_pods=tuple(p.name for p in old if p.deleting_for is None),
                       force_delete_pods=_overdue(obs))
@@ -406,6 +419,7 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
     if not_before and obs.now < not_before:
         return Action("wait")
     nxt = attempt + 1
+    size = _to_int(st.get("resizeTo")) or job.spec.nodes  # after a preemption or failure: try the full size
     status = _phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created{unread}")
     lost = _to_int(st.get("lostIterations")) + max(0, _to_int(st.get("lastAttemptIteration")) - _it(ckpt))
     status.update({
@@ -419,7 +433,12 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
         "lostIterations": lost,
         "lastAttemptIteration": None,
         "nextAttemptTime": None,
+        "nodes": size,
+        "resizeTo": None,
     })
+    if job.spec.elastic and attempt == 0:
+        status.update(minNodes=job.spec.sizes[0], sizes=list(job.spec.sizes),
+                      minNodesNote=job.spec.min_nodes_note or None)
     if not st.get("startTime") or st.get("phase") == "Suspended":
         status["startTime"] = _iso(obs.now)  # activeDeadlineSeconds counts from here
     status.update(_progress_fields(obs, ckpt))
@@ -430,9 +449,9 @@ def _next_attempt(job: Job, obs: Observed) -> Action:
     avoid = tuple(st.get("avoidNodes") or ())
     avoiding = f", avoiding node(s) {', '.join(avoid)}" if avoid else ""
     events.append(Event("Normal", "AttemptCreated",
-                        f"creating attempt {nxt} ({job.spec.nodes} pods){resume}{avoiding}"))
+                        f"creating attempt {nxt} ({size} pods){resume}{avoiding}"))
     return Action("create", status=status, create_attempt=nxt, expected_iteration=_it(ckpt),
-                  avoid_nodes=avoid, delete_pods=delete, events=tuple(events))
+                  avoid_nodes=avoid, delete_pods=delete, events=tuple(events), nodes=size)
 
 
 def _running(job: Job, obs: Observed, attempt: int) -> Action:
@@ -443,16 +462,80 @@ def _running(job: Job, obs: Observed, attempt: int) -> Action:
     ended = _attempt_end(job, current, obs, ckpt)
     if ended is not None:
         return ended
-    running = len(current) == job.spec.nodes and all(p.phase in ("Running", "Succeeded") for p in current)
+    size = attempt_size(job, obs.status)
+    running = len(current) == size and all(p.phase in ("Running", "Succeeded") for p in current)
     if not running:
         return _starting(job, obs, attempt, current, ckpt, stale)
+    if size < job.spec.nodes:
+        probes = [p for p in obs.pods if p.role == "probe" and p.attempt == attempt]
+        if _placed(probes, range(size, job.spec.nodes)):
+            return _resize(job, obs, current, ckpt, job.spec.nodes, f"{len(probes)} probe pod(s) scheduled on "
+                           f"{', '.join(sorted({p.node for p in probes}))}: capacity for the full size returned")
     status = _phase_status(obs, "Running", "Running", "") if obs.status.get("phase") != "Running" else {}
     status.update(_progress_fields(obs, ckpt))
     status = {k: v for k, v in status.items() if obs.status.get(k) != v}
-    events = (Event("Normal", "Running", f"attempt {attempt}: all {job.spec.nodes} pods running"),) if (
+    events = (Event("Normal", "Running", f"attempt {attempt}: all {size} pods running"),) if (
         "phase" in status) else ()
     restarts, in_place = _in_place_news(obs, attempt)
-    return Action("wait", status={**status, **restarts}, delete_pods=stale, events=events + in_place)
+    action = Action("wait", status={**status, **restarts}, delete_pods=stale, events=events + in_place)
+    return _keep_probes(job, obs, attempt, size, action) if size < job.spec.nodes else action
+
+
+def attempt_size(job: Job, status: Mapping[str, Any]) -> int:
+    """Pods of the current attempt: status.nodes (an elastic job's attempt may be smaller than spec.nodes)."""
+    return _to_int(status.get("nodes")) or job.spec.nodes
+
+
+def _placed(probes: list[PodView], ranks: range) -> bool:
+    """A live probe for every missing rank, each bound to a node by the scheduler."""
+    by_rank = {p.rank: p for p in probes if p.alive and p.node}
+    return bool(ranks) and all(r in by_rank for r in ranks)
+
+
+def _keep_probes(job: Job, obs: Observed, attempt: int, size: int, action: Action) -> Action:
+    """While an attempt runs on fewer than spec.nodes pods: one probe pod per missing rank (created, or
+    deleted to be created again when it ended), so the real scheduler says when the full size fits."""
+    probes = {p.rank: p for p in obs.pods if p.role == "probe" and p.attempt == attempt}
+    ended = tuple(p.name for p in probes.values() if not p.alive and p.deleting_for is None)
+    missing = tuple(r for r in range(size, job.spec.nodes) if r not in probes)
+    return replace(action, delete_pods=action.delete_pods + ended, create_probes=missing)
+
+
+def _resize(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | None, to: int, why: str) -> Action:
+    """End the current attempt so the next one runs on `to` pods; neither a failure nor a preemption: no
+    backoff, no counter but status.resizes. Deleting the pods SIGTERMs the trainers, which save and exit
+    (exit 75), so the next attempt resumes from the iteration they reached."""
+    st = obs.status
+    attempt, size = _to_int(st.get("attempt")), attempt_size(job, st)
+    kind = "grows" if to > size else "shrinks"
+    resizes = {"shrinks": 0, "grows": 0, **(st.get("resizes") or {})}
+    resizes[kind] = _to_int(resizes[kind]) + 1
+    message = f"attempt {attempt}: {size} -> {to} nodes: {why}"
+    status = _phase_status(obs, "Restarting", "Resized", message)
+    status.update(_progress_fields(obs, ckpt, live=False))
+    in_place, _ = _in_place_news(obs, attempt)
+    status.update(in_place, resizeTo=to, resizes=resizes, lastCheckpoint=ckpt, nextAttemptTime=None,
+                  lastAttemptIteration=_reached(obs, attempt, current))
+    return Action("restart", status=status, delete_pods=tuple(p.name for p in current if p.deleting_for is None),
+                  force_delete_pods=_overdue(obs),
+                  events=(Event("Normal", "Resized", f"{message}; restarting from the newest checkpoint"),))
+
+
+def shrink_due(job: Job, obs: Observed, current: list[PodView], began: datetime | None) -> float | None:
+    """Seconds until a starting attempt with Unschedulable pods is shrunk (<= 0: now); None when it is not
+    shrinkable (already at the smallest size, no pod Unschedulable)."""
+    size = attempt_size(job, obs.status)
+    if began is None or size <= (job.spec.sizes or (size,))[0] or not any(p.unschedulable for p in current):
+        return None
+    return job.spec.shrink_after_seconds - (obs.now - began).total_seconds()
+
+
+def _shrink_to(job: Job, current: list[PodView], size: int) -> int:
+    """The largest size below `size` the scheduler has shown it can place (the pods it bound to nodes);
+    the smallest size when it placed fewer than that."""
+    placed = len([p for p in current if p.node])
+    smaller = [n for n in job.spec.sizes if n < size]
+    return max([n for n in smaller if n <= placed], default=smaller[0])
 
 
 def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: Mapping | None,
@@ -470,6 +553,13 @@ def _starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckp
     began = max(filter(None, (_parse_time(st.get("attemptStartTime")), _parse_time(st.get("admittedTime")))),
                 default=None)
     timeout = job.spec.startup_timeout_seconds
+    shrink_in = None if admitted else shrink_due(job, obs, current, began)
+    if shrink_in is not None and shrink_in < 0:
+        size = attempt_size(job, st)
+        stuck = [p for p in sorted(current, key=lambda p: p.rank) if p.unschedulable]
+        return _resize(job, obs, current, ckpt, _shrink_to(job, current, size),
+                       f"{len(stuck)} pod(s) Unschedulable for more than shrinkAfterSeconds "
+                       f"({job.spec.shrink_after_seconds}s): pod {stuck[0].name}: {stuck[0].unschedulable}")
     if began and not admitted and (obs.now - began).total_seconds() > timeout:
         why = trouble[1] if trouble else "the pods were still starting"
         return _restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",
@@ -502,7 +592,7 @@ def _startup_trouble(current: list[PodView]) -> tuple[str, str] | None:
 
 def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping | None) -> Action | None:
     """Classify the end of the current attempt, or None while it still runs."""
-    nodes = job.spec.nodes
+    nodes = attempt_size(job, obs.status)
     present = {p.rank for p in current}
     missing = sorted(set(range(nodes)) - present)
     preempted: list[str] = [f"pod {job.name}-{obs.status.get('attempt')}-{r} disappeared" for r in missing]
@@ -551,23 +641,23 @@ def _attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Mapping 
         return _restart(job, obs, current, ckpt, kind="neverStarted", reason="AdmissionRejected",
                         message=f"node {p.node or '?'} rejected pod {p.name}: {p.detail}",
                         bad_nodes=tuple(p.node for p in rejected if p.node))
-    return _restart(job, obs, current, ckpt, kind="failures", **_failure_reason(failures))
+    reason, message = _failure_reason(failures)
+    return _restart(job, obs, current, ckpt, kind="failures", reason=reason, message=message)
 
 
-def _failure_reason(failures: list[PodView]) -> dict[str, str]:
-    """The root cause among failed ranks: a rank's own error beats 'a peer died'."""
+def _failure_reason(failures: list[PodView]) -> tuple[str, str]:
+    """(reason, message) of the root cause among failed ranks: a rank's own error beats 'a peer died'."""
     own = [p for p in failures if p.code != exitcodes.PEER_FAILURE] or failures
     p = next((p for p in own if p.over_limit), own[0])
     if p.over_limit:
-        return {"reason": "EvictedOverLimit", "message": f"pod {p.name} was evicted for exceeding its own limits: "
-                f"{p.pod_message.strip()} Raise spec.resources.limits (ephemeral-storage) or write less locally"}
+        return "EvictedOverLimit", (f"pod {p.name} was evicted for exceeding its own limits: "
+                f"{p.pod_message.strip()} Raise spec.resources.limits (ephemeral-storage) or write less locally")
     if p.reason == "OOMKilled":
-        return {"reason": "OOMKilled", "message": f"pod {p.name} was OOMKilled: raise "
-                "spec.resources.limits.memory or lower the batch size"}
+        return "OOMKilled", f"pod {p.name} was OOMKilled: raise spec.resources.limits.memory or lower the batch size"
     if p.code is None:  # no container ever ended: the kubelet (or whoever failed it) has the words
-        return {"reason": p.pod_reason or "PodFailed", "message": f"pod {p.name} failed: {p.detail}"}
-    name = exitcodes.NAMES.get(p.code, "TrainerError")
-    return {"reason": name, "message": f"pod {p.name} exited {p.code} ({name}): {p.detail}"}
+        return p.pod_reason or "PodFailed", f"pod {p.name} failed: {p.detail}"
+    name = exitcodes.reason(p.code)
+    return name, f"pod {p.name} exited {p.code} ({name}): {p.detail}"
 
 
 def _restart(job: Job, obs: Observed, current: list[PodView], ckpt: Mapping | None, *, kind: str,

@@ -36,6 +36,7 @@ from kubetron_operator.build import (
     LABEL_JOB,
     READER_CONTAINER,
     build,
+    build_probe_pod,
     build_reader_pod,
     config_map_name,
     pod_group_name,
@@ -49,9 +50,11 @@ from kubetron_operator.decide import (
     Action,
     Observed,
     PodView,
+    attempt_size,
     create_failed,
     decide,
     node_trouble,
+    shrink_due,
 )
 from kubetron_operator.model import (
     GROUP,
@@ -131,14 +134,17 @@ class Deps:
 
 def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     """Attach the TrainingJob handlers to `registry` (main.run and the tests each bring their own)."""
-    pods = {"labels": {LABEL_JOB: kopf.PRESENT}, "registry": registry}
+    labels = {LABEL_JOB: kopf.PRESENT}
     # kopf starts no handler before every index holds the initial listing: no daemon ever decides from
     # a half-filled view of its pods (which would look like pods that vanished).
-    kopf.index("", "v1", "pods", id="training_pods", **pods)(training_pods)
-    kopf.on.event("", "v1", "pods", **pods)(pod_event)
+    kopf.index("", "v1", "pods", id="training_pods", labels=labels, registry=registry)(training_pods)
+    kopf.on.event("", "v1", "pods", labels=labels, registry=registry)(pod_event)
     kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)(job_event)
-    kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=10.0)(reconcile_daemon)
-    kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, optional=True)(cleanup_on_delete)
+    # kopf's handler protocols type `namespace` as str | None (for cluster-wide resources; a TrainingJob is
+    # namespaced) and cannot express an index passed as a keyword (training_pods): hence the two ignores.
+    kopf.daemon(GROUP, VERSION, PLURAL, registry=registry,
+                cancellation_timeout=10.0)(reconcile_daemon)  # type: ignore[arg-type]
+    kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, optional=True)(cleanup_on_delete)  # type: ignore[arg-type]
     return registry
 
 
@@ -172,7 +178,7 @@ async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> N
 
 
 async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped,
-                           memo: Any, logger: logging.Logger, training_pods: kopf.Index, **_: Any) -> None:
+                           memo: Any, logger: kopf.Logger, training_pods: kopf.Index, **_: Any) -> None:
     """Decide whenever the job or one of its pods changes, or when the next deadline is due."""
     deps: Deps = memo.deps
     view = deps.view
@@ -207,7 +213,7 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: floa
             w.cancel()
 
 
-def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: logging.Logger) -> float | None:
+def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: kopf.Logger) -> float | None:
     """One wake-up: decide from the watched state (no API request); act, from a fresh read of the job,
     only when that calls for something. Returns the seconds until time itself matters (None: never)."""
     meta = body["metadata"]
@@ -225,7 +231,8 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
 
 def _idle(action: Action) -> bool:
     return not (action.status or action.delete_pods or action.force_delete_pods or action.events or action.release_pods
-                or action.create_attempt is not None or action.create_reader is not None or action.delete_job)
+                or action.create_attempt is not None or action.create_reader is not None or action.delete_job
+                or action.create_probes)
 
 
 def _throttle(deps: Deps, uid: str, action: Action) -> tuple[Action, bool]:
@@ -264,6 +271,10 @@ def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
         began = _time(st.get("admittedTime")) or _time(st.get("attemptStartTime"))  # Kueue: from admission
         if began and phase == "Pending":
             waits.append((began - now).total_seconds() + job.spec.startup_timeout_seconds)
+            current = [p for p in obs.pods if p.role == "worker" and str(p.attempt) == str(st.get("attempt"))]
+            shrink_in = shrink_due(job, obs, current, began)
+            if shrink_in is not None:
+                waits.append(shrink_in)
         for p in obs.pods:
             if p.deleting_for is not None:
                 waits.append(FORCE_DELETE_AFTER - p.deleting_for)
@@ -286,7 +297,7 @@ def _time(text: Any) -> datetime | None:
 
 
 def cleanup_on_delete(name: str, namespace: str, uid: str, spec: Any, status: Any, memo: Any,
-                      logger: logging.Logger, **_: Any) -> None:
+                      logger: kopf.Logger, **_: Any) -> None:
     """Delete the children now rather than waiting for the garbage collector (owner references); only
     those this job controls, never a foreign object that happens to carry a child's name or label."""
     kube: Kube = memo.deps.kube
@@ -304,7 +315,7 @@ def cleanup_on_delete(name: str, namespace: str, uid: str, spec: Any, status: An
     logger.info("deleted the children of %s", name)
 
 
-def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: logging.Logger) -> None:
+def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: kopf.Logger) -> None:
     """Mark Kueue pod-group members `retriable-in-group: "false"` (decide.Action.release_pods): Kueue then
     finishes the group's Workload once its pods are gone and frees the quota. Best effort: a pod that cannot
     be marked is tried again next round (it stays in release_pods), the rest of the action goes on."""
@@ -315,7 +326,7 @@ def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: logg
             logger.warning("cannot mark pod %s/%s %s=false: %s", namespace, pod, KUEUE_RETRIABLE_ANNOTATION, exc)
 
 
-def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logger: logging.Logger) -> None:
+def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logger: kopf.Logger) -> None:
     """An attempt's ConfigMap and its `gang` PodGroup, if any (pods are decide's business), if this job
     controls them. Only the PodGroup kind the job's spec.scheduling.gang names is asked for: the chart
     grants PodGroups only with gangScheduling (one left by a since-changed spec goes with the job, by
@@ -330,7 +341,7 @@ def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logge
         logger.warning("cannot delete PodGroup %s/%s: %s", job.namespace, pod_group_name(job, attempt), exc)
 
 
-def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger,
+def reconcile_once(deps: Deps, namespace: str, name: str, logger: kopf.Logger,
                    pods: list[dict[str, Any]] | None = None, prior: Observed | None = None) -> Action | None:
     """Decide from a fresh read of the job and act. `pods`: the watched pods (None: list them);
     `prior`: an observation of the same moment whose store and live reads may be reused."""
@@ -338,7 +349,7 @@ def reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger
         return _reconcile_once(deps, namespace, name, logger, pods, prior)
 
 
-def _reconcile_once(deps: Deps, namespace: str, name: str, logger: logging.Logger,
+def _reconcile_once(deps: Deps, namespace: str, name: str, logger: kopf.Logger,
                     pods: list[dict[str, Any]] | None, prior: Observed | None) -> Action | None:
     kube = deps.kube
     body = kube.get_job(namespace, name)
@@ -435,7 +446,7 @@ def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: date
     attempt = int(status.get("attempt") or 0)
     eventful = status.get("phase") in (None, "Restarting", "Suspended") or any(
         p.attempt == attempt and (p.terminated or p.deleting_for is not None or p.phase == "Unknown") for p in pods
-    ) or len([p for p in pods if p.attempt == attempt and p.role == "worker"]) < job.spec.nodes
+    ) or len([p for p in pods if p.attempt == attempt and p.role == "worker"]) < attempt_size(job, status)
     if cached and not eventful and (status.get("phase") != "Running"
                                     or (now - cached[0]).total_seconds() < PROGRESS_REFRESH):
         return cached[1]  # between events only a running attempt moves the log
@@ -445,19 +456,20 @@ def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: date
 
 
 def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
-          logger: logging.Logger) -> Action:
+          logger: kopf.Logger) -> Action:
     """Carry out `action`; returns what was applied (a failed creation applies create_failed instead)."""
     kube = deps.kube
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
     rv = meta.get("resourceVersion")
-    if action.create_attempt is not None and job is not None:
+    attempt = action.create_attempt  # `action` may be replaced by create_failed below
+    if attempt is not None and job is not None:
         # Pods first: if we die before the status patch, the next round recreates them (409s), never
         # mistakes a not-yet-created pod for a preempted one.
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        manifests = build(job, action.create_attempt, action.expected_iteration, action.avoid_nodes)
+        manifests = build(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes)
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
@@ -466,8 +478,8 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             deps.view.created(job.uid, manifests)  # until the watch shows them, never "vanished"
             retry = {"createFailures": None, "nextCreateTime": None} if obs.status.get("nextCreateTime") else {}
             _patch_status(deps, body, {**action.status, **retry}, rv)
-            if action.create_attempt > 1:
-                delete_attempt_children(kube, job, action.create_attempt - 1, job.spec.scheduling.gang, logger)
+            if attempt > 1:
+                delete_attempt_children(kube, job, attempt - 1, job.spec.scheduling.gang, logger)
     else:
         # Status first: an ended attempt is counted before its pods disappear.
         _patch_status(deps, body, action.status, rv)
@@ -478,6 +490,12 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             delete_attempt_children(kube, job, int(obs.status["attempt"]), job.spec.scheduling.gang, logger)
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
+    if action.create_probes and job is not None:
+        probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
+                  for rank in action.create_probes]
+        for probe in probes:
+            kube.create(probe)
+        deps.view.created(job.uid, probes)
     if action.create_reader is not None and job is not None:
         reader = build_reader_pod(job, action.create_reader)
         kube.create(reader)
@@ -495,7 +513,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
 
 
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
-                    logger: logging.Logger) -> tuple[str, str, bool] | None:
+                    logger: kopf.Logger) -> tuple[str, str, bool] | None:
     """Create an attempt's objects in order. On an API error delete what this call created (a partial
     gang must not hold GPUs) and return (reason, message, transient) for decide.create_failed."""
     created: list[dict[str, Any]] = []

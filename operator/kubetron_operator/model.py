@@ -6,6 +6,7 @@ Defaults here match the CRD's (crds/trainingjob.yaml), so a body that skipped se
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -135,6 +136,10 @@ class JobSpec:
     startup_timeout_seconds: int = 600
     max_never_started_attempts: int = 5
     max_in_place_restarts: int = 3
+    min_nodes: int = 0  # spec.minNodes as asked (0: as nodes); `sizes` holds what admission found works
+    shrink_after_seconds: int = 60  # an attempt's pods Unschedulable this long -> the next attempt is smaller
+    sizes: tuple[int, ...] = ()  # node counts an attempt may have, ascending, `nodes` last (admission fills it)
+    min_nodes_note: str = ""  # why the smallest size is above spec.minNodes (admission rounded it up)
     status_port: int = 8080
     master_port: int = 29500
     env: tuple[Mapping[str, Any], ...] = ()
@@ -149,6 +154,11 @@ class JobSpec:
     def nproc_per_node(self) -> int:
         """Trainer processes per pod: one per GPU, or one on a CPU node."""
         return self.gpus_per_node or 1
+
+    @property
+    def elastic(self) -> bool:
+        """Attempts may run on fewer than `nodes` pods (docs/elastic.md)."""
+        return len(self.sizes) > 1
 
 
 @dataclass(frozen=True)
@@ -188,7 +198,35 @@ class Job:
         spec = job.spec
         check_trainer_config(spec.config, spec.overrides, job.store, spec.nodes * spec.nproc_per_node,
                              spec.gpus_per_node > 0)
-        return job
+        sizes, note = elastic_sizes(spec, job.store)
+        return replace(job, spec=replace(spec, sizes=sizes, min_nodes_note=note))
+
+
+def elastic_sizes(spec: JobSpec, store: str) -> tuple[tuple[int, ...], str]:
+    """The node counts in [minNodes, nodes] whose world size the trainer's config accepts (derive()), and
+    a note when minNodes had to be rounded up to the smallest of them. A size that does not work (the
+    global batch not divisible by micro batch x data-parallel size, TP x PP not dividing the world) is
+    skipped; when no size below `nodes` works the job is refused, naming spec.minNodes."""
+    return _elastic_sizes(spec.config, spec.overrides, store, spec.min_nodes or spec.nodes, spec.nodes,
+                          spec.nproc_per_node, spec.gpus_per_node > 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _elastic_sizes(config: str, overrides: tuple[str, ...], store: str, low: int, nodes: int, nproc: int,
+                   gpus: bool) -> tuple[tuple[int, ...], str]:
+    # Cached: the operator parses the job on every reconcile; derive() per size is ~1 ms.
+    data, sizes, first_error = trainer_config(config, overrides, store), [], ""
+    for n in range(low, nodes):
+        try:
+            derive_at(data, n * nproc, gpus)
+        except SpecError as exc:
+            first_error = first_error or f"{n} node(s): {exc}"
+            continue
+        sizes.append(n)
+    if low < nodes and not sizes:
+        raise SpecError("spec.minNodes", f"no size in [{low}, {nodes - 1}] works for spec.config; {first_error}")
+    note = f"spec.minNodes {low} rounded up to {sizes[0]} ({first_error})" if sizes and sizes[0] != low else ""
+    return (*sizes, nodes), note
 
 
 def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
@@ -236,6 +274,8 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         startup_timeout_seconds=_int(spec, "startupTimeoutSeconds", 600, minimum=1),
         max_never_started_attempts=_int(spec, "maxNeverStartedAttempts", 5, minimum=1),
         max_in_place_restarts=_int(spec, "maxInPlaceRestarts", 3, minimum=0),
+        min_nodes=_min_nodes(spec, nodes),
+        shrink_after_seconds=_int(spec, "shrinkAfterSeconds", 60, minimum=1),
         status_port=ports[0],
         master_port=ports[1],
         env=env,
@@ -246,6 +286,13 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         queue_name=str(spec.get("queueName") or ""),
         pod_template=parse_pod_template(spec.get("podTemplate") or {}, spec),
     )
+
+
+def _min_nodes(spec: Mapping[str, Any], nodes: int) -> int:
+    low = _int(spec, "minNodes", nodes, minimum=1)
+    if low > nodes:
+        raise SpecError("spec.minNodes", f"must be at most spec.nodes ({nodes}), got {low}")
+    return low
 
 
 def _check_gpu_resources(resources: Mapping[str, Any], gpus: int) -> None:
@@ -267,6 +314,11 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
     what reads the pod's files, S3 or environment (tokenizer files, data and checkpoint paths, KUBETRON_*
     defaults) is checked by the trainer at start (ConfigContainer.resolve), where those exist.
     """
+    derive_at(trainer_config(config, overrides, store), world_size, gpus)
+
+
+def trainer_config(config: str, overrides: tuple[str, ...], store: str) -> dict[str, Any]:
+    """spec.config + spec.overrides + the store overrides, as the trainer's command line composes them."""
     try:
         data = yaml.safe_load(config)
     except yaml.YAMLError as exc:
@@ -278,7 +330,14 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
     except ConfigError as exc:
         raise SpecError("spec.overrides", str(exc)) from None
     try:
-        data = apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
+        return apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
+    except ConfigError as exc:
+        raise SpecError("spec.config", str(exc)) from None
+
+
+def derive_at(data: dict[str, Any], world_size: int, gpus: bool) -> None:
+    """ConfigContainer.derive of trainer_config()'s data for `world_size`, or SpecError naming spec.config."""
+    try:
         ConfigContainer.from_dict(data).derive(world_size=world_size, cuda_available=gpus)
     except ConfigError as exc:
         raise SpecError("spec.config", str(exc)) from None
@@ -336,7 +395,10 @@ def parse_pod_template(t: Mapping[str, Any], spec: Mapping[str, Any]) -> PodTemp
     containers = _named(pspec.get("containers"), f"{f}.spec.containers", RESERVED_CONTAINERS)
     trainer = [c for c in containers if c["name"] == TRAINER]
     sidecars = tuple(c for c in containers if c["name"] != TRAINER)
-    env, env_from, mounts, caps = (), (), (), ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    env_from: tuple[Mapping[str, Any], ...] = ()
+    mounts: tuple[Mapping[str, Any], ...] = ()
+    caps: tuple[str, ...] = ()
     if trainer:
         i = containers.index(trainer[0])
         tf = f"{f}.spec.containers[{i}]"
@@ -377,7 +439,7 @@ def _list(value: Any, where: str) -> list[Mapping[str, Any]]:
 
 def _named(value: Any, where: str, reserved: frozenset[str] | set[str]) -> list[Mapping[str, Any]]:
     """A list of objects with unique names, none of them reserved by the operator."""
-    items, seen = _list(value, where), set()
+    items, seen = _list(value, where), set[str]()
     for i, item in enumerate(items):
         name = item.get("name")
         if not name or not isinstance(name, str):

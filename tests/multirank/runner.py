@@ -6,24 +6,26 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.trainer_utils import run_until_iteration
+from kubetron import exitcodes
+
+from tests.trainer_utils import TINY, free_port, run_until_iteration
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ITERS = 40
+GBS = 8
+COMMON = [f"train.train_iters={ITERS}", f"train.global_batch_size={GBS}", "logger.log_interval=1",
+          "validation.eval_interval=null", "checkpoint.most_recent_k=-1"]
+TP2 = ["model.tensor_model_parallel_size=2"]
+LOSS_TOL = 2e-3
+"""|loss difference| per iteration allowed after a resharded resume (tests/test_multirank.py says why)."""
 
 
 @dataclass
@@ -134,3 +136,26 @@ def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:
     from tests.trainer_utils import tb_scalars as _tb
 
     return _tb(logdir, tag)
+
+
+# -- the runs' command line and checks ----------------------------------------------------------------
+
+def args(store, *extra, load=None, tb=None) -> list[str]:
+    """`kubetron train` of the tiny GPT for ITERS iterations, saving to (and resuming from) `store`."""
+    out = ["train", "--config", TINY, *COMMON, f"checkpoint.save={store}",
+           f"checkpoint.load={load if load is not None else store}",
+           f"logger.tensorboard_dir={tb if tb is not None else f'{store}/tb'}"]
+    return out + list(extra)
+
+
+def ok(r: Result, code: int = exitcodes.COMPLETED, nproc: int = 2):
+    """Every rank exited `code`."""
+    assert r.codes == {i: code for i in range(nproc)}, r.tail()
+
+
+def close(a: dict[int, float], b: dict[int, float], steps, tol: float) -> float:
+    """The largest |a - b| over `steps`, asserted <= tol."""
+    worst = max(abs(a[i] - b[i]) for i in steps)
+    print(f"max |loss difference| over iterations {steps.start}..{steps.stop - 1}: {worst:.3g}")
+    assert worst <= tol, {i: (a[i], b[i]) for i in steps}
+    return worst

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from tests.operator.test_on_kube import tj
+from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
 

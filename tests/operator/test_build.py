@@ -248,12 +248,12 @@ def test_crd_schema_accepts_examples_and_rejects_bad_specs():
     (version,) = crd["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Progress", "Iteration", "Restarts", "ETA", "Loss", "Age"]
+        "Phase", "Nodes", "Progress", "Iteration", "Restarts", "ETA", "Loss", "Age"]
     schema = version["schema"]["openAPIV3Schema"]
     for body in (PVC_JOB, S3_JOB):
         jsonschema.validate(body, schema)
     for bad in ({"nodes": 0}, {"mode": "sft"}, {"storage": {}}, {"gpusPerNode": -1},
-                {"scheduling": {"gang": "kueue"}}):
+                {"scheduling": {"gang": "kueue"}}, {"minNodes": 0}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(job_body(**bad), schema)
     missing = job_body()

@@ -16,7 +16,7 @@ import yaml
 from kubetron_operator.client_cli import CliError, format_table, select_pods, whole_lines
 
 from tests.kube.cluster import set_running
-from tests.operator.test_on_kube import tj
+from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
 BIN = Path(sys.executable).parent
@@ -66,7 +66,7 @@ def test_submit_status_logs_delete(kube, kube_ns, tmp_path):
         got = kubetron(kube, "status", "-n", ns)
         assert got.returncode == 0, got.stderr
         head, row = got.stdout.splitlines()
-        assert head.split() == ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "LOSS", "AGE",
+        assert head.split() == ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "LOSS", "AGE",
                                 "REASON", "LAST-CHECKPOINT"]  # the CRD's columns, the wide ones included
         assert row.split()[:2] == ["gpt", "Running"] and row.split()[-2:] == ["Running", "<none>"]
         read_end, write_end = os.pipe()  # `kubetron status | head -1` once head has its line

@@ -10,28 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 
 import pytest
 
 from tests.kube.cluster import free_port, set_exited, set_running
-from tests.kube.pods import Container, hostpath_claim
-from tests.operator.jobs import PVC_JOB, job_body, tiny_config
+from tests.operator.jobs import PVC_JOB, job_body
+from tests.operator.local_pods import Container, pvc, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-LOSS_RE = re.compile(r"iteration\s+(\d+)/")
-
-
-def last_iteration(c: Container) -> int:
-    return max([int(m.group(1)) for m in map(LOSS_RE.search, c.lines) if m] or [0])
 
 
 def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path):
     ns, api = kube_ns, kube.admin
     store = tmp_path / "pvc"
     store.mkdir()
-    hostpath_claim(api, ns, store)
+    pvc(kube, ns, store)
     config = tiny_config()
     body = job_body(PVC_JOB, nodes=2, config=config, storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=free_port(), masterPort=free_port(), maxInPlaceRestarts=2)
@@ -45,7 +39,7 @@ def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path)
             for rank in (0, 1):
                 containers.append(Container(pods[f"gpt-1-{rank}"], config, tmp_path / f"pod-{rank}"))
                 set_running(api, ns, f"gpt-1-{rank}")
-            kube.wait_for("iteration 15", lambda: last_iteration(containers[1]) >= 15, 300,
+            kube.wait_for("iteration 15", lambda: containers[1].last_iteration() >= 15, 300,
                           explain=lambda: "".join(containers[0].lines[-20:] + containers[1].lines[-20:]))
             os.kill(containers[1].trainer_pid(), signal.SIGKILL)  # rank 1's trainer, not its pod's PID 1
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.kube.cluster import free_port, set_exited, set_running
-from tests.operator.test_on_kube import tj
+from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
 

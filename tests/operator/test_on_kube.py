@@ -11,15 +11,11 @@ there.
 from __future__ import annotations
 
 import base64
-import copy
-import json
 import os
 import subprocess
 import sys
-import threading
 import tomllib
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -27,48 +23,12 @@ import pytest
 from kubetron.progress import saved_checkpoint_line, starting_job_line
 from packaging.requirements import Requirement
 
-from tests.kube.cluster import free_port, set_exited, set_running
-from tests.operator.jobs import S3_JOB
+from tests.kube.cluster import set_exited, set_running
+from tests.operator.jobs import tj
+from tests.operator.status_endpoint import StatusEndpoint
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tj(ns: str, name: str = "gpt", **spec: Any) -> dict[str, Any]:
-    body = copy.deepcopy(S3_JOB)
-    body["metadata"] = {"name": name, "namespace": ns}
-    body["spec"].update(spec)
-    return body
-
-
-class StatusEndpoint:
-    """Rank 0's `GET /status` (docs/CONTRACT.md) on 127.0.0.1: `live` is served, None refuses."""
-
-    def __init__(self) -> None:
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if endpoint.live is None:
-                    self.send_error(503)
-                    return
-                data = json.dumps(endpoint.live).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.live: dict[str, Any] | None = None
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from kubetron_operator.decide import decide
 from kubetron_operator.handlers import Deps, apply, observe
 
 from tests.kube.cluster import set_exited, set_running
-from tests.operator.test_on_kube import tj
+from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
 

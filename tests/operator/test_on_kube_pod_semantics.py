@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.kube.cluster import now_iso, set_pod_status, set_running
-from tests.operator.test_on_kube import tj
+from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
 

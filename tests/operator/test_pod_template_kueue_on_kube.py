@@ -11,8 +11,7 @@ from kubetron_operator.build import build_pod
 from kubetron_operator.model import Job, SpecError
 
 from tests.kube.cluster import set_running
-from tests.operator.jobs import job_body
-from tests.operator.test_on_kube import tj
+from tests.operator.jobs import job_body, tj
 
 pytestmark = pytest.mark.timeout(180)
 KUEUE_FINALIZER = "kueue.x-k8s.io/managed"  # Kueue's on the pods it manages

@@ -241,7 +241,7 @@ def live_through(kube: KubeEnv, ns: str, names: list[str]) -> None:
 def test_the_variants_cover_every_rule_set_of_the_chart():
     """Each set of rules the chart renders for the values tests/test_chart.py checks is one of VARIANTS
     (names and namespaces aside), so no (Cluster)Role goes untested on the server."""
-    from tests.test_chart import VALUE_SETS
+    from tests.chart_values import VALUE_SETS
 
     ours = {rules(Release(f"rbac-{k}", substitute(v, "team-a", f"rbac-{k}")).manifests)
             for k, (v, _) in VARIANTS.items()}

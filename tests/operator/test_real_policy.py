@@ -15,7 +15,7 @@ import pytest
 
 from tests.kube.cluster import ApiError, Kubelet, set_exited, set_pod_status, set_running
 from tests.operator.jobs import S3_JOB
-from tests.operator.test_on_kube import StatusEndpoint
+from tests.operator.status_endpoint import StatusEndpoint
 
 pytestmark = pytest.mark.timeout(240)
 

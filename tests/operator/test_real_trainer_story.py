@@ -339,8 +339,8 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     with capsys.disabled():
         print(text)
     header, row = [ln for ln in text.splitlines() if ln.strip()][-3:-1]
-    assert header.split() == ["NAME", "PHASE", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE"]
-    assert row.split()[:6] == ["gpt", "Succeeded", "100%", str(ITERS), "1", "0s"]
+    assert header.split() == ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "AGE"]
+    assert row.split()[:7] == ["gpt", "Succeeded", "1", "100%", str(ITERS), "1", "0s"]
 
 
 def test_status_endpoint_is_refreshed_between_distant_log_intervals(monkeypatch):

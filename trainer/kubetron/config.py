@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 
 from kubetron.errors import ConfigError
@@ -39,7 +40,7 @@ from kubetron.errors import ConfigError
 BYTE_TOKENIZER_VOCAB = 258
 """The byte tokenizer's base vocabulary: 256 byte values + eod + pad."""
 
-_DERIVED = {"derived": True}
+_DERIVED: JsonDict = {"derived": True}
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
@@ -823,7 +824,8 @@ class ConfigContainer(BaseModel):
 
     # ---- validation -----------------------------------------------------------------------------
 
-    def validate(self) -> None:
+    # Bridge's name; it hides pydantic's deprecated v1 classmethod `BaseModel.validate(value)`.
+    def validate(self) -> None:  # type: ignore[override]
         """Cross-field checks that need neither the world size, the filesystem nor torch."""
         t, m, o, s = self.train, self.model, self.optimizer, self.scheduler
 
@@ -1104,6 +1106,7 @@ class ConfigContainer(BaseModel):
                 raise ConfigError("train.train_samples", f"{t.train_samples} is smaller than "
                                                          f"global_batch_size = {t.global_batch_size}")
             t.train_iters = iters
+        assert t.train_iters is not None  # validate(): train_iters or train_samples is set
 
         # scheduler, in iterations
         decay = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters

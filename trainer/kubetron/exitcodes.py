@@ -43,6 +43,12 @@ NAMES = {
 }
 
 
+def reason(code: int) -> str:
+    """The name of an exit code (the termination message's and the progress log's `reason`); a code
+    outside the contract (a crash, a kill by signal) is a trainer error."""
+    return NAMES.get(code, NAMES[ERROR])
+
+
 NOT_RESTARTED_IN_PLACE = frozenset({COMPLETED, ERROR, CONFIG_ERROR, DIVERGED, RESUME_MISMATCH, SAVED_ON_SIGNAL,
                                     EXIT_CONDITION})
 """Ends that a restart inside the same pods would not cure, or that the operator must see (docs/recovery.md)."""

@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # No rank said why (rendezvous failure, import error, a rank SIGKILLed): say what we know, in
         # the pod's log (torchrun's own report is left out) and in the termination message.
         why = describe_failures(failures) or f"torchrun exited with status {rc}"
-        message = {"exitCode": code, "reason": exitcodes.NAMES.get(code, "TrainerError"),
+        message = {"exitCode": code, "reason": exitcodes.reason(code),
                    "message": f"{why} and no rank wrote a termination message for it; see the pod's log"}
         print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)
     if message is not None:

@@ -52,6 +52,13 @@ def parse_memory(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def derived(*values: int | None) -> tuple[int, ...]:
+    """Values `ConfigContainer.derive()` sets (None before it): plan reads derived configs."""
+    if None in values:
+        raise ValueError("plan needs a derived config: call cfg.derive() or cfg.finalize() first")
+    return tuple(v for v in values if v is not None)
+
+
 # --------------------------------------------------------------------------------------------------
 # Shapes and parameters
 # --------------------------------------------------------------------------------------------------
@@ -98,13 +105,14 @@ class Shape:
             raise ConfigError("model.vocab_size", f"plan does not read tokenizer files: set it for "
                                                   f"tokenizer_type {cfg.tokenizer.tokenizer_type}")
         kv_channels = getattr(m, "kv_channels", None)  # the Qwen3 keys, where this version has them
-        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, groups=m.num_query_groups,
-                   head_dim=kv_channels or m.hidden_size // m.num_attention_heads, ffn=m.ffn_hidden_size,
+        groups, ffn, max_positions = derived(m.num_query_groups, m.ffn_hidden_size, m.max_position_embeddings)
+        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, groups=groups,
+                   head_dim=kv_channels or m.hidden_size // m.num_attention_heads, ffn=ffn,
                    vocab=m.vocab_size, seq=m.seq_length, swiglu=m.activation == "swiglu",
                    rms=m.normalization == "RMSNorm", linear_bias=m.add_bias_linear,
                    qkv_bias=m.add_qkv_bias or m.add_bias_linear, qk_norm=bool(getattr(m, "qk_layernorm", False)),
                    rope=m.position_embedding_type == "rope",
-                   learned_pos=m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0,
+                   learned_pos=max_positions if m.position_embedding_type == "learned_absolute" else 0,
                    tied=m.share_embeddings_and_output_weights)
 
 
@@ -169,7 +177,8 @@ class Precision:
         grad = FP32 if (not low or cfg.ddp.grad_reduce_in_fp32) else 2
         o = cfg.optimizer
         states = 2 * FP32 if o.optimizer == "adam" else (FP32 if o.sgd_momentum else 0)
-        shards = cfg.data_parallel_size if cfg.ddp.use_distributed_optimizer else 1
+        (dp,) = derived(cfg.data_parallel_size)
+        shards = dp if cfg.ddp.use_distributed_optimizer else 1
         return cls(weight=weight, grad=grad, main=FP32 if low else 0, states=states, dp_shards=shards)
 
     @property
@@ -192,9 +201,10 @@ class Layout:
     @classmethod
     def of(cls, cfg: ConfigContainer) -> Layout:
         m = cfg.model
-        return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.data_parallel_size,
+        dp, micro_batches = derived(cfg.data_parallel_size, cfg.train.num_microbatches)
+        return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=dp,
                    sp=m.sequence_parallel, micro_batch=cfg.train.micro_batch_size,
-                   micro_batches=cfg.train.num_microbatches)
+                   micro_batches=micro_batches)
 
 
 @dataclass(frozen=True)
@@ -407,7 +417,7 @@ def format_plan(plan: Plan, cfg: ConfigContainer, nodes: int, gpus_per_node: int
     dtype = cfg.mixed_precision.params_dtype
     optim = (f"{cfg.optimizer.optimizer}, " + ("distributed over DP " + str(lay.dp) if prec.dp_shards > 1
                                                  else "not sharded"))
-    recompute = m.recompute_granularity or "off"
+    recompute: str = m.recompute_granularity or "off"
     if m.recompute_granularity == "full":
         recompute += f" {m.recompute_method} {m.recompute_num_layers}"
     stage = f"pipeline stage {st.index} of {lay.pp}, " if lay.pp > 1 else ""

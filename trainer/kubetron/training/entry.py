@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -168,10 +169,9 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
             profiler.start()
         code = _train_then_evaluate(forward_step_func, model, optimizer, scheduler, (train_it, valid_it, test_it),
                                     state, ckpt, profiler, non_loss)
-    except BaseException as e:
-        code = _exit_code_for(e)
-        if code is not None and progress is not None:
-            progress.exit(exitcodes.NAMES[code])  # the progress log says how the job ended
+    except Exception as e:  # the progress log says how the job ended (as the exit code will)
+        if progress is not None:
+            progress.exit(exitcodes.NAMES[ending_of(e, state.signal_handler).code])
         raise
     finally:
         if state.signal_handler is not None and own_handler:
@@ -244,16 +244,36 @@ def make_profiler(cfg, rank: int, first_iteration: int):
     )
 
 
-def _exit_code_for(e: BaseException) -> int | None:
+class Ending(NamedTuple):
+    code: int  # kubetron/exitcodes.py
+    message: str  # the termination message's, after "kubetron: <reason>: " in the pod's log
+    unexpected: bool  # a plain trainer error: its traceback is the report
+
+
+def ending_of(e: Exception, handler: SignalHandler | None = None) -> Ending:
+    """How a run that raised `e` ended: the one map from exception to exit code that the exit status,
+    the termination message and the progress log's `Exiting job ... Reason:` all use.
+
+    A trainer error after a SIGTERM/SIGINT was recorded (`handler`) is the pod being stopped: 75.
+    """
     from kubetron.training.train import DivergedError
 
-    if isinstance(e, ResumeMismatchError):
-        return exitcodes.RESUME_MISMATCH
-    if isinstance(e, DivergedError):
-        return exitcodes.DIVERGED
-    if isinstance(e, Exception):
-        return exitcodes.ERROR
-    return None
+    if isinstance(e, ConfigError):
+        ending = Ending(exitcodes.CONFIG_ERROR, str(e), False)
+    elif isinstance(e, ResumeMismatchError):
+        ending = Ending(exitcodes.RESUME_MISMATCH, str(e), False)
+    elif isinstance(e, DivergedError):
+        ending = Ending(exitcodes.DIVERGED, str(e), False)
+    elif isinstance(e, CheckpointError):
+        ending = Ending(exitcodes.ERROR, f"checkpoint error: {e}", False)
+    elif is_peer_failure(e):
+        ending = Ending(exitcodes.PEER_FAILURE, f"a peer rank failed: {str(e).strip().splitlines()[0][:300]}", False)
+    else:
+        ending = Ending(exitcodes.ERROR, f"{type(e).__name__}: {e}", True)
+    if handler is not None and handler.received is not None and ending.code == exitcodes.ERROR:
+        return ending._replace(code=exitcodes.SAVED_ON_SIGNAL, message=f"{handler.signal_name} received, then "
+                                                                        f"{ending.message}")
+    return ending
 
 
 def pretrain(config, forward_step_func, *, process_non_loss_data_func=None, non_loss_data_func=None) -> int:
@@ -330,7 +350,6 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
 
 def _run_and_report(cfg, mode: str, handler: SignalHandler | None) -> int:
     from kubetron.training.gpt_step import forward_step
-    from kubetron.training.train import DivergedError
 
     holder: dict = {}
     try:
@@ -343,21 +362,11 @@ def _run_and_report(cfg, mode: str, handler: SignalHandler | None) -> int:
                or "straggler detected; checkpoint saved"}.get(code, "")
     except ConfigError:
         raise  # the CLI prints one line and exits 2
-    except ResumeMismatchError as e:
-        code, msg = exitcodes.RESUME_MISMATCH, str(e)
-    except DivergedError as e:
-        code, msg = exitcodes.DIVERGED, str(e)
-    except CheckpointError as e:
-        code, msg = exitcodes.ERROR, f"checkpoint error: {e}"
     except Exception as e:
-        if not is_peer_failure(e):
+        code, msg, unexpected = ending_of(e, handler)
+        if unexpected:
             traceback.print_exc()
-            code, msg = exitcodes.ERROR, f"{type(e).__name__}: {e}"
-        else:
-            code, msg = exitcodes.PEER_FAILURE, f"a peer rank failed: {str(e).strip().splitlines()[0][:300]}"
     state = holder.get("state")
-    if handler is not None and handler.received is not None and code == exitcodes.ERROR:
-        code, msg = exitcodes.SAVED_ON_SIGNAL, f"{handler.signal_name} during setup: {msg}"
     if code not in (exitcodes.COMPLETED,):
         print(f"kubetron: {exitcodes.NAMES[code]}: {msg}", file=sys.stderr, flush=True)
     ts = state.train_state if state is not None else None
