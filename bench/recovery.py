@@ -25,6 +25,10 @@ load, first step). Times come from the kubelet's observations (polled every 50 m
 log lines, status.nextAttemptTime, and the start-up line (its end is the line's arrival; process
 start = end - total). The ratio in place / recreate is given with and without the backoff.
 
+Elastic (spec.minNodes, docs/elastic.md): a `nodes: 2, minNodes: 1` job on two Nodes with room for one
+pod each; one Node is drained (cordoned, its pod evicted): seconds to the first step at 1 node; then
+it is uncordoned: seconds to the first step at 2 nodes.
+
 `--imports N`: the import of megatron-core as it is, vs as kubetron.training imports it before this
 change (wandb run at import) and now, N alternating fresh processes each (median seconds).
 """
@@ -53,6 +57,7 @@ from kubetron import startup  # noqa: E402
 from kubetron.progress import summarize  # noqa: E402
 
 from tests.kube import cluster  # noqa: E402
+from tests.kube.cluster import Kubelet  # noqa: E402
 from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
 from tests.operator.jobs import PVC_JOB, job_body  # noqa: E402
 from tests.operator.local_pods import Container, ProcessKubelet, pvc, tiny_config  # noqa: E402
@@ -182,14 +187,75 @@ class BackoffWatch:
             with contextlib.suppress(OSError, cluster.ApiError):
                 when = ((self.env.job(self.ns, "gpt") or {}).get("status") or {}).get("nextAttemptTime")
                 if when:
-                    self.not_before = datetime.strptime(when, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+                    self.not_before = parse_iso(when)
 
 
-def elastic_timings(env: KubeEnv, workdir: Path) -> dict[str, float] | None:
-    """Elastic node range (spec.minNodes): seconds from "capacity gone" to training at the smaller size,
-    and from "capacity back" to training at full size. Not measured yet: the elastic node range is being
-    built on the `elastic` branch; fill this in once it lands (see bench/README.md)."""
-    return None
+POOL = "kubetron.dev/recovery-pool"  # the label of the elastic run's two Nodes (one pod each)
+SHRINK_AFTER = 2  # spec.shrinkAfterSeconds of the elastic run
+
+
+def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str, float]:
+    """The elastic node range (spec.minNodes, docs/elastic.md): a `nodes: 2, minNodes: 1` job on two
+    Nodes with room for one pod each. Capacity gone: one Node is drained (cordoned, its pod evicted);
+    seconds until rank 0 of the 1-node attempt completed its first step. Capacity back: the Node is
+    uncordoned; seconds until rank 0 of the 2-node attempt completed its first step."""
+    ns = env.namespace("elastic")
+    store = workdir / ns / "pvc"
+    store.mkdir(parents=True)
+    pvc(env, ns, store)
+    names = (f"{ns}-a", f"{ns}-b")
+    nodes = [Kubelet(env.admin, name=name, cpu="1", gpus=0) for name in names]
+    body = job_body(PVC_JOB, nodes=2, minNodes=1, shrinkAfterSeconds=SHRINK_AFTER,
+                    config=tiny_config(train_iters=100_000, save_interval=save_interval),
+                    storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
+                    statusPort=cluster.free_port(), masterPort=cluster.free_port(), terminationGracePeriodSeconds=30,
+                    resources={"requests": {"cpu": "1"}}, scheduling={"nodeSelector": {POOL: ns}})
+    body["metadata"] = {"name": "gpt"}
+    try:
+        for node in nodes:
+            node.finish_deletions = False  # the ProcessKubelet's, once the containers stopped
+            node.start()
+            env.admin.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}})
+        with env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
+            env.admin.create(env.jobs(ns), body)
+            wait("rank 1 mid-interval after a durable checkpoint",
+                 lambda: mid_interval(pods.containers.get("gpt-1-1"), store / "gpt", save_interval), pods)
+            gone = time.time()
+            drain(env, ns, names[1])
+            shrunk = training_at(env, ns, pods, 1, gone)
+            back = time.time()
+            env.admin.patch(f"/api/v1/nodes/{names[1]}", {"spec": {"unschedulable": False}})
+            grown = training_at(env, ns, pods, 2, back)
+    finally:
+        for node in nodes:
+            node.stop()
+            env.admin.delete(f"/api/v1/nodes/{node.name}", ok=(404,))
+    return {"capacity gone -> training at 1 of 2 nodes": shrunk - gone,
+            "capacity back -> training at 2 nodes": grown - back}
+
+
+def drain(env: KubeEnv, ns: str, node: str) -> None:
+    """`kubectl drain`: the Node cordoned, the job's pod on it evicted (the Eviction API)."""
+    env.admin.patch(f"/api/v1/nodes/{node}", {"spec": {"unschedulable": True}})
+    for name, pod in env.pods(ns).items():
+        if pod["spec"].get("nodeName") == node:
+            env.admin.create(f"/api/v1/namespaces/{ns}/pods/{name}/eviction", {
+                "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}})
+
+
+def training_at(env: KubeEnv, ns: str, pods: ProcessKubelet, size: int, since: float) -> float:
+    """When rank 0 of the job's first attempt at `size` nodes created after `since` completed its first step."""
+    st = env.wait_status(ns, "gpt", f"an attempt at {size} node(s)", lambda s: s.get("nodes") == size
+                         and s.get("phase") in ("Pending", "Running") and parse_iso(s.get("attemptStartTime")) >= since
+                         - 1, timeout=TIMEOUT)
+    rank0 = f"gpt-{st['attempt']}-0"
+    arrived, _ = wait(f"{rank0}'s first step", lambda: (c := pods.containers.get(rank0)) is not None
+                      and startup_after(c, since), pods)
+    return arrived
+
+
+def parse_iso(text: str | None) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp() if text else 0.0
 
 
 # -- imports: megatron-core as it is vs as kubetron.training imports it ----------------------------------
@@ -272,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                         (args.logs / f"{len(runs)}-{mode.replace(' ', '-')}.log").write_text("".join(runs[-1].lines))
                     print(f"{mode}: {runs[-1].total:.2f} s (killed after iteration {runs[-1].killed_at_iteration}, "
                           f"first step after it: iteration {runs[-1].first_iteration})", flush=True)
-            elastic = elastic_timings(env, workdir)
+            elastic = elastic_timings(env, workdir, args.save_interval)
         finally:
             kubelet.stop()
             cp.stop()
@@ -282,8 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrecovery of a 2-pod job of the tiny GPT (1 layer, hidden 32, gloo on CPU) after a SIGKILL of rank 1's "
           f"trainer, checkpoint every {args.save_interval} iterations; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n{text}")
-    print("elastic (spec.minNodes): " + ("not measured: the elastic node range has not landed"
-                                         if elastic is None else json.dumps(elastic)))
+    print(f"\nelastic (nodes 2, minNodes 1, shrinkAfterSeconds {SHRINK_AFTER}; one of two Nodes drained, "
+          "then uncordoned; seconds to rank 0's first step at the new size):")
+    for name, seconds in elastic.items():
+        print(f"  {name:<52}{seconds:6.2f}")
     if rounds:
         print(f"\nimport seconds after `import torch` (median of {rounds}, fresh processes):")
         for name, xs in import_times.items():

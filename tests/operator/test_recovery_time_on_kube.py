@@ -1,6 +1,8 @@
 """bench/recovery.py --quick, as a user runs it (so it never rots): on the real control plane a 2-pod job's
 rank is SIGKILLed once with in-place restarts and once with whole-gang recreation; both resume from the
-newest checkpoint, and every phase of each timeline is measured and adds up to the recovery time.
+newest checkpoint, and every phase of each timeline is measured and adds up to the recovery time. An
+elastic job (nodes 2, minNodes 1) has one of its two Nodes drained, then uncordoned: it trains at 1 node,
+then at 2 again.
 (`--imports 0`: the import comparison is left out here; tests/test_startup.py checks what it measures.)"""
 
 from __future__ import annotations
@@ -53,3 +55,6 @@ def test_recovery_bench_quick(tmp_path):
     assert report["ratio"] == pytest.approx(runs["in place"]["total"] / runs["recreate"]["total"])
     assert report["ratio"] < 1, report  # no pods to replace, no second torch import in a new agent
     assert f"in place / recreate: {report['ratio']:.2f}" in p.stdout
+    elastic = report["elastic"]
+    assert list(elastic) == ["capacity gone -> training at 1 of 2 nodes", "capacity back -> training at 2 nodes"]
+    assert all(0 < seconds < 600 for seconds in elastic.values()), elastic
