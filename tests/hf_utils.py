@@ -1,12 +1,18 @@
-"""Shared helpers for the Hugging Face interop tests: tiny random Llama and Qwen3 models made with
-`transformers` (never downloaded)."""
+"""Shared helpers for the Hugging Face interop tests: tiny random Llama, Qwen3, Qwen3-MoE and Mixtral
+models made with `transformers` (never downloaded)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import torch
+
+from tests.trainer_utils import env_for, kubetron_cmd
+
+REPO = Path(__file__).resolve().parent.parent
+SFT_LINES = [{"input": f"Q{i}: what is {i} plus {i}? ", "output": f"{2 * i}"} for i in range(40)]
 
 TOKENS = torch.tensor([[5, 17, 200, 33, 99, 1, 250, 7, 64, 128, 3, 77, 12, 0, 255, 31] * 3,
                        [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 110, 120, 130, 140, 150, 160] * 3])
@@ -63,6 +69,48 @@ def make_tiny_qwen3(out: Path, *, tied: bool, head_dim: int = 24, seed: int = 3)
     return out
 
 
+def _norms_away_from_one(model):
+    """Every norm weight away from 1 (a dropped or swapped norm shows in the logits)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+
+
+def make_tiny_qwen3_moe(out: Path, *, norm_topk_prob: bool = False, mlp_only_layers=(1,), seed: int = 5) -> Path:
+    """Qwen3-MoE: 3 layers, layer 1 a dense MLP (96) and the others 8 experts (32) with top-2 routing; Qwen3's
+    attention (head_dim 24, GQA, q/k norms). norm_topk_prob False (transformers' default): the chosen router
+    probabilities are not renormalised. Saved as safetensors (one tensor per expert projection)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                         mlp_only_layers=list(mlp_only_layers), router_aux_loss_coef=0.02, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, initializer_range=0.1)
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    _norms_away_from_one(model)
+    model.save_pretrained(out)
+    return out
+
+
+def make_tiny_mixtral(out: Path, *, sliding_window: int | None = 8, seed: int = 6) -> Path:
+    """Mixtral: 2 layers of 8 experts (48) with top-2 routing (renormalised, as Mixtral always does), GQA,
+    an 8-token sliding window, norm weights away from 1. Saved as safetensors (w1/w2/w3 per expert)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=48, num_local_experts=8,
+                        num_experts_per_tok=2, router_aux_loss_coef=0.03, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=256, sliding_window=sliding_window,
+                        rms_norm_eps=1e-5, initializer_range=0.1)
+    model = MixtralForCausalLM(cfg).float().eval()
+    _norms_away_from_one(model)
+    model.save_pretrained(out)
+    return out
+
+
 def hf_logits(hf_dir: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -99,3 +147,37 @@ def kubetron_logits(model, tokens: torch.Tensor = TOKENS, attention_mask=None, p
         dist.all_gather(parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
         out = torch.cat(parts, dim=-1)
     return out
+
+
+def run_cli(args, tmp: Path, timeout=400) -> subprocess.CompletedProcess:
+    """`kubetron ARGS` in a subprocess, as a user runs it."""
+    return subprocess.run(kubetron_cmd(*args), env=env_for(tmp), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def imported_model_keys(ckpt: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]
+
+
+def finetune_args(tmp: Path, data: Path, pretrained: Path, keys: dict, iters: int) -> list[str]:
+    model = [f"model.{k}={json.dumps(v)}" for k, v in keys.items() if k not in ("seq_length",)]
+    return ["finetune", *model, "model.seq_length=64", f"train.train_iters={iters}", "train.micro_batch_size=2",
+            "train.global_batch_size=4", "optimizer.lr=1e-3", "scheduler.lr_decay_style=constant",
+            "validation.eval_interval=null", f"finetuning.data_path={data}", "finetuning.packing=true",
+            f"checkpoint.pretrained_checkpoint={pretrained}", f"checkpoint.save={tmp / 'run'}",
+            f"checkpoint.save_interval={iters}", "logger.log_interval=1", "train.exit_signal_handler=false"]
+
+
+def import_finetune_export(tmp: Path, hf: Path, iters: int) -> str:
+    """import-hf HF -> finetune `iters` packed SFT iterations -> export-hf to tmp/out; import-hf's stdout."""
+    imported = run_cli(["import-hf", str(hf), str(tmp / "ckpt")], tmp)
+    assert imported.returncode == 0, imported.stderr
+    data = tmp / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
+    p = run_cli(finetune_args(tmp, data, tmp / "ckpt", imported_model_keys(tmp / "ckpt"), iters), tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_cli(["export-hf", str(tmp / "run"), str(tmp / "out")], tmp)
+    assert p.returncode == 0, p.stderr
+    return imported.stdout

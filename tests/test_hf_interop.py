@@ -16,15 +16,19 @@ import pytest
 import torch
 
 from tests.hf_utils import (
+    SFT_LINES,
     TOKENS,
     config_for,
-    ensure_world_of_one,
+    finetune_args,
     hf_logits,
+    import_finetune_export,
+    imported_model_keys,
     kubetron_logits,
     make_tiny_llama,
     make_tiny_qwen3,
+    run_cli,
 )
-from tests.trainer_utils import env_for, kubetron_cmd
+from tests.inprocess import ensure_world_of_one
 
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent
@@ -47,19 +51,13 @@ def imported(tiny):
     return out
 
 
-def _model_keys(ckpt: Path) -> dict:
-    import yaml
-
-    return yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]
-
-
 def test_import_gives_transformers_logits_at_tp1(tiny, imported):
     from kubetron.hf.io import load_hf_into_model
     from kubetron.training import sharding
     from kubetron.training.model import build_model
 
     ensure_world_of_one()
-    keys = _model_keys(imported)
+    keys = imported_model_keys(imported)
     assert (keys["num_query_groups"], keys["rope_scaling"], keys["share_embeddings_and_output_weights"]) == (2, True,
                                                                                                              False)
     cfg = config_for(keys)
@@ -133,11 +131,6 @@ def test_tp2_gives_transformers_logits(tiny, imported, tmp_path):
         assert diff <= TOL
 
 
-def _run(args, tmp: Path, timeout=400):
-    return subprocess.run(kubetron_cmd(*args), env=env_for(tmp), capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-
-
 def test_unsupported_architecture_is_one_line_exit_2_nothing_written(tiny, tmp_path):
     bad = tmp_path / "gpt2"
     bad.mkdir()
@@ -145,45 +138,20 @@ def test_unsupported_architecture_is_one_line_exit_2_nothing_written(tiny, tmp_p
     cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (bad / "config.json").write_text(json.dumps(cfg))
     (bad / "model.safetensors").write_bytes((tiny.hf / "model.safetensors").read_bytes())
-    p = _run(["import-hf", str(bad), str(tmp_path / "out")], tmp_path)
+    p = run_cli(["import-hf", str(bad), str(tmp_path / "out")], tmp_path)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().count("\n") == 0 and "architectures" in p.stderr and "GPT2LMHeadModel" in p.stderr
     assert not (tmp_path / "out").exists()
-
-
-SFT_LINES = [{"input": f"Q{i}: what is {i} plus {i}? ", "output": f"{2 * i}"} for i in range(40)]
-
-
-def _finetune_args(tmp: Path, data: Path, pretrained: Path, keys: dict, iters: int) -> list[str]:
-    model = [f"model.{k}={json.dumps(v)}" for k, v in keys.items() if k not in ("seq_length",)]
-    return ["finetune", *model, "model.seq_length=64", f"train.train_iters={iters}", "train.micro_batch_size=2",
-            "train.global_batch_size=4", "optimizer.lr=1e-3", "scheduler.lr_decay_style=constant",
-            "validation.eval_interval=null", f"finetuning.data_path={data}", "finetuning.packing=true",
-            f"checkpoint.pretrained_checkpoint={pretrained}", f"checkpoint.save={tmp / 'run'}",
-            f"checkpoint.save_interval={iters}", "logger.log_interval=1", "train.exit_signal_handler=false"]
-
-
-def _import_finetune_export(tmp: Path, hf: Path, iters: int) -> str:
-    """import-hf HF -> finetune `iters` packed SFT iterations -> export-hf to tmp/out; import-hf's stdout."""
-    imported = _run(["import-hf", str(hf), str(tmp / "ckpt")], tmp)
-    assert imported.returncode == 0, imported.stderr
-    data = tmp / "sft.jsonl"
-    data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
-    p = _run(_finetune_args(tmp, data, tmp / "ckpt", _model_keys(tmp / "ckpt"), iters), tmp)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = _run(["export-hf", str(tmp / "run"), str(tmp / "out")], tmp)
-    assert p.returncode == 0, p.stderr
-    return imported.stdout
 
 
 def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_path):
     """The user's path: import-hf -> finetune (packed SFT) -> export-hf -> transformers generate."""
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
-    p = _run(_finetune_args(tmp_path, data, imported, _model_keys(imported), 6), tmp_path)
+    p = run_cli(finetune_args(tmp_path, data, imported, imported_model_keys(imported), 6), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "packed" in p.stderr + p.stdout
-    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf-out")], tmp_path)
+    p = run_cli(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf-out")], tmp_path)
     assert p.returncode == 0, p.stderr
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -223,7 +191,7 @@ def test_generate_stops_at_the_base_stop_ids_after_import_finetune_export(tmp_pa
     from transformers import AutoModelForCausalLM
 
     hf = make_tiny_llama(tmp_path / "llama", argmax=300, generation_config=INSTRUCT_GENERATION)
-    _import_finetune_export(tmp_path, hf, 2)
+    import_finetune_export(tmp_path, hf, 2)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["eos_token_id"], config["pad_token_id"]) == (256, 257)  # config.json's, as the base had them
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == INSTRUCT_GENERATION
@@ -242,9 +210,9 @@ def test_export_of_a_model_trained_from_scratch_takes_the_ids_from_its_tokenizer
              "model.share_embeddings_and_output_weights=false", "train.train_iters=1", "scheduler.lr_warmup_iters=0",
              "validation.eval_interval=null",
              f"checkpoint.save={tmp_path / 'run'}", "checkpoint.save_interval=1"]
-    p = _run(["train", "--config", str(REPO / "examples" / "tiny-gpt.yaml"), *llama], tmp_path)
+    p = run_cli(["train", "--config", str(REPO / "examples" / "tiny-gpt.yaml"), *llama], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = _run(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    p = run_cli(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
     assert p.returncode == 0, p.stderr
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["eos_token_id"], config["pad_token_id"], config.get("bos_token_id")) == (256, 257, None)
@@ -259,10 +227,10 @@ def test_lora_on_an_import_exports_an_adapter_that_peft_loads_onto_the_hf_base(t
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
     lora = ["peft.scheme=lora", "peft.dim=4", "peft.alpha=8.0", "optimizer.lr=2e-2"]
-    p = _run([*_finetune_args(tmp_path, data, imported, _model_keys(imported), 4), *lora], tmp_path)
+    p = run_cli([*finetune_args(tmp_path, data, imported, imported_model_keys(imported), 4), *lora], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     for args in (["--adapter-only", str(tmp_path / "adapter")], [str(tmp_path / "merged")]):
-        p = _run(["export-hf", str(tmp_path / "run"), *args], tmp_path)
+        p = run_cli(["export-hf", str(tmp_path / "run"), *args], tmp_path)
         assert p.returncode == 0, p.stderr
     conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert conf["base_model_name_or_path"] == str(tiny.hf.resolve())
@@ -291,7 +259,7 @@ def test_lora_on_an_import_exports_an_adapter_that_peft_loads_onto_the_hf_base(t
 def test_jsonl_line_without_the_key_is_one_line_exit_2_nothing_written(imported, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps(SFT_LINES[0]) + "\n" + json.dumps({"input": "no answer"}) + "\n")
-    p = _run(_finetune_args(tmp_path, data, imported, _model_keys(imported), 2), tmp_path)
+    p = run_cli(finetune_args(tmp_path, data, imported, imported_model_keys(imported), 2), tmp_path)
     assert p.returncode == 2, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("kubetron: error: finetuning.data_path:") and f"{data}:2" in last and "'output'" in last
@@ -437,7 +405,7 @@ def test_qwen3_import_finetune_export_through_the_cli(tmp_path):
     from safetensors.torch import load_file
 
     hf = make_tiny_qwen3(tmp_path / "qwen3", tied=True)
-    out = _import_finetune_export(tmp_path, hf, 3)
+    out = import_finetune_export(tmp_path, hf, 3)
     assert "kv_channels: 24" in out and "qk_layernorm: true" in out, out
     tuned, start = load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors")
     q_norm = "model.layers.0.self_attn.q_norm.weight"
@@ -503,7 +471,7 @@ def test_qwen3_sliding_window_and_attention_bias_are_one_line_exit_2(tmp_path, f
     if field == "use_sliding_window":
         cfg.update(sliding_window=8, max_window_layers=1)
     (hf / "config.json").write_text(json.dumps(cfg))
-    p = _run(["import-hf", str(hf), str(tmp_path / "out")], tmp_path)
+    p = run_cli(["import-hf", str(hf), str(tmp_path / "out")], tmp_path)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().count("\n") == 0 and f"config.json: {field}" in p.stderr, p.stderr
     assert not (tmp_path / "out").exists()
@@ -586,14 +554,14 @@ def test_packed_sft_resumes_after_sigterm_with_the_same_losses(imported, tmp_pat
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
-    keys = _model_keys(imported)
-    straight = _run(_finetune_args(tmp_path / "a", data, imported, keys, 8), tmp_path)
+    keys = imported_model_keys(imported)
+    straight = run_cli(finetune_args(tmp_path / "a", data, imported, keys, 8), tmp_path)
     assert straight.returncode == 0, straight.stderr[-2000:]
-    args = _finetune_args(tmp_path / "b", data, imported, keys, 8) + ["train.exit_signal_handler=true",
+    args = finetune_args(tmp_path / "b", data, imported, keys, 8) + ["train.exit_signal_handler=true",
                                                                       f"checkpoint.load={tmp_path / 'b' / 'run'}"]
     code, out, err, _ = run_until_iteration_then_signal(args, tmp_path, 3)
     assert code == 75, err[-2000:]
-    resumed = _run(args, tmp_path)
+    resumed = run_cli(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     first, second, want = _losses(out), _losses(resumed.stdout), _losses(straight.stdout)
     assert min(second) == max(first) + 1 and sorted({**first, **second}) == list(range(1, 9))

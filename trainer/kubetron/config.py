@@ -168,6 +168,36 @@ class GPTModelConfig(_Section):
         "first recompute_num_layers layers of each pipeline stage).")
     recompute_num_layers: int | None = _f(
         None, "With full recompute: layers per group (uniform) or layers recomputed per stage (block).", ge=1)
+    # Mixture of experts (megatron-core's MoELayer; Megatron Bridge's names)
+    num_moe_experts: int | None = _f(
+        None, "Routed experts per MoE layer (null: a dense model, every layer an MLP).", ge=1)
+    moe_router_topk: int = _f(2, "Experts each token is routed to.", ge=1)
+    moe_ffn_hidden_size: int | None = _f(None, "Hidden size of each routed expert's MLP (null: ffn_hidden_size).",
+                                         ge=1)
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = _f(
+        "aux_loss", "Load-balancing loss: aux_loss (GShard/Switch, per micro-batch), seq_aux_loss (per sequence, "
+        "DeepSeek), none.")
+    moe_aux_loss_coeff: float = _f(0.0, "Weight of the load-balancing loss added to the LM loss (0: none is "
+                                        "computed, trained on or logged).", ge=0)
+    moe_shared_expert_intermediate_size: int | None = _f(
+        None, "Hidden size of the shared expert every token also passes through (null: none; Qwen2-MoE, DeepSeek).",
+        ge=1)
+    moe_layer_freq: int | list[int] = _f(
+        1, "Which layers are MoE: N = every Nth layer from the first (1: all), or one 0 (dense MLP) / 1 (MoE) "
+        "per layer.")
+    moe_router_pre_softmax: bool = _f(
+        False, "Softmax over all experts before top-k (the chosen probabilities are not renormalised); false: top-k "
+        "then softmax over the chosen (Mixtral; Qwen3-MoE norm_topk_prob). Required with moe_router_topk 1.")
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = _f(
+        "alltoall", "How tokens reach the experts of other EP ranks: alltoall (all-to-all of the routed tokens; runs "
+        "on gloo and NCCL) or allgather (every rank sees every token).")
+    moe_grouped_gemm: bool = _f(
+        False, "All local experts in one grouped GEMM (TransformerEngine's TEGroupedMLP); needs the TE layer spec.")
+    moe_per_layer_logging: bool = _f(
+        False, "Also write each layer's load-balancing loss to TensorBoard (moe/<name>_layer_<i>).")
+    expert_model_parallel_size: int = _f(
+        1, "Expert-parallel ranks (ep): each holds num_moe_experts / ep experts; must divide the data-parallel "
+        "size.", ge=1)
 
     def head_size(self) -> int:
         """Channels per attention head: kv_channels, else hidden_size / num_attention_heads."""
@@ -484,6 +514,10 @@ class MixedPrecisionConfig(_Section):
                             "overflow halves it.", ge=1)
     params_dtype: Literal["float32", "bfloat16", "float16"] | None = _d(None, "Derived: parameter dtype name.")
 
+
+MOE_KEYS = tuple(k for k in GPTModelConfig.model_fields
+                 if k.startswith("moe_") or k == "expert_model_parallel_size")
+"""The model keys that only apply to a mixture of experts (num_moe_experts set)."""
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -876,6 +910,7 @@ class ConfigContainer(BaseModel):
             raise ConfigError("model.max_position_embeddings",
                               f"{m.max_position_embeddings} is smaller than seq_length = {m.seq_length}")
         self._validate_recompute()
+        self._validate_moe()
         if m.ffn_hidden_size is not None and m.ffn_hidden_size % m.tensor_model_parallel_size:
             raise ConfigError("model.ffn_hidden_size", f"{m.ffn_hidden_size} is not divisible by "
                                                        f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
@@ -1019,6 +1054,54 @@ class ConfigContainer(BaseModel):
             raise ConfigError("checkpoint.non_persistent_ckpt_type", "local is not supported with peft.scheme "
                                                                      "lora (use global)")
 
+    def _validate_moe(self) -> None:
+        """Mixture of experts: keys that need experts, the router's and the layout's constraints."""
+        m = self.model
+        if m.num_moe_experts is None:
+            changed = sorted(k for k in MOE_KEYS if getattr(m, k) != GPTModelConfig.model_fields[k].default)
+            if changed:
+                raise ConfigError(f"model.{changed[0]}", "has no effect without model.num_moe_experts")
+            return
+        e, ep, tp = m.num_moe_experts, m.expert_model_parallel_size, m.tensor_model_parallel_size
+        if m.moe_router_topk > e:
+            raise ConfigError("model.moe_router_topk", f"{m.moe_router_topk} is more than num_moe_experts = {e}")
+        if m.moe_router_topk == 1 and not m.moe_router_pre_softmax:  # softmax over one expert: no gradient
+            raise ConfigError("model.moe_router_pre_softmax", "must be true with moe_router_topk 1")
+        if e % ep:
+            raise ConfigError("model.expert_model_parallel_size",
+                              f"{ep} does not divide num_moe_experts = {e}")
+        if m.moe_router_load_balancing_type == "none" and m.moe_aux_loss_coeff:
+            raise ConfigError("model.moe_aux_loss_coeff", "has no effect with moe_router_load_balancing_type none")
+        if m.moe_per_layer_logging and not m.moe_aux_loss_coeff:
+            raise ConfigError("model.moe_per_layer_logging", "has no effect without model.moe_aux_loss_coeff > 0 "
+                                                             "(no load-balancing loss is computed)")
+        freq = m.moe_layer_freq
+        if isinstance(freq, int):
+            if not 1 <= freq <= m.num_layers:
+                raise ConfigError("model.moe_layer_freq", f"{freq} must be between 1 and num_layers = {m.num_layers}")
+        elif len(freq) != m.num_layers or set(freq) - {0, 1} or 1 not in freq:
+            raise ConfigError("model.moe_layer_freq", f"a list needs one 0 (dense) or 1 (MoE) per layer "
+                                                      f"({m.num_layers}), at least one 1; got {freq}")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            size = getattr(m, name)
+            if size is not None and size % tp:
+                raise ConfigError(f"model.{name}", f"{size} is not divisible by tensor_model_parallel_size = {tp}")
+        if tp > 1 and not m.sequence_parallel:  # megatron's MoELayer refuses to train so
+            raise ConfigError("model.sequence_parallel", "must be true for MoE with tensor_model_parallel_size > 1")
+        d = self.ddp
+        if ep > 1 and d.impl != "megatron" and (d.use_distributed_optimizer or self.optimizer.use_distributed_optimizer
+                                                 or d.overlap_grad_reduce):
+            # kubetron's bucketed buffers reduce over one DP group; experts need the expert-DP one
+            field = "ddp.overlap_grad_reduce" if d.overlap_grad_reduce else "ddp.use_distributed_optimizer"
+            raise ConfigError(field, "with model.expert_model_parallel_size > 1 needs ddp.impl megatron (CUDA)")
+        if ep > 1 and self.checkpoint.ckpt_format == "kubetron":
+            raise ConfigError("checkpoint.ckpt_format", "kubetron (one file gathered on rank 0) does not gather the "
+                                                        "experts of expert_model_parallel_size > 1: use sharded or "
+                                                        "torch_dist")
+        if m.moe_grouped_gemm and m.transformer_impl == "local":
+            raise ConfigError("model.moe_grouped_gemm", "needs the TransformerEngine layer spec "
+                                                        "(transformer_impl auto or transformer_engine)")
+
     def _validate_recompute(self) -> None:
         """The combinations megatron-core's TransformerConfig accepts, as one-line errors."""
         m = self.model
@@ -1088,6 +1171,10 @@ class ConfigContainer(BaseModel):
                               f"tensor_model_parallel_size*pipeline_model_parallel_size = {mp} does not divide "
                               f"the world size {world_size}")
         dp = world_size // mp
+        if m.num_moe_experts is not None and dp % m.expert_model_parallel_size:
+            raise ConfigError("model.expert_model_parallel_size",
+                              f"{m.expert_model_parallel_size} does not divide the data-parallel size {dp} "
+                              f"(world size {world_size} / (tp*pp = {mp}))")
         self.data_parallel_size = dp
         per_step = t.micro_batch_size * dp
         if t.global_batch_size is None:
@@ -1129,6 +1216,8 @@ class ConfigContainer(BaseModel):
             m.ffn_hidden_size = 4 * m.hidden_size
         if m.max_position_embeddings is None:
             m.max_position_embeddings = m.seq_length
+        if m.num_moe_experts is not None and m.moe_ffn_hidden_size is None:
+            m.moe_ffn_hidden_size = m.ffn_hidden_size
         if not self.tokenizer.file_based:
             self._derive_vocab_size()
         if m.tensor_model_parallel_size == 1:

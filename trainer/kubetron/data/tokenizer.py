@@ -79,7 +79,7 @@ class NullTokenizer:
     tokenizer_type = "null"
     bos = None
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int | None):
         if vocab_size is None or int(vocab_size) < 2:
             raise ConfigError(
                 "tokenizer.vocab_size", f"the null tokenizer needs a vocab_size >= 2, got {vocab_size!r}"
@@ -109,6 +109,9 @@ class _FileTokenizer:
     tokenizer_type = ""
     vocab_size: int
     eod: int
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
     bos: int | None = None
     pad: int | None = None
 
@@ -223,9 +226,10 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         except ValueError as exc:
             raise ConfigError("tokenizer.vocab_file", f"{source}: not a JSON vocabulary ({exc})") from None
         lines = files["merges.txt"].decode("utf-8").splitlines()
-        merges = [tuple(ln.split(" ")) for ln in lines if ln and not ln.startswith("#version")]
-        if any(len(m) != 2 for m in merges):
+        pairs = [ln.split(" ") for ln in lines if ln and not ln.startswith("#version")]
+        if any(len(m) != 2 for m in pairs):
             raise ConfigError("tokenizer.merge_file", f"{source}: a merges.txt line is not two tokens")
+        merges = [(a, b) for a, b in pairs]
         self._tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
@@ -245,8 +249,16 @@ _CLASSES = {c.tokenizer_type: c for c in (HuggingFaceTokenizer, SentencePieceTok
 # reading tokenizer files (local or s3://) and building from config / assets
 
 
-def _read(path: str, field: str, optional: bool = False) -> bytes | None:
+def _read(path: str, field: str) -> bytes:
     """A file's bytes from a local path or ``s3://bucket/key``; ConfigError naming ``field`` if absent."""
+    data = _read_optional(path, field)
+    if data is None:
+        raise ConfigError(field, f"{path}: no such file")
+    return data
+
+
+def _read_optional(path: str, field: str) -> bytes | None:
+    """A file's bytes, or None when there is no such file; ConfigError naming ``field`` if unreadable."""
     try:
         if path.startswith("s3://"):
             from kubetron.storage import open_store
@@ -254,14 +266,12 @@ def _read(path: str, field: str, optional: bool = False) -> bytes | None:
             parent, _, name = path.rstrip("/").rpartition("/")
             store = open_store(parent)
             if not store.exists(name):
-                raise FileNotFoundError(path)
+                return None
             return store.read_bytes(name)
         with open(path, "rb") as f:
             return f.read()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        if optional:
-            return None
-        raise ConfigError(field, f"{path}: no such file") from None
+        return None
     except OSError as exc:
         raise ConfigError(field, f"{path}: cannot read ({exc.strerror or exc})") from None
 
@@ -283,7 +293,7 @@ def _model_files(path: str, main: str, extras: tuple[str, ...] = ()) -> dict[str
     base = path.rstrip("/")
     files = {main: _read(f"{base}/{main}", field)}
     for name in extras:
-        data = _read(f"{base}/{name}", field, optional=True)
+        data = _read_optional(f"{base}/{name}", field)
         if data is not None:
             files[name] = data
     return files

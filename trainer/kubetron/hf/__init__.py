@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out, for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3 dense).
+"""Hugging Face checkpoints in and out, for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and its mixtures
+of experts (Qwen3-MoE, Mixtral).
 
 * :mod:`kubetron.hf.config_map` - an HF ``config.json`` <-> kubetron's ``model:`` section;
 * :mod:`kubetron.hf.convert` - HF tensor names and layouts <-> kubetron's canonical tensors

@@ -5,7 +5,10 @@ bit-exact):
 - attention: HF's separate q/k/v projections become megatron's fused `linear_qkv`, grouped by
   query group: for each of the `g` groups, its `heads/g` query heads, then its key head, then its
   value head (rows of `head_dim` each). Qwen2's q/k/v biases are fused the same way.
-- MLP: HF's `gate_proj` and `up_proj` become `linear_fc1` = [gate; up] (megatron's SwiGLU layout).
+- MLP: HF's `gate_proj` and `up_proj` become `linear_fc1` = [gate; up] (megatron's SwiGLU layout);
+  each expert of an MoE block the same (Qwen3-MoE `mlp.experts.E.{gate,up,down}_proj`, Mixtral
+  `block_sparse_moe.experts.E.{w1,w3,w2}`) as `mlp.experts.local_experts.E.linear_fc1/fc2`, and the
+  router (`gate`) is `mlp.router`.
 A tied model has no `lm_head.weight` (HF) and no `output_layer.weight` (kubetron). Qwen3's per-head
 `q_norm`/`k_norm` are megatron's `q_layernorm`/`k_layernorm` (`model.qk_layernorm`), renamed.
 """
@@ -17,6 +20,7 @@ import re
 import torch
 
 from kubetron.errors import ConfigError
+from kubetron.hf.config_map import export_architecture, moe_layer_pattern
 
 _RENAMES = {  # HF name -> canonical name ("{i}" = layer number)
     "model.embed_tokens.weight": "embedding.word_embeddings.weight",
@@ -25,11 +29,14 @@ _RENAMES = {  # HF name -> canonical name ("{i}" = layer number)
     "model.layers.{i}.input_layernorm.weight": "decoder.layers.{i}.input_layernorm.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "decoder.layers.{i}.pre_mlp_layernorm.weight",
     "model.layers.{i}.self_attn.o_proj.weight": "decoder.layers.{i}.self_attention.linear_proj.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "decoder.layers.{i}.mlp.linear_fc2.weight",
 }
 _QK_NORMS = {  # with model.qk_layernorm
     "model.layers.{i}.self_attn.q_norm.weight": "decoder.layers.{i}.self_attention.q_layernorm.weight",
     "model.layers.{i}.self_attn.k_norm.weight": "decoder.layers.{i}.self_attention.k_layernorm.weight",
+}
+_MOE_BLOCKS = {  # HF MoE block name, expert gate/up/down projections
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
@@ -64,6 +71,21 @@ def _layer_names(m: dict) -> dict[str, str]:
     return {**names, **_QK_NORMS} if m.get("qk_layernorm") else names
 
 
+def _mlp_names(m: dict, i: int, moe: bool) -> dict[str, tuple[str, ...]]:
+    """Canonical name -> the HF names it is made of (two: [gate; up], concatenated) for layer i's MLP."""
+    hf, pre = f"model.layers.{i}", f"decoder.layers.{i}.mlp"
+    if not moe:
+        return {f"{pre}.linear_fc1.weight": (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
+                f"{pre}.linear_fc2.weight": (f"{hf}.mlp.down_proj.weight",)}
+    block, (gate, up, down) = _MOE_BLOCKS[export_architecture(m)]
+    out = {f"{pre}.router.weight": (f"{hf}.{block}.gate.weight",)}
+    for e in range(m["num_moe_experts"]):
+        src, dst = f"{hf}.{block}.experts.{e}", f"{pre}.experts.local_experts.{e}"
+        out[f"{dst}.linear_fc1.weight"] = (f"{src}.{gate}.weight", f"{src}.{up}.weight")
+        out[f"{dst}.linear_fc2.weight"] = (f"{src}.{down}.weight",)
+    return out
+
+
 def hf_to_canonical(hf: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
     """Canonical tensors for kubetron's model keys `m` from an HF state dict (names as in safetensors)."""
     out, used = {}, set()
@@ -78,18 +100,17 @@ def hf_to_canonical(hf: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Ten
         if "{i}" in src or (src == "lm_head.weight" and m["share_embeddings_and_output_weights"]):
             continue
         out[dst] = take(src)
-    for i in range(m["num_layers"]):
+    for i, moe in enumerate(moe_layer_pattern(m)):
         for src, dst in _layer_names(m).items():
             out[dst.format(i=i)] = take(src.format(i=i))
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        pre = f"decoder.layers.{i}"
+        for dst, parts in _mlp_names(m, i, moe).items():
+            out[dst] = torch.cat([take(p) for p in parts], dim=0) if len(parts) > 1 else take(parts[0])
+        attn, pre = f"model.layers.{i}.self_attn", f"decoder.layers.{i}"
         out[f"{pre}.self_attention.linear_qkv.weight"] = _fuse_qkv(
             take(f"{attn}.q_proj.weight"), take(f"{attn}.k_proj.weight"), take(f"{attn}.v_proj.weight"), m)
         if m.get("add_qkv_bias"):
             out[f"{pre}.self_attention.linear_qkv.bias"] = _fuse_qkv(
                 take(f"{attn}.q_proj.bias"), take(f"{attn}.k_proj.bias"), take(f"{attn}.v_proj.bias"), m)
-        out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat([take(f"{mlp}.gate_proj.weight"),
-                                                         take(f"{mlp}.up_proj.weight")], dim=0)
     # A tied HF checkpoint may still store lm_head (a copy of the embedding); rotary caches are buffers.
     extra = sorted(k for k in hf if k not in used and not k.endswith("rotary_emb.inv_freq")
                    and not (k == "lm_head.weight" and m["share_embeddings_and_output_weights"]))
@@ -105,17 +126,17 @@ def canonical_to_hf(canon: dict[str, torch.Tensor], m: dict) -> dict[str, torch.
         if "{i}" in src or (src == "lm_head.weight" and m["share_embeddings_and_output_weights"]):
             continue
         out[src] = canon[dst]
-    for i in range(m["num_layers"]):
+    for i, moe in enumerate(moe_layer_pattern(m)):
         for src, dst in _layer_names(m).items():
             out[src.format(i=i)] = canon[dst.format(i=i)]
-        attn, mlp, pre = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"decoder.layers.{i}"
+        for name, parts in _mlp_names(m, i, moe).items():
+            out.update(zip(parts, canon[name].chunk(len(parts), dim=0), strict=True))
+        attn, pre = f"model.layers.{i}.self_attn", f"decoder.layers.{i}"
         q, k, v = _split_qkv(canon[f"{pre}.self_attention.linear_qkv.weight"], m)
         out.update({f"{attn}.q_proj.weight": q, f"{attn}.k_proj.weight": k, f"{attn}.v_proj.weight": v})
         if m.get("add_qkv_bias"):
             q, k, v = _split_qkv(canon[f"{pre}.self_attention.linear_qkv.bias"], m)
             out.update({f"{attn}.q_proj.bias": q, f"{attn}.k_proj.bias": k, f"{attn}.v_proj.bias": v})
-        gate, up = canon[f"{pre}.mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[f"{mlp}.gate_proj.weight"], out[f"{mlp}.up_proj.weight"] = gate, up
     return {k: v.contiguous() for k, v in out.items()}
 
 

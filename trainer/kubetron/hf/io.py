@@ -31,8 +31,10 @@ _ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "share_embeddings_and_output_weights", "position_embedding_type", "rope_scaling",
               "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
               "rope_scaling_original_max_position_embeddings", "layernorm_epsilon", "sliding_window",
-              "qk_layernorm", "kv_channels")
-_UNSET_IS_DEFAULT = ("sliding_window", "kv_channels")  # left out of the printed section when null
+              "qk_layernorm", "kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+              "moe_layer_freq", "moe_router_pre_softmax", "moe_shared_expert_intermediate_size")
+_MOE_TRAINING_KEYS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # carried and printed; no architecture
+_UNSET_IS_DEFAULT = ("sliding_window", "kv_channels", "moe_shared_expert_intermediate_size")  # not printed when null
 
 
 def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -66,8 +68,7 @@ def load_hf_canonical(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> str:
     """The `model:` section to put into a run config, the checkpoint key pointing at `out` and, when the
     HF directory has a tokenizer, the tokenizer section reading the copy inside the checkpoint."""
-    keep = {k: v for k, v in m.items() if (k in _ARCH_KEYS and not (k in _UNSET_IS_DEFAULT and v is None))
-            or k in ("seq_length", "max_position_embeddings")}
+    keep = {k: v for k, v in m.items() if _printed(k, v, m)}
     text = yaml.safe_dump({"model": keep}, sort_keys=False)
     if out:
         text += yaml.safe_dump({"checkpoint": {"pretrained_checkpoint": out}}, sort_keys=False)
@@ -81,6 +82,15 @@ def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> st
         if tok:
             text += yaml.safe_dump({"tokenizer": tok}, sort_keys=False)
     return text
+
+
+def _printed(key: str, value, m: dict) -> bool:
+    """A key of the printed `model:` section: the architecture and the lengths; MoE keys only with experts."""
+    if key in ("seq_length", "max_position_embeddings"):
+        return True
+    if key not in _ARCH_KEYS + _MOE_TRAINING_KEYS or (key in _UNSET_IS_DEFAULT and value is None):
+        return False
+    return m.get("num_moe_experts") is not None or not (key.startswith("moe_") or key == "num_moe_experts")
 
 
 def _to_bytes(obj) -> bytes:
@@ -156,8 +166,9 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
                                   "checkpoint.ckpt_format sharded or kubetron, not torch_dist")
     from kubetron.training.sharded import read_canonical
 
-    # The sharded format keeps a gated fc1 (and its LoRA B) as (2, ffn, ...) = [gate, up]; canonical is [gate; up].
-    tensors = {k: (t.reshape(-1, t.shape[-1]) if ".mlp.linear_fc1." in k and t.ndim == 3 else t)
+    # The sharded format keeps a gated fc1 (a dense layer's or an expert's, and its LoRA B) as (2, ffn, ...) =
+    # [gate, up]; canonical is [gate; up].
+    tensors = {k: (t.reshape(-1, t.shape[-1]) if ".linear_fc1." in k and t.ndim == 3 else t)
                for k, t in read_canonical(store, name)[0].items()}
     return run_cfg["model"], tensors, store, name
 

@@ -7,7 +7,9 @@ checkpoint its common.pt names (`pretrained_checkpoint`: a kubetron checkpoint o
 - PEFT (`--adapter-only`): adapter_config.json + adapter_model.safetensors under PEFT's names
   (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`, ...). megatron fuses q/k/v and
   gate/up; an adapter on a fused linear is the same as adapters on its parts that share A, with B
-  split like the fused weight (convert.py's layout), so the PEFT form is exact.
+  split like the fused weight (convert.py's layout), so the PEFT form is exact. Adapters on MoE experts
+  have no PEFT form transformers loads by module name (its experts are fused 3-D parameters): refused,
+  the merged export serves them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def peft_tensors(pairs: dict, m: dict) -> dict[str, torch.Tensor]:
     out = {}
     for linear, (a, b) in pairs.items():
         mt = _LAYER.match(linear)
+        if ".mlp.experts." in linear:
+            raise ConfigError("--adapter-only", f"adapters on MoE experts ({linear}) have no PEFT form transformers "
+                                                "loads: export the merged weights (without --adapter-only)")
         if mt is None:
             raise ConfigError("CKPT", f"adapter on {linear}: not a layer linear export-hf knows")
         i, block, kind = mt.groups()
@@ -80,10 +85,11 @@ def peft_config(info: dict, base_name: str) -> dict:
 def write_peft(out: str, pairs: dict, info: dict, m: dict, base_name: str) -> dict:
     from safetensors.torch import save_file
 
+    tensors = peft_tensors(pairs, m)  # every check before anything is written
     os.makedirs(out, exist_ok=True)
     if os.path.exists(os.path.join(out, "adapter_config.json")):
         raise ConfigError("OUT", f"{out} already holds an adapter_config.json; give an empty or new directory")
-    save_file(peft_tensors(pairs, m), os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
     conf = peft_config(info, base_name)
     with open(os.path.join(out, "adapter_config.json"), "w", encoding="utf-8") as f:  # last: marks it complete
         json.dump(conf, f, indent=2)

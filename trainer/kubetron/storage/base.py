@@ -25,6 +25,7 @@ already started this save, are kept); a barrier after `begin_dir` makes that ord
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 import io
 import os
@@ -213,7 +214,7 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         """Names (not paths) of the immediate subdirectories of `prefix`, sorted, internal ones skipped.
 
         A directory is listed whether committed or not: filter with `committed()`.
@@ -249,7 +250,7 @@ class Store(abc.ABC):
         return self.exists(join_key(check_key(name), MARKER))
 
     @abc.abstractmethod
-    def cleanup_partial(self, *, min_age_s: float = 0.0) -> list[str]:
+    def cleanup_partial(self, *, min_age_s: float = 0.0) -> builtins.list[str]:
         """Remove what killed saves left behind; returns what was removed (for logging).
 
         FS: hidden temp files/directories (`.x.tmp-*`, `.x.old-*`); a complete temp directory whose

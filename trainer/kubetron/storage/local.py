@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import errno
 import os
@@ -10,7 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from kubetron.errors import CheckpointError
 from kubetron.storage.base import (
@@ -85,6 +86,7 @@ def _atomic_file(path: str, what: str) -> Iterator[BinaryIO]:
 # renameat2(RENAME_EXCHANGE): swap two directories atomically (Linux >= 3.15; not every filesystem).
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+_renameat2: Any
 try:
     _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
 except (AttributeError, OSError):  # pragma: no cover - non-glibc
@@ -163,7 +165,7 @@ class LocalStore(Store):
                     out.append(name if rel == "." else f"{rel}/{name}")
         return sorted(out)
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         base = self._path(check_key(prefix, allow_empty=True))
         try:
             entries = list(os.scandir(base))
@@ -211,7 +213,7 @@ class LocalStore(Store):
     def begin_dir(self, name: str, *, txn_id: str | None = None, primary: bool | None = None) -> DirTxn:
         return _LocalDirTxn(self, check_key(name), txn_id or uuid.uuid4().hex, default_primary(primary))
 
-    def cleanup_partial(self, *, min_age_s: float = 0.0) -> list[str]:
+    def cleanup_partial(self, *, min_age_s: float = 0.0) -> builtins.list[str]:
         if not os.path.isdir(self.root):
             return []
         now = time.time()

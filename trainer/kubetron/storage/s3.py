@@ -15,6 +15,7 @@ unless given as arguments. Secrets are never logged or put into error messages.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import random
@@ -374,7 +375,7 @@ class S3Store(Store):
                     out.append(rel)
         return sorted(out)
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         full = self._dir_prefix(prefix)
         out = set()
         for page in self._list_raw(full, delimiter="/"):
@@ -417,7 +418,7 @@ class S3Store(Store):
         shared = txn_id is not None  # other ranks may already be writing into it: keep their fresh objects
         return _S3DirTxn(self, check_key(name), txn_id or uuid.uuid4().hex, default_primary(primary), shared)
 
-    def cleanup_partial(self, *, min_age_s: float = 0.0) -> list[str]:
+    def cleanup_partial(self, *, min_age_s: float = 0.0) -> builtins.list[str]:
         root = f"{self.prefix}/" if self.prefix else ""
         now = datetime.now(UTC)
         pending: dict[str, datetime] = {}
@@ -429,7 +430,7 @@ class S3Store(Store):
                     pending[d] = obj["LastModified"]
                 elif base == MARKER:
                     markers.add(d)
-        done = []
+        done: builtins.list[str] = []
         for d, mtime in sorted(pending.items()):
             if (now - mtime).total_seconds() < min_age_s:
                 continue
@@ -441,8 +442,8 @@ class S3Store(Store):
         done += self._abort_dangling_uploads(root, now, min_age_s)
         return done
 
-    def _abort_dangling_uploads(self, root: str, now: datetime, min_age_s: float) -> list[str]:
-        done = []
+    def _abort_dangling_uploads(self, root: str, now: datetime, min_age_s: float) -> builtins.list[str]:
+        done: builtins.list[str] = []
         try:
             r = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=root)
         except (bce.ClientError, bce.BotoCoreError) as e:  # not every S3-compatible server lists them

@@ -46,13 +46,25 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
-               "share_embeddings_and_output_weights", "sliding_window", "qk_layernorm", "kv_channels")
+               "share_embeddings_and_output_weights", "sliding_window", "qk_layernorm", "kv_channels",
+               "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax",
+               "moe_shared_expert_intermediate_size")
 
 
 def arch_value(model, field: str):
     """A field of a `model:` section (GPTModelConfig) as it decides the architecture: kv_channels is the
-    head size (null and hidden_size / num_attention_heads are the same model)."""
-    return model.head_size() if field == "kv_channels" else getattr(model, field)
+    head size (null and hidden_size / num_attention_heads are the same model); the moe_ fields only with
+    experts (null for a dense model), moe_layer_freq as one 0/1 per layer, moe_ffn_hidden_size resolved."""
+    if field == "kv_channels":
+        return model.head_size()
+    if field.startswith("moe_") and model.num_moe_experts is None:
+        return None
+    if field == "moe_layer_freq":
+        freq = model.moe_layer_freq
+        return [int(i % freq == 0) for i in range(model.num_layers)] if isinstance(freq, int) else list(freq)
+    if field == "moe_ffn_hidden_size":
+        return model.moe_ffn_hidden_size or model.ffn_hidden_size
+    return getattr(model, field)
 
 
 def arch_record(model) -> dict:

@@ -47,6 +47,7 @@ from megatron.core import parallel_state
 from kubetron.training.grads import (
     counts_toward_norms,
     embedding_group_weight,
+    is_expert_parallel,
     model_parallel_grad_sums,
     sum_of_squares,
     summed_over_tp,
@@ -69,11 +70,11 @@ def broadcast_params(model: list[torch.nn.Module]):
     become one model; the seeds stay different for dropout."""
     if parallel_state.get_data_parallel_world_size() == 1:
         return
-    group = parallel_state.get_data_parallel_group()
-    src = dist.get_global_rank(group, 0)
+    dense, experts = parallel_state.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group()
     for chunk in model:
         for p in chunk.parameters():
-            dist.broadcast(p.data, src=src, group=group)
+            group = experts if is_expert_parallel(p) else dense  # EP ranks hold other experts
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 def _needs_full_grad(p: torch.nn.Parameter, shared_embedding) -> bool:

@@ -119,6 +119,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
                                              cfg.model.pipeline_model_parallel_size,
+                                             expert_model_parallel_size=cfg.model.expert_model_parallel_size,
                                              distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes)
     if rank == 0:
         cfg.log_non_default_values(log)

@@ -44,6 +44,28 @@ def embedding_group_weight(model: list[torch.nn.Module]) -> torch.nn.Parameter |
     return None
 
 
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """An MoE expert's parameter under expert parallelism (megatron marks them `allreduce = False` when
+    expert_model_parallel_size > 1): each EP rank holds other experts, so its gradient is averaged over
+    the expert-data-parallel group only, and its squares add up over the EP group in the norms."""
+    return not getattr(param, "allreduce", True)
+
+
+def norm_squared(params, value_of) -> torch.Tensor:
+    """This rank's share of a global squared L2 norm (shape (1,), fp32), to be summed over TP x PP by the
+    caller: `value_of(param)` (None: skipped) squared and summed over the parameters that count toward
+    norms; the expert-parallel ones' sum is first added up over the EP group (other ranks, other experts)."""
+    dense = [value_of(p) for p in params if counts_toward_norms(p) and not is_expert_parallel(p)]
+    experts = [value_of(p) for p in params if counts_toward_norms(p) and is_expert_parallel(p)]
+    device = params[0].device if params else None
+    total = sum_of_squares([v for v in dense if v is not None], device=device)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        own = sum_of_squares([v for v in experts if v is not None], device=device)
+        dist.all_reduce(own, group=parallel_state.get_expert_model_parallel_group())
+        total = total + own
+    return total.reshape(1)
+
+
 def summed_over_tp(param: torch.nn.Parameter) -> bool:
     """A parameter replicated over TP whose gradient each TP rank has only a part of: the layer norms
     under sequence parallelism (megatron marks them `sequence_parallel`) and the q/k layer norms, which
@@ -67,7 +89,8 @@ def _allreduce_flat(grads: list[torch.Tensor], group, divide_by: int = 1, fp32: 
 def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool = True):
     """What megatron's finalize_model_grads does, for plain `.grad`s, in the same order:
 
-    1. data-parallel mean of all gradients (one flat bucket, one all-reduce);
+    1. data-parallel mean of all gradients (one flat bucket, one all-reduce; expert-parallel experts'
+       over the expert-data-parallel group);
     2. sum the grads of params replicated across TP ranks that saw only a part of the data (their
        sequence shard, their heads: `summed_over_tp`) over the TP group;
     3. with pipeline parallelism and tied embeddings, sum the word-embedding grad of the first stage
@@ -77,8 +100,12 @@ def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool 
     params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
     dp = parallel_state.get_data_parallel_world_size()
     if dp > 1:
-        _allreduce_flat([p.grad for p in params], parallel_state.get_data_parallel_group(), dp,
-                        fp32=grad_reduce_in_fp32)
+        _allreduce_flat([p.grad for p in params if not is_expert_parallel(p)],
+                        parallel_state.get_data_parallel_group(), dp, fp32=grad_reduce_in_fp32)
+        # experts: summed over the ranks holding the same experts, divided by the whole DP size (each
+        # already holds the gradient of the tokens the EP group routed to it; megatron's DDP the same)
+        _allreduce_flat([p.grad for p in params if is_expert_parallel(p)],
+                        parallel_state.get_expert_data_parallel_group(), dp, fp32=grad_reduce_in_fp32)
     model_parallel_grad_sums(params, lambda p: p.grad, embedding_group_weight(model))
 
 

@@ -155,7 +155,8 @@ class MetricsLogger:
         sums: dict[str, list[float]] = {}
         for losses, _, _ in host:
             for k, v in losses.items():
-                sums.setdefault(k, []).append(v)
+                if not k.startswith("moe/"):  # per-layer MoE values: TensorBoard only (as Megatron)
+                    sums.setdefault(k, []).append(v)
         for k, vals in sums.items():
             finite = [v for v in vals if math.isfinite(v)]
             parts.append(f"{k}: {sum(finite) / max(len(finite), 1):.6E}")

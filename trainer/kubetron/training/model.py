@@ -16,12 +16,15 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings import rotary_pos_embedding as mcore_rope
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from kubetron.errors import ConfigError
+from kubetron.training import moe
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,27 @@ class PortableRotaryEmbedding(mcore_rope.RotaryEmbedding):
         return super()._apply(fn, *args, **kwargs)
 
 
+def moe_config(m) -> dict:
+    """TransformerConfig's mixture-of-experts fields (none for a dense model: megatron asserts so)."""
+    if m.num_moe_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_layer_freq=m.moe_layer_freq,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=m.moe_grouped_gemm,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        moe_per_layer_logging=m.moe_per_layer_logging,
+        moe_router_dtype="fp32",  # routing probabilities in fp32 under bf16 too (Bridge's MoE recipes)
+    )
+
+
 def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
     """Map kubetron's model section onto megatron-core's TransformerConfig."""
     m = cfg.model
@@ -134,6 +158,7 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
+        **moe_config(m),
     )
 
 
@@ -150,22 +175,47 @@ def _no_cuda_rng_state(*args, **kwargs):
     return None
 
 
-def layer_spec(cfg):
-    """TE's spec when importable (and not disabled); otherwise the local spec with SDPA attention."""
+def use_te_spec(cfg) -> bool:
+    """TE's spec when importable (and not disabled), not under LoRA (adapters hook the local linears)."""
     impl = cfg.model.transformer_impl
-    lora = getattr(getattr(cfg, "peft", None), "scheme", None) is not None  # adapters hook the local linears
-    if impl == "transformer_engine" or (impl == "auto" and te_available() and not lora):
+    lora = getattr(getattr(cfg, "peft", None), "scheme", None) is not None
+    return impl == "transformer_engine" or (impl == "auto" and te_available() and not lora)
+
+
+def layer_spec(cfg, config: TransformerConfig | None = None):
+    """One layer's spec for a dense model; the block's per-layer specs (dense or MoE by
+    model.moe_layer_freq, this pipeline stage's) for a mixture of experts, which needs `config`."""
+    te = use_te_spec(cfg)
+    if cfg.model.moe_grouped_gemm and not te:
+        raise ConfigError("model.moe_grouped_gemm", "needs TransformerEngine, which is not importable here")
+    if cfg.model.num_moe_experts is not None:
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=cfg.model.normalization)
+        log.info("layer spec: %s, mixture of experts", "TransformerEngine" if te else "local")
+        for spec in block.layer_specs:
+            _portable_layer(cfg, spec, te)
+        return block
+    if te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         log.info("layer spec: TransformerEngine")
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.model.qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization, qk_layernorm=cfg.model.qk_layernorm)
+    _portable_layer(cfg, spec, te)
+    return spec
+
+
+def _portable_layer(cfg, spec: ModuleSpec, te: bool) -> None:
+    """Swap the CUDA-only pieces of a local layer spec for ours; an MoE layer's router on either spec."""
+    mlp = spec.submodules.mlp
+    if mlp.module is MoELayer:
+        mlp.submodules.router = moe.PortableTopKRouter
+    if te:
+        return
     if cfg.model.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm:  # megatron asserts
         raise ConfigError("model.sequence_parallel", "needs TransformerEngine (model.transformer_impl auto with TE "
                                                      "installed, or transformer_engine): the local layer spec's "
                                                      "torch norms do not support it")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
 
 
 def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
@@ -174,9 +224,12 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
     config = transformer_config(cfg, use_gpu)
     if not use_gpu and not torch.cuda.is_available() and cfg.model.recompute_granularity is not None:
         _portable_recompute_rng()
+    host_moe = cfg.model.num_moe_experts is not None and not torch.cuda.is_available()
+    if host_moe:
+        moe.before_build_without_cuda()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=layer_spec(cfg, config),
         vocab_size=cfg.model.vocab_size,
         max_sequence_length=cfg.model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -185,6 +238,8 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
         position_embedding_type=cfg.model.position_embedding_type,
         rotary_base=cfg.model.rotary_base,
     )
+    if host_moe:
+        moe.without_cuda(model)
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.__class__ = PortableRotaryEmbedding
         if cfg.model.rope_scaling:  # mcore's llama3 scaling, with all four of the HF config's parameters

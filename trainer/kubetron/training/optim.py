@@ -20,7 +20,7 @@ import torch
 
 from kubetron.errors import ConfigError
 from kubetron.training.ddp import DistributedOptimizer, GradBuffers, broadcast_params
-from kubetron.training.grads import FlatGradSync, counts_toward_norms, model_parallel_sum, sum_of_squares
+from kubetron.training.grads import FlatGradSync, model_parallel_sum, norm_squared
 from kubetron.training.mixed_precision import LossScaler, MainParamsOptimizer
 from kubetron.training.optimizer_base import PlainOptimizer, TrainingOptimizer
 
@@ -150,6 +150,5 @@ class LRScheduler:
 
 def params_l2_norm(model: list[torch.nn.Module]) -> torch.Tensor:
     """calc_params_l2_norm: the L2 norm of all parameters across the model-parallel group."""
-    params = [p for chunk in model for p in chunk.parameters() if counts_toward_norms(p)]
-    sq = sum_of_squares([p.detach() for p in params])
-    return model_parallel_sum(sq.reshape(1)).sqrt().squeeze(0)
+    params = [p for chunk in model for p in chunk.parameters()]
+    return model_parallel_sum(norm_squared(params, lambda p: p.detach())).sqrt().squeeze(0)

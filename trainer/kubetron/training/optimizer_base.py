@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kubetron.training.grads import counts_toward_norms, model_parallel_sum, sum_of_squares
+from kubetron.training.grads import model_parallel_sum, norm_squared
 
 
 class TrainingOptimizer:
@@ -69,8 +69,7 @@ class TrainingOptimizer:
             self.grad_sync.finish()
 
     def grad_norm_squared(self) -> torch.Tensor:
-        grads = [p.grad for p in self.params if p.grad is not None and counts_toward_norms(p)]
-        return sum_of_squares(grads, device=self.params[0].device if self.params else None).reshape(1)
+        return norm_squared(self.params, lambda p: p.grad)
 
     def scale_grads(self, coeff: torch.Tensor):
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -14,6 +14,9 @@ Tensor parallelism (the conventions of Bridge's ParallelLinearAdapter):
 - row-parallel linear (proj, fc2: each rank holds columns of the input): A is split like the input
   (partition_dim 1); its partial products are all-reduced (`reduce_from_tensor_model_parallel_region`),
   and B, like the linear's all-reduced output, is replicated.
+An MoE expert's linears (`mlp.experts.local_experts.<e>.linear_fc1/fc2`) get adapters like any other;
+under expert parallelism the adapters are expert parameters too (`allreduce = False`, as megatron marks
+the expert weights), so each expert's adapter sees only its own gradient.
 Initialisation is layout-free: A is drawn (xavier normal) for the full TP=1 tensor from a generator
 seeded by rng.seed and the tensor's canonical name, then sliced; B is zero, so training starts from the
 base model. Dropout uses the default generator, seeded alike on all TP ranks (as megatron's hidden
@@ -76,8 +79,10 @@ class LoRAAdapter(torch.nn.Module):
             self.linear_out.weight.zero_()
         split = self.linear_in.weight if row else self.linear_out.weight
         split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, 1 if row else 0, 1
+        expert_parallel = not getattr(base.weight, "allreduce", True)  # an MoE expert's linear under EP
         for p in self.parameters():
             p.is_adapter = True
+            p.allreduce = not expert_parallel  # its gradient is reduced over the experts' DP group, like the base's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout_position == "pre":

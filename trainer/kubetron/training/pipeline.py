@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kubetron.training import moe
 from kubetron.training.grads import shared_embedding_weight
 from kubetron.training.utils import unpack_loss
 
@@ -172,6 +173,8 @@ def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_on
     shape, dtype = _activation_shape()
     device = next(chunk.parameters()).device
 
+    if not forward_only:
+        moe.scale_aux_loss(model, loss_scale, num_microbatches)
     inputs, outputs, reports = [], [], []
     for _ in range(num_microbatches):
         input_tensor = None

@@ -86,10 +86,15 @@ def _placement(chunk, name: str, t: torch.Tensor, params: dict):
     return t, tuple(shape), tuple(start), dim
 
 
-def _replica_slot(tp_split: bool) -> tuple[int, int]:
-    """(my index, count) among the ranks that hold the same local tensor."""
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp = parallel_state.get_data_parallel_world_size()
+def _replica_slot(tp_split: bool, expert: bool = False) -> tuple[int, int]:
+    """(my index, count) among the ranks that hold the same local tensor (an expert's under EP: the
+    expert-data-parallel ranks, as the other EP ranks hold other experts)."""
+    if expert and parallel_state.get_expert_model_parallel_world_size() > 1:
+        dp_rank = parallel_state.get_expert_data_parallel_rank()
+        dp = parallel_state.get_expert_data_parallel_world_size()
+    else:
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp = parallel_state.get_data_parallel_world_size()
     if tp_split:
         return dp_rank, dp
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -141,7 +146,7 @@ class _Cut:
 
 def _my_cut(name, t, gshape, start, dim) -> _Cut | None:
     """This rank's share of the local tensor `t` (a view in canonical layout), or None."""
-    slot, n = _replica_slot(dim is not None)
+    slot, n = _replica_slot(dim is not None, sharding.is_expert(name))
     if t.ndim == 0:
         return _Cut(name, (), (), ()) if slot == 0 else None
     # Split the replicas' work along the first dimension long enough: a contiguous slice (a plain
@@ -201,7 +206,7 @@ def snapshot(model, optim_by_name: dict | None, buffers: sharding.HostBuffers, k
     for k, state in (optim_by_name or {}).items():
         for key, v in state.items():
             if not torch.is_tensor(v):
-                if not layout.is_tied_copy(k) and _replica_slot(False)[0] == 0:
+                if not layout.is_tied_copy(k) and _replica_slot(False, sharding.is_expert(k))[0] == 0:
                     out.values[f"{layout.base(k)}/{key}"] = v
                 continue
             cut = _planned(plan, ("optim", k, key, tuple(v.shape)),

@@ -34,6 +34,7 @@ import ctypes
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,8 @@ except ImportError:  # tests set it to None to run the fallback
 from kubetron.errors import CheckpointError
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _TIED_OUTPUT = "output_layer.weight"
 _WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -66,25 +69,48 @@ def _is_tied_output_copy(chunk, name: str) -> bool:
             and not getattr(chunk, "pre_process", True))
 
 
-def _layer_offsets(chunk) -> dict[int, int]:
-    """Local layer index -> global layer index (0-based) for this stage."""
+@dataclass(frozen=True)
+class Offsets:
+    """Local -> global numbering of this rank's parts: `layers` maps a stage's layer index to the global
+    one (0-based, PP); `experts` is the global index of this rank's first local expert (EP)."""
+
+    layers: dict[int, int]
+    experts: int = 0
+
+
+def _layer_offsets(chunk) -> Offsets:
+    """This stage's layer numbering and this EP rank's expert numbering."""
     decoder = getattr(chunk, "decoder", None)
     layers = getattr(decoder, "layers", None) or []
-    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
+    num_experts = getattr(getattr(chunk, "config", None), "num_moe_experts", None) or 0
+    ep = parallel_state.get_expert_model_parallel_world_size() if num_experts else 1
+    first = parallel_state.get_expert_model_parallel_rank() * (num_experts // ep) if ep > 1 else 0
+    return Offsets({i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}, first)
 
 
-def _canonical_name(name: str, offsets: dict[int, int]) -> str:
+def _canonical_name(name: str, offsets: Offsets) -> str:
+    """The name in a TP=1/PP=1/EP=1 model: global layer number, global expert number."""
     m = _LAYER_RE.match(name)
     if not m:
         return name
-    return f"decoder.layers.{offsets[int(m.group(1))]}.{m.group(2)}"
+    rest = m.group(2)
+    if g := _GROUPED_EXPERT_RE.match(rest):  # TE's grouped experts: the local spec's names, one per expert
+        rest = f"mlp.experts.local_experts.{g.group(3)}.{g.group(1)}.{g.group(2)}"
+    if offsets.experts and (e := _LOCAL_EXPERT_RE.match(rest)):
+        rest = f"{e.group(1)}{int(e.group(2)) + offsets.experts}{e.group(3)}"
+    return f"decoder.layers.{offsets.layers[int(m.group(1))]}.{rest}"
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (SequentialMLP's local_experts, TE's grouped experts), adapters included."""
+    return ".mlp.experts." in f".{name}"
 
 
 def _is_gated_fc1(chunk, name: str) -> bool:
     """fc1's output rows are [gate; up] (its weight, bias, and a LoRA adapter's B, not its A)."""
     cfg = getattr(chunk, "config", None)
-    return (bool(getattr(cfg, "gated_linear_unit", False)) and ".mlp.linear_fc1." in f".{name}"
-            and ".adapter.linear_in." not in name)
+    return (bool(getattr(cfg, "gated_linear_unit", False)) and ".mlp." in f".{name}"  # experts' fc1 too
+            and ".linear_fc1." in f".{name}" and ".adapter.linear_in." not in name)
 
 
 def _tp_split(param) -> int | None:
@@ -289,6 +315,17 @@ def _source_name(chunk, name: str, offsets) -> str:
     return _WORD_EMBEDDING if _is_tied_output_copy(chunk, name) else _canonical_name(name, offsets)
 
 
+def _held_elsewhere(chunk, name: str, pp: int) -> bool:
+    """A canonical tensor another rank of this model holds: another stage's (PP), or another EP rank's expert;
+    a layer or an expert number beyond the model's is no rank's."""
+    m = _LAYER_RE.match(name)
+    if m is None or int(m.group(1)) >= int(getattr(chunk.config, "num_layers", 0)):
+        return m is None and pp > 1
+    if e := _LOCAL_EXPERT_RE.match(m.group(2)):
+        return int(e.group(2)) < (getattr(chunk.config, "num_moe_experts", None) or 0)
+    return pp > 1
+
+
 def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor], keep=None):
     """Copy this rank's part of the canonical tensors into its parameters (`keep(name)`: only some)."""
     chunk = model[0]
@@ -297,11 +334,7 @@ def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor]
     offsets = _layer_offsets(chunk)
     wanted = {k: _source_name(chunk, k, offsets) for k in own}
     missing = sorted(v for v in wanted.values() if v not in full)
-    if pp == 1:
-        unexpected = sorted(set(full) - set(wanted.values()))
-    else:  # other stages' tensors are expected; only layer numbers beyond the model are not
-        num_layers = int(getattr(chunk.config, "num_layers", 0))
-        unexpected = sorted(k for k in full if (m := _LAYER_RE.match(k)) and int(m.group(1)) >= num_layers)
+    unexpected = sorted(k for k in set(full) - set(wanted.values()) if not _held_elsewhere(chunk, k, pp))
     if missing or unexpected:
         raise CheckpointError(f"checkpoint tensors do not match the model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")

@@ -16,7 +16,7 @@ import torch
 
 from kubetron import exitcodes
 from kubetron.startup import CLOCK
-from kubetron.training import pipeline, straggler
+from kubetron.training import moe, pipeline, straggler
 from kubetron.training.comm import any_rank
 from kubetron.training.eval import evaluate_and_print_results
 from kubetron.training.optim import finalize_model_grads, params_l2_norm
@@ -107,6 +107,8 @@ def forward_backward(forward_step_func, data_iterator, model, num_microbatches: 
                                          forward_only=forward_only, loss_scale=loss_scale,
                                          collect_non_loss_data=collect_non_loss_data)
     timers = timers or Timers(log_level=0)
+    if not forward_only:
+        moe.scale_aux_loss(model, loss_scale, num_microbatches)
     reports = []
     for _ in range(num_microbatches):
         with timers.time("forward-compute", 2):
@@ -136,6 +138,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     with timers.time("grads", 1):
         grad_norm = finalize_model_grads(optimizer, cfg)  # DP mean (+TP/embedding sums), unscale, clip
         loss_dict = reduce_losses(reports)  # on device: averaged over micro-batches and DP ranks
+        loss_dict.update(moe.tracked_losses(cfg, grad_norm.device))  # MoE: the load-balancing losses
 
     # One host sync per step: the losses and the grad norm together.
     host = torch.stack([v.detach().float().reshape(()) for v in loss_dict.values()] + [grad_norm.float()]).tolist()
