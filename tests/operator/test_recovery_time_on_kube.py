@@ -32,7 +32,7 @@ def test_recovery_bench_quick(tmp_path):
                         "--logs", str(tmp_path)],
                        capture_output=True, text=True, timeout=840)
     logs = "\n".join(f.read_text()[-3000:] for f in sorted(tmp_path.glob("*.log")))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + logs
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[:3000] + "\n...\n" + p.stderr[-3000:] + logs
     print(p.stdout)
     report = json.loads(out.read_text())
     runs = {r["mode"]: r for r in report["runs"]}
