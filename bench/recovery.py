@@ -210,13 +210,15 @@ def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str
                     config=tiny_config(train_iters=100_000, save_interval=save_interval),
                     storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=cluster.free_port(), masterPort=cluster.free_port(), terminationGracePeriodSeconds=30,
-                    resources={"requests": {"cpu": "1"}}, scheduling={"nodeSelector": {POOL: ns}})
+                    resources={"requests": {"cpu": "1"}},
+                    scheduling={"nodeSelector": {POOL: ns}, "tolerations": [{"key": POOL, "operator": "Exists"}]})
     body["metadata"] = {"name": "gpt"}
     try:
         for node in nodes:
             node.finish_deletions = False  # the ProcessKubelet's, once the containers stopped
             node.start()
-            env.admin.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}})
+            env.admin.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}, "spec": {
+                "taints": [{"key": POOL, "value": ns, "effect": "NoSchedule"}]}})  # no other job's pods
         with env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
             env.admin.create(env.jobs(ns), body)
             wait("rank 1 mid-interval after a durable checkpoint",
