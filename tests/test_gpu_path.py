@@ -169,7 +169,8 @@ def test_recompute_gives_the_same_losses_and_really_recomputes():
 
 def test_gpu_check_tiny_prints_one_table_that_passes():
     """The CPU dry run of `make gpu-check` (CI): every row is there and judged, none fails or skips: the
-    speed rows' figures are within the dry run's bounds (DRY), the PP=2 row runs on two CPU ranks."""
+    speed rows' figures are within the dry run's bounds (DRY), the PP=2 and MoE EP=2 rows run on two CPU
+    ranks."""
     env = {**os.environ, "TINY": "1", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -177,11 +178,12 @@ def test_gpu_check_tiny_prints_one_table_that_passes():
     rows = [line for line in table.splitlines() if line.startswith("| ")][1:]  # after the header row
     names = [r.split("|")[1].strip() for r in rows]
     assert names == ["gpu_step MFU ratio", "bf16 vs fp32 loss", "SIGTERM + exact resume", "checkpoint 1.3B async",
-                     "ddp.py (NCCL)", "PP=2 megatron schedule"], table
+                     "ddp.py (NCCL)", "PP=2 megatron schedule", "MoE EP=1 train", "MoE EP=2 all-to-all"], table
     results = {n: r.split("|")[2].strip() for n, r in zip(names, rows, strict=True)}
     assert results == {"gpu_step MFU ratio": "DRY", "bf16 vs fp32 loss": "PASS", "SIGTERM + exact resume": "PASS",
-                       "checkpoint 1.3B async": "DRY", "ddp.py (NCCL)": "PASS", "PP=2 megatron schedule": "PASS"}, table
-    assert "2 CPU ranks (gloo)" in table
+                       "checkpoint 1.3B async": "DRY", "ddp.py (NCCL)": "PASS", "PP=2 megatron schedule": "PASS",
+                       "MoE EP=1 train": "PASS", "MoE EP=2 all-to-all": "PASS"}, table
+    assert "2 CPU ranks (gloo)" in table and "2 CPU rank(s) (gloo)" in table and "tokens/s" in table
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -248,3 +250,20 @@ def test_gpu_check_dry_run_fails_a_checkpoint_row_with_insane_figures(blocked, d
 ])
 def test_gpu_check_pp2_row_is_judged(rc, losses, result):
     assert _gpu_check().judge_pp2(rc, losses, 3, "2 CPU ranks (gloo)").result == result
+
+
+@pytest.mark.parametrize("losses, tokens_per_s, result", [
+    ({1: 5.59, 2: 5.3, 3: 5.04}, {1: 0.0, 2: 181.1, 3: 243.0}, "PASS"),  # the first iteration has no timing yet
+    ({1: 5.59, 2: 5.3, 3: 5.04}, {1: 0.0, 2: 181.1, 3: 0.0}, "FAIL"),    # a stalled iteration
+    ({1: 5.59, 2: 5.3, 3: 5.04}, {1: 0.0, 2: float("nan"), 3: 243.0}, "FAIL"),
+    ({1: 5.59, 2: 5.3, 3: 5.04}, {}, "FAIL"),                            # no throughput logged
+    ({1: 5.59, 2: 5.3, 3: 5.7}, {1: 0.0, 2: 181.1, 3: 243.0}, "FAIL"),   # the loss did not fall
+])
+def test_gpu_check_moe_row_is_judged_with_its_throughput(losses, tokens_per_s, result):
+    row = _gpu_check().judge_run("MoE EP=1 train", 0, losses, 3, "1 GPU(s)", tokens_per_s)
+    assert row.result == result and "tokens/s" in row.target
+
+
+def test_gpu_check_moe_ep2_row_skips_on_one_gpu():
+    row = _gpu_check().check_moe(tiny=False, gpus=1, ep=2)
+    assert (row.name, row.result, row.figure) == ("MoE EP=2 all-to-all", "SKIP", "needs 2 GPUs, found 1")

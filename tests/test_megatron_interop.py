@@ -294,6 +294,9 @@ def test_tensor_check_knows_pipeline_stages():
     with pytest.raises(ConfigError) as e:
         check_tensors({**last, "decoder.layers.mlp.linear_fc2.weight": (3, 64, 96)}, saved, "ckpt", first=False)
     assert e.value.field == "model.num_layers"
-    with pytest.raises(ConfigError) as e:  # a tensor kubetron has no field for: the model section is named
+    with pytest.raises(ConfigError) as e:  # experts only the checkpoint has: an MoE model
         check_tensors(saved, {**saved, "decoder.layers.mlp.experts.weight1": (2, 8, 64)}, "ckpt")
+    assert e.value.field == "model.num_moe_experts"
+    with pytest.raises(ConfigError) as e:  # a tensor kubetron has no field for: the model section is named
+        check_tensors(saved, {**saved, "decoder.layers.self_attention.linear_kv_down_proj.weight": (2, 8, 64)}, "ckpt")
     assert e.value.field == "model"

@@ -62,3 +62,74 @@ def test_config_errors_are_one_line(tmp_path, capsys, monkeypatch, name, text, w
     err = capsys.readouterr().err
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and err.startswith(f"kubetron: error: {field}"), err
+
+
+@pytest.mark.parametrize("change, field", [({"num_moe_experts": 8}, "model.num_moe_experts"),
+                                           ({"num_moe_experts": None}, "model.num_moe_experts"),
+                                           ({"moe_layer_freq": [0, 1]}, "model.moe_layer_freq"),
+                                           ({"moe_shared_expert_intermediate_size": 32},
+                                            "model.moe_shared_expert_intermediate_size")])
+def test_resume_names_the_moe_field_that_differs(change, field):
+    """Resume asserts what it restores: an MoE checkpoint's experts, expert sizes and layer pattern."""
+    from kubetron.config import ConfigContainer
+    from kubetron.errors import ConfigError
+    from kubetron.training.checkpointing import arch_record, check_architecture
+
+    def model(**kw):
+        m = {"num_moe_experts": 4, "add_bias_linear": False, **kw}
+        return ConfigContainer.from_dict({"train": {"train_iters": 5}, "model": m}).derive()
+
+    with pytest.raises(ConfigError) as e:
+        check_architecture(arch_record(model().model), model(**change), "iter_0000005")
+    assert e.value.field == field, str(e.value)
+
+
+def test_flops_count_the_router_and_the_routed_experts():
+    """Throughput (TFLOP/s) of an MoE model counts what a token meets: top-2 experts of half the dense
+    MLP's size and the router (2*h*E per token per MoE layer, forward; x3 with backward) in layer 2 of 2."""
+    from kubetron.config import ConfigContainer
+    from kubetron.training.utils import num_floating_point_operations
+
+    def flops(**kw):
+        cfg = ConfigContainer.from_dict({"train": {"train_iters": 5}, "model": {"ffn_hidden_size": 256, **kw}})
+        return num_floating_point_operations(cfg.derive(), batch_size=2)
+
+    moe = flops(num_moe_experts=8, moe_ffn_hidden_size=128, moe_layer_freq=[0, 1], add_bias_linear=False)
+    assert moe - flops(add_bias_linear=False) == 3 * 64 * 2 * (2 * 64 * 8)  # s * b * 2*h*E
+
+
+def test_kubetron_format_optimizer_state_goes_to_the_expert_of_its_global_number(monkeypatch):
+    """A canonical (kubetron-format) optimizer state resumed at EP=2: EP rank 1's local expert 0 is global
+    expert 2, and takes expert 2's state (names and the canonical/local mapping: sharding.py)."""
+    import types
+
+    import torch
+    from kubetron.training import sharding
+    from megatron.core import parallel_state
+
+    class Expert(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear_fc1 = torch.nn.Linear(2, 2, bias=False)
+
+    class Chunk(torch.nn.Module):  # the parts of a GPTModel the mapping reads: layers, numbering, experts
+        def __init__(self):
+            super().__init__()
+            layer = torch.nn.Module()
+            layer.layer_number = 1
+            layer.mlp = torch.nn.Module()
+            layer.mlp.experts = torch.nn.Module()
+            layer.mlp.experts.local_experts = torch.nn.ModuleList([Expert(), Expert()])
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList([layer])
+            self.config = types.SimpleNamespace(num_moe_experts=4, num_layers=1)
+
+    for name, value in (("get_tensor_model_parallel_world_size", 1), ("get_pipeline_model_parallel_world_size", 1),
+                        ("get_expert_model_parallel_world_size", 2), ("get_expert_model_parallel_rank", 1)):
+        monkeypatch.setattr(parallel_state, name, lambda value=value: value)
+    key = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    saved = {"state": {key.format(e): {"exp_avg": torch.full((2, 2), float(e))} for e in range(4)},
+             "param_groups": []}
+    state = sharding.scatter_optimizer_state([Chunk()], saved)["state"]
+    assert sorted(state) == [key.format(0), key.format(1)]
+    assert state[key.format(0)]["exp_avg"].eq(2).all() and state[key.format(1)]["exp_avg"].eq(3).all()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kubetron.config import GPTModelConfig
 from kubetron.errors import ConfigError
-from kubetron.plan import GIB, make_plan, parse_memory
+from kubetron.plan import GIB, Shape, make_plan, parse_memory
 
 from tests.inprocess import ensure_world_of_one, in_process_config
 
@@ -102,7 +102,8 @@ def measure(*overrides: str, world_size: int = 1) -> tuple[dict[str, int], objec
 
         dist.init_process_group("gloo")
         parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
-                                                 cfg.model.pipeline_model_parallel_size)
+                                                 cfg.model.pipeline_model_parallel_size,
+                                                 expert_model_parallel_size=cfg.model.expert_model_parallel_size)
     set_seeds(cfg)
     gc.collect()
     before = _live_tensor_bytes()
@@ -124,7 +125,8 @@ def measure(*overrides: str, world_size: int = 1) -> tuple[dict[str, int], objec
     gc.collect()
     static = sum(n for ptr, n in _live_tensor_bytes().items() if ptr not in before)
     return {"static": static, "activations": saved.peak,
-            "params": sum(p.numel() for p in model[0].parameters())}, cfg
+            "params": sum(p.numel() for p in model[0].parameters()),
+            "expert_params": sum(p.numel() for n, p in model[0].named_parameters() if ".experts." in n)}, cfg
 
 
 SHAPES = {
@@ -152,13 +154,49 @@ RECOMPUTE = {
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_estimate_matches_the_bytes_measured_on_cpu(shape, recompute):
     measured, cfg = measure(*SHAPES[shape], *RECOMPUTE[recompute])
-    plan = make_plan(cfg, world_size=1)
+    _assert_estimate_matches(measured, cfg)
+
+
+def _assert_estimate_matches(measured: dict[str, int], cfg, world_size: int = 1):
+    plan = make_plan(cfg, world_size=world_size)
     st = plan.stage
-    assert plan.parameters["total"] == measured["params"] == st.params  # exact, not estimated
+    if world_size == 1 and cfg.peft.scheme is None:
+        assert plan.parameters["total"] == measured["params"]  # exact, not estimated
+    assert st.params == measured["params"] and st.expert_params == measured["expert_params"]
     static = st.weights + st.gradients + st.optimizer
     assert static == pytest.approx(measured["static"], rel=TOLERANCE), (static, measured)
     assert st.activations == pytest.approx(measured["activations"], rel=TOLERANCE), (st.activations, measured)
     assert st.total == pytest.approx(measured["static"] + measured["activations"], rel=TOLERANCE)
+    return plan
+
+
+# Tiny mixtures of experts on the Llama shape: megatron-core's top-k router, all-to-all dispatcher and
+# SequentialMLP experts (the local spec), with their load-balancing losses.
+MOE = {
+    "top2-aux-loss": ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=96",
+                      "model.moe_aux_loss_coeff=0.01"],
+    "every-2nd-layer-shared-expert": ["model.num_moe_experts=4", "model.moe_router_topk=2",
+                                      "model.moe_ffn_hidden_size=64", "model.moe_layer_freq=[1,0,1,0]",
+                                      "model.moe_shared_expert_intermediate_size=64",
+                                      "model.moe_router_load_balancing_type=seq_aux_loss",
+                                      "model.moe_aux_loss_coeff=0.01"],
+}
+
+
+@pytest.mark.parametrize("moe, extra", [
+    ("top2-aux-loss", []),
+    ("every-2nd-layer-shared-expert", RECOMPUTE["full-block-1"]),  # the recomputed layer is an MoE layer
+    ("top2-aux-loss", [*LORA, "peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]),
+], ids=["top2-aux-loss", "every-2nd-layer-shared-expert-block-recompute", "lora-on-every-expert"])
+def test_moe_estimate_matches_the_bytes_measured_on_cpu(moe, extra):
+    """Parameters exact (router, E experts, shared expert, per-expert LoRA adapters); the router's and
+    dispatcher's tensors and the experts' activations for top-k copies of each token, measured."""
+    measured, cfg = measure(*SHAPES["llama-gqa-swiglu"], *MOE[moe], *extra)
+    plan = _assert_estimate_matches(measured, cfg)
+    p = plan.parameters
+    moe_layers = sum(Shape.of(cfg).moe.pattern)
+    per_expert = p["experts"] // (moe_layers * 4)
+    assert p["active"] == p["total"] - moe_layers * 2 * per_expert  # top 2 of 4 experts: two idle per layer
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -191,7 +229,9 @@ def test_lora_estimate_matches_the_bytes_measured_on_cpu(targets):
 PUBLISHED_PARAMETERS = {  # the models' Hugging Face cards / safetensors index totals
     "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496,
     "qwen3-8b": 8_190_735_360, "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704,
 }
+PUBLISHED_ACTIVE = {"qwen3-30b-a3b": 3.3, "mixtral-8x7b": 12.9}  # billions per token, as the model cards round them
 
 
 def _stated(path: Path) -> list[str]:
@@ -229,6 +269,8 @@ def test_recipe_loads_at_its_stated_size_and_fits(path):
     assert plan.fits, f"{path.name}: {plan.stage.total / GIB:.1f} GiB > {gpu_memory / GIB:.0f} GiB"
     model = path.stem.rsplit("-", 1)[0]
     assert plan.parameters["total"] == PUBLISHED_PARAMETERS[model]
+    if model in PUBLISHED_ACTIVE:
+        assert abs(plan.parameters["active"] / 1e9 - PUBLISHED_ACTIVE[model]) < 0.1
     assert plan.stage.total > 0.3 * gpu_memory  # a layout that uses the GPUs it states, not a far larger count
 
 
@@ -247,6 +289,25 @@ def test_qwen3_recipes_count_the_published_parameters():
         cfg = ConfigContainer.from_dict(data).derive(_size(_stated(REPO / "recipes" / f"{model}-pretrain.yaml"))[0])
         shape = dataclasses.replace(Shape.of(cfg), head_dim=extra["kv_channels"], qk_norm=extra["qk_layernorm"])
         assert total_params(shape)["total"] == PUBLISHED_PARAMETERS[model]
+
+
+def test_expert_parallelism_splits_the_experts_and_their_optimizer_state_over_expert_dp():
+    """Qwen3-30B-A3B on 16 GPUs at EP 8 and EP 4: the GPU holds twice the experts at EP 4, but with the
+    distributed optimizer their fp32 state is sharded over expert DP (2 vs 4 ranks), so it stays the
+    same per GPU; the dense parameters and their state do not change."""
+    from kubetron.config import ConfigContainer
+
+    path = str(REPO / "recipes" / "qwen3-30b-a3b-pretrain.yaml")
+    ep8, ep4 = (make_plan(ConfigContainer.from_yaml(path, [f"model.expert_model_parallel_size={ep}"],
+                                                    check_paths=False), 16) for ep in (8, 4))
+    assert (ep8.layout.edp, ep4.layout.edp) == (2, 4)
+    assert ep4.stage.expert_params == 2 * ep8.stage.expert_params
+    assert ep4.stage.params - ep4.stage.expert_params == ep8.stage.params - ep8.stage.expert_params
+    assert ep4.stage.weights > ep8.stage.weights and ep4.stage.optimizer == pytest.approx(ep8.stage.optimizer)
+    plain = make_plan(ConfigContainer.from_yaml(path, ["optimizer.use_distributed_optimizer=false",
+                                                      "ddp.overlap_param_gather=false"],
+                                                check_paths=False), 16)
+    assert plain.stage.optimizer == 12 * plain.stage.params  # unsharded: fp32 main weights and two moments
 
 
 # --- the command --------------------------------------------------------------------------------------
@@ -277,6 +338,17 @@ def test_plan_command_prints_the_table_and_json():
     assert per_gpu["activations"] == per_gpu["activations_full_recompute"] < data["per_gpu_bytes"]["activations"]
     usage = _plan("--help")
     assert usage.returncode == 0 and "--gpu-memory" in usage.stdout
+
+
+def test_plan_command_on_a_mixture_of_experts():
+    path = REPO / "recipes" / "mixtral-8x7b-pretrain.yaml"
+    out = _plan(str(path), *_stated(path))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^layout +TP 1, PP 2, DP 8, EP 8,", out.stdout, re.M), out.stdout
+    assert "8 per MoE layer in 32 of 32 layers, top-2" in out.stdout and "active per token 12.88 B" in out.stdout
+    assert "1 per MoE layer)" in out.stdout and "experts' over expert DP 1" in out.stdout
+    few = _plan(str(path), "--nodes", "1", "--gpus-per-node", "8")  # PP 2 leaves DP 4: EP 8 does not fit in it
+    assert few.returncode == 2 and few.stderr.startswith("kubetron: error: model.expert_model_parallel_size")
 
 
 @pytest.mark.parametrize("args, field", [
@@ -323,26 +395,30 @@ def test_docs_table_lists_every_recipe_with_its_current_estimate():
         assert round(plan.stage.total / GIB) == int(gib), name
 
 
-TP2 = ["model.tensor_model_parallel_size=2", *SHAPES["llama-gqa-swiglu"]]
+TWO_RANKS = {
+    # TP 2: each rank holds half the linears, embedding and output layer and keeps half the attention/MLP
+    # activations (the h-sized ones whole: no sequence parallelism on CPU)
+    "tp2": ["model.tensor_model_parallel_size=2", *SHAPES["llama-gqa-swiglu"]],
+    # EP 2 (DP 2): each rank holds 2 of the 4 experts and receives its tokens' copies for them by all-to-all
+    # (the distributed optimizer with EP needs megatron-core's, CUDA: its sharding over expert DP is not measured)
+    "ep2": ["model.expert_model_parallel_size=2", *SHAPES["llama-gqa-swiglu"], *MOE["top2-aux-loss"]],
+}
 
 
-def test_tensor_parallel_estimate_matches_the_bytes_measured_on_two_ranks():
-    """TP 2 under torchrun (gloo): each rank holds half the linears, embedding and output layer and keeps
-    half the attention/MLP activations (the h-sized ones whole: no sequence parallelism on CPU)."""
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_model_parallel_estimate_matches_the_bytes_measured_on_two_ranks(layout):
+    """Under torchrun (gloo), rank 0's parameters, static bytes and activations."""
     from tests.multirank.runner import free_port
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "tests.test_plan",
-                          *TP2],
+                          *TWO_RANKS[layout]],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    cfg = in_process_config("train.micro_batch_size=2", "train.global_batch_size=2", *TP2)
-    st = make_plan(cfg, world_size=2).stage
-    assert st.params == measured["params"]
-    assert st.weights + st.gradients + st.optimizer == pytest.approx(measured["static"], rel=TOLERANCE)
-    assert st.activations == pytest.approx(measured["activations"], rel=TOLERANCE)
+    cfg = in_process_config("train.micro_batch_size=2", "train.global_batch_size=4", *TWO_RANKS[layout])
+    _assert_estimate_matches(measured, cfg, world_size=2)
 
 
 if __name__ == "__main__":  # one rank of the test above: prints its measurement as JSON (rank 0)

@@ -203,6 +203,14 @@ class GPTModelConfig(_Section):
         """Channels per attention head: kv_channels, else hidden_size / num_attention_heads."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def moe_layer_pattern(self) -> list[int]:
+        """Per layer 1 for an MoE layer, 0 for a dense one (megatron's reading of moe_layer_freq); all 0
+        for a dense model."""
+        if self.num_moe_experts is None:
+            return [0] * self.num_layers
+        freq = self.moe_layer_freq
+        return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(self.num_layers)]
+
 
 class OptimizerConfig(_Section):
     """The optimizer (megatron.core.optimizer.OptimizerConfig names)."""

@@ -60,8 +60,7 @@ def arch_value(model, field: str):
     if field.startswith("moe_") and model.num_moe_experts is None:
         return None
     if field == "moe_layer_freq":
-        freq = model.moe_layer_freq
-        return [int(i % freq == 0) for i in range(model.num_layers)] if isinstance(freq, int) else list(freq)
+        return model.moe_layer_pattern()
     if field == "moe_ffn_hidden_size":
         return model.moe_ffn_hidden_size or model.ffn_hidden_size
     return getattr(model, field)

@@ -274,7 +274,9 @@ def _no_common_strategy():
 
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 # model.<field> a tensor that only one side has points at (first match)
-_PRESENCE_FIELDS = (("output_layer.", "share_embeddings_and_output_weights"),
+_PRESENCE_FIELDS = (("mlp.router.", "num_moe_experts"), ("mlp.experts.", "num_moe_experts"),
+                    ("mlp.shared_experts.", "moe_shared_expert_intermediate_size"),
+                    ("output_layer.", "share_embeddings_and_output_weights"),
                     ("position_embeddings", "position_embedding_type"),
                     ("layer_norm_bias", "normalization"), ("layernorm.bias", "normalization"),
                     ("q_layernorm", "qk_layernorm"), ("k_layernorm", "qk_layernorm"),
@@ -309,6 +311,12 @@ def _shape_field(key: str, saved: tuple, wanted: tuple) -> str:
         return "vocab_size" if saved[0] != wanted[0] else "hidden_size"
     if "position_embeddings" in key:
         return "max_position_embeddings" if saved[0] != wanted[0] else "hidden_size"
+    if "mlp.router." in key:
+        return "num_moe_experts"
+    if "mlp.shared_experts." in key:
+        return "moe_shared_expert_intermediate_size"
+    if "mlp.experts." in key:  # megatron stacks the experts on leading axes, each a matrix
+        return "num_moe_experts" if saved[:-2] != wanted[:-2] else "moe_ffn_hidden_size"
     if "linear_fc1" in key or "linear_fc2" in key:
         return "ffn_hidden_size"
     if "linear_qkv" in key and saved[-1:] == wanted[-1:]:
@@ -329,7 +337,7 @@ def check_tensors(wanted: dict[str, tuple], saved: dict[str, tuple], where: str,
                   last: bool = True):
     """This stage's tensors (`first`/`last`: pipeline stage) against the checkpoint's, as a one-line ConfigError
     naming the first model.<field> that explains a difference (a tensor only one side has, or another global
-    shape); `model` alone where no field does (e.g. MoE experts, which kubetron does not build)."""
+    shape); `model` alone where no field does."""
     only_saved = {k for k in saved.keys() - wanted.keys() if _on_stage(k, first, last)}
     one_side = [(next((f"model.{f}" for part, f in _PRESENCE_FIELDS if part in key), "model"), key)
                 for key in sorted((wanted.keys() - saved.keys()) | only_saved)]

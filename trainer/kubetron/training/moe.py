@@ -178,11 +178,5 @@ def _mean_over(values: torch.Tensor, group) -> torch.Tensor:
     return values / dist.get_world_size(group)
 
 
-def moe_layer_pattern(m) -> list[int]:
-    """1 for an MoE layer, 0 for a dense one (megatron's reading of moe_layer_freq)."""
-    freq = m.moe_layer_freq
-    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(m.num_layers)]
-
-
 def num_moe_layers(m) -> int:
-    return sum(moe_layer_pattern(m))
+    return sum(m.moe_layer_pattern())

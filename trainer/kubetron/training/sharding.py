@@ -389,9 +389,10 @@ def scatter_optimizer_state(model, saved: dict) -> dict:
     """This rank's share of a canonical optimizer state, keyed by local parameter name."""
     chunk = model[0]
     tp, pp = _sizes()
-    if tp == 1 and pp == 1 and not any(_is_tied_output_copy(chunk, n) for n, _ in chunk.named_parameters()):
-        return saved
     offsets = _layer_offsets(chunk)
+    if tp == 1 and pp == 1 and not offsets.experts \
+            and not any(_is_tied_output_copy(chunk, n) for n, _ in chunk.named_parameters()):
+        return saved  # local names are the canonical ones
     state = {}
     for name, param in chunk.named_parameters():
         src = saved["state"].get(_source_name(chunk, name, offsets))

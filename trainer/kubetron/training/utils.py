@@ -98,7 +98,8 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     """Training FLOPs for `batch_size` sequences (fwd + bwd = 3x fwd; causal attention counted half).
 
     Per token and layer, forward: 2*(QKV + proj + MLP weights) + 2*2*s*q/2 for QK^T and AV, where
-    q = heads * head size (= h unless model.kv_channels says otherwise). Plus the logits layer 2*h*V.
+    q = heads * head size (= h unless model.kv_channels says otherwise); an MoE layer's MLP weights are
+    its router's, its top-k experts' and its shared expert's. Plus the logits layer 2*h*V.
     The same formula is used for the plain-PyTorch baseline in bench/.
     """
     m = cfg.model
@@ -107,9 +108,20 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     kv = 2 * (m.num_query_groups or m.num_attention_heads) * m.head_size()
     ffn = m.ffn_hidden_size or 4 * h
     gated = 3 if m.activation == "swiglu" else 2  # number of h x ffn matrices
-    per_layer = 2 * (h * (q + kv) + q * h + gated * h * ffn) + 2 * s * q  # causal: 4*s*q/2
-    per_token = L * per_layer + 2 * h * V
+    attention = 2 * (h * (q + kv) + q * h) + 2 * s * q  # causal: 4*s*q/2
+    mlp = sum(_mlp_weights(m, moe, gated, ffn) for moe in m.moe_layer_pattern())
+    per_token = L * attention + 2 * mlp + 2 * h * V
     return 3.0 * per_token * s * batch_size
+
+
+def _mlp_weights(m, moe: int, gated: int, ffn: int) -> int:
+    """Weights one token multiplies in a layer's MLP: the dense MLP's, or an MoE layer's router, its
+    top-k experts and its shared expert (as megatron's num_floating_point_operations counts them)."""
+    h = m.hidden_size
+    if not moe:
+        return gated * h * ffn
+    routed = (m.moe_ffn_hidden_size or ffn) * m.moe_router_topk
+    return h * m.num_moe_experts + gated * h * (routed + (m.moe_shared_expert_intermediate_size or 0))
 
 
 def report_memory(memory_keys: dict[str, str] | None = None, stats: dict | None = None) -> dict[str, float]:
