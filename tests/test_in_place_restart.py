@@ -31,14 +31,14 @@ REPO = Path(__file__).resolve().parent.parent
 LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
 def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,
-               nproc: int = 1) -> list[subprocess.Popen]:
+               nproc: int = 1, **extra: str) -> list[subprocess.Popen]:
     port = str(free_port())
     pods = []
     for rank in range(nodes):
         (tmp_path / f"pod{rank}").mkdir()
         env = {**pod_env(tmp_path / f"pod{rank}", nproc), "NNODES": str(nodes), "NODE_RANK": str(rank),
                "MASTER_PORT": port, "KUBETRON_JOB_ID": "default/tiny/0",
-               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts)}
+               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts), **extra}
         pods.append(subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True))
@@ -142,6 +142,42 @@ def test_a_config_error_is_not_restarted_in_place(tmp_path):
     assert codes[0] == exitcodes.CONFIG_ERROR and codes[1] in (exitcodes.CONFIG_ERROR, exitcodes.ERROR), log[-4000:]
     assert "restarting the gang in place" not in log, log[-4000:]
     assert outs[0][-1].startswith("kubetron: error: train.train_iters"), log[-4000:]
+
+
+ENDS_FOR_GOOD = """
+import datetime, sys
+import torch.distributed as dist
+from kubetron.termination import write_termination_message
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+if dist.get_rank() == 1:  # a rank-specific end no restart cures
+    write_termination_message({"exitCode": 3, "reason": "Diverged", "message": "loss is NaN at iteration 7"})
+    sys.exit(3)
+try:
+    dist.barrier()  # its peer is gone
+except RuntimeError:
+    write_termination_message({"exitCode": 5, "reason": "PeerFailure", "message": "a peer rank failed"})
+    sys.exit(5)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_ends_for_good_ends_the_other_pods_too(tmp_path):
+    """Pod 1's rank exits 3: pod 1 exits 3, unrestarted, and its agent closes the rendezvous. Pod 0's rank
+    saw a peer failure (restartable), so its agent starts a restart, whose round cannot form: pod 0 ends
+    at once with its rank's code (5), its log ending in one line, not torchrun's traceback."""
+    (tmp_path / "ends_for_good.py").write_text(ENDS_FOR_GOOD)  # what the ranks run instead of the trainer
+    pods = start_pods(tmp_path, [], **{"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                                       launch.TRAINER_MODULE_ENV: "ends_for_good"})
+    outs: list[list[str]] = [[], []]
+    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    codes = finish(pods, timeout=120)
+    for t in threads:
+        t.join(timeout=10)
+    log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+    assert codes == [exitcodes.PEER_FAILURE, exitcodes.DIVERGED], log[-4000:]
+    assert "Traceback" not in log and "restarting the gang in place" not in "".join(outs[1]), log[-4000:]
+    assert outs[0][-1].startswith("kubetron.torchrun: not restarting: no new rendezvous round"), log[-4000:]
 
 
 # -- which ends are restarted in place (no processes) ------------------------------------------------------

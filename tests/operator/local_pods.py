@@ -1,15 +1,24 @@
 """Pods as local processes, for on-kube tests that play the kubelet (test_in_place_on_kube.py,
-test_elastic_on_kube.py): a pod's exact command and env from the API server, with only the laptop
-differences rewritten (the interpreter, the mounted ConfigMap, the termination log, MASTER_ADDR)."""
+test_elastic_on_kube.py, bench/recovery.py): a pod's exact command and env from the API server, with only
+the laptop differences rewritten (the interpreter, the mounted ConfigMap, the termination log,
+MASTER_ADDR). A PVC's mountPath is a local directory already (`pvc` makes its hostPath the mountPath).
+
+`ProcessKubelet` does for every pod of a namespace bound to its Nodes what a kubelet does: a bound pod's
+container is started and the pod reported Running; a container that ends is reported with its exit code
+and termination message; a pod being deleted has its container SIGTERMed (SIGKILL after the pod's grace
+period), its end reported, and its deletion finished. It records when it saw each.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +27,20 @@ import yaml
 from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
 
+from tests.kube.cluster import Api, ApiError, pod_path, set_exited, set_running
 from tests.trainer_utils import TINY
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/")
 
 
-def tiny_config(train_iters: int = 100, **logger: Any) -> str:
-    """A one-layer tiny GPT, a checkpoint every 10 iterations, a log line every iteration."""
+def tiny_config(train_iters: int = 100, save_interval: int = 10, **logger: Any) -> str:
+    """A one-layer tiny GPT, a checkpoint every `save_interval` iterations, a log line every iteration."""
     config = yaml.safe_load(Path(TINY).read_text())
     config["train"]["train_iters"] = train_iters
     config["model"].update(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=32)
     config["scheduler"]["lr_warmup_iters"] = 1
     config["validation"]["eval_interval"] = None
-    config["checkpoint"] = {"save_interval": 10, "most_recent_k": 2}  # save/load: the operator's
+    config["checkpoint"] = {"save_interval": save_interval, "most_recent_k": 2}  # save/load: the operator's
     config["logger"] = {"log_interval": 1, **logger}
     return yaml.safe_dump(config)
 
@@ -48,38 +58,54 @@ def pvc(kube, ns: str, path: Path) -> None:
 
 
 class Container:
-    """A pod's main container as a local process: the pod's command and env from the API server."""
+    """A pod's main container as a local process: the pod's command and env from the API server. Its
+    output is collected line by line with the time each line arrived (`stamped`)."""
 
-    def __init__(self, pod: dict[str, Any], config_yaml: str, workdir: Path):
+    def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path):
         workdir.mkdir(parents=True)
-        self.name = pod["metadata"]["name"]
+        self.name = pod["metadata"]["name"]  # the pod's
         container = pod["spec"]["containers"][0]
+        self.container = container["name"]
         config = workdir / "config.yaml"  # the ConfigMap volume
-        config.write_text(config_yaml)
+        if config_yaml is not None:
+            config.write_text(config_yaml)
         self.termination_log = workdir / "termination-log"
         env = {e["name"]: e["value"] for e in container.get("env") or () if "value" in e}
         assert env.get("KUBETRON_TERMINATION_LOG", TERMINATION_LOG) == container["terminationMessagePath"]
-        env.update(KUBETRON_CONFIG=str(config), KUBETRON_TERMINATION_LOG=str(self.termination_log),
-                   MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir))
+        if "KUBETRON_TERMINATION_LOG" in env:  # a trainer pod
+            env.update(KUBETRON_CONFIG=str(config), KUBETRON_TERMINATION_LOG=str(self.termination_log),
+                       MASTER_ADDR="127.0.0.1")
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir))
         local = {PYTHON: sys.executable, CONFIG_PATH: str(config), TERMINATION_LOG: str(self.termination_log)}
         argv = [local.get(a, a) for a in container["command"] + container.get("args", [])]
         base = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
+        self.started = time.time()
         self.proc = subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        self.stamped: list[tuple[float, str]] = []  # (time.time() it arrived, line)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.stamped.append((time.time(), line))
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for _, line in list(self.stamped)]
 
     def trainer_pid(self) -> int:
+        """The trainer process (`python -m kubetron train ...` under torchrun), not the pod's PID 1."""
         for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
-                return child.pid
-        raise AssertionError("no trainer process in the pod")
+            with contextlib.suppress(psutil.Error):
+                if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
+                    return child.pid
+        raise AssertionError(f"no trainer process in pod {self.name}")
 
     def last_iteration(self) -> int:
-        return max([int(m.group(1)) for m in map(ITER_RE.search, list(self.lines)) if m] or [0])
+        return max([int(m.group(1)) for m in map(ITER_RE.search, self.lines) if m] or [0])
 
     def exit_code(self) -> int | None:
-        """As the container runtime reports it: a death by signal N is 128 + N."""
+        """As the container runtime reports it: a death by signal N is 128 + N; None while it runs."""
         rc = self.proc.poll()
         return None if rc is None else (rc if rc >= 0 else 128 - rc)
 
@@ -89,6 +115,108 @@ class Container:
         return text if text.strip() or self.exit_code() == 0 else "".join(self.lines)[-2048:]
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        """SIGKILL every process of the container: its process group and all descendants (torchrun
+        starts each rank in a session of its own)."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            processes = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            processes = []
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        for p in processes:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self.proc.wait()
+
+
+def config_yaml(api: Api, namespace: str, pod: dict[str, Any]) -> str | None:
+    """The config.yaml of the ConfigMap the pod mounts (None: it mounts none)."""
+    for volume in pod["spec"].get("volumes") or ():
+        if "configMap" in volume:
+            cm = api.get(f"/api/v1/namespaces/{namespace}/configmaps/{volume['configMap']['name']}")
+            return cm["data"]["config.yaml"]
+    return None
+
+
+class ProcessKubelet:
+    """Runs the pods of `namespace` bound to `nodes` as local processes (a background thread polling the
+    API every `period` seconds). `seen[(pod name, what)]`: when it saw or did `what` ("bound",
+    "started", "exited", "deleting", "gone"); `containers[pod name]`: the newest container of that name."""
+
+    def __init__(self, api: Api, namespace: str, workdir: Path, nodes: tuple[str, ...] = ("node-1",),
+                 period: float = 0.05):
+        self.api, self.ns, self.dir, self.nodes, self.period = api, namespace, workdir, nodes, period
+        self.containers: dict[str, Container] = {}
+        self.seen: dict[tuple[str, str], float] = {}
+        self._by_uid: dict[str, Container] = {}
+        self._stopping: dict[str, float] = {}  # pod UID -> when its container got SIGTERM
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"process-kubelet-{namespace}", daemon=True)
+
+    def __enter__(self) -> ProcessKubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for c in self._by_uid.values():
+            c.kill()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            with contextlib.suppress(OSError, ApiError):  # the server is busy: next round
+                self._round()
+
+    def _round(self) -> None:
+        pods = {p["metadata"]["uid"]: p for p in self.api.get(pod_path(self.ns))["items"]}
+        now = time.time()
+        for uid in [u for u in self._by_uid if u not in pods]:
+            c = self._by_uid.pop(uid)
+            self.seen.setdefault((c.name, "gone"), now)
+            c.kill()
+        for uid, pod in pods.items():
+            name = pod["metadata"]["name"]
+            if pod["spec"].get("nodeName") not in self.nodes:
+                continue
+            self.seen.setdefault((name, "bound"), now)
+            c = self._by_uid.get(uid)
+            if pod["metadata"].get("deletionTimestamp"):
+                self.seen.setdefault((name, "deleting"), now)
+                self._delete(pod, c)
+            elif c is None and (pod.get("status") or {}).get("phase") in (None, "Pending"):
+                self._start(pod)
+            elif c is not None and c.exit_code() is not None and (name, "exited") not in self.seen:
+                self._report_exit(pod, c)
+
+    def _start(self, pod: dict[str, Any]) -> None:
+        name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+        c = Container(pod, config_yaml(self.api, self.ns, pod), self.dir / f"{name}-{uid[:8]}")
+        self.containers[name] = self._by_uid[uid] = c
+        for key in ("exited", "deleting", "gone"):
+            self.seen.pop((name, key), None)
+        self.seen[(name, "started")] = c.started
+        set_running(self.api, self.ns, name, container=c.container)
+
+    def _report_exit(self, pod: dict[str, Any], c: Container) -> None:
+        self.seen[(c.name, "exited")] = time.time()
+        set_exited(self.api, self.ns, c.name, c.exit_code(), c.termination_message(), container=c.container)
+
+    def _delete(self, pod: dict[str, Any], c: Container | None) -> None:
+        """A pod being deleted: SIGTERM to its container's PID 1, SIGKILL to all of it after the grace
+        period; its end reported, then its deletion finished."""
+        meta = pod["metadata"]
+        if c is not None and c.exit_code() is None:
+            if meta["uid"] not in self._stopping:
+                self._stopping[meta["uid"]] = time.monotonic()
+                c.proc.send_signal(signal.SIGTERM)
+            elif time.monotonic() - self._stopping[meta["uid"]] > float(
+                    pod["spec"].get("terminationGracePeriodSeconds") or 30):
+                c.kill()
+            return
+        if c is not None and (c.name, "exited") not in self.seen:
+            self._report_exit(pod, c)
+        self.api.request("DELETE", pod_path(self.ns, meta["name"]),
+                         {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}, ok=(404, 409))

@@ -83,6 +83,9 @@ def _load_config(args: argparse.Namespace, check_paths: bool = True):
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
+    from kubetron.startup import CLOCK
+
+    CLOCK.mark("python + config")
     from kubetron.training.entry import run_from_cli
 
     # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.

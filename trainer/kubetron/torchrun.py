@@ -13,8 +13,10 @@ rank's termination message explains. Exit status: 0 when the ranks succeeded, 1 
 In-place restarts (docs/recovery.md): run with `--max-restarts=N`, torchrun restarts its worker group
 after a failure, up to N times. Only ends that a restart can cure are restarted
 (`exitcodes.restartable_in_place`): a failed group with any other end (config error, divergence,
-SIGTERM saved, ...) is not restarted, and the pod ends as without restarts. Each restart is appended,
-one JSON line, to `RESTARTS_FILE` in the launcher's messages directory.
+SIGTERM saved, ...) is not restarted, and the pod ends as without restarts; its agent closes the
+rendezvous, so the other pods' agents, restarting after the peer failure their ranks saw, end too (one
+line, exit 1; the launcher then exits with their ranks' PeerFailure). Each restart is appended, one
+JSON line, to `RESTARTS_FILE` in the launcher's messages directory.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     _only_restart_restartable_ends(LocalElasticAgent)
     if os.environ.get(NODE_RANK_ENV):
@@ -161,6 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except SignalException as exc:  # torchrun has forwarded it and waited for the ranks
         return 128 + int(exc.sigval)
+    except RendezvousError as exc:
+        # Restarting after a peer failure, the next round cannot form: another pod's agent stopped (its
+        # ranks ended in a way no restart cures, and it closed the rendezvous) or the host pod is gone.
+        # The ranks' own termination messages say why they ended; this pod ends too, in one line.
+        print(f"kubetron.torchrun: not restarting: no new rendezvous round ({type(exc).__name__}: "
+              f"{' '.join(str(exc).split())[:200] or 'another pod stopped'})", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

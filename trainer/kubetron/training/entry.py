@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from kubetron import exitcodes
 from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.startup import CLOCK
 from kubetron.termination import write_termination_message
 from kubetron.training.state import GlobalState, SignalHandler, Timers
 
@@ -107,6 +108,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
 
+    CLOCK.mark("imports")
     cfg = config
     rank, world, device = initialize_distributed(cfg)
     if cfg.tokenizer.assets() is None and adopt_checkpoint_tokenizer(cfg) and rank == 0:
@@ -122,6 +124,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     if rank == 0:
         cfg.log_non_default_values(log)
     set_seeds(cfg)
+    CLOCK.mark("distributed init")  # waits for every rank
     state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device,
                         timers=Timers(cfg.logger.timing_log_level))
     if holder is not None:
@@ -140,11 +143,13 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     run_id = _broadcast_str(f"{int(time.time())}-{os.getpid()}")
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size)
+    CLOCK.mark("model + data")
     ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
                              scheduler=scheduler, data=(train_it, valid_it), run_id=run_id)
     state.ckpt = ckpt
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
     ckpt.load(finetune=(mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)))
+    CLOCK.mark("checkpoint load")
 
     status = None
     if rank == 0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kubetron import exitcodes
+from kubetron.startup import CLOCK
 from kubetron.training import moe, pipeline, straggler
 from kubetron.training.comm import any_rank
 from kubetron.training.eval import evaluate_and_print_results
@@ -238,6 +239,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
                 pnorm = params_l2_norm(model)
             metrics.record_step(ts.step, result.loss_dict, optimizer.param_groups[0]["lr"], result.grad_norm,
                                 int(result.skipped), pnorm, result.loss_scale)
+            if (startup := CLOCK.finish(ts.step)) is not None:  # this process's first step: how long it took
+                log.info("%s", startup)
         post_training_step_callbacks(cfg, ts.step, profiler)
         if detector is not None and detector.after_step(ts.step) is not None:  # straggler.stop_if_detected
             checkpoint_manager.save(ts.step, blocking=True)

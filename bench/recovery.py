@@ -1,0 +1,390 @@
+"""Recovery time on a real control plane: a rank's death to the job's next completed iteration, in place
+(the gang restarted inside its pods, docs/recovery.md) vs whole-gang recreation (new pods).
+
+    .venv/bin/python bench/recovery.py [--repeats 3] [--imports 5] [--json OUT]
+    .venv/bin/python bench/recovery.py --quick          # one run of each, side by side (what CI runs)
+
+Starts the test suite's control plane (tests/kube: etcd, kube-apiserver, controller-manager, scheduler)
+and the real `kubetron operator`; a ProcessKubelet (tests/operator/local_pods.py) runs every pod the scheduler
+binds as local processes, the pods' exact commands (real launcher, torchrun, trainer; gloo on CPU),
+reports their ends, and stops the containers of pods being deleted. Each run: a 2-pod job of the tiny
+GPT on a hostPath claim trains; once rank 1 has logged half an interval past a durable checkpoint
+(the progress log's), its trainer process is SIGKILLed. Then
+
+  * in place:  spec.maxInPlaceRestarts 3: the torchrun agents restart the gang in the same pods;
+  * recreate:  spec.maxInPlaceRestarts 0: the pod fails, the operator deletes the gang, reads the
+               progress log (reader pod) and creates attempt 2.
+
+Phases, each from the end of the one before: detect (the agent's restart line / the killed rank's pod
+ended, as the kubelet reports it), the operator deleting the gang, old pods gone, the progress log read,
+the operator's failure backoff (a SIGKILL is a failure: no new attempt before status.nextAttemptTime,
+10 s and more; a preemption has none), new pods created and bound, then up to the start of rank 0's
+new trainer process (container start, launcher, torchrun agent, rendezvous), then the trainer's own
+start-up line (kubetron.startup: python + config, imports, distributed init, model + data, checkpoint
+load, first step). Times come from the kubelet's observations (polled every 50 ms), the arrival of
+log lines, status.nextAttemptTime, and the start-up line (its end is the line's arrival; process
+start = end - total). The ratio in place / recreate is given with and without the backoff.
+
+Elastic (spec.minNodes, docs/elastic.md): a `nodes: 2, minNodes: 1` job on two Nodes with room for one
+pod each; one Node is drained (cordoned, its pod evicted): seconds to the first step at 1 node; then
+it is uncordoned: seconds to the first step at 2 nodes.
+
+`--imports N`: the import of megatron-core as it is, vs as kubetron.training imports it before this
+change (wandb run at import) and now, N alternating fresh processes each (median seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kubetron import startup  # noqa: E402
+from kubetron.progress import summarize  # noqa: E402
+
+from tests.kube import cluster  # noqa: E402
+from tests.kube.cluster import Kubelet  # noqa: E402
+from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
+from tests.operator.jobs import PVC_JOB, job_body  # noqa: E402
+from tests.operator.local_pods import Container, ProcessKubelet, pvc, tiny_config  # noqa: E402
+
+IN_PLACE, RECREATE = "in place", "recreate"
+RESTART_LINE = "restarting the gang in place"
+# The rows before the trainer's own start-up phases; '-' where a mode has no such phase.
+BACKOFF = "failure backoff (status.nextAttemptTime)"
+OUTSIDE = ("detect", "operator deletes the gang", "old pods gone", "progress log read (reader pod)", BACKOFF,
+           "new pods created + bound", "to trainer process start")
+PHASES = OUTSIDE + startup.PHASES
+TIMEOUT = 300.0
+
+
+@dataclass
+class Recovery:
+    mode: str
+    phases: dict[str, float]  # seconds, PHASES order
+    total: float  # kill -> end of the first step after it, measured directly
+    first_iteration: int  # the first iteration completed after the kill (resumed from the one before)
+    killed_at_iteration: int  # the last iteration rank 1 logged before the kill
+    checkpoint_at_kill: int  # the newest durable checkpoint then (the progress log's)
+    lines: list[str] = field(default_factory=list, repr=False)
+
+
+def startup_after(c: Container, t: float) -> tuple[float, tuple[float, int, dict[str, float]]] | None:
+    """(arrival time, parsed line) of the container's first start-up line that arrived after `t`."""
+    for arrived, line in list(c.stamped):
+        if arrived > t and (parsed := startup.parse_line(line)) is not None:
+            return arrived, parsed
+    return None
+
+
+def wait(what: str, check, node: ProcessKubelet, timeout: float = TIMEOUT):
+    def explain() -> str:
+        return "\n".join(f"--- {name}\n" + "".join(c.lines[-15:]) for name, c in node.containers.items())
+    return cluster.wait_for(what, check, timeout, interval=0.02, explain=explain)
+
+
+def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int) -> Recovery:
+    """One job, one SIGKILL of rank 1's trainer, the phases until rank 0's first step after it."""
+    ns = env.namespace("recovery")
+    store = workdir / ns / "pvc"
+    store.mkdir(parents=True)
+    pvc(env, ns, store)
+    body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=save_interval),
+                    storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
+                    statusPort=cluster.free_port(), masterPort=cluster.free_port(),
+                    maxInPlaceRestarts=3 if mode == IN_PLACE else 0, terminationGracePeriodSeconds=30)
+    body["metadata"] = {"name": "gpt"}
+    with env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns) as node, BackoffWatch(env, ns) as backoff:
+        env.admin.create(env.jobs(ns), body)
+        rank1 = wait("rank 1 mid-interval after a durable checkpoint",
+                     lambda: mid_interval(node.containers.get("gpt-1-1"), store / "gpt", save_interval), node)
+        pid, reached, durable = rank1.trainer_pid(), rank1.last_iteration(), last_checkpoint(store / "gpt")
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)  # rank 1's trainer process, not its pod's PID 1
+        rank0 = "gpt-1-0" if mode == IN_PLACE else "gpt-2-0"
+        arrived, (total, first, trainer) = wait(
+            f"{rank0}'s first step after the kill",
+            lambda: (c := node.containers.get(rank0)) is not None and startup_after(c, killed), node)
+        if mode == IN_PLACE:
+            outside = in_place_phases(node, killed, arrived - total)
+        else:
+            outside = recreate_phases(node, killed, arrived - total, backoff.not_before)
+        lines = [f"--- {name}\n" + "".join(c.lines) for name, c in node.containers.items()]
+    return Recovery(mode, {**outside, **trainer}, arrived - killed, first, reached, durable, lines)
+
+
+def last_checkpoint(store: Path) -> int:
+    """The newest durable checkpoint's iteration by the store's progress log (0: none)."""
+    try:
+        return (summarize(str(store)).get("lastCheckpoint") or {}).get("iteration") or 0
+    except OSError:
+        return 0
+
+
+def mid_interval(rank1: Container | None, store: Path, save_interval: int) -> Container | None:
+    """Rank 1's container once it is half an interval past a durable checkpoint (none yet: keep waiting)."""
+    if rank1 is None:
+        return None
+    durable = last_checkpoint(store)
+    return rank1 if durable and rank1.last_iteration() >= durable + save_interval // 2 else None
+
+
+def consecutive(names: tuple[str, ...], times: list[float]) -> dict[str, float]:
+    """{name: seconds from the time before to its own} over a timeline (kill first)."""
+    return {name: b - a for name, a, b in zip(names, times, times[1:], strict=False)}
+
+
+def in_place_phases(node: ProcessKubelet, killed: float, process_start: float) -> dict[str, float]:
+    restart = min(t for c in node.containers.values() for t, line in list(c.stamped)
+                  if t > killed and RESTART_LINE in line)
+    return consecutive(("detect", "to trainer process start"), [killed, restart, process_start])
+
+
+def recreate_phases(node: ProcessKubelet, killed: float, process_start: float,
+                    not_before: float | None) -> dict[str, float]:
+    seen, old = node.seen, ("gpt-1-0", "gpt-1-1")
+    read = seen[("gpt-1-progress", "exited")]
+    # A pod that ended (Failed) is deleted at once, never seen "deleting": its deletion shows as "gone".
+    times = [killed, seen[("gpt-1-1", "exited")], min(seen.get((p, "deleting"), seen[(p, "gone")]) for p in old),
+             max(seen[(p, "gone")] for p in old), read, max(read, not_before or read), seen[("gpt-2-0", "bound")],
+             process_start]
+    return consecutive(OUTSIDE, times)
+
+
+class BackoffWatch:
+    """The job's status.nextAttemptTime (the operator's backoff after a failed attempt: no new pods
+    before it), polled every 0.2 s while the block runs: `not_before`, seconds since the epoch."""
+
+    def __init__(self, env: KubeEnv, ns: str):
+        self.env, self.ns, self.not_before = env, ns, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> BackoffWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _poll(self) -> None:
+        while self.not_before is None and not self._stop.wait(0.2):
+            with contextlib.suppress(OSError, cluster.ApiError):
+                when = ((self.env.job(self.ns, "gpt") or {}).get("status") or {}).get("nextAttemptTime")
+                if when:
+                    self.not_before = parse_iso(when)
+
+
+POOL = "kubetron.dev/recovery-pool"  # the label of the elastic run's two Nodes (one pod each)
+SHRINK_AFTER = 2  # spec.shrinkAfterSeconds of the elastic run
+
+
+def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str, float]:
+    """The elastic node range (spec.minNodes, docs/elastic.md): a `nodes: 2, minNodes: 1` job on two
+    Nodes with room for one pod each. Capacity gone: one Node is drained (cordoned, its pod evicted);
+    seconds until rank 0 of the 1-node attempt completed its first step. Capacity back: the Node is
+    uncordoned; seconds until rank 0 of the 2-node attempt completed its first step."""
+    ns = env.namespace("elastic")
+    store = workdir / ns / "pvc"
+    store.mkdir(parents=True)
+    pvc(env, ns, store)
+    names = (f"{ns}-a", f"{ns}-b")
+    nodes = [Kubelet(env.admin, name=name, cpu="1", gpus=0) for name in names]
+    body = job_body(PVC_JOB, nodes=2, minNodes=1, shrinkAfterSeconds=SHRINK_AFTER,
+                    config=tiny_config(train_iters=100_000, save_interval=save_interval),
+                    storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
+                    statusPort=cluster.free_port(), masterPort=cluster.free_port(), terminationGracePeriodSeconds=30,
+                    resources={"requests": {"cpu": "1"}},
+                    scheduling={"nodeSelector": {POOL: ns}, "tolerations": [{"key": POOL, "operator": "Exists"}]})
+    body["metadata"] = {"name": "gpt"}
+    try:
+        for node in nodes:
+            node.finish_deletions = False  # the ProcessKubelet's, once the containers stopped
+            node.start()
+            env.admin.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}, "spec": {
+                "taints": [{"key": POOL, "value": ns, "effect": "NoSchedule"}]}})  # no other job's pods
+        with env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
+            env.admin.create(env.jobs(ns), body)
+            wait("rank 1 mid-interval after a durable checkpoint",
+                 lambda: mid_interval(pods.containers.get("gpt-1-1"), store / "gpt", save_interval), pods)
+            gone = time.time()
+            drain(env, ns, names[1])
+            shrunk = training_at(env, ns, pods, 1, gone)
+            back = time.time()
+            env.admin.patch(f"/api/v1/nodes/{names[1]}", {"spec": {"unschedulable": False}})
+            grown = training_at(env, ns, pods, 2, back)
+    finally:
+        for node in nodes:
+            node.stop()
+            env.admin.delete(f"/api/v1/nodes/{node.name}", ok=(404,))
+    return {"capacity gone -> training at 1 of 2 nodes": shrunk - gone,
+            "capacity back -> training at 2 nodes": grown - back}
+
+
+def drain(env: KubeEnv, ns: str, node: str) -> None:
+    """`kubectl drain`: the Node cordoned, the job's pod on it evicted (the Eviction API)."""
+    env.admin.patch(f"/api/v1/nodes/{node}", {"spec": {"unschedulable": True}})
+    for name, pod in env.pods(ns).items():
+        if pod["spec"].get("nodeName") == node:
+            env.admin.create(f"/api/v1/namespaces/{ns}/pods/{name}/eviction", {
+                "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}})
+
+
+def training_at(env: KubeEnv, ns: str, pods: ProcessKubelet, size: int, since: float) -> float:
+    """When rank 0 of the job's first attempt at `size` nodes created after `since` completed its first step."""
+    st = env.wait_status(ns, "gpt", f"an attempt at {size} node(s)", lambda s: s.get("nodes") == size
+                         and s.get("phase") in ("Pending", "Running") and parse_iso(s.get("attemptStartTime")) >= since
+                         - 1, timeout=TIMEOUT)
+    rank0 = f"gpt-{st['attempt']}-0"
+    arrived, _ = wait(f"{rank0}'s first step", lambda: (c := pods.containers.get(rank0)) is not None
+                      and startup_after(c, since), pods)
+    return arrived
+
+
+def parse_iso(text: str | None) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp() if text else 0.0
+
+
+# -- imports: megatron-core as it is vs as kubetron.training imports it ----------------------------------
+
+IMPORTS = {
+    "megatron-core as it is": "import torch, megatron.core",
+    "kubetron.training, wandb run at import (before)": "import torch, wandb, kubetron.training",
+    "kubetron.training (now)": "import torch, kubetron.training",
+}
+
+
+def import_seconds(code: str) -> float:
+    """Seconds a fresh process spends in `code` (after `import torch`, which every variant pays alike)."""
+    timed = (f"import time, torch; t = time.perf_counter(); {code.replace('import torch, ', 'import ')}; "
+             "print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", timed], capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def imports(rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in IMPORTS}
+    for _ in range(rounds):
+        for name, code in IMPORTS.items():  # alternating: machine noise hits every variant alike
+            times[name].append(import_seconds(code))
+    return times
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def table(runs: list[Recovery]) -> tuple[str, float]:
+    """The phase table (medians over runs of each mode) and the ratio of the total medians."""
+    by_mode = {m: [r for r in runs if r.mode == m] for m in (IN_PLACE, RECREATE)}
+
+    def cell(mode: str, phase: str) -> str:
+        values = [r.phases[phase] for r in by_mode[mode] if phase in r.phases]
+        return f"{median(values):10.2f}" if values else f"{'-':>10}"
+
+    head = f"phase (seconds; median of {len(by_mode[IN_PLACE])} + {len(by_mode[RECREATE])} runs)"
+    rows = [f"{head:<48}{IN_PLACE:>10}{RECREATE:>10}"]
+    rows += [f"{phase:<48}{cell(IN_PLACE, phase)}{cell(RECREATE, phase)}" for phase in PHASES]
+    totals = {m: median([r.total for r in rs]) for m, rs in by_mode.items()}
+    total = "total: kill -> end of the first step after it"
+    rows.append(f"{total:<48}{totals[IN_PLACE]:10.2f}{totals[RECREATE]:10.2f}")
+    ratio = totals[IN_PLACE] / totals[RECREATE]
+    backoff = median([r.phases[BACKOFF] for r in by_mode[RECREATE]])
+    rows.append(f"in place / recreate: {ratio:.2f} (target <= 0.5); without the failure backoff "
+                f"({backoff:.2f} s): {totals[IN_PLACE] / (totals[RECREATE] - backoff):.2f}")
+    return "\n".join(rows), ratio
+
+
+def one_by_one(env: KubeEnv, workdir: Path, save_interval: int,
+               repeats: int) -> tuple[list[Recovery], dict[str, float]]:
+    """The runs one after another, the modes alternating; then the elastic run."""
+    runs = []
+    for i in range(repeats):
+        for mode in (IN_PLACE, RECREATE) if i % 2 == 0 else (RECREATE, IN_PLACE):
+            runs.append(recover(env, workdir, mode, save_interval))
+            print(f"{mode}: {runs[-1].total:.2f} s", flush=True)
+    return runs, elastic_timings(env, workdir, save_interval)
+
+
+def side_by_side(env: KubeEnv, workdir: Path, save_interval: int,
+                 repeats: int) -> tuple[list[Recovery], dict[str, float]]:
+    """--quick: one run of each mode and the elastic run at the same time, in their own namespaces.
+    Every part runs and every phase is measured, in a third of the time; the figures, each run slowed
+    by the others, are for a full run to give."""
+    with ThreadPoolExecutor(3) as pool:
+        modes = [pool.submit(recover, env, workdir, mode, save_interval) for mode in (IN_PLACE, RECREATE)]
+        elastic = pool.submit(elastic_timings, env, workdir, save_interval)
+        return [m.result() for m in modes], elastic.result()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="one run of each mode and the elastic run side by side, one round of imports (CI)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating (default: %(default)s)")
+    p.add_argument("--imports", type=int, default=None,
+                   help="rounds of the import comparison, 0: none (default: 5, --quick: 1)")
+    p.add_argument("--save-interval", type=int, default=4, help="iterations between checkpoints (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, help="also write the runs and the table here")
+    p.add_argument("--logs", type=Path, default=None, help="write each run's pod logs into this directory")
+    args = p.parse_args(argv)
+    repeats = 1 if args.quick else args.repeats
+    rounds = args.imports if args.imports is not None else 1 if args.quick else 5
+
+    with tempfile.TemporaryDirectory(prefix="kubetron-recovery-", ignore_cleanup_errors=True) as tmp:
+        workdir = Path(tmp)
+        cp, env, kubelet = start_env(workdir / "kube")
+        kubelet.finish_deletions = False  # the ProcessKubelet finishes them once the containers stopped
+        try:
+            runs, elastic = (side_by_side if args.quick else one_by_one)(env, workdir, args.save_interval, repeats)
+        finally:
+            kubelet.stop()
+            cp.stop()
+    for i, run in enumerate(runs, 1):
+        print(f"{run.mode}: {run.total:.2f} s (killed after iteration {run.killed_at_iteration}, first step "
+              f"after it: iteration {run.first_iteration})")
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            (args.logs / f"{i}-{run.mode.replace(' ', '-')}.log").write_text("".join(run.lines))
+    import_times = imports(rounds)
+
+    text, ratio = table(runs)
+    print(f"\nrecovery of a 2-pod job of the tiny GPT (1 layer, hidden 32, gloo on CPU) after a SIGKILL of rank 1's "
+          f"trainer, checkpoint every {args.save_interval} iterations; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n{text}")
+    print(f"\nelastic (nodes 2, minNodes 1, shrinkAfterSeconds {SHRINK_AFTER}; one of two Nodes drained, "
+          "then uncordoned; seconds to rank 0's first step at the new size):")
+    for name, seconds in elastic.items():
+        print(f"  {name:<52}{seconds:6.2f}")
+    if rounds:
+        print(f"\nimport seconds after `import torch` (median of {rounds}, fresh processes):")
+        for name, xs in import_times.items():
+            print(f"  {name:<52}{median(xs):6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "runs": [{k: v for k, v in asdict(r).items() if k != "lines"} for r in runs], "ratio": ratio,
+            "phases": list(PHASES), "elastic": elastic, "imports": import_times}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
