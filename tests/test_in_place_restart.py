@@ -73,6 +73,16 @@ def finish(pods: list[subprocess.Popen], timeout: float) -> list[int | None]:
     return codes
 
 
+def run_to_end(pods: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[list[str]], str]:
+    """Collect two pods' output until they end (`finish`): their codes, their lines, and one log of both."""
+    outs: list[list[str]] = [[] for _ in pods]
+    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    codes = finish(pods, timeout=timeout)
+    for t in threads:
+        t.join(timeout=10)
+    return codes, outs, "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+
+
 def losses(lines: list[str]) -> list[tuple[int, str]]:
     return [(int(m.group(1)), m.group(2)) for m in map(LOSS_RE.search, lines) if m]
 
@@ -133,12 +143,7 @@ def test_a_config_error_is_not_restarted_in_place(tmp_path):
     """Exit 2 is final: pod 0 exits 2 at once (its rank's own one line last), nothing is restarted.
     Pod 1 ends too (2, or 1 when the rendezvous host in pod 0 went away before its rank's end was seen)."""
     pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=-3"])
-    outs: list[list[str]] = [[], []]
-    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
-    codes = finish(pods, timeout=120)
-    for t in threads:
-        t.join(timeout=10)
-    log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+    codes, outs, log = run_to_end(pods, timeout=120)
     assert codes[0] == exitcodes.CONFIG_ERROR and codes[1] in (exitcodes.CONFIG_ERROR, exitcodes.ERROR), log[-4000:]
     assert "restarting the gang in place" not in log, log[-4000:]
     assert outs[0][-1].startswith("kubetron: error: train.train_iters"), log[-4000:]
@@ -169,12 +174,7 @@ def test_a_rank_that_ends_for_good_ends_the_other_pods_too(tmp_path):
     (tmp_path / "ends_for_good.py").write_text(ENDS_FOR_GOOD)  # what the ranks run instead of the trainer
     pods = start_pods(tmp_path, [], **{"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                                        launch.TRAINER_MODULE_ENV: "ends_for_good"})
-    outs: list[list[str]] = [[], []]
-    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
-    codes = finish(pods, timeout=120)
-    for t in threads:
-        t.join(timeout=10)
-    log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+    codes, outs, log = run_to_end(pods, timeout=120)
     assert codes == [exitcodes.PEER_FAILURE, exitcodes.DIVERGED], log[-4000:]
     assert "Traceback" not in log and "restarting the gang in place" not in "".join(outs[1]), log[-4000:]
     assert outs[0][-1].startswith("kubetron.torchrun: not restarting: no new rendezvous round"), log[-4000:]
