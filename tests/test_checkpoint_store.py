@@ -12,7 +12,7 @@ import signal
 import uuid
 
 import pytest
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 from tests.faultproxy import FaultProxy
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars

@@ -16,8 +16,8 @@ from kubetron.config import (
     parse_data_path,
     parse_split,
 )
-from kubetron.errors import ConfigError
-from kubetron.termination import encode_termination_message, write_termination_message
+from kubetron.contract.errors import ConfigError
+from kubetron.contract.termination import encode_termination_message, write_termination_message
 
 EXAMPLE = "examples/tiny-gpt.yaml"
 

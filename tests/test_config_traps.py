@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kubetron import exitcodes
-from kubetron.errors import ConfigError
+from kubetron.contract import exitcodes
+from kubetron.contract.errors import ConfigError
 
 from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, tb_scalars
@@ -124,7 +124,7 @@ def test_resume_names_settings_changed_since_the_checkpoint(saved, caplog):
 
 def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp_path):
     """A job at 2 GPUs did 1e15 FLOPs; this job (1 GPU) adds 3e12 in ~1 s: ~3 TFLOP/s, not ~1000."""
-    from kubetron import progress
+    from kubetron.contract import progress
     from kubetron.storage import open_store
     from kubetron.training.checkpointing import ProgressLog
     from kubetron.training.state import GlobalState

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from kubetron.contract.errors import ConfigError
 from kubetron.data import datasets
 from kubetron.data.datasets import (
     MockGPTDataset,
@@ -29,7 +30,6 @@ from kubetron.data.loader import (
 from kubetron.data.preprocess import iter_documents, preprocess
 from kubetron.data.preprocess import main as preprocess_main
 from kubetron.data.tokenizer import ByteTokenizer, NullTokenizer, build_tokenizer
-from kubetron.errors import ConfigError
 
 
 def make_cfg(data_path=None, split="969,30,1", seq_length=32, mbs=2, gbs=8, dp=1, eval_interval=None, iters=50,

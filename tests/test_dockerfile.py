@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import exitcodes, launch
+from kubetron import launch
+from kubetron.contract import exitcodes
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"

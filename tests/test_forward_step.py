@@ -283,7 +283,7 @@ class MyForwardStep:
 
 
 def test_custom_forward_step_trains_through_python_api(tmp_path, capsys):
-    from kubetron import exitcodes
+    from kubetron.contract import exitcodes
 
     step = MyForwardStep()
     cfg = in_process_config("train.train_iters=30", "logger.log_interval=5", "scheduler.lr_warmup_iters=2",
@@ -340,7 +340,7 @@ class BridgeStyleStep:
 def test_bridge_forward_step_uses_tokenizer_loggers_and_straggler_timer(tmp_path):
     from pathlib import Path
 
-    from kubetron import exitcodes
+    from kubetron.contract import exitcodes
 
     step = BridgeStyleStep()
     cfg = in_process_config("train.train_iters=4", "logger.log_interval=2", "scheduler.lr_warmup_iters=0",
@@ -400,7 +400,7 @@ def test_process_non_loss_data_func_at_every_evaluation(tmp_path):
     """pretrain(..., process_non_loss_data_func=f): at each evaluation one more global batch goes through
     the schedule with collect_non_loss_data=True and f(data, iteration, writer) gets the loss function's
     arbitrary returns; with non_loss_data_func(model) f gets what that returns instead."""
-    from kubetron import exitcodes
+    from kubetron.contract import exitcodes
 
     calls = []
 

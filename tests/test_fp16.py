@@ -11,7 +11,7 @@ import re
 from types import SimpleNamespace
 
 import torch
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 from kubetron.training.mixed_precision import LossScaler
 
 from tests.inprocess import in_process_config, run_pretrain

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 from tests.inprocess import ensure_world_of_one, in_process_config
 

@@ -244,7 +244,7 @@ def test_lora_on_an_import_exports_an_adapter_that_peft_loads_onto_the_hf_base(t
     # adapters on a trained kubetron checkpoint (no import-hf output): no HF base to name, refused
     import shutil
 
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.hf.io import peft_base_name
 
     trained = tmp_path / "trained"
@@ -343,7 +343,7 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
     sharding.load_model_state(full, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
     assert (kubetron_logits(full[0]) - want)[:, 8:].abs().max().item() > 0.1
     # ... so a run that leaves the window out of its model section may not start from the import
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.training.checkpointing import check_architecture
 
     common = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)
@@ -443,7 +443,7 @@ def test_qwen3_at_tp2_gives_transformers_logits(tmp_path):
 def test_checkpoint_records_qk_layernorm_and_head_size(tmp_path):
     """A run whose model lacks the q/k norms or has another head size may not start from a Qwen3 import;
     kv_channels null and kv_channels = hidden/heads are the same model."""
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.hf.io import import_hf
     from kubetron.training.checkpointing import check_architecture
 
@@ -483,7 +483,7 @@ def test_qwen3_sliding_window_and_attention_bias_are_one_line_exit_2(tmp_path, f
 def test_export_refuses_attention_no_hf_architecture_has(both, named):
     """Qwen3 has q/k norms, Qwen2 q/k/v biases, Mistral a window: a model with two of them has no HF class."""
     from kubetron.config import GPTModelConfig
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.hf.config_map import hf_config
 
     llama = {"normalization": "RMSNorm", "activation": "swiglu", "add_bias_linear": False, "vocab_size": 512}
@@ -496,7 +496,7 @@ def test_export_refuses_attention_no_hf_architecture_has(both, named):
 
 def test_qwen2_sliding_window_is_refused_naming_the_field():
     """Qwen2's window covers only the layers from max_window_layers on: refused, not dropped."""
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.hf.config_map import model_section
     from transformers import Qwen2Config
 

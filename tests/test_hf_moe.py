@@ -198,7 +198,7 @@ def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_direct
     """norm_topk_prob true is megatron's top-k then softmax (moe_router_pre_softmax false), with the same
     logits; a run whose MoE keys differ from the HF directory's or the import's may not load it (the field
     is named)."""
-    from kubetron.errors import CheckpointError, ConfigError
+    from kubetron.contract.errors import CheckpointError, ConfigError
     from kubetron.hf.io import import_hf, load_hf_into_model
     from kubetron.training.checkpointing import check_architecture
     from kubetron.training.model import build_model
@@ -234,7 +234,7 @@ def _edit_config(hf: Path, **fields) -> Path:
     (make_tiny_qwen3_moe, {"decoder_sparse_step": 0}, "decoder_sparse_step"),
 ], ids=["jitter", "top1-renormalised", "qwen3moe-window", "no-moe-layer", "sparse-step-0"])
 def test_unrepresentable_moe_configs_are_refused_naming_the_field(tmp_path, maker, fields, named):
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.hf.config_map import model_section, read_hf_config
 
     hf = _edit_config(maker(tmp_path / "hf"), **fields)
@@ -268,7 +268,7 @@ def test_export_refuses_moe_models_no_hf_architecture_has(fields, named):
     """Mixtral (no q/k norms) has an MoE block on every layer and renormalises the top-k; neither it nor
     Qwen3-MoE has shared experts or q/k/v biases. With q/k norms, dense layers and pre-softmax map."""
     from kubetron.config import GPTModelConfig
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.hf.config_map import hf_config
 
     m = GPTModelConfig(**MIXTRAL, **fields).model_dump()

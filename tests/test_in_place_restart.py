@@ -21,8 +21,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kubetron import exitcodes, launch
-from kubetron import progress as progress_log
+from kubetron import launch
+from kubetron.contract import exitcodes
+from kubetron.contract import progress as progress_log
 
 from tests.multirank.runner import free_port
 from tests.trainer_utils import QUICK, TINY, pod_env
@@ -152,7 +153,7 @@ def test_a_config_error_is_not_restarted_in_place(tmp_path):
 ENDS_FOR_GOOD = """
 import datetime, sys
 import torch.distributed as dist
-from kubetron.termination import write_termination_message
+from kubetron.contract.termination import write_termination_message
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 if dist.get_rank() == 1:  # a rank-specific end no restart cures

@@ -8,7 +8,7 @@ import json
 import struct
 
 import pytest
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import tb_scalars
@@ -138,7 +138,7 @@ def test_wandb_and_mlflow_runs_hold_the_tensorboard_series(tmp_path, monkeypatch
 def test_tracker_without_its_package_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 from tests.hf_utils import TOKENS, config_for, hf_logits, kubetron_logits, make_tiny_llama
 from tests.inprocess import ensure_world_of_one
@@ -189,7 +189,7 @@ def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_pat
 
 def test_config_errors_are_one_line_exit_2(tmp_path):
     from kubetron.config import ConfigContainer
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     def error(**peft) -> str:
         data = {"train": {"train_iters": 1}, "peft": peft, "checkpoint": {"pretrained_checkpoint": "/base"}}
@@ -212,7 +212,7 @@ def test_adapter_checkpoint_without_its_peft_section_is_exit_2(base, reference, 
     p = run(args, tmp_path)
     assert p.returncode == exitcodes.CONFIG_ERROR, p.stderr[-3000:]
     assert p.stderr.strip().count("\n") == 0 and "peft.scheme" in p.stderr and "adapters only" in p.stderr
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.training import peft
 
     cfg = config_for(base.keys, *LORA, f"checkpoint.pretrained_checkpoint={base.hf}", "peft.dim=8")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 from kubetron.training.state import GlobalState
 
 from tests.inprocess import in_process_config, run_pretrain

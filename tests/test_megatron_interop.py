@@ -211,7 +211,7 @@ def test_megatron_lm_tracker_picks_the_iteration(tmp_path):
     ({"num_attention_heads": 8, "num_query_groups": 4}, "model.num_attention_heads"),
 ])
 def test_architecture_mismatch_names_the_model_key(tmp_path, override, field):
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     root = tmp_path / "megatron"
     write_bridge(megatron_gpt(seed=1), root, 10)
@@ -223,7 +223,7 @@ def test_architecture_mismatch_names_the_model_key(tmp_path, override, field):
 
 
 def test_resuming_a_megatron_checkpoint_points_at_pretrained_checkpoint(tmp_path):
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     root = tmp_path / "megatron"
     write_bridge(megatron_gpt(seed=1), root, 10)
@@ -264,7 +264,7 @@ def test_cli_pp2_finetunes_from_megatron_lm_checkpoint_and_megatron_loads_the_re
 
 def test_unknown_pretrained_checkpoint_version_names_pretrained_checkpoint(tmp_path):
     """A pretrained checkpoint of an unknown kubetron version is refused naming the key the user set."""
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     model, ckpt = kubetron_parts(f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.ckpt_format=kubetron")
     ckpt.save(3)
@@ -278,7 +278,7 @@ def test_unknown_pretrained_checkpoint_version_names_pretrained_checkpoint(tmp_p
 
 def test_tensor_check_knows_pipeline_stages():
     """Under PP a stage asks for its own tensors only: what other stages hold is no mismatch, a missing layer is."""
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.training.dist_ckpt import check_tensors
 
     saved = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.mlp.linear_fc2.weight": (2, 64, 96),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 from kubetron.training.mixed_precision import MainParamsOptimizer
 from kubetron.training.optim import build_optimizer
 from kubetron.training.optimizer_base import PlainOptimizer

@@ -72,7 +72,7 @@ def test_config_errors_are_one_line(tmp_path, capsys, monkeypatch, name, text, w
 def test_resume_names_the_moe_field_that_differs(change, field):
     """Resume asserts what it restores: an MoE checkpoint's experts, expert sizes and layer pattern."""
     from kubetron.config import ConfigContainer
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.training.checkpointing import arch_record, check_architecture
 
     def model(**kw):

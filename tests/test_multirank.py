@@ -21,8 +21,8 @@ import signal
 import time
 
 import pytest
-from kubetron import exitcodes
-from kubetron.progress import parse_progress, summarize_events
+from kubetron.contract import exitcodes
+from kubetron.contract.progress import parse_progress, summarize_events
 
 from tests.multirank.runner import (
     GBS,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from kubetron.config import GPTModelConfig
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 from kubetron.plan import GIB, Shape, make_plan, parse_memory
 
 from tests.inprocess import ensure_world_of_one, in_process_config

@@ -1,4 +1,4 @@
-"""kubetron.progress (the progress-log format, shared by trainer and operator) and the status endpoint."""
+"""kubetron.contract.progress (the progress-log format, shared by trainer and operator) and the status endpoint."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import urllib.request
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from kubetron import progress
-from kubetron.progress import (
+from kubetron.contract import progress
+from kubetron.contract.progress import (
     ProgressEvent,
     exiting_job_line,
     format_line,
@@ -391,7 +391,7 @@ def test_cli_main(tmp_path, capsys):
 
 
 def test_import_does_not_pull_torch():
-    code = "import sys, kubetron.progress; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kubetron.contract.progress; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -508,7 +508,7 @@ def test_status_server_from_env(monkeypatch):
 
 def test_progress_command_writes_its_summary_as_a_termination_message(tmp_path, capsys):
     """The operator's PVC progress-reader pod reports through /dev/termination-log (no pods/log)."""
-    from kubetron import progress
+    from kubetron.contract import progress
 
     store = tmp_path / "store"
     store.mkdir()

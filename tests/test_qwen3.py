@@ -60,7 +60,7 @@ def test_head_size_is_kv_channels_in_config_checks_and_flops():
     """kv_channels frees the head size from hidden/heads (hidden 60 with 8 heads of 24); an odd head size is
     refused naming kv_channels; the FLOPs count the projections as they are (cross-checked against the
     built model's weights: 6 FLOPs per weight and token, plus attention)."""
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.training.model import build_model
     from kubetron.training.utils import num_floating_point_operations
 

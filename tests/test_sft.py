@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from kubetron.contract.errors import ConfigError
 from kubetron.data.finetuning import FinetuningDataset
 from kubetron.data.tokenizer import ByteTokenizer
-from kubetron.errors import ConfigError
 
 EXAMPLES = [{"input": "Translate: cat", "output": " -> chat"}, {"input": "2+2=", "output": "4"},
             {"input": "Capital of France? ", "output": "Paris, of course."}]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kubetron.errors import CheckpointError
+from kubetron.contract.errors import CheckpointError
 from kubetron.storage import open_store
 from kubetron.training.sharded import Piece, RankShard, ShardReader, flat_boxes, write
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kubetron.errors import CheckpointError
+from kubetron.contract.errors import CheckpointError
 from kubetron.storage import MARKER, AsyncSaver, open_store
 from kubetron.storage.s3 import S3Options, S3Store
 

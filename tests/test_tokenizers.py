@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
-from kubetron import exitcodes
 from kubetron.config import GPTDatasetConfig, TokenizerConfig
+from kubetron.contract import exitcodes
+from kubetron.contract.errors import ConfigError
 from kubetron.data import preprocess as preprocess_mod
 from kubetron.data.datasets import build_gpt_datasets
 from kubetron.data.loader import build_data_iterators
 from kubetron.data.preprocess import preprocess
 from kubetron.data.tokenizer import build_tokenizer, tokenizer_assets, tokenizer_from_assets
-from kubetron.errors import ConfigError
 
 from tests.trainer_utils import TINY, kubetron_cmd, run, run_until_iteration_then_signal, tb_scalars
 

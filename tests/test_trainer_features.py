@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 from kubetron.training.state import GlobalState
 
 from tests.inprocess import in_process_config, run_pretrain
@@ -192,7 +192,7 @@ def test_ckpt_step_and_iter_dir_load(pretrained, tmp_path, caplog):
 
 
 def test_ckpt_step_that_does_not_exist_is_refused(pretrained):
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     cfg = in_process_config(f"checkpoint.load={pretrained.ckpt}", "checkpoint.ckpt_step=10", "train.train_iters=41")
     with pytest.raises(ConfigError, match=r"ckpt_step: 10.*no complete iter_0000010"):
@@ -200,7 +200,7 @@ def test_ckpt_step_that_does_not_exist_is_refused(pretrained):
 
 
 def test_architecture_mismatch_names_the_field(pretrained):
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     cfg = in_process_config(f"checkpoint.load={pretrained.ckpt}", "train.train_iters=50", "model.hidden_size=128")
     with pytest.raises(ConfigError) as e:  # a spec error: exit 2
@@ -528,7 +528,7 @@ def test_validation_and_test_splits_are_evaluated_after_training(tmp_path, capsy
 
 def test_evaluation_config_is_checked():
     from kubetron.config import ConfigContainer
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     with pytest.raises(ConfigError, match="validation.eval_iters: 0 turns evaluation off, but "
                                           "validation.eval_interval is set"):

@@ -6,7 +6,7 @@ import json
 import signal
 
 import pytest
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
 

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, READER_CONTAINER
 from kubetron_operator.model import KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, TRAINER, Job, PvcStorage

@@ -8,7 +8,7 @@ import secrets
 from typing import Any
 
 import kopf
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 from kubetron_operator import handlers
 from kubetron_operator.api_calls import Kube, kubernetes_transport

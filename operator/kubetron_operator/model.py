@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 from kubetron.config import ConfigContainer, apply_overrides
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 GROUP = "kubetron.dev"
 VERSION = "v1alpha1"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kubetron.progress import PROGRESS_FILE, parse_progress, summarize_events
+from kubetron.contract.progress import PROGRESS_FILE, parse_progress, summarize_events
 
 from kubetron_operator.api_calls import Kube
 from kubetron_operator.model import Job, S3Storage

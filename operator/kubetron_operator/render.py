@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import yaml
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 from kubetron_operator.build import build
 from kubetron_operator.model import API_VERSION, KIND, Job, SpecError

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 from tests.trainer_utils import TINY, free_port, run_until_iteration
 

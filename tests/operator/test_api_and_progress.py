@@ -7,7 +7,7 @@ import json
 import logging
 
 import pytest
-from kubetron.progress import saved_checkpoint_line, starting_job_line
+from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
 from kubetron_operator import live
 from kubetron_operator.api_calls import (
     ALL_CALLS,

@@ -232,7 +232,7 @@ def test_reader_pod_mounts_claim_read_only():
     pod = build_reader_pod(Job.from_body(PVC_JOB), 3)
     assert pod["metadata"]["name"] == "gpt-3-progress"
     c = pod["spec"]["containers"][0]
-    assert c["command"][-1] == "/ckpt/gpt" and "kubetron.progress" in c["command"]
+    assert c["command"][-1] == "/ckpt/gpt" and "kubetron.contract.progress" in c["command"]
     assert {"name": "store", "mountPath": "/ckpt", "readOnly": True} in c["volumeMounts"]
     assert pod["spec"]["restartPolicy"] == "Never"
 
@@ -271,7 +271,7 @@ def test_render_file(tmp_path):
 
 
 def test_render_names_the_field_of_a_bad_spec(tmp_path):
-    from kubetron.errors import ConfigError
+    from kubetron.contract.errors import ConfigError
 
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job_body(S3_JOB, config="train:\n  train_iters: -5\n")))

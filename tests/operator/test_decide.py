@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 from kubetron_operator.decide import (
     MAX_PREEMPTIONS_WITHOUT_PROGRESS,
     Observed,
@@ -715,7 +715,7 @@ def test_the_progress_readers_summary_is_read_from_its_own_container():
 
 def _log_with_restarts(*lines: tuple[int, int]) -> dict:
     """A progress-log summary with `Restarted in place` lines (attempt, count in that attempt)."""
-    from kubetron import progress as progress_log
+    from kubetron.contract import progress as progress_log
 
     text = "".join(progress_log.restarted_in_place_line(10, n, 40, num_gpus=2, job_id=f"ns/gpt/{attempt}") + "\n"
                    for attempt, n in lines)

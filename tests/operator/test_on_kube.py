@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubetron.progress import saved_checkpoint_line, starting_job_line
+from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
 from packaging.requirements import Requirement
 
 from tests.kube.cluster import set_exited, set_running

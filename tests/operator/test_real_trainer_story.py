@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 from kubetron_operator import live
 from kubetron_operator.build import (
     CONFIG_PATH,

@@ -35,8 +35,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kubetron import __version__, exitcodes
-from kubetron.errors import ConfigError
+from kubetron import __version__
+from kubetron.contract import exitcodes
+from kubetron.contract.errors import ConfigError
 
 PROG = "kubetron"
 CLOSED_PIPE = 141  # 128 + SIGPIPE: the exit status of `cmd | head` for a cmd that SIGPIPE kills
@@ -60,8 +61,11 @@ def _one_line(text: str) -> str:
 def _report(field_and_message: str, termination_log: str | None = None) -> int:
     """Print the one-line error, write the termination message, return exit code 2."""
     line = _one_line(field_and_message)
-    print(f"{PROG}: error: {line}", file=sys.stderr)
-    from kubetron.termination import write_termination_message
+    # One write, not print's two (text, then newline): two ranks reporting the same config error into one
+    # pod log must not interleave as "...reference`)kubetron: error: ...".
+    sys.stderr.write(f"{PROG}: error: {line}\n")
+    sys.stderr.flush()
+    from kubetron.contract.termination import write_termination_message
 
     write_termination_message({"exitCode": exitcodes.CONFIG_ERROR, "reason": exitcodes.NAMES[exitcodes.CONFIG_ERROR],
                                "message": line}, termination_log)
@@ -115,7 +119,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_progress(args: argparse.Namespace) -> int:
-    from kubetron.progress import summarize
+    from kubetron.contract.progress import summarize
 
     summary = summarize(args.store)
     print(json.dumps(summary, indent=None if args.json else 2, sort_keys=False))

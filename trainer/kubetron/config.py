@@ -16,7 +16,7 @@ Life cycle, as in the reference:
 3. `to_yaml()` is the resolved config saved as `run_config.yaml` in every checkpoint;
    `from_dict(yaml.safe_load(cfg.to_yaml())) == cfg` holds exactly.
 
-Every user error is a `kubetron.errors.ConfigError(field, message)` naming the dotted key. Importing
+Every user error is a `kubetron.contract.errors.ConfigError(field, message)` naming the dotted key. Importing
 this module is cheap: no torch (the operator image imports it too).
 """
 
@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 BYTE_TOKENIZER_VOCAB = 258
 """The byte tokenizer's base vocabulary: 256 byte values + eod + pad."""
@@ -1318,7 +1318,7 @@ class ConfigContainer(BaseModel):
                 raise ConfigError("train.status_port", f"env KUBETRON_STATUS_PORT={raw!r} is not a port number")
             t.status_port = port
         if t.termination_log is None:
-            from kubetron.termination import termination_log_path
+            from kubetron.contract.termination import termination_log_path
 
             t.termination_log = termination_log_path(None, env)
 

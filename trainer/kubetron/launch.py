@@ -35,8 +35,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kubetron import exitcodes
-from kubetron.termination import DEFAULT_TERMINATION_LOG, write_termination_message
+from kubetron.contract import exitcodes
+from kubetron.contract.termination import DEFAULT_TERMINATION_LOG, write_termination_message
 from kubetron.torchrun import FAILURES_FILE, describe_failure
 from kubetron.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
 

@@ -40,7 +40,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from kubetron.config import ConfigContainer, GPTModelConfig
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 GIB = 1024**3
 DEFAULT_GPU_MEMORY = 80 * GIB

@@ -28,7 +28,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 FAILURES_FILE = "torchrun-failures.json"  # in the launcher's messages directory (KUBETRON_LAUNCH_MESSAGES)
 NODE_RANK_ENV = "KUBETRON_RDZV_NODE_RANK"  # set by the launcher with a c10d rendezvous: this node's group rank

@@ -38,7 +38,7 @@ import numpy as np
 
 from kubetron.config import parse_data_path as config_parse_data_path
 from kubetron.config import parse_split as config_parse_split
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 log = logging.getLogger("kubetron")
 

@@ -27,7 +27,7 @@ import logging
 
 import numpy as np
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 log = logging.getLogger("kubetron")
 

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kubetron.contract.errors import ConfigError
 from kubetron.data.datasets import build_gpt_datasets
 from kubetron.data.tokenizer import build_tokenizer
-from kubetron.errors import ConfigError
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 

@@ -39,9 +39,9 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
+from kubetron.contract.errors import ConfigError
 from kubetron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, tokenizer_from_assets
-from kubetron.errors import ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 CHUNK_BYTES = 1 << 18  # work unit sent to a worker: about 256 KiB of input text

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 TOKENIZER_TYPES = ("byte", "null", "HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer")
 FILE_TOKENIZERS = TOKENIZER_TYPES[2:]

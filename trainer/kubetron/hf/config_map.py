@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",

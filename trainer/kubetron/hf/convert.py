@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 from kubetron.hf.config_map import export_architecture, moe_layer_pattern
 
 _RENAMES = {  # HF name -> canonical name ("{i}" = layer number)

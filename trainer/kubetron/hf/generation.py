@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 from kubetron.hf import config_map
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")

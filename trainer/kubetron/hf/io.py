@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 import torch
 import yaml
 
-from kubetron.errors import CheckpointError, ConfigError
+from kubetron.contract.errors import CheckpointError, ConfigError
 from kubetron.hf import config_map, convert, generation
 
 # HF tokenizer files carried along (import: into the checkpoint; export: back out of it).

@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 from kubetron.hf import convert
 
 _A, _B = ".adapter.linear_in.weight", ".adapter.linear_out.weight"

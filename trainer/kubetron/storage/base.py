@@ -33,7 +33,7 @@ import re
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Self
 
-from kubetron.errors import CheckpointError
+from kubetron.contract.errors import CheckpointError
 
 MARKER = "metadata.json"
 """The commit marker of a checkpoint directory, written last."""

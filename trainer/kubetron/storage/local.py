@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from kubetron.errors import CheckpointError
+from kubetron.contract.errors import CheckpointError
 from kubetron.storage.base import (
     MARKER,
     TEMP_NAME_RE,

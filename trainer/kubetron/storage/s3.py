@@ -35,7 +35,7 @@ import botocore.exceptions as bce
 import urllib3.exceptions
 from botocore.config import Config
 
-from kubetron.errors import CheckpointError
+from kubetron.contract.errors import CheckpointError
 from kubetron.storage.base import (
     MARKER,
     PENDING_NAME,

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from kubetron import progress as progress_log
-from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.contract import progress as progress_log
+from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.storage import open_store
 from kubetron.training import comm, dist_ckpt, peft, sharded, sharding
 

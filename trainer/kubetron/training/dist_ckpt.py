@@ -48,7 +48,7 @@ import tempfile
 
 import torch
 
-from kubetron.errors import CheckpointError, ConfigError
+from kubetron.contract.errors import CheckpointError, ConfigError
 
 DIST = "dist"
 OPTIM_PREFIX = "optimizer"

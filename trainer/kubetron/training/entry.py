@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kubetron import exitcodes
-from kubetron.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.contract import exitcodes
+from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.contract.termination import write_termination_message
 from kubetron.startup import CLOCK
-from kubetron.termination import write_termination_message
 from kubetron.training.state import GlobalState, SignalHandler, Timers
 
 log = logging.getLogger("kubetron")

@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 from kubetron.training import moe
 
 log = logging.getLogger(__name__)

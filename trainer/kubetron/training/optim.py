@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 from kubetron.training.ddp import DistributedOptimizer, GradBuffers, broadcast_params
 from kubetron.training.grads import FlatGradSync, model_parallel_sum, norm_squared
 from kubetron.training.mixed_precision import LossScaler, MainParamsOptimizer

@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from kubetron.config import LORA_TARGETS as TARGETS  # noqa: F401  (re-exported)
-from kubetron.errors import ConfigError
+from kubetron.contract.errors import ConfigError
 
 log = logging.getLogger("kubetron")
 

@@ -33,7 +33,7 @@ from functools import cached_property
 import torch
 from megatron.core import parallel_state
 
-from kubetron.errors import CheckpointError
+from kubetron.contract.errors import CheckpointError
 from kubetron.training import sharding
 
 VOCAB_TENSORS = (sharding._WORD_EMBEDDING, "output_layer.weight")

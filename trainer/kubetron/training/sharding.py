@@ -45,7 +45,7 @@ try:  # the compiled snapshot copy (setup.py); absent where the install had no C
 except ImportError:  # tests set it to None to run the fallback
     _hostcopy = None
 
-from kubetron.errors import CheckpointError
+from kubetron.contract.errors import CheckpointError
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")

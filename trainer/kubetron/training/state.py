@@ -134,7 +134,7 @@ class GlobalState:
     device: Any = None  # torch.device
     ckpt: Any = None  # kubetron.training.checkpointing.CheckpointManager, once built
     straggler: Any = None  # kubetron.training.straggler.StragglerDetector while train() runs (None: off)
-    exit_code: int | None = None  # how the run ended (kubetron.exitcodes), once it has
+    exit_code: int | None = None  # how the run ended (kubetron.contract.exitcodes), once it has
     _tokenizer: Any = field(default=None, init=False, repr=False)
     _tensorboard_logger: Any = field(default=None, init=False, repr=False)
     _wandb_logger: Any = field(default=None, init=False, repr=False)

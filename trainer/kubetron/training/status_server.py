@@ -20,7 +20,7 @@ from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from kubetron.progress import in_place_restarts
+from kubetron.contract.progress import in_place_restarts
 
 logger = logging.getLogger(__name__)
 

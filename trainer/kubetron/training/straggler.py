@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 
 log = logging.getLogger("kubetron")
 

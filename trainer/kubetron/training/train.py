@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubetron import exitcodes
+from kubetron.contract import exitcodes
 from kubetron.startup import CLOCK
 from kubetron.training import moe, pipeline, straggler
 from kubetron.training.comm import any_rank

@@ -520,7 +520,7 @@ TERMINATION_MESSAGE_LIMIT = 4096  # bytes Kubernetes keeps of a termination mess
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`kubetron progress STORE` (also `python -m kubetron.progress STORE`): print the summary as JSON.
+    """`kubetron progress STORE` (also `python -m kubetron.contract.progress STORE`): print the summary as JSON.
 
     `--termination-log PATH` also writes it, compact, to PATH: the operator's progress-reader pod reports
     through its termination message, so the operator needs no pods/log access.
