@@ -72,6 +72,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kubetron.contract import exitcodes
+from kubetron.contract.termination import parse_termination_message
+from kubetron.contract.times import format_duration
 
 from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, READER_CONTAINER
 from kubetron_operator.model import KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, TRAINER, Job, PvcStorage
@@ -255,18 +257,6 @@ def node_trouble(nodes: Iterable[Mapping[str, Any]], wanted: Iterable[str]) -> d
             words = ": ".join(x for x in (ready.get("reason"), ready.get("message")) if x)
             out[name] = f"node {name} is not Ready ({ready.get('status', 'Unknown')}{': ' + words if words else ''})"
     return out
-
-
-def parse_termination_message(text: str) -> dict[str, Any] | None:
-    """The trainer's one-line JSON (docs/CONTRACT.md); None for anything else (e.g. a log tail)."""
-    for line in reversed((text or "").strip().splitlines()):
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(data, dict) and isinstance(data.get("exitCode"), int):
-            return data
-    return None
 
 
 @dataclass(frozen=True)
@@ -917,18 +907,6 @@ def _in_place_news(obs: Observed, attempt: int) -> tuple[dict[str, Any], tuple[E
 def _overdue(obs: Observed) -> tuple[str, ...]:
     """Pods still terminating long past any grace period (their node is gone): force-delete them."""
     return tuple(p.name for p in obs.pods if p.deleting_for is not None and p.deleting_for > FORCE_DELETE_AFTER)
-
-
-def format_duration(seconds: float) -> str:
-    """1h2m, 3m20s, 45s."""
-    s = max(0, round(seconds))
-    if s >= 86400:
-        return f"{s // 86400}d{s % 86400 // 3600}h"
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60}s"
-    return f"{s}s"
 
 
 def _it(ckpt: Mapping | None) -> int:

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 from kubetron.contract import exitcodes
+from kubetron.contract.termination import parse_termination_message
+from kubetron.contract.times import format_duration
 from kubetron_operator.decide import (
     MAX_PREEMPTIONS_WITHOUT_PROGRESS,
     Observed,
     PodView,
     decide,
-    format_duration,
     node_trouble,
-    parse_termination_message,
 )
 from kubetron_operator.model import Job
 

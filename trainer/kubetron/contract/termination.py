@@ -9,10 +9,34 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from typing import TypedDict
 
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 ENV_VAR = "KUBETRON_TERMINATION_LOG"
-MESSAGE_LIMIT = 4096  # bytes; the kubelet reads at most this much
+MESSAGE_LIMIT = 4096  # bytes; the kubelet reads at most this much (the one definition of the limit)
+
+
+class TerminationMessage(TypedDict, total=False):
+    """What a trainer writes (docs/CONTRACT.md); only `exitCode` is always there."""
+
+    exitCode: int
+    reason: str  # exitcodes.NAMES[exitCode]
+    message: str
+    iteration: int | None
+    trainIters: int | None
+    lastCheckpoint: dict | None  # the newest durable checkpoint's marker fields (iteration, path, time)
+
+
+def parse_termination_message(text: str) -> TerminationMessage | None:
+    """The trainer's one-line JSON; None for anything else (e.g. a log tail the kubelet put there)."""
+    for line in reversed((text or "").strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("exitCode"), int):
+            return data  # type: ignore[return-value]  # the keys beyond exitCode are read with .get
+    return None
 
 
 def termination_log_path(path: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
