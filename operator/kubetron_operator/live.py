@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kubetron_operator.decide import PodView
+from kubetron_operator.observe import PodView
 
 Fetch = Callable[[str], dict[str, Any]]
 
