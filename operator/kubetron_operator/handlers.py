@@ -371,7 +371,7 @@ def cleanup_on_delete(name: str, namespace: str, uid: str, spec: Any, status: An
 
 
 def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: kopf.Logger) -> None:
-    """Mark Kueue pod-group members `retriable-in-group: "false"` (decide.Action.release_pods): Kueue then
+    """Mark Kueue pod-group members `retriable-in-group: "false"` (policy.action.Action.release_pods): Kueue then
     finishes the group's Workload once its pods are gone and frees the quota. Best effort: a pod that cannot
     be marked is tried again next round (it stays in release_pods), the rest of the action goes on."""
     for pod in pods:
@@ -548,7 +548,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
                     logger: kopf.Logger) -> tuple[str, str, bool] | None:
     """Create an attempt's objects in order. On an API error delete what this call created (a partial
-    gang must not hold GPUs) and return (reason, message, transient) for decide.create_failed."""
+    gang must not hold GPUs) and return (reason, message, transient) for policy.start.create_failed."""
     created: list[dict[str, Any]] = []
     for manifest in manifests:
         try:
