@@ -52,6 +52,7 @@ def _decide(job: Job | None, obs: Observed) -> Action:
 
 
 def _running(job: Job, obs: Observed, attempt: int) -> Action:
+    """The current attempt exists: has it ended, is it still starting, may it grow; else its progress."""
     current = [p for p in obs.pods if p.role == "worker" and p.attempt == attempt]
     stale = tuple(p.name for p in obs.pods if p.attempt != attempt and p.deleting_for is None
                   and (p.role == "worker" or p.attempt < attempt))

@@ -104,6 +104,7 @@ class PodView:
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], now: datetime) -> PodView:
+        """The view of a pod as the API server has it (its ages measured at `now`)."""
         meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
         role = labels.get(LABEL_ROLE, "worker")

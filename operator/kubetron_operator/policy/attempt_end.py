@@ -141,6 +141,7 @@ def _completed(obs: Observed, current: list[PodView]) -> bool:
 
 
 def succeed(job: Job, obs: Observed, ckpt: Checkpoint | None) -> Action:
+    """Succeeded: progress at train_iters (100 %), the last in-place restarts counted, live pods deleted."""
     status = phase_status(obs, "Succeeded", "Completed", "train_iters reached")
     status.update(progress_fields(obs, ckpt, live=False))
     train_iters = status.get("trainIters")

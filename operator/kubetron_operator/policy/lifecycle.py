@@ -51,6 +51,7 @@ def deadline_exceeded(job: Job, obs: Observed) -> Action | None:
 
 
 def suspend(obs: Observed) -> Action:
+    """spec.suspend: delete every pod, keep the job; the attempt that ends here remembers how far it got."""
     st = obs.status
     alive = [p for p in obs.pods if p.alive or (p.role != "worker" and p.deleting_for is None)]
     deleting = [p for p in obs.pods if p.deleting_for is not None]
@@ -70,6 +71,7 @@ def suspend(obs: Observed) -> Action:
 
 
 def fail(obs: Observed, reason: str, message: str) -> Action:
+    """Failed for good (`reason`, `message`): live pods deleted, nothing created again."""
     status = phase_status(obs, "Failed", reason, message)
     status.update(completionTime=stamp(obs.now), eta=None, nextAttemptTime=None)
     active = tuple(p.name for p in obs.pods if p.alive)

@@ -21,6 +21,7 @@ from kubetron_operator.policy.action import Event
 
 
 def phase_status(obs: Observed, phase: str, reason: str, message: str) -> StatusPatch:
+    """phase, reason, message and the conditions that go with them."""
     return {"phase": phase, "reason": reason, "message": message,
             "conditions": _conditions(obs.status.get("conditions") or [], phase, reason, message, obs.now)}
 
@@ -73,6 +74,7 @@ def progress_fields(obs: Observed, ckpt: Checkpoint | None, live: bool = True) -
 
 
 def percent(iteration: int, train_iters: Any) -> str:
+    """status.progress: `iteration` of `train_iters` as a whole percentage, at most 100%."""
     return f"{min(100, math.floor(100 * iteration / int(train_iters)))}%"
 
 
@@ -141,4 +143,5 @@ def reached_iteration(obs: Observed, attempt: int, current: list[PodView]) -> in
 
 
 def ckpt_iteration(ckpt: Checkpoint | None) -> int:
+    """The checkpoint's iteration; 0 when there is none (the attempt starts from scratch)."""
     return int(ckpt["iteration"]) if ckpt else 0
