@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kubetron_operator.job_status import StatusPatch
+from kubetron_operator.job_status import FINISHED, StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed
 from kubetron_operator.policy import elastic, lifecycle, start
@@ -36,7 +36,7 @@ def decide(job: Job | None, obs: Observed) -> Action:
 def _decide(job: Job | None, obs: Observed) -> Action:
     st = obs.status
     phase = st.get("phase") or ""
-    if phase in lifecycle.FINISHED:
+    if phase in FINISHED:
         return lifecycle.finished(job, obs)
     if job is None:
         return lifecycle.invalid_spec(obs)

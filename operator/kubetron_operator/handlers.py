@@ -48,7 +48,7 @@ from kubetron_operator.build import (
     service_name,
 )
 from kubetron_operator.decide import decide
-from kubetron_operator.job_status import JobStatus
+from kubetron_operator.job_status import FINISHED, JobStatus
 from kubetron_operator.model import (
     GROUP,
     KUEUE_GROUP_LABEL,
@@ -62,7 +62,7 @@ from kubetron_operator.model import (
 from kubetron_operator.observe import Observed, PodView, job_status, node_trouble, termination_text
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.elastic import attempt_size, shrink_due
-from kubetron_operator.policy.lifecycle import FINISHED, FORCE_DELETE_AFTER
+from kubetron_operator.policy.lifecycle import FORCE_DELETE_AFTER
 from kubetron_operator.policy.start import NOT_SCHEDULED_AFTER, READER_TIMEOUT, create_failed
 from kubetron_operator.progress_io import read_s3_progress
 

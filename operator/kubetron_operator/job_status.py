@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
+FINISHED = ("Succeeded", "Failed")
+"""The phases a job never leaves (a finished job is never rerun)."""
+
 StatusPatch = dict[str, Any]
 """A JSON merge patch for .status: JobStatus's fields, None deletes one."""
 

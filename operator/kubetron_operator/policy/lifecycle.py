@@ -17,7 +17,6 @@ from kubetron_operator.observe import Observed
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.status import phase_status, reached_iteration
 
-FINISHED = ("Succeeded", "Failed")
 FORCE_DELETE_AFTER = 60.0  # seconds past a pod's grace period before it is force-deleted (node lost)
 
 
