@@ -17,7 +17,8 @@ from kubetron.config import (
     parse_split,
 )
 from kubetron.contract.errors import ConfigError
-from kubetron.contract.termination import encode_termination_message, write_termination_message
+from kubetron.contract.termination import encode_termination_message
+from kubetron.termination_log import write_termination_message
 
 EXAMPLE = "examples/tiny-gpt.yaml"
 
