@@ -1,37 +1,37 @@
-"""The run configuration: a pydantic v2 `ConfigContainer` whose sections and field names follow
+"""The run configuration's schema: a pydantic v2 `ConfigContainer` whose sections and field names follow
 Megatron Bridge (`megatron.bridge.training.config`) and `megatron.training.config`.
 
 Life cycle, as in the reference:
 
-1. `ConfigContainer.from_yaml(path, overrides)` (or `from_dict`) parses and type-checks the user's
-   YAML plus `section.key=value` overrides, and runs `validate()` (pure, no filesystem or torch).
-2. `finalize(world_size)` is `derive(world_size)` then `resolve()`:
-   - `derive` computes the derived values (data-parallel size, global batch size, micro-batches per
-     step, train_iters from train_samples, scheduler steps, the padded vocabulary of a byte/null
-     tokenizer, ...) and re-validates. It is pure: no file, S3, environment or installed-package
-     read, so the operator runs it at admission, for the job's world size, before any pod exists.
-   - `resolve` is the trainer's side: it reads what lives where the trainer runs (a file-based
-     tokenizer's vocabulary, from the pod's volume or S3; the KUBETRON_* environment defaults; the
-     logger's optional packages) and checks the input paths exist.
-3. `to_yaml()` is the resolved config saved as `run_config.yaml` in every checkpoint;
+1. `ConfigContainer.from_dict(data)` type-checks the user's sections (after `apply_overrides` of
+   `section.key=value` overrides) and runs `validate()`: each section checks its own keys as it is
+   built (`check()`), the container the rules across sections. Pure: no filesystem or torch.
+2. `derive(world_size)` computes the derived values (data-parallel size, global batch size, micro-batches
+   per step, train_iters from train_samples, scheduler steps, the padded vocabulary of a byte/null
+   tokenizer, ...) and re-validates. It is pure: no file, S3, environment or installed-package read, so
+   the operator runs it at admission, for the job's world size, before any pod exists.
+3. The trainer's `kubetron.config.ConfigContainer` (this schema plus `from_yaml`, `resolve` and
+   `finalize` = derive + resolve) reads what lives where the trainer runs: a file-based tokenizer's
+   vocabulary, the KUBETRON_* environment defaults, the logger's optional packages, the input paths.
+4. `to_yaml()` is the resolved config saved as `run_config.yaml` in every checkpoint;
    `from_dict(yaml.safe_load(cfg.to_yaml())) == cfg` holds exactly.
 
-Every user error is a `kubetron.contract.errors.ConfigError(field, message)` naming the dotted key. Importing
-this module is cheap: no torch (the operator image imports it too).
+Every user error is a `kubetron.contract.errors.ConfigError(field, message)` naming the dotted key.
+Part of the contract: imports neither torch nor boto3, and reads no file or environment.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib.util
+import logging
 import math
 import os
 import signal
 import types
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Self, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 
@@ -49,7 +49,7 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 
 
 def _d(default: Any, doc: str, **kw: Any) -> Any:
-    """A derived field: computed by `ConfigContainer.finalize`; an input value is recomputed."""
+    """A derived field: computed by `ConfigContainer.derive`; an input value is recomputed."""
     return Field(default=default, description=doc, json_schema_extra=_DERIVED, **kw)
 
 
@@ -60,6 +60,15 @@ def _is_derived(info: FieldInfo) -> bool:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    @model_validator(mode="after")
+    def _checked(self) -> Self:
+        self.check()
+        return self
+
+    def check(self) -> None:
+        """This section's own rules, as a ConfigError naming the key (run when it is built, and again by
+        `ConfigContainer.validate` after `derive` changed values); rules across sections are the container's."""
 
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -99,6 +108,26 @@ class TrainingConfig(_Section):
     num_microbatches: int | None = _d(
         None, "Derived: micro-batches accumulated per optimizer step = gbs / (mbs * dp).")
 
+    def check(self) -> None:
+        if self.train_iters is None and self.train_samples is None:
+            raise ConfigError("train.train_iters", "set train.train_iters or train.train_samples")
+        if self.train_iters is not None and self.train_samples is not None:
+            derived = self.global_batch_size and self.train_iters == self.train_samples // self.global_batch_size
+            if not derived:
+                raise ConfigError("train.train_samples", "set train.train_iters or train.train_samples, not both")
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ConfigError("train.global_batch_size", f"{self.global_batch_size} is not divisible by "
+                                                         f"micro_batch_size = {self.micro_batch_size}")
+        try:
+            sig = signal.Signals[self.exit_signal]
+        except KeyError:
+            raise ConfigError("train.exit_signal", f"unknown signal {self.exit_signal!r} "
+                                                   "(expected a name like SIGTERM, SIGINT, SIGUSR1)") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError("train.exit_signal", f"{self.exit_signal} cannot be handled")
+        if len(set(self.iterations_to_skip)) != len(self.iterations_to_skip):
+            raise ConfigError("train.iterations_to_skip", "contains duplicates")
+
 
 class ValidationConfig(_Section):
     """Evaluation on the validation and test splits (as Megatron Bridge: periodically on validation, and
@@ -109,6 +138,11 @@ class ValidationConfig(_Section):
     eval_iters: int = _f(10, "Global batches per evaluation, validation and test (0: no evaluation at all).", ge=0)
     skip_train: bool = _f(False, "Evaluation only: load the checkpoint, skip training, evaluate on validation and "
                                  "test (console and trackers, no TensorBoard), save nothing, exit 0.")
+
+    def check(self) -> None:
+        if self.eval_iters == 0 and (self.eval_interval is not None or self.skip_train):
+            what = "validation.eval_interval" if self.eval_interval is not None else "validation.skip_train"
+            raise ConfigError("validation.eval_iters", f"0 turns evaluation off, but {what} is set")
 
 
 class GPTModelConfig(_Section):
@@ -211,6 +245,100 @@ class GPTModelConfig(_Section):
         freq = self.moe_layer_freq
         return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(self.num_layers)]
 
+    def check(self) -> None:
+        tp = self.tensor_model_parallel_size
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError("model.hidden_size", f"{self.hidden_size} is not divisible by "
+                                                   f"num_attention_heads = {self.num_attention_heads} "
+                                                   "(set model.kv_channels for another head size)")
+        if self.num_attention_heads % tp:
+            raise ConfigError("model.num_attention_heads",
+                              f"{self.num_attention_heads} is not divisible by tensor_model_parallel_size = {tp}")
+        if self.num_layers % self.pipeline_model_parallel_size:
+            raise ConfigError("model.num_layers", f"{self.num_layers} is not divisible by "
+                                                  f"pipeline_model_parallel_size = {self.pipeline_model_parallel_size}")
+        if self.num_query_groups is not None:
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError("model.num_query_groups", f"num_attention_heads = {self.num_attention_heads} is "
+                                                            f"not divisible by num_query_groups = "
+                                                            f"{self.num_query_groups}")
+            if self.num_query_groups % tp:
+                raise ConfigError("model.num_query_groups",
+                                  f"{self.num_query_groups} is not divisible by tensor_model_parallel_size = {tp}")
+        if self.position_embedding_type == "rope" and self.head_size() % 2:
+            raise ConfigError("model.kv_channels" if self.kv_channels else "model.hidden_size",
+                              f"rope needs an even head size, not {self.head_size()}")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+            raise ConfigError("model.max_position_embeddings",
+                              f"{self.max_position_embeddings} is smaller than seq_length = {self.seq_length}")
+        self._check_recompute()
+        self._check_moe()
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size % tp:
+            raise ConfigError("model.ffn_hidden_size", f"{self.ffn_hidden_size} is not divisible by "
+                                                       f"tensor_model_parallel_size = {tp}")
+        if self.vocab_size is not None and self.vocab_size % tp:
+            raise ConfigError("model.vocab_size", f"{self.vocab_size} is not divisible by "
+                                                  f"tensor_model_parallel_size = {tp}")
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ConfigError("model.rope_scaling", "needs position_embedding_type rope")
+
+    def _check_recompute(self) -> None:
+        """The combinations megatron-core's TransformerConfig accepts, as one-line errors."""
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        if self.recompute_granularity is None:
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"model.{name}", "needs model.recompute_granularity full")
+        elif self.recompute_granularity == "selective":
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"model.{name}", "must be null with recompute_granularity selective")
+        else:
+            if self.recompute_method is None:
+                raise ConfigError("model.recompute_method", "required (uniform or block) with "
+                                                            "recompute_granularity full")
+            if self.recompute_num_layers is None or self.recompute_num_layers > per_stage:
+                raise ConfigError("model.recompute_num_layers", f"must be between 1 and the layers per pipeline "
+                                                                f"stage ({per_stage}) with recompute_granularity full")
+
+    def _check_moe(self) -> None:
+        """Mixture of experts: keys that need experts, the router's and the layout's constraints (the
+        container checks those that involve data parallelism and checkpoints)."""
+        if self.num_moe_experts is None:
+            changed = sorted(k for k in MOE_KEYS if getattr(self, k) != GPTModelConfig.model_fields[k].default)
+            if changed:
+                raise ConfigError(f"model.{changed[0]}", "has no effect without model.num_moe_experts")
+            return
+        e, ep, tp = self.num_moe_experts, self.expert_model_parallel_size, self.tensor_model_parallel_size
+        if self.moe_router_topk > e:
+            raise ConfigError("model.moe_router_topk", f"{self.moe_router_topk} is more than num_moe_experts = {e}")
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:  # softmax over one expert: no gradient
+            raise ConfigError("model.moe_router_pre_softmax", "must be true with moe_router_topk 1")
+        if e % ep:
+            raise ConfigError("model.expert_model_parallel_size", f"{ep} does not divide num_moe_experts = {e}")
+        if self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff:
+            raise ConfigError("model.moe_aux_loss_coeff", "has no effect with moe_router_load_balancing_type none")
+        if self.moe_per_layer_logging and not self.moe_aux_loss_coeff:
+            raise ConfigError("model.moe_per_layer_logging", "has no effect without model.moe_aux_loss_coeff > 0 "
+                                                             "(no load-balancing loss is computed)")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if not 1 <= freq <= self.num_layers:
+                raise ConfigError("model.moe_layer_freq", f"{freq} must be between 1 and num_layers = "
+                                                          f"{self.num_layers}")
+        elif len(freq) != self.num_layers or set(freq) - {0, 1} or 1 not in freq:
+            raise ConfigError("model.moe_layer_freq", f"a list needs one 0 (dense) or 1 (MoE) per layer "
+                                                      f"({self.num_layers}), at least one 1; got {freq}")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            size = getattr(self, name)
+            if size is not None and size % tp:
+                raise ConfigError(f"model.{name}", f"{size} is not divisible by tensor_model_parallel_size = {tp}")
+        if tp > 1 and not self.sequence_parallel:  # megatron's MoELayer refuses to train so
+            raise ConfigError("model.sequence_parallel", "must be true for MoE with tensor_model_parallel_size > 1")
+        if self.moe_grouped_gemm and self.transformer_impl == "local":
+            raise ConfigError("model.moe_grouped_gemm", "needs the TransformerEngine layer spec "
+                                                        "(transformer_impl auto or transformer_engine)")
+
 
 class OptimizerConfig(_Section):
     """The optimizer (megatron.core.optimizer.OptimizerConfig names)."""
@@ -227,6 +355,10 @@ class OptimizerConfig(_Section):
     use_distributed_optimizer: bool = _f(
         False, "Shard optimizer state over data-parallel ranks (kept in sync with ddp.use_distributed_optimizer).")
 
+    def check(self) -> None:
+        if self.min_lr > self.lr:
+            raise ConfigError("optimizer.min_lr", f"{self.min_lr} is larger than optimizer.lr = {self.lr}")
+
 
 class SchedulerConfig(_Section):
     """The learning-rate schedule, counted in iterations."""
@@ -242,6 +374,12 @@ class SchedulerConfig(_Section):
         None, "WSD: iterations of the final decay phase (required for lr_decay_style WSD).", ge=1)
     lr_warmup_steps: int | None = _d(None, "Derived: warmup length (iterations).")
     lr_decay_steps: int | None = _d(None, "Derived: decay length (iterations).")
+
+    def check(self) -> None:
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ConfigError("scheduler.lr_warmup_fraction", "set lr_warmup_iters or lr_warmup_fraction, not both")
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            raise ConfigError("scheduler.lr_wsd_decay_iters", "required when lr_decay_style is 'WSD'")
 
 
 class GPTDatasetConfig(_Section):
@@ -284,6 +422,21 @@ class GPTDatasetConfig(_Section):
     def has_data(self) -> bool:
         return self.data_path is not None or any(v is not None for v in self.blends().values())
 
+    def check(self) -> None:
+        fractions = parse_split(self.split)
+        per_split = {k: v for k, v in self.blends().items() if v is not None}
+        for name, paths in (("data_path", self.data_path), *((f"{k}_data_path", v) for k, v in per_split.items())):
+            if paths is not None:
+                parse_data_path(paths, field=f"dataset.{name}")
+        if per_split:
+            if self.data_path is not None:
+                raise ConfigError("dataset.data_path", "set data_path (+ split) or train/valid/test_data_path, "
+                                                       "not both")
+            if "train" not in per_split:
+                raise ConfigError("dataset.train_data_path", "required with valid_data_path/test_data_path")
+        if self.data_path is not None and fractions[0] == 0:
+            raise ConfigError("dataset.split", f"{self.split!r} leaves no training data")
+
 
 class FinetuningDatasetConfig(_Section):
     """Supervised fine-tuning data (JSONL prompt/answer pairs) instead of the dataset section's corpus."""
@@ -302,6 +455,11 @@ class FinetuningDatasetConfig(_Section):
                "reset per example (false: one example per sequence, padded).")
     add_eod: bool = _f(True, "End every answer with the tokenizer's end-of-document token.")
     shuffle: bool = _f(True, "Shuffle the sequences every epoch (seeded by rng.seed; resume stays exact).")
+
+    def check(self) -> None:
+        for name in ("data_path", "valid_data_path"):
+            if is_remote(getattr(self, name)):
+                raise ConfigError(f"finetuning.{name}", "must be a local file (a mounted volume), not s3://")
 
 
 class TokenizerConfig(_Section):
@@ -331,16 +489,16 @@ class TokenizerConfig(_Section):
         return self.tokenizer_type not in ("byte", "null")
 
     def base_vocab_size(self) -> int:
-        """The tokenizer's own vocabulary size, before padding (file-based tokenizers read their files)."""
+        """The tokenizer's own vocabulary size, before padding (byte and null; the trainer's subclass reads a
+        file-based tokenizer's files)."""
         if self.tokenizer_type == "byte":
             return BYTE_TOKENIZER_VOCAB
         if self.tokenizer_type == "null":
             if self.vocab_size is None:
                 raise ConfigError("tokenizer.vocab_size", "required when tokenizer_type is 'null'")
             return self.vocab_size
-        from kubetron.data.tokenizer import build_tokenizer
-
-        return build_tokenizer(self).vocab_size
+        raise NotImplementedError("a file-based tokenizer's vocabulary is in its files: the trainer's "
+                                  "kubetron.config.TokenizerConfig reads them")
 
     def validate_fields(self) -> None:
         """Which keys each tokenizer_type needs or ignores (no file is read)."""
@@ -387,6 +545,11 @@ class LoggerConfig(_Section):
                                                "default / MLFLOW_TRACKING_URI).")
     mlflow_tags: dict[str, str] | None = _f(None, "Tags for the MLflow run.")
 
+    def check(self) -> None:
+        if not isinstance(logging.getLevelName(str(self.logging_level).upper()), int):
+            raise ConfigError("logger.logging_level", f"unknown level {self.logging_level!r} "
+                                                      "(expected DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+
 
 class CheckpointConfig(_Section):
     """Saving and loading checkpoints (a directory or s3://bucket/prefix store)."""
@@ -430,6 +593,33 @@ class CheckpointConfig(_Section):
     s3_endpoint_url: str | None = _f(None, "S3 endpoint URL (None: env AWS_ENDPOINT_URL, else AWS).")
     s3_region: str | None = _f(None, "S3 region (None: env AWS_REGION).")
 
+    def check(self) -> None:
+        if self.most_recent_k == 0:
+            raise ConfigError("checkpoint.most_recent_k", "must be -1 (keep all) or >= 1, got 0")
+        if self.non_persistent_ckpt_type == "local" and not self.non_persistent_local_ckpt_dir:
+            raise ConfigError("checkpoint.non_persistent_local_ckpt_dir",
+                              "required when non_persistent_ckpt_type is 'local'")
+        if self.exit_on_missing_checkpoint and not self.load:
+            raise ConfigError("checkpoint.load", "required when exit_on_missing_checkpoint is true")
+        if self.ckpt_step is not None and not self.load:
+            # As in the reference, a pretrained checkpoint always loads its newest iteration: point
+            # pretrained_checkpoint at an iter_ directory to pick another.
+            raise ConfigError("checkpoint.ckpt_step", "applies to checkpoint.load, which is not set (for "
+                              "pretrained_checkpoint, give the iter_ directory itself)")
+        for name in ("save", "load", "pretrained_checkpoint", "non_persistent_local_ckpt_dir"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise ConfigError(f"checkpoint.{name}", "is empty (use null to unset it)")
+            if is_remote(value) and len(str(value)) <= len("s3://"):
+                raise ConfigError(f"checkpoint.{name}", f"{value!r} names no bucket")
+        if is_remote(self.non_persistent_local_ckpt_dir):
+            raise ConfigError("checkpoint.non_persistent_local_ckpt_dir", "must be a local directory, not s3://")
+        if is_remote(self.dist_staging_dir):
+            raise ConfigError("checkpoint.dist_staging_dir", "must be a local directory, not s3://")
+        if self.ckpt_format == "torch_dist" and self.async_save is True:
+            raise ConfigError("checkpoint.async_save", "is not supported with ckpt_format torch_dist (its save is "
+                                                       "collective over all ranks); use ckpt_format sharded")
+
 
 class DistributedInitConfig(_Section):
     """torch.distributed initialisation."""
@@ -442,6 +632,10 @@ class DistributedInitConfig(_Section):
     def resolved_backend(self, use_gpu: bool) -> str:
         """The backend to use on this device kind."""
         return self.distributed_backend or ("nccl" if use_gpu else "gloo")
+
+    def check(self) -> None:
+        if self.distributed_backend == "nccl" and self.use_gpu is False:
+            raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
 
 
 class RNGConfig(_Section):
@@ -505,6 +699,11 @@ class ProfilingConfig(_Section):
     record_shapes: bool = _f(False, "Record tensor shapes in the trace.")
     output_dir: str | None = _f(None, "Trace directory (None: <checkpoint.save or logger.tensorboard_dir>/profile).")
 
+    def check(self) -> None:
+        if self.use_pytorch_profiler and self.profile_step_end <= self.profile_step_start:
+            raise ConfigError("profiling.profile_step_end", f"{self.profile_step_end} must be greater than "
+                                                            f"profile_step_start = {self.profile_step_start}")
+
 
 class MixedPrecisionConfig(_Section):
     """Numeric precision of parameters and compute."""
@@ -521,6 +720,10 @@ class MixedPrecisionConfig(_Section):
     hysteresis: int = _f(2, "fp16: overflows (counted since the last growth) before the scale halves; after that each "
                             "overflow halves it.", ge=1)
     params_dtype: Literal["float32", "bfloat16", "float16"] | None = _d(None, "Derived: parameter dtype name.")
+
+    def check(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("mixed_precision.fp16", "bf16 and fp16 cannot both be true")
 
 
 MOE_KEYS = tuple(k for k in GPTModelConfig.model_fields
@@ -544,6 +747,20 @@ class PeftConfig(_Section):
     dropout: float = _f(0.0, "Dropout probability in the adapter (fraction).", ge=0, lt=1)
     dropout_position: Literal["pre", "post"] = _f(
         "pre", "Dropout on the adapter's input (pre) or on its output (post).")
+
+    def check(self) -> None:
+        if self.scheme is None:
+            changed = sorted(k for k in self.model_fields_set
+                             if getattr(self, k) != PeftConfig.model_fields[k].default)
+            if changed:
+                raise ConfigError(f"peft.{changed[0]}", "has no effect without peft.scheme: lora")
+            return
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            what = f"unknown module {unknown[0]!r}" if unknown else "is empty"
+            raise ConfigError("peft.target_modules", f"{what} (expected some of {', '.join(LORA_TARGETS)})")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ConfigError("peft.target_modules", "contains duplicates")
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -741,29 +958,6 @@ def _convert_validation_error(err: ValidationError) -> ConfigError:
     return ConfigError(field, msg)
 
 
-def load_yaml_file(path: str) -> dict:
-    """The YAML mapping in `path` (an empty file is {}); errors name `--config`."""
-    if not os.path.exists(path):
-        raise ConfigError("--config", f"{path}: no such file")
-    if os.path.isdir(path):
-        raise ConfigError("--config", f"{path}: is a directory, expected a YAML file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError("--config", f"{path}: invalid YAML{where}: {problem}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("--config", f"{path}: cannot read: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("--config", f"{path}: expected a mapping of sections, got {type(data).__name__}")
-    return data
-
-
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Apply `section.key=value` overrides (value parsed as YAML) to a copy of `data`."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
@@ -831,7 +1025,7 @@ class ConfigContainer(BaseModel):
     # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> ConfigContainer:
+    def from_dict(cls, data: dict | None) -> Self:
         """Type-check `data` (sections of keys) and run `validate()`; errors are ConfigErrors."""
         data = {} if data is None else data
         if not isinstance(data, dict):
@@ -843,17 +1037,6 @@ class ConfigContainer(BaseModel):
         except ValidationError as err:
             raise _convert_validation_error(err) from None
         cfg.validate()
-        return cfg
-
-    @classmethod
-    def from_yaml(cls, path: str | None, overrides: list[str] | tuple[str, ...] = (),
-                  check_paths: bool = True) -> ConfigContainer:
-        """Load `path` (None: defaults only), apply overrides, validate, check the input paths exist."""
-        data = load_yaml_file(path) if path else {}
-        data = apply_overrides(data, overrides)
-        cfg = cls.from_dict(data)
-        if check_paths:
-            cfg.check_paths()
         return cfg
 
     def to_dict(self) -> dict:
@@ -868,185 +1051,69 @@ class ConfigContainer(BaseModel):
 
     # Bridge's name; it hides pydantic's deprecated v1 classmethod `BaseModel.validate(value)`.
     def validate(self) -> None:  # type: ignore[override]
-        """Cross-field checks that need neither the world size, the filesystem nor torch."""
-        t, m, o, s = self.train, self.model, self.optimizer, self.scheduler
+        """Every section's own rules, then the rules across sections; needs neither the world size, the
+        filesystem nor torch."""
+        for name in SECTIONS:
+            getattr(self, name).check()
+        self.tokenizer.validate_fields()  # here, not when built: a resume's adopted files stand in for paths
+        self._check_vocab()
+        self._check_data()
+        self._check_devices()
+        self._check_moe()
+        self._check_peft()
 
-        # train
-        if t.train_iters is None and t.train_samples is None:
-            raise ConfigError("train.train_iters", "set train.train_iters or train.train_samples")
-        if t.train_iters is not None and t.train_samples is not None:
-            finalized = t.global_batch_size and t.train_iters == t.train_samples // t.global_batch_size
-            if not finalized:
-                raise ConfigError("train.train_samples", "set train.train_iters or train.train_samples, not both")
-        if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
-            raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not divisible by "
-                                                         f"micro_batch_size = {t.micro_batch_size}")
-        try:
-            sig = signal.Signals[t.exit_signal]
-        except KeyError:
-            raise ConfigError("train.exit_signal", f"unknown signal {t.exit_signal!r} "
-                                                   "(expected a name like SIGTERM, SIGINT, SIGUSR1)") from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError("train.exit_signal", f"{t.exit_signal} cannot be handled")
-        if len(set(t.iterations_to_skip)) != len(t.iterations_to_skip):
-            raise ConfigError("train.iterations_to_skip", "contains duplicates")
+    def _check_vocab(self) -> None:
+        """A byte/null tokenizer's vocabulary fits model.vocab_size (a file-based one's: resolve reads it)."""
+        m, tok = self.model, self.tokenizer
+        if m.vocab_size is not None and not tok.file_based and m.vocab_size < tok.base_vocab_size():
+            raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's "
+                                                  f"vocabulary ({tok.base_vocab_size()})")
+        if self.scheduler.lr_warmup_init > self.optimizer.lr:
+            raise ConfigError("scheduler.lr_warmup_init", f"{self.scheduler.lr_warmup_init} is larger than "
+                                                          f"optimizer.lr = {self.optimizer.lr}")
 
-        # model
-        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-            raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by "
-                                                   f"num_attention_heads = {m.num_attention_heads} "
-                                                   "(set model.kv_channels for another head size)")
-        if m.num_attention_heads % m.tensor_model_parallel_size:
-            raise ConfigError("model.num_attention_heads",
-                              f"{m.num_attention_heads} is not divisible by "
-                              f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
-        if m.num_layers % m.pipeline_model_parallel_size:
-            raise ConfigError("model.num_layers", f"{m.num_layers} is not divisible by "
-                                                  f"pipeline_model_parallel_size = {m.pipeline_model_parallel_size}")
-        if m.num_query_groups is not None:
-            if m.num_attention_heads % m.num_query_groups:
-                raise ConfigError("model.num_query_groups", f"num_attention_heads = {m.num_attention_heads} is not "
-                                                            f"divisible by num_query_groups = {m.num_query_groups}")
-            if m.num_query_groups % m.tensor_model_parallel_size:
-                raise ConfigError("model.num_query_groups",
-                                  f"{m.num_query_groups} is not divisible by tensor_model_parallel_size = "
-                                  f"{m.tensor_model_parallel_size}")
-        if m.position_embedding_type == "rope" and m.head_size() % 2:
-            raise ConfigError("model.kv_channels" if m.kv_channels else "model.hidden_size",
-                              f"rope needs an even head size, not {m.head_size()}")
-        if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
-            raise ConfigError("model.max_position_embeddings",
-                              f"{m.max_position_embeddings} is smaller than seq_length = {m.seq_length}")
-        self._validate_recompute()
-        self._validate_moe()
-        if m.ffn_hidden_size is not None and m.ffn_hidden_size % m.tensor_model_parallel_size:
-            raise ConfigError("model.ffn_hidden_size", f"{m.ffn_hidden_size} is not divisible by "
-                                                       f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
-
-        # tokenizer / vocabulary (a file-based tokenizer's size is checked in resolve: it reads files)
-        tok = self.tokenizer
-        tok.validate_fields()
-        if m.vocab_size is not None:
-            if not tok.file_based and m.vocab_size < tok.base_vocab_size():
-                raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's "
-                                                      f"vocabulary ({tok.base_vocab_size()})")
-            if m.vocab_size % m.tensor_model_parallel_size:
-                raise ConfigError("model.vocab_size", f"{m.vocab_size} is not divisible by "
-                                                      f"tensor_model_parallel_size = {m.tensor_model_parallel_size}")
-
-        # optimizer / scheduler
-        if o.min_lr > o.lr:
-            raise ConfigError("optimizer.min_lr", f"{o.min_lr} is larger than optimizer.lr = {o.lr}")
-        if s.lr_warmup_fraction is not None and s.lr_warmup_iters:
-            raise ConfigError("scheduler.lr_warmup_fraction", "set lr_warmup_iters or lr_warmup_fraction, not both")
-        if s.lr_decay_style == "WSD" and s.lr_wsd_decay_iters is None:
-            raise ConfigError("scheduler.lr_wsd_decay_iters", "required when lr_decay_style is 'WSD'")
-        if s.lr_warmup_init > o.lr:
-            raise ConfigError("scheduler.lr_warmup_init", f"{s.lr_warmup_init} is larger than optimizer.lr = {o.lr}")
-
-        v = self.validation
-        if v.eval_iters == 0 and (v.eval_interval is not None or v.skip_train):
-            what = "validation.eval_interval" if v.eval_interval is not None else "validation.skip_train"
-            raise ConfigError("validation.eval_iters", f"0 turns evaluation off, but {what} is set")
-
-        # dataset
-        d = self.dataset
-        fractions = parse_split(d.split)
-        per_split = {k: v for k, v in d.blends().items() if v is not None}
-        for name, paths in (("data_path", d.data_path), *((f"{k}_data_path", v) for k, v in per_split.items())):
-            if paths is not None:
-                parse_data_path(paths, field=f"dataset.{name}")
-        if per_split:
-            if d.data_path is not None:
-                raise ConfigError("dataset.data_path", "set data_path (+ split) or train/valid/test_data_path, "
-                                                       "not both")
-            if "train" not in per_split:
-                raise ConfigError("dataset.train_data_path", "required with valid_data_path/test_data_path")
-            if self.validation.eval_interval is not None and "valid" not in per_split:
-                raise ConfigError("dataset.valid_data_path", "required when validation.eval_interval is set")
-        if d.data_path is not None:
-            if fractions[0] == 0:
-                raise ConfigError("dataset.split", f"{d.split!r} leaves no training data")
-            if self.validation.eval_interval is not None and fractions[1] == 0:
-                raise ConfigError("dataset.split", f"{d.split!r} leaves no validation data but "
-                                                   "validation.eval_interval is set")
-
-        if m.rope_scaling and m.position_embedding_type != "rope":
-            raise ConfigError("model.rope_scaling", "needs position_embedding_type rope")
-        ft = self.finetuning
-        if ft.data_path is not None and self.validation.eval_interval is not None and ft.valid_data_path is None:
+    def _check_data(self) -> None:
+        """Periodic evaluation needs validation data; packed fine-tuning needs kubetron's attention."""
+        d, ft, evaluating = self.dataset, self.finetuning, self.validation.eval_interval is not None
+        if evaluating and d.train_data_path is not None and d.valid_data_path is None:
+            raise ConfigError("dataset.valid_data_path", "required when validation.eval_interval is set")
+        if evaluating and d.data_path is not None and parse_split(d.split)[1] == 0:
+            raise ConfigError("dataset.split", f"{d.split!r} leaves no validation data but "
+                                               "validation.eval_interval is set")
+        if ft.data_path is not None and evaluating and ft.valid_data_path is None:
             raise ConfigError("finetuning.valid_data_path", "required when validation.eval_interval is set")
-        if ft.packing and ft.data_path is not None and m.transformer_impl == "transformer_engine":
+        if ft.packing and ft.data_path is not None and self.model.transformer_impl == "transformer_engine":
             raise ConfigError("finetuning.packing", "needs model.transformer_impl local or auto (packed "
                                                     "examples are masked in kubetron's SDPA attention)")
-        for name in ("data_path", "valid_data_path"):
-            if is_remote(getattr(ft, name)):
-                raise ConfigError(f"finetuning.{name}", "must be a local file (a mounted volume), not s3://")
 
-        # logger
-        import logging
-
-        if not isinstance(logging.getLevelName(str(self.logger.logging_level).upper()), int):
-            raise ConfigError("logger.logging_level", f"unknown level {self.logger.logging_level!r} "
-                                                      "(expected DEBUG, INFO, WARNING, ERROR or CRITICAL)")
-
-        # checkpoint
-        c = self.checkpoint
-        if c.most_recent_k == 0:
-            raise ConfigError("checkpoint.most_recent_k", "must be -1 (keep all) or >= 1, got 0")
-        if c.non_persistent_ckpt_type == "local" and not c.non_persistent_local_ckpt_dir:
-            raise ConfigError("checkpoint.non_persistent_local_ckpt_dir",
-                              "required when non_persistent_ckpt_type is 'local'")
-        if c.exit_on_missing_checkpoint and not c.load:
-            raise ConfigError("checkpoint.load", "required when exit_on_missing_checkpoint is true")
-        if c.ckpt_step is not None and not c.load:
-            # As in the reference, a pretrained checkpoint always loads its newest iteration: point
-            # pretrained_checkpoint at an iter_ directory to pick another.
-            raise ConfigError("checkpoint.ckpt_step", "applies to checkpoint.load, which is not set (for "
-                              "pretrained_checkpoint, give the iter_ directory itself)")
-        for name in ("save", "load", "pretrained_checkpoint", "non_persistent_local_ckpt_dir"):
-            value = getattr(c, name)
-            if value is not None and not str(value).strip():
-                raise ConfigError(f"checkpoint.{name}", "is empty (use null to unset it)")
-            if is_remote(value) and len(str(value)) <= len("s3://"):
-                raise ConfigError(f"checkpoint.{name}", f"{value!r} names no bucket")
-        if is_remote(c.non_persistent_local_ckpt_dir):
-            raise ConfigError("checkpoint.non_persistent_local_ckpt_dir", "must be a local directory, not s3://")
-        if is_remote(c.dist_staging_dir):
-            raise ConfigError("checkpoint.dist_staging_dir", "must be a local directory, not s3://")
-        if c.ckpt_format == "torch_dist" and c.async_save is True:
-            raise ConfigError("checkpoint.async_save", "is not supported with ckpt_format torch_dist (its save is "
-                                                       "collective over all ranks); use ckpt_format sharded")
-
-        # dist / ddp / precision / profiling
-        if self.dist.distributed_backend == "nccl" and self.dist.use_gpu is False:
-            raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
+    def _check_devices(self) -> None:
         if self.ddp.impl == "megatron" and self.dist.use_gpu is False:
             raise ConfigError("ddp.impl", "megatron needs CUDA but dist.use_gpu is false (use auto or kubetron)")
-        if self.ddp.overlap_param_gather and not (self.ddp.use_distributed_optimizer or o.use_distributed_optimizer):
+        if self.ddp.overlap_param_gather and not (self.ddp.use_distributed_optimizer
+                                                  or self.optimizer.use_distributed_optimizer):
             raise ConfigError("ddp.overlap_param_gather", "requires use_distributed_optimizer")
-        if self.mixed_precision.bf16 and self.mixed_precision.fp16:
-            raise ConfigError("mixed_precision.fp16", "bf16 and fp16 cannot both be true")
-        p = self.profiling
-        if p.use_pytorch_profiler and p.profile_step_end <= p.profile_step_start:
-            raise ConfigError("profiling.profile_step_end", f"{p.profile_step_end} must be greater than "
-                                                            f"profile_step_start = {p.profile_step_start}")
-        self._validate_peft()
 
-    def _validate_peft(self) -> None:
-        """LoRA: known target modules, a base to adapt, and the layouts its adapter-only checkpoints use."""
+    def _check_moe(self) -> None:
+        """Expert parallelism's needs of the data-parallel implementation and the checkpoint format."""
+        m, d = self.model, self.ddp
+        ep = m.expert_model_parallel_size
+        if m.num_moe_experts is None or ep == 1:
+            return
+        if d.impl != "megatron" and (d.use_distributed_optimizer or self.optimizer.use_distributed_optimizer
+                                     or d.overlap_grad_reduce):
+            # kubetron's bucketed buffers reduce over one DP group; experts need the expert-DP one
+            field = "ddp.overlap_grad_reduce" if d.overlap_grad_reduce else "ddp.use_distributed_optimizer"
+            raise ConfigError(field, "with model.expert_model_parallel_size > 1 needs ddp.impl megatron (CUDA)")
+        if self.checkpoint.ckpt_format == "kubetron":
+            raise ConfigError("checkpoint.ckpt_format", "kubetron (one file gathered on rank 0) does not gather the "
+                                                        "experts of expert_model_parallel_size > 1: use sharded or "
+                                                        "torch_dist")
+
+    def _check_peft(self) -> None:
+        """LoRA: a base to adapt, and the layouts its adapter-only checkpoints use."""
         p, m, c = self.peft, self.model, self.checkpoint
         if p.scheme is None:
-            changed = sorted(k for k in p.model_fields_set if getattr(p, k) != PeftConfig.model_fields[k].default)
-            if changed:
-                raise ConfigError(f"peft.{changed[0]}", "has no effect without peft.scheme: lora")
             return
-        unknown = [t for t in p.target_modules if t not in LORA_TARGETS]
-        if unknown or not p.target_modules:
-            what = f"unknown module {unknown[0]!r}" if unknown else "is empty"
-            raise ConfigError("peft.target_modules", f"{what} (expected some of {', '.join(LORA_TARGETS)})")
-        if len(set(p.target_modules)) != len(p.target_modules):
-            raise ConfigError("peft.target_modules", "contains duplicates")
         if not c.pretrained_checkpoint:
             raise ConfigError("checkpoint.pretrained_checkpoint", "required with peft.scheme lora (the frozen base "
                                                                    "weights the adapters train on)")
@@ -1062,104 +1129,9 @@ class ConfigContainer(BaseModel):
             raise ConfigError("checkpoint.non_persistent_ckpt_type", "local is not supported with peft.scheme "
                                                                      "lora (use global)")
 
-    def _validate_moe(self) -> None:
-        """Mixture of experts: keys that need experts, the router's and the layout's constraints."""
-        m = self.model
-        if m.num_moe_experts is None:
-            changed = sorted(k for k in MOE_KEYS if getattr(m, k) != GPTModelConfig.model_fields[k].default)
-            if changed:
-                raise ConfigError(f"model.{changed[0]}", "has no effect without model.num_moe_experts")
-            return
-        e, ep, tp = m.num_moe_experts, m.expert_model_parallel_size, m.tensor_model_parallel_size
-        if m.moe_router_topk > e:
-            raise ConfigError("model.moe_router_topk", f"{m.moe_router_topk} is more than num_moe_experts = {e}")
-        if m.moe_router_topk == 1 and not m.moe_router_pre_softmax:  # softmax over one expert: no gradient
-            raise ConfigError("model.moe_router_pre_softmax", "must be true with moe_router_topk 1")
-        if e % ep:
-            raise ConfigError("model.expert_model_parallel_size",
-                              f"{ep} does not divide num_moe_experts = {e}")
-        if m.moe_router_load_balancing_type == "none" and m.moe_aux_loss_coeff:
-            raise ConfigError("model.moe_aux_loss_coeff", "has no effect with moe_router_load_balancing_type none")
-        if m.moe_per_layer_logging and not m.moe_aux_loss_coeff:
-            raise ConfigError("model.moe_per_layer_logging", "has no effect without model.moe_aux_loss_coeff > 0 "
-                                                             "(no load-balancing loss is computed)")
-        freq = m.moe_layer_freq
-        if isinstance(freq, int):
-            if not 1 <= freq <= m.num_layers:
-                raise ConfigError("model.moe_layer_freq", f"{freq} must be between 1 and num_layers = {m.num_layers}")
-        elif len(freq) != m.num_layers or set(freq) - {0, 1} or 1 not in freq:
-            raise ConfigError("model.moe_layer_freq", f"a list needs one 0 (dense) or 1 (MoE) per layer "
-                                                      f"({m.num_layers}), at least one 1; got {freq}")
-        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-            size = getattr(m, name)
-            if size is not None and size % tp:
-                raise ConfigError(f"model.{name}", f"{size} is not divisible by tensor_model_parallel_size = {tp}")
-        if tp > 1 and not m.sequence_parallel:  # megatron's MoELayer refuses to train so
-            raise ConfigError("model.sequence_parallel", "must be true for MoE with tensor_model_parallel_size > 1")
-        d = self.ddp
-        if ep > 1 and d.impl != "megatron" and (d.use_distributed_optimizer or self.optimizer.use_distributed_optimizer
-                                                 or d.overlap_grad_reduce):
-            # kubetron's bucketed buffers reduce over one DP group; experts need the expert-DP one
-            field = "ddp.overlap_grad_reduce" if d.overlap_grad_reduce else "ddp.use_distributed_optimizer"
-            raise ConfigError(field, "with model.expert_model_parallel_size > 1 needs ddp.impl megatron (CUDA)")
-        if ep > 1 and self.checkpoint.ckpt_format == "kubetron":
-            raise ConfigError("checkpoint.ckpt_format", "kubetron (one file gathered on rank 0) does not gather the "
-                                                        "experts of expert_model_parallel_size > 1: use sharded or "
-                                                        "torch_dist")
-        if m.moe_grouped_gemm and m.transformer_impl == "local":
-            raise ConfigError("model.moe_grouped_gemm", "needs the TransformerEngine layer spec "
-                                                        "(transformer_impl auto or transformer_engine)")
-
-    def _validate_recompute(self) -> None:
-        """The combinations megatron-core's TransformerConfig accepts, as one-line errors."""
-        m = self.model
-        per_stage = m.num_layers // m.pipeline_model_parallel_size
-        if m.recompute_granularity is None:
-            for name in ("recompute_method", "recompute_num_layers"):
-                if getattr(m, name) is not None:
-                    raise ConfigError(f"model.{name}", "needs model.recompute_granularity full")
-        elif m.recompute_granularity == "selective":
-            for name in ("recompute_method", "recompute_num_layers"):
-                if getattr(m, name) is not None:
-                    raise ConfigError(f"model.{name}", "must be null with recompute_granularity selective")
-        else:
-            if m.recompute_method is None:
-                raise ConfigError("model.recompute_method", "required (uniform or block) with "
-                                                            "recompute_granularity full")
-            if m.recompute_num_layers is None or m.recompute_num_layers > per_stage:
-                raise ConfigError("model.recompute_num_layers", f"must be between 1 and the layers per pipeline "
-                                                                f"stage ({per_stage}) with recompute_granularity full")
-
-    def check_paths(self) -> None:
-        """Inputs on the local filesystem exist: dataset prefixes, pretrained checkpoint, required load."""
-        d, c = self.dataset, self.checkpoint
-        for name, paths in (("data_path", d.data_path), *((f"{k}_data_path", v) for k, v in d.blends().items())):
-            for _, prefix in parse_data_path(paths, f"dataset.{name}") if paths is not None else ():
-                if is_remote(prefix):
-                    continue
-                missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-                if missing:
-                    names = " and ".join(prefix + e for e in missing)
-                    raise ConfigError(f"dataset.{name}", f"{prefix!r}: missing {names}")
-        for name in ("data_path", "valid_data_path"):
-            path = getattr(self.finetuning, name)
-            if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"finetuning.{name}", f"{path}: no such file")
-        if c.pretrained_checkpoint and not is_remote(c.pretrained_checkpoint) \
-                and not os.path.exists(c.pretrained_checkpoint):
-            raise ConfigError("checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint}: no such directory")
-        if c.load and c.exit_on_missing_checkpoint and not is_remote(c.load) and not os.path.isdir(c.load):
-            raise ConfigError("checkpoint.load", f"{c.load}: no such directory (exit_on_missing_checkpoint is set)")
-
     # ---- derived values -------------------------------------------------------------------------
 
-    def finalize(self, world_size: int = 1, cuda_available: bool | None = None,
-                 environ: dict[str, str] | None = None, check_paths: bool = True) -> ConfigContainer:
-        """`derive(world_size, cuda_available)` then `resolve(environ, check_paths)`: what the trainer runs
-        at start (idempotent); returns self."""
-        return self.derive(world_size, cuda_available).resolve(environ, check_paths)
-
-    def derive(self, world_size: int = 1, cuda_available: bool | None = None) -> ConfigContainer:
+    def derive(self, world_size: int = 1, cuda_available: bool | None = None) -> Self:
         """Validate and compute the derived values that follow from the config and `world_size` alone
         (idempotent); returns self.
 
@@ -1269,22 +1241,6 @@ class ConfigContainer(BaseModel):
         self.validate()
         return self
 
-    def resolve(self, environ: dict[str, str] | None = None, check_paths: bool = True) -> ConfigContainer:
-        """The trainer's side of finalize(), after derive(): what reads the files, S3 objects, environment and
-        packages of the place the trainer runs. A file-based tokenizer's vocabulary (model.vocab_size),
-        the KUBETRON_* defaults from `environ` (default os.environ), the logger's optional packages and,
-        with `check_paths`, the local input paths. Returns self."""
-        if self.tokenizer.file_based:
-            self._derive_vocab_size()
-        self._resolve_environ(os.environ if environ is None else environ)
-        for key, module in (("wandb_project", "wandb"), ("mlflow_experiment", "mlflow")):
-            if getattr(self.logger, key) and importlib.util.find_spec(module) is None:
-                raise ConfigError(f"logger.{key}", f"needs the {module} package: pip install 'kubetron[{module}]'")
-        self.validate()
-        if check_paths:
-            self.check_paths()
-        return self
-
     def _derive_vocab_size(self) -> None:
         """model.vocab_size: the tokenizer's vocabulary padded, or the given size checked against it
         (a file-based tokenizer reads its files: resolve() calls this for those, derive() for the rest)."""
@@ -1294,33 +1250,6 @@ class ConfigContainer(BaseModel):
         elif tok.file_based and m.vocab_size < tok.base_vocab_size():
             raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's vocabulary "
                                                   f"({tok.base_vocab_size()})")
-
-    def _resolve_environ(self, env) -> None:
-        """The defaults docs/CONTRACT.md lets the pod's environment supply."""
-        t, c = self.train, self.checkpoint
-        if c.expected_resume_iteration is None and env.get("KUBETRON_EXPECTED_ITERATION", "").strip():
-            raw = env["KUBETRON_EXPECTED_ITERATION"].strip()
-            try:
-                c.expected_resume_iteration = int(raw)
-            except ValueError:
-                raise ConfigError("checkpoint.expected_resume_iteration",
-                                  f"env KUBETRON_EXPECTED_ITERATION={raw!r} is not an integer") from None
-            if c.expected_resume_iteration < 0:
-                raise ConfigError("checkpoint.expected_resume_iteration",
-                                  f"env KUBETRON_EXPECTED_ITERATION={raw!r} is negative")
-        if t.status_port is None and env.get("KUBETRON_STATUS_PORT", "").strip():
-            raw = env["KUBETRON_STATUS_PORT"].strip()
-            try:
-                port = int(raw)
-            except ValueError:
-                port = -1
-            if not 0 <= port <= 65535:
-                raise ConfigError("train.status_port", f"env KUBETRON_STATUS_PORT={raw!r} is not a port number")
-            t.status_port = port
-        if t.termination_log is None:
-            from kubetron.termination_log import termination_log_path
-
-            t.termination_log = termination_log_path(None, env)
 
     # ---- reporting ------------------------------------------------------------------------------
 
@@ -1433,7 +1362,6 @@ __all__ = [
     "apply_overrides",
     "config_reference_markdown",
     "is_remote",
-    "load_yaml_file",
     "padded_vocab_size",
     "parse_data_path",
     "parse_split",
