@@ -9,7 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from kubetron.contract.termination import DEFAULT_TERMINATION_LOG, ENV_VAR, encode_termination_message
+from kubetron.contract.termination import (
+    DEFAULT_TERMINATION_LOG,
+    ENV_VAR,
+    TerminationMessage,
+    encode_termination_message,
+)
 
 
 def termination_log_path(path: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
@@ -24,7 +29,7 @@ def termination_log_path(path: str | None = None, environ: Mapping[str, str] | N
     return None
 
 
-def write_termination_message(payload: dict, path: str | None = None) -> bool:
+def write_termination_message(payload: TerminationMessage, path: str | None = None) -> bool:
     """Write `payload` as the termination message (see `termination_log_path`); True if written.
 
     Never raises. The file is replaced, not appended to: the kubelet reports its whole content.

@@ -51,10 +51,11 @@ def metrics_text(status: LiveStatus, now: float | None = None) -> str:
 
     for name, key, help_text in METRICS:
         gauge(name, status.get(key), help_text)
-    ckpt = status.get("lastCheckpoint") or {}
-    gauge("kubetron_trainer_last_checkpoint_iteration", ckpt.get("iteration"),
-          "Iteration of the last durable checkpoint.")
-    saved = parse_stamp(ckpt.get("time"))
+    ckpt = status.get("lastCheckpoint")
+    saved = parse_stamp(ckpt.get("time")) if ckpt else None
+    if ckpt:
+        gauge("kubetron_trainer_last_checkpoint_iteration", ckpt.get("iteration"),
+              "Iteration of the last durable checkpoint.")
     if saved is not None:
         gauge("kubetron_trainer_last_checkpoint_age_seconds", (time.time() if now is None else now) - saved.timestamp(),
               "Seconds since the last durable checkpoint was written.")
