@@ -52,7 +52,7 @@ from kubetron.contract.errors import ConfigError
 
 
 class TokenizerConfig(schema.TokenizerConfig):
-    __doc__ = schema.TokenizerConfig.__doc__
+    """The contract's tokenizer section, which here can read a file-based tokenizer's files."""
 
     def base_vocab_size(self) -> int:
         """The tokenizer's own vocabulary size, before padding (file-based tokenizers read their files)."""
@@ -92,7 +92,7 @@ class ConfigContainer(schema.ConfigContainer):
         the KUBETRON_* defaults from `environ` (default os.environ), the logger's optional packages and,
         with `check_paths`, the local input paths. Returns self."""
         if self.tokenizer.file_based:
-            self._derive_vocab_size()
+            self.derive_vocab_size()
         self._resolve_environ(os.environ if environ is None else environ)
         for key, module in (("wandb_project", "wandb"), ("mlflow_experiment", "mlflow")):
             if getattr(self.logger, key) and importlib.util.find_spec(module) is None:

@@ -1199,7 +1199,7 @@ class ConfigContainer(BaseModel):
         if m.num_moe_experts is not None and m.moe_ffn_hidden_size is None:
             m.moe_ffn_hidden_size = m.ffn_hidden_size
         if not self.tokenizer.file_based:
-            self._derive_vocab_size()
+            self.derive_vocab_size()
         if m.tensor_model_parallel_size == 1:
             m.sequence_parallel = False  # as Megatron: nothing to shard
         if m.ffn_hidden_size % m.tensor_model_parallel_size:
@@ -1241,7 +1241,7 @@ class ConfigContainer(BaseModel):
         self.validate()
         return self
 
-    def _derive_vocab_size(self) -> None:
+    def derive_vocab_size(self) -> None:
         """model.vocab_size: the tokenizer's vocabulary padded, or the given size checked against it
         (a file-based tokenizer reads its files: resolve() calls this for those, derive() for the rest)."""
         m, tok = self.model, self.tokenizer
