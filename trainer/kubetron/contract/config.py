@@ -31,7 +31,16 @@ import types
 from typing import Annotated, Any, Literal, Self, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 
@@ -58,12 +67,18 @@ def _is_derived(info: FieldInfo) -> bool:
     return isinstance(extra, dict) and bool(extra.get("derived"))
 
 
+_TYPES_FIRST = "types_first"
+"""Validation context of `ConfigContainer.from_dict`: every key's type first, then `validate()` the rules,
+so a wrong type is reported before a rule it may break (as one pass over the whole config)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
     @model_validator(mode="after")
-    def _checked(self) -> Self:
-        self.check()
+    def _checked(self, info: ValidationInfo) -> Self:
+        if not (info.context or {}).get(_TYPES_FIRST):
+            self.check()
         return self
 
     def check(self) -> None:
@@ -1031,9 +1046,11 @@ class ConfigContainer(BaseModel):
         if not isinstance(data, dict):
             raise ConfigError("config", f"expected a mapping of sections, got {type(data).__name__}")
         _check_keys(data)
-        data = {k: ({} if v is None and k in SECTIONS else v) for k, v in data.items()}
+        # every section from the data (an absent one as {}), so each is built under the same context
+        data = {**{name: {} for name in SECTIONS}, **{k: ({} if v is None and k in SECTIONS else v)
+                                                      for k, v in data.items()}}
         try:
-            cfg = cls.model_validate(data)
+            cfg = cls.model_validate(data, context={_TYPES_FIRST: True})
         except ValidationError as err:
             raise _convert_validation_error(err) from None
         cfg.validate()
