@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from kubetron.contract.progress import ProgressSummary
 from kubetron.contract.times import parse_stamp, stamp
 
 from kubetron_operator import live, metrics
@@ -164,10 +165,10 @@ class Deps:
 
     kube: Kube
     interval: float = 5.0  # seconds between live-progress reads of a running job
-    read_progress: Callable[[Job, Kube], dict[str, Any] | None] = read_s3_progress
+    read_progress: Callable[[Job, Kube], ProgressSummary | None] = read_s3_progress
     fetch_live: live.Fetch = live.http_fetch
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
-    last_progress: dict[str, tuple[datetime, dict[str, Any] | None]] = dataclasses.field(default_factory=dict)
+    last_progress: dict[str, tuple[datetime, ProgressSummary | None]] = dataclasses.field(default_factory=dict)
     view: View = dataclasses.field(default_factory=View)
     # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
     executor: ThreadPoolExecutor = dataclasses.field(
@@ -472,7 +473,7 @@ def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[st
     return node_trouble(kube.list_nodes(), {p.node for p in current if p.node})
 
 
-def _progress(deps: Deps, job: Job, status: JobStatus, pods: list[PodView], now: datetime) -> dict | None:
+def _progress(deps: Deps, job: Job, status: JobStatus, pods: list[PodView], now: datetime) -> ProgressSummary | None:
     """The S3 progress log: read whenever an attempt ends or starts, else at most every 30 s."""
     key = f"{job.namespace}/{job.name}"
     cached = deps.last_progress.get(key)
