@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
+from kubetron.contract.progress import CheckpointRef
+
 FINISHED = ("Succeeded", "Failed")
 """The phases a job never leaves (a finished job is never rerun)."""
 
 StatusPatch = dict[str, Any]
 """A JSON merge patch for .status: JobStatus's fields, None deletes one."""
-
-
-class Checkpoint(TypedDict, total=False):
-    iteration: int
-    time: str | None
 
 
 class Restarts(TypedDict, total=False):
@@ -67,7 +64,7 @@ class JobStatus(TypedDict, total=False):
     tokensPerSecond: float
     loss: float
     learningRate: float
-    lastCheckpoint: Checkpoint | None
+    lastCheckpoint: CheckpointRef | None
     lostIterations: int
     lastAttemptIteration: int | None
     noProgressAttempts: int

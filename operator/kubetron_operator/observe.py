@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
+from kubetron.contract.live import LiveStatus, new_live_status
+from kubetron.contract.progress import ProgressSummary, summarize_events
 from kubetron.contract.termination import TerminationMessage, parse_termination_message
 from kubetron.contract.times import age_seconds
 
@@ -196,10 +198,16 @@ class Observed:
     now: datetime
     status: JobStatus = field(default_factory=lambda: JobStatus())  # the job's current .status
     pods: tuple[PodView, ...] = ()  # every pod labelled with the job
-    progress: Mapping[str, Any] | None = None  # summarize_events() of the store's log; None if unread
-    live: Mapping[str, Any] | None = None  # rank 0's GET /status
+    progress: ProgressSummary | None = None  # summarize_events() of the store's log; None if unread
+    live: LiveStatus | None = None  # rank 0's GET /status (live.read_live); None if unread
     spec_error: str = ""
     node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
+
+
+NO_PROGRESS: ProgressSummary = summarize_events([])
+"""What decide reads while the progress log is unread: an empty log's summary (nothing known)."""
+NO_LIVE: LiveStatus = new_live_status()
+"""What decide reads while rank 0's status endpoint is unread: nothing known, no in-place restart."""
 
 
 def job_status(body: Mapping[str, Any]) -> JobStatus:

@@ -22,11 +22,11 @@ peer errors. Pods that still run when the attempt is over are deleted.
 from __future__ import annotations
 
 from kubetron.contract import exitcodes
+from kubetron.contract.progress import CheckpointRef
 from kubetron.contract.times import stamp
 
-from kubetron_operator.job_status import Checkpoint
 from kubetron_operator.model import Job
-from kubetron_operator.observe import Observed, PodView, to_int
+from kubetron_operator.observe import NO_PROGRESS, Observed, PodView, to_int
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.elastic import attempt_size
 from kubetron_operator.policy.lifecycle import fail
@@ -37,7 +37,7 @@ PREEMPT_POD_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown"
 FREE_EXIT_CODES = {exitcodes.SAVED_ON_SIGNAL: "SavedOnSignal", exitcodes.EXIT_CONDITION: "ExitCondition"}
 
 
-def attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Checkpoint | None) -> Action | None:
+def attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: CheckpointRef | None) -> Action | None:
     """Classify the end of the current attempt, or None while it still runs."""
     nodes = attempt_size(job, obs.status)
     present = {p.rank for p in current}
@@ -125,10 +125,11 @@ def _completed(obs: Observed, current: list[PodView]) -> bool:
     trainer's word for "completed" (docs/CONTRACT.md) and is taken.
     """
     known = False
-    log = obs.progress or {}
-    if log.get("trainIters") or log.get("completed"):
+    log = obs.progress or NO_PROGRESS
+    train_iters = log.get("trainIters")
+    if train_iters or log.get("completed"):
         known = True
-        if log.get("completed") or to_int(log.get("iteration")) >= int(log["trainIters"]):
+        if log.get("completed") or (log.get("iteration") or 0) >= int(train_iters or 0):
             return True
     for p in current:
         term = p.termination or {}
@@ -140,7 +141,7 @@ def _completed(obs: Observed, current: list[PodView]) -> bool:
     return not known
 
 
-def succeed(job: Job, obs: Observed, ckpt: Checkpoint | None) -> Action:
+def succeed(job: Job, obs: Observed, ckpt: CheckpointRef | None) -> Action:
     """Succeeded: progress at train_iters (100 %), the last in-place restarts counted, live pods deleted."""
     status = phase_status(obs, "Succeeded", "Completed", "train_iters reached")
     status.update(progress_fields(obs, ckpt, live=False))

@@ -14,7 +14,9 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Literal
 
-from kubetron_operator.job_status import Checkpoint, JobStatus, Resizes
+from kubetron.contract.progress import CheckpointRef
+
+from kubetron_operator.job_status import JobStatus, Resizes
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action, Event
@@ -42,7 +44,7 @@ def keep_probes(job: Job, obs: Observed, attempt: int, size: int, action: Action
     return replace(action, delete_pods=action.delete_pods + ended, create_probes=missing)
 
 
-def resize(job: Job, obs: Observed, current: list[PodView], ckpt: Checkpoint | None, to: int, why: str) -> Action:
+def resize(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef | None, to: int, why: str) -> Action:
     """End the current attempt so the next one runs on `to` pods; neither a failure nor a preemption: no
     backoff, no counter but status.resizes. Deleting the pods SIGTERMs the trainers, which save and exit
     (exit 75), so the next attempt resumes from the iteration they reached."""

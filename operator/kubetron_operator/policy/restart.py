@@ -22,9 +22,10 @@ from __future__ import annotations
 import hashlib
 from datetime import timedelta
 
+from kubetron.contract.progress import CheckpointRef
 from kubetron.contract.times import format_duration, stamp
 
-from kubetron_operator.job_status import Checkpoint, RestartKind, Restarts, StatusPatch
+from kubetron_operator.job_status import RestartKind, Restarts, StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action, Event
@@ -43,7 +44,7 @@ MAX_AVOID_NODES = 8  # nodes remembered in status.avoidNodes
 MAX_PREEMPTIONS_WITHOUT_PROGRESS = 10  # free restarts of running attempts in a row that saved nothing new -> NoProgress
 
 
-def restart(job: Job, obs: Observed, current: list[PodView], ckpt: Checkpoint | None, *, kind: RestartKind,
+def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef | None, *, kind: RestartKind,
             reason: str, message: str, own_doing: bool = False, bad_nodes: tuple[str, ...] = ()) -> Action:
     """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
     st = obs.status
@@ -87,7 +88,7 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: Checkpoint | 
 
 
 def _limit_reached(job: Job, restarts: Restarts, kind: RestartKind, no_progress: int, free_streak: int,
-                   ckpt: Checkpoint | None) -> tuple[str, str] | None:
+                   ckpt: CheckpointRef | None) -> tuple[str, str] | None:
     """(reason, message) when the job gives up instead of restarting: backoffLimit, maxNeverStartedAttempts,
     maxNoProgressAttempts or MAX_PREEMPTIONS_WITHOUT_PROGRESS reached; None while it may restart."""
     if kind == "failures" and restarts[kind] > job.spec.backoff_limit:

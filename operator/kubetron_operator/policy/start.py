@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from kubetron.contract.progress import CheckpointRef
 from kubetron.contract.times import format_duration, parse_stamp, stamp
 
-from kubetron_operator.job_status import Checkpoint, StatusPatch
+from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job, PvcStorage
 from kubetron_operator.observe import STUCK_WAITING, Observed, PodView, parse_reader_output
 from kubetron_operator.policy.action import Action, Event
@@ -76,7 +77,7 @@ def next_attempt(job: Job, obs: Observed) -> Action:
 
 
 def _read_by_reader(obs: Observed, attempt: int,
-                    ckpt: Checkpoint | None) -> Action | tuple[Checkpoint | None, str, tuple[str, ...]]:
+                    ckpt: CheckpointRef | None) -> Action | tuple[CheckpointRef | None, str, tuple[str, ...]]:
     """PVC stores: the ended attempt's progress-reader pod (created here, then waited for, at most
     READER_TIMEOUT). (the newest checkpoint, why the log is unread or "", the reader pod to delete), or
     the Action that waits for it."""
@@ -95,7 +96,8 @@ def _read_by_reader(obs: Observed, attempt: int,
     return ckpt, unread, (reader.name,)
 
 
-def _attempt_status(job: Job, obs: Observed, ckpt: Checkpoint | None, nxt: int, size: int, unread: str) -> StatusPatch:
+def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: int, size: int,
+                    unread: str) -> StatusPatch:
     """The status patch that records attempt `nxt` (of `size` pods) as created."""
     st = obs.status
     status = phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created{unread}")
@@ -133,7 +135,7 @@ def _reader_trouble(reader: PodView) -> str:
     return f"{reader.phase.lower()}, exit {reader.exit_code}: {detail}"
 
 
-def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: Checkpoint | None,
+def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: CheckpointRef | None,
              stale: tuple[str, ...]) -> Action:
     """The gang is not all running yet: say what holds it up; end the attempt after startupTimeoutSeconds."""
     st = obs.status

@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from kubetron.contract.progress import CheckpointRef, ProgressSummary
 from kubetron.contract.times import format_duration, stamp
 
-from kubetron_operator.job_status import Checkpoint, Condition, JobStatus, Restarts, StatusPatch
-from kubetron_operator.observe import Observed, PodView, to_int
+from kubetron_operator.job_status import Condition, JobStatus, Restarts, StatusPatch
+from kubetron_operator.observe import NO_LIVE, NO_PROGRESS, Observed, PodView, to_int
 from kubetron_operator.policy.action import Event
 
 
@@ -47,12 +48,12 @@ def _conditions(old: list[Condition], phase: str, reason: str, message: str, now
     return out
 
 
-def progress_fields(obs: Observed, ckpt: Checkpoint | None, live: bool = True) -> StatusPatch:
+def progress_fields(obs: Observed, ckpt: CheckpointRef | None, live: bool = True) -> StatusPatch:
     """iteration / trainIters / progress / eta / tokensPerSecond / loss / learningRate for `kubectl get`, for the
     current attempt."""
-    st, log, now_live = obs.status, obs.progress or {}, (obs.live or {}) if live else {}
+    st, log, now_live = obs.status, obs.progress or NO_PROGRESS, (obs.live or NO_LIVE) if live else NO_LIVE
     attempt = st.get("attempt") or 0
-    iteration = max(to_int(now_live.get("iteration")), _log_iteration(log, attempt),
+    iteration = max(now_live.get("iteration") or 0, _log_iteration(log, attempt),
                     st.get("iteration") or 0, ckpt_iteration(ckpt))
     train_iters = now_live.get("trainIters") or log.get("trainIters") or st.get("trainIters")
     out: StatusPatch = {"iteration": iteration, "lastCheckpoint": ckpt}
@@ -89,10 +90,10 @@ def in_place_news(obs: Observed, attempt: int) -> tuple[StatusPatch, tuple[Event
     """In-place restarts of the current attempt not counted yet, from rank 0's status endpoint or the
     progress log: the status fields that count them, and an event for each."""
     counted = obs.status.get("attemptInPlaceRestarts") or 0
-    by_job = (obs.progress or {}).get("inPlaceRestarts")
-    logged = [to_int(n) for job_id, n in by_job.items() if str(job_id).endswith(f"/{attempt}")] if isinstance(
+    by_job = (obs.progress or NO_PROGRESS).get("inPlaceRestarts")
+    logged = [n for job_id, n in by_job.items() if str(job_id).endswith(f"/{attempt}")] if isinstance(
         by_job, Mapping) else []
-    now = max([counted, to_int((obs.live or {}).get("inPlaceRestarts")), *logged])
+    now = max([counted, (obs.live or NO_LIVE).get("inPlaceRestarts") or 0, *logged])
     if now <= counted:
         return {}, ()
     restarts = restart_counts(obs.status)
@@ -103,11 +104,11 @@ def in_place_news(obs: Observed, attempt: int) -> tuple[StatusPatch, tuple[Event
     return {"restarts": {**restarts, "inPlace": total}, "attemptInPlaceRestarts": now}, events
 
 
-def known_checkpoint(obs: Observed, attempt: int) -> Checkpoint | None:
+def known_checkpoint(obs: Observed, attempt: int) -> CheckpointRef | None:
     """The newest durable checkpoint any source reports (status, log, live endpoint, termination messages)."""
     best = newer_checkpoint(None, obs.status.get("lastCheckpoint"))
-    best = newer_checkpoint(best, (obs.progress or {}).get("lastCheckpoint"))
-    best = newer_checkpoint(best, (obs.live or {}).get("lastCheckpoint"))
+    best = newer_checkpoint(best, (obs.progress or NO_PROGRESS).get("lastCheckpoint"))
+    best = newer_checkpoint(best, (obs.live or NO_LIVE).get("lastCheckpoint"))
     for p in obs.pods:
         term_ckpt = (p.termination or {}).get("lastCheckpoint")
         if isinstance(term_ckpt, int) and p.attempt <= attempt:
@@ -115,7 +116,7 @@ def known_checkpoint(obs: Observed, attempt: int) -> Checkpoint | None:
     return best
 
 
-def newer_checkpoint(a: Checkpoint | None, b: Any) -> Checkpoint | None:
+def newer_checkpoint(a: CheckpointRef | None, b: Any) -> CheckpointRef | None:
     """The newer of checkpoint `a` and `b` (a copy); `b` may be anything (the trainer's JSON included)."""
     if not isinstance(b, Mapping) or not isinstance(b.get("iteration"), int):
         return a.copy() if a else None
@@ -124,7 +125,7 @@ def newer_checkpoint(a: Checkpoint | None, b: Any) -> Checkpoint | None:
     return a.copy()
 
 
-def _log_iteration(log: Mapping[str, Any], attempt: int) -> int:
+def _log_iteration(log: ProgressSummary, attempt: int) -> int:
     """The last iteration the progress log mentions for `attempt` (its lines carry job id ns/name/attempt).
 
     Not the log's overall latest: until the new attempt writes its first line, that is the old attempt's.
@@ -132,16 +133,16 @@ def _log_iteration(log: Mapping[str, Any], attempt: int) -> int:
     """
     by_job = log.get("jobIterations")
     if not isinstance(by_job, Mapping):
-        return to_int(log.get("iteration"))
-    return max([to_int(it) for job_id, it in by_job.items() if str(job_id).endswith(f"/{attempt}")] or [0])
+        return log.get("iteration") or 0
+    return max([it for job_id, it in by_job.items() if str(job_id).endswith(f"/{attempt}")] or [0])
 
 
 def reached_iteration(obs: Observed, attempt: int, current: list[PodView]) -> int:
     """The last iteration the current attempt reached (status.iteration follows the current attempt)."""
     terms = [to_int((p.termination or {}).get("iteration")) for p in current]
-    return max([obs.status.get("iteration") or 0, _log_iteration(obs.progress or {}, attempt), *terms])
+    return max([obs.status.get("iteration") or 0, _log_iteration(obs.progress or NO_PROGRESS, attempt), *terms])
 
 
-def ckpt_iteration(ckpt: Checkpoint | None) -> int:
+def ckpt_iteration(ckpt: CheckpointRef | None) -> int:
     """The checkpoint's iteration; 0 when there is none (the attempt starts from scratch)."""
     return int(ckpt["iteration"]) if ckpt else 0
