@@ -56,7 +56,7 @@ class PodView:
     created_for: float = 0.0  # seconds since creationTimestamp
     termination: TerminationMessage | None = None  # the trainer's termination message (JSON)
     term_text: str = ""  # the last line of a termination message that is not the trainer's JSON
-    log: str = ""  # a progress-reader's output (filled by the handler only when it Succeeded)
+    log: str = ""  # a progress-reader's output (handlers.observe: its termination message, once it ended)
     ip: str = ""
     node: str = ""  # spec.nodeName, once scheduled
     unschedulable: str = ""  # the message of PodScheduled=False, else ""
