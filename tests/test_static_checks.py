@@ -1,6 +1,7 @@
 """Checks that read the code without running it: mypy over the operator and the trainer's torch-free
 contract modules (the files and settings of pyproject.toml's [tool.mypy]; a cold run takes about 11 s of
-CPU), and test modules that share code only through helper modules."""
+CPU), test modules that share code only through helper modules, and the shape of the two packages
+(tests/code_graph.py): no import cycle, no use of another module's private names, no constant defined twice."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tests import code_graph
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,3 +35,67 @@ def test_no_module_imports_a_test_module():
                  for folder in ("tests", "bench") for path in sorted((REPO / folder).rglob("*.py"))
                  for module in _imported_modules(path) if module.rsplit(".", 1)[-1].startswith("test_")]
     assert not offenders, offenders
+
+
+# Strings two modules may both define, each for its own purpose (not a layout or contract constant).
+SAME_TEXT_ON_PURPOSE = {
+    "kubetron": "the program name of the umbrella CLI and of the operator's client commands it dispatches to, "
+                "and the chart's default release name",
+}
+
+
+def test_no_import_cycle_in_the_trainer_or_the_operator():
+    """An import inside a function counts: it hides a cycle from Python, not from the reader."""
+    assert code_graph.cycles(code_graph.build()) == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert sorted(code_graph.build().private_uses) == []
+
+
+def test_no_string_constant_is_defined_twice():
+    """A layout name (the commit marker, the tokenizer folder, the termination log's path, ...) has one
+    definition that every user imports, so the two halves cannot drift apart."""
+    twice = {text: where for text, where in code_graph.string_constants(code_graph.build()).items()
+             if len(where) > 1 and text not in SAME_TEXT_ON_PURPOSE}
+    assert twice == {}
+
+
+# What the operator's decisions may import: the standard library's pure parts, yaml (the job's config text),
+# pydantic (the config schema) and the contract. No clock, no randomness, no network, no kopf, no logging.
+PURE_IMPORTS = {"__future__", "collections", "dataclasses", "datetime", "typing", "math", "json", "hashlib",
+                "functools", "re", "enum", "types", "difflib", "yaml", "pydantic", "annotated_types"}
+PURE_OPERATOR = ("kubetron_operator.decide", "kubetron_operator.observe", "kubetron_operator.job_status",
+                 "kubetron_operator.policy")
+
+
+def test_the_operators_decisions_are_pure():
+    """decide() and the policy modules it calls take the time and the cluster through `Observed`: no operator
+    module they import (directly or not) reads a clock, the network or the environment, or logs. What else they
+    reach is the contract, which tests/test_contract_boundary.py keeps free of I/O."""
+    graph = code_graph.build()
+    roots = [m for m in graph.files if m.startswith(PURE_OPERATOR)]
+    assert "kubetron_operator.policy.restart" in roots
+    reached = set().union(*(graph.reachable(m) for m in roots))
+    assert {m for m in reached if not m.startswith(("kubetron_operator", "kubetron.contract"))} == set()
+    clock = (".now", ".utcnow", ".today", ".time", ".monotonic")
+    impure = {m: sorted(graph.external.get(m, set()) - PURE_IMPORTS)
+              + sorted(c for c in graph.calls.get(m, ()) if c.endswith(clock))
+              for m in sorted(reached) if m.startswith("kubetron_operator")}
+    assert {m: v for m, v in impure.items() if v} == {}
+
+
+def test_the_checks_find_what_they_look_for(tmp_path):
+    """The three checks above on a tiny package holding one of each fault."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text('MARKER = "metadata.json"\n\ndef f():\n    from pkg import b\n    return b._hidden\n')
+    (pkg / "b.py").write_text('from pkg.a import f\nNAME = "metadata.json"\n_hidden = 1\n')
+    (pkg / "c.py").write_text("import time\nfrom pkg.b import _hidden\n\ndef g():\n    return time.monotonic()\n")
+    graph = code_graph.build([pkg])
+    assert code_graph.cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert sorted(graph.private_uses) == [("pkg.a", "pkg.b", "_hidden"), ("pkg.c", "pkg.b", "_hidden")]
+    assert code_graph.string_constants(graph)["metadata.json"] == ["pkg.a.MARKER", "pkg.b.NAME"]
+    assert graph.reachable("pkg.c") == {"pkg.a", "pkg.b", "pkg.c"}
+    assert graph.external["pkg.c"] == {"time"} and "time.monotonic" in graph.calls["pkg.c"]
