@@ -59,9 +59,9 @@ def parse_args(argv=None):
 
 def build(args):
     """Config, state and training objects, as kubetron.training.entry._run builds them."""
+    from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.config import ConfigContainer
     from kubetron.data import build_data_iterators
-    from kubetron.training.checkpointing import CheckpointManager, open_save_store
     from kubetron.training.entry import initialize_distributed, set_seeds
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters

@@ -75,7 +75,7 @@ def assert_bit_exact(got: dict, want: dict):
 def megatron_save(state: dict, directory: Path):
     """megatron-core's dist_checkpointing.save (torch_dist), with the CPU save strategy kubetron uses (megatron's
     default strategy calls torch.cuda.synchronize(); the files it writes are the same)."""
-    from kubetron.training.dist_ckpt import cpu_save_strategy
+    from kubetron.checkpoint.format_torch_dist import cpu_save_strategy
     from megatron.core import dist_checkpointing
 
     directory.mkdir(parents=True)
@@ -118,7 +118,7 @@ def write_bridge(model, root: Path, iteration: int):
 
 def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     """What `kubetron train` builds before it loads: the model, optimizer, scheduler, state, CheckpointManager."""
-    from kubetron.training.checkpointing import CheckpointManager, open_save_store
+    from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.training.model import build_model
     from kubetron.training.optim import LRScheduler, build_optimizer
     from kubetron.training.state import GlobalState
@@ -278,8 +278,8 @@ def test_unknown_pretrained_checkpoint_version_names_pretrained_checkpoint(tmp_p
 
 def test_tensor_check_knows_pipeline_stages():
     """Under PP a stage asks for its own tensors only: what other stages hold is no mismatch, a missing layer is."""
+    from kubetron.checkpoint.format_torch_dist import check_tensors
     from kubetron.contract.errors import ConfigError
-    from kubetron.training.dist_ckpt import check_tensors
 
     saved = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.mlp.linear_fc2.weight": (2, 64, 96),
              "decoder.final_layernorm.weight": (64,), "output_layer.weight": (128, 64)}

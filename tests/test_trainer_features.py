@@ -114,9 +114,10 @@ def test_most_recent_k_keeps_the_newest_k(pretrained):
 
 def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
     """An incomplete newer directory (no commit marker) does not count: the newest complete stays."""
+    from kubetron.checkpoint.layout import MARKER
+    from kubetron.checkpoint.manager import CheckpointManager
     from kubetron.config import ConfigContainer
     from kubetron.storage import open_store
-    from kubetron.training.checkpointing import MARKER, CheckpointManager
 
     store = tmp_path / "store"
     for it in (10, 20, 30, 40):
@@ -246,8 +247,8 @@ def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
 
 
 def _adam_step(ckpt: Path) -> int:
+    from kubetron.checkpoint.format_sharded import read_canonical
     from kubetron.storage import open_store
-    from kubetron.training.sharded import read_canonical
 
     _, optim = read_canonical(open_store(ckpt.parent), ckpt.name)
     steps = {int(s["step"]) for s in optim.values()}

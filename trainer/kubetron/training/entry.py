@@ -101,9 +101,9 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
          signal_handler: SignalHandler | None = None, **non_loss):
     from megatron.core import parallel_state
 
+    from kubetron.checkpoint.manager import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.data import build_train_valid_test_data_iterators
     from kubetron.training import pipeline
-    from kubetron.training.checkpointing import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
@@ -328,7 +328,7 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
     import warnings
 
     if cfg.tokenizer.file_based and cfg.checkpoint.load:  # a resume trains with the checkpoint's tokenizer
-        from kubetron.training.checkpointing import adopt_checkpoint_tokenizer
+        from kubetron.checkpoint.manager import adopt_checkpoint_tokenizer
 
         adopt_checkpoint_tokenizer(cfg)
     # Validate the whole config before the slow imports: a bad value fails in well under a second.

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kubetron.training.comm import any_rank
+from kubetron.training.schedule import forward_backward
 from kubetron.training.utils import prepare_forward_step_func, reduce_losses
 
 log = logging.getLogger("kubetron")
@@ -42,8 +43,6 @@ def _time_limit_hit(state) -> bool:
 def evaluate(forward_step_func, data_iterator, model, state, *, process_non_loss_data_func: Callable | None = None,
              non_loss_data_func: Callable | None = None) -> EvalResult | None:
     """Forward-only over validation.eval_iters global batches; None if the time limit cut it short."""
-    from kubetron.training.train import forward_backward  # train.py imports this module
-
     cfg = state.cfg
     fwd = prepare_forward_step_func(forward_step_func, state)
     n = cfg.train.num_microbatches

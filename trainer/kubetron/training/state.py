@@ -132,7 +132,7 @@ class GlobalState:
     rank: int = 0
     world_size: int = 1
     device: Any = None  # torch.device
-    ckpt: Any = None  # kubetron.training.checkpointing.CheckpointManager, once built
+    ckpt: Any = None  # kubetron.checkpoint.manager.CheckpointManager, once built
     straggler: Any = None  # kubetron.training.straggler.StragglerDetector while train() runs (None: off)
     exit_code: int | None = None  # how the run ended (kubetron.contract.exitcodes), once it has
     _tokenizer: Any = field(default=None, init=False, repr=False)

@@ -16,16 +16,15 @@ import torch
 
 from kubetron.contract import exitcodes
 from kubetron.startup import CLOCK
-from kubetron.training import moe, pipeline, straggler
+from kubetron.training import moe, straggler
 from kubetron.training.comm import any_rank
 from kubetron.training.eval import evaluate_and_print_results
 from kubetron.training.optim import finalize_model_grads, params_l2_norm
-from kubetron.training.state import Timers
+from kubetron.training.schedule import forward_backward
 from kubetron.training.utils import (
     num_floating_point_operations,
     prepare_forward_step_func,
     reduce_losses,
-    unpack_loss,
 )
 
 log = logging.getLogger("kubetron")
@@ -88,41 +87,6 @@ class LossChecks:
             raise DivergedError(f"gradient norm is {grad_norm} at iteration {iteration} "
                                 "(ddp.check_for_nan_in_grad)")
         return False
-
-
-def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
-                     loss_scale: float = 1.0, timers: Timers | None = None, collect_non_loss_data: bool = False):
-    """No-pipelining schedule: forward (+ backward) each micro-batch; return their loss reports.
-
-    The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
-    loss / num_microbatches, so gradients are the mean over the global batch on this rank (times
-    `loss_scale`, fp16's loss scale; the optimizer divides it out).
-    `collect_non_loss_data` (with forward_only, megatron's inference pattern): the list of
-    `loss_func(output, non_loss_data=True)`, whatever it returns (on the last pipeline stage).
-    """
-    if collect_non_loss_data and not forward_only:
-        raise ValueError("collect_non_loss_data needs forward_only=True")
-    if pipeline.runs_schedule(model):  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
-        return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
-                                         forward_only=forward_only, loss_scale=loss_scale,
-                                         collect_non_loss_data=collect_non_loss_data)
-    timers = timers or Timers(log_level=0)
-    if not forward_only:
-        moe.scale_aux_loss(model, loss_scale, num_microbatches)
-    reports = []
-    for _ in range(num_microbatches):
-        with timers.time("forward-compute", 2):
-            output, loss_func = forward_step_func(data_iterator, model[0])
-            if collect_non_loss_data:
-                reports.append(loss_func(output, non_loss_data=True))
-                continue
-            loss, num_tokens, report = unpack_loss(loss_func(output))
-        if not forward_only:
-            with timers.time("backward-compute", 2):
-                scaled = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss
-                (scaled * (loss_scale / num_microbatches)).backward()
-        reports.append(report)
-    return reports
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,

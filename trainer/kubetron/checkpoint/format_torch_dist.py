@@ -392,7 +392,7 @@ def load_megatron(model, store, name: str, cfg):
 
 def load(model, optimizer, store, name: str, cfg, common: dict, *, with_optimizer: bool, device) -> dict | None:
     """Load model weights (and, with_optimizer, return optimizer state by parameter name, in the
-    form checkpointing.load_optimizer_state_by_name takes) from `name`/dist."""
+    form canonical.load_optimizer_state_by_name takes) from `name`/dist."""
     prefix = f"{name}/{DIST}/"
     staging = _staging(cfg)
     try:
