@@ -93,8 +93,8 @@ def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None
     optimizer.finish_grad_sync()  # (the distributed optimizer steps its reduced gradient buffers)
     optimizer.step()
     scheduler = LRScheduler(optimizer, cfg)
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, run_id=_same_id())
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, world_size=state.world_size, run_id=_same_id())
     return ckpt, model, optimizer
 
 

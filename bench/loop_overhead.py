@@ -88,8 +88,9 @@ def build(args):
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
     train_it, valid_it = build_data_iterators(cfg, 0, 1)
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, data=(train_it, valid_it), run_id="bench")
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, data=(train_it, valid_it), run_id="bench",
+                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
     state.metrics = MetricsLogger(cfg, state, writes=True)
     state.ckpt = ckpt
     return cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, num_parameters(model)

@@ -137,7 +137,7 @@ def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp
     cfg = in_process_config()
     state = GlobalState(cfg=cfg, world_size=1)
     state.train_state.floating_point_operations_so_far = 1e15
-    log = ProgressLog(cfg, store, state)
+    log = ProgressLog(cfg, store, state.train_state, state.world_size)
     log.start()
     state.train_state.floating_point_operations_so_far += 3e12
     start, _ = progress.get_start_time_from_progress_log(store.read_bytes("progress.txt").decode(), 1)

@@ -129,8 +129,8 @@ def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
     state = GlobalState(cfg=cfg)
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, run_id="interop")
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, run_id="interop")
     return model, ckpt
 
 
@@ -146,7 +146,7 @@ def test_megatron_core_loads_kubetron_torch_dist_checkpoint_at_default_strictnes
     with torch.no_grad():
         for p in model[0].parameters():
             p.copy_(torch.randn(p.shape, generator=g))
-    ckpt.state.train_state.step = 5
+    ckpt.train_state.step = 5
     ckpt.save(5)
     dist_dir = tmp_path / "ckpt" / "iter_0000005" / "dist"
     assert (dist_dir / "common.pt").is_file()
@@ -180,7 +180,7 @@ def test_finetune_from_megatron_written_checkpoint_is_bit_exact(tmp_path, layout
     assert ckpt.load(finetune=True) == 0  # training starts at 0
     assert_bit_exact(weights(model[0]), weights(theirs))
     assert not planted.exists(), "megatron's common.pt was unpickled"
-    assert ckpt.state.train_state.step == 0
+    assert ckpt.train_state.step == 0
 
 
 def test_megatron_lm_tracker_picks_the_iteration(tmp_path):

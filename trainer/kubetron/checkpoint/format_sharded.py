@@ -35,7 +35,7 @@ from megatron.core import parallel_state
 
 from kubetron.checkpoint import canonical
 from kubetron.checkpoint.hostcopy import HostBuffers
-from kubetron.checkpoint.layout import safe_load
+from kubetron.checkpoint.layout import COMMON, safe_load
 from kubetron.contract.errors import CheckpointError
 
 VOCAB_TENSORS = (canonical.WORD_EMBEDDING, "output_layer.weight")
@@ -537,7 +537,7 @@ def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> l
 def read_canonical(store, name: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """A whole sharded checkpoint as canonical tensors: ({name: tensor}, {param name: {state key: value}})
     (for tools and tests; a training load reads only its own boxes)."""
-    common = safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
     reader = ShardReader(store, name, common["num_shards"])
     names = sorted(reader.pieces)
     full = reader.read_many([(n, [(0, g) for g in reader.global_shape(n)]) for n in names])

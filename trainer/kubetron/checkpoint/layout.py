@@ -35,6 +35,8 @@ TRACKER = "latest_train_state.pt"
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 NON_PERSISTENT = "non_persistent"
 TOKENIZER_DIR = "tokenizer"
+COMMON = "common.pt"  # counters, scheduler, data position, architecture, version (rank 0)
+RUN_CONFIG = "run_config.yaml"  # the resolved config
 CHECKPOINT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Architecture fields that must match between a checkpoint and the model loading it.
@@ -72,6 +74,11 @@ def arch_record(model) -> dict:
 
 def iter_dir(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+def rng_file(rank: int) -> str:
+    """A rank's random generators' states, inside an iteration's directory."""
+    return f"rng/rank_{rank:05d}.pt"
 
 
 def safe_load(data: bytes | io.IOBase, what: str):
@@ -196,7 +203,7 @@ def check_architecture(saved: dict, cfg, name: str, saved_tokenizer_vocab: int |
 def bridge_heads(store, name: str) -> dict:
     """num_attention_heads / num_query_groups from a Megatron Bridge checkpoint's run_config.yaml (safe YAML;
     {} without one, e.g. Megatron-LM's, whose args sit in a pickle that is never read)."""
-    key = f"{name}/run_config.yaml"
+    key = f"{name}/{RUN_CONFIG}"
     if not store.exists(key):
         return {}
     try:
@@ -233,7 +240,7 @@ def run_config_changes(saved_yaml: str, cfg) -> list[str]:
 
 def log_run_config_changes(store, name: str, cfg):
     """A resume reads the run_config.yaml it resumes from and names what this run changes."""
-    key = f"{name}/run_config.yaml"
+    key = f"{name}/{RUN_CONFIG}"
     if (dist.get_rank() if dist.is_initialized() else 0) != 0 or not store.exists(key):
         return
     changes = run_config_changes(store.read_bytes(key).decode(), cfg)

@@ -23,8 +23,10 @@ from kubetron.checkpoint.canonical import (
 from kubetron.checkpoint.hostcopy import HostBuffers
 from kubetron.checkpoint.layout import (
     CHECKPOINT_VERSION,
+    COMMON,
     MARKER,
     NON_PERSISTENT,
+    RUN_CONFIG,
     TOKENIZER_DIR,
     TRACKER,
     arch_record,
@@ -36,15 +38,18 @@ from kubetron.checkpoint.layout import (
     log_run_config_changes,
     read_tokenizer_assets,
     resolve_checkpoint,
+    rng_file,
     safe_load,
     to_bytes,
     tokenizer_vocab,
 )
 from kubetron.checkpoint.rng import get_rng_state, set_rng_state
+from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.contract.times import stamp
 from kubetron.storage import open_store
 from kubetron.training import comm, peft
+from kubetron.training.comm import any_rank
 from kubetron.training.progress_log import ProgressLog
 
 log = logging.getLogger("kubetron")
@@ -85,6 +90,12 @@ class Snapshot:
     copied: object = None  # CUDA: an event after the device→host copies (the buffers are valid once it is)
 
 
+def time_limit_reached(cfg, start_time: float) -> bool:
+    """train.exit_duration_in_mins has passed since `start_time` on any rank (collective when it is set)."""
+    limit = cfg.train.exit_duration_in_mins
+    return bool(limit) and any_rank((time.time() - start_time) / 60.0 > limit)
+
+
 def open_save_store(cfg):
     """The store checkpoint.save names (None: saving off)."""
     ck = cfg.checkpoint
@@ -92,14 +103,27 @@ def open_save_store(cfg):
 
 
 class CheckpointManager:
-    """save(step)/load() for the loop: it owns what a checkpoint holds (model chunks, optimizer,
-    scheduler, data iterators), the host buffers snapshots are copied into, and the progress log."""
+    """Saves and restores a run, and decides when: the loop calls `after_step(step)` once per iteration
+    and `finish(step)` after the last; a run starts with `load()`.
 
-    def __init__(self, cfg, store, *, state, model, optimizer, scheduler, data=(None, None), run_id: str):
-        self.cfg, self.save_store, self.state = cfg, store, state
+    It is handed the parts a checkpoint holds and restores them in place (it never replaces an object
+    someone else holds): the model chunks, the optimizer, and what has `state_dict()`/`load_state_dict()`:
+    the LR scheduler, the train state (counters) and the data iterators. It owns the host buffers
+    snapshots are copied into, the progress log, and the save/exit schedule (checkpoint.save_interval,
+    non_persistent_save_interval, a signal, train.exit_duration_in_mins, train.exit_interval, a straggler).
+    """
+
+    def __init__(self, cfg, store, *, model, optimizer, scheduler, train_state, data=(None, None), run_id: str,
+                 world_size: int | None = None, signal_handler=None, start_time: float | None = None):
+        self.cfg, self.save_store = cfg, store
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
+        self.train_state = train_state
+        self.world_size = world_size if world_size is not None else (
+            dist.get_world_size() if dist.is_initialized() else 1)
         self.run_id = run_id  # same on all ranks: names the save transaction
-        self.progress = ProgressLog(cfg, store, state)
+        self.signal_handler = signal_handler  # SIGTERM/SIGINT: save and stop (train.exit_signal_handler)
+        self.start_time = time.time() if start_time is None else start_time  # train.exit_duration_in_mins
+        self.progress = ProgressLog(cfg, store, train_state, self.world_size)
         self.buffers = HostBuffers()
         self._plan: dict = {}  # sharded.snapshot's cuts, worked out at the first save (the layout is fixed)
         ck = cfg.checkpoint
@@ -127,6 +151,48 @@ class CheckpointManager:
     @property
     def enabled(self) -> bool:
         return self.save_store is not None
+
+    # -- the schedule: when to save, when to stop ------------------------------------------------------
+    def after_step(self, step: int, *, straggler: bool = False) -> int | None:
+        """After iteration `step` (the loop calls this once per iteration): finish the async saves that are
+        done, save when the schedule says so, and return the exit code when the run stops here (None: go
+        on). `straggler`: the straggler detector asks to stop (saved, then exitcodes.STRAGGLER)."""
+        if straggler:  # straggler.stop_if_detected
+            self.save(step, blocking=True)
+            return exitcodes.STRAGGLER
+        self.finalize(blocking=False)  # async saves that are done become durable
+        cfg = self.cfg
+        handler = self.signal_handler
+        if any_rank(handler is not None and handler.received is not None) and step < cfg.train.train_iters:
+            self.save(step, blocking=True)  # at the last iteration: completed, saved as such (0)
+            log.info("received %s: saved at iteration %d, exiting",
+                     (handler.signal_name if handler is not None else "") or "a signal on another rank", step)
+            return exitcodes.SAVED_ON_SIGNAL
+        saved = False
+        if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+            self.save(step)
+            saved = True
+        elif cfg.checkpoint.non_persistent_save_interval and step % cfg.checkpoint.non_persistent_save_interval == 0:
+            self.save(step, non_persistent=True)
+        if time_limit_reached(cfg, self.start_time):
+            if not saved:
+                self.save(step, blocking=True)
+            log.info("exit_duration_in_mins (%.1f) reached at iteration %d", cfg.train.exit_duration_in_mins, step)
+            return exitcodes.EXIT_CONDITION
+        if cfg.train.exit_interval and step % cfg.train.exit_interval == 0 and step < cfg.train.train_iters:
+            if not saved:
+                self.save(step, blocking=True)
+            log.info("exit_interval (%d) reached at iteration %d", cfg.train.exit_interval, step)
+            return exitcodes.EXIT_CONDITION
+        return None
+
+    def finish(self, step: int) -> int:
+        """After the last iteration: make sure it is durable, and wait for every async save.
+        Returns exitcodes.COMPLETED."""
+        if self.enabled and self.last_durable != step:
+            self.save(step, blocking=True)
+        self.finalize(blocking=True)
+        return exitcodes.COMPLETED
 
     def _run_config(self) -> str:
         """run_config.yaml: the resolved config, rendered once (it does not change during a run)."""
@@ -219,23 +285,23 @@ class CheckpointManager:
             snap.copied.synchronize()
         txn = holder["txn"] = self.save_store.begin_dir(name, txn_id=f"{self.run_id}-{it}")
         if snap.rng:  # checkpoint.save_rng: false writes none (and a resume keeps this run's seeds)
-            txn.write_bytes(f"rng/rank_{rank:05d}.pt", to_bytes(snap.rng))
+            txn.write_bytes(rng_file(rank), to_bytes(snap.rng))
         if snap.shard is not None:
             self.last_save_bytes = format_sharded.write(txn, rank, snap.shard,
                                                         after_data=lambda: _chaos("after-shard", it))
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
             common = format_torch_dist.megatron_common(it, self.scheduler.state_dict(),
-                                                       self.state.train_state.state_dict())
+                                                       self.train_state.state_dict())
             facts = format_torch_dist.save(self.model, self.optimizer, txn, self.cfg,
                                            with_optimizer=self.cfg.checkpoint.save_optim, common=common)
             if snap.common is not None and facts:
                 snap.common["dist_optimizer"] = facts
         if snap.common is not None:
             format_kubetron.write(txn, snap.model, snap.optim, after=lambda key: _chaos(f"after-{key[:-3]}", it))
-            with txn.open_write("common.pt") as f:
+            with txn.open_write(COMMON) as f:
                 torch.save(snap.common, f)
             _chaos("after-common", it)
-            txn.write_bytes("run_config.yaml", snap.run_config.encode())
+            txn.write_bytes(RUN_CONFIG, snap.run_config.encode())
             for file_name, data in (snap.tokenizer or {}).items():  # a checkpoint is self-contained
                 txn.write_bytes(f"{TOKENIZER_DIR}/{file_name}", data)
         _chaos("after-payload", it)
@@ -245,7 +311,7 @@ class CheckpointManager:
         _barrier()  # every rank's files are written
         if _rank() == 0:
             marker = {"iteration": snap.iteration, "time": stamp(), "run_id": self.run_id,
-                      "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.state.world_size}
+                      "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.world_size}
             holder["txn"].commit(json.dumps(marker).encode())
             _chaos("after-commit", snap.iteration)
             if not non_persistent:
@@ -281,7 +347,7 @@ class CheckpointManager:
             self.async_saver = None
 
     def _common_state(self, iteration: int, by_name: dict | None) -> dict:
-        ts, fmt = self.state.train_state, self.cfg.checkpoint.ckpt_format
+        ts, fmt = self.train_state, self.cfg.checkpoint.ckpt_format
         train_it, valid_it = self.data
         common = {
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -292,7 +358,7 @@ class CheckpointManager:
                      "valid": valid_it.state_dict() if valid_it is not None else None},
             "model_config": arch_record(self.cfg.model),
             "tokenizer_vocab_size": tokenizer_vocab(self.cfg),
-            "parallel": {"world_size": self.state.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
+            "parallel": {"world_size": self.world_size, "tp": self.cfg.model.tensor_model_parallel_size,
                          "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
             "ckpt_format": fmt,
         }
@@ -303,7 +369,7 @@ class CheckpointManager:
         if self.optimizer.loss_scaler is not None:  # fp16: a resume continues with the same scale
             common["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
         if fmt == "sharded":
-            common["num_shards"] = self.state.world_size
+            common["num_shards"] = self.world_size
             common["optim_param_groups"] = by_name["param_groups"] if by_name else None
         return common
 
@@ -327,9 +393,9 @@ class CheckpointManager:
         key, state = format_local.read(self.local_store, iteration)
         common = state["common"]
         check_architecture(common["model_config"], self.cfg, key)
-        if common["parallel"]["world_size"] != self.state.world_size:
+        if common["parallel"]["world_size"] != self.world_size:
             raise CheckpointError(f"local checkpoint {key} was saved with world size "
-                                  f"{common['parallel']['world_size']}, this run has {self.state.world_size}")
+                                  f"{common['parallel']['world_size']}, this run has {self.world_size}")
         format_local.load_model(self.model[0], state["model"], key)
         if self.cfg.checkpoint.load_optim:
             self.optimizer.load_state_dict(state["optim"])
@@ -342,13 +408,11 @@ class CheckpointManager:
     def _restore_common(self, common):
         """Train state and data positions; the LR scheduler and fp16 loss scale only with the optimizer
         state (checkpoint.load_optim), as Megatron: without it they start afresh."""
-        from kubetron.training.state import TrainState
-
         if self.cfg.checkpoint.load_optim:
             self.scheduler.load_state_dict(common["scheduler"])
             if self.optimizer.loss_scaler is not None and common.get("loss_scaler"):
                 self.optimizer.loss_scaler.load_state_dict(common["loss_scaler"])
-        self.state.train_state = TrainState.from_state_dict(common["train_state"])
+        self.train_state.load_state_dict(common["train_state"])
         train_it, valid_it = self.data
         data = common.get("data", {})
         if train_it is not None and data.get("train"):
@@ -447,7 +511,7 @@ class CheckpointManager:
             raise ConfigError("checkpoint.load", f"{store.url}/{name} was written by megatron-core (Megatron-LM, "
                                                  "Megatron Bridge): fine-tune from it as "
                                                  "checkpoint.pretrained_checkpoint")
-        common = safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+        common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
         check_version(common, store, name, field="checkpoint.load" if full else "checkpoint.pretrained_checkpoint")
         log_run_config_changes(store, name, self.cfg)
         self.hf_record = common.get("hf", self.hf_record)
@@ -490,8 +554,8 @@ class CheckpointManager:
         elif owned is not None:
             load_owned_optimizer_state(optimizer, owned, common["optim_param_groups"], device)
         self._restore_common(common)
-        rng_key = f"{name}/rng/rank_{_rank():05d}.pt"
-        same_layout = common.get("parallel", {}).get("world_size") == self.state.world_size
+        rng_key = f"{name}/{rng_file(_rank())}"
+        same_layout = common.get("parallel", {}).get("world_size") == self.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):
             rng = safe_load(store.read_bytes(rng_key), rng_key)
             if rng:  # empty: saved with checkpoint.save_rng false by an older kubetron

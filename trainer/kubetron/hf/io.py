@@ -19,8 +19,10 @@ import yaml
 
 from kubetron.checkpoint.layout import (
     CHECKPOINT_VERSION,
+    COMMON,
     HF_ARCH_FIELDS,
     MARKER,
+    RUN_CONFIG,
     TOKENIZER_DIR,
     arch_record,
     arch_value,
@@ -76,7 +78,7 @@ def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> st
     text = yaml.safe_dump({"model": keep}, sort_keys=False)
     if out:
         text += yaml.safe_dump({"checkpoint": {"pretrained_checkpoint": out}}, sort_keys=False)
-        tok_dir = f"{out.rstrip('/')}/iter_0000000/{TOKENIZER_DIR}"
+        tok_dir = f"{out.rstrip('/')}/{iter_dir(0)}/{TOKENIZER_DIR}"
         if hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
             tok = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tok_dir}
         elif hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
@@ -116,8 +118,8 @@ def import_hf(hf_dir: str, out: str) -> dict:
     txn = store.begin_dir(name, txn_id="import-hf")
     try:
         txn.write_bytes(format_kubetron.MODEL, to_bytes(tensors))
-        txn.write_bytes("common.pt", to_bytes(common))
-        txn.write_bytes("run_config.yaml", yaml.safe_dump({"model": m}, sort_keys=False).encode())
+        txn.write_bytes(COMMON, to_bytes(common))
+        txn.write_bytes(RUN_CONFIG, yaml.safe_dump({"model": m}, sort_keys=False).encode())
         for f in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(hf_dir, f)):
                 with open(os.path.join(hf_dir, f), "rb") as fh:
@@ -152,12 +154,12 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
     from kubetron.checkpoint import format_kubetron, format_sharded
 
     store, name = _resolve(location)
-    run_cfg = yaml.safe_load(store.read_bytes(f"{name}/run_config.yaml"))
+    run_cfg = yaml.safe_load(store.read_bytes(f"{name}/{RUN_CONFIG}"))
     model_pt = f"{name}/{format_kubetron.MODEL}"
     if store.exists(model_pt):  # ckpt_format kubetron (and import-hf's output)
         with store.open_read(model_pt) as f:
             return run_cfg["model"], safe_load(f, model_pt), store, name
-    common = safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
     if common.get("ckpt_format") != "sharded":
         raise ConfigError("CKPT", f"{location}/{name}: export-hf reads checkpoints saved with "
                                   "checkpoint.ckpt_format sharded or kubetron, not torch_dist")
@@ -171,16 +173,16 @@ def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], objec
 def _common(store, name: str) -> dict:
     """common.pt of a checkpoint ({} if it has none): `peft` is set for an adapter-only (LoRA) checkpoint,
     `hf` is its HF base's record (kubetron.hf.generation), `source` marks import-hf's output."""
-    if not store.exists(f"{name}/common.pt"):
+    if not store.exists(f"{name}/{COMMON}"):
         return {}
-    return safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+    return safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
 
 
 def _run_tokenizer(store, name: str, assets: dict[str, bytes]):
     """The tokenizer a checkpoint was trained with (None: its run_config names none, as import-hf's)."""
     from kubetron.data.tokenizer import FILE_TOKENIZERS, build_tokenizer, tokenizer_from_assets
 
-    tok = (yaml.safe_load(store.read_bytes(f"{name}/run_config.yaml")) or {}).get("tokenizer") or {}
+    tok = (yaml.safe_load(store.read_bytes(f"{name}/{RUN_CONFIG}")) or {}).get("tokenizer") or {}
     kind = tok.get("tokenizer_type")
     if kind is None or (kind in FILE_TOKENIZERS and not assets):
         return None

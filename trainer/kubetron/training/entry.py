@@ -144,8 +144,9 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size)
     CLOCK.mark("model + data")
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, data=(train_it, valid_it), run_id=run_id)
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, data=(train_it, valid_it), run_id=run_id,
+                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
     state.ckpt = ckpt
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
     ckpt.load(finetune=(mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)))

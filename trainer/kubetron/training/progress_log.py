@@ -8,13 +8,14 @@ import time
 import torch.distributed as dist
 
 from kubetron.contract import progress as progress_log
+from kubetron.contract.progress import PROGRESS_FILE
 
 
 class ProgressLog:
     """The progress log `progress.txt` beside the checkpoints (rank 0 writes; Megatron's line format)."""
 
-    def __init__(self, cfg, store, state):
-        self.cfg, self.store, self.state = cfg, store, state
+    def __init__(self, cfg, store, train_state, world_size: int):
+        self.cfg, self.store, self.train_state, self.world_size = cfg, store, train_state, world_size
         self._start_wall = time.time()
         self._start_flops: float | None = None
         self._job_start_time = None  # the job's first start at this GPU count, from the log (read at start())
@@ -27,32 +28,32 @@ class ProgressLog:
 
     def start(self):
         if self.enabled:
-            self._start_flops = self.state.train_state.floating_point_operations_so_far
+            self._start_flops = self.train_state.floating_point_operations_so_far
             if progress_log.in_place_restarts():
-                self.store.append_line("progress.txt", progress_log.restarted_in_place_line(
-                    iteration=self.state.train_state.step, restarts=progress_log.in_place_restarts(),
-                    train_iters=self.cfg.train.train_iters, num_gpus=self.state.world_size))
-            self.store.append_line("progress.txt", progress_log.starting_job_line(
-                iteration=self.state.train_state.step, train_iters=self.cfg.train.train_iters,
-                num_gpus=self.state.world_size))
+                self.store.append_line(PROGRESS_FILE, progress_log.restarted_in_place_line(
+                    iteration=self.train_state.step, restarts=progress_log.in_place_restarts(),
+                    train_iters=self.cfg.train.train_iters, num_gpus=self.world_size))
+            self.store.append_line(PROGRESS_FILE, progress_log.starting_job_line(
+                iteration=self.train_state.step, train_iters=self.cfg.train.train_iters,
+                num_gpus=self.world_size))
             self._job_start_time, self._job_start_flops = self._job_start()
 
     def exit(self, reason: str):
         if self.enabled:
-            self.store.append_line("progress.txt", progress_log.exiting_job_line(
-                iteration=self.state.train_state.step, reason=reason, train_iters=self.cfg.train.train_iters,
-                num_gpus=self.state.world_size))
+            self.store.append_line(PROGRESS_FILE, progress_log.exiting_job_line(
+                iteration=self.train_state.step, reason=reason, train_iters=self.cfg.train.train_iters,
+                num_gpus=self.world_size))
 
     def saved(self, fields: dict, *, async_save: bool):
         if self.enabled:
-            self.store.append_line("progress.txt", progress_log.saved_checkpoint_line(**fields, async_save=async_save))
+            self.store.append_line(PROGRESS_FILE, progress_log.saved_checkpoint_line(**fields, async_save=async_save))
 
     def fields(self, iteration: int) -> dict:
         """Throughput and counters for a "Saved checkpoint" line, taken when the snapshot is."""
-        ts, cfg = self.state.train_state, self.cfg
+        ts, cfg = self.train_state, self.cfg
         elapsed = max(time.time() - self._start_wall, 1e-9)
         flops = ts.floating_point_operations_so_far
-        ngpu = self.state.world_size
+        ngpu = self.world_size
         job_tp = (flops - (self._start_flops or 0.0)) / elapsed / ngpu / 1e12
         start = self._job_start_time  # read at start(): no store access in the loop
         cum_elapsed = max(time.time() - start.timestamp(), 1e-9) if start else elapsed
@@ -64,7 +65,7 @@ class ProgressLog:
 
     def _job_start(self):
         try:
-            text = self.store.read_bytes("progress.txt").decode() if self.store.exists("progress.txt") else ""
+            text = self.store.read_bytes(PROGRESS_FILE).decode() if self.store.exists(PROGRESS_FILE) else ""
         except Exception:
             return None, 0.0
-        return progress_log.get_start_time_from_progress_log(text, self.state.world_size)
+        return progress_log.get_start_time_from_progress_log(text, self.world_size)

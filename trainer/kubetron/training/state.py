@@ -32,6 +32,13 @@ class TrainState:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         return cls(**known)
 
+    def load_state_dict(self, d: dict[str, Any]):
+        """In place (the loop and the checkpoint manager hold this object): every field from `d`, or its
+        default where `d` lacks it (a checkpoint of an older kubetron)."""
+        loaded = self.from_state_dict(d)
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(loaded, name))
+
 
 class SignalHandler:
     """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step).
