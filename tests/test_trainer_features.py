@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from kubetron.contract import exitcodes
-from kubetron.training.state import GlobalState
+from kubetron.training.state import GlobalState, TrainState
 
 from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
@@ -127,8 +127,8 @@ def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
         if it != 40:  # iteration 40: a save that never committed
             (d / MARKER).write_text(json.dumps({"iteration": it}))
     cfg = ConfigContainer.from_yaml(TINY, [f"checkpoint.save={store}", "checkpoint.most_recent_k=1"])
-    mgr = CheckpointManager(cfg, open_store(store), state=GlobalState(cfg=cfg), model=None, optimizer=None,
-                            scheduler=None, run_id="test")
+    mgr = CheckpointManager(cfg, open_store(store), model=None, optimizer=None, scheduler=None,
+                            train_state=TrainState(), run_id="test")
     mgr._apply_retention()
     assert iter_dirs(store) == ["iter_0000030", "iter_0000040"]
 

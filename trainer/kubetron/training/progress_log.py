@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from kubetron.contract import progress as progress_log
 from kubetron.contract.progress import PROGRESS_FILE
+from kubetron.progress_io import in_place_restarts, job_id
 
 
 class ProgressLog:
@@ -29,24 +30,25 @@ class ProgressLog:
     def start(self):
         if self.enabled:
             self._start_flops = self.train_state.floating_point_operations_so_far
-            if progress_log.in_place_restarts():
+            if in_place_restarts():
                 self.store.append_line(PROGRESS_FILE, progress_log.restarted_in_place_line(
-                    iteration=self.train_state.step, restarts=progress_log.in_place_restarts(),
-                    train_iters=self.cfg.train.train_iters, num_gpus=self.world_size))
+                    iteration=self.train_state.step, restarts=in_place_restarts(),
+                    train_iters=self.cfg.train.train_iters, num_gpus=self.world_size, job_id=job_id()))
             self.store.append_line(PROGRESS_FILE, progress_log.starting_job_line(
                 iteration=self.train_state.step, train_iters=self.cfg.train.train_iters,
-                num_gpus=self.world_size))
+                num_gpus=self.world_size, job_id=job_id()))
             self._job_start_time, self._job_start_flops = self._job_start()
 
     def exit(self, reason: str):
         if self.enabled:
             self.store.append_line(PROGRESS_FILE, progress_log.exiting_job_line(
                 iteration=self.train_state.step, reason=reason, train_iters=self.cfg.train.train_iters,
-                num_gpus=self.world_size))
+                num_gpus=self.world_size, job_id=job_id()))
 
     def saved(self, fields: dict, *, async_save: bool):
         if self.enabled:
-            self.store.append_line(PROGRESS_FILE, progress_log.saved_checkpoint_line(**fields, async_save=async_save))
+            line = progress_log.saved_checkpoint_line(**fields, async_save=async_save, job_id=job_id())
+            self.store.append_line(PROGRESS_FILE, line)
 
     def fields(self, iteration: int) -> dict:
         """Throughput and counters for a "Saved checkpoint" line, taken when the snapshot is."""
