@@ -125,7 +125,7 @@ class CheckpointManager:
         self.start_time = time.time() if start_time is None else start_time  # train.exit_duration_in_mins
         self.progress = ProgressLog(cfg, store, train_state, self.world_size)
         self.buffers = HostBuffers()
-        self._plan: dict = {}  # sharded.snapshot's cuts, worked out at the first save (the layout is fixed)
+        self._plan: dict = {}  # format_sharded.snapshot's cuts, worked out at the first save (the layout is fixed)
         ck = cfg.checkpoint
         self.local_store = None  # non-persistent "local": this rank's own directory on node-local disk
         if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
