@@ -16,7 +16,7 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.09-py3
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 # The wheel is built where there is a C compiler (the full image, not slim): setup.py's optional
-# extension kubetron._hostcopy, the async snapshot's copy (without it ctypes.memmove: 1.4-1.6x the
+# extension kubetron.checkpoint._hostcopy, the async snapshot's copy (without it ctypes.memmove: 1.4-1.6x the
 # blocked time, README), is compiled into it (the limited API: one build serves the trainer's Python too).
 ARG WHEEL_IMAGE=python:3.12-bookworm
 

@@ -14,8 +14,8 @@ PINNED := -c constraints.txt
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# setup.py builds the one C extension (kubetron._hostcopy) into the source tree: a changed source rebuilds.
-$(VENV)/.trainer: pyproject.toml setup.py trainer/kubetron/_hostcopy.c constraints.txt | $(VENV)/bin/python
+# setup.py builds the one C extension (kubetron.checkpoint._hostcopy) into the source tree: a changed source rebuilds.
+$(VENV)/.trainer: pyproject.toml setup.py trainer/kubetron/checkpoint/_hostcopy.c constraints.txt | $(VENV)/bin/python
 	$(PIP) $(TORCH)
 	$(PIP) $(PINNED) -e '.[trainer]'
 	touch $@

@@ -1,6 +1,6 @@
 """The one compiled piece of kubetron, optional: pyproject.toml holds everything else.
 
-kubetron._hostcopy (trainer/kubetron/_hostcopy.c) copies checkpoint snapshots into host memory with
+kubetron.checkpoint._hostcopy (trainer/kubetron/checkpoint/_hostcopy.c) copies checkpoint snapshots into host memory with
 non-temporal stores. `optional=True`: without a C compiler the install goes on, and the trainer falls
 back to ctypes.memmove (same bytes, about half the speed). The limited API (abi3): one build serves
 every CPython >= 3.11.
@@ -11,8 +11,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "kubetron._hostcopy",
-            ["trainer/kubetron/_hostcopy.c"],
+            "kubetron.checkpoint._hostcopy",
+            ["trainer/kubetron/checkpoint/_hostcopy.c"],
             optional=True,
             py_limited_api=True,
             define_macros=[("Py_LIMITED_API", "0x030B0000")],

@@ -7,7 +7,7 @@ Every rank builds the same GPT and AdamW state as `kubetron train` does and save
     later saves reuse), sampled every 2 ms, vs the total state size (target <= 1/world + 10 %); also
     with the distributed optimizer (ZeRO-1), whose ranks write the state fragments they own
   * async save: how long the loop is blocked vs a sync save (target <= 0.1); the baseline in the same run,
-    the snapshot's copies by ctypes.memmove instead of kubetron._hostcopy; one bare copy of each as the floor
+    the snapshot's copies by ctypes.memmove instead of kubetron.checkpoint._hostcopy; one bare copy of each as the floor
   * S3 (SeaweedFS, when KUBETRON_BENCH_S3=1 and AWS_* are set): per rank, a sync sharded save vs boto3
     `upload_file` of the same number of bytes, all ranks at once (target >= 0.8)
   * load: CheckpointManager.load() of the newest checkpoint, from the directory and from S3
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "trainer"))
-from kubetron.training import sharding  # noqa: E402
+from kubetron.checkpoint import hostcopy  # noqa: E402
 
 MB = 1e6
 
@@ -65,8 +65,8 @@ class PeakRSS:
 
 
 def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None = None, extra=()):
+    from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.config import ConfigContainer
-    from kubetron.training.checkpointing import CheckpointManager, open_save_store
     from kubetron.training.entry import initialize_distributed, set_seeds
     from kubetron.training.model import build_model
     from kubetron.training.optim import LRScheduler, build_optimizer
@@ -93,8 +93,8 @@ def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None
     optimizer.finish_grad_sync()  # (the distributed optimizer steps its reduced gradient buffers)
     optimizer.step()
     scheduler = LRScheduler(optimizer, cfg)
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, run_id=_same_id())
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, world_size=state.world_size, run_id=_same_id())
     return ckpt, model, optimizer
 
 
@@ -191,16 +191,16 @@ def main() -> int:
     # -- async: blocked time vs a sync save -------------------------------------------------------------
     ckpt, model, optimizer = build(a, f"{a.dir}/async", "sharded", async_save=True)
     ckpt.save(next(step), blocking=True)  # first touch of the host buffers is a one-time cost
-    impl, built = sharding.copy_impl(), sharding._hostcopy
+    impl, built = hostcopy.copy_impl(), hostcopy._hostcopy
     sync_s, block_s = blocked_vs_sync(ckpt, step, a.repeats)
     row("async sharded save: loop blocked", f"{block_s:.3f}s", f"sync save {sync_s:.3f}s",
         f"ratio {block_s / sync_s:.3f} (target <= 0.1); snapshot copy: {impl}")
     if built is not None:  # the baseline, same run: the snapshot's copies by libc (the no-compiler fallback)
-        sharding._hostcopy = None
+        hostcopy._hostcopy = None
         try:
             base_sync, base_block = blocked_vs_sync(ckpt, step, a.repeats)
         finally:
-            sharding._hostcopy = built
+            hostcopy._hostcopy = built
         row("  (baseline) the same, copies by ctypes.memmove", f"{base_block:.3f}s", f"sync save {base_sync:.3f}s",
             f"ratio {base_block / base_sync:.3f}; blocked {base_block / block_s:.2f}x as long")
     ckpt.close()
@@ -209,7 +209,7 @@ def main() -> int:
     # source is not in the caches (the snapshot copies state that the writer has long since evicted).
     src = torch.ones(ckpt.last_save_bytes // 4)
     dst, sweep = torch.zeros_like(src), torch.zeros(64 * 2**20)
-    for name, fn in ((f"snapshot copy ({impl})", lambda: sharding.copy_host([(dst.data_ptr(), src.data_ptr(),
+    for name, fn in ((f"snapshot copy ({impl})", lambda: hostcopy.copy_host([(dst.data_ptr(), src.data_ptr(),
                                                                                src.numel() * 4)])),
                      ("libc memmove", lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * 4))):
         copies = []

@@ -59,9 +59,9 @@ def parse_args(argv=None):
 
 def build(args):
     """Config, state and training objects, as kubetron.training.entry._run builds them."""
+    from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.config import ConfigContainer
     from kubetron.data import build_data_iterators
-    from kubetron.training.checkpointing import CheckpointManager, open_save_store
     from kubetron.training.entry import initialize_distributed, set_seeds
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
@@ -88,8 +88,9 @@ def build(args):
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
     train_it, valid_it = build_data_iterators(cfg, 0, 1)
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, data=(train_it, valid_it), run_id="bench")
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, data=(train_it, valid_it), run_id="bench",
+                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
     state.metrics = MetricsLogger(cfg, state, writes=True)
     state.ckpt = ckpt
     return cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, num_parameters(model)

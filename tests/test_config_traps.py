@@ -126,7 +126,7 @@ def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp
     """A job at 2 GPUs did 1e15 FLOPs; this job (1 GPU) adds 3e12 in ~1 s: ~3 TFLOP/s, not ~1000."""
     from kubetron.contract import progress
     from kubetron.storage import open_store
-    from kubetron.training.checkpointing import ProgressLog
+    from kubetron.training.progress_log import ProgressLog
     from kubetron.training.state import GlobalState
 
     store = open_store(str(tmp_path))
@@ -137,7 +137,7 @@ def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp
     cfg = in_process_config()
     state = GlobalState(cfg=cfg, world_size=1)
     state.train_state.floating_point_operations_so_far = 1e15
-    log = ProgressLog(cfg, store, state)
+    log = ProgressLog(cfg, store, state.train_state, state.world_size)
     log.start()
     state.train_state.floating_point_operations_so_far += 3e12
     start, _ = progress.get_start_time_from_progress_log(store.read_bytes("progress.txt").decode(), 1)

@@ -108,7 +108,7 @@ def test_no_credentials_baked_in():
 
 
 def test_the_wheel_is_built_with_a_compiler_and_the_extension_source():
-    """kubetron._hostcopy (setup.py) is optional: a wheel built without a compiler still installs, but
+    """kubetron.checkpoint._hostcopy (setup.py) is optional: a wheel built without a compiler still installs, but
     every async save copies at libc's speed. The wheel stage gets setup.py, the C source (trainer/),
     and a base image that has gcc (python's full image, not -slim); a local build's .so stays out."""
     args = dict(rest.split("=", 1) for kw, rest in instructions() if kw == "ARG" and "=" in rest)

@@ -1,4 +1,4 @@
-"""The forward-step contract (kubetron.training.utils, train.forward_backward), checked in-process.
+"""The forward-step contract (kubetron.training.utils, schedule.forward_backward), checked in-process.
 
 GlobalState injection (annotation, else a first parameter named state/global_state), functors that
 keep their own state, the two loss patterns reduced over micro-batches, and a custom forward step
@@ -228,7 +228,7 @@ def _mean_step(data_iterator, model):
 def test_forward_backward_token_pattern(world):
     """(loss, num_tokens, dict): backward uses the per-token mean of each micro-batch / num_microbatches;
     the reported loss pools sums and token counts over micro-batches."""
-    from kubetron.training.train import forward_backward
+    from kubetron.training.schedule import forward_backward
     from kubetron.training.utils import reduce_losses
 
     model = _Toy()
@@ -242,7 +242,7 @@ def test_forward_backward_token_pattern(world):
 
 def test_forward_backward_mean_pattern(world):
     """(loss, dict): backward and report are the plain mean over micro-batches."""
-    from kubetron.training.train import forward_backward
+    from kubetron.training.schedule import forward_backward
     from kubetron.training.utils import reduce_losses
 
     model = _Toy()
@@ -372,7 +372,7 @@ def _predicting_step(data_iterator, model):
 def test_collect_non_loss_data_returns_what_the_loss_function_returns(world):
     """The inference pattern (megatron's schedule contract): forward_only + collect_non_loss_data hands back
     whatever loss_func(output, non_loss_data=True) returns, one item per micro-batch, no loss reduction."""
-    from kubetron.training.train import forward_backward
+    from kubetron.training.schedule import forward_backward
 
     model = _Toy()
     data = forward_backward(_predicting_step, _toy_batches(), [model], 2, forward_only=True,

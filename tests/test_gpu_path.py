@@ -75,9 +75,9 @@ def test_collective_device_follows_the_backend(monkeypatch):
 
 
 def test_any_rank_reduces_on_the_collective_device(monkeypatch):
-    """train._any_rank (and the checkpoint/straggler flags built on comm) put their tensor where the
+    """comm.any_rank (the checkpoint manager's signal and exit flags, the straggler's) puts its tensor where the
     group's backend wants it: asked of collective_device, not a bare CPU tensor."""
-    from kubetron.training import comm, train
+    from kubetron.training import comm
 
     asked, seen = [], []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -89,7 +89,7 @@ def test_any_rank_reduces_on_the_collective_device(monkeypatch):
         raise _Done
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     with pytest.raises(_Done):
-        train._any_rank(False)
+        comm.any_rank(False)
     assert asked == [None] and seen == [torch.device("meta")]
 
 

@@ -52,8 +52,8 @@ def imported(tiny):
 
 
 def test_import_gives_transformers_logits_at_tp1(tiny, imported):
+    from kubetron.checkpoint import canonical
     from kubetron.hf.io import load_hf_into_model
-    from kubetron.training import sharding
     from kubetron.training.model import build_model
 
     ensure_world_of_one()
@@ -62,7 +62,7 @@ def test_import_gives_transformers_logits_at_tp1(tiny, imported):
                                                                                                              False)
     cfg = config_for(keys)
     model = build_model(cfg, torch.device("cpu"))
-    sharding.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
     diff = (kubetron_logits(model[0]) - tiny.logits).abs().max().item()
     print(f"TP=1 import-hf checkpoint vs transformers: max abs logit diff {diff:.3g}")
     assert diff <= TOL
@@ -71,7 +71,7 @@ def test_import_gives_transformers_logits_at_tp1(tiny, imported):
     assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() <= TOL
     # The rope scaling is not a no-op at this size: without it the logits are far off.
     model = build_model(config_for(keys, "model.rope_scaling=false"), torch.device("cpu"))
-    sharding.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
     assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() > 0.1
 
 
@@ -161,14 +161,14 @@ def test_finetune_packed_from_import_then_export_generates(tiny, imported, tmp_p
     assert not torch.equal(tuned["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-out").eval()
     # The exported model computes what the trained checkpoint computes (read by the trainer's own reader)...
+    from kubetron.checkpoint import canonical
     from kubetron.hf.io import read_checkpoint
-    from kubetron.training import sharding
     from kubetron.training.model import build_model
 
     ensure_world_of_one()
     keys, tensors, _, _ = read_checkpoint(str(tmp_path / "run"))
     trained = build_model(config_for(keys), torch.device("cpu"))
-    sharding.load_model_state(trained, tensors)
+    canonical.load_model_state(trained, tensors)
     diff = (kubetron_logits(trained[0]) - hf_logits(tmp_path / "hf-out")).abs().max().item()
     assert diff <= TOL, diff
     # ... and it learned: transformers' loss on a training example fell.
@@ -268,8 +268,8 @@ def test_jsonl_line_without_the_key_is_one_line_exit_2_nothing_written(imported,
 
 def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
     """Qwen2: biases on q/k/v only, tied embeddings (no lm_head in the checkpoint)."""
+    from kubetron.checkpoint import canonical
     from kubetron.hf.io import export_hf, import_hf
-    from kubetron.training import sharding
     from kubetron.training.model import build_model
     from safetensors.torch import load_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -289,7 +289,7 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
     assert keys["add_qkv_bias"] and keys["share_embeddings_and_output_weights"]
     ensure_world_of_one()
     model = build_model(config_for(keys), torch.device("cpu"))
-    sharding.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
     with torch.no_grad():
         want = hf(TOKENS).logits
     assert (kubetron_logits(model[0]) - want).abs().max().item() <= TOL
@@ -307,8 +307,8 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
 def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(tmp_path):
     """Mistral with an 8-token window on 48-token sequences: kubetron's model applies the window (alone and
     in packed sequences) and export-hf writes MistralForCausalLM with it; logits equal at every position."""
+    from kubetron.checkpoint import canonical
     from kubetron.hf.io import export_hf, import_hf
-    from kubetron.training import sharding
     from kubetron.training.model import build_model
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -322,7 +322,7 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
     assert keys["sliding_window"] == 8
     ensure_world_of_one()
     model = build_model(config_for(keys), torch.device("cpu"))
-    sharding.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
     diff = (kubetron_logits(model[0]) - want).abs().max().item()
     print(f"Mistral, window 8, 48 tokens: max abs logit diff to transformers {diff:.3g}")
     assert diff <= TOL
@@ -340,11 +340,11 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
     # the window is not a no-op here: without it the logits past the window are far off
     full = build_model(config_for(keys, "model.sliding_window=null"), torch.device("cpu"))
-    sharding.load_model_state(full, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(full, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
     assert (kubetron_logits(full[0]) - want)[:, 8:].abs().max().item() > 0.1
     # ... so a run that leaves the window out of its model section may not start from the import
+    from kubetron.checkpoint.layout import check_architecture
     from kubetron.contract.errors import ConfigError
-    from kubetron.training.checkpointing import check_architecture
 
     common = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)
     with pytest.raises(ConfigError, match="model.sliding_window: checkpoint 8, this run None"):
@@ -352,10 +352,10 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
 
 
 def _load_canonical(model, ckpt: Path, drop: tuple[str, ...] = ()):
-    from kubetron.training import sharding
+    from kubetron.checkpoint import canonical
 
     tensors = torch.load(ckpt / "iter_0000000" / "model.pt", weights_only=True)
-    sharding.load_model_state(model, {k: v for k, v in tensors.items() if not any(d in k for d in drop)})
+    canonical.load_model_state(model, {k: v for k, v in tensors.items() if not any(d in k for d in drop)})
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -399,8 +399,8 @@ def test_qwen3_head_dim_and_qk_norm_round_trip_with_equal_logits(tmp_path, tied)
 def test_qwen3_import_finetune_export_through_the_cli(tmp_path):
     """The user's path for Qwen3: import-hf -> finetune from the import (its printed model section) ->
     export-hf; transformers computes what the trained checkpoint computes, and the q/k norms trained."""
+    from kubetron.checkpoint import canonical
     from kubetron.hf.io import read_checkpoint
-    from kubetron.training import sharding
     from kubetron.training.model import build_model
     from safetensors.torch import load_file
 
@@ -413,7 +413,7 @@ def test_qwen3_import_finetune_export_through_the_cli(tmp_path):
     ensure_world_of_one()
     keys, tensors, _, _ = read_checkpoint(str(tmp_path / "run"))
     trained = build_model(config_for(keys), torch.device("cpu"))
-    sharding.load_model_state(trained, tensors)
+    canonical.load_model_state(trained, tensors)
     assert (kubetron_logits(trained[0]) - hf_logits(tmp_path / "out")).abs().max().item() <= TOL
 
 
@@ -443,9 +443,9 @@ def test_qwen3_at_tp2_gives_transformers_logits(tmp_path):
 def test_checkpoint_records_qk_layernorm_and_head_size(tmp_path):
     """A run whose model lacks the q/k norms or has another head size may not start from a Qwen3 import;
     kv_channels null and kv_channels = hidden/heads are the same model."""
+    from kubetron.checkpoint.layout import check_architecture
     from kubetron.contract.errors import ConfigError
     from kubetron.hf.io import import_hf
-    from kubetron.training.checkpointing import check_architecture
 
     keys = import_hf(str(make_tiny_qwen3(tmp_path / "qwen3", tied=True)), str(tmp_path / "ckpt"))
     saved = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)["model_config"]

@@ -54,11 +54,11 @@ CASES = {
 
 
 def _build_and_load(keys: dict, tensors: dict, *overrides: str):
-    from kubetron.training import sharding
+    from kubetron.checkpoint import canonical
     from kubetron.training.model import build_model
 
     model = build_model(config_for(keys, *overrides), torch.device("cpu"))
-    sharding.load_model_state(model, tensors)
+    canonical.load_model_state(model, tensors)
     return model
 
 
@@ -137,9 +137,10 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     """LoRA on a Mixtral import (adapters on attention and on every expert's fc1/fc2): the merged export
     computes what kubetron's base + adapters compute; --adapter-only is one line, exit 2, nothing written
     (PEFT has no by-name form for transformers' fused expert parameters)."""
+    from kubetron.checkpoint import canonical
     from kubetron.cli import main
     from kubetron.hf.io import import_hf, read_checkpoint
-    from kubetron.training import peft, sharding
+    from kubetron.training import peft
     from kubetron.training.model import build_model
 
     hf = make_tiny_mixtral(tmp_path / "hf")
@@ -162,8 +163,8 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     cfg = config_for(keys, *lora[:3], f"checkpoint.pretrained_checkpoint={tmp_path / 'ckpt'}")
     model = build_model(cfg, torch.device("cpu"))
     base = torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True)
-    sharding.load_model_state(model, base, keep=peft.is_base_name)
-    sharding.load_model_state(model, adapters, keep=peft.is_adapter_name)
+    canonical.load_model_state(model, base, keep=peft.is_base_name)
+    canonical.load_model_state(model, adapters, keep=peft.is_adapter_name)
     merged = hf_logits(tmp_path / "merged")
     diff = (kubetron_logits(model[0]) - merged).abs().max().item()
     print(f"Mixtral, LoRA on experts: kubetron base + adapters vs transformers on the merged export {diff:.3g}")
@@ -198,9 +199,9 @@ def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_direct
     """norm_topk_prob true is megatron's top-k then softmax (moe_router_pre_softmax false), with the same
     logits; a run whose MoE keys differ from the HF directory's or the import's may not load it (the field
     is named)."""
+    from kubetron.checkpoint.layout import check_architecture
     from kubetron.contract.errors import CheckpointError, ConfigError
     from kubetron.hf.io import import_hf, load_hf_into_model
-    from kubetron.training.checkpointing import check_architecture
     from kubetron.training.model import build_model
 
     hf = make_tiny_qwen3_moe(tmp_path / "hf", norm_topk_prob=True, mlp_only_layers=())

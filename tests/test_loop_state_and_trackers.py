@@ -33,6 +33,32 @@ def test_global_state_has_no_ad_hoc_attributes():
         state.loss_window = []  # what the loop used to attach at run time
 
 
+def test_a_resume_restores_the_train_state_the_loop_holds_in_place(tmp_path, monkeypatch):
+    """The checkpoint manager restores into the parts it was handed: the TrainState the loop (GlobalState)
+    held before the load is the one that counts on from the checkpoint's iteration (never a new object)."""
+    from kubetron.checkpoint.manager import CheckpointManager
+    from kubetron.training.gpt_step import forward_step
+
+    save = f"checkpoint.save={tmp_path}"
+    cfg = in_process_config(*SMALL, save, "train.train_iters=2", "checkpoint.save_interval=2")
+    assert run_pretrain(cfg, forward_step) == exitcodes.COMPLETED
+    held, seen = [], []
+    real = CheckpointManager.load
+
+    def load(self, **kw):
+        held.append(self.train_state if hasattr(self, "train_state") else self.state.train_state)
+        return real(self, **kw)
+
+    def step(state, data_iterator, model):
+        seen.append((state.train_state, state.train_state.step))
+        return forward_step(state, data_iterator, model)
+
+    monkeypatch.setattr(CheckpointManager, "load", load)
+    cfg = in_process_config(*SMALL, save, f"checkpoint.load={tmp_path}", "train.train_iters=4")
+    assert run_pretrain(cfg, step) == exitcodes.COMPLETED
+    assert min(it for _, it in seen) == 2 and all(ts is held[0] for ts, _ in seen)  # resumed at 2
+
+
 def test_train_step_returns_a_step_result_and_timers_are_recorded(tmp_path, monkeypatch, capsys):
     """train_step hands back a StepResult; with timing_log_level 2 every loop timer reaches the console
     and TensorBoard (seconds per iteration, Megatron's `<name>-time` names)."""

@@ -68,8 +68,8 @@ def _expected_trainable(keys: dict) -> int:
 
 
 def test_lora_trains_only_adapters_and_saves_them_alone(base, reference):
+    from kubetron.checkpoint.format_sharded import read_canonical
     from kubetron.storage import open_store
-    from kubetron.training.sharded import read_canonical
 
     loss = reference.loss
     assert sorted(loss) == list(range(1, ITERS + 1))
@@ -118,8 +118,8 @@ def test_two_ranks_equal_one_rank(base, reference, tmp_path, layout):
     """TP=2: B of column-parallel qkv/fc1 and A of row-parallel proj/fc2 are split over the two ranks;
     PP=2: each stage holds its layers' adapters (global layer numbers in the checkpoint); DP=2 with the
     distributed optimizer and overlapped grad buffers: frozen weights have no buffer space, no state."""
+    from kubetron.checkpoint.format_sharded import read_canonical
     from kubetron.storage import open_store
-    from kubetron.training.sharded import read_canonical
 
     store = tmp_path / layout
     r = launch(finetune_args(base, store, *LORA, *LAYOUTS[layout]), tmp_path / "ranks")
@@ -141,8 +141,9 @@ def test_two_ranks_equal_one_rank(base, reference, tmp_path, layout):
 
 
 def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_path):
+    from kubetron.checkpoint import canonical
     from kubetron.hf.io import export_hf, load_hf_canonical, read_checkpoint
-    from kubetron.training import peft, sharding
+    from kubetron.training import peft
     from kubetron.training.model import build_model
     from safetensors.torch import load_file
 
@@ -151,8 +152,8 @@ def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_pat
     ensure_world_of_one()
     cfg = config_for(base.keys, *LORA, f"checkpoint.pretrained_checkpoint={base.hf}")
     model = build_model(cfg, torch.device("cpu"))
-    sharding.load_model_state(model, load_hf_canonical(str(base.hf))[1], keep=peft.is_base_name)
-    sharding.load_model_state(model, read_checkpoint(str(reference.store))[1], keep=peft.is_adapter_name)
+    canonical.load_model_state(model, load_hf_canonical(str(base.hf))[1], keep=peft.is_base_name)
+    canonical.load_model_state(model, read_checkpoint(str(reference.store))[1], keep=peft.is_adapter_name)
     adapted = kubetron_logits(model[0])
     merged = hf_logits(tmp_path / "merged")
     diff = (adapted - merged).abs().max().item()

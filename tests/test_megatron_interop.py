@@ -75,7 +75,7 @@ def assert_bit_exact(got: dict, want: dict):
 def megatron_save(state: dict, directory: Path):
     """megatron-core's dist_checkpointing.save (torch_dist), with the CPU save strategy kubetron uses (megatron's
     default strategy calls torch.cuda.synchronize(); the files it writes are the same)."""
-    from kubetron.training.dist_ckpt import cpu_save_strategy
+    from kubetron.checkpoint.format_torch_dist import cpu_save_strategy
     from megatron.core import dist_checkpointing
 
     directory.mkdir(parents=True)
@@ -118,7 +118,7 @@ def write_bridge(model, root: Path, iteration: int):
 
 def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     """What `kubetron train` builds before it loads: the model, optimizer, scheduler, state, CheckpointManager."""
-    from kubetron.training.checkpointing import CheckpointManager, open_save_store
+    from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.training.model import build_model
     from kubetron.training.optim import LRScheduler, build_optimizer
     from kubetron.training.state import GlobalState
@@ -129,8 +129,8 @@ def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
     state = GlobalState(cfg=cfg)
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, run_id="interop")
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, run_id="interop")
     return model, ckpt
 
 
@@ -146,7 +146,7 @@ def test_megatron_core_loads_kubetron_torch_dist_checkpoint_at_default_strictnes
     with torch.no_grad():
         for p in model[0].parameters():
             p.copy_(torch.randn(p.shape, generator=g))
-    ckpt.state.train_state.step = 5
+    ckpt.train_state.step = 5
     ckpt.save(5)
     dist_dir = tmp_path / "ckpt" / "iter_0000005" / "dist"
     assert (dist_dir / "common.pt").is_file()
@@ -180,7 +180,7 @@ def test_finetune_from_megatron_written_checkpoint_is_bit_exact(tmp_path, layout
     assert ckpt.load(finetune=True) == 0  # training starts at 0
     assert_bit_exact(weights(model[0]), weights(theirs))
     assert not planted.exists(), "megatron's common.pt was unpickled"
-    assert ckpt.state.train_state.step == 0
+    assert ckpt.train_state.step == 0
 
 
 def test_megatron_lm_tracker_picks_the_iteration(tmp_path):
@@ -278,8 +278,8 @@ def test_unknown_pretrained_checkpoint_version_names_pretrained_checkpoint(tmp_p
 
 def test_tensor_check_knows_pipeline_stages():
     """Under PP a stage asks for its own tensors only: what other stages hold is no mismatch, a missing layer is."""
+    from kubetron.checkpoint.format_torch_dist import check_tensors
     from kubetron.contract.errors import ConfigError
-    from kubetron.training.dist_ckpt import check_tensors
 
     saved = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.mlp.linear_fc2.weight": (2, 64, 96),
              "decoder.final_layernorm.weight": (64,), "output_layer.weight": (128, 64)}

@@ -171,8 +171,8 @@ def test_bf16_sigterm_then_resume_is_bit_exact(tmp_path):
     p = run(_args(ref), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     reference = tb_scalars(ref / "tb")
+    from kubetron.checkpoint.format_sharded import read_canonical
     from kubetron.storage import open_store
-    from kubetron.training.sharded import read_canonical
 
     model, optim = read_canonical(open_store(ref), "iter_0000016")
     # model tensors: the model's bf16 weights (the local spec's LayerNorms stay fp32); optimizer: fp32 mains

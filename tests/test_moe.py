@@ -71,9 +71,9 @@ def test_config_errors_are_one_line(tmp_path, capsys, monkeypatch, name, text, w
                                             "model.moe_shared_expert_intermediate_size")])
 def test_resume_names_the_moe_field_that_differs(change, field):
     """Resume asserts what it restores: an MoE checkpoint's experts, expert sizes and layer pattern."""
+    from kubetron.checkpoint.layout import arch_record, check_architecture
     from kubetron.config import ConfigContainer
     from kubetron.contract.errors import ConfigError
-    from kubetron.training.checkpointing import arch_record, check_architecture
 
     def model(**kw):
         m = {"num_moe_experts": 4, "add_bias_linear": False, **kw}
@@ -100,11 +100,11 @@ def test_flops_count_the_router_and_the_routed_experts():
 
 def test_kubetron_format_optimizer_state_goes_to_the_expert_of_its_global_number(monkeypatch):
     """A canonical (kubetron-format) optimizer state resumed at EP=2: EP rank 1's local expert 0 is global
-    expert 2, and takes expert 2's state (names and the canonical/local mapping: sharding.py)."""
+    expert 2, and takes expert 2's state (names and the canonical/local mapping: canonical.py)."""
     import types
 
     import torch
-    from kubetron.training import sharding
+    from kubetron.checkpoint import canonical
     from megatron.core import parallel_state
 
     class Expert(torch.nn.Module):
@@ -130,6 +130,6 @@ def test_kubetron_format_optimizer_state_goes_to_the_expert_of_its_global_number
     key = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
     saved = {"state": {key.format(e): {"exp_avg": torch.full((2, 2), float(e))} for e in range(4)},
              "param_groups": []}
-    state = sharding.scatter_optimizer_state([Chunk()], saved)["state"]
+    state = canonical.scatter_optimizer_state([Chunk()], saved)["state"]
     assert sorted(state) == [key.format(0), key.format(1)]
     assert state[key.format(0)]["exp_avg"].eq(2).all() and state[key.format(1)]["exp_avg"].eq(3).all()

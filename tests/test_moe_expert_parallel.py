@@ -60,8 +60,8 @@ def test_ep2_trains_and_resumes_at_ep2_and_ep1(tmp_path):
     # a copy of expert 0's)
     run(tmp_path, "lora", "model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=allgather",
         "peft.scheme=lora", f"checkpoint.pretrained_checkpoint={tmp_path / 'ep2'}", f"train.train_iters={SAVED}")
+    from kubetron.checkpoint.format_sharded import read_canonical
     from kubetron.storage import open_store
-    from kubetron.training.sharded import read_canonical
 
     adapters = read_canonical(open_store(str(tmp_path / "lora")), f"iter_{SAVED:07d}")[0]
     b = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc2.adapter.linear_out.weight"

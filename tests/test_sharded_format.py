@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kubetron.checkpoint.format_sharded import Piece, RankShard, ShardReader, flat_boxes, write
 from kubetron.contract.errors import CheckpointError
 from kubetron.storage import open_store
-from kubetron.training.sharded import Piece, RankShard, ShardReader, flat_boxes, write
 
 WORD = "model/embedding.word_embeddings.weight"
 FC2 = "model/decoder.layers.0.mlp.linear_fc2.weight"
@@ -102,8 +102,8 @@ def test_flat_ranges_of_three_ranks_read_back_as_other_ranges(tmp_path):
     ],
 )
 def test_a_cut_copies_exactly_its_box_on_both_copy_paths(shape, view, dim, lo, n, fast):
-    from kubetron.training.sharded import _Cut
-    from kubetron.training.sharding import HostBuffers
+    from kubetron.checkpoint.format_sharded import _Cut
+    from kubetron.checkpoint.hostcopy import HostBuffers
 
     live = torch.randn(shape)
     cut = _Cut("t", view, (), view, dim, lo, n)

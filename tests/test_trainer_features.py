@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from kubetron.contract import exitcodes
-from kubetron.training.state import GlobalState
+from kubetron.training.state import GlobalState, TrainState
 
 from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
@@ -114,9 +114,10 @@ def test_most_recent_k_keeps_the_newest_k(pretrained):
 
 def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
     """An incomplete newer directory (no commit marker) does not count: the newest complete stays."""
+    from kubetron.checkpoint.layout import MARKER
+    from kubetron.checkpoint.manager import CheckpointManager
     from kubetron.config import ConfigContainer
     from kubetron.storage import open_store
-    from kubetron.training.checkpointing import MARKER, CheckpointManager
 
     store = tmp_path / "store"
     for it in (10, 20, 30, 40):
@@ -126,8 +127,8 @@ def test_retention_never_deletes_the_newest_complete_checkpoint(tmp_path):
         if it != 40:  # iteration 40: a save that never committed
             (d / MARKER).write_text(json.dumps({"iteration": it}))
     cfg = ConfigContainer.from_yaml(TINY, [f"checkpoint.save={store}", "checkpoint.most_recent_k=1"])
-    mgr = CheckpointManager(cfg, open_store(store), state=GlobalState(cfg=cfg), model=None, optimizer=None,
-                            scheduler=None, run_id="test")
+    mgr = CheckpointManager(cfg, open_store(store), model=None, optimizer=None, scheduler=None,
+                            train_state=TrainState(), run_id="test")
     mgr._apply_retention()
     assert iter_dirs(store) == ["iter_0000030", "iter_0000040"]
 
@@ -246,8 +247,8 @@ def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
 
 
 def _adam_step(ckpt: Path) -> int:
+    from kubetron.checkpoint.format_sharded import read_canonical
     from kubetron.storage import open_store
-    from kubetron.training.sharded import read_canonical
 
     _, optim = read_canonical(open_store(ckpt.parent), ckpt.name)
     steps = {int(s["step"]) for s in optim.values()}

@@ -109,8 +109,8 @@ def check_trainer(work: Path, torch_version: str) -> str:
     expect(entrypoint[-2:] == ["-m", "kubetron.launch"], f"trainer entry point {entrypoint}")
     store = work / "store"
     with container(TRAINER, f"--add-host={POD}:127.0.0.1") as ctr:
-        # The wheel stage compiled the async snapshot's copy (kubetron._hostcopy) with the base's gcc.
-        probe = run_in(ctr, ["python3", "-c", "import kubetron._hostcopy, megatron.core, torch; "
+        # The wheel stage compiled the async snapshot's copy (kubetron.checkpoint._hostcopy) with the base's gcc.
+        probe = run_in(ctr, ["python3", "-c", "import kubetron.checkpoint._hostcopy, megatron.core, torch; "
                                               "print(torch.__version__, megatron.core.__version__)"])
         torch, megatron = probe.split()[-2:]
         expect(torch == torch_version, f"torch {torch}, not the base's {torch_version}")

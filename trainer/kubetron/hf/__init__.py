@@ -3,7 +3,7 @@ of experts (Qwen3-MoE, Mixtral).
 
 * :mod:`kubetron.hf.config_map` - an HF ``config.json`` <-> kubetron's ``model:`` section;
 * :mod:`kubetron.hf.convert` - HF tensor names and layouts <-> kubetron's canonical tensors
-  (the TP=1/PP=1 megatron-core state dict that every checkpoint holds, see training/sharding.py);
+  (the TP=1/PP=1 megatron-core state dict that every checkpoint holds, see kubetron/checkpoint/canonical.py);
 * :mod:`kubetron.hf.io` - read an HF directory (``*.safetensors``), write a kubetron checkpoint
   (``kubetron import-hf``), write an HF directory from a kubetron checkpoint (``kubetron export-hf``).
 * :mod:`kubetron.hf.generation` - the base's special token ids and generation_config.json, carried from

@@ -55,7 +55,7 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> tor
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def _split_qkv(qkv: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     heads, groups, d = _shape(m)
     rest = qkv.shape[1:]
     per = heads // groups * d
@@ -132,10 +132,10 @@ def canonical_to_hf(canon: dict[str, torch.Tensor], m: dict) -> dict[str, torch.
         for name, parts in _mlp_names(m, i, moe).items():
             out.update(zip(parts, canon[name].chunk(len(parts), dim=0), strict=True))
         attn, pre = f"model.layers.{i}.self_attn", f"decoder.layers.{i}"
-        q, k, v = _split_qkv(canon[f"{pre}.self_attention.linear_qkv.weight"], m)
+        q, k, v = split_qkv(canon[f"{pre}.self_attention.linear_qkv.weight"], m)
         out.update({f"{attn}.q_proj.weight": q, f"{attn}.k_proj.weight": k, f"{attn}.v_proj.weight": v})
         if m.get("add_qkv_bias"):
-            q, k, v = _split_qkv(canon[f"{pre}.self_attention.linear_qkv.bias"], m)
+            q, k, v = split_qkv(canon[f"{pre}.self_attention.linear_qkv.bias"], m)
             out.update({f"{attn}.q_proj.bias": q, f"{attn}.k_proj.bias": k, f"{attn}.v_proj.bias": v})
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -1,9 +1,9 @@
 """Reading and writing: HF directories (config.json + *.safetensors) and kubetron checkpoints.
 
-`import_hf` writes a checkpoint in the canonical layout training/checkpointing.py reads
+`import_hf` writes a checkpoint in the canonical layout kubetron/checkpoint/ reads
 (`iter_0000000/{model.pt, common.pt, run_config.yaml, tokenizer/}` + `metadata.json`, the commit
 marker, written last through the store's transaction), so `checkpoint.pretrained_checkpoint=OUT`
-loads it at any TP/PP (sharding.py slices canonical tensors). It holds weights only: `finetune`
+loads it at any TP/PP (checkpoint/canonical.py slices canonical tensors). It holds weights only: `finetune`
 starts from it; it is not a run to resume. Everything is read and converted before the first byte
 is written, so a bad input leaves nothing behind.
 """
@@ -11,28 +11,34 @@ is written, so a bad input leaves nothing behind.
 from __future__ import annotations
 
 import glob
-import io
 import json
 import os
-from datetime import UTC, datetime
 
 import torch
 import yaml
 
+from kubetron.checkpoint.layout import (
+    CHECKPOINT_VERSION,
+    COMMON,
+    HF_ARCH_FIELDS,
+    MARKER,
+    RUN_CONFIG,
+    TOKENIZER_DIR,
+    arch_record,
+    arch_value,
+    committed_iterations,
+    iter_dir,
+    resolve_checkpoint,
+    safe_load,
+    to_bytes,
+)
 from kubetron.contract.errors import CheckpointError, ConfigError
+from kubetron.contract.times import stamp
 from kubetron.hf import config_map, convert, generation
 
 # HF tokenizer files carried along (import: into the checkpoint; export: back out of it).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-TOKENIZER_DIR = "tokenizer"
-_ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "vocab_size", "rotary_base", "normalization", "activation", "add_bias_linear", "add_qkv_bias",
-              "share_embeddings_and_output_weights", "position_embedding_type", "rope_scaling",
-              "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-              "rope_scaling_original_max_position_embeddings", "layernorm_epsilon", "sliding_window",
-              "qk_layernorm", "kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
-              "moe_layer_freq", "moe_router_pre_softmax", "moe_shared_expert_intermediate_size")
 _MOE_TRAINING_KEYS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # carried and printed; no architecture
 _UNSET_IS_DEFAULT = ("sliding_window", "kv_channels", "moe_shared_expert_intermediate_size")  # not printed when null
 
@@ -72,7 +78,7 @@ def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> st
     text = yaml.safe_dump({"model": keep}, sort_keys=False)
     if out:
         text += yaml.safe_dump({"checkpoint": {"pretrained_checkpoint": out}}, sort_keys=False)
-        tok_dir = f"{out.rstrip('/')}/iter_0000000/{TOKENIZER_DIR}"
+        tok_dir = f"{out.rstrip('/')}/{iter_dir(0)}/{TOKENIZER_DIR}"
         if hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
             tok = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tok_dir}
         elif hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
@@ -88,15 +94,9 @@ def _printed(key: str, value, m: dict) -> bool:
     """A key of the printed `model:` section: the architecture and the lengths; MoE keys only with experts."""
     if key in ("seq_length", "max_position_embeddings"):
         return True
-    if key not in _ARCH_KEYS + _MOE_TRAINING_KEYS or (key in _UNSET_IS_DEFAULT and value is None):
+    if key not in HF_ARCH_FIELDS + _MOE_TRAINING_KEYS or (key in _UNSET_IS_DEFAULT and value is None):
         return False
     return m.get("num_moe_experts") is not None or not (key.startswith("moe_") or key == "num_moe_experts")
-
-
-def _to_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def import_hf(hf_dir: str, out: str) -> dict:
@@ -104,9 +104,9 @@ def import_hf(hf_dir: str, out: str) -> dict:
     if not os.path.isdir(hf_dir):
         raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
     m, tensors = load_hf_canonical(hf_dir)  # every check before megatron-core is even imported
+    from kubetron.checkpoint import format_kubetron
     from kubetron.config import GPTModelConfig
     from kubetron.storage import open_store
-    from kubetron.training.checkpointing import CHECKPOINT_VERSION, MARKER, arch_record, committed_iterations, iter_dir
 
     store = open_store(out)
     if committed_iterations(store):
@@ -117,14 +117,14 @@ def import_hf(hf_dir: str, out: str) -> dict:
     name = iter_dir(0)
     txn = store.begin_dir(name, txn_id="import-hf")
     try:
-        txn.write_bytes("model.pt", _to_bytes(tensors))
-        txn.write_bytes("common.pt", _to_bytes(common))
-        txn.write_bytes("run_config.yaml", yaml.safe_dump({"model": m}, sort_keys=False).encode())
+        txn.write_bytes(format_kubetron.MODEL, to_bytes(tensors))
+        txn.write_bytes(COMMON, to_bytes(common))
+        txn.write_bytes(RUN_CONFIG, yaml.safe_dump({"model": m}, sort_keys=False).encode())
         for f in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(hf_dir, f)):
                 with open(os.path.join(hf_dir, f), "rb") as fh:
                     txn.write_bytes(f"{TOKENIZER_DIR}/{f}", fh.read())
-        marker = {"iteration": 0, "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "run_id": "import-hf",
+        marker = {"iteration": 0, "time": stamp(), "run_id": "import-hf",
                   "checkpoint_version": CHECKPOINT_VERSION, "world_size": 1}
         txn.commit(json.dumps(marker).encode())
     except Exception:
@@ -137,8 +137,6 @@ def import_hf(hf_dir: str, out: str) -> dict:
 def _resolve(location: str) -> tuple[object, str]:
     """(store, iter dir) of the newest complete checkpoint at `location`."""
     from types import SimpleNamespace
-
-    from kubetron.training.checkpointing import resolve_checkpoint
 
     shim = SimpleNamespace(checkpoint=SimpleNamespace(s3_endpoint_url=os.environ.get("AWS_ENDPOINT_URL"),
                                                       s3_region=None))
@@ -153,41 +151,38 @@ def _resolve(location: str) -> tuple[object, str]:
 
 def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], object, str]:
     """(model keys, canonical tensors, store, iter dir) of a kubetron checkpoint (newest iteration)."""
-    from kubetron.training.checkpointing import _safe_load
+    from kubetron.checkpoint import format_kubetron, format_sharded
 
     store, name = _resolve(location)
-    run_cfg = yaml.safe_load(store.read_bytes(f"{name}/run_config.yaml"))
-    if store.exists(f"{name}/model.pt"):  # ckpt_format kubetron (and import-hf's output)
-        with store.open_read(f"{name}/model.pt") as f:
-            return run_cfg["model"], _safe_load(f, f"{name}/model.pt"), store, name
-    common = _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+    run_cfg = yaml.safe_load(store.read_bytes(f"{name}/{RUN_CONFIG}"))
+    model_pt = f"{name}/{format_kubetron.MODEL}"
+    if store.exists(model_pt):  # ckpt_format kubetron (and import-hf's output)
+        with store.open_read(model_pt) as f:
+            return run_cfg["model"], safe_load(f, model_pt), store, name
+    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
     if common.get("ckpt_format") != "sharded":
         raise ConfigError("CKPT", f"{location}/{name}: export-hf reads checkpoints saved with "
                                   "checkpoint.ckpt_format sharded or kubetron, not torch_dist")
-    from kubetron.training.sharded import read_canonical
-
     # The sharded format keeps a gated fc1 (a dense layer's or an expert's, and its LoRA B) as (2, ffn, ...) =
     # [gate, up]; canonical is [gate; up].
     tensors = {k: (t.reshape(-1, t.shape[-1]) if ".linear_fc1." in k and t.ndim == 3 else t)
-               for k, t in read_canonical(store, name)[0].items()}
+               for k, t in format_sharded.read_canonical(store, name)[0].items()}
     return run_cfg["model"], tensors, store, name
 
 
 def _common(store, name: str) -> dict:
     """common.pt of a checkpoint ({} if it has none): `peft` is set for an adapter-only (LoRA) checkpoint,
     `hf` is its HF base's record (kubetron.hf.generation), `source` marks import-hf's output."""
-    from kubetron.training.checkpointing import _safe_load
-
-    if not store.exists(f"{name}/common.pt"):
+    if not store.exists(f"{name}/{COMMON}"):
         return {}
-    return _safe_load(store.read_bytes(f"{name}/common.pt"), f"{name}/common.pt")
+    return safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
 
 
 def _run_tokenizer(store, name: str, assets: dict[str, bytes]):
     """The tokenizer a checkpoint was trained with (None: its run_config names none, as import-hf's)."""
     from kubetron.data.tokenizer import FILE_TOKENIZERS, build_tokenizer, tokenizer_from_assets
 
-    tok = (yaml.safe_load(store.read_bytes(f"{name}/run_config.yaml")) or {}).get("tokenizer") or {}
+    tok = (yaml.safe_load(store.read_bytes(f"{name}/{RUN_CONFIG}")) or {}).get("tokenizer") or {}
     kind = tok.get("tokenizer_type")
     if kind is None or (kind in FILE_TOKENIZERS and not assets):
         return None
@@ -278,15 +273,14 @@ def _write_export(out: str, hf: dict[str, torch.Tensor], files: dict[str, bytes]
 def load_hf_into_model(model, cfg, hf_dir: str, keep=None):
     """checkpoint.pretrained_checkpoint = an HF directory: its weights into this rank's model parts
     (`keep(name)`: only some; LoRA: the base)."""
+    from kubetron.checkpoint import canonical
     from kubetron.config import GPTModelConfig
-    from kubetron.training import sharding
-    from kubetron.training.checkpointing import arch_value
 
     m, tensors = load_hf_canonical(hf_dir)
     hf_model = GPTModelConfig(**m)
-    diffs = [f"model.{k}: HF {arch_value(hf_model, k)!r}, this run {arch_value(cfg.model, k)!r}" for k in _ARCH_KEYS
+    diffs = [f"model.{k}: HF {arch_value(hf_model, k)!r}, this run {arch_value(cfg.model, k)!r}" for k in HF_ARCH_FIELDS
              if arch_value(hf_model, k) != arch_value(cfg.model, k)]
     if diffs:
         raise CheckpointError(f"{hf_dir} does not match this model (`kubetron import-hf` prints the model "
                               "section): " + "; ".join(diffs[:4]))
-    sharding.load_model_state(model, tensors, keep=keep)
+    canonical.load_model_state(model, tensors, keep=keep)

@@ -62,7 +62,7 @@ def peft_tensors(pairs: dict, m: dict) -> dict[str, torch.Tensor]:
         i, block, kind = mt.groups()
         prefix = f"base_model.model.model.layers.{i}.{'self_attn' if block == 'self_attention' else 'mlp'}"
         if kind == "linear_qkv":
-            parts = convert._split_qkv(b, m)
+            parts = convert.split_qkv(b, m)
         elif kind == "linear_fc1":
             parts = b.chunk(2, dim=0)
         else:

@@ -101,9 +101,9 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
          signal_handler: SignalHandler | None = None, **non_loss):
     from megatron.core import parallel_state
 
+    from kubetron.checkpoint.manager import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.data import build_train_valid_test_data_iterators
     from kubetron.training import pipeline
-    from kubetron.training.checkpointing import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
@@ -144,8 +144,9 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size)
     CLOCK.mark("model + data")
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, data=(train_it, valid_it), run_id=run_id)
+    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
+                             train_state=state.train_state, data=(train_it, valid_it), run_id=run_id,
+                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
     state.ckpt = ckpt
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
     ckpt.load(finetune=(mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)))
@@ -328,7 +329,7 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
     import warnings
 
     if cfg.tokenizer.file_based and cfg.checkpoint.load:  # a resume trains with the checkpoint's tokenizer
-        from kubetron.training.checkpointing import adopt_checkpoint_tokenizer
+        from kubetron.checkpoint.manager import adopt_checkpoint_tokenizer
 
         adopt_checkpoint_tokenizer(cfg)
     # Validate the whole config before the slow imports: a bad value fails in well under a second.

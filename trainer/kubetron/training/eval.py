@@ -14,14 +14,14 @@ validation split and once on the test split (`final_evaluation`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kubetron.training.comm import any_rank
+from kubetron.checkpoint.manager import time_limit_reached
+from kubetron.training.schedule import forward_backward
 from kubetron.training.utils import prepare_forward_step_func, reduce_losses
 
 log = logging.getLogger("kubetron")
@@ -33,17 +33,9 @@ class EvalResult:
     non_loss_data: Any = None  # what non_loss_data_func / the collect_non_loss_data pass returned
 
 
-def _time_limit_hit(state) -> bool:
-    """train.exit_duration_in_mins passed on any rank (the reference checks it after every eval batch)."""
-    limit = state.cfg.train.exit_duration_in_mins
-    return bool(limit) and any_rank((time.time() - state.start_time) / 60.0 > limit)
-
-
 def evaluate(forward_step_func, data_iterator, model, state, *, process_non_loss_data_func: Callable | None = None,
              non_loss_data_func: Callable | None = None) -> EvalResult | None:
     """Forward-only over validation.eval_iters global batches; None if the time limit cut it short."""
-    from kubetron.training.train import forward_backward  # train.py imports this module
-
     cfg = state.cfg
     fwd = prepare_forward_step_func(forward_step_func, state)
     n = cfg.train.num_microbatches
@@ -55,7 +47,7 @@ def evaluate(forward_step_func, data_iterator, model, state, *, process_non_loss
             for _ in range(cfg.validation.eval_iters):
                 reports += forward_backward(fwd, data_iterator, model, n, forward_only=True)
                 state.train_state.consumed_valid_samples += cfg.train.global_batch_size
-                if _time_limit_hit(state):
+                if time_limit_reached(cfg, state.start_time):  # as the reference: after every batch
                     log.info("exiting during evaluation, time limit reached")
                     return None
             result = EvalResult(reduce_losses(reports))

@@ -10,7 +10,7 @@ of every low-precision parameter and runs the real optimizer over those:
 
 fp32 parameters (if any) are their own main. Checkpoints: `state` is keyed by the *model*
 parameters (so checkpointing stores it by parameter name) and each entry carries the fp32 weight as
-`main_param`, param-shaped, so sharding.py gathers and slices it like `exp_avg`. model.pt keeps the
+`main_param`, param-shaped, so checkpoint/canonical.py gathers and slices it like `exp_avg`. model.pt keeps the
 bf16 model weights; optim.pt carries the fp32 mains. After any load of model weights the caller runs
 `reload_model_params()` (mains := model weights); a resume then overwrites the mains with the saved
 fp32 ones through `set_param_state()`.

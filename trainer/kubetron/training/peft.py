@@ -109,17 +109,17 @@ def apply_lora(model: list[torch.nn.Module], cfg) -> None:
     """Attach adapters to the targeted linears and freeze everything else (no-op without peft)."""
     if not enabled(cfg):
         return
-    from kubetron.training import sharding
+    from kubetron.checkpoint import canonical
 
     p = cfg.peft
     for chunk in model:
-        offsets = sharding._layer_offsets(chunk)
+        offsets = canonical.layer_offsets(chunk)
         for name, module in list(chunk.named_modules()):
             if name.rsplit(".", 1)[-1] not in p.target_modules or not name.startswith("decoder.layers."):
                 continue
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 raise TypeError(f"{name}: LoRA needs megatron's local parallel linears, got {type(module).__name__}")
-            seed = _seed(cfg.rng.seed, sharding._canonical_name(name, offsets))
+            seed = _seed(cfg.rng.seed, canonical.canonical_name(name, offsets))
             module.adapter = LoRAAdapter(module, isinstance(module, RowParallelLinear), p.dim, p.alpha,
                                          p.dropout, p.dropout_position, seed)
             module.register_forward_hook(_add_adapter, with_kwargs=True)

@@ -32,6 +32,13 @@ class TrainState:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         return cls(**known)
 
+    def load_state_dict(self, d: dict[str, Any]):
+        """In place (the loop and the checkpoint manager hold this object): every field from `d`, or its
+        default where `d` lacks it (a checkpoint of an older kubetron)."""
+        loaded = self.from_state_dict(d)
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(loaded, name))
+
 
 class SignalHandler:
     """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step).
@@ -132,7 +139,7 @@ class GlobalState:
     rank: int = 0
     world_size: int = 1
     device: Any = None  # torch.device
-    ckpt: Any = None  # kubetron.training.checkpointing.CheckpointManager, once built
+    ckpt: Any = None  # kubetron.checkpoint.manager.CheckpointManager, once built
     straggler: Any = None  # kubetron.training.straggler.StragglerDetector while train() runs (None: off)
     exit_code: int | None = None  # how the run ended (kubetron.contract.exitcodes), once it has
     _tokenizer: Any = field(default=None, init=False, repr=False)

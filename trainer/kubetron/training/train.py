@@ -8,24 +8,20 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from kubetron.contract import exitcodes
 from kubetron.startup import CLOCK
-from kubetron.training import moe, pipeline, straggler
-from kubetron.training.comm import any_rank
+from kubetron.training import moe, straggler
 from kubetron.training.eval import evaluate_and_print_results
 from kubetron.training.optim import finalize_model_grads, params_l2_norm
-from kubetron.training.state import Timers
+from kubetron.training.schedule import forward_backward
 from kubetron.training.utils import (
     num_floating_point_operations,
     prepare_forward_step_func,
     reduce_losses,
-    unpack_loss,
 )
 
 log = logging.getLogger("kubetron")
@@ -90,41 +86,6 @@ class LossChecks:
         return False
 
 
-def forward_backward(forward_step_func, data_iterator, model, num_microbatches: int, *, forward_only: bool,
-                     loss_scale: float = 1.0, timers: Timers | None = None, collect_non_loss_data: bool = False):
-    """No-pipelining schedule: forward (+ backward) each micro-batch; return their loss reports.
-
-    The backward pass uses loss / num_tokens / num_microbatches (token-aware pattern) or
-    loss / num_microbatches, so gradients are the mean over the global batch on this rank (times
-    `loss_scale`, fp16's loss scale; the optimizer divides it out).
-    `collect_non_loss_data` (with forward_only, megatron's inference pattern): the list of
-    `loss_func(output, non_loss_data=True)`, whatever it returns (on the last pipeline stage).
-    """
-    if collect_non_loss_data and not forward_only:
-        raise ValueError("collect_non_loss_data needs forward_only=True")
-    if pipeline.runs_schedule(model):  # PP > 1 (megatron's on GPU, GPipe over gloo on CPU), or megatron's DDP
-        return pipeline.forward_backward(forward_step_func, data_iterator, model, num_microbatches,
-                                         forward_only=forward_only, loss_scale=loss_scale,
-                                         collect_non_loss_data=collect_non_loss_data)
-    timers = timers or Timers(log_level=0)
-    if not forward_only:
-        moe.scale_aux_loss(model, loss_scale, num_microbatches)
-    reports = []
-    for _ in range(num_microbatches):
-        with timers.time("forward-compute", 2):
-            output, loss_func = forward_step_func(data_iterator, model[0])
-            if collect_non_loss_data:
-                reports.append(loss_func(output, non_loss_data=True))
-                continue
-            loss, num_tokens, report = unpack_loss(loss_func(output))
-        if not forward_only:
-            with timers.time("backward-compute", 2):
-                scaled = loss / num_tokens.clamp(min=1) if num_tokens is not None else loss
-                (scaled * (loss_scale / num_microbatches)).backward()
-        reports.append(report)
-    return reports
-
-
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
                checks: LossChecks) -> StepResult:
     """One iteration: forward/backward over the micro-batches, gradient reduction and clipping, the
@@ -159,47 +120,12 @@ def _dummy_train_step(global_state, data_iterator):
         data_iterator.skip_microbatches(global_state.cfg.train.num_microbatches)
 
 
-def _any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any (a device tensor on NCCL: comm.any_rank)."""
-    return any_rank(flag)
-
-
 def post_training_step_callbacks(cfg, iteration: int, profiler=None):
     """Manual GC on an interval; profiler stepping."""
     if cfg.train.manual_gc and cfg.train.manual_gc_interval and iteration % cfg.train.manual_gc_interval == 0:
         gc.collect()
     if profiler is not None:
         profiler.step()
-
-
-def checkpoint_and_decide_exit(state, ckpt) -> int | None:
-    """Save on interval / signal / exit condition; return an exit code when the loop must stop."""
-    cfg, ts = state.cfg, state.train_state
-    got_signal = _any_rank(state.signal_handler is not None and state.signal_handler.received is not None)
-    if got_signal and ts.step < cfg.train.train_iters:  # at the last iteration: completed, saved as such (0)
-        ckpt.save(ts.step, blocking=True)
-        log.info("received %s: saved at iteration %d, exiting",
-                 state.signal_handler.signal_name or "a signal on another rank", ts.step)
-        return exitcodes.SAVED_ON_SIGNAL
-    saved = False
-    if cfg.checkpoint.save_interval and ts.step % cfg.checkpoint.save_interval == 0:
-        ckpt.save(ts.step)
-        saved = True
-    elif cfg.checkpoint.non_persistent_save_interval and ts.step % cfg.checkpoint.non_persistent_save_interval == 0:
-        ckpt.save(ts.step, non_persistent=True)
-    if cfg.train.exit_duration_in_mins:
-        elapsed_min = (time.time() - state.start_time) / 60.0
-        if _any_rank(elapsed_min > cfg.train.exit_duration_in_mins):
-            if not saved:
-                ckpt.save(ts.step, blocking=True)
-            log.info("exit_duration_in_mins (%.1f) reached at iteration %d", cfg.train.exit_duration_in_mins, ts.step)
-            return exitcodes.EXIT_CONDITION
-    if cfg.train.exit_interval and ts.step % cfg.train.exit_interval == 0 and ts.step < cfg.train.train_iters:
-        if not saved:
-            ckpt.save(ts.step, blocking=True)
-        log.info("exit_interval (%d) reached at iteration %d", cfg.train.exit_interval, ts.step)
-        return exitcodes.EXIT_CONDITION
-    return None
 
 
 def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
@@ -242,25 +168,16 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             if (startup := CLOCK.finish(ts.step)) is not None:  # this process's first step: how long it took
                 log.info("%s", startup)
         post_training_step_callbacks(cfg, ts.step, profiler)
-        if detector is not None and detector.after_step(ts.step) is not None:  # straggler.stop_if_detected
-            checkpoint_manager.save(ts.step, blocking=True)
-            metrics.flush(ts.step)
-            return exitcodes.STRAGGLER
-
-        if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator:
+        straggling = detector is not None and detector.after_step(ts.step) is not None  # straggler.stop_if_detected
+        if not straggling and cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 \
+                and valid_data_iterator:
             evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
                                        model, **non_loss)
-
-        checkpoint_manager.finalize(blocking=False)  # async saves that are done become durable
-        with timers.time("save-checkpoint", 1):
-            code = checkpoint_and_decide_exit(global_state, checkpoint_manager)
+        with timers.time("save-checkpoint", 1):  # saves and exits: the manager's schedule
+            code = checkpoint_manager.after_step(ts.step, straggler=straggling)
         if code is not None:
             metrics.flush(ts.step)
             return code
 
     metrics.flush(ts.step)
-    # Completed: make sure the final iteration is durable.
-    if checkpoint_manager.enabled and checkpoint_manager.last_durable != ts.step:
-        checkpoint_manager.save(ts.step, blocking=True)
-    checkpoint_manager.finalize(blocking=True)
-    return exitcodes.COMPLETED
+    return checkpoint_manager.finish(ts.step)  # the final iteration durable

@@ -30,28 +30,21 @@ parameter; anything else (`step`) is copied.
 
 from __future__ import annotations
 
-import ctypes
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-try:  # the compiled snapshot copy (setup.py); absent where the install had no C compiler
-    from kubetron import _hostcopy
-except ImportError:  # tests set it to None to run the fallback
-    _hostcopy = None
-
+from kubetron.checkpoint.hostcopy import HostBuffers
 from kubetron.contract.errors import CheckpointError
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _TIED_OUTPUT = "output_layer.weight"
-_WORD_EMBEDDING = "embedding.word_embeddings.weight"
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _sizes() -> tuple[int, int]:
@@ -63,7 +56,7 @@ def _skip(name: str) -> bool:
     return name.endswith("_extra_state")
 
 
-def _is_tied_output_copy(chunk, name: str) -> bool:
+def is_tied_output_copy(chunk, name: str) -> bool:
     """The last stage's copy of the word embedding under PP (not part of the canonical model)."""
     return (name == _TIED_OUTPUT and getattr(chunk, "share_embeddings_and_output_weights", False)
             and not getattr(chunk, "pre_process", True))
@@ -78,7 +71,7 @@ class Offsets:
     experts: int = 0
 
 
-def _layer_offsets(chunk) -> Offsets:
+def layer_offsets(chunk) -> Offsets:
     """This stage's layer numbering and this EP rank's expert numbering."""
     decoder = getattr(chunk, "decoder", None)
     layers = getattr(decoder, "layers", None) or []
@@ -88,7 +81,7 @@ def _layer_offsets(chunk) -> Offsets:
     return Offsets({i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}, first)
 
 
-def _canonical_name(name: str, offsets: Offsets) -> str:
+def canonical_name(name: str, offsets: Offsets) -> str:
     """The name in a TP=1/PP=1/EP=1 model: global layer number, global expert number."""
     m = _LAYER_RE.match(name)
     if not m:
@@ -106,14 +99,14 @@ def is_expert(name: str) -> bool:
     return ".mlp.experts." in f".{name}"
 
 
-def _is_gated_fc1(chunk, name: str) -> bool:
+def is_gated_fc1(chunk, name: str) -> bool:
     """fc1's output rows are [gate; up] (its weight, bias, and a LoRA adapter's B, not its A)."""
     cfg = getattr(chunk, "config", None)
     return (bool(getattr(cfg, "gated_linear_unit", False)) and ".mlp." in f".{name}"  # experts' fc1 too
             and ".linear_fc1." in f".{name}" and ".adapter.linear_in." not in name)
 
 
-def _tp_split(param) -> int | None:
+def tp_split(param) -> int | None:
     """partition_dim of a TP-split parameter, None for a replicated one."""
     if param is not None and getattr(param, "tensor_model_parallel", False):
         return int(getattr(param, "partition_dim", 0))
@@ -127,8 +120,8 @@ def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     tp = parallel_state.get_tensor_model_parallel_world_size()
     params = dict(chunk.named_parameters())
     out = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()
-           if _tp_split(params.get(k)) is None}
-    split = [k for k in tensors if _tp_split(params.get(k)) is not None]
+           if tp_split(params.get(k)) is None}
+    split = [k for k in tensors if tp_split(params.get(k)) is not None]
     if not split:
         return out
     if tp == 1:
@@ -144,8 +137,8 @@ def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         n = t.numel()
         shards = [p[pos:pos + n].view(t.shape).to(t.dtype) for p in parts]
         pos += n
-        dim = _tp_split(params[k])
-        if _is_gated_fc1(chunk, k):
+        dim = tp_split(params[k])
+        if is_gated_fc1(chunk, k):
             halves = [s.chunk(2, dim=0) for s in shards]
             out[k] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:
@@ -156,13 +149,13 @@ def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def _slice_tp(chunk, name: str, full: torch.Tensor, local_shape) -> torch.Tensor:
     """This TP rank's part of the canonical tensor `full` for the local tensor `name`."""
     param = dict(chunk.named_parameters()).get(name)
-    dim = _tp_split(param)
+    dim = tp_split(param)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if dim is None or tp == 1:
         out = full
     else:
         r = parallel_state.get_tensor_model_parallel_rank()
-        if _is_gated_fc1(chunk, name):
+        if is_gated_fc1(chunk, name):
             gate, up = full.chunk(2, dim=0)
             out = torch.cat([gate.chunk(tp, dim=0)[r], up.chunk(tp, dim=0)[r]], dim=0)
         else:
@@ -203,7 +196,7 @@ def _participates() -> bool:
 
 # --- model -----------------------------------------------------------------------------------------
 
-def _local_state(chunk, keep=None) -> dict[str, torch.Tensor]:
+def local_state(chunk, keep=None) -> dict[str, torch.Tensor]:
     """The chunk's tensors; `keep(name)` selects some (LoRA: base or adapter tensors)."""
     return {k: v for k, v in chunk.state_dict().items() if not _skip(k) and (keep is None or keep(k))}
 
@@ -212,107 +205,25 @@ def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def copy_impl() -> str:
-    """Which copy `copy_host` uses: "nontemporal" (kubetron._hostcopy on x86-64), "memcpy"
-    (kubetron._hostcopy elsewhere) or "ctypes.memmove" (the extension was not built)."""
-    if _hostcopy is None:
-        return "ctypes.memmove"
-    return "nontemporal" if _hostcopy.NONTEMPORAL else "memcpy"
-
-
-def copy_host(items: list[tuple[int, int, int]]) -> None:
-    """Copy each (dst_address, src_address, nbytes) between host memory ranges that do not overlap.
-
-    The snapshot's copy: kubetron._hostcopy streams the bytes past the caches (the buffers are read
-    again only by the background writer), 1.4-1.7x libc's speed in a snapshot; one call for all
-    pieces, the GIL released. Without the extension, one ctypes.memmove per piece: the same bytes."""
-    if _hostcopy is not None:
-        _hostcopy.copy_many(items)
-        return
-    for dst, src, n in items:
-        ctypes.memmove(dst, src, n)
-
-
-class HostBuffers:
-    """Host memory a snapshot is copied into, reused from one save to the next (owned by a
-    CheckpointManager).
-
-    Allocating fresh host memory for a large snapshot costs seconds; an async save should block the
-    loop only for the copy. Safe because a new snapshot is taken only after the previous save finished
-    (CheckpointManager.save finalizes first). The caller synchronizes the device once after all copies.
-    """
-
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._queued: list[tuple[torch.Tensor, torch.Tensor, int, int]] | None = None
-
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Inside the block a copy from a contiguous CPU tensor (`copy_range`, `copy`) is only queued; they
-        all run, back to back, when the block ends (none if it raises). Python work between copies of MBs
-        runs on caches those copies just flushed: ~12 us a piece, 2.5 ms of a 15 ms snapshot of 200
-        pieces (bench/checkpoint.py)."""
-        self._queued = queued = []
-        try:
-            yield
-        finally:
-            self._queued = None
-        copy_host([(buf.data_ptr(), src.data_ptr() + offset, n) for buf, src, offset, n in queued])
-
-    def _buffer(self, key: str, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
-        return buf
-
-    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """`t` copied to host memory, into the buffer this key used at the previous save (a contiguous CPU
-        tensor through copy_range: queued inside `batch()`)."""
-        t = t.detach()
-        if t.is_cpu and t.is_contiguous():  # copy_host: 1.4-1.7x libc's and torch's CPU copy
-            return self.copy_range(key, t, 0, tuple(t.shape))
-        buf = self._buffer(key, t.shape, t.dtype, t.is_cuda)
-        buf.copy_(t, non_blocking=t.is_cuda)
-        return buf
-
-    def copy_range(self, key: str, t: torch.Tensor, first: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Elements [first, first + prod(shape)) of the contiguous CPU tensor `t`, as `shape`, copied
-        into the buffer this key used at the previous save."""
-        buf = self._buffer(key, shape, t.dtype, False)
-        size = t.element_size()
-        n = buf.numel() * size
-        if first < 0 or first * size + n > t.numel() * size:
-            raise ValueError(f"{key}: elements {first}..{first + buf.numel()} outside a tensor of {t.numel()}")
-        if n and self._queued is not None:
-            self._queued.append((buf, t, first * size, n))  # holds `t`: its memory stays valid until the copy
-        elif n:
-            copy_host([(buf.data_ptr(), t.data_ptr() + first * size, n)])
-        return buf
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
 def gather_model_state(model: list[torch.nn.Module], buffers: HostBuffers) -> dict[str, torch.Tensor]:
     """Full tensors on the host, keyed by canonical name (only global rank 0's result is complete)."""
     chunk = model[0]
     tp, pp = _sizes()
-    own = _local_state(chunk)
+    own = local_state(chunk)
     if tp == 1 and pp == 1:  # data parallel only: rank 0's replica is the whole model
         return {k: buffers.copy(f"model/{k}", v) for k, v in own.items()} if _global_rank() == 0 else {}
     if not _participates():
         return {}
-    own = {k: v for k, v in own.items() if not _is_tied_output_copy(chunk, k)}
+    own = {k: v for k, v in own.items() if not is_tied_output_copy(chunk, k)}
     full = _gather_tp(chunk, own)
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return {}  # the PP group of TP rank r holds only TP rank r of each stage: all of it skips
-    offsets = _layer_offsets(chunk)
-    return _gather_pp({_canonical_name(k, offsets): v for k, v in full.items()})
+    offsets = layer_offsets(chunk)
+    return _gather_pp({canonical_name(k, offsets): v for k, v in full.items()})
 
 
-def _source_name(chunk, name: str, offsets) -> str:
-    return _WORD_EMBEDDING if _is_tied_output_copy(chunk, name) else _canonical_name(name, offsets)
+def source_name(chunk, name: str, offsets) -> str:
+    return WORD_EMBEDDING if is_tied_output_copy(chunk, name) else canonical_name(name, offsets)
 
 
 def _held_elsewhere(chunk, name: str, pp: int) -> bool:
@@ -330,9 +241,9 @@ def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor]
     """Copy this rank's part of the canonical tensors into its parameters (`keep(name)`: only some)."""
     chunk = model[0]
     pp = _sizes()[1]
-    own = _local_state(chunk, keep)
-    offsets = _layer_offsets(chunk)
-    wanted = {k: _source_name(chunk, k, offsets) for k in own}
+    own = local_state(chunk, keep)
+    offsets = layer_offsets(chunk)
+    wanted = {k: source_name(chunk, k, offsets) for k in own}
     missing = sorted(v for v in wanted.values() if v not in full)
     unexpected = sorted(k for k in set(full) - set(wanted.values()) if not _held_elsewhere(chunk, k, pp))
     if missing or unexpected:
@@ -351,7 +262,7 @@ def _is_param_shaped(v, param) -> bool:
 
 
 def gather_optimizer_state(model, by_name: dict, buffers: HostBuffers) -> dict:
-    """Optimizer state (keyed by parameter name, see checkpointing.optimizer_state_by_name) in
+    """Optimizer state (keyed by parameter name, see optimizer_state_by_name) in
     canonical form on the host."""
     chunk = model[0]
     tp, pp = _sizes()
@@ -365,14 +276,14 @@ def gather_optimizer_state(model, by_name: dict, buffers: HostBuffers) -> dict:
     if not _participates():
         return {}
     params = dict(chunk.named_parameters())
-    names = [n for n in params if n in states and not _is_tied_output_copy(chunk, n)]
+    names = [n for n in params if n in states and not is_tied_output_copy(chunk, n)]
     # One gather per state key, same order on every TP rank (same parameters, same optimizer).
     keys = sorted({k for n in names for k, v in states[n].items() if _is_param_shaped(v, params[n])})
     gathered = {k: _gather_tp(chunk, {n: states[n][k] for n in names if _is_param_shaped(states[n].get(k), params[n])})
                 for k in keys}
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return {}
-    offsets = _layer_offsets(chunk)
+    offsets = layer_offsets(chunk)
     out: dict = {}
     for n in names:
         entry = {}
@@ -381,7 +292,7 @@ def gather_optimizer_state(model, by_name: dict, buffers: HostBuffers) -> dict:
                 entry[k] = gathered[k][n]
             else:
                 entry[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-        out[_canonical_name(n, offsets)] = entry
+        out[canonical_name(n, offsets)] = entry
     return {"state": _gather_pp(out), "param_groups": by_name["param_groups"]}
 
 
@@ -389,13 +300,13 @@ def scatter_optimizer_state(model, saved: dict) -> dict:
     """This rank's share of a canonical optimizer state, keyed by local parameter name."""
     chunk = model[0]
     tp, pp = _sizes()
-    offsets = _layer_offsets(chunk)
+    offsets = layer_offsets(chunk)
     if tp == 1 and pp == 1 and not offsets.experts \
-            and not any(_is_tied_output_copy(chunk, n) for n, _ in chunk.named_parameters()):
+            and not any(is_tied_output_copy(chunk, n) for n, _ in chunk.named_parameters()):
         return saved  # local names are the canonical ones
     state = {}
     for name, param in chunk.named_parameters():
-        src = saved["state"].get(_source_name(chunk, name, offsets))
+        src = saved["state"].get(source_name(chunk, name, offsets))
         if src is None:
             continue
         entry = {}
@@ -408,3 +319,55 @@ def scatter_optimizer_state(model, saved: dict) -> dict:
                 entry[k] = v
         state[name] = entry
     return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def optimizer_state_by_name(model, optimizer, with_state: bool = True) -> dict:
+    """Optimizer state keyed by parameter name (not by position), so layouts can change
+    (with_state=False: the param groups only)."""
+    names = {id(p): n for chunk in model for n, p in chunk.named_parameters()}
+    states = {}
+    for p, s in (optimizer.state.items() if with_state else ()):
+        states[names[id(p)]] = dict(s)  # live tensors: the gather below copies them to the host
+    return {"state": states, "param_groups": param_groups_of(optimizer)}
+
+
+def param_groups_of(optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _restore_param_groups(optimizer, saved_groups: list[dict]):
+    for g, sg in zip(optimizer.param_groups, saved_groups):
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = v
+
+
+def _state_on(device, optimizer, state: dict) -> dict:
+    """Saved state tensors onto the parameters' device (`step` stays on the host unless the optimizer
+    is fused, as torch keeps it)."""
+    fused = optimizer.defaults.get("fused")
+    return {k: (v.to(device) if torch.is_tensor(v) and (k != "step" or fused) else v) for k, v in state.items()}
+
+
+def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
+    """Restore state saved by optimizer_state_by_name. An fp32 main weight (`main_param`, saved by a
+    bf16 run's MainParamsOptimizer) becomes the main weight again, or, for a plain optimizer over
+    fp32 parameters, the parameter itself (more precise than the bf16 weight in model.pt)."""
+    # the parameters the optimizer steps (LoRA: frozen base weights have no state)
+    by_name = {n: p for chunk in model for n, p in chunk.named_parameters() if p.requires_grad}
+    missing = [n for n in by_name if n not in saved["state"]]
+    if missing and saved["state"]:
+        raise CheckpointError(f"optimizer state lacks {len(missing)} parameters (e.g. {missing[0]})")
+    for name, s in saved["state"].items():
+        p = by_name.get(name)
+        if p is None:
+            raise CheckpointError(f"optimizer state has a parameter this model lacks: {name}")
+        optimizer.set_param_state(p, _state_on(device, optimizer, s))
+    _restore_param_groups(optimizer, saved["param_groups"])
+
+
+def load_owned_optimizer_state(optimizer, owned: list[tuple], param_groups: list[dict], device):
+    """Restore a DP-sharded optimizer from the state of the ranges it owns (format_sharded.load_owned)."""
+    for p, lo, hi, state in owned:
+        optimizer.set_owned_state(p, lo, hi, _state_on(device, optimizer, state))
+    _restore_param_groups(optimizer, param_groups)

@@ -6,7 +6,7 @@ tensors, straight into the store, and reads back only the parts its own layout n
                                           the box [start, stop) per dimension it covers, byte offset
     iter_0000020/common.pt ...            rank 0: counters, scheduler, data position, param groups
 
-Canonical names and shapes are those of a TP=1/PP=1 model (sharding.py); a piece is a box of the global
+Canonical names and shapes are those of a TP=1/PP=1 model (canonical.py); a piece is a box of the global
 tensor, so any layout reads any other's pieces by intersecting boxes:
 - TP: a split parameter's box starts at `tp_rank * local size` along its partition_dim. SwiGLU's fc1
   (`[gate_r; up_r]` on each TP rank) is viewed as (2, ffn, ...) so its TP part is a box too.
@@ -33,10 +33,12 @@ from functools import cached_property
 import torch
 from megatron.core import parallel_state
 
+from kubetron.checkpoint import canonical
+from kubetron.checkpoint.hostcopy import HostBuffers
+from kubetron.checkpoint.layout import COMMON, safe_load
 from kubetron.contract.errors import CheckpointError
-from kubetron.training import sharding
 
-VOCAB_TENSORS = (sharding._WORD_EMBEDDING, "output_layer.weight")
+VOCAB_TENSORS = (canonical.WORD_EMBEDDING, "output_layer.weight")
 MERGE_GAP = 4 << 20  # bytes: neighbouring ranges of one shard file closer than this are read as one
 
 
@@ -74,8 +76,8 @@ class RankShard:
 
 def _placement(chunk, name: str, t: torch.Tensor, params: dict):
     """(t in canonical view, global shape, start per dim, TP-split dim or None)."""
-    dim = sharding._tp_split(params.get(name))
-    if sharding._is_gated_fc1(chunk, name) and t.ndim >= 1:
+    dim = canonical.tp_split(params.get(name))
+    if canonical.is_gated_fc1(chunk, name) and t.ndim >= 1:
         t = t.view(2, t.shape[0] // 2, *t.shape[1:])  # [gate; up]: TP splits the second dimension
         dim = None if dim is None else dim + 1
     shape, start = list(t.shape), [0] * t.ndim
@@ -129,7 +131,7 @@ class _Cut:
         inner = math.prod(self.shape[self.dim + 1 :])
         return self.lo * inner, (*self.shape[: self.dim], self.n, *self.shape[self.dim + 1 :])
 
-    def take(self, t: torch.Tensor, buffers: sharding.HostBuffers, key: str) -> Piece:
+    def take(self, t: torch.Tensor, buffers: HostBuffers, key: str) -> Piece:
         run = self.flat_range
         if run is not None and t.is_cpu and t.is_contiguous() and t.numel() == self.numel:
             # the common case: one memmove from a computed offset, no view built (what an async save
@@ -146,7 +148,7 @@ class _Cut:
 
 def _my_cut(name, t, gshape, start, dim) -> _Cut | None:
     """This rank's share of the local tensor `t` (a view in canonical layout), or None."""
-    slot, n = _replica_slot(dim is not None, sharding.is_expert(name))
+    slot, n = _replica_slot(dim is not None, canonical.is_expert(name))
     if t.ndim == 0:
         return _Cut(name, (), (), ()) if slot == 0 else None
     # Split the replicas' work along the first dimension long enough: a contiguous slice (a plain
@@ -188,7 +190,7 @@ def flat_boxes(shape, lo: int, hi: int) -> list[tuple[list[tuple[int, int]], int
 
 # --- save -------------------------------------------------------------------------------------------
 
-def snapshot(model, optim_by_name: dict | None, buffers: sharding.HostBuffers, keep=None, owned=None,
+def snapshot(model, optim_by_name: dict | None, buffers: HostBuffers, keep=None, owned=None,
              plan: dict | None = None) -> RankShard:
     """This rank's pieces of the model (and optimizer state keyed by local parameter name, or `owned`:
     the flat ranges of a DP-sharded optimizer, see _Layout.owned_cuts), on the host; `keep(name)` selects
@@ -199,14 +201,14 @@ def snapshot(model, optim_by_name: dict | None, buffers: sharding.HostBuffers, k
     plan = {} if plan is None else plan
     layout = _Layout(chunk)
     out = RankShard()
-    for k, v in sharding._local_state(chunk, keep).items():
+    for k, v in canonical.local_state(chunk, keep).items():
         cut = _planned(plan, ("model", k, tuple(v.shape)), lambda k=k, v=v: layout.model_cut(k, v))
         if cut is not None:
             out.pieces.append(cut.take(v, buffers, cut.name))
     for k, state in (optim_by_name or {}).items():
         for key, v in state.items():
             if not torch.is_tensor(v):
-                if not layout.is_tied_copy(k) and _replica_slot(False, sharding.is_expert(k))[0] == 0:
+                if not layout.is_tied_copy(k) and _replica_slot(False, canonical.is_expert(k))[0] == 0:
                     out.values[f"{layout.base(k)}/{key}"] = v
                 continue
             cut = _planned(plan, ("optim", k, key, tuple(v.shape)),
@@ -258,14 +260,14 @@ class _Layout:
 
     def canonical(self, k: str) -> str:
         if self._offsets is None:
-            self._offsets = sharding._layer_offsets(self.chunk)
-        return sharding._canonical_name(k, self._offsets)
+            self._offsets = canonical.layer_offsets(self.chunk)
+        return canonical.canonical_name(k, self._offsets)
 
     def base(self, k: str) -> str:
         return f"optim/{self.canonical(k)}"
 
     def is_tied_copy(self, k: str) -> bool:
-        return sharding._is_tied_output_copy(self.chunk, k)
+        return canonical.is_tied_output_copy(self.chunk, k)
 
     def model_cut(self, k: str, v: torch.Tensor) -> _Cut | None:
         if self.is_tied_copy(k):
@@ -292,7 +294,7 @@ class _Layout:
         """The flat range [lo, hi) of parameter `p`'s state `key` as boxes: [(cut, offset, length) of
         each box's slice of the range]."""
         k = self.names[p]
-        replicated_elsewhere = parallel_state.get_tensor_model_parallel_rank() != 0 and sharding._tp_split(p) is None
+        replicated_elsewhere = parallel_state.get_tensor_model_parallel_rank() != 0 and canonical.tp_split(p) is None
         if self.is_tied_copy(k) or replicated_elsewhere:
             return []
         name = f"{self.base(k)}/{key}"
@@ -455,9 +457,9 @@ def load_model(model, reader: ShardReader, keep=None):
     selects which (LoRA: the base from a full checkpoint, the adapters from an adapter-only one)."""
     chunk = model[0]
     params = dict(chunk.named_parameters())
-    offsets = sharding._layer_offsets(chunk)
-    own = sharding._local_state(chunk, keep)
-    wanted = {k: "model/" + sharding._source_name(chunk, k, offsets) for k in own}
+    offsets = canonical.layer_offsets(chunk)
+    own = canonical.local_state(chunk, keep)
+    wanted = {k: "model/" + canonical.source_name(chunk, k, offsets) for k in own}
     missing = sorted(v for v in wanted.values() if not reader.has(v))
     if missing:
         raise CheckpointError(f"{reader.name} lacks tensors this model has: {missing[:3]}")
@@ -474,7 +476,7 @@ def load_model(model, reader: ShardReader, keep=None):
 
 def load_optimizer(model, reader: ShardReader) -> dict:
     """This rank's optimizer state keyed by local parameter name (full local tensors), for
-    checkpointing.load_optimizer_state_by_name."""
+    canonical.load_optimizer_state_by_name."""
     params = dict(model[0].named_parameters())
     ranges = [(p, 0, p.numel()) for p in params.values()]
     state: dict[str, dict] = {}
@@ -495,14 +497,14 @@ def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> l
     flat ranges asked for, each read as its boxes; `require`: a parameter without saved optimizer state
     is an error (when the checkpoint has any)."""
     chunk = model[0]
-    offsets = sharding._layer_offsets(chunk)
+    offsets = canonical.layer_offsets(chunk)
     params = dict(chunk.named_parameters())
     names = {p: k for k, p in params.items()}
     saved_any = require and any(n.startswith("optim/") for n in [*reader.pieces, *reader.values])
     out, slots, wants = [], [], []
     for p, lo, hi in ranges:
         k = names[p]
-        src = sharding._source_name(chunk, k, offsets)
+        src = canonical.source_name(chunk, k, offsets)
         base = f"optim/{src}/"
         keys = reader.keys_under(base)
         if saved_any and not keys:
@@ -535,9 +537,7 @@ def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> l
 def read_canonical(store, name: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """A whole sharded checkpoint as canonical tensors: ({name: tensor}, {param name: {state key: value}})
     (for tools and tests; a training load reads only its own boxes)."""
-    import io
-
-    common = torch.load(io.BytesIO(store.read_bytes(f"{name}/common.pt")), map_location="cpu", weights_only=True)
+    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
     reader = ShardReader(store, name, common["num_shards"])
     names = sorted(reader.pieces)
     full = reader.read_many([(n, [(0, g) for g in reader.global_shape(n)]) for n in names])

@@ -48,10 +48,12 @@ import tempfile
 
 import torch
 
+from kubetron.checkpoint.layout import MARKER
 from kubetron.contract.errors import CheckpointError, ConfigError
 
 DIST = "dist"
 OPTIM_PREFIX = "optimizer"
+MEGATRON_CONFIG = MARKER  # megatron's own dist/metadata.json (its format and backend), written last as ours
 MEGATRON_CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version, in dist/common.pt
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
@@ -214,7 +216,7 @@ def save(model, optimizer, txn, cfg, *, with_optimizer: bool, common: dict) -> d
 
 
 def is_dist_checkpoint(store, name: str) -> bool:
-    return store.exists(f"{name}/{DIST}/metadata.json")
+    return store.exists(f"{name}/{DIST}/{MEGATRON_CONFIG}")
 
 
 def megatron_backend(store, name: str) -> str | None:
@@ -222,7 +224,7 @@ def megatron_backend(store, name: str) -> str | None:
     the iteration directory is the dist_checkpointing directory, its metadata.json megatron's config),
     or None for kubetron's own layout (there metadata.json is kubetron's commit marker)."""
     try:
-        marker = json.loads(store.read_bytes(f"{name}/metadata.json"))
+        marker = json.loads(store.read_bytes(f"{name}/{MARKER}"))
     except (ValueError, OSError):
         return None
     return marker.get("sharded_backend") if isinstance(marker, dict) else None
@@ -238,7 +240,7 @@ def _stage(store, prefix: str, staging: str):
     metadata = None
     for key in keys:
         rel = key[len(prefix):]
-        if not (rel.endswith(".distcp") or rel in (".metadata", "metadata.json")):
+        if not (rel.endswith(".distcp") or rel in (".metadata", MEGATRON_CONFIG)):
             continue
         path = os.path.join(staging, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -392,7 +394,7 @@ def load_megatron(model, store, name: str, cfg):
 
 def load(model, optimizer, store, name: str, cfg, common: dict, *, with_optimizer: bool, device) -> dict | None:
     """Load model weights (and, with_optimizer, return optimizer state by parameter name, in the
-    form checkpointing.load_optimizer_state_by_name takes) from `name`/dist."""
+    form canonical.load_optimizer_state_by_name takes) from `name`/dist."""
     prefix = f"{name}/{DIST}/"
     staging = _staging(cfg)
     try:

@@ -1,0 +1,34 @@
+"""The random generators' states (python, numpy, torch, CUDA), in types a weights_only load reads back."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def get_rng_state() -> dict:
+    """python, numpy, torch (and CUDA) generator states, in weights_only-loadable types."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "random": [py[0], list(py[1]), py[2]],
+        "np": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+               "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict):
+    py = state["random"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["np"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
