@@ -95,7 +95,8 @@ def build(packages: Iterable[Path] = PACKAGES) -> Graph:
                 graph.edges.setdefault(module, set()).add(owner)
                 if name is None and owner == target:
                     aliases[alias] = owner
-                if name is not None and _private(name):
+                if name is not None and _private(name) and owner != module.rpartition(".")[0]:
+                    # (a package's own private parts, e.g. a C extension beside its modules, are its to use)
                     graph.private_uses.add((module, owner, name))
                 elif name is None and _private(target.rpartition(".")[2]):
                     graph.private_uses.add((module, owner, target))

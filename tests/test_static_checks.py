@@ -92,6 +92,7 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text('MARKER = "metadata.json"\n\ndef f():\n    from pkg import b\n    return b._hidden\n')
     (pkg / "b.py").write_text('from pkg.a import f\nNAME = "metadata.json"\n_hidden = 1\n')
+    (pkg / "d.py").write_text("from pkg import _ext\n")  # its own package's private part: allowed
     (pkg / "c.py").write_text("import time\nfrom pkg.b import _hidden\n\ndef g():\n    return time.monotonic()\n")
     graph = code_graph.build([pkg])
     assert code_graph.cycles(graph) == [["pkg.a", "pkg.b"]]
