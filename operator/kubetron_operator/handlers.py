@@ -44,7 +44,6 @@ from kubetron_operator.build import (
     build,
     build_probe_pod,
     build_reader_pod,
-    config_map_name,
     pod_group_name,
     service_name,
 )
@@ -443,11 +442,10 @@ def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: kopf
 
 
 def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logger: kopf.Logger) -> None:
-    """An attempt's ConfigMap and its `gang` PodGroup, if any (pods are decide's business), if this job
-    controls them. Only the PodGroup kind the job's spec.scheduling.gang names is asked for: the chart
-    grants PodGroups only with gangScheduling (one left by a since-changed spec goes with the job, by
-    its owner reference)."""
-    kube.delete_owned("v1", "ConfigMap", job.namespace, config_map_name(job, attempt), job.uid)
+    """An attempt's `gang` PodGroup, if any (pods are decide's business), if this job controls it. Only
+    the PodGroup kind the job's spec.scheduling.gang names is asked for: the chart grants PodGroups only
+    with gangScheduling (one left by a since-changed spec goes with the job, by its owner reference).
+    An attempt ConfigMap left by an older operator (the config is on the pods now) goes with the job."""
     api_version = pod_group_api_version(gang)
     if api_version is None:
         return

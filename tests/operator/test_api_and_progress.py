@@ -46,31 +46,31 @@ def test_create_409_and_delete_404_are_fine():
 
 
 def _owned_by(uid):
-    return {"metadata": {"name": "gpt-1-config", "namespace": "ml", "uid": "cm-uid",
+    return {"metadata": {"name": "gpt", "namespace": "ml", "uid": "svc-uid",
                          "ownerReferences": [{"uid": uid, "controller": True}] if uid else []}}
 
 
-CM = "/api/v1/namespaces/ml/configmaps"
+SVC = "/api/v1/namespaces/ml/services"
 
 
 def test_create_409_adopts_only_what_the_same_job_controls():
-    manifest = {"apiVersion": "v1", "kind": "ConfigMap", **_owned_by("job-uid")}
-    ours = FakeApi({("POST", CM): (409, {}), ("GET", f"{CM}/gpt-1-config"): (200, _owned_by("job-uid"))})
+    manifest = {"apiVersion": "v1", "kind": "Service", **_owned_by("job-uid")}
+    ours = FakeApi({("POST", SVC): (409, {}), ("GET", f"{SVC}/gpt"): (200, _owned_by("job-uid"))})
     assert Kube(ours).create(manifest) is False
     for other in ("other-uid", None):
-        foreign = FakeApi({("POST", CM): (409, {}), ("GET", f"{CM}/gpt-1-config"): (200, _owned_by(other))})
-        with pytest.raises(NameConflict, match="ConfigMap ml/gpt-1-config already exists"):
+        foreign = FakeApi({("POST", SVC): (409, {}), ("GET", f"{SVC}/gpt"): (200, _owned_by(other))})
+        with pytest.raises(NameConflict, match="Service ml/gpt already exists"):
             Kube(foreign).create(manifest)
 
 
 def test_delete_owned_never_deletes_a_foreign_object():
-    foreign = FakeApi({("GET", f"{CM}/gpt-1-config"): (200, _owned_by("other-uid"))})
-    assert Kube(foreign).delete_owned("v1", "ConfigMap", "ml", "gpt-1-config", "job-uid") is False
+    foreign = FakeApi({("GET", f"{SVC}/gpt"): (200, _owned_by("other-uid"))})
+    assert Kube(foreign).delete_owned("v1", "Service", "ml", "gpt", "job-uid") is False
     assert [c[0] for c in foreign.calls] == ["GET"]
-    ours = FakeApi({("GET", f"{CM}/gpt-1-config"): (200, _owned_by("job-uid")),
-                    ("DELETE", f"{CM}/gpt-1-config"): (200, {})})
-    assert Kube(ours).delete_owned("v1", "ConfigMap", "ml", "gpt-1-config", "job-uid") is True
-    assert ours.calls[-1][3]["preconditions"] == {"uid": "cm-uid"}  # not a namesake created meanwhile
+    ours = FakeApi({("GET", f"{SVC}/gpt"): (200, _owned_by("job-uid")),
+                    ("DELETE", f"{SVC}/gpt"): (200, {})})
+    assert Kube(ours).delete_owned("v1", "Service", "ml", "gpt", "job-uid") is True
+    assert ours.calls[-1][3]["preconditions"] == {"uid": "svc-uid"}  # not a namesake created meanwhile
 
 
 def test_status_patch_carries_the_resource_version_and_a_409_is_a_conflict():
