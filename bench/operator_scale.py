@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import copy
 import http.client
-import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -61,39 +61,61 @@ class PodWatch:
     stream): when the `count`-th arrived. A watch costs the API server one encoded event per pod, where
     polling with a LIST every 0.5 s re-read every pod so far from etcd and encoded it each time (at N = 500
     about 0.5 CPU-second per LIST between the API server and this process, on the machine the operator
-    shares: a load the bare loop did not carry)."""
+    shares: a load the bare loop did not carry). A stream the API server closes (a watcher that fell
+    behind) is listed and watched again."""
 
-    def __init__(self, env: KubeEnv, ns: str, count: int):
-        self.count, self.names, self.done = count, set[str](), threading.Event()
+    SELECTOR = "kubetron.dev/role=worker"
+    NAME = re.compile(rb'^\{"type":"ADDED","object":\{"kind":"Pod","apiVersion":"v1","metadata":\{"name":"([^"]+)"')
+
+    def __init__(self, api: cluster.Api, ns: str, count: int):
+        self.api, self.ns, self.count = api, ns, count
+        self.names: set[str] = set()
         self.at = float("inf")
-        api = env.admin
-        listed = api.get(f"/api/v1/namespaces/{ns}/pods", query={"labelSelector": "kubetron.dev/role=worker"})
-        self.names.update(p["metadata"]["name"] for p in listed["items"])
-        self.conn = http.client.HTTPSConnection(api.host, api.port, context=api.ctx, timeout=None)
-        rv = listed["metadata"]["resourceVersion"]
-        query = f"watch=1&labelSelector=kubetron.dev/role%3Dworker&resourceVersion={rv}"
-        self.conn.request("GET", f"/api/v1/namespaces/{ns}/pods?{query}", headers={"Accept": "application/json"})
-        self.resp = self.conn.getresponse()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        rv = self._list()
+        threading.Thread(target=self._run, args=(rv,), daemon=True).start()
 
-    def _read(self) -> None:
+    def _list(self) -> str:
+        listed = self.api.get(f"/api/v1/namespaces/{self.ns}/pods", query={"labelSelector": self.SELECTOR})
+        self.names.update(p["metadata"]["name"] for p in listed["items"])
+        return str(listed["metadata"]["resourceVersion"])
+
+    def _arrived(self) -> bool:
+        if len(self.names) >= self.count and self.at == float("inf"):
+            self.at = time.monotonic()
+        return self.at < float("inf")
+
+    def _run(self, rv: str) -> None:
         try:
-            for line in self.resp:
-                event = json.loads(line)
-                if event.get("type") == "ADDED":
-                    self.names.add(event["object"]["metadata"]["name"])
-                if len(self.names) >= self.count:
-                    self.at = time.monotonic()
-                    return
+            while not self._arrived():
+                self._watch(rv)
+                rv = self._list()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            self.error = exc
         finally:
-            self.done.set()  # also when the stream ended early: wait() then reports the count
-            self.conn.close()
+            self.done.set()
+
+    def _watch(self, rv: str) -> None:
+        conn = http.client.HTTPSConnection(self.api.host, self.api.port, context=self.api.ctx, timeout=None)
+        try:
+            query = f"watch=1&labelSelector={self.SELECTOR.replace('=', '%3D')}&resourceVersion={rv}"
+            conn.request("GET", f"/api/v1/namespaces/{self.ns}/pods?{query}", headers={"Accept": "application/json"})
+            for line in conn.getresponse():
+                found = self.NAME.match(line)  # ADDED: the pod's name (no need to parse the whole pod)
+                if found:
+                    self.names.add(found.group(1).decode())
+                    if self._arrived():
+                        return
+        finally:
+            conn.close()
 
     def wait(self, timeout: float) -> float:
         """time.monotonic() when the `count`-th pod arrived; AssertionError after `timeout` seconds."""
-        if len(self.names) < self.count and not (self.done.wait(timeout) and self.at < float("inf")):
-            raise AssertionError(f"{len(self.names)} of {self.count} worker pods after {timeout:.0f} s")
-        return self.at if self.at < float("inf") else time.monotonic()
+        if not self.done.wait(timeout) or self.error is not None:
+            raise AssertionError(f"{len(self.names)} of {self.count} worker pods after {timeout:.0f} s"
+                                 + (f" ({self.error!r})" if self.error else ""))
+        return self.at
 
 
 def bare_loop(env: KubeEnv, n: int) -> float:
@@ -174,7 +196,7 @@ def run_n(env: KubeEnv, n: int, args: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {"jobs": n}
     with env.operator(ns, interval=args.interval) as op:
         manifests = [job_manifest(ns, i) for i in range(n)]
-        watch = PodWatch(env, ns, 2 * n)
+        watch = PodWatch(env.admin, ns, 2 * n)
         r0, t0 = operator_requests(env), time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda m: env.admin.create(env.jobs(ns), m), manifests))
