@@ -48,14 +48,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kubetron import startup  # noqa: E402
-from kubetron.contract.progress import summarize  # noqa: E402
+from kubetron.contract.times import parse_stamp  # noqa: E402
+from kubetron.progress_io import summarize  # noqa: E402
 
 from tests.kube import cluster  # noqa: E402
 from tests.kube.cluster import Kubelet  # noqa: E402
@@ -258,7 +258,8 @@ def training_at(env: KubeEnv, ns: str, pods: ProcessKubelet, size: int, since: f
 
 
 def parse_iso(text: str | None) -> float:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp() if text else 0.0
+    when = parse_stamp(text)
+    return when.timestamp() if when else 0.0
 
 
 # -- imports: megatron-core as it is vs as kubetron.training imports it ----------------------------------

@@ -17,7 +17,8 @@ from kubetron.config import (
     parse_split,
 )
 from kubetron.contract.errors import ConfigError
-from kubetron.contract.termination import encode_termination_message, write_termination_message
+from kubetron.contract.termination import encode_termination_message
+from kubetron.termination_log import write_termination_message
 
 EXAMPLE = "examples/tiny-gpt.yaml"
 
@@ -127,6 +128,43 @@ def test_world_size_not_divisible_by_model_parallel():
     with pytest.raises(ConfigError) as e:
         cfg.finalize(world_size=3, environ={})
     assert e.value.field == "model.tensor_model_parallel_size"
+
+
+@pytest.mark.parametrize("section, keys, message", [
+    ("train", {"train_iters": 10, "micro_batch_size": 2, "global_batch_size": 3},
+     "train.global_batch_size: 3 is not divisible by micro_batch_size = 2"),
+    ("model", {"num_layers": 3, "pipeline_model_parallel_size": 2},
+     "model.num_layers: 3 is not divisible by pipeline_model_parallel_size = 2"),
+    ("checkpoint", {"most_recent_k": 0}, "checkpoint.most_recent_k: must be -1 (keep all) or >= 1, got 0"),
+    ("peft", {"dim": 8}, "peft.dim: has no effect without peft.scheme: lora"),
+])
+def test_each_section_checks_its_own_keys_when_built(section, keys, message):
+    """A section validates itself (a model validator), whoever builds it: the YAML, an HF import, a test."""
+    with pytest.raises(ConfigError) as e:
+        SECTIONS[section](**keys)
+    assert str(e.value) == message
+    with pytest.raises(ConfigError) as e:  # the same words from a whole config
+        ConfigContainer.from_dict({"train": {"train_iters": 10}, section: keys})
+    assert str(e.value) == message
+
+
+def test_rules_across_sections_are_the_containers():
+    SECTIONS["scheduler"](lr_warmup_init=1.0)  # fine alone: optimizer.lr is another section's
+    with pytest.raises(ConfigError, match="scheduler.lr_warmup_init: 1.0 is larger than optimizer.lr = 0.0003"):
+        make(scheduler={"lr_warmup_init": 1.0})
+
+
+def test_derive_is_the_operators_and_resolve_the_trainers():
+    """The contract's container derives (pure); reading tokenizer files and the environment is the trainer's."""
+    from kubetron.contract import config as schema
+
+    data = {"train": {"train_iters": 10}, "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer",
+                                                        "tokenizer_model": "/nowhere/tokenizer.json"}}
+    cfg = schema.ConfigContainer.from_dict(data).derive(world_size=2)
+    assert cfg.data_parallel_size == 2 and cfg.model.vocab_size is None  # the files are read where they are
+    assert not hasattr(cfg, "resolve") and not hasattr(cfg, "finalize") and not hasattr(schema, "load_yaml_file")
+    with pytest.raises(ConfigError, match="tokenizer"):
+        ConfigContainer.from_dict(data).finalize(world_size=2, environ={}, check_paths=False)
 
 
 def test_train_iters_from_samples():

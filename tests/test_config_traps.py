@@ -130,10 +130,10 @@ def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp
     from kubetron.training.state import GlobalState
 
     store = open_store(str(tmp_path))
-    store.append_line("progress.txt", progress.starting_job_line(iteration=0, train_iters=10, num_gpus=2))
+    store.append_line("progress.txt", progress.starting_job_line(iteration=0, train_iters=10, num_gpus=2, job_id=""))
     store.append_line("progress.txt", progress.saved_checkpoint_line(
         iteration=5, job_throughput_tflops=1.0, cumulative_throughput_tflops=1.0, flops_so_far=1e15,
-        tokens_so_far=100, train_iters=10, num_gpus=2, async_save=False))
+        tokens_so_far=100, train_iters=10, num_gpus=2, async_save=False, job_id=""))
     cfg = in_process_config()
     state = GlobalState(cfg=cfg, world_size=1)
     state.train_state.floating_point_operations_so_far = 1e15

@@ -153,7 +153,7 @@ def test_a_config_error_is_not_restarted_in_place(tmp_path):
 ENDS_FOR_GOOD = """
 import datetime, sys
 import torch.distributed as dist
-from kubetron.contract.termination import write_termination_message
+from kubetron.termination_log import write_termination_message
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 if dist.get_rank() == 1:  # a rank-specific end no restart cures

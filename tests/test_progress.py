@@ -1,10 +1,10 @@
-"""kubetron.contract.progress (the progress-log format, shared by trainer and operator) and the status endpoint."""
+"""kubetron.contract.progress (the progress-log format, shared by trainer and operator), the trainer's
+kubetron.progress_io (reading a store's log, `kubetron progress`) and the status endpoint."""
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import sys
 import types
 import urllib.error
@@ -12,19 +12,21 @@ import urllib.request
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from kubetron.contract import progress
+from kubetron import progress_io
 from kubetron.contract.progress import (
+    PROGRESS_FILE,
     ProgressEvent,
     exiting_job_line,
     format_line,
     get_start_time_from_progress_log,
+    last_checkpoint_flops,
     parse_progress,
-    read_progress_text,
     saved_checkpoint_line,
     starting_job_line,
-    summarize,
     summarize_events,
 )
+from kubetron.contract.termination import MESSAGE_LIMIT
+from kubetron.progress_io import read_progress_text, summarize
 from kubetron.training.status_server import StatusServer, status_server_from_env
 
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
@@ -61,21 +63,22 @@ def test_saved_checkpoint_line_matches_contract_example():
         "Job throughput: 0.1 TFLOP/s/GPU\tCumulative throughput: 0.1 TFLOP/s/GPU\t"
         "Floating-point operations: 1.23e+12\tTokens (in billions): 0.00\tTokens: 20480\tTrain iters: 40"
     )
-    async_line = saved_checkpoint_line(12, 0.1, 0.1, 1.5e12, 24576, 40, async_save=True, num_gpus=2, now=T0)
+    async_line = saved_checkpoint_line(12, 0.1, 0.1, 1.5e12, 24576, 40, async_save=True, num_gpus=2, job_id="",
+                                       now=T0)
     assert "\tSaved async checkpoint\tIteration: 12\t" in async_line
 
 
 def test_exiting_job_line_and_job_id_from_env(monkeypatch):
     monkeypatch.setenv("KUBETRON_JOB_ID", "ns/job/3")
-    assert progress.job_id() == "ns/job/3"
-    line = exiting_job_line(12, "SavedOnSignal", 40, num_gpus=2, now=at(0, 12))
+    assert progress_io.job_id() == "ns/job/3"
+    line = exiting_job_line(12, "SavedOnSignal", 40, num_gpus=2, job_id=progress_io.job_id(), now=at(0, 12))
     assert line == (
         "2026-11-22 12:00:12\tJob ID: ns/job/3\t# GPUs: 2\tExiting job\tIteration: 12\t"
         "Reason: SavedOnSignal\tTrain iters: 40"
     )
     monkeypatch.delenv("KUBETRON_JOB_ID")
-    assert progress.job_id() == ""
-    assert "\tJob ID: \t# GPUs: 2\t" in starting_job_line(0, 40, num_gpus=2, now=T0)
+    assert progress_io.job_id() == ""
+    assert "\tJob ID: \t# GPUs: 2\t" in starting_job_line(0, 40, num_gpus=2, job_id=progress_io.job_id(), now=T0)
 
 
 def test_format_uses_utc_and_sanitizes_tabs():
@@ -298,7 +301,7 @@ def test_get_start_time_same_gpus_continues():
     assert flops == pytest.approx(1.5e12)  # the async checkpoint of job 1 counts
     # 2 GPUs: the 4-GPU lines that followed broke the run.
     assert get_start_time_from_progress_log(text, 2) == (None, 0.0)
-    assert progress.last_checkpoint_flops(text) == pytest.approx(5.0e12)
+    assert last_checkpoint_flops(text) == pytest.approx(5.0e12)
 
 
 def test_get_start_time_resets_on_gpu_change_and_back():
@@ -382,17 +385,12 @@ def test_read_with_store_and_s3(monkeypatch):
 
 def test_cli_main(tmp_path, capsys):
     (tmp_path / "progress.txt").write_text(multi_job_log())
-    assert progress.main([str(tmp_path)]) == 0
+    assert progress_io.main([str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["lastCheckpoint"]["iteration"] == 40 and "events" in out
-    assert progress.main(["--no-events", str(tmp_path)]) == 0
+    assert progress_io.main(["--no-events", str(tmp_path)]) == 0
     assert "events" not in json.loads(capsys.readouterr().out)
-    assert progress.main([]) == 2
-
-
-def test_import_does_not_pull_torch():
-    code = "import sys, kubetron.contract.progress; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert progress_io.main([]) == 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -508,18 +506,16 @@ def test_status_server_from_env(monkeypatch):
 
 def test_progress_command_writes_its_summary_as_a_termination_message(tmp_path, capsys):
     """The operator's PVC progress-reader pod reports through /dev/termination-log (no pods/log)."""
-    from kubetron.contract import progress
-
     store = tmp_path / "store"
     store.mkdir()
-    (store / progress.PROGRESS_FILE).write_text(
-        progress.saved_checkpoint_line(20, 1.0, 1.0, 1e12, 2048, 40, num_gpus=1, job_id="ml/gpt/1") + "\n")
+    (store / PROGRESS_FILE).write_text(
+        saved_checkpoint_line(20, 1.0, 1.0, 1e12, 2048, 40, num_gpus=1, job_id="ml/gpt/1") + "\n")
     message = tmp_path / "termination-log"
-    assert progress.main(["--no-events", "--termination-log", str(message), str(store)]) == 0
+    assert progress_io.main(["--no-events", "--termination-log", str(message), str(store)]) == 0
     (line,) = message.read_text().splitlines()
     assert json.loads(line)["lastCheckpoint"]["iteration"] == 20
-    assert len(line.encode()) <= progress.TERMINATION_MESSAGE_LIMIT
-    assert progress.main(["--termination-log"]) == 2
+    assert len(line.encode()) <= MESSAGE_LIMIT
+    assert progress_io.main(["--termination-log"]) == 2
     assert "usage" in capsys.readouterr().err
 
 

@@ -385,7 +385,7 @@ def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
         "containers": [{
             "name": READER_CONTAINER,
             "image": job.spec.image,
-            "command": [PYTHON, "-m", "kubetron.contract.progress", "--no-events", "--termination-log", TERMINATION_LOG,
+            "command": [PYTHON, "-m", "kubetron.progress_io", "--no-events", "--termination-log", TERMINATION_LOG,
                         job.store],
             "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "FallbackToLogsOnError",  # a crash's last lines, read by the kubelet

@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from kubetron.contract.progress import ProgressSummary
 
 from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
@@ -202,10 +203,10 @@ class Deps:
 
     kube: Kube
     interval: float = 5.0  # seconds between live-progress reads of a running job
-    read_progress: Callable[[Job, Kube], dict[str, Any] | None] = read_s3_progress
+    read_progress: Callable[[Job, Kube], ProgressSummary | None] = read_s3_progress
     fetch_live: live.Fetch = live.http_fetch
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
-    last_progress: dict[str, tuple[datetime, dict[str, Any] | None]] = dataclasses.field(default_factory=dict)
+    last_progress: dict[str, tuple[datetime, ProgressSummary | None]] = dataclasses.field(default_factory=dict)
     view: View = dataclasses.field(default_factory=View)
     # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
     executor: ThreadPoolExecutor = dataclasses.field(
@@ -531,7 +532,7 @@ def termination_text(pod: dict[str, Any]) -> str:
     return ""
 
 
-def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: datetime) -> dict | None:
+def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: datetime) -> ProgressSummary | None:
     """The S3 progress log: read whenever an attempt ends or starts, else at most every 30 s."""
     key = f"{job.namespace}/{job.name}"
     cached = deps.last_progress.get(key)

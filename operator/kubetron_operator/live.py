@@ -12,6 +12,8 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kubetron.contract.live import LiveStatus, parse_live_status
+
 from kubetron_operator.decide import PodView
 
 Fetch = Callable[[str], dict[str, Any]]
@@ -35,12 +37,12 @@ def status_url(pods: Iterable[PodView], attempt: int, port: int) -> str | None:
     return None
 
 
-def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = http_fetch) -> dict[str, Any] | None:
-    """The endpoint's JSON, or None when there is no running rank 0 or it does not answer (yet)."""
+def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = http_fetch) -> LiveStatus | None:
+    """The endpoint's payload, or None when there is no running rank 0 or it does not answer (yet)."""
     url = status_url(pods, attempt, port)
     if url is None:
         return None
     try:
-        return fetch(url)
+        return parse_live_status(fetch(url))
     except (OSError, ValueError, TypeError):
         return None  # not listening yet (model still loading) or going away: the log covers it

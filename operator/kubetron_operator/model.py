@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
-from kubetron.config import ConfigContainer, apply_overrides
+from kubetron.contract.config import ConfigContainer, apply_overrides
 from kubetron.contract.errors import ConfigError
 
 GROUP = "kubetron.dev"
@@ -311,7 +311,7 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
     and derive it for this world size: what the trainer's command line (build.trainer_args) will load.
 
     Why here: a config the trainer would reject (exit 2) must fail the job before a single GPU pod is
-    scheduled. kubetron.config needs only pydantic and yaml (no torch), so the operator can afford it.
+    scheduled. kubetron.contract.config needs only pydantic and yaml (no torch), so the operator can afford it.
     Only the pure part (ConfigContainer.derive: schema, types, cross-field and world-size arithmetic):
     what reads the pod's files, S3 or environment (tokenizer files, data and checkpoint paths, KUBETRON_*
     defaults) is checked by the trainer at start (ConfigContainer.resolve), where those exist.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kubetron.contract.progress import PROGRESS_FILE, parse_progress, summarize_events
+from kubetron.contract.progress import PROGRESS_FILE, ProgressSummary, parse_progress, summarize_events
 
 from kubetron_operator.api_calls import Kube
 from kubetron_operator.model import Job, S3Storage
@@ -26,7 +26,7 @@ def s3_key(job: Job) -> tuple[str, str]:
     return bucket, f"{prefix}/{PROGRESS_FILE}" if prefix else PROGRESS_FILE
 
 
-def read_s3_progress(job: Job, kube: Kube, client_factory: Any = None) -> dict[str, Any] | None:
+def read_s3_progress(job: Job, kube: Kube, client_factory: Any = None) -> ProgressSummary | None:
     """summarize_events() of the job's progress log; {} summary when there is none yet; None on errors."""
     storage = job.spec.storage
     if not isinstance(storage, S3Storage):

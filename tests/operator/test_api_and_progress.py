@@ -133,7 +133,9 @@ def test_live_status_from_rank0_only():
         seen.append(url)
         return {"iteration": 5}
 
-    assert live.read_live(pods, 2, 8080, fetch) == {"iteration": 5}
+    status = live.read_live(pods, 2, 8080, fetch)
+    assert status is not None and status["iteration"] == 5
+    assert status["lastCheckpoint"] is None and status["inPlaceRestarts"] == 0  # not said: unknown
     assert seen == ["http://10.0.0.1:8080/status"]
     assert live.read_live(pods, 2, 0, fetch) is None  # endpoint off
 
@@ -158,3 +160,27 @@ def test_transient_creation_errors_back_off_exponentially_to_a_cap():
     assert status["phase"] == "Pending" and action.events[0].type == "Warning"
     failed = create_failed(Observed(now=now, status={"attempt": 2}), "CreateFailed", "HTTP 422: bad", False)
     assert failed.phase == "Failed" and failed.status["reason"] == "CreateFailed"
+
+
+def test_live_status_reads_what_rank_0_serves():
+    """The trainer's status endpoint and the operator's reader share one payload (kubetron.contract.live)."""
+    from kubetron.training.status_server import StatusServer
+
+    with StatusServer(0, host="127.0.0.1") as server:
+        server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5, etaSeconds=30.2,
+                      loss=2.31, learningRate=3e-4, tflopsPerGpu=float("nan"),
+                      lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
+        pod = PodView(name="gpt-1-0", attempt=1, rank=0, phase="Running", ip="127.0.0.1")
+        assert live.read_live([pod], 1, server.port) == server.snapshot()
+        assert server.snapshot()["tflopsPerGpu"] is None and server.snapshot()["loss"] == 2.31
+
+
+def test_live_status_of_the_wrong_type_reads_as_unknown():
+    odd = {"iteration": "12", "trainIters": 40.0, "loss": True, "etaSeconds": "soon", "inPlaceRestarts": None,
+           "lastCheckpoint": {"iteration": "x", "time": "2026-11-22T12:00:09Z"}, "futureKey": 1}
+    pod = PodView(name="gpt-1-0", attempt=1, rank=0, phase="Running", ip="10.0.0.1")
+    status = live.read_live([pod], 1, 8080, lambda url: odd)
+    assert status is not None and "futureKey" not in status
+    assert (status["iteration"], status["trainIters"], status["loss"], status["etaSeconds"]) == (None, 40, None, None)
+    assert status["lastCheckpoint"] is None and status["inPlaceRestarts"] == 0
+    assert live.read_live([pod], 1, 8080, lambda url: [1, 2]) is None  # not an object

@@ -238,7 +238,7 @@ def test_reader_pod_mounts_claim_read_only():
     pod = build_reader_pod(Job.from_body(PVC_JOB), 3)
     assert pod["metadata"]["name"] == "gpt-3-progress"
     c = pod["spec"]["containers"][0]
-    assert c["command"][-1] == "/ckpt/gpt" and "kubetron.contract.progress" in c["command"]
+    assert c["command"][-1] == "/ckpt/gpt" and "kubetron.progress_io" in c["command"]
     assert {"name": "store", "mountPath": "/ckpt", "readOnly": True} in c["volumeMounts"]
     assert pod["spec"]["restartPolicy"] == "Never"
 

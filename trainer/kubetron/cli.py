@@ -65,7 +65,7 @@ def _report(field_and_message: str, termination_log: str | None = None) -> int:
     # pod log must not interleave as "...reference`)kubetron: error: ...".
     sys.stderr.write(f"{PROG}: error: {line}\n")
     sys.stderr.flush()
-    from kubetron.contract.termination import write_termination_message
+    from kubetron.termination_log import write_termination_message
 
     write_termination_message({"exitCode": exitcodes.CONFIG_ERROR, "reason": exitcodes.NAMES[exitcodes.CONFIG_ERROR],
                                "message": line}, termination_log)
@@ -119,7 +119,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_progress(args: argparse.Namespace) -> int:
-    from kubetron.contract.progress import summarize
+    from kubetron.progress_io import summarize
 
     summary = summarize(args.store)
     print(json.dumps(summary, indent=None if args.json else 2, sort_keys=False))

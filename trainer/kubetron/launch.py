@@ -36,7 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kubetron.contract import exitcodes
-from kubetron.contract.termination import DEFAULT_TERMINATION_LOG, write_termination_message
+from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
+from kubetron.termination_log import write_termination_message
 from kubetron.torchrun import FAILURES_FILE, describe_failure
 from kubetron.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
 

@@ -1,7 +1,8 @@
 """The progress log (`<store>/progress.txt`): one definition of its format, for both halves.
 
 The trainer appends lines with `format_line` and the helpers for the standard events; the operator
-(and `kubetron progress STORE`) reads them back with `parse_progress` / `summarize_events`.
+(and `kubetron progress STORE`) reads them back with `parse_progress` / `summarize_events`. Reading a
+store, and the job id and restart count a pod's environment holds, are the trainer's (kubetron.progress).
 The format is Megatron's tab-separated one (docs/CONTRACT.md):
 
     time \\t Job ID: <id> \\t # GPUs: <n> \\t <event> [\\t Key: value ...]
@@ -9,24 +10,21 @@ The format is Megatron's tab-separated one (docs/CONTRACT.md):
 with `time` as `%Y-%m-%d %H:%M:%S` in UTC. Parsing is tolerant: blank or garbled lines, unknown
 events and unknown keys are ignored, so a log torn by a crash mid-write still reads.
 
-This module must stay dependency-free (standard library only, and never torch): the operator image
-imports it without the trainer's dependencies. `kubetron.storage` is imported lazily, only to read
-an `s3://` store.
+Standard library only, no I/O: the operator image imports it without the trainer's dependencies.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NotRequired, TypedDict
+
+from kubetron.contract.times import stamp
 
 PROGRESS_FILE = "progress.txt"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
-JOB_ID_ENV = "KUBETRON_JOB_ID"
+JOB_ID_ENV = "KUBETRON_JOB_ID"  # the pod's job id, <namespace>/<job>/<attempt>: every line's
 
 STARTING_JOB = "Starting job"
 SAVED_CHECKPOINT = "Saved checkpoint"
@@ -34,7 +32,7 @@ SAVED_ASYNC_CHECKPOINT = "Saved async checkpoint"
 EXITING_JOB = "Exiting job"
 RESTARTED_IN_PLACE = "Restarted in place"  # before the "Starting job" of a gang restarted inside its pods
 IN_PLACE_RESTARTS_KEY = "In-place restarts"  # its count within the attempt (docs/recovery.md)
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's, in every rank's environment
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's, in every rank's environment: the count
 CHECKPOINT_EVENTS = frozenset({SAVED_CHECKPOINT, SAVED_ASYNC_CHECKPOINT})
 
 _JOB_ID_PREFIX = "Job ID:"
@@ -43,11 +41,6 @@ _GPUS_PREFIX = "# GPUs:"
 
 # --------------------------------------------------------------------------------------------------
 # Writing
-
-
-def job_id() -> str:
-    """The job id written into every line: env `KUBETRON_JOB_ID` (`<namespace>/<job>/<attempt>`) or ""."""
-    return os.environ.get(JOB_ID_ENV, "")
 
 
 def _clean(value: object) -> str:
@@ -82,22 +75,18 @@ def format_line(
     return "\t".join(parts)
 
 
-def _job_id_or_env(value: str | None) -> str:
-    return job_id() if value is None else value
-
-
 def starting_job_line(
     iteration: int,
     train_iters: int,
     *,
     num_gpus: int,
-    job_id: str | None = None,
+    job_id: str,
     now: datetime | None = None,
 ) -> str:
     """`Starting job  Iteration: <it>  Train iters: <n>` (iteration = the one resumed from, 0 if fresh)."""
     return format_line(
         STARTING_JOB,
-        job_id=_job_id_or_env(job_id),
+        job_id=job_id,
         num_gpus=num_gpus,
         fields={"Iteration": int(iteration), "Train iters": int(train_iters)},
         now=now,
@@ -110,22 +99,17 @@ def restarted_in_place_line(
     train_iters: int,
     *,
     num_gpus: int,
-    job_id: str | None = None,
+    job_id: str,
     now: datetime | None = None,
 ) -> str:
     """`Restarted in place  Iteration: <resumed from>  In-place restarts: <n in this attempt>  Train iters: <n>`."""
     return format_line(
         RESTARTED_IN_PLACE,
-        job_id=_job_id_or_env(job_id),
+        job_id=job_id,
         num_gpus=num_gpus,
         fields={"Iteration": int(iteration), IN_PLACE_RESTARTS_KEY: int(restarts), "Train iters": int(train_iters)},
         now=now,
     )
-
-
-def in_place_restarts() -> int:
-    """How often torchrun has restarted this process's gang inside its pods, this attempt (0 outside torchrun)."""
-    return _as_int(os.environ.get(RESTART_COUNT_ENV)) or 0
 
 
 def saved_checkpoint_line(
@@ -138,7 +122,7 @@ def saved_checkpoint_line(
     async_save: bool = False,
     *,
     num_gpus: int,
-    job_id: str | None = None,
+    job_id: str,
     now: datetime | None = None,
 ) -> str:
     """`Saved checkpoint` (or `Saved async checkpoint`) with throughputs, FLOPs and tokens so far.
@@ -147,7 +131,7 @@ def saved_checkpoint_line(
     """
     return format_line(
         SAVED_ASYNC_CHECKPOINT if async_save else SAVED_CHECKPOINT,
-        job_id=_job_id_or_env(job_id),
+        job_id=job_id,
         num_gpus=num_gpus,
         fields={
             "Iteration": int(iteration),
@@ -168,13 +152,13 @@ def exiting_job_line(
     train_iters: int,
     *,
     num_gpus: int,
-    job_id: str | None = None,
+    job_id: str,
     now: datetime | None = None,
 ) -> str:
     """`Exiting job  Iteration: <it>  Reason: <exitcodes.NAMES[code]>  Train iters: <n>`."""
     return format_line(
         EXITING_JOB,
-        job_id=_job_id_or_env(job_id),
+        job_id=job_id,
         num_gpus=num_gpus,
         fields={"Iteration": int(iteration), "Reason": reason, "Train iters": int(train_iters)},
         now=now,
@@ -197,11 +181,11 @@ class ProgressEvent:
 
     @property
     def iteration(self) -> int | None:
-        return _as_int(self.fields.get("Iteration"))
+        return as_int(self.fields.get("Iteration"))
 
     @property
     def train_iters(self) -> int | None:
-        return _as_int(self.fields.get("Train iters"))
+        return as_int(self.fields.get("Train iters"))
 
     @property
     def is_checkpoint(self) -> bool:
@@ -209,7 +193,7 @@ class ProgressEvent:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "time": iso_z(self.time),
+            "time": stamp(self.time),
             "jobId": self.job_id,
             "gpus": self.num_gpus,
             "event": self.event,
@@ -217,14 +201,41 @@ class ProgressEvent:
         }
 
 
-def iso_z(when: datetime) -> str:
-    """ISO-8601 UTC with a `Z`: `2026-11-22T12:00:09Z`."""
-    if when.tzinfo is not None and when.tzinfo is not UTC:
-        when = when.astimezone(UTC)
-    return f"{when.year:04d}-{when.month:02d}-{when.day:02d}T{when.hour:02d}:{when.minute:02d}:{when.second:02d}Z"
+class CheckpointRef(TypedDict):
+    """A durable checkpoint as the progress summary and the status endpoint name it."""
+
+    iteration: int
+    time: str | None  # contract.times.stamp()
 
 
-def _as_int(text: str | None) -> int | None:
+class LastExit(TypedDict):
+    iteration: int | None
+    reason: str | None  # exitcodes.NAMES[code]
+    time: str
+
+
+class ProgressSummary(TypedDict):
+    """What `summarize_events` returns (see there), the progress-reader pod prints and the operator reads."""
+
+    lastCheckpoint: CheckpointRef | None
+    trainIters: int | None
+    iteration: int | None
+    jobIterations: dict[str, int]
+    tokens: int | None
+    floatingPointOperations: float | None
+    jobThroughput: float | None
+    cumulativeThroughput: float | None
+    jobs: int
+    startTime: str | None
+    completed: bool
+    lastExit: LastExit | None
+    inPlaceRestarts: dict[str, int]
+    events: NotRequired[list[dict[str, Any]]]  # left out by `--no-events` and the operator's S3 read
+    store: NotRequired[str]  # `kubetron progress STORE`'s location
+
+
+def as_int(text: str | None) -> int | None:
+    """An integer field's value ("12", or a whole float such as "1.00e+03"); None for anything else."""
     if text is None:
         return None
     text = text.strip()
@@ -320,14 +331,14 @@ def parse_progress(text: str) -> list[ProgressEvent]:
 
 
 def _checkpoint_tokens(ev: ProgressEvent) -> int | None:
-    exact = _as_int(ev.fields.get("Tokens"))
+    exact = as_int(ev.fields.get("Tokens"))
     if exact is not None:
         return exact
     billions = _as_float(ev.fields.get("Tokens (in billions)"))  # Megatron's own lines have only this
     return None if billions is None else round(billions * 10**9)
 
 
-def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
+def summarize_events(events: list[ProgressEvent]) -> ProgressSummary:
     """A JSON-ready summary of a parsed log (what the operator and `kubetron progress` report).
 
     Keys: lastCheckpoint ({iteration, time} of the last Saved [async] checkpoint, or None), trainIters
@@ -371,7 +382,7 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
             last_exit = ev
             exit_since_start = ev
         elif ev.event == RESTARTED_IN_PLACE:
-            count = _as_int(ev.fields.get(IN_PLACE_RESTARTS_KEY)) or 0
+            count = as_int(ev.fields.get(IN_PLACE_RESTARTS_KEY)) or 0
             in_place[ev.job_id] = max(in_place.get(ev.job_id, 0), count)
 
     completed = False
@@ -383,9 +394,10 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
             completed = True
 
     ckpt_fields = last_ckpt.fields if last_ckpt is not None else {}
+    ckpt_it = last_ckpt.iteration if last_ckpt is not None else None  # set only with an iteration
     return {
         "lastCheckpoint": (
-            {"iteration": last_ckpt.iteration, "time": iso_z(last_ckpt.time)} if last_ckpt else None
+            {"iteration": ckpt_it, "time": stamp(last_ckpt.time)} if last_ckpt and ckpt_it is not None else None
         ),
         "trainIters": train_iters,
         "iteration": iteration,
@@ -395,13 +407,13 @@ def summarize_events(events: list[ProgressEvent]) -> dict[str, Any]:
         "jobThroughput": _as_float(ckpt_fields.get("Job throughput")),
         "cumulativeThroughput": _as_float(ckpt_fields.get("Cumulative throughput")),
         "jobs": jobs,
-        "startTime": iso_z(start_time) if start_time else None,
+        "startTime": stamp(start_time) if start_time else None,
         "completed": completed,
         "lastExit": (
             {
                 "iteration": last_exit.iteration,
                 "reason": last_exit.fields.get("Reason"),
-                "time": iso_z(last_exit.time),
+                "time": stamp(last_exit.time),
             }
             if last_exit
             else None
@@ -451,111 +463,3 @@ def last_checkpoint_flops(text: str) -> float:
             if flops is not None:
                 latest = flops
     return latest
-
-
-# --------------------------------------------------------------------------------------------------
-# I/O
-
-
-def _split_location(location: str) -> tuple[str, str]:
-    """(store root, key) for a store location or a location naming progress.txt itself."""
-    stripped = location.rstrip("/")
-    if stripped.rsplit("/", 1)[-1] == PROGRESS_FILE:
-        return stripped[: -len(PROGRESS_FILE)].rstrip("/"), PROGRESS_FILE
-    return location, PROGRESS_FILE
-
-
-def _open_store(url: str):
-    try:
-        from kubetron.storage import open_store
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise RuntimeError(
-            f"cannot read {url}: kubetron.storage is not importable ({exc}); "
-            "reading an s3:// store needs the operator or trainer extras (boto3)"
-        ) from exc
-    return open_store(url)
-
-
-def _decode(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")
-
-
-def read_progress_text(location: str, store=None) -> str:
-    """The text of `<location>/progress.txt` ("" when there is none yet).
-
-    `location` is a local directory, an `s3://bucket/prefix` store, or either naming progress.txt itself.
-    With `store` (an object from `kubetron.storage.open_store`) the file is read from it instead.
-    """
-    if store is not None:
-        key = PROGRESS_FILE
-        if not store.exists(key):
-            return ""
-        return _decode(store.read_bytes(key))
-    if location.startswith("s3://"):
-        root, key = _split_location(location)
-        opened = _open_store(root)
-        if not opened.exists(key):
-            return ""
-        return _decode(opened.read_bytes(key))
-    path = location
-    if location.startswith("file://"):
-        path = location[len("file://") :]
-    if not os.path.isfile(path):
-        path = os.path.join(path, PROGRESS_FILE)
-    try:
-        with open(path, "rb") as f:
-            return _decode(f.read())
-    except (FileNotFoundError, NotADirectoryError):
-        return ""
-
-
-def summarize(location: str) -> dict[str, Any]:
-    """`summarize_events` of the store's progress log, plus `"store": location`."""
-    summary = summarize_events(parse_progress(read_progress_text(location)))
-    summary["store"] = location
-    return summary
-
-
-TERMINATION_MESSAGE_LIMIT = 4096  # bytes Kubernetes keeps of a termination message
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`kubetron progress STORE` (also `python -m kubetron.contract.progress STORE`): print the summary as JSON.
-
-    `--termination-log PATH` also writes it, compact, to PATH: the operator's progress-reader pod reports
-    through its termination message, so the operator needs no pods/log access.
-    """
-    args = sys.argv[1:] if argv is None else list(argv)
-    brief = False
-    if "--no-events" in args:
-        args.remove("--no-events")
-        brief = True
-    termination_log = None
-    if "--termination-log" in args:
-        i = args.index("--termination-log")
-        termination_log = args[i + 1] if i + 1 < len(args) else ""
-        del args[i:i + 2]
-    if len(args) != 1 or termination_log == "":
-        print("usage: kubetron progress [--no-events] [--termination-log PATH] STORE", file=sys.stderr)
-        return 2
-    summary = summarize(args[0])
-    if brief:
-        summary.pop("events", None)
-    print(json.dumps(summary, indent=2))
-    if termination_log:
-        _write_termination_log(termination_log, summary)
-    return 0
-
-
-def _write_termination_log(path: str, summary: dict[str, Any]) -> None:
-    """One JSON line that fits Kubernetes' limit: the whole summary, else the fields a resume needs."""
-    text = json.dumps(summary, separators=(",", ":"))
-    if len(text.encode()) > TERMINATION_MESSAGE_LIMIT:
-        keep = ("lastCheckpoint", "iteration", "trainIters", "completed")
-        text = json.dumps({k: summary.get(k) for k in keep}, separators=(",", ":"))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

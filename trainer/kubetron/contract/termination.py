@@ -1,13 +1,11 @@
 """The pod's termination message (docs/CONTRACT.md): one line of JSON, at most 4 KiB.
 
-Used by the CLI (config errors) and the training loop (every exit). Never raises: a failure to
-write the message must not change how the process exits.
+Its shape, its encoding and its parser; the trainer writes it (kubetron.termination_log).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import TypedDict
 
@@ -24,7 +22,7 @@ class TerminationMessage(TypedDict, total=False):
     message: str
     iteration: int | None
     trainIters: int | None
-    lastCheckpoint: dict | None  # the newest durable checkpoint's marker fields (iteration, path, time)
+    lastCheckpoint: int | None  # the newest durable checkpoint's iteration this process knows of
 
 
 def parse_termination_message(text: str) -> TerminationMessage | None:
@@ -36,18 +34,6 @@ def parse_termination_message(text: str) -> TerminationMessage | None:
             continue
         if isinstance(data, dict) and isinstance(data.get("exitCode"), int):
             return data  # type: ignore[return-value]  # the keys beyond exitCode are read with .get
-    return None
-
-
-def termination_log_path(path: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
-    """`path` if given, else env KUBETRON_TERMINATION_LOG, else /dev/termination-log when writable."""
-    if path:
-        return path
-    env = os.environ if environ is None else environ
-    if env.get(ENV_VAR):
-        return env[ENV_VAR]
-    if os.path.exists(DEFAULT_TERMINATION_LOG) and os.access(DEFAULT_TERMINATION_LOG, os.W_OK):
-        return DEFAULT_TERMINATION_LOG
     return None
 
 
@@ -84,20 +70,3 @@ def encode_termination_message(payload: Mapping, limit: int = MESSAGE_LIMIT) -> 
         small["message"] = small["message"][: len(small["message"]) // 2]
         out = enc(small)
     return out[:limit]
-
-
-def write_termination_message(payload: dict, path: str | None = None) -> bool:
-    """Write `payload` as the termination message (see `termination_log_path`); True if written.
-
-    Never raises. The file is replaced, not appended to: the kubelet reports its whole content.
-    """
-    try:
-        target = termination_log_path(path)
-        if not target:
-            return False
-        data = encode_termination_message(payload)
-        with open(target, "wb") as fh:
-            fh.write(data)
-        return True
-    except Exception:  # noqa: BLE001 - by contract this never fails the caller
-        return False

@@ -16,9 +16,10 @@ def stamp(when: datetime | None = None) -> str:
     """`when` (default: now) as `YYYY-MM-DDTHH:MM:SSZ`; a naive datetime is taken to be UTC already."""
     if when is None:
         when = datetime.now(UTC)
-    elif when.tzinfo is not None:
+    elif when.tzinfo is not None and when.tzinfo is not UTC:
         when = when.astimezone(UTC)
-    return when.strftime(STAMP_FORMAT)
+    # by hand, not strftime: a progress summary stamps every line of the log
+    return f"{when.year:04d}-{when.month:02d}-{when.day:02d}T{when.hour:02d}:{when.minute:02d}:{when.second:02d}Z"
 
 
 def parse_stamp(text: Any) -> datetime | None:

@@ -31,6 +31,7 @@ import yaml
 
 from kubetron.contract import progress as progress_log
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.progress_io import in_place_restarts, job_id
 from kubetron.storage import open_store
 from kubetron.training import comm, dist_ckpt, peft, sharded, sharding
 
@@ -228,24 +229,25 @@ class ProgressLog:
     def start(self):
         if self.enabled:
             self._start_flops = self.state.train_state.floating_point_operations_so_far
-            if progress_log.in_place_restarts():
+            if in_place_restarts():
                 self.store.append_line("progress.txt", progress_log.restarted_in_place_line(
-                    iteration=self.state.train_state.step, restarts=progress_log.in_place_restarts(),
-                    train_iters=self.cfg.train.train_iters, num_gpus=self.state.world_size))
+                    iteration=self.state.train_state.step, restarts=in_place_restarts(),
+                    train_iters=self.cfg.train.train_iters, num_gpus=self.state.world_size, job_id=job_id()))
             self.store.append_line("progress.txt", progress_log.starting_job_line(
                 iteration=self.state.train_state.step, train_iters=self.cfg.train.train_iters,
-                num_gpus=self.state.world_size))
+                num_gpus=self.state.world_size, job_id=job_id()))
             self._job_start_time, self._job_start_flops = self._job_start()
 
     def exit(self, reason: str):
         if self.enabled:
             self.store.append_line("progress.txt", progress_log.exiting_job_line(
                 iteration=self.state.train_state.step, reason=reason, train_iters=self.cfg.train.train_iters,
-                num_gpus=self.state.world_size))
+                num_gpus=self.state.world_size, job_id=job_id()))
 
     def saved(self, fields: dict, *, async_save: bool):
         if self.enabled:
-            self.store.append_line("progress.txt", progress_log.saved_checkpoint_line(**fields, async_save=async_save))
+            line = progress_log.saved_checkpoint_line(**fields, async_save=async_save, job_id=job_id())
+            self.store.append_line("progress.txt", line)
 
     def fields(self, iteration: int) -> dict:
         """Throughput and counters for a "Saved checkpoint" line, taken when the snapshot is."""

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
-from kubetron.contract.termination import write_termination_message
 from kubetron.startup import CLOCK
+from kubetron.termination_log import write_termination_message
 from kubetron.training.state import GlobalState, SignalHandler, Timers
 
 log = logging.getLogger("kubetron")

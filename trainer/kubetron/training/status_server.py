@@ -16,29 +16,16 @@ import os
 import sys
 import threading
 import time
-from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from kubetron.contract.progress import in_place_restarts
+from kubetron.contract.live import LiveStatus, jsonable, new_live_status
+from kubetron.contract.times import parse_stamp
+from kubetron.progress_io import in_place_restarts
 
 logger = logging.getLogger(__name__)
 
 STATUS_PORT_ENV = "KUBETRON_STATUS_PORT"
-
-STATUS_KEYS = (
-    "iteration",
-    "trainIters",
-    "consumedSamples",
-    "tokensPerSecond",
-    "etaSeconds",
-    "lastCheckpoint",
-    "loss",
-    "learningRate",
-    "tflopsPerGpu",
-    "inPlaceRestarts",
-)
-"""The keys `GET /status` always carries (null until known; inPlaceRestarts: this attempt's, from the start)."""
 
 METRICS = (  # (name, status key, help): gauges of GET /metrics
     ("kubetron_trainer_iteration", "iteration", "Last completed training iteration."),
@@ -53,7 +40,7 @@ METRICS = (  # (name, status key, help): gauges of GET /metrics
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def metrics_text(status: dict[str, Any], now: float | None = None) -> str:
+def metrics_text(status: LiveStatus, now: float | None = None) -> str:
     """The status as Prometheus gauges; unknown values are left out (absent, not 0). The checkpoint's age is
     computed at scrape time, so it grows while no checkpoint is written."""
     lines: list[str] = []
@@ -64,36 +51,15 @@ def metrics_text(status: dict[str, Any], now: float | None = None) -> str:
 
     for name, key, help_text in METRICS:
         gauge(name, status.get(key), help_text)
-    ckpt = status.get("lastCheckpoint") or {}
-    gauge("kubetron_trainer_last_checkpoint_iteration", ckpt.get("iteration"),
-          "Iteration of the last durable checkpoint.")
-    try:
-        saved = datetime.fromisoformat(str(ckpt.get("time")).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        saved = None
+    ckpt = status.get("lastCheckpoint")
+    saved = parse_stamp(ckpt.get("time")) if ckpt else None
+    if ckpt:
+        gauge("kubetron_trainer_last_checkpoint_iteration", ckpt.get("iteration"),
+              "Iteration of the last durable checkpoint.")
     if saved is not None:
-        gauge("kubetron_trainer_last_checkpoint_age_seconds", (time.time() if now is None else now) - saved,
+        gauge("kubetron_trainer_last_checkpoint_age_seconds", (time.time() if now is None else now) - saved.timestamp(),
               "Seconds since the last durable checkpoint was written.")
     return "\n".join(lines) + "\n"
-
-
-def _jsonable(value: Any) -> Any:
-    """NaN/Inf become null (they are not JSON); containers are copied; other objects become strings."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    item = getattr(value, "item", None)  # numpy / torch scalars
-    if callable(item):
-        try:
-            return _jsonable(item())
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    return str(value)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -145,8 +111,7 @@ class StatusServer:
 
     def __init__(self, port: int, host: str = "0.0.0.0"):
         self._lock = threading.Lock()
-        self._status: dict[str, Any] = {key: None for key in STATUS_KEYS}
-        self._status["inPlaceRestarts"] = in_place_restarts()  # docs/recovery.md
+        self._status: LiveStatus = new_live_status(in_place_restarts())  # docs/recovery.md
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self.host = host
@@ -182,13 +147,13 @@ class StatusServer:
 
     def update(self, **fields: Any) -> None:
         """Merge `fields` into the status (thread-safe). Values must be JSON-able; NaN/Inf become null."""
-        clean = {key: _jsonable(value) for key, value in fields.items()}
+        clean = {key: jsonable(value) for key, value in fields.items()}
         with self._lock:
-            self._status.update(clean)
+            self._status.update(clean)  # type: ignore[typeddict-item]  # the loop passes LiveStatus keys
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> LiveStatus:
         with self._lock:
-            return dict(self._status)
+            return self._status.copy()
 
     def close(self) -> None:
         """Stop serving and release the port (idempotent)."""

@@ -1,0 +1,93 @@
+"""Rank 0's status endpoint payload (`GET /status`, docs/CONTRACT.md), for the trainer that serves it
+(training/status_server.py) and the operator that reads it (kubetron_operator/live.py)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+from kubetron.contract.progress import CheckpointRef
+
+
+class LiveStatus(TypedDict):
+    """Every key is always there, null until known (`inPlaceRestarts`: 0 before any, from the start)."""
+
+    iteration: int | None  # last completed training iteration
+    trainIters: int | None
+    consumedSamples: int | None
+    tokensPerSecond: float | None  # the whole job's
+    etaSeconds: float | None  # until train_iters
+    lastCheckpoint: CheckpointRef | None  # the newest durable checkpoint this run knows of
+    loss: float | None  # as of the last console log line
+    learningRate: float | None
+    tflopsPerGpu: float | None
+    inPlaceRestarts: int  # this attempt's restarts of the gang inside its pods (docs/recovery.md)
+
+
+STATUS_KEYS: tuple[str, ...] = tuple(LiveStatus.__annotations__)
+"""The keys `GET /status` always carries, in the order it serves them."""
+
+_INTS = ("iteration", "trainIters", "consumedSamples")
+_NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu")
+
+
+def new_live_status(in_place_restarts: int = 0) -> LiveStatus:
+    """The payload before the first step: nothing known but this attempt's in-place restarts."""
+    return LiveStatus(iteration=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
+                      etaSeconds=None, lastCheckpoint=None, loss=None, learningRate=None, tflopsPerGpu=None,
+                      inPlaceRestarts=in_place_restarts)
+
+
+def jsonable(value: Any) -> Any:
+    """A value as the payload carries it: NaN/Inf become null (they are not JSON); containers are copied;
+    numpy / torch scalars become numbers; other objects become strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        try:
+            return jsonable(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+def parse_live_status(data: Any) -> LiveStatus | None:
+    """The endpoint's JSON object as a LiveStatus, or None when it is not an object. A key it lacks, or
+    whose value has the wrong type, reads as unknown (null; inPlaceRestarts 0); other keys are dropped."""
+    if not isinstance(data, Mapping):
+        return None
+    status = new_live_status(_as_int(data.get("inPlaceRestarts")) or 0)
+    for key in _INTS:
+        status[key] = _as_int(data.get(key))  # type: ignore[literal-required]
+    for key in _NUMBERS:
+        status[key] = _as_number(data.get(key))  # type: ignore[literal-required]
+    status["lastCheckpoint"] = _as_checkpoint(data.get("lastCheckpoint"))
+    return status
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return value
+    return None
+
+
+def _as_checkpoint(value: Any) -> CheckpointRef | None:
+    iteration = _as_int(value.get("iteration")) if isinstance(value, Mapping) else None
+    if iteration is None:
+        return None
+    when = value.get("time")
+    return CheckpointRef(iteration=iteration, time=when if isinstance(when, str) else None)

@@ -1,0 +1,139 @@
+"""The trainer's side of the progress log (its format is kubetron.contract.progress): what a pod's
+environment says about the lines it writes, reading a store's log back, and `kubetron progress STORE`
+(also the operator's progress-reader pod: `python -m kubetron.progress_io`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from kubetron.contract.progress import (
+    JOB_ID_ENV,
+    PROGRESS_FILE,
+    RESTART_COUNT_ENV,
+    ProgressSummary,
+    as_int,
+    parse_progress,
+    summarize_events,
+)
+from kubetron.contract.termination import MESSAGE_LIMIT
+
+
+def job_id() -> str:
+    """The job id written into every line: env `KUBETRON_JOB_ID` (`<namespace>/<job>/<attempt>`) or ""."""
+    return os.environ.get(JOB_ID_ENV, "")
+
+
+def in_place_restarts() -> int:
+    """How often torchrun has restarted this process's gang inside its pods, this attempt (0 outside torchrun)."""
+    return as_int(os.environ.get(RESTART_COUNT_ENV)) or 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a store's log
+
+
+def _split_location(location: str) -> tuple[str, str]:
+    """(store root, key) for a store location or a location naming progress.txt itself."""
+    stripped = location.rstrip("/")
+    if stripped.rsplit("/", 1)[-1] == PROGRESS_FILE:
+        return stripped[: -len(PROGRESS_FILE)].rstrip("/"), PROGRESS_FILE
+    return location, PROGRESS_FILE
+
+
+def _open_store(url: str):
+    try:
+        from kubetron.storage import open_store
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise RuntimeError(
+            f"cannot read {url}: kubetron.storage is not importable ({exc}); "
+            "reading an s3:// store needs the operator or trainer extras (boto3)"
+        ) from exc
+    return open_store(url)
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def read_progress_text(location: str, store=None) -> str:
+    """The text of `<location>/progress.txt` ("" when there is none yet).
+
+    `location` is a local directory, an `s3://bucket/prefix` store, or either naming progress.txt itself.
+    With `store` (an object from `kubetron.storage.open_store`) the file is read from it instead.
+    """
+    if store is not None:
+        key = PROGRESS_FILE
+        if not store.exists(key):
+            return ""
+        return _decode(store.read_bytes(key))
+    if location.startswith("s3://"):
+        root, key = _split_location(location)
+        opened = _open_store(root)
+        if not opened.exists(key):
+            return ""
+        return _decode(opened.read_bytes(key))
+    path = location
+    if location.startswith("file://"):
+        path = location[len("file://") :]
+    if not os.path.isfile(path):
+        path = os.path.join(path, PROGRESS_FILE)
+    try:
+        with open(path, "rb") as f:
+            return _decode(f.read())
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
+def summarize(location: str) -> ProgressSummary:
+    """`summarize_events` of the store's progress log, plus `"store": location`."""
+    summary = summarize_events(parse_progress(read_progress_text(location)))
+    summary["store"] = location
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# `kubetron progress STORE`
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kubetron progress STORE` (also `python -m kubetron.progress_io STORE`): print the summary as JSON.
+
+    `--termination-log PATH` also writes it, compact, to PATH: the operator's progress-reader pod reports
+    through its termination message, so the operator needs no pods/log access.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    brief = False
+    if "--no-events" in args:
+        args.remove("--no-events")
+        brief = True
+    termination_log = None
+    if "--termination-log" in args:
+        i = args.index("--termination-log")
+        termination_log = args[i + 1] if i + 1 < len(args) else ""
+        del args[i:i + 2]
+    if len(args) != 1 or termination_log == "":
+        print("usage: kubetron progress [--no-events] [--termination-log PATH] STORE", file=sys.stderr)
+        return 2
+    summary = summarize(args[0])
+    if brief:
+        summary.pop("events", None)
+    print(json.dumps(summary, indent=2))
+    if termination_log:
+        _write_termination_log(termination_log, summary)
+    return 0
+
+
+def _write_termination_log(path: str, summary: ProgressSummary) -> None:
+    """One JSON line that fits Kubernetes' limit: the whole summary, else the fields a resume needs."""
+    text = json.dumps(summary, separators=(",", ":"))
+    if len(text.encode()) > MESSAGE_LIMIT:
+        keep = ("lastCheckpoint", "iteration", "trainIters", "completed")
+        text = json.dumps({k: summary.get(k) for k in keep}, separators=(",", ":"))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
