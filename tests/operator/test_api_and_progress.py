@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 
 import pytest
 from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
@@ -19,6 +20,7 @@ from kubetron_operator.api_calls import (
     cluster_role_rules,
 )
 from kubetron_operator.decide import PodView
+from kubetron_operator.handlers import EventPoster
 from kubetron_operator.model import Job
 from kubetron_operator.progress_io import read_s3_progress, s3_key
 
@@ -43,6 +45,30 @@ def test_create_409_and_delete_404_are_fine():
     assert kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ml"}}) is False
     assert kube.delete_pod("ml", "p") is False
     assert kube.get_job("ml", "gone") is None
+
+
+def test_events_are_posted_in_order_without_holding_the_caller(caplog):
+    """A reconcile hands its Events to the poster and goes on (pods, status); one thread posts them in
+    order; a refused post is logged, and the ones after it still go out."""
+    release, posted = threading.Event(), []
+
+    def transport(method, path, query, body, content_type):
+        release.wait(10)
+        posted.append(body["reason"])
+        return (403 if body["reason"] == "Refused" else 201), b"{}"
+
+    poster, body = EventPoster(Kube(transport)), job_body(S3_JOB)
+    logger = logging.getLogger("test.events")
+    for reason in ("AttemptCreated", "Refused", "Running"):
+        poster.post(body, "Normal", reason, "m", "2026-01-01T00:00:00Z", logger)
+    assert posted == []  # the first post still waits on the API server: nobody else did
+    release.set()
+    for _ in range(100):
+        if len(posted) == 3:
+            break
+        threading.Event().wait(0.05)
+    assert posted == ["AttemptCreated", "Refused", "Running"]
+    assert "could not post event Refused" in caplog.text
 
 
 def _owned_by(uid):
