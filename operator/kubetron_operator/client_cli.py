@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from kubetron_operator.build import LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, LABEL_ROLE
+from kubetron_operator.job_status import FINISHED
 from kubetron_operator.model import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 PROG = "kubetron"
-FINISHED = ("Succeeded", "Failed")
 TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io"
 
 

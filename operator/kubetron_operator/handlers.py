@@ -36,32 +36,20 @@ from typing import Any
 
 import kopf
 from kubetron.contract.progress import ProgressSummary
+from kubetron.contract.times import parse_stamp, stamp
 
 from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
 from kubetron_operator.build import (
     LABEL_JOB,
-    READER_CONTAINER,
     build,
     build_probe_pod,
     build_reader_pod,
     pod_group_name,
     service_name,
 )
-from kubetron_operator.decide import (
-    FINISHED,
-    FORCE_DELETE_AFTER,
-    NOT_SCHEDULED_AFTER,
-    READER_TIMEOUT,
-    Action,
-    Observed,
-    PodView,
-    attempt_size,
-    create_failed,
-    decide,
-    node_trouble,
-    shrink_due,
-)
+from kubetron_operator.decide import decide
+from kubetron_operator.job_status import FINISHED, JobStatus
 from kubetron_operator.model import (
     GROUP,
     KUEUE_GROUP_LABEL,
@@ -72,6 +60,11 @@ from kubetron_operator.model import (
     S3Storage,
     SpecError,
 )
+from kubetron_operator.observe import Observed, PodView, job_status, node_trouble, termination_text
+from kubetron_operator.policy.action import Action
+from kubetron_operator.policy.elastic import attempt_size, shrink_due
+from kubetron_operator.policy.lifecycle import FORCE_DELETE_AFTER
+from kubetron_operator.policy.start import NOT_SCHEDULED_AFTER, READER_TIMEOUT, create_failed
 from kubetron_operator.progress_io import read_s3_progress
 
 PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt runs quietly
@@ -369,7 +362,7 @@ def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
         return None
     waits: list[float] = []
     if phase in FINISHED:
-        done = _time(st.get("completionTime"))
+        done = parse_stamp(st.get("completionTime"))
         if job.spec.ttl_seconds_after_finished is not None and done:
             waits.append((done - now).total_seconds() + job.spec.ttl_seconds_after_finished)
     elif job.spec.suspend or phase == "Suspended":
@@ -379,12 +372,12 @@ def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
         if phase == "Running":
             waits.append(interval)  # live progress (rank 0's endpoint) and the store's log
         for key in ("nextAttemptTime", "nextCreateTime"):
-            if when := _time(st.get(key)):
+            if when := parse_stamp(st.get(key)):
                 waits.append((when - now).total_seconds())
-        start, deadline = _time(st.get("startTime")), job.spec.active_deadline_seconds
+        start, deadline = parse_stamp(st.get("startTime")), job.spec.active_deadline_seconds
         if start and deadline:
             waits.append((start - now).total_seconds() + deadline)
-        began = _time(st.get("admittedTime")) or _time(st.get("attemptStartTime"))  # Kueue: from admission
+        began = parse_stamp(st.get("admittedTime")) or parse_stamp(st.get("attemptStartTime"))  # Kueue: from admission
         if began and phase == "Pending":
             waits.append((began - now).total_seconds() + job.spec.startup_timeout_seconds)
             current = [p for p in obs.pods if p.role == "worker" and str(p.attempt) == str(st.get("attempt"))]
@@ -403,13 +396,6 @@ def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
         return None
     soonest = min(future)
     return soonest + 0.05 + random.uniform(0, min(1.0, 0.1 * soonest))  # past the strict `>` in decide
-
-
-def _time(text: Any) -> datetime | None:
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
-    except ValueError:
-        return None
 
 
 def cleanup_on_delete(name: str, namespace: str, uid: str, spec: Any, status: Any, memo: Any,
@@ -432,7 +418,7 @@ def cleanup_on_delete(name: str, namespace: str, uid: str, spec: Any, status: An
 
 
 def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: kopf.Logger) -> None:
-    """Mark Kueue pod-group members `retriable-in-group: "false"` (decide.Action.release_pods): Kueue then
+    """Mark Kueue pod-group members `retriable-in-group: "false"` (policy.action.Action.release_pods): Kueue then
     finishes the group's Workload once its pods are gone and frees the quota. Best effort: a pod that cannot
     be marked is tried again next round (it stays in release_pods), the rest of the action goes on."""
     for pod in pods:
@@ -461,8 +447,15 @@ def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action
     """Apply `action`, decided from `body` (its resourceVersion guards every status patch): what was
     applied, or None when it waits (creation backoff) or the job changed meanwhile (decide again)."""
     namespace, name = body["metadata"].get("namespace") or "default", body["metadata"]["name"]
-    if action.create_attempt is not None and _backing_off(deps.kube, namespace, obs, action):
-        return None
+    if action.create_attempt is not None:
+        # After a transient creation failure: the torn-down pods of that attempt go first (their names are
+        # about to be reused), and the retry waits until status.nextCreateTime.
+        leftovers = _creation_leftovers(obs, action)
+        for pod in leftovers:
+            if pod.deleting_for is None:
+                deps.kube.delete_pod(namespace, pod.name)
+        if leftovers or _backing_off(obs):
+            return None
     try:
         action = apply(deps, body, job, obs, action, logger)
     except Conflict:
@@ -474,17 +467,18 @@ def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action
     return action
 
 
-def _backing_off(kube: Kube, namespace: str, obs: Observed, action: Action) -> bool:
-    """After a transient creation failure: wait until status.nextCreateTime, and until the torn-down
-    pods of that attempt are gone (their names are about to be reused)."""
-    retry_at = obs.status.get("nextCreateTime")
-    if not retry_at:
-        return False
-    leftovers = [p for p in obs.pods if p.attempt == action.create_attempt]
-    for p in leftovers:
-        if p.deleting_for is None:
-            kube.delete_pod(namespace, p.name)
-    return bool(leftovers) or obs.now < datetime.fromisoformat(retry_at)
+def _creation_leftovers(obs: Observed, action: Action) -> list[PodView]:
+    """After a transient creation failure (status.nextCreateTime set): the pods of the attempt to create
+    that are still there (the failed try tore them down, or is tearing them down)."""
+    if not obs.status.get("nextCreateTime"):
+        return []
+    return [p for p in obs.pods if p.attempt == action.create_attempt]
+
+
+def _backing_off(obs: Observed) -> bool:
+    """A creation retry is not due yet (status.nextCreateTime is in the future)."""
+    retry_at = parse_stamp(obs.status.get("nextCreateTime"))
+    return retry_at is not None and obs.now < retry_at
 
 
 def observe(deps: Deps, body: dict[str, Any],
@@ -494,7 +488,7 @@ def observe(deps: Deps, body: dict[str, Any],
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
     job, error = deps.view.job(body)
-    status = dict(body.get("status") or {})
+    status = job_status(body)
     # Only pods this job controls: a foreign pod with our label is never counted, nor deleted.
     if pods_in is None:
         pods_in = kube.list_pods(namespace, {LABEL_JOB: name})
@@ -514,7 +508,7 @@ def observe(deps: Deps, body: dict[str, Any],
                     spec_error=error, node_trouble=trouble), job
 
 
-def _node_trouble(kube: Kube, status: dict, pods: list[PodView]) -> dict[str, str]:
+def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[str, str]:
     """Nodes under the current attempt that are not Ready or gone; only asked for once a pod has failed
     (decide then tells a dead node from a trainer error), so a healthy job never lists nodes."""
     attempt = int(status.get("attempt") or 0)
@@ -524,15 +518,7 @@ def _node_trouble(kube: Kube, status: dict, pods: list[PodView]) -> dict[str, st
     return node_trouble(kube.list_nodes(), {p.node for p in current if p.node})
 
 
-def termination_text(pod: dict[str, Any]) -> str:
-    """The progress reader's termination message, from its own container (an injected sidecar has others)."""
-    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
-        if cs.get("name") == READER_CONTAINER:
-            return ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
-    return ""
-
-
-def _progress(deps: Deps, job: Job, status: dict, pods: list[PodView], now: datetime) -> ProgressSummary | None:
+def _progress(deps: Deps, job: Job, status: JobStatus, pods: list[PodView], now: datetime) -> ProgressSummary | None:
     """The S3 progress log: read whenever an attempt ends or starts, else at most every 30 s."""
     key = f"{job.namespace}/{job.name}"
     cached = deps.last_progress.get(key)
@@ -593,7 +579,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         reader = build_reader_pod(job, action.create_reader)
         kube.create(reader)
         deps.view.created(job.uid, [reader])
-    now = obs.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = stamp(obs.now)
     for event in action.events:
         logger.log(logging.WARNING if event.type == "Warning" else logging.INFO, "%s: %s", event.reason, event.message)
         deps.poster.post(body, event.type, event.reason, event.message, now, logger)
@@ -605,7 +591,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
                     logger: kopf.Logger) -> tuple[str, str, bool] | None:
     """Create an attempt's objects in order. On an API error delete what this call created (a partial
-    gang must not hold GPUs) and return (reason, message, transient) for decide.create_failed."""
+    gang must not hold GPUs) and return (reason, message, transient) for policy.start.create_failed."""
     created: list[dict[str, Any]] = []
     for manifest in manifests:
         try:

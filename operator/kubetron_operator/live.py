@@ -14,7 +14,7 @@ from typing import Any
 
 from kubetron.contract.live import LiveStatus, parse_live_status
 
-from kubetron_operator.decide import PodView
+from kubetron_operator.observe import PodView
 
 Fetch = Callable[[str], dict[str, Any]]
 

@@ -19,9 +19,9 @@ from kubetron_operator.api_calls import (
     UndeclaredCall,
     cluster_role_rules,
 )
-from kubetron_operator.decide import PodView
 from kubetron_operator.handlers import EventPoster
 from kubetron_operator.model import Job
+from kubetron_operator.observe import PodView
 from kubetron_operator.progress_io import read_s3_progress, s3_key
 
 from tests.operator.jobs import S3_JOB, job_body
@@ -174,7 +174,8 @@ def test_live_status_from_rank0_only():
 def test_transient_creation_errors_back_off_exponentially_to_a_cap():
     from datetime import UTC, datetime
 
-    from kubetron_operator.decide import Observed, create_failed
+    from kubetron_operator.observe import Observed
+    from kubetron_operator.policy.start import create_failed
 
     now = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
     delays, status = [], {}

@@ -10,14 +10,10 @@ import pytest
 from kubetron.contract import exitcodes
 from kubetron.contract.termination import parse_termination_message
 from kubetron.contract.times import format_duration
-from kubetron_operator.decide import (
-    MAX_PREEMPTIONS_WITHOUT_PROGRESS,
-    Observed,
-    PodView,
-    decide,
-    node_trouble,
-)
+from kubetron_operator.decide import decide
 from kubetron_operator.model import Job
+from kubetron_operator.observe import Observed, PodView, node_trouble
+from kubetron_operator.policy.restart import MAX_PREEMPTIONS_WITHOUT_PROGRESS
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 
@@ -703,7 +699,7 @@ def test_an_ended_kueue_pod_group_is_marked_not_retriable():
 
 
 def test_the_progress_readers_summary_is_read_from_its_own_container():
-    from kubetron_operator.handlers import termination_text
+    from kubetron_operator.observe import termination_text
 
     injected = {"status": {"containerStatuses": [  # a mesh sidecar injected into the reader pod sorts first
         {"name": "istio-proxy", "state": {"terminated": {"exitCode": 0, "message": "proxy drained"}}},

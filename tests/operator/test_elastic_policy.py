@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 from kubetron_operator.build import LABEL_ROLE, build, build_probe_pod
-from kubetron_operator.decide import Observed, PodView, decide
+from kubetron_operator.decide import decide
 from kubetron_operator.handlers import next_due
 from kubetron_operator.model import KUEUE_COUNT_ANNOTATION, KUEUE_GROUP_LABEL, Job, SpecError
+from kubetron_operator.observe import Observed, PodView
 
 from tests.operator.jobs import S3_JOB, job_body
 

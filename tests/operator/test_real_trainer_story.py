@@ -46,9 +46,10 @@ from kubetron_operator.build import (
     master_addr,
     rank_command,
 )
-from kubetron_operator.decide import Action, Observed, PodView, decide
-from kubetron_operator.handlers import termination_text
+from kubetron_operator.decide import decide
 from kubetron_operator.model import RESERVED_ENV, Job
+from kubetron_operator.observe import Observed, PodView, termination_text
+from kubetron_operator.policy.action import Action
 
 from tests.operator.jobs import PVC_JOB, kubectl_get
 from tests.operator.local_pods import config_yaml

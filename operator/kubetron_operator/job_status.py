@@ -1,0 +1,84 @@
+"""The TrainingJob's `.status` as typed dicts: the fields the CRD's status schema declares
+(crds/trainingjob.yaml), so the API server has checked every value's type before the operator reads it.
+
+decide() reads a JobStatus (Observed.status) and answers with a merge patch of the same fields
+(StatusPatch: a field set to None is deleted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+from kubetron.contract.progress import CheckpointRef
+
+FINISHED = ("Succeeded", "Failed")
+"""The phases a job never leaves (a finished job is never rerun)."""
+
+StatusPatch = dict[str, Any]
+"""A JSON merge patch for .status: JobStatus's fields, None deletes one."""
+
+
+class Restarts(TypedDict, total=False):
+    """Attempts ended, by kind; `total` counts attempts (not `inPlace`, docs/recovery.md)."""
+
+    preemptions: int
+    failures: int
+    neverStarted: int
+    total: int
+    inPlace: int
+
+
+class Resizes(TypedDict, total=False):
+    shrinks: int
+    grows: int
+
+
+class Condition(TypedDict, total=False):
+    type: str
+    status: str  # "True" | "False"
+    reason: str
+    message: str
+    lastTransitionTime: str
+
+
+class JobStatus(TypedDict, total=False):
+    """What the operator keeps in .status (every counter decide() must remember lives here)."""
+
+    phase: str  # Pending | Running | Restarting | Suspended | Succeeded | Failed
+    reason: str
+    message: str
+    conditions: list[Condition]
+    attempt: int
+    nodes: int  # the current attempt's size (elastic jobs: may be below spec.nodes)
+    resizeTo: int | None
+    resizes: Resizes
+    minNodes: int
+    minNodesNote: str | None
+    sizes: list[int]
+    restarts: Restarts
+    attemptInPlaceRestarts: int
+    iteration: int
+    trainIters: int
+    progress: str
+    eta: str | None
+    tokensPerSecond: float
+    loss: float
+    learningRate: float
+    lastCheckpoint: CheckpointRef | None
+    lostIterations: int
+    lastAttemptIteration: int | None
+    noProgressAttempts: int
+    preemptionsWithoutProgress: int
+    attemptStartCheckpoint: int
+    avoidNodes: list[str]
+    startTime: str  # timestamps: kubetron.contract.times.stamp
+    attemptStartTime: str
+    admittedTime: str | None
+    nextAttemptTime: str | None
+    completionTime: str
+    createFailures: int | None  # these two are not in the CRD's schema (kept as unknown fields)
+    nextCreateTime: str | None
+
+
+RestartKind = Literal["preemptions", "failures", "neverStarted"]
+"""The Restarts counter an ended attempt goes to (policy/restart.py)."""

@@ -1,0 +1,16 @@
+"""The operator's policy, one file per concern (as JobSet keeps one per policy); decide.py dispatches to them.
+
+    action.py       Action and Event: what decide() asks the kopf layer to do
+    status.py       the status patch: phase and conditions, progress fields, restart counters, checkpoints
+    start.py        starting an attempt: creating it, waiting for its gang, start-up trouble and timeout
+    attempt_end.py  how an attempt ended: completed, config error, failures, preemptions, rejections
+    restart.py      restarting after an attempt ended: counters, backoff, backoffLimit, NoProgress
+    elastic.py      elastic node ranges: attempt size, probes, shrink and grow (docs/elastic.md)
+    lifecycle.py    finished jobs (TTL), suspension, the active deadline, failing a job
+    kueue.py        Kueue plain pod groups: releasing the groups whose attempt is over
+
+Every function here is pure: what it needs comes in through kubetron_operator.observe.Observed (the
+clock too), what it must remember goes into the status patch.
+"""
+
+

@@ -1,0 +1,35 @@
+"""What decide() asks for: an Action (one status patch, pods to delete or create) and its Events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kubetron_operator.job_status import StatusPatch
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # create | restart | succeed | fail | suspend | wait | delete
+    status: StatusPatch = field(default_factory=dict)  # merge patch for .status
+    delete_pods: tuple[str, ...] = ()
+    force_delete_pods: tuple[str, ...] = ()
+    create_attempt: int | None = None  # create build(job, create_attempt, expected_iteration, avoid_nodes, nodes)
+    expected_iteration: int = 0
+    avoid_nodes: tuple[str, ...] = ()
+    nodes: int = 0  # the size of the attempt to create (0: spec.nodes)
+    create_probes: tuple[int, ...] = ()  # ranks whose probe pod to create for the current attempt (docs/elastic.md)
+    create_reader: int | None = None  # create the progress-reader pod for this attempt
+    release_pods: tuple[str, ...] = ()  # Kueue group members to mark retriable-in-group "false" (before any delete)
+    delete_job: bool = False
+    events: tuple[Event, ...] = ()
+
+    @property
+    def phase(self) -> str | None:
+        return self.status.get("phase")

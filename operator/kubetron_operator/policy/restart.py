@@ -1,0 +1,114 @@
+"""Restarting after an attempt ended: which counter it goes to, the backoff, and when to give up.
+
+Kinds (status.restarts): preemptions (restart at once, free), failures (count toward backoffLimit),
+neverStarted (count toward maxNeverStartedAttempts, not backoffLimit).
+
+Backoff (as Kubernetes Job, failures only): a failed or never-started attempt is followed by
+10 s * 2^(n-1), at most 6 min, plus up to 20 % jitter (n = failures + never-started attempts so far);
+preemptions restart at once. The "not before" time is status.nextAttemptTime.
+
+Crash loops (NoProgress): only attempts that ended by the job's own doing (a failure, or exit 76) count,
+and only when they saved no checkpoint newer than the one they resumed from; maxNoProgressAttempts such
+attempts in a row -> Failed (NoProgress). Preemptions and never-started attempts neither count nor
+reset the streak (an attempt that saved something new does reset it): being preempted while the model
+loads is the cluster's doing, not a crash loop. Free restarts are bounded by a streak of their own:
+MAX_PREEMPTIONS_WITHOUT_PROGRESS running attempts in a row preempted without a new checkpoint -> Failed
+(NoProgress); any new checkpoint resets it, so a job preempted often while it progresses runs on.
+Nodes that rejected a pod at admission are remembered in status.avoidNodes (the last MAX_AVOID_NODES).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+from kubetron.contract.progress import CheckpointRef
+from kubetron.contract.times import format_duration, stamp
+
+from kubetron_operator.job_status import RestartKind, Restarts, StatusPatch
+from kubetron_operator.model import Job
+from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.policy.action import Action, Event
+from kubetron_operator.policy.lifecycle import fail, overdue
+from kubetron_operator.policy.status import (
+    ckpt_iteration,
+    in_place_news,
+    phase_status,
+    progress_fields,
+    reached_iteration,
+    restart_counts,
+)
+
+BACKOFF_BASE, BACKOFF_CAP, BACKOFF_JITTER = 10.0, 360.0, 0.2  # seconds, seconds, fraction (as Kubernetes Job)
+MAX_AVOID_NODES = 8  # nodes remembered in status.avoidNodes
+MAX_PREEMPTIONS_WITHOUT_PROGRESS = 10  # free restarts of running attempts in a row that saved nothing new -> NoProgress
+
+
+def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef | None, *, kind: RestartKind,
+            reason: str, message: str, own_doing: bool = False, bad_nodes: tuple[str, ...] = ()) -> Action:
+    """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
+    st = obs.status
+    attempt = st.get("attempt") or 0
+    in_place, _ = in_place_news(obs, attempt)
+    restarts: Restarts = in_place.get("restarts") or restart_counts(st)
+    restarts[kind] += 1
+    restarts["total"] = restarts["preemptions"] + restarts["failures"] + restarts["neverStarted"]
+    progressed = ckpt_iteration(ckpt) > (st.get("attemptStartCheckpoint") or 0) or (
+        ckpt is not None and st.get("attemptStartCheckpoint") is None)
+    streak = st.get("noProgressAttempts") or 0
+    no_progress = 0 if progressed else streak + (1 if kind == "failures" or own_doing else 0)
+    # Free restarts are bounded too: a running attempt preempted before it saved anything new, again and again.
+    free = kind == "preemptions" and not own_doing and st.get("phase") == "Running"
+    free_streak = 0 if progressed else (st.get("preemptionsWithoutProgress") or 0) + int(free)
+    avoid = list(st.get("avoidNodes") or ())
+    avoid = ([n for n in avoid if n not in bad_nodes] + list(bad_nodes))[-MAX_AVOID_NODES:]
+    common: StatusPatch = {"restarts": restarts, "noProgressAttempts": no_progress, "lastCheckpoint": ckpt,
+                           "preemptionsWithoutProgress": free_streak,
+                           "lastAttemptIteration": reached_iteration(obs, attempt, current)}
+    if bad_nodes:
+        common["avoidNodes"] = avoid
+    limit = _limit_reached(job, restarts, kind, no_progress, free_streak, ckpt)
+    if limit is not None:
+        action = fail(obs, limit[0], f"{limit[1]}; last: {message}")
+        action.status.update(common)
+        return action
+    delay = 0.0 if kind == "preemptions" else _backoff(job, attempt, restarts["failures"] + restarts["neverStarted"])
+    status = phase_status(obs, "Restarting", reason, message)
+    status.update(common)
+    status.update(progress_fields(obs, ckpt, live=False))
+    status["nextAttemptTime"] = stamp(obs.now + timedelta(seconds=delay)) if delay else None
+    counted = {"preemptions": "preemption", "failures": f"failure {restarts['failures']}/{job.spec.backoff_limit}",
+               "neverStarted": f"never started {restarts['neverStarted']}/{job.spec.max_never_started_attempts}"}
+    when = f"in {format_duration(delay)}" if delay else "now"
+    return Action("restart", status=status,
+                  delete_pods=tuple(p.name for p in current if p.deleting_for is None),
+                  force_delete_pods=overdue(obs),
+                  events=(Event("Warning", reason, f"attempt {attempt} ended ({counted[kind]}): {message}; "
+                                f"restarting from iteration {ckpt_iteration(ckpt)} {when}"),))
+
+
+def _limit_reached(job: Job, restarts: Restarts, kind: RestartKind, no_progress: int, free_streak: int,
+                   ckpt: CheckpointRef | None) -> tuple[str, str] | None:
+    """(reason, message) when the job gives up instead of restarting: backoffLimit, maxNeverStartedAttempts,
+    maxNoProgressAttempts or MAX_PREEMPTIONS_WITHOUT_PROGRESS reached; None while it may restart."""
+    if kind == "failures" and restarts[kind] > job.spec.backoff_limit:
+        return "BackoffLimitExceeded", f"{restarts[kind]} failures > backoffLimit {job.spec.backoff_limit}"
+    if kind == "neverStarted" and restarts[kind] >= job.spec.max_never_started_attempts:
+        return "NeverStarted", (f"{restarts[kind]} attempts never started (maxNeverStartedAttempts "
+                                f"{job.spec.max_never_started_attempts})")
+    if no_progress >= job.spec.max_no_progress_attempts:
+        return "NoProgress", (f"{no_progress} attempts in a row ended by the trainer without a new "
+                              f"checkpoint (last checkpoint: iteration {ckpt_iteration(ckpt)})")
+    if free_streak >= MAX_PREEMPTIONS_WITHOUT_PROGRESS:
+        return "NoProgress", (f"{free_streak} running attempts in a row preempted before saving a new "
+                              f"checkpoint (last checkpoint: iteration {ckpt_iteration(ckpt)}): save checkpoints "
+                              f"more often (checkpoint.save_interval)")
+    return None
+
+
+def _backoff(job: Job, attempt: int, n: int) -> float:
+    """Seconds before the next attempt after the n-th failed or never-started one: 10 s doubling to 6 min,
+    plus up to 20 % jitter. The jitter is drawn from the job's UID and attempt, so decide stays pure."""
+    base = min(BACKOFF_CAP, BACKOFF_BASE * 2 ** max(0, n - 1))
+    digest = hashlib.sha256(f"{job.uid}/{attempt}".encode()).digest()
+    return round(base * (1 + BACKOFF_JITTER * digest[0] / 255), 1)

@@ -1,0 +1,200 @@
+"""Starting an attempt: creating attempt k+1 once the last one is gone and its backoff passed, then
+waiting for its gang to run, saying what holds it up.
+
+Never started: the gang was not all running startupTimeoutSeconds after the attempt was created (or
+admitted by Kueue): unschedulable, image pull errors, a missing Secret key, a scheduler nobody runs
+-> restart after a backoff; counts toward maxNeverStartedAttempts (policy/restart.py).
+PVC stores: between attempts a short-lived reader pod reads the progress log (its output is the
+summary); S3 stores are read by the operator itself.
+Children that could not be created (the handler tore down what it had made): create_failed.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from kubetron.contract.progress import CheckpointRef
+from kubetron.contract.times import format_duration, parse_stamp, stamp
+
+from kubetron_operator.job_status import StatusPatch
+from kubetron_operator.model import Job, PvcStorage
+from kubetron_operator.observe import STUCK_WAITING, Observed, PodView, parse_reader_output
+from kubetron_operator.policy.action import Action, Event
+from kubetron_operator.policy.elastic import attempt_size, resize, shrink_due, shrink_to
+from kubetron_operator.policy.lifecycle import fail, overdue
+from kubetron_operator.policy.restart import restart
+from kubetron_operator.policy.status import (
+    ckpt_iteration,
+    known_checkpoint,
+    newer_checkpoint,
+    percent,
+    phase_status,
+    progress_fields,
+    restart_counts,
+)
+
+STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
+READER_TIMEOUT = 180.0  # seconds a progress-reader pod may take before we go on without it
+NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
+CREATE_BACKOFF = (10.0, 300.0)  # seconds: the first retry's delay, doubling up to the cap (as Kubernetes Job)
+
+
+def next_attempt(job: Job, obs: Observed) -> Action:
+    """Start attempt k+1 once every pod of attempts <= k is gone, the last checkpoint is known and the
+    backoff (status.nextAttemptTime) has passed."""
+    st = obs.status
+    attempt = st.get("attempt") or 0
+    old = [p for p in obs.pods if p.role == "worker" and p.attempt <= attempt]
+    # Probes hold the capacity the next attempt may need: they go once the old gang is gone.
+    old = old or [p for p in obs.pods if p.role == "probe" and p.attempt <= attempt]
+    if old:
+        return Action("wait", delete_pods=tuple(p.name for p in old if p.deleting_for is None),
+                      force_delete_pods=overdue(obs))
+    ckpt = known_checkpoint(obs, attempt)
+    events: list[Event] = []
+    delete: tuple[str, ...] = ()
+    unread = ""  # why the progress log could not be read (PVC stores), shown in status.message too
+    if isinstance(job.spec.storage, PvcStorage) and attempt > 0:
+        read = _read_by_reader(obs, attempt, ckpt)
+        if isinstance(read, Action):
+            return read
+        ckpt, unread, delete = read
+        if unread:
+            events.append(Event("Warning", "ProgressUnread", unread[2:]))
+    not_before = parse_stamp(st.get("nextAttemptTime"))
+    if not_before and obs.now < not_before:
+        return Action("wait")
+    nxt = attempt + 1
+    size = st.get("resizeTo") or job.spec.nodes  # after a preemption or failure: try the full size
+    status = _attempt_status(job, obs, ckpt, nxt, size, unread)
+    resume = f", resuming from iteration {ckpt_iteration(ckpt)}" if ckpt_iteration(ckpt) else ""
+    avoid = tuple(st.get("avoidNodes") or ())
+    avoiding = f", avoiding node(s) {', '.join(avoid)}" if avoid else ""
+    events.append(Event("Normal", "AttemptCreated",
+                        f"creating attempt {nxt} ({size} pods){resume}{avoiding}"))
+    return Action("create", status=status, create_attempt=nxt, expected_iteration=ckpt_iteration(ckpt),
+                  avoid_nodes=avoid, delete_pods=delete, events=tuple(events), nodes=size)
+
+
+def _read_by_reader(obs: Observed, attempt: int,
+                    ckpt: CheckpointRef | None) -> Action | tuple[CheckpointRef | None, str, tuple[str, ...]]:
+    """PVC stores: the ended attempt's progress-reader pod (created here, then waited for, at most
+    READER_TIMEOUT). (the newest checkpoint, why the log is unread or "", the reader pod to delete), or
+    the Action that waits for it."""
+    reader = next((p for p in obs.pods if p.role == "progress-reader" and p.attempt == attempt), None)
+    if reader is None:
+        return Action("wait", create_reader=attempt)
+    summary = parse_reader_output(reader.log) if reader.phase == "Succeeded" else None
+    unread = ""
+    if summary is not None:
+        ckpt = newer_checkpoint(ckpt, summary.get("lastCheckpoint"))
+    elif reader.phase in ("Succeeded", "Failed") or reader.created_for > READER_TIMEOUT:
+        unread = (f"; progress log unread (pod {reader.name}: {_reader_trouble(reader)}), resuming from the "
+                  f"last checkpoint seen ({ckpt_iteration(ckpt)})")
+    else:
+        return Action("wait")
+    return ckpt, unread, (reader.name,)
+
+
+def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: int, size: int,
+                    unread: str) -> StatusPatch:
+    """The status patch that records attempt `nxt` (of `size` pods) as created."""
+    st = obs.status
+    status = phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created{unread}")
+    lost = (st.get("lostIterations") or 0) + max(0, (st.get("lastAttemptIteration") or 0) - ckpt_iteration(ckpt))
+    status.update({
+        "attempt": nxt,
+        "attemptStartCheckpoint": ckpt_iteration(ckpt),
+        "attemptStartTime": stamp(obs.now),
+        "admittedTime": None,
+        "lastCheckpoint": ckpt,
+        "restarts": restart_counts(st),
+        "attemptInPlaceRestarts": 0,
+        "lostIterations": lost,
+        "lastAttemptIteration": None,
+        "nextAttemptTime": None,
+        "nodes": size,
+        "resizeTo": None,
+    })
+    if job.spec.elastic and nxt == 1:
+        status.update(minNodes=job.spec.sizes[0], sizes=list(job.spec.sizes),
+                      minNodesNote=job.spec.min_nodes_note or None)
+    if not st.get("startTime") or st.get("phase") == "Suspended":
+        status["startTime"] = stamp(obs.now)  # activeDeadlineSeconds counts from here
+    status.update(progress_fields(obs, ckpt))
+    status["iteration"] = ckpt_iteration(ckpt)  # the new attempt starts from its checkpoint, not the old maximum
+    if status.get("trainIters"):
+        status["progress"] = percent(ckpt_iteration(ckpt), status["trainIters"])
+    return status
+
+
+def _reader_trouble(reader: PodView) -> str:
+    if reader.phase == "Pending":
+        return f"not finished after {READER_TIMEOUT:.0f}s"
+    detail = reader.log.strip().splitlines()[-1][:200] if reader.log.strip() else reader.reason or "no output"
+    return f"{reader.phase.lower()}, exit {reader.exit_code}: {detail}"
+
+
+def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: CheckpointRef | None,
+             stale: tuple[str, ...]) -> Action:
+    """The gang is not all running yet: say what holds it up; end the attempt after startupTimeoutSeconds."""
+    st = obs.status
+    gated = next((p for p in sorted(current, key=lambda p: p.rank) if p.gates), None)
+    if gated:  # queued for quota (Kueue): waiting is the point, so the startup clock does not run yet
+        message = (f"attempt {attempt}: waiting for admission "
+                   f"(pod {gated.name} has scheduling gates {', '.join(gated.gates)})")
+        status = {k: v for k, v in phase_status(obs, "Pending", "Queued", message).items() if st.get(k) != v}
+        return Action("wait", status=status, delete_pods=stale)
+    trouble = _startup_trouble(current)
+    admitted: StatusPatch = {"admittedTime": stamp(obs.now)} if st.get("reason") == "Queued" else {}
+    began = max(filter(None, (parse_stamp(st.get("attemptStartTime")), parse_stamp(st.get("admittedTime")))),
+                default=None)
+    timeout = job.spec.startup_timeout_seconds
+    shrink_in = None if admitted else shrink_due(job, obs, current, began)
+    if shrink_in is not None and shrink_in < 0:
+        size = attempt_size(job, st)
+        stuck = [p for p in sorted(current, key=lambda p: p.rank) if p.unschedulable]
+        return resize(job, obs, current, ckpt, shrink_to(job, current, size),
+                      f"{len(stuck)} pod(s) Unschedulable for more than shrinkAfterSeconds "
+                      f"({job.spec.shrink_after_seconds}s): pod {stuck[0].name}: {stuck[0].unschedulable}")
+    if began and not admitted and (obs.now - began).total_seconds() > timeout:
+        why = trouble[1] if trouble else "the pods were still starting"
+        return restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",
+                       message=f"attempt {attempt} not running after startupTimeoutSeconds ({timeout}s): {why}")
+    if trouble:
+        reason, message = trouble
+    elif st.get("reason") in STARTUP_REASONS:  # the trouble cleared up
+        reason, message = "Starting", f"attempt {attempt}: waiting for the pods to start"
+    else:  # as next_attempt wrote it
+        reason, message = st.get("reason") or "AttemptCreated", st.get("message") or ""
+    status = phase_status(obs, "Pending", reason, message)
+    status.update(progress_fields(obs, ckpt), **admitted)
+    status = {k: v for k, v in status.items() if st.get(k) != v}
+    events = (Event("Warning", reason, message),) if trouble and reason != st.get("reason") else ()
+    return Action("wait", status=status, delete_pods=stale, events=events)
+
+
+def _startup_trouble(current: list[PodView]) -> tuple[str, str] | None:
+    """(reason, message) of the first pod that cannot start by itself, or None."""
+    for p in sorted(current, key=lambda p: p.rank):
+        if p.waiting:
+            return p.waiting.split(":")[0], f"pod {p.name}: {p.waiting}"
+        if p.unschedulable:
+            return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
+        if not p.scheduler_seen and p.created_for > NOT_SCHEDULED_AFTER:
+            return "NotScheduled", (f"pod {p.name}: no scheduler has looked at it for {NOT_SCHEDULED_AFTER:.0f}s; "
+                                    f"is scheduler {p.scheduler!r} running?")
+    return None
+
+
+def create_failed(obs: Observed, reason: str, message: str, transient: bool) -> Action:
+    """A transient API error (quota exceeded, throttled, server error) retries with exponential backoff,
+    shown in status (createFailures, nextCreateTime); anything else fails the job with `reason`."""
+    if not transient:
+        return fail(obs, reason, message)
+    failures = (obs.status.get("createFailures") or 0) + 1
+    delay = min(CREATE_BACKOFF[1], CREATE_BACKOFF[0] * 2 ** (failures - 1))
+    phase = "Restarting" if obs.status.get("attempt") else "Pending"
+    status = phase_status(obs, phase, reason, f"{message}; retry {failures} in {format_duration(delay)}")
+    status.update(createFailures=failures, nextCreateTime=stamp(obs.now + timedelta(seconds=delay)))
+    return Action("wait", status=status, events=(Event("Warning", reason, status["message"]),))

@@ -1,0 +1,148 @@
+"""Writing the status patch: phase and conditions, the progress fields `kubectl get` shows, the restart
+counters and the newest known checkpoint (kubetron_operator.job_status types the fields).
+
+status.iteration follows the current attempt (from the checkpoint it resumed from, forward);
+lostIterations adds, once per ended attempt, the last iteration that attempt reached minus the
+checkpoint the next attempt resumes from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from kubetron.contract.progress import CheckpointRef, ProgressSummary
+from kubetron.contract.times import format_duration, stamp
+
+from kubetron_operator.job_status import Condition, JobStatus, Restarts, StatusPatch
+from kubetron_operator.observe import NO_LIVE, NO_PROGRESS, Observed, PodView, to_int
+from kubetron_operator.policy.action import Event
+
+
+def phase_status(obs: Observed, phase: str, reason: str, message: str) -> StatusPatch:
+    """phase, reason, message and the conditions that go with them."""
+    return {"phase": phase, "reason": reason, "message": message,
+            "conditions": _conditions(obs.status.get("conditions") or [], phase, reason, message, obs.now)}
+
+
+def _conditions(old: list[Condition], phase: str, reason: str, message: str, now: datetime) -> list[Condition]:
+    """One condition per phase ever reached; the current one True, the others False."""
+    out: list[Condition] = []
+    seen = False
+    for held in old:
+        cond = held.copy()
+        is_now = cond.get("type") == phase
+        seen = seen or is_now
+        want = "True" if is_now else "False"
+        if cond.get("status") != want:
+            cond["lastTransitionTime"] = stamp(now)
+        cond["status"] = want
+        if is_now:
+            cond["reason"], cond["message"] = reason, message
+        out.append(cond)
+    if not seen:
+        out.append({"type": phase, "status": "True", "reason": reason, "message": message,
+                    "lastTransitionTime": stamp(now)})
+    return out
+
+
+def progress_fields(obs: Observed, ckpt: CheckpointRef | None, live: bool = True) -> StatusPatch:
+    """iteration / trainIters / progress / eta / tokensPerSecond / loss / learningRate for `kubectl get`, for the
+    current attempt."""
+    st, log, now_live = obs.status, obs.progress or NO_PROGRESS, (obs.live or NO_LIVE) if live else NO_LIVE
+    attempt = st.get("attempt") or 0
+    iteration = max(now_live.get("iteration") or 0, _log_iteration(log, attempt),
+                    st.get("iteration") or 0, ckpt_iteration(ckpt))
+    train_iters = now_live.get("trainIters") or log.get("trainIters") or st.get("trainIters")
+    out: StatusPatch = {"iteration": iteration, "lastCheckpoint": ckpt}
+    if train_iters:
+        out["trainIters"] = int(train_iters)
+        out["progress"] = percent(iteration, train_iters)
+    if live:
+        eta = now_live.get("etaSeconds")
+        out["eta"] = format_duration(eta) if isinstance(eta, int | float) else st.get("eta")
+        tps = now_live.get("tokensPerSecond")
+        if isinstance(tps, int | float):
+            out["tokensPerSecond"] = round(float(tps), 1)
+        for key in ("loss", "learningRate"):  # as rank 0 last logged them
+            if isinstance(now_live.get(key), int | float):
+                out[key] = float(f"{now_live[key]:.4g}")
+    else:
+        out["eta"] = None
+    return out
+
+
+def percent(iteration: int, train_iters: Any) -> str:
+    """status.progress: `iteration` of `train_iters` as a whole percentage, at most 100%."""
+    return f"{min(100, math.floor(100 * iteration / int(train_iters)))}%"
+
+
+def restart_counts(st: JobStatus) -> Restarts:
+    """The restart counters; `inPlace` (docs/recovery.md) is not in `total`, which counts attempts."""
+    r = st.get("restarts") or Restarts()
+    p, f, n = r.get("preemptions") or 0, r.get("failures") or 0, r.get("neverStarted") or 0
+    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n, "inPlace": r.get("inPlace") or 0}
+
+
+def in_place_news(obs: Observed, attempt: int) -> tuple[StatusPatch, tuple[Event, ...]]:
+    """In-place restarts of the current attempt not counted yet, from rank 0's status endpoint or the
+    progress log: the status fields that count them, and an event for each."""
+    counted = obs.status.get("attemptInPlaceRestarts") or 0
+    by_job = (obs.progress or NO_PROGRESS).get("inPlaceRestarts")
+    logged = [n for job_id, n in by_job.items() if str(job_id).endswith(f"/{attempt}")] if isinstance(
+        by_job, Mapping) else []
+    now = max([counted, (obs.live or NO_LIVE).get("inPlaceRestarts") or 0, *logged])
+    if now <= counted:
+        return {}, ()
+    restarts = restart_counts(obs.status)
+    total = restarts["inPlace"] + now - counted
+    events = tuple(Event("Warning", "RestartedInPlace", f"attempt {attempt}: a trainer process ended; the gang "
+                         f"restarted inside its pods from the newest checkpoint ({n} in this attempt, "
+                         f"{total - now + n} in all)") for n in range(counted + 1, now + 1))
+    return {"restarts": {**restarts, "inPlace": total}, "attemptInPlaceRestarts": now}, events
+
+
+def known_checkpoint(obs: Observed, attempt: int) -> CheckpointRef | None:
+    """The newest durable checkpoint any source reports (status, log, live endpoint, termination messages)."""
+    best = newer_checkpoint(None, obs.status.get("lastCheckpoint"))
+    best = newer_checkpoint(best, (obs.progress or NO_PROGRESS).get("lastCheckpoint"))
+    best = newer_checkpoint(best, (obs.live or NO_LIVE).get("lastCheckpoint"))
+    for p in obs.pods:
+        term_ckpt = (p.termination or {}).get("lastCheckpoint")
+        if isinstance(term_ckpt, int) and p.attempt <= attempt:
+            best = newer_checkpoint(best, {"iteration": term_ckpt, "time": stamp(obs.now)})
+    return best
+
+
+def newer_checkpoint(a: CheckpointRef | None, b: Any) -> CheckpointRef | None:
+    """The newer of checkpoint `a` and `b` (a copy); `b` may be anything (the trainer's JSON included)."""
+    if not isinstance(b, Mapping) or not isinstance(b.get("iteration"), int):
+        return a.copy() if a else None
+    if a is None or b["iteration"] > a["iteration"]:
+        return {"iteration": b["iteration"], "time": b.get("time")}
+    return a.copy()
+
+
+def _log_iteration(log: ProgressSummary, attempt: int) -> int:
+    """The last iteration the progress log mentions for `attempt` (its lines carry job id ns/name/attempt).
+
+    Not the log's overall latest: until the new attempt writes its first line, that is the old attempt's.
+    A summary without jobIterations (an older reader image) gives its latest iteration.
+    """
+    by_job = log.get("jobIterations")
+    if not isinstance(by_job, Mapping):
+        return log.get("iteration") or 0
+    return max([it for job_id, it in by_job.items() if str(job_id).endswith(f"/{attempt}")] or [0])
+
+
+def reached_iteration(obs: Observed, attempt: int, current: list[PodView]) -> int:
+    """The last iteration the current attempt reached (status.iteration follows the current attempt)."""
+    terms = [to_int((p.termination or {}).get("iteration")) for p in current]
+    return max([obs.status.get("iteration") or 0, _log_iteration(obs.progress or NO_PROGRESS, attempt), *terms])
+
+
+def ckpt_iteration(ckpt: CheckpointRef | None) -> int:
+    """The checkpoint's iteration; 0 when there is none (the attempt starts from scratch)."""
+    return int(ckpt["iteration"]) if ckpt else 0
