@@ -49,7 +49,6 @@ def _calls(group: str, resource: str, *verbs: str) -> set[Call]:
 OPERATOR_CALLS: frozenset[Call] = frozenset(
     _calls("", "pods", "create", "get", "list", "delete", "patch")  # patch: Kueue's retriable-in-group
     | _calls("", "services", "create", "get", "delete")  # get: whose is an existing one (409)?
-    | _calls("", "configmaps", "create", "get", "delete")
     | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
     | _calls("", "events", "create")
     | _calls("", "nodes", "list")  # is a pod's node still Ready (node trouble is a preemption, not a failure)
@@ -80,7 +79,6 @@ GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling
 KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("v1", "Pod"): ("", "v1", "pods"),
     ("v1", "Service"): ("", "v1", "services"),
-    ("v1", "ConfigMap"): ("", "v1", "configmaps"),
     ("v1", "Event"): ("", "v1", "events"),
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): ("scheduling.volcano.sh", "v1beta1", "podgroups"),
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),

@@ -1,9 +1,11 @@
 """build(job, attempt) -> manifests: everything one attempt of a TrainingJob runs as. Pure: no API calls.
 
-Per job: a headless Service (stable DNS for rank 0, the rendezvous host). Per attempt: a ConfigMap
-with the trainer's config, an optional PodGroup for gang scheduling, and one pod per node named
-`<job>-<attempt>-<rank>`. Every child carries the job's labels and a controller owner reference, so
-the garbage collector removes it with the job and a restarted operator finds it by label.
+Per job: a headless Service (stable DNS for rank 0, the rendezvous host). Per attempt: an optional
+PodGroup for gang scheduling and one pod per node named `<job>-<attempt>-<rank>`. Each pod carries the
+trainer's config itself (an annotation the kubelet writes to /etc/kubetron/config.yaml through a
+downward API volume): a start costs no ConfigMap to create and, when the attempt ends, to delete.
+Every child carries the job's labels and a controller owner reference, so the garbage collector
+removes it with the job and a restarted operator finds it by label.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from kubetron_operator.model import (
     API_VERSION,
+    CONFIG_ANNOTATION,
     COSCHEDULING_GROUP_LABEL,
     KIND,
     KUEUE_COUNT_ANNOTATION,
@@ -51,10 +54,6 @@ def service_name(job: Job) -> str:
     return job.name
 
 
-def config_map_name(job: Job, attempt: int) -> str:
-    return f"{job.name}-{attempt}-config"
-
-
 def pod_group_name(job: Job, attempt: int) -> str:
     return f"{job.name}-{attempt}"
 
@@ -79,7 +78,7 @@ def master_addr(job: Job, attempt: int) -> str:
 
 def build(job: Job, attempt: int, expected_iteration: int = 0,
           avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> list[dict[str, Any]]:
-    """All objects of attempt `attempt`, in creation order (Service, ConfigMap, PodGroup, pods).
+    """All objects of attempt `attempt`, in creation order (Service, PodGroup, pods).
 
     `nodes` is the attempt's size (0: spec.nodes); an elastic job's attempt may be smaller (docs/elastic.md).
     `expected_iteration` is the last durable checkpoint the operator knows of; the pods pass it to the
@@ -87,7 +86,7 @@ def build(job: Job, attempt: int, expected_iteration: int = 0,
     nodes that rejected or lost an earlier attempt: the pods get a node anti-affinity to them.
     """
     nodes = nodes or job.spec.nodes
-    manifests = [build_service(job), build_config_map(job, attempt)]
+    manifests = [build_service(job)]
     if job.spec.scheduling.gang != "none":
         manifests.append(build_pod_group(job, attempt, nodes))
     manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes, nodes) for rank in range(nodes)]
@@ -121,14 +120,6 @@ def build_service(job: Job) -> dict[str, Any]:
             "selector": {LABEL_JOB: job.name, LABEL_ROLE: "worker"},
             "ports": [{"name": "rendezvous", "port": job.spec.master_port, "targetPort": job.spec.master_port}],
         },
-    }
-
-
-def build_config_map(job: Job, attempt: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": _metadata(job, config_map_name(job, attempt), attempt),
-        "data": {"config.yaml": job.spec.config},
     }
 
 
@@ -263,7 +254,8 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
               avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> dict[str, Any]:
     spec = job.spec
     volumes, mounts = _storage_volume(job)
-    volumes += [{"name": "config", "configMap": {"name": config_map_name(job, attempt)}},
+    config_file = {"path": "config.yaml", "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}
+    volumes += [{"name": "config", "downwardAPI": {"items": [config_file]}},
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     mounts += [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                {"name": "dshm", "mountPath": "/dev/shm"}]
@@ -302,6 +294,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     _apply_template(job, pod_spec, container, metadata)
+    metadata.setdefault("annotations", {})[CONFIG_ANNOTATION] = spec.config
     _apply_scheduling(job, pod_spec, metadata, attempt, avoid_nodes)
     _apply_queue(job, metadata, pod_group_name(job, attempt), nodes or spec.nodes)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
@@ -326,6 +319,7 @@ def build_probe_pod(job: Job, attempt: int, rank: int, nodes: int) -> dict[str, 
         meta["labels"].pop(key, None)
     meta.get("annotations", {}).pop(VOLCANO_GROUP_ANNOTATION, None)
     meta.get("annotations", {}).pop(KUEUE_COUNT_ANNOTATION, None)
+    meta["annotations"].pop(CONFIG_ANNOTATION)  # the trainer's config: not needed
     trainer = spec["containers"][0]
     spec["containers"] = [{"name": "probe", "image": trainer["image"], "command": list(PROBE_COMMAND),
                            "resources": trainer["resources"], "securityContext": trainer["securityContext"],
@@ -333,7 +327,7 @@ def build_probe_pod(job: Job, attempt: int, rank: int, nodes: int) -> dict[str, 
                               else {})}]
     for key in ("initContainers", "hostname", "subdomain"):
         spec.pop(key, None)
-    spec["volumes"] = [v for v in spec["volumes"] if "configMap" not in v]  # the attempt's config: not needed
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "config"]
     spec["terminationGracePeriodSeconds"] = 5
     _apply_queue(job, meta, f"{pod_group_name(job, attempt)}-probes", job.spec.nodes - nodes)
     return pod

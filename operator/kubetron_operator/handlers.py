@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import queue
 import random
 import threading
 import time
@@ -44,7 +45,6 @@ from kubetron_operator.build import (
     build,
     build_probe_pod,
     build_reader_pod,
-    config_map_name,
     pod_group_name,
     service_name,
 )
@@ -159,6 +159,37 @@ def _older(body: dict[str, Any], than: dict[str, Any]) -> bool:
     return mine.isdigit() and other.isdigit() and int(mine) < int(other)
 
 
+class EventPoster:
+    """Posts the jobs' Events from one background thread, in order. An event is best effort (a failed post
+    is logged, never retried) and never holds a reconcile: a burst of new jobs creates their pods and
+    patches their status at full speed while their AttemptCreated events follow one at a time."""
+
+    def __init__(self, kube: Kube):
+        self.kube = kube
+        self._queue: queue.SimpleQueue[tuple[dict[str, Any], str, str, str, str, kopf.Logger]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def post(self, body: Mapping[str, Any], type_: str, reason: str, message: str, now: str,
+             logger: kopf.Logger) -> None:
+        meta = body["metadata"]
+        involved = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                    "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid")}}
+        self._queue.put((involved, type_, reason, message, now, logger))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="events", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            involved, type_, reason, message, now, logger = self._queue.get()
+            try:
+                self.kube.post_event(involved, type_, reason, message, now)
+            except Exception as exc:  # noqa: BLE001 - an event is nice to have, never worth a retry
+                logger.warning("could not post event %s: %s", reason, exc)
+
+
 @dataclasses.dataclass
 class Deps:
     """What the handlers use, injectable for tests (passed to kopf as its `memo`)."""
@@ -173,6 +204,10 @@ class Deps:
     # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
     executor: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile"))
+    poster: EventPoster = dataclasses.field(init=False)  # the jobs' Events, through `kube`
+
+    def __post_init__(self) -> None:
+        self.poster = EventPoster(self.kube)
 
 
 def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
@@ -181,7 +216,9 @@ def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     # kopf starts no handler before every index holds the initial listing: no daemon ever decides from
     # a half-filled view of its pods (which would look like pods that vanished).
     kopf.index("", "v1", "pods", id="training_pods", labels=labels, registry=registry)(training_pods)
-    kopf.on.event("", "v1", "pods", labels=labels, registry=registry)(pod_event)
+    # The index function wakes the pod's job (it sees every pod event but a deletion: kopf just drops a
+    # deleted pod from the index); a handler per event would cost kopf's handler machinery thrice per pod.
+    kopf.on.event("", "v1", "pods", labels=labels, registry=registry, when=_deleted)(pod_event)
     kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)(job_event)
     # kopf's handler protocols type `namespace` as str | None (for cluster-wide resources; a TrainingJob is
     # namespaced) and cannot express an index passed as a keyword (training_pods): hence the two ignores.
@@ -208,10 +245,19 @@ class NoDiffBase(kopf.DiffBaseStorage):
         return None
 
 
-async def training_pods(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]] | None:
-    """The index: controller owner UID -> that job's pods (a copy; kopf's body changes in place)."""
+async def training_pods(body: kopf.Body, memo: Any, **_: Any) -> dict[str, dict[str, Any]] | None:
+    """The index: controller owner UID -> that job's pods (a copy; kopf's body changes in place). Wakes
+    the job's daemon: kopf puts the pod in the index as this returns, with no await in between, and the
+    daemon reads the index only after its debounce."""
     uid = controller_uid(body)
-    return {uid: _copy(body)} if uid else None
+    if not uid:
+        return None
+    memo.deps.view.wake(uid)
+    return {uid: _copy(body)}
+
+
+def _deleted(type: str | None, **_: Any) -> bool:  # noqa: A002 - kopf's kwarg
+    return type == "DELETED"
 
 
 def _copy(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -383,11 +429,10 @@ def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: kopf
 
 
 def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logger: kopf.Logger) -> None:
-    """An attempt's ConfigMap and its `gang` PodGroup, if any (pods are decide's business), if this job
-    controls them. Only the PodGroup kind the job's spec.scheduling.gang names is asked for: the chart
-    grants PodGroups only with gangScheduling (one left by a since-changed spec goes with the job, by
-    its owner reference)."""
-    kube.delete_owned("v1", "ConfigMap", job.namespace, config_map_name(job, attempt), job.uid)
+    """An attempt's `gang` PodGroup, if any (pods are decide's business), if this job controls it. Only
+    the PodGroup kind the job's spec.scheduling.gang names is asked for: the chart grants PodGroups only
+    with gangScheduling (one left by a since-changed spec goes with the job, by its owner reference).
+    An attempt ConfigMap left by an older operator (the config is on the pods now) goes with the job."""
     api_version = pod_group_api_version(gang)
     if api_version is None:
         return
@@ -537,10 +582,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     now = stamp(obs.now)
     for event in action.events:
         logger.log(logging.WARNING if event.type == "Warning" else logging.INFO, "%s: %s", event.reason, event.message)
-        try:
-            kube.post_event(body, event.type, event.reason, event.message, now)
-        except Exception as exc:  # noqa: BLE001 - an event is nice to have, never worth a retry
-            logger.warning("could not post event %s: %s", event.reason, exc)
+        deps.poster.post(body, event.type, event.reason, event.message, now, logger)
     if action.delete_job:
         kube.delete_job(namespace, name)
     return action

@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     # how to log in (the same credentials our own calls use).
     registry = handlers.register(kopf.OperatorRegistry())
     kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
-    configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS  # a connection per reconcile thread
+    # A connection per reconcile thread and one for the event poster (an extra one would be a new TLS
+    # handshake per request, its connection discarded after).
+    configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS + 1
     gang = getattr(args, "gang_schedulers", None)
     kube = Kube(kubernetes_transport(client.ApiClient(configuration)),
                 **({} if gang is None else {"gang_schedulers": gang}))

@@ -49,7 +49,9 @@ COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 
 RESERVED_LABEL_PREFIXES = ("kubetron.dev/",)
 RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by", COSCHEDULING_GROUP_LABEL, QUEUE_LABEL, KUEUE_GROUP_LABEL})
-RESERVED_ANNOTATIONS = frozenset({VOLCANO_GROUP_ANNOTATION, KUEUE_COUNT_ANNOTATION, KUEUE_RETRIABLE_ANNOTATION})
+CONFIG_ANNOTATION = "kubetron.dev/config"  # spec.config on each worker pod (build.py: its config.yaml file)
+RESERVED_ANNOTATIONS = frozenset({VOLCANO_GROUP_ANNOTATION, KUEUE_COUNT_ANNOTATION, KUEUE_RETRIABLE_ANNOTATION,
+                                  CONFIG_ANNOTATION})
 """Pod labels/annotations the operator sets (identity, Kueue, gang scheduling): spec.podTemplate may not set them.
 Only the exact Kueue keys the operator writes: users' other Kueue requests (`kueue.x-k8s.io/podset-required-topology`,
 `podset-preferred-topology`, ...) pass through to every pod."""

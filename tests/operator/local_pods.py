@@ -1,6 +1,6 @@
 """Pods as local processes, for on-kube tests that play the kubelet (test_in_place_on_kube.py,
 test_elastic_on_kube.py, bench/recovery.py): a pod's exact command and env from the API server, with only
-the laptop differences rewritten (the interpreter, the mounted ConfigMap, the termination log,
+the laptop differences rewritten (the interpreter, the mounted config, the termination log,
 MASTER_ADDR). A PVC's mountPath is a local directory already (`pvc` makes its hostPath the mountPath).
 
 `ProcessKubelet` does for every pod of a namespace bound to its Nodes what a kubelet does: a bound pod's
@@ -66,7 +66,7 @@ class Container:
         self.name = pod["metadata"]["name"]  # the pod's
         container = pod["spec"]["containers"][0]
         self.container = container["name"]
-        config = workdir / "config.yaml"  # the ConfigMap volume
+        config = workdir / "config.yaml"  # the config volume
         if config_yaml is not None:
             config.write_text(config_yaml)
         self.termination_log = workdir / "termination-log"
@@ -131,12 +131,15 @@ class Container:
         self.proc.wait()
 
 
-def config_yaml(api: Api, namespace: str, pod: dict[str, Any]) -> str | None:
-    """The config.yaml of the ConfigMap the pod mounts (None: it mounts none)."""
+def config_yaml(pod: dict[str, Any]) -> str | None:
+    """The config.yaml a kubelet writes into the pod's `config` volume (None: it has none): a downward
+    API volume whose file is one of the pod's annotations (the only kind of item this kubelet knows)."""
     for volume in pod["spec"].get("volumes") or ():
-        if "configMap" in volume:
-            cm = api.get(f"/api/v1/namespaces/{namespace}/configmaps/{volume['configMap']['name']}")
-            return cm["data"]["config.yaml"]
+        if volume["name"] == "config":
+            (item,) = volume["downwardAPI"]["items"]
+            key = re.fullmatch(r"metadata\.annotations\['(.+)'\]", item["fieldRef"]["fieldPath"])
+            assert item["path"] == "config.yaml" and key, item
+            return pod["metadata"]["annotations"][key.group(1)]
     return None
 
 
@@ -193,7 +196,7 @@ class ProcessKubelet:
 
     def _start(self, pod: dict[str, Any]) -> None:
         name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
-        c = Container(pod, config_yaml(self.api, self.ns, pod), self.dir / f"{name}-{uid[:8]}")
+        c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}")
         self.containers[name] = self._by_uid[uid] = c
         for key in ("exited", "deleting", "gone"):
             self.seen.pop((name, key), None)

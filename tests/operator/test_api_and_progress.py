@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 
 import pytest
 from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
@@ -18,6 +19,7 @@ from kubetron_operator.api_calls import (
     UndeclaredCall,
     cluster_role_rules,
 )
+from kubetron_operator.handlers import EventPoster
 from kubetron_operator.model import Job
 from kubetron_operator.observe import PodView
 from kubetron_operator.progress_io import read_s3_progress, s3_key
@@ -45,32 +47,56 @@ def test_create_409_and_delete_404_are_fine():
     assert kube.get_job("ml", "gone") is None
 
 
+def test_events_are_posted_in_order_without_holding_the_caller(caplog):
+    """A reconcile hands its Events to the poster and goes on (pods, status); one thread posts them in
+    order; a refused post is logged, and the ones after it still go out."""
+    release, posted = threading.Event(), []
+
+    def transport(method, path, query, body, content_type):
+        release.wait(10)
+        posted.append(body["reason"])
+        return (403 if body["reason"] == "Refused" else 201), b"{}"
+
+    poster, body = EventPoster(Kube(transport)), job_body(S3_JOB)
+    logger = logging.getLogger("test.events")
+    for reason in ("AttemptCreated", "Refused", "Running"):
+        poster.post(body, "Normal", reason, "m", "2026-01-01T00:00:00Z", logger)
+    assert posted == []  # the first post still waits on the API server: nobody else did
+    release.set()
+    for _ in range(100):
+        if len(posted) == 3:
+            break
+        threading.Event().wait(0.05)
+    assert posted == ["AttemptCreated", "Refused", "Running"]
+    assert "could not post event Refused" in caplog.text
+
+
 def _owned_by(uid):
-    return {"metadata": {"name": "gpt-1-config", "namespace": "ml", "uid": "cm-uid",
+    return {"metadata": {"name": "gpt", "namespace": "ml", "uid": "svc-uid",
                          "ownerReferences": [{"uid": uid, "controller": True}] if uid else []}}
 
 
-CM = "/api/v1/namespaces/ml/configmaps"
+SVC = "/api/v1/namespaces/ml/services"
 
 
 def test_create_409_adopts_only_what_the_same_job_controls():
-    manifest = {"apiVersion": "v1", "kind": "ConfigMap", **_owned_by("job-uid")}
-    ours = FakeApi({("POST", CM): (409, {}), ("GET", f"{CM}/gpt-1-config"): (200, _owned_by("job-uid"))})
+    manifest = {"apiVersion": "v1", "kind": "Service", **_owned_by("job-uid")}
+    ours = FakeApi({("POST", SVC): (409, {}), ("GET", f"{SVC}/gpt"): (200, _owned_by("job-uid"))})
     assert Kube(ours).create(manifest) is False
     for other in ("other-uid", None):
-        foreign = FakeApi({("POST", CM): (409, {}), ("GET", f"{CM}/gpt-1-config"): (200, _owned_by(other))})
-        with pytest.raises(NameConflict, match="ConfigMap ml/gpt-1-config already exists"):
+        foreign = FakeApi({("POST", SVC): (409, {}), ("GET", f"{SVC}/gpt"): (200, _owned_by(other))})
+        with pytest.raises(NameConflict, match="Service ml/gpt already exists"):
             Kube(foreign).create(manifest)
 
 
 def test_delete_owned_never_deletes_a_foreign_object():
-    foreign = FakeApi({("GET", f"{CM}/gpt-1-config"): (200, _owned_by("other-uid"))})
-    assert Kube(foreign).delete_owned("v1", "ConfigMap", "ml", "gpt-1-config", "job-uid") is False
+    foreign = FakeApi({("GET", f"{SVC}/gpt"): (200, _owned_by("other-uid"))})
+    assert Kube(foreign).delete_owned("v1", "Service", "ml", "gpt", "job-uid") is False
     assert [c[0] for c in foreign.calls] == ["GET"]
-    ours = FakeApi({("GET", f"{CM}/gpt-1-config"): (200, _owned_by("job-uid")),
-                    ("DELETE", f"{CM}/gpt-1-config"): (200, {})})
-    assert Kube(ours).delete_owned("v1", "ConfigMap", "ml", "gpt-1-config", "job-uid") is True
-    assert ours.calls[-1][3]["preconditions"] == {"uid": "cm-uid"}  # not a namesake created meanwhile
+    ours = FakeApi({("GET", f"{SVC}/gpt"): (200, _owned_by("job-uid")),
+                    ("DELETE", f"{SVC}/gpt"): (200, {})})
+    assert Kube(ours).delete_owned("v1", "Service", "ml", "gpt", "job-uid") is True
+    assert ours.calls[-1][3]["preconditions"] == {"uid": "svc-uid"}  # not a namesake created meanwhile
 
 
 def test_status_patch_carries_the_resource_version_and_a_409_is_a_conflict():

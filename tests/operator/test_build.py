@@ -10,7 +10,7 @@ import sys
 import jsonschema
 import pytest
 import yaml
-from kubetron_operator.build import build, build_reader_pod, master_addr, rank_command
+from kubetron_operator.build import CONFIG_PATH, build, build_reader_pod, master_addr, rank_command
 from kubetron_operator.model import Job, SpecError
 from kubetron_operator.render import render_file
 
@@ -29,7 +29,7 @@ def env_of(pod):
 
 def test_attempt_objects_names_and_owner():
     manifests = build(Job.from_body(PVC_JOB), 3, expected_iteration=20)
-    assert [m["kind"] for m in manifests] == ["Service", "ConfigMap", "Pod", "Pod"]
+    assert [m["kind"] for m in manifests] == ["Service", "Pod", "Pod"]
     assert [m["metadata"]["name"] for m in by_kind(manifests, "Pod")] == ["gpt-3-0", "gpt-3-1"]
     for m in manifests:
         assert m["metadata"]["namespace"] == "ml"
@@ -40,12 +40,18 @@ def test_attempt_objects_names_and_owner():
     pod = by_kind(manifests, "Pod")[1]
     assert pod["metadata"]["labels"]["kubetron.dev/attempt"] == "3"
     assert pod["metadata"]["labels"]["kubetron.dev/rank"] == "1"
-    assert by_kind(manifests, "ConfigMap")[0]["data"]["config.yaml"] == PVC_JOB["spec"]["config"]
+    # The trainer's config travels on the pod: the kubelet writes the annotation to the file the trainer reads.
+    assert pod["metadata"]["annotations"]["kubetron.dev/config"] == PVC_JOB["spec"]["config"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+    assert volume["downwardAPI"]["items"] == [
+        {"path": "config.yaml", "fieldRef": {"fieldPath": "metadata.annotations['kubetron.dev/config']"}}]
+    (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "config"]
+    assert f"{mount['mountPath']}/config.yaml" == CONFIG_PATH and mount["readOnly"] is True
 
 
 def test_headless_service_resolves_rank0():
     job = Job.from_body(PVC_JOB)
-    svc, _, pod0, _ = build(job, 1)
+    svc, pod0, _ = build(job, 1)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert pod0["spec"]["hostname"] == "gpt-1-0" and pod0["spec"]["subdomain"] == svc["metadata"]["name"]
     assert master_addr(job, 1) == "gpt-1-0.gpt.ml.svc"
@@ -266,8 +272,8 @@ def test_render_file(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(S3_JOB))
     docs = [d for d in yaml.safe_load_all(render_file(str(path))) if d]
-    assert [d["kind"] for d in docs] == ["Service", "ConfigMap", "Pod", "Pod"]
-    assert docs[2]["metadata"]["name"] == "gpt-1-0"
+    assert [d["kind"] for d in docs] == ["Service", "Pod", "Pod"]
+    assert docs[1]["metadata"]["name"] == "gpt-1-0"
 
 
 def test_render_names_the_field_of_a_bad_spec(tmp_path):

@@ -1,6 +1,6 @@
 """Issue 24's "done when", on the real API server with the real operator: a 2-pod job whose pods' exact
 commands run as local processes (the test plays the kubelet, as in test_real_trainer_story.py: only the
-interpreter, the mounted ConfigMap, the termination log and MASTER_ADDR are rewritten). One trainer
+interpreter, the mounted config, the termination log and MASTER_ADDR are rewritten). One trainer
 process is SIGKILLed mid-run: the gang restarts inside the same pods, rank 0's status endpoint says so,
 the operator counts `restarts.inPlace` = 1 with a `RestartedInPlace` event, and the job succeeds in
 attempt 1 with the same pods (same UIDs).

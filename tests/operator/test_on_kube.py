@@ -179,15 +179,13 @@ def test_deletion_removes_children_and_stops_reconciling(kube, kube_ns):
         api.create(kube.jobs(ns), tj(ns))
         kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
         kube.wait_status(ns, "gpt", "Pending", lambda s: s.get("phase") == "Pending")
-        assert api.get(f"/api/v1/namespaces/{ns}/configmaps/gpt-1-config")
         api.delete(f"{kube.jobs(ns)}/gpt")
-        kube.wait_for("job, pods, Service and ConfigMap deleted", lambda: kube.job(ns, "gpt") is None
+        kube.wait_for("job, pods and Service deleted", lambda: kube.job(ns, "gpt") is None
                       and not kube.pods(ns, role=None)
-                      and api.get(f"/api/v1/namespaces/{ns}/services/gpt", ok=(404,)) is None
-                      and api.get(f"/api/v1/namespaces/{ns}/configmaps/gpt-1-config", ok=(404,)) is None)
+                      and api.get(f"/api/v1/namespaces/{ns}/services/gpt", ok=(404,)) is None)
         # the operator deleted them (not only the garbage collector, later)
         calls = kube.operator_calls(ns)
-        assert calls[("delete", "services", 200)] == calls[("delete", "configmaps", 200)] == 1, calls
+        assert calls[("delete", "services", 200)] == 1, calls
 
 
 # -- how the operator logs in, and with which kopf -----------------------------------------------------

@@ -44,14 +44,14 @@ def test_a_start_costs_its_writes_waiting_costs_nothing_and_a_pod_failure_shows_
         kube.wait_pods(ns, {f"{j}-1-{r}" for j in "abc" for r in (0, 1)})
         kube.wait_status(ns, "c", "attempt 1", lambda s: s.get("attempt") == 1)
         assert quiet(kube) == 0, "the operator still makes API requests while nothing changes"
-        # A start is its writes (finalizer, Service, ConfigMap, pods, status, events): kopf patched each
+        # A start is its writes (finalizer, Service, pods, status, events): kopf patched each
         # job once (no annotations of its own), nothing read a job back (the watch and the status
         # patch's answer tell), and no request was refused (no status patch raced kopf's finalizer).
         calls = kube.operator_calls(ns)
         assert calls[("patch", "trainingjobs", 200)] == 3, calls
         assert not [c for c in calls if c[0] == "get" or c[2] >= 400], calls
-        assert (calls[("create", "services", 201)], calls[("create", "configmaps", 201)],
-                calls[("create", "pods", 201)]) == (3, 3, 6), calls
+        assert (calls[("create", "services", 201)], calls[("create", "pods", 201)]) == (3, 6), calls
+        assert not [c for c in calls if c[1] == "configmaps"], calls  # the config travels on the pods
         r0 = operator_requests(kube)
         time.sleep(6)
         assert operator_requests(kube) - r0 == 0, "requests while three jobs wait for their pods"

@@ -28,9 +28,9 @@ def warnings(kube, ns: str) -> dict[str, str]:
 
 
 def children(kube, ns: str) -> set[str]:
-    """Names of the ConfigMaps, Services and pods (not being deleted) in `ns` that a job's label names."""
+    """Names of the Services and pods (not being deleted) in `ns` that a job's label names."""
     out = set()
-    for kind in ("configmaps", "services", "pods"):
+    for kind in ("services", "pods"):
         for item in kube.admin.get(f"/api/v1/namespaces/{ns}/{kind}")["items"]:
             meta = item["metadata"]
             if not meta.get("deletionTimestamp") and "kubetron.dev/job" in (meta.get("labels") or {}):
@@ -59,7 +59,6 @@ def test_quota_exceeded_tears_down_the_partial_gang_and_retries_with_backoff(kub
         kube.wait_for("a CreateRetrying event",
                       lambda: "exceeded quota" in warnings(kube, ns).get("CreateRetrying", ""))
         kube.wait_pods(ns, set())  # rank 0 was created, then deleted again
-        assert "configmaps/gpt-1-config" not in children(kube, ns)
         api.delete(f"/api/v1/namespaces/{ns}/resourcequotas/pods")
         kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"}, timeout=60)  # after the 10 s backoff
         st = kube.wait_status(ns, "gpt", "attempt 1 created", lambda s: s.get("attempt") == 1)
@@ -85,7 +84,7 @@ def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
         assert prio["reason"] == "CreateFailed" and "no-such-class" in prio["message"]
         assert sa["reason"] == "CreateFailed" and "no-such-sa" in sa["message"]
         assert invalid["reason"] == "CreateFailed" and "HTTP 422" in invalid["message"], invalid["message"]
-        left = {c for c in children(kube, ns) if c.startswith(("pods/", "configmaps/"))}
+        left = {c for c in children(kube, ns) if c.startswith("pods/")}
         assert not left, left
         assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa, invalid))
         messages = kube.wait_for("a CreateFailed event per job", lambda: [  # posted just after the status
@@ -99,41 +98,21 @@ def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
 
 def test_a_foreign_object_with_a_childs_name_is_never_adopted_nor_deleted(kube, kube_ns):
     ns, api = kube_ns, kube.admin
-    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gpt-1-config"},
-               "data": {"keep": "me"}}
-    api.create(f"/api/v1/namespaces/{ns}/configmaps", foreign)
+    foreign = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "gpt", "labels": {"keep": "me"}},
+               "spec": {"ports": [{"port": 80}]}}
+    api.create(f"/api/v1/namespaces/{ns}/services", foreign)
     with kube.operator(ns) as op:
         api.create(kube.jobs(ns), tj(ns))
         st = kube.wait_status(ns, "gpt", "Failed", lambda s: s.get("phase") == "Failed")
         assert st["reason"] == "NameConflict"
-        assert f"ConfigMap {ns}/gpt-1-config already exists" in st["message"], st["message"]
+        assert f"Service {ns}/gpt already exists" in st["message"], st["message"]
         kube.wait_for("a NameConflict event", lambda: "NameConflict" in warnings(kube, ns))
         kube.wait_pods(ns, set())
         api.delete(f"{kube.jobs(ns)}/gpt")
         kube.wait_for("job deleted", lambda: kube.job(ns, "gpt") is None)
         assert "Traceback" not in op.log(), op.tail()
-    cm = api.get(f"/api/v1/namespaces/{ns}/configmaps/gpt-1-config")
-    assert cm["data"] == {"keep": "me"} and not cm["metadata"].get("ownerReferences")
-
-
-# -- 9. old attempts' children -----------------------------------------------------------------------
-
-
-def test_an_attempts_config_map_goes_when_the_attempt_ends(kube, kube_ns):
-    ns, api = kube_ns, kube.admin
-    with kube.operator(ns):
-        api.create(kube.jobs(ns), tj(ns))
-        kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
-        assert "configmaps/gpt-1-config" in children(kube, ns)
-        set_running(api, ns, "gpt-1-0")
-        set_exited(api, ns, "gpt-1-1", 75, {"exitCode": 75, "reason": "SavedOnSignal", "lastCheckpoint": 5})
-        kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"})
-        kube.wait_for("gpt-1-config deleted, gpt-2-config there", lambda: {
-            c for c in children(kube, ns) if c.startswith("configmaps/")} == {"configmaps/gpt-2-config"})
-        set_exited(api, ns, "gpt-2-0", 2, {"exitCode": 2, "reason": "ConfigError", "message": "bad"})
-        kube.wait_status(ns, "gpt", "Failed", lambda s: s.get("phase") == "Failed")
-        kube.wait_for("gpt-2-config deleted", lambda: not {
-            c for c in children(kube, ns) if c.startswith("configmaps/")})
+    svc = api.get(f"/api/v1/namespaces/{ns}/services/gpt")
+    assert svc["metadata"]["labels"] == {"keep": "me"} and not svc["metadata"].get("ownerReferences")
 
 
 # -- 11. optimistic concurrency ----------------------------------------------------------------------

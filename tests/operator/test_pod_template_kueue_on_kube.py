@@ -205,7 +205,7 @@ def test_host_network_keeps_cluster_dns():
 def test_no_queue_no_kueue_labels():
     pod = build_pod(job(), 1, 0)
     assert not [k for k in pod["metadata"]["labels"] if k.startswith("kueue")]
-    assert "annotations" not in pod["metadata"]
+    assert set(pod["metadata"]["annotations"]) == {"kubetron.dev/config"}  # the trainer's config only
 
 
 @pytest.mark.parametrize(("template", "field"), [
@@ -214,6 +214,8 @@ def test_no_queue_no_kueue_labels():
      "spec.podTemplate.metadata.annotations[kueue.x-k8s.io/pod-group-total-count]"),
     ({"metadata": {"annotations": {"kueue.x-k8s.io/retriable-in-group": "true"}}},
      "spec.podTemplate.metadata.annotations[kueue.x-k8s.io/retriable-in-group]"),
+    ({"metadata": {"annotations": {"kubetron.dev/config": "model: {}"}}},
+     "spec.podTemplate.metadata.annotations[kubetron.dev/config]"),
     ({"metadata": {"labels": {"kueue.x-k8s.io/pod-group-name": "mine"}}},
      "spec.podTemplate.metadata.labels[kueue.x-k8s.io/pod-group-name]"),
     ({"metadata": {"labels": {"kueue.x-k8s.io/queue-name": "q"}}},

@@ -9,7 +9,7 @@ preempted pod's container gets), and presents the outcome as the kubelet would
 
 What differs from a pod, and only that (rewritten in `local_command`):
 - `python3` is this interpreter (the venv), not the image's;
-- the ConfigMap mounted at /etc/kubetron is a file in a temporary directory;
+- the config volume mounted at /etc/kubetron (the pod's annotation) is a file in a temporary directory;
 - the termination log (/dev/termination-log) is a file in a temporary directory;
 - MASTER_ADDR (rank 0's DNS name through the headless Service) is 127.0.0.1.
 The PVC's mountPath *is* the temporary directory, so the store path needs no rewrite; the rendezvous
@@ -52,6 +52,7 @@ from kubetron_operator.observe import Observed, PodView, termination_text
 from kubetron_operator.policy.action import Action
 
 from tests.operator.jobs import PVC_JOB, kubectl_get
+from tests.operator.local_pods import config_yaml
 from tests.trainer_utils import ITER_RE, TINY, tb_scalars
 
 ITERS = 40
@@ -137,10 +138,9 @@ def local_command(job: Job, attempt: int, expected: int, workdir: Path) -> tuple
     argv, env = rank_command(job, attempt, 0, expected)
     assert argv == container["command"] + container["args"]  # exactly what the pod runs
     assert env == {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    config_map = next(m for m in manifests if m["kind"] == "ConfigMap")
     workdir.mkdir(parents=True, exist_ok=True)
-    config = workdir / "config.yaml"  # the ConfigMap volume
-    config.write_text(config_map["data"]["config.yaml"])
+    config = workdir / "config.yaml"  # the config volume, as the kubelet writes it
+    config.write_text(config_yaml(pod) or "")
     termination_log = workdir / "termination-log"  # the container's terminationMessagePath
     assert container["terminationMessagePath"] == env["KUBETRON_TERMINATION_LOG"] == TERMINATION_LOG
     assert env["MASTER_ADDR"] == master_addr(job, attempt)

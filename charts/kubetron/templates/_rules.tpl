@@ -54,10 +54,10 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [""]
   resources: [pods]
   verbs: [create, get, list, watch, delete, patch]
-# Rank 0's headless rendezvous Service and each attempt's trainer config. get: when one exists
-# already, only the job that controls it may use or delete it.
+# Rank 0's headless rendezvous Service. get: when one exists already, only the job that controls it
+# may use or delete it.
 - apiGroups: [""]
-  resources: [services, configmaps]
+  resources: [services]
   verbs: [create, get, delete]
 # The S3 credentials a job's storage.s3.secretRef names, to read its progress log.
 - apiGroups: [""]
