@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
+
 from kubetron_operator.model import (
     API_VERSION,
     CONFIG_ANNOTATION,
@@ -36,7 +38,7 @@ READER_CONTAINER = "progress"  # the progress-reader pod's one container
 
 CONFIG_DIR = "/etc/kubetron"
 CONFIG_PATH = f"{CONFIG_DIR}/config.yaml"
-TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LOG = DEFAULT_TERMINATION_LOG  # the path Kubernetes reads the trainer's message from
 RUN_AS_USER = 10001  # the images (Dockerfile) and the chart run as this UID
 PYTHON = "python3"  # what the trainer image's ENTRYPOINT runs; every Python image has it, not all have `python`
 DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
