@@ -50,6 +50,8 @@ COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 RESERVED_LABEL_PREFIXES = ("kubetron.dev/",)
 RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by", COSCHEDULING_GROUP_LABEL, QUEUE_LABEL, KUEUE_GROUP_LABEL})
 CONFIG_ANNOTATION = "kubetron.dev/config"  # spec.config on each worker pod (build.py: its config.yaml file)
+# Kubernetes allows 256 KiB of annotations per object in all; the rest is left to the pod template's own.
+CONFIG_LIMIT = 192 * 1024
 RESERVED_ANNOTATIONS = frozenset({VOLCANO_GROUP_ANNOTATION, KUEUE_COUNT_ANNOTATION, KUEUE_RETRIABLE_ANNOTATION,
                                   CONFIG_ANNOTATION})
 """Pod labels/annotations the operator sets (identity, Kueue, gang scheduling): spec.podTemplate may not set them.
@@ -321,6 +323,9 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
 
 def trainer_config(config: str, overrides: tuple[str, ...], store: str) -> dict[str, Any]:
     """spec.config + spec.overrides + the store overrides, as the trainer's command line composes them."""
+    if (size := len(config.encode())) > CONFIG_LIMIT:
+        raise SpecError("spec.config", f"is {size / 1024:.0f} KiB; at most {CONFIG_LIMIT // 1024} KiB fit the pod "
+                                       "annotation that carries it (keep data and tokenizer files on the volume)")
     try:
         data = yaml.safe_load(config)
     except yaml.YAMLError as exc:

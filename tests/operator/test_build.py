@@ -167,6 +167,8 @@ SPEC_ERRORS = [
     ("bad trainer config", {"config": "optimizer:\n  lr: -1\n"}, "spec.config", "optimizer.lr"),
     ("unknown config key", {"config": "train:\n  train_iterz: 4\n"}, "spec.config", "train_iters"),
     ("config not YAML", {"config": "train: [\n"}, "spec.config", "invalid YAML"),
+    ("config too large for its annotation", {"config": "train:\n  train_iters: 4\n" + "#" * 200_000 + "\n"},
+     "spec.config", "at most 192 KiB"),
     ("tp does not divide the world", {"config": "train:\n  train_iters: 4\nmodel:\n  tensor_model_parallel_size: 4\n"},
      "spec.config", "tensor_model_parallel_size"),
     ("bad override", {"overrides": ["train.nope=1"]}, "spec.overrides", "train.nope"),
