@@ -1,7 +1,7 @@
 /* kubetron._hostcopy: the host-memory copies of a checkpoint snapshot, with non-temporal stores.
  *
  * An async save blocks the training loop only while this rank's state is copied into host buffers
- * (training/sharding.py, HostBuffers.batch); a background thread writes those buffers out later. The
+ * (checkpoint/hostcopy.py, HostBuffers.batch); a background thread writes those buffers out later. The
  * destination is not read again soon, so it need not pass through the caches: streaming stores skip
  * the read-for-ownership of every destination line (a third of a plain copy's memory traffic) and do
  * not evict the working set. glibc switches its memcpy to such stores only above a threshold it
@@ -16,7 +16,7 @@
  *
  * SSE2 only (part of x86-64 itself, no CPU dispatch needed). Other architectures, and pieces shorter
  * than four pages, use memcpy. Built by `pip install` (setup.py, an optional extension): where no
- * compiler is found, training/sharding.py falls back to ctypes.memmove, which gives the same bytes.
+ * compiler is found, checkpoint/hostcopy.py falls back to ctypes.memmove, which gives the same bytes.
  *
  * The Python API (the limited API, so one build serves every CPython >= 3.11):
  *   copy_many(items)  items: a list of (dst_address, src_address, nbytes) int tuples; the ranges

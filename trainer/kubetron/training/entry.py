@@ -1,7 +1,7 @@
 """pretrain() / finetune(): set up distributed state, model, data, checkpoints; run train().
 
 `run_from_cli` is what `kubetron train|finetune` calls: it maps every way a run can end onto the
-exit codes of kubetron/exitcodes.py and writes the termination message the operator reads.
+exit codes of kubetron/contract/exitcodes.py and writes the termination message the operator reads.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def make_profiler(cfg, rank: int, first_iteration: int):
 
 
 class Ending(NamedTuple):
-    code: int  # kubetron/exitcodes.py
+    code: int  # kubetron/contract/exitcodes.py
     message: str  # the termination message's, after "kubetron: <reason>: " in the pod's log
     unexpected: bool  # a plain trainer error: its traceback is the report
 
