@@ -219,6 +219,9 @@ def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str
             node.start()
             env.admin.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}, "spec": {
                 "taints": [{"key": POOL, "value": ns, "effect": "NoSchedule"}]}})  # no other job's pods
+        # A new Node may carry the node controller's not-ready taint for a few seconds (longer on a loaded
+        # machine): a pod the scheduler finds no room for in that time would shrink the job at its start.
+        cluster.wait_for("both Nodes schedulable", lambda: all(only_pool_taint(env, name) for name in names), TIMEOUT)
         with env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
             env.admin.create(env.jobs(ns), body)
             wait("rank 1 mid-interval after a durable checkpoint",
@@ -235,6 +238,11 @@ def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str
             env.admin.delete(f"/api/v1/nodes/{node.name}", ok=(404,))
     return {"capacity gone -> training at 1 of 2 nodes": shrunk - gone,
             "capacity back -> training at 2 nodes": grown - back}
+
+
+def only_pool_taint(env: KubeEnv, node: str) -> bool:
+    spec = env.admin.get(f"/api/v1/nodes/{node}").get("spec", {})
+    return not spec.get("unschedulable") and [t["key"] for t in spec.get("taints") or []] == [POOL]
 
 
 def drain(env: KubeEnv, ns: str, node: str) -> None:
