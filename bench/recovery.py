@@ -144,6 +144,13 @@ def mid_interval(rank1: Container | None, store: Path, save_interval: int) -> Co
     return rank1 if durable and rank1.last_iteration() >= durable + save_interval // 2 else None
 
 
+def newest_rank_1(pods: ProcessKubelet) -> Container | None:
+    """Rank 1 of the newest attempt that has one (attempt 1's, unless the job resized before the bench began)."""
+    parts = [(name.split("-"), c) for name, c in list(pods.containers.items())]
+    ranks = [(int(p[1]), c) for p, c in parts if len(p) == 3 and p[0] == "gpt" and p[1].isdigit() and p[2] == "1"]
+    return max(ranks, key=lambda r: r[0])[1] if ranks else None
+
+
 def consecutive(names: tuple[str, ...], times: list[float]) -> dict[str, float]:
     """{name: seconds from the time before to its own} over a timeline (kill first)."""
     return {name: b - a for name, a, b in zip(names, times, times[1:], strict=False)}
@@ -225,7 +232,7 @@ def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str
         with env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
             env.admin.create(env.jobs(ns), body)
             wait("rank 1 mid-interval after a durable checkpoint",
-                 lambda: mid_interval(pods.containers.get("gpt-1-1"), store / "gpt", save_interval), pods)
+                 lambda: mid_interval(newest_rank_1(pods), store / "gpt", save_interval), pods)
             gone = time.time()
             drain(env, ns, names[1])
             shrunk = training_at(env, ns, pods, 1, gone)
