@@ -23,10 +23,10 @@ import base64
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 from uuid import uuid4
 
 from kubetron_operator import metrics
@@ -47,7 +47,7 @@ def _calls(group: str, resource: str, *verbs: str) -> set[Call]:
 
 
 OPERATOR_CALLS: frozenset[Call] = frozenset(
-    _calls("", "pods", "create", "get", "list", "delete", "patch")  # patch: Kueue's retriable-in-group
+    _calls("", "pods", "create", "get", "list", "watch", "delete", "patch")  # watch: pod_cache; patch: Kueue's
     | _calls("", "services", "create", "get", "delete")  # get: whose is an existing one (409)?
     | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
     | _calls("", "events", "create")
@@ -63,7 +63,6 @@ KOPF_CALLS: frozenset[Call] = frozenset(
     _calls(GROUP, PLURAL, "list", "watch", "patch")  # watching; kopf's finalizer (the daemon's)
     | _calls(GROUP, f"{PLURAL}/status", "patch")
     | _calls("", "events", "create")
-    | _calls("", "pods", "list", "watch")  # the pods the daemons decide from (label-selected watch)
     | _calls("", "namespaces", "list", "watch")  # namespace patterns (`--namespace 'team-*'`)
     | _calls("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch")  # resource discovery
     | _calls("kopf.dev", "clusterkopfpeerings", "list", "watch", "patch", "get")  # --peering (HA), cluster-wide
@@ -147,6 +146,8 @@ class UndeclaredCall(AssertionError):
 
 Transport = Callable[[str, str, Mapping[str, str], Any, str], tuple[int, bytes]]
 """(method, path, query, body, content_type) -> (HTTP status, response body)."""
+Stream = Callable[[str, Mapping[str, str]], tuple[int, Iterable[bytes]]]
+"""(path, query) of a GET whose answer streams (a watch) -> (HTTP status, the answer's non-empty lines)."""
 
 
 def kubernetes_transport(api_client: Any, timeout: float = 30.0) -> Transport:
@@ -167,34 +168,72 @@ def kubernetes_transport(api_client: Any, timeout: float = 30.0) -> Transport:
     return send
 
 
+def kubernetes_stream(api_client: Any, read_timeout: float) -> Stream:
+    """A Stream over a `kubernetes.client.ApiClient`'s connection pool (its TLS, credentials and token
+    refresh). `read_timeout`: seconds the answer may stay silent (a watch's timeoutSeconds, and some)."""
+    import urllib3
+
+    configuration, pool = api_client.configuration, api_client.rest_client.pool_manager
+
+    def stream(path: str, query: Mapping[str, str]) -> tuple[int, Iterable[bytes]]:
+        headers = {"Accept": "application/json", "User-Agent": api_client.user_agent}
+        token = configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
+        if token:
+            headers["Authorization"] = token
+        response = pool.request("GET", f"{configuration.host}{path}?{urlencode(dict(query))}", headers=headers,
+                                preload_content=False, retries=False,
+                                timeout=urllib3.Timeout(connect=10.0, read=read_timeout))
+        return response.status, _lines(response)
+
+    return stream
+
+
+def _lines(response: Any) -> Iterator[bytes]:
+    """The non-empty lines of a streamed answer; its connection goes back to the pool once read to the end,
+    and is closed when the reader stops early."""
+    finished, rest = False, b""
+    try:
+        for chunk in response.stream(1 << 16):
+            *lines, rest = (rest + chunk).split(b"\n")
+            yield from (line for line in lines if line.strip())
+        if rest.strip():
+            yield rest
+        finished = True
+    finally:
+        if not finished:
+            response.close()
+        response.release_conn()
+
+
 class Kube:
     """The operator's only way to the API server. Raw dicts in and out; declared calls only.
     `gang_schedulers`: the gang schedulers whose PodGroups the operator's role grants (GANG_GROUPS keys)."""
 
-    def __init__(self, transport: Transport, gang_schedulers: Iterable[str] = tuple(GANG_GROUPS)):
-        self._send = transport
+    def __init__(self, transport: Transport, gang_schedulers: Iterable[str] = tuple(GANG_GROUPS),
+                 stream: Stream | None = None):
+        self._send, self._stream = transport, stream
         self._not_granted = {group: gang for gang, group in GANG_GROUPS.items() if gang not in set(gang_schedulers)}
 
     # -- plumbing --------------------------------------------------------------------------------------
 
-    def _request(self, call: Call, method: str, path: str, *, query: Mapping[str, str] | None = None,
-                 body: Any = None, content_type: str = "application/json", ok: Iterable[int] = ()) -> Any:
+    def _check(self, call: Call) -> None:
         if call not in OPERATOR_CALLS:
             raise UndeclaredCall(f"{call} is not in api_calls.OPERATOR_CALLS")
         if call.group in self._not_granted:
             raise NotGranted(call, self._not_granted[call.group])
+
+    def _request(self, call: Call, method: str, path: str, *, query: Mapping[str, str] | None = None,
+                 body: Any = None, content_type: str = "application/json", ok: Iterable[int] = (),
+                 answer: bool = True) -> Any:
+        self._check(call)
         status, data = self._send(method, path, dict(query or {}), body, content_type)
         if 200 <= status < 300:
+            if not answer:  # the caller needs only the success (a created pod's body is kilobytes of JSON)
+                return True
             return json.loads(data) if data[:1] in (b"{", b"[") else data.decode("utf-8", "replace")
         if status in ok:
             return None
-        metrics.api_error(status)
-        message = _error_message(data)
-        if status == 403:
-            log.warning("API call forbidden (HTTP 403): %s %s in %s: %s", call.verb,
-                        f"{call.group}/{call.resource}" if call.group else call.resource, _where(path), message)
-            raise Forbidden(status, message)
-        raise ApiError(status, message)
+        raise _refused(call, path, status, data)
 
     @staticmethod
     def _path(group: str, version: str, plural: str, namespace: str, name: str = "", sub: str = "") -> str:
@@ -215,7 +254,7 @@ class Kube:
         meta = manifest["metadata"]
         ns, name = meta["namespace"], meta["name"]
         created = self._request(Call(group, plural, "create"), "POST", self._path(group, version, plural, ns),
-                                body=dict(manifest), ok=(409,))
+                                body=dict(manifest), ok=(409,), answer=False)
         if created is not None:
             return True
         existing = self.get(manifest["apiVersion"], manifest["kind"], ns, name)
@@ -248,7 +287,8 @@ class Kube:
         if uid:
             body["preconditions"] = {"uid": uid}
         gone = self._request(Call(group, plural, "delete"), "DELETE",
-                             self._path(group, version, plural, namespace, name), body=body, ok=(404, 409))
+                             self._path(group, version, plural, namespace, name), body=body, ok=(404, 409),
+                             answer=False)
         return gone is not None
 
     def delete_pod(self, namespace: str, name: str, force: bool = False) -> bool:
@@ -269,6 +309,27 @@ class Kube:
         items = (data or {}).get("items") or []
         return [p for p in items
                 if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in labels.items())]
+
+    def list_pods_in(self, namespace: str | None, selector: str) -> tuple[list[dict[str, Any]], str]:
+        """Pods matching label `selector` in `namespace` (None: every namespace), and the resourceVersion
+        of that listing (where a watch resumes)."""
+        path = self._path("", "v1", "pods", namespace) if namespace else "/api/v1/pods"
+        data = self._request(Call("", "pods", "list"), "GET", path, query={"labelSelector": selector}) or {}
+        return data.get("items") or [], str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch_pods(self, namespace: str | None, selector: str, version: str, seconds: int) -> Iterable[bytes]:
+        """The watch events (JSON lines) of pods matching `selector` after `version`, with bookmarks, until
+        the server ends the stream after `seconds`. An error answer raises ApiError (410: `version` is gone)."""
+        call = Call("", "pods", "watch")
+        self._check(call)
+        if self._stream is None:
+            raise UndeclaredCall("this Kube was made without a stream transport: it cannot watch")
+        path = self._path("", "v1", "pods", namespace) if namespace else "/api/v1/pods"
+        status, lines = self._stream(path, {"watch": "1", "labelSelector": selector, "resourceVersion": version,
+                                            "allowWatchBookmarks": "true", "timeoutSeconds": str(seconds)})
+        if status != 200:
+            raise _refused(call, path, status, b"".join(lines))
+        return lines
 
     def list_nodes(self) -> list[dict[str, Any]]:
         data = self._request(Call("", "nodes", "list"), "GET", "/api/v1/nodes")
@@ -324,6 +385,17 @@ class Kube:
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         self._request(Call("", "events", "create"), "POST", self._path("", "v1", "events", ns), body=event)
+
+
+def _refused(call: Call, path: str, status: int, data: bytes) -> ApiError:
+    """The error for a refused call (counted; a 403 is logged naming the call)."""
+    metrics.api_error(status)
+    message = _error_message(data)
+    if status == 403:
+        log.warning("API call forbidden (HTTP 403): %s %s in %s: %s", call.verb,
+                    f"{call.group}/{call.resource}" if call.group else call.resource, _where(path), message)
+        return Forbidden(status, message)
+    return ApiError(status, message)
 
 
 def _where(path: str) -> str:

@@ -1,6 +1,8 @@
 """build(job, attempt) -> manifests: everything one attempt of a TrainingJob runs as. Pure: no API calls.
 
-Per job: a headless Service (stable DNS for rank 0, the rendezvous host). Per attempt: an optional
+Per job: a headless Service (stable DNS for rank 0, the rendezvous host), created once a pod of the job
+is placed on a node (a job waiting in a queue or for room costs no Service, nor the Endpoints and
+EndpointSlice the control plane keeps for one). Per attempt: an optional
 PodGroup for gang scheduling and one pod per node named `<job>-<attempt>-<rank>`. Each pod carries the
 trainer's config itself (an annotation the kubelet writes to /etc/kubetron/config.yaml through a
 downward API volume): a start costs no ConfigMap to create and, when the attempt ends, to delete.
@@ -80,7 +82,14 @@ def master_addr(job: Job, attempt: int) -> str:
 
 def build(job: Job, attempt: int, expected_iteration: int = 0,
           avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> list[dict[str, Any]]:
-    """All objects of attempt `attempt`, in creation order (Service, PodGroup, pods).
+    """All objects of attempt `attempt`: the job's Service, then attempt_objects(). The operator creates
+    the Service only once a pod of the job is placed on a node (policy.start.needs_service)."""
+    return [build_service(job), *attempt_objects(job, attempt, expected_iteration, avoid_nodes, nodes)]
+
+
+def attempt_objects(job: Job, attempt: int, expected_iteration: int = 0,
+                    avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> list[dict[str, Any]]:
+    """The objects of attempt `attempt` itself, in creation order (PodGroup, pods).
 
     `nodes` is the attempt's size (0: spec.nodes); an elastic job's attempt may be smaller (docs/elastic.md).
     `expected_iteration` is the last durable checkpoint the operator knows of; the pods pass it to the
@@ -88,7 +97,7 @@ def build(job: Job, attempt: int, expected_iteration: int = 0,
     nodes that rejected or lost an earlier attempt: the pods get a node anti-affinity to them.
     """
     nodes = nodes or job.spec.nodes
-    manifests = [build_service(job)]
+    manifests: list[dict[str, Any]] = []
     if job.spec.scheduling.gang != "none":
         manifests.append(build_pod_group(job, attempt, nodes))
     manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes, nodes) for rank in range(nodes)]

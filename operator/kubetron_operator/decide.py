@@ -30,7 +30,9 @@ def decide(job: Job | None, obs: Observed) -> Action:
     """The next step for `job` (None when its spec does not parse; obs.spec_error then says why)."""
     action = _decide(job, obs)
     release = released(obs, action)
-    return replace(action, release_pods=release) if release else action
+    if release:
+        action = replace(action, release_pods=release)
+    return replace(action, create_service=True) if start.needs_service(obs, action) else action
 
 
 def _decide(job: Job | None, obs: Observed) -> Action:

@@ -1,17 +1,20 @@
 """The kopf layer: gather observations, call decide(), apply the action. No policy lives here.
 
-Event-driven: the operator watches its pods (kopf index `training_pods`, keyed by the controller
-owner's UID) and its TrainingJobs. One daemon per TrainingJob sleeps until a change to the job or to one
+Event-driven: the operator watches its pods (pod_cache.PodCache, outside kopf, keyed by the controller
+owner's UID) and its TrainingJobs (kopf). One daemon per TrainingJob sleeps until a change to the job or to one
 of its pods wakes it (coalesced for DEBOUNCE seconds), or until the next moment time itself matters
 (`next_due`: backoff, deadlines, startup timeout, TTL, a live-progress read while running) plus jitter.
 A finished or suspended job is never revisited by itself. Each wake-up decides from the freshest body
 known, the watched one or the one our own last status patch returned (whichever is newer: a lagging
 watch never brings back a status we already replaced), and acts on it with no read of the job: every
 status patch carries that body's resourceVersion, so a decision someone else's write made stale is
-refused (Conflict) and taken again, and counters in status are never applied twice. A new job is acted
-on only once kopf's finalizer is on it (kopf adds it first; acting before would race that patch).
-kopf keeps no diff base (NoDiffBase): its only change handler, on.delete, needs none, so kopf writes
-nothing to a job but its finalizer.
+refused (Conflict) and taken again, and counters in status are never applied twice.
+No finalizer on an ordinary job (a kopf daemon asks for one; ours stops itself on the job's DELETED
+event): deleting a job leaves its children to the garbage collector (owner references), as for a
+Kubernetes Job, and kopf writes nothing to a job at all (NoDiffBase: no diff-base annotation either).
+A job queued in Kueue (spec.queueName, or the queue label) does get kopf's finalizer: its deletion waits
+for cleanup_on_delete to mark its pods not retriable (else Kueue keeps the group's quota for
+replacements); such a job is acted on only once the finalizer is on it (acting before races that patch).
 The action is applied in crash-safe order: a new attempt's pods are created before status names the
 attempt; an ended attempt is recorded in status before its pods are deleted. Pods this operator has
 just created are remembered until the watch shows them, so a lagging watch is never taken for a
@@ -22,6 +25,7 @@ preemption. Status is patched only when a field changed, and a change of live pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,7 +33,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
@@ -42,9 +46,10 @@ from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
 from kubetron_operator.build import (
     LABEL_JOB,
-    build,
+    attempt_objects,
     build_probe_pod,
     build_reader_pod,
+    build_service,
     pod_group_name,
     service_name,
 )
@@ -55,16 +60,24 @@ from kubetron_operator.model import (
     KUEUE_GROUP_LABEL,
     KUEUE_RETRIABLE_ANNOTATION,
     PLURAL,
+    QUEUE_LABEL,
     VERSION,
     Job,
     S3Storage,
     SpecError,
 )
 from kubetron_operator.observe import Observed, PodView, job_status, node_trouble, termination_text
+from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.elastic import attempt_size, shrink_due
 from kubetron_operator.policy.lifecycle import FORCE_DELETE_AFTER
-from kubetron_operator.policy.start import NOT_SCHEDULED_AFTER, READER_TIMEOUT, create_failed
+from kubetron_operator.policy.start import (
+    ENDING_PHASES,
+    NOT_SCHEDULED_AFTER,
+    READER_TIMEOUT,
+    create_failed,
+    service_failed,
+)
 from kubetron_operator.progress_io import read_s3_progress
 
 PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt runs quietly
@@ -73,8 +86,11 @@ RESYNC = 300.0  # seconds: an unfinished, unsuspended job is re-decided at least
 UNSEEN_FOR = 60.0  # seconds a pod we created may stay unseen by the watch before we stop vouching for it
 RECONCILE_THREADS = 16  # jobs reconciled at once (each mostly waits for the API server)
 PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond"})  # throttled status fields
-FINALIZER = "kubetron.dev/operator"  # kopf's (settings.persistence.finalizer): kopf adds it before all else
-FINALIZER_WAIT = 1.0  # seconds a new job waits for kopf's finalizer at most before looking again
+FINALIZER = "kubetron.dev/operator"  # kopf's (settings.persistence.finalizer), on Kueue-queued jobs only
+FINALIZER_WAIT = 1.0  # seconds a new queued job waits for kopf's finalizer at most before looking again
+SERVICE_RETRY = 10.0  # seconds until a Service that could not be created (a transient error) is tried again
+EVENT_QUIET = 0.1  # seconds without an action in flight before a held-back Event goes out
+EVENT_HOLD = 10.0  # seconds an Event waits at most for the operator to be quiet
 
 
 class View:
@@ -89,6 +105,8 @@ class View:
         self._created: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
         self._jobs: dict[str, tuple[str, Job | None, str]] = {}
         self.patched: dict[str, float] = {}
+        self.gone: set[str] = set()  # jobs whose DELETED event came: their daemons stop
+        self.services: set[str] = set()  # jobs whose Service this operator created or found (Observed.service)
 
     def wake(self, uid: str | None) -> None:
         if uid and uid in self.wakes:
@@ -146,6 +164,8 @@ class View:
     def forget(self, uid: str) -> None:
         for table in (self.wakes, self.patched):
             table.pop(uid, None)
+        self.gone.discard(uid)
+        self.services.discard(uid)
         with self._lock:
             self.bodies.pop(uid, None)
             self._jobs.pop(uid, None)
@@ -159,14 +179,43 @@ def _older(body: dict[str, Any], than: dict[str, Any]) -> bool:
     return mine.isdigit() and other.isdigit() and int(mine) < int(other)
 
 
+class Activity:
+    """How many actions are being applied right now, and when the last one ended (EventPoster waits
+    for a quiet moment)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._acting = 0
+        self._ended = float("-inf")
+
+    @contextlib.contextmanager
+    def acting(self) -> Iterator[None]:
+        with self._lock:
+            self._acting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._acting -= 1
+                self._ended = time.monotonic()
+
+    def busy(self, quiet: float = EVENT_QUIET) -> bool:
+        """An action is in flight, or one ended less than `quiet` seconds ago."""
+        with self._lock:
+            return self._acting > 0 or time.monotonic() - self._ended < quiet
+
+
 class EventPoster:
     """Posts the jobs' Events from one background thread, in order. An event is best effort (a failed post
-    is logged, never retried) and never holds a reconcile: a burst of new jobs creates their pods and
-    patches their status at full speed while their AttemptCreated events follow one at a time."""
+    is logged, never retried) and never holds a reconcile. While the operator is acting (`activity`: a
+    burst of new jobs whose pods and status go first) an event waits, at most EVENT_HOLD seconds from
+    when it was handed over; its time is the moment it was decided, so a late post says the same."""
 
-    def __init__(self, kube: Kube):
+    def __init__(self, kube: Kube, activity: Activity | None = None):
         self.kube = kube
-        self._queue: queue.SimpleQueue[tuple[dict[str, Any], str, str, str, str, kopf.Logger]] = queue.SimpleQueue()
+        self.activity = activity or Activity()
+        self._queue: queue.SimpleQueue[tuple[float, tuple[dict[str, Any], str, str, str, str, kopf.Logger]]] = \
+            queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -175,7 +224,7 @@ class EventPoster:
         meta = body["metadata"]
         involved = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                     "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid")}}
-        self._queue.put((involved, type_, reason, message, now, logger))
+        self._queue.put((time.monotonic(), (involved, type_, reason, message, now, logger)))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="events", daemon=True)
@@ -183,7 +232,9 @@ class EventPoster:
 
     def _run(self) -> None:
         while True:
-            involved, type_, reason, message, now, logger = self._queue.get()
+            handed, (involved, type_, reason, message, now, logger) = self._queue.get()
+            while self.activity.busy() and time.monotonic() - handed < EVENT_HOLD:
+                time.sleep(EVENT_QUIET)
             try:
                 self.kube.post_event(involved, type_, reason, message, now)
             except Exception as exc:  # noqa: BLE001 - an event is nice to have, never worth a retry
@@ -204,28 +255,50 @@ class Deps:
     # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
     executor: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile"))
+    activity: Activity = dataclasses.field(default_factory=Activity)  # actions in flight
     poster: EventPoster = dataclasses.field(init=False)  # the jobs' Events, through `kube`
+    namespaces: tuple[str, ...] = ()  # the watched namespaces (empty: the whole cluster)
+    pods: PodCache | None = None  # the jobs' pods, once listed (start_pod_cache)
 
     def __post_init__(self) -> None:
-        self.poster = EventPoster(self.kube)
+        self.poster = EventPoster(self.kube, self.activity)
 
 
 def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     """Attach the TrainingJob handlers to `registry` (main.run and the tests each bring their own)."""
-    labels = {LABEL_JOB: kopf.PRESENT}
-    # kopf starts no handler before every index holds the initial listing: no daemon ever decides from
-    # a half-filled view of its pods (which would look like pods that vanished).
-    kopf.index("", "v1", "pods", id="training_pods", labels=labels, registry=registry)(training_pods)
-    # The index function wakes the pod's job (it sees every pod event but a deletion: kopf just drops a
-    # deleted pod from the index); a handler per event would cost kopf's handler machinery thrice per pod.
-    kopf.on.event("", "v1", "pods", labels=labels, registry=registry, when=_deleted)(pod_event)
+    # The pods are watched outside kopf (pod_cache), listed before kopf watches any job: no daemon ever
+    # decides from a half-filled view of its pods (which would look like pods that vanished).
+    kopf.on.startup(registry=registry)(start_pod_cache)
+    kopf.on.cleanup(registry=registry)(stop_pod_cache)
     kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)(job_event)
     # kopf's handler protocols type `namespace` as str | None (for cluster-wide resources; a TrainingJob is
-    # namespaced) and cannot express an index passed as a keyword (training_pods): hence the two ignores.
+    # namespaced): hence the ignores.
     kopf.daemon(GROUP, VERSION, PLURAL, registry=registry,
                 cancellation_timeout=10.0)(reconcile_daemon)  # type: ignore[arg-type]
-    kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, optional=True)(cleanup_on_delete)  # type: ignore[arg-type]
+    _needs_no_finalizer(registry, reconcile_daemon)
+    # Only a Kueue-queued job's deletion waits (kopf's finalizer) for its pods to be let go; kopf is blind
+    # to every other job's changes (no handler matches them), so it spends nothing on their events.
+    kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, when=queued)(cleanup_on_delete)  # type: ignore[arg-type]
     return registry
+
+
+def _needs_no_finalizer(registry: kopf.OperatorRegistry, fn: Callable[..., Any]) -> None:
+    """kopf.daemon always asks for a finalizer (to stop the daemon before its object goes), which costs a
+    patch and a watch event per new job and makes every deletion wait for the operator. `fn` stops by
+    itself on the job's DELETED event (View.gone); kopf stops it as before on shutdown and when a peer
+    takes over. kopf offers no argument for this: the handler kopf.daemon registered is replaced by a copy
+    with requires_finalizer=False (kopf is pinned; tests/operator/test_on_kube_events.py sees no patch)."""
+    spawning = registry._spawning._handlers
+    matching = [i for i, h in enumerate(spawning) if h.fn is fn]
+    if len(matching) != 1:
+        raise RuntimeError(f"kopf registered {len(matching)} daemons for {fn.__name__}, not one")
+    spawning[matching[0]] = dataclasses.replace(spawning[matching[0]], requires_finalizer=False)
+
+
+def queued(body: Mapping[str, Any], **_: Any) -> bool:
+    """The job is queued in Kueue (spec.queueName or the queue label): its pods form Kueue pod groups."""
+    labels = (body.get("metadata") or {}).get("labels") or {}
+    return bool((body.get("spec") or {}).get("queueName") or labels.get(QUEUE_LABEL))
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -245,19 +318,25 @@ class NoDiffBase(kopf.DiffBaseStorage):
         return None
 
 
-async def training_pods(body: kopf.Body, memo: Any, **_: Any) -> dict[str, dict[str, Any]] | None:
-    """The index: controller owner UID -> that job's pods (a copy; kopf's body changes in place). Wakes
-    the job's daemon: kopf puts the pod in the index as this returns, with no await in between, and the
-    daemon reads the index only after its debounce."""
-    uid = controller_uid(body)
-    if not uid:
-        return None
-    memo.deps.view.wake(uid)
-    return {uid: _copy(body)}
+async def start_pod_cache(memo: Any, **_: Any) -> None:
+    """List the pods of every watched namespace, then watch them (PodCache); each change wakes its job."""
+    deps: Deps = memo.deps
+    loop = asyncio.get_running_loop()
+
+    def wake(uid: str) -> None:
+        loop.call_soon_threadsafe(deps.view.wake, uid)
+
+    cache = PodCache(deps.kube, deps.namespaces, LABEL_JOB, wake)
+    try:
+        await loop.run_in_executor(deps.executor, cache.start)
+    except Exception as exc:  # noqa: BLE001 - the API server is away or refuses: kopf tries again (one line)
+        raise kopf.TemporaryError(f"cannot list the pods to watch: {exc}", delay=2.0) from None
+    deps.pods = cache
 
 
-def _deleted(type: str | None, **_: Any) -> bool:  # noqa: A002 - kopf's kwarg
-    return type == "DELETED"
+async def stop_pod_cache(memo: Any, **_: Any) -> None:
+    if memo.deps.pods is not None:
+        memo.deps.pods.stop()
 
 
 def _copy(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -267,10 +346,6 @@ def _copy(body: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps({**body, "metadata": meta}))
 
 
-async def pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
-    memo.deps.view.wake(controller_uid(body))
-
-
 async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
     view: View = memo.deps.view
     uid = (body.get("metadata") or {}).get("uid")
@@ -278,23 +353,26 @@ async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> N
         return
     if type == "DELETED":
         view.drop(uid)
+        view.gone.add(uid)  # no finalizer held it: its daemon stops by itself
+        meta = body.get("metadata") or {}
+        metrics.forget(meta.get("namespace") or "default", meta.get("name") or "")
     else:
         view.saw(uid, _copy(body))
     view.wake(uid)
 
 
 async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped,
-                           memo: Any, logger: kopf.Logger, training_pods: kopf.Index, **_: Any) -> None:
+                           memo: Any, logger: kopf.Logger, **_: Any) -> None:
     """Decide whenever the job or one of its pods changes, or when the next deadline is due."""
     deps: Deps = memo.deps
     view = deps.view
     wake = view.wakes.setdefault(uid, asyncio.Event())
     loop = asyncio.get_running_loop()
     try:
-        while not stopped:
+        while not stopped and uid not in view.gone:
             wake.clear()
             current = view.bodies.get(uid) or _copy(body)
-            pods = view.pods(uid, training_pods.get(uid, ()))
+            pods = view.pods(uid, deps.pods.pods(uid) if deps.pods is not None else ())
             try:
                 due = await loop.run_in_executor(deps.executor, react, deps, current, pods, logger)
             except Exception:  # one bad round must not kill the job's reconciler
@@ -325,23 +403,25 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return None
-    if FINALIZER not in (meta.get("finalizers") or ()):
+    if FINALIZER not in (meta.get("finalizers") or ()) and queued(body):
         return FINALIZER_WAIT  # kopf's finalizer patch is under way; its watch event wakes us
     obs, job = observe(deps, body, pods)
     action, held = _throttle(deps, meta.get("uid") or "", decide(job, obs))
     if not _idle(action):
-        with metrics.RECONCILE.time():
+        with metrics.RECONCILE.time(), deps.activity.acting():
             act(deps, body, job, obs, action, logger)
     due = next_due(job, obs, deps.interval)
     if held:  # a progress patch was held back: look again when it may go out
         due = min(due if due is not None else float("inf"), 2 * deps.interval)
+    if action.create_service and meta.get("uid") not in deps.view.services:  # a transient error: try again
+        due = min(due if due is not None else float("inf"), SERVICE_RETRY)
     return due
 
 
 def _idle(action: Action) -> bool:
     return not (action.status or action.delete_pods or action.force_delete_pods or action.events or action.release_pods
                 or action.create_attempt is not None or action.create_reader is not None or action.delete_job
-                or action.create_probes)
+                or action.create_probes or action.create_service)
 
 
 def _throttle(deps: Deps, uid: str, action: Action) -> tuple[Action, bool]:
@@ -505,7 +585,7 @@ def observe(deps: Deps, body: dict[str, Any],
         if isinstance(job.spec.storage, S3Storage):
             progress = _progress(deps, job, status, pods, now)
     return Observed(now=now, status=status, pods=tuple(pods), progress=progress, live=live_data,
-                    spec_error=error, node_trouble=trouble), job
+                    spec_error=error, node_trouble=trouble, service=meta.get("uid") in deps.view.services), job
 
 
 def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[str, str]:
@@ -541,6 +621,12 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
     rv = meta.get("resourceVersion")
+    if action.create_service and job is not None:
+        failed = create_children(kube, job, [build_service(job)], logger)
+        if failed is None:
+            deps.view.services.add(job.uid)
+        else:
+            action = service_failed(obs, action, *failed)
     attempt = action.create_attempt  # `action` may be replaced by create_failed below
     if attempt is not None and job is not None:
         # Pods first: if we die before the status patch, the next round recreates them (409s), never
@@ -548,7 +634,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        manifests = build(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes)
+        manifests = attempt_objects(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes)
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
@@ -599,8 +685,7 @@ def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
                 created.append(manifest)
         except ApiError as exc:
             for done in reversed(created):
-                if done["kind"] != "Service":  # per job, not per attempt: kept for the next try
-                    kube.delete(done["apiVersion"], done["kind"], job.namespace, done["metadata"]["name"])
+                kube.delete(done["apiVersion"], done["kind"], job.namespace, done["metadata"]["name"])
             what = f"{manifest['kind']} {job.namespace}/{manifest['metadata']['name']}"
             logger.warning("cannot create %s: %s", what, exc)
             if isinstance(exc, NameConflict):
@@ -613,7 +698,7 @@ def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
 def _attempt_ended(obs: Observed, action: Action) -> bool:
     """The running attempt just ended (restart, success, failure, suspension)."""
     return (int(obs.status.get("attempt") or 0) > 0 and obs.status.get("phase") in ("Pending", "Running")
-            and action.phase in ("Restarting", "Succeeded", "Failed", "Suspended"))
+            and action.phase in ENDING_PHASES)
 
 
 def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], resource_version: str | None) -> None:

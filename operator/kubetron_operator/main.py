@@ -11,8 +11,8 @@ import kopf
 from kubetron.contract.errors import ConfigError
 
 from kubetron_operator import handlers
-from kubetron_operator.api_calls import Kube, kubernetes_transport
-from kubetron_operator.build import LABEL_JOB
+from kubetron_operator.api_calls import Kube, kubernetes_stream, kubernetes_transport
+from kubetron_operator.pod_cache import WATCH_SECONDS
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
@@ -52,8 +52,6 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
     s.persistence.finalizer = handlers.FINALIZER
     s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubetron.dev")
     s.persistence.diffbase_storage = handlers.NoDiffBase()  # no annotation patch per new or edited job
-    # Watch only our own pods: the server filters by the job label, so other pods cost nothing.
-    s.watching.label_selectors["v1", "pods"] = LABEL_JOB
     s.posting.level = logging.WARNING  # our own events are posted explicitly; kopf's only on trouble
     s.peering.standalone = not peering
     if peering:
@@ -67,9 +65,8 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
 
 
 def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
-    """Drop kopf's "Handler 'pod_event' succeeded." lines: one per watch event, thousands a minute."""
-    return not (record.levelno <= logging.INFO and record.getMessage().startswith(
-        ("Handler 'pod_event'", "Handler 'job_event'", "Handler 'training_pods'")))
+    """Drop kopf's "Handler 'job_event' succeeded." lines: one per watch event, thousands a minute."""
+    return not (record.levelno <= logging.INFO and record.getMessage().startswith("Handler 'job_event'"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     namespaces = list(getattr(args, "namespaces", None) or getattr(args, "namespace", None) or [])
     if isinstance(namespaces, str):
         namespaces = [namespaces]
+    patterns = [ns for ns in namespaces if set(ns) & set("*?[]!")]
+    if patterns:
+        raise ConfigError("--namespace", f"{patterns[0]!r} is a pattern; name each namespace to watch (or none: "
+                          "every namespace)")
     peering = getattr(args, "peering", None) or None
     liveness = getattr(args, "liveness", DEFAULT_LIVENESS)
     interval = float(getattr(args, "interval", None) or 5.0)
@@ -96,13 +97,14 @@ def run(args: argparse.Namespace) -> int:
     # how to log in (the same credentials our own calls use).
     registry = handlers.register(kopf.OperatorRegistry())
     kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
-    # A connection per reconcile thread and one for the event poster (an extra one would be a new TLS
-    # handshake per request, its connection discarded after).
-    configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS + 1
+    # A connection per reconcile thread, one for the event poster and one per pod watch (an extra one
+    # would be a new TLS handshake per request, its connection discarded after).
+    configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS + 1 + max(1, len(namespaces))
     gang = getattr(args, "gang_schedulers", None)
-    kube = Kube(kubernetes_transport(client.ApiClient(configuration)),
+    api_client = client.ApiClient(configuration)
+    kube = Kube(kubernetes_transport(api_client), stream=kubernetes_stream(api_client, WATCH_SECONDS + 30),
                 **({} if gang is None else {"gang_schedulers": gang}))
-    deps = handlers.Deps(kube=kube, interval=interval)
+    deps = handlers.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces))
     kopf.run(
         registry=registry,
         settings=settings(peering),

@@ -308,6 +308,7 @@ def _check_gpu_resources(resources: Mapping[str, Any], gpus: int) -> None:
                             "set only gpusPerNode")
 
 
+@functools.lru_cache(maxsize=256)
 def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, world_size: int, gpus: bool) -> None:
     """Parse spec.config + spec.overrides + the store overrides with the trainer's own ConfigContainer
     and derive it for this world size: what the trainer's command line (build.trainer_args) will load.
@@ -317,6 +318,7 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
     Only the pure part (ConfigContainer.derive: schema, types, cross-field and world-size arithmetic):
     what reads the pod's files, S3 or environment (tokenizer files, data and checkpoint paths, KUBETRON_*
     defaults) is checked by the trainer at start (ConfigContainer.resolve), where those exist.
+    Cached (a config that passed passes again; one that failed raises anew): jobs of one sweep share it.
     """
     derive_at(trainer_config(config, overrides, store), world_size, gpus)
 

@@ -20,7 +20,7 @@ from kubetron.contract.times import age_seconds
 
 from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, READER_CONTAINER
 from kubetron_operator.job_status import JobStatus
-from kubetron_operator.model import KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, TRAINER
+from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, TRAINER
 
 ADMISSION_POD_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "NodeSelectorMismatching",
                                    "NodePorts", "InvalidNodeInfo", "UnknownNode"})
@@ -34,6 +34,20 @@ OWN_LIMIT_EVICTIONS = ("exceeds the total limit of containers", "exceeded its lo
 limits (pod or container ephemeral-storage, an emptyDir sizeLimit): the job's doing, a failure. Its
 node-pressure evictions ("The node was low on resource: ...") stay free preemptions."""
 MAIN_CONTAINER = {"worker": TRAINER, "progress-reader": READER_CONTAINER}
+POD_SPEC_READ = ("nodeName", "schedulerName", "schedulingGates")
+"""The fields of a pod's spec that PodView.from_pod reads."""
+
+
+def pod_essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of the parts of a pod that PodView.from_pod and termination_text read: its metadata
+    without managedFields and the trainer's config, POD_SPEC_READ, its status. The operator holds one per
+    watched pod and copies one per watch event: a whole pod is several times the bytes."""
+    meta = {k: v for k, v in (pod.get("metadata") or {}).items() if k != "managedFields"}
+    if CONFIG_ANNOTATION in (meta.get("annotations") or {}):
+        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k != CONFIG_ANNOTATION}
+    spec = {k: v for k, v in (pod.get("spec") or {}).items() if k in POD_SPEC_READ}
+    essentials = {"metadata": meta, "spec": spec, "status": pod.get("status") or {}}
+    return cast(dict[str, Any], json.loads(json.dumps(essentials)))
 
 
 @dataclass(frozen=True)
@@ -202,6 +216,7 @@ class Observed:
     live: LiveStatus | None = None  # rank 0's GET /status (live.read_live); None if unread
     spec_error: str = ""
     node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
+    service: bool = False  # the job's headless Service is known to exist (this operator created or found it)
 
 
 NO_PROGRESS: ProgressSummary = summarize_events([])

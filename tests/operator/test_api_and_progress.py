@@ -6,10 +6,11 @@ import base64
 import json
 import logging
 import threading
+import time
 
 import pytest
 from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
-from kubetron_operator import live
+from kubetron_operator import handlers, live
 from kubetron_operator.api_calls import (
     ALL_CALLS,
     Call,
@@ -19,7 +20,7 @@ from kubetron_operator.api_calls import (
     UndeclaredCall,
     cluster_role_rules,
 )
-from kubetron_operator.handlers import EventPoster
+from kubetron_operator.handlers import Activity, EventPoster
 from kubetron_operator.model import Job
 from kubetron_operator.observe import PodView
 from kubetron_operator.progress_io import read_s3_progress, s3_key
@@ -69,6 +70,33 @@ def test_events_are_posted_in_order_without_holding_the_caller(caplog):
         threading.Event().wait(0.05)
     assert posted == ["AttemptCreated", "Refused", "Running"]
     assert "could not post event Refused" in caplog.text
+
+
+def test_events_wait_for_a_quiet_moment_at_most_event_hold(monkeypatch):
+    """While the operator is applying actions (a burst of starts) an Event waits: pods and status go first.
+    It goes out once nothing is in flight, or after EVENT_HOLD seconds however busy the operator is."""
+    posted: list[tuple[str, float]] = []
+
+    def transport(method, path, query, body, content_type):
+        posted.append((body["reason"], time.monotonic()))
+        return 201, b"{}"
+
+    activity = Activity()
+    poster, body, logger = EventPoster(Kube(transport), activity), job_body(S3_JOB), logging.getLogger("test.events")
+    with activity.acting():
+        poster.post(body, "Normal", "AttemptCreated", "m", "2026-01-01T00:00:00Z", logger)
+        time.sleep(0.5)
+        assert posted == []  # held while an action is in flight
+        released = time.monotonic()
+    until = time.monotonic() + 5
+    while not posted and time.monotonic() < until:
+        time.sleep(0.01)
+    assert [r for r, _ in posted] == ["AttemptCreated"] and posted[0][1] >= released
+    monkeypatch.setattr(handlers, "EVENT_HOLD", 0.3)
+    with activity.acting():  # busy for good: the event goes out after EVENT_HOLD anyway
+        poster.post(body, "Warning", "Unschedulable", "m", "2026-01-01T00:00:01Z", logger)
+        time.sleep(1.0)
+        assert [r for r, _ in posted] == ["AttemptCreated", "Unschedulable"]
 
 
 def _owned_by(uid):

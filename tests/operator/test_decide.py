@@ -14,6 +14,7 @@ from kubetron_operator.decide import decide
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView, node_trouble
 from kubetron_operator.policy.restart import MAX_PREEMPTIONS_WITHOUT_PROGRESS
+from kubetron_operator.policy.start import service_failed
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 
@@ -757,3 +758,38 @@ def test_in_place_restarts_add_up_over_attempts_and_survive_the_attempts_end():
     created = run({**status, **failed.status, "nextAttemptTime": None}, pods=[], progress=log)
     assert created.kind == "create" and created.status["attemptInPlaceRestarts"] == 0
     assert created.status["restarts"]["inPlace"] == 2
+
+
+# -- rank 0's Service: once a pod is placed ---------------------------------------------------------
+
+PENDING = {**RUNNING, "phase": "Pending", "reason": "AttemptCreated"}
+
+
+@pytest.mark.parametrize(("case", "pods", "known", "wanted"), [
+    ("no pod placed yet (queued, or no room)", [pod(0, "Pending"), pod(1, "Pending", unschedulable="0/3 nodes")],
+     False, False),
+    ("rank 1 bound to a node", [pod(0, "Pending"), pod(1, "Pending", node="n1")], False, True),
+    ("the Service is known already", [pod(0, "Running", node="n1"), pod(1, "Running", node="n2")], True, False),
+    ("an old attempt's pod on a node", [pod(0, "Pending", attempt=0, node="n1")], False, False),
+    ("placed, but being deleted", [pod(0, "Pending", node="n1", deleting_for=1.0), pod(1, "Pending")], False, False),
+])
+def test_the_service_is_asked_for_once_a_pod_of_the_attempt_is_placed(case, pods, known, wanted):
+    action = run(PENDING, pods, service=known)
+    assert action.create_service is wanted, case
+
+
+def test_no_service_for_an_attempt_that_ends():
+    action = run(RUNNING, [pod(0, node="n1"), pod(1, "Failed", node="n2", exit_code=1)])
+    assert action.phase == "Restarting" and not action.create_service
+    assert run({}, []).create_attempt == 1 and not run({}, []).create_service  # a new attempt: its pods first
+
+
+def test_a_service_that_cannot_be_created_fails_the_job_or_is_tried_again():
+    obs = Observed(now=NOW, status=PENDING, pods=(pod(0, "Pending", node="n1"), pod(1, "Pending", node="n2")))
+    asked = decide(JOB, obs)
+    assert asked.create_service
+    again = service_failed(obs, asked, "CreateRetrying", "cannot create Service ml/gpt: HTTP 500", transient=True)
+    assert again.kind == asked.kind and again.events[-1].reason == "CreateRetrying" and not again.phase
+    failed = service_failed(obs, asked, "NameConflict", "Service ml/gpt already exists", transient=False)
+    assert failed.phase == "Failed" and failed.status["reason"] == "NameConflict"
+    assert set(failed.delete_pods) == {"gpt-1-0", "gpt-1-1"}

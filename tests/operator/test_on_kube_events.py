@@ -44,17 +44,26 @@ def test_a_start_costs_its_writes_waiting_costs_nothing_and_a_pod_failure_shows_
         kube.wait_pods(ns, {f"{j}-1-{r}" for j in "abc" for r in (0, 1)})
         kube.wait_status(ns, "c", "attempt 1", lambda s: s.get("attempt") == 1)
         assert quiet(kube) == 0, "the operator still makes API requests while nothing changes"
-        # A start is its writes (finalizer, Service, pods, status, events): kopf patched each
-        # job once (no annotations of its own), nothing read a job back (the watch and the status
-        # patch's answer tell), and no request was refused (no status patch raced kopf's finalizer).
+        # A start is its writes (pods, status, events): nothing wrote to a job but its status (no
+        # finalizer, no kopf annotation), nothing read a job back (the watch and the status patch's
+        # answer tell), no request was refused, and no Service while the pods wait for a node (their
+        # claim "ckpt" does not exist: the scheduler leaves them Unschedulable).
         calls = kube.operator_calls(ns)
-        assert calls[("patch", "trainingjobs", 200)] == 3, calls
+        assert not [c for c in calls if c[:2] == ("patch", "trainingjobs")], calls
         assert not [c for c in calls if c[0] == "get" or c[2] >= 400], calls
-        assert (calls[("create", "services", 201)], calls[("create", "pods", 201)]) == (3, 6), calls
+        assert (calls[("create", "services", 201)], calls[("create", "pods", 201)]) == (0, 6), calls
         assert not [c for c in calls if c[1] == "configmaps"], calls  # the config travels on the pods
         r0 = operator_requests(kube)
         time.sleep(6)
         assert operator_requests(kube) - r0 == 0, "requests while three jobs wait for their pods"
+        # Once a pod is placed on a node, its job's Service (rank 0's name) is created, and only that one.
+        api.create(f"/api/v1/namespaces/{ns}/pods/a-1-1/binding", {
+            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "a-1-1"},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": "node-1"}})
+        svc = kube.wait_for("job a's Service", lambda: api.get(f"/api/v1/namespaces/{ns}/services/a", ok=(404,)))
+        assert svc["metadata"]["ownerReferences"][0]["name"] == "a" and svc["spec"]["clusterIP"] == "None"
+        quiet(kube)
+        assert kube.operator_calls(ns)[("create", "services", 201)] == 1
 
     with kube.operator(ns, interval=60):  # a restarted operator; nothing may wait for its interval
         time.sleep(1)

@@ -94,6 +94,8 @@ def test_deleting_a_queued_job_releases_its_pod_group(kube, kube_ns):
         for name in pods:
             api.patch(f"/api/v1/namespaces/{ns}/pods/{name}", {"metadata": {"finalizers": [KUEUE_FINALIZER]}})
         kube.wait_status(ns, "gpt", "Pending", lambda s: s.get("phase") == "Pending")
+        # A queued job (only such a one) is held by the operator's finalizer until its pods are let go.
+        assert kube.job(ns, "gpt")["metadata"]["finalizers"] == ["kubetron.dev/operator"]
         api.delete(f"{kube.jobs(ns)}/gpt")
         kube.wait_for("the pods deleted and marked not retriable", lambda: kube.pods(ns) and all(
             p["metadata"].get("deletionTimestamp")

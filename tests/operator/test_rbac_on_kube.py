@@ -301,3 +301,12 @@ def test_gang_schedulers_flag_names_only_known_schedulers():
                          timeout=60)
     assert out.returncode == 2 and out.stderr.strip() == (
         "kubetron: error: --gang-schedulers: kueue: must be volcano, coscheduling or none")
+
+
+def test_a_namespace_pattern_is_refused_in_one_line():
+    """The pods are watched per named namespace (pod_cache): a kopf-style pattern would leave them unwatched."""
+    kubetron = str(Path(sys.executable).with_name("kubetron"))
+    out = subprocess.run([kubetron, "operator", "--namespace=ml", "--namespace=team-*"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "kubetron: error: --namespace: 'team-*' is a pattern; name each namespace to watch (or none: every namespace)")

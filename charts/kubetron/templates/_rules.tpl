@@ -36,8 +36,9 @@ required rules from that registry for every values combination and fails on anyt
 
 {{/* Namespaced resources: in the ClusterRole (cluster-wide) or a Role per watched namespace. */}}
 {{- define "kubetron.namespacedRules" -}}
-# The TrainingJobs: kopf watches them and patches its finalizer/annotations; the operator reads them,
-# deletes finished ones after ttlSecondsAfterFinished, and writes their status.
+# The TrainingJobs: kopf watches them and patches its finalizer onto Kueue-queued ones (off others, left by
+# an older operator); the operator reads them, deletes finished ones after ttlSecondsAfterFinished, and
+# writes their status.
 - apiGroups: [kubetron.dev]
   resources: [trainingjobs]
   verbs: [get, list, watch, patch, delete]

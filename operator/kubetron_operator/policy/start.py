@@ -11,6 +11,7 @@ Children that could not be created (the handler tore down what it had made): cre
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from kubetron.contract.progress import CheckpointRef
@@ -33,6 +34,8 @@ from kubetron_operator.policy.status import (
     restart_counts,
 )
 
+ENDING_PHASES = frozenset({"Restarting", "Succeeded", "Failed", "Suspended"})
+"""Phases an action moves to when the current attempt ends."""
 STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
 READER_TIMEOUT = 180.0  # seconds a progress-reader pod may take before we go on without it
 NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
@@ -185,6 +188,24 @@ def _startup_trouble(current: list[PodView]) -> tuple[str, str] | None:
             return "NotScheduled", (f"pod {p.name}: no scheduler has looked at it for {NOT_SCHEDULED_AFTER:.0f}s; "
                                     f"is scheduler {p.scheduler!r} running?")
     return None
+
+
+def needs_service(obs: Observed, action: Action) -> bool:
+    """Rank 0's name (the job's headless Service) is needed once a worker of the current attempt is placed
+    on a node, and the attempt goes on: the trainers resolve it only once they run. A job waiting in a
+    queue or for room costs no Service, nor the Endpoints and EndpointSlice the control plane adds."""
+    attempt = obs.status.get("attempt") or 0
+    if obs.service or attempt == 0 or action.create_attempt is not None or action.phase in ENDING_PHASES:
+        return False
+    return any(p.role == "worker" and p.attempt == attempt and p.node and p.deleting_for is None for p in obs.pods)
+
+
+def service_failed(obs: Observed, action: Action, reason: str, message: str, transient: bool) -> Action:
+    """The Service could not be created (create_children's verdict): a transient error is tried again
+    (an event says so, the rest of `action` goes on); anything else fails the job, as at creation."""
+    if not transient:
+        return fail(obs, reason, message)
+    return replace(action, events=(*action.events, Event("Warning", reason, message)))
 
 
 def create_failed(obs: Observed, reason: str, message: str, transient: bool) -> Action:
