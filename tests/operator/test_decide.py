@@ -782,6 +782,8 @@ def test_no_service_for_an_attempt_that_ends():
     action = run(RUNNING, [pod(0, node="n1"), pod(1, "Failed", node="n2", exit_code=1)])
     assert action.phase == "Restarting" and not action.create_service
     assert run({}, []).create_attempt == 1 and not run({}, []).create_service  # a new attempt: its pods first
+    done = {**RUNNING, "phase": "Succeeded", "completionTime": "2026-11-22T11:30:00Z"}
+    assert not run(done, [pod(0, "Succeeded", node="n1"), pod(1, "Succeeded", node="n2")]).create_service
 
 
 def test_a_service_that_cannot_be_created_fails_the_job_or_is_tried_again():

@@ -195,7 +195,8 @@ def needs_service(obs: Observed, action: Action) -> bool:
     on a node, and the attempt goes on: the trainers resolve it only once they run. A job waiting in a
     queue or for room costs no Service, nor the Endpoints and EndpointSlice the control plane adds."""
     attempt = obs.status.get("attempt") or 0
-    if obs.service or attempt == 0 or action.create_attempt is not None or action.phase in ENDING_PHASES:
+    if obs.service or attempt == 0 or action.create_attempt is not None or ENDING_PHASES & {
+            obs.status.get("phase"), action.phase}:
         return False
     return any(p.role == "worker" and p.attempt == attempt and p.node and p.deleting_for is None for p in obs.pods)
 
