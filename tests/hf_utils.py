@@ -121,7 +121,8 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
 
 def config_for(model_keys: dict, *overrides: str, world_size: int = 1):
     """A finalized run config with this `model:` section."""
-    from kubetron.config import ConfigContainer, apply_overrides
+    from kubetron.config import ConfigContainer
+    from kubetron.contract.config import apply_overrides
 
     data = {"model": dict(model_keys), "train": {"train_iters": 1}}
     if "vocab_size" in model_keys:  # a tokenizer as large as the model's vocabulary: no masked padding rows

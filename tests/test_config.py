@@ -7,9 +7,9 @@ import logging
 
 import pytest
 import yaml
-from kubetron.config import (
+from kubetron.config import ConfigContainer
+from kubetron.contract.config import (
     SECTIONS,
-    ConfigContainer,
     apply_overrides,
     config_reference_markdown,
     padded_vocab_size,

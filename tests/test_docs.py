@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from kubetron.config import config_reference_markdown
+from kubetron.contract.config import config_reference_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 

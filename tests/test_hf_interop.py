@@ -482,7 +482,7 @@ def test_qwen3_sliding_window_and_attention_bias_are_one_line_exit_2(tmp_path, f
                                         (("qk_layernorm", "sliding_window"), "model.sliding_window")])
 def test_export_refuses_attention_no_hf_architecture_has(both, named):
     """Qwen3 has q/k norms, Qwen2 q/k/v biases, Mistral a window: a model with two of them has no HF class."""
-    from kubetron.config import GPTModelConfig
+    from kubetron.contract.config import GPTModelConfig
     from kubetron.contract.errors import ConfigError
     from kubetron.hf.config_map import hf_config
 

@@ -268,7 +268,7 @@ MIXTRAL = {"normalization": "RMSNorm", "activation": "swiglu", "add_bias_linear"
 def test_export_refuses_moe_models_no_hf_architecture_has(fields, named):
     """Mixtral (no q/k norms) has an MoE block on every layer and renormalises the top-k; neither it nor
     Qwen3-MoE has shared experts or q/k/v biases. With q/k norms, dense layers and pre-softmax map."""
-    from kubetron.config import GPTModelConfig
+    from kubetron.contract.config import GPTModelConfig
     from kubetron.contract.errors import ConfigError
     from kubetron.hf.config_map import hf_config
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kubetron.config import GPTModelConfig
+from kubetron.contract.config import GPTModelConfig
 from kubetron.contract.errors import ConfigError
 from kubetron.plan import GIB, Shape, make_plan, parse_memory
 

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
-from kubetron.config import GPTDatasetConfig, TokenizerConfig
+from kubetron.config import TokenizerConfig
 from kubetron.contract import exitcodes
+from kubetron.contract.config import GPTDatasetConfig
 from kubetron.contract.errors import ConfigError
 from kubetron.data import preprocess as preprocess_mod
 from kubetron.data.datasets import build_gpt_datasets

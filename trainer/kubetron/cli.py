@@ -98,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from kubetron.config import config_reference_markdown
+    from kubetron.contract.config import config_reference_markdown
 
     if args.reference:
         if args.config or args.overrides:

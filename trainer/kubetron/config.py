@@ -1,5 +1,9 @@
 """The trainer's run configuration: the contract's schema (kubetron.contract.config: sections, overrides,
-validation, `derive`) plus what reads the place the trainer runs.
+validation, `derive`) extended with what reads the place the trainer runs.
+
+This module defines only the trainer's side: `ConfigContainer` and `TokenizerConfig` (subclasses of the
+contract's) and `load_yaml_file`. Everything else of the schema (the other sections, `apply_overrides`,
+`parse_data_path`, `config_reference_markdown`, ...) is imported from kubetron.contract.config itself.
 
 `ConfigContainer.from_yaml(path, overrides)` reads the YAML file; `finalize(world_size)` is the one
 entry the trainer calls at start: the contract's pure `derive(world_size)`, then `resolve()`, which
@@ -19,35 +23,7 @@ import yaml
 from pydantic import Field
 
 from kubetron.contract import config as schema
-from kubetron.contract.config import (
-    BYTE_TOKENIZER_VOCAB,
-    LORA_TARGETS,
-    MOE_KEYS,
-    SECTIONS,
-    CheckpointConfig,
-    DistributedDataParallelConfig,
-    DistributedInitConfig,
-    FinetuningDatasetConfig,
-    GPTDatasetConfig,
-    GPTModelConfig,
-    LoggerConfig,
-    MixedPrecisionConfig,
-    OptimizerConfig,
-    PeftConfig,
-    ProfilingConfig,
-    RerunStateMachineConfig,
-    RNGConfig,
-    SchedulerConfig,
-    StragglerDetectionConfig,
-    TrainingConfig,
-    ValidationConfig,
-    apply_overrides,
-    config_reference_markdown,
-    is_remote,
-    padded_vocab_size,
-    parse_data_path,
-    parse_split,
-)
+from kubetron.contract.config import apply_overrides, is_remote, parse_data_path
 from kubetron.contract.errors import ConfigError
 
 
@@ -175,34 +151,7 @@ def load_yaml_file(path: str) -> dict:
 
 
 __all__ = [
-    "BYTE_TOKENIZER_VOCAB",
-    "LORA_TARGETS",
-    "MOE_KEYS",
-    "SECTIONS",
-    "CheckpointConfig",
     "ConfigContainer",
-    "DistributedDataParallelConfig",
-    "DistributedInitConfig",
-    "FinetuningDatasetConfig",
-    "GPTDatasetConfig",
-    "GPTModelConfig",
-    "LoggerConfig",
-    "MixedPrecisionConfig",
-    "OptimizerConfig",
-    "PeftConfig",
-    "ProfilingConfig",
-    "RNGConfig",
-    "RerunStateMachineConfig",
-    "SchedulerConfig",
-    "StragglerDetectionConfig",
     "TokenizerConfig",
-    "TrainingConfig",
-    "ValidationConfig",
-    "apply_overrides",
-    "config_reference_markdown",
-    "is_remote",
     "load_yaml_file",
-    "padded_vocab_size",
-    "parse_data_path",
-    "parse_split",
 ]

@@ -39,7 +39,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from kubetron.config import ConfigContainer, GPTModelConfig
+from kubetron.config import ConfigContainer
+from kubetron.contract.config import GPTModelConfig
 from kubetron.contract.errors import ConfigError
 
 GIB = 1024**3

@@ -36,8 +36,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kubetron.config import parse_data_path as config_parse_data_path
-from kubetron.config import parse_split as config_parse_split
+from kubetron.contract.config import parse_data_path as config_parse_data_path
+from kubetron.contract.config import parse_split as config_parse_split
 from kubetron.contract.errors import ConfigError
 
 log = logging.getLogger("kubetron")

@@ -60,7 +60,7 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
 
 def _model_keys(hf_dir: str) -> dict:
     """The full `model:` section (defaults filled in) for an HF directory."""
-    from kubetron.config import GPTModelConfig
+    from kubetron.contract.config import GPTModelConfig
 
     return GPTModelConfig(**config_map.model_section(config_map.read_hf_config(hf_dir))).model_dump()
 
@@ -105,7 +105,7 @@ def import_hf(hf_dir: str, out: str) -> dict:
         raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
     m, tensors = load_hf_canonical(hf_dir)  # every check before megatron-core is even imported
     from kubetron.checkpoint import format_kubetron
-    from kubetron.config import GPTModelConfig
+    from kubetron.contract.config import GPTModelConfig
     from kubetron.storage import open_store
 
     store = open_store(out)
@@ -274,7 +274,7 @@ def load_hf_into_model(model, cfg, hf_dir: str, keep=None):
     """checkpoint.pretrained_checkpoint = an HF directory: its weights into this rank's model parts
     (`keep(name)`: only some; LoRA: the base)."""
     from kubetron.checkpoint import canonical
-    from kubetron.config import GPTModelConfig
+    from kubetron.contract.config import GPTModelConfig
 
     m, tensors = load_hf_canonical(hf_dir)
     hf_model = GPTModelConfig(**m)

@@ -37,7 +37,6 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from kubetron.config import LORA_TARGETS as TARGETS  # noqa: F401  (re-exported)
 from kubetron.contract.errors import ConfigError
 
 log = logging.getLogger("kubetron")
