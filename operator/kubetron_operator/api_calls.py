@@ -245,6 +245,11 @@ class Kube:
             path += f"/{sub}"
         return path
 
+    @classmethod
+    def _pods_path(cls, namespace: str | None) -> str:
+        """The pods of `namespace`, or of every namespace (None)."""
+        return cls._path("", "v1", "pods", namespace) if namespace else "/api/v1/pods"
+
     # -- children --------------------------------------------------------------------------------------
 
     def create(self, manifest: Mapping[str, Any]) -> bool:
@@ -313,7 +318,7 @@ class Kube:
     def list_pods_in(self, namespace: str | None, selector: str) -> tuple[list[dict[str, Any]], str]:
         """Pods matching label `selector` in `namespace` (None: every namespace), and the resourceVersion
         of that listing (where a watch resumes)."""
-        path = self._path("", "v1", "pods", namespace) if namespace else "/api/v1/pods"
+        path = self._pods_path(namespace)
         data = self._request(Call("", "pods", "list"), "GET", path, query={"labelSelector": selector}) or {}
         return data.get("items") or [], str((data.get("metadata") or {}).get("resourceVersion") or "")
 
@@ -324,7 +329,7 @@ class Kube:
         self._check(call)
         if self._stream is None:
             raise UndeclaredCall("this Kube was made without a stream transport: it cannot watch")
-        path = self._path("", "v1", "pods", namespace) if namespace else "/api/v1/pods"
+        path = self._pods_path(namespace)
         status, lines = self._stream(path, {"watch": "1", "labelSelector": selector, "resourceVersion": version,
                                             "allowWatchBookmarks": "true", "timeoutSeconds": str(seconds)})
         if status != 200:

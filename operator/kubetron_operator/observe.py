@@ -38,16 +38,22 @@ POD_SPEC_READ = ("nodeName", "schedulerName", "schedulingGates")
 """The fields of a pod's spec that PodView.from_pod reads."""
 
 
+def json_copy(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy without managedFields (never read here). Bodies are JSON: a JSON round trip copies them
+    several times faster than copy.deepcopy."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    return cast(dict[str, Any], json.loads(json.dumps({**body, "metadata": meta})))
+
+
 def pod_essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of the parts of a pod that PodView.from_pod and termination_text read: its metadata
-    without managedFields and the trainer's config, POD_SPEC_READ, its status. The operator holds one per
-    watched pod and copies one per watch event: a whole pod is several times the bytes."""
-    meta = {k: v for k, v in (pod.get("metadata") or {}).items() if k != "managedFields"}
+    """A deep copy (json_copy) of the parts of a pod that PodView.from_pod and termination_text read: its
+    metadata without the trainer's config, POD_SPEC_READ, its status. The operator holds one per watched
+    pod and copies one per watch event: a whole pod is several times the bytes."""
+    meta = dict(pod.get("metadata") or {})
     if CONFIG_ANNOTATION in (meta.get("annotations") or {}):
         meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k != CONFIG_ANNOTATION}
     spec = {k: v for k, v in (pod.get("spec") or {}).items() if k in POD_SPEC_READ}
-    essentials = {"metadata": meta, "spec": spec, "status": pod.get("status") or {}}
-    return cast(dict[str, Any], json.loads(json.dumps(essentials)))
+    return json_copy({"metadata": meta, "spec": spec, "status": pod.get("status") or {}})
 
 
 @dataclass(frozen=True)
