@@ -13,6 +13,7 @@ from kubetron.contract.progress import CheckpointRef
 
 FINISHED = ("Succeeded", "Failed")
 """The phases a job never leaves (a finished job is never rerun)."""
+PHASES = ("Pending", "Running", "Restarting", "Suspended", *FINISHED)
 
 StatusPatch = dict[str, Any]
 """A JSON merge patch for .status: JobStatus's fields, None deletes one."""
