@@ -458,6 +458,8 @@ async def _gather_outside(deps: Deps, namespace: str, body: dict[str, Any], pods
         return Reads()
     slot = deps.io_slots.setdefault(namespace, asyncio.Semaphore(IO_PER_NAMESPACE))
     async with slot:
+        if (body.get("metadata") or {}).get("uid") in deps.view.gone:  # deleted while it waited for its turn
+            return Reads()
         reads: Reads = await deps.pools.run(deps.io_executor, gather, deps, body, pods)
         return reads
 
