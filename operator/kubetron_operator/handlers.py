@@ -449,6 +449,7 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
     finally:
         view.forget(uid)
         deps.last_progress.pop(f"{namespace}/{name}", None)
+        deps.live_quiet.pop(uid, None)
 
 
 async def _gather_outside(deps: Deps, namespace: str, body: dict[str, Any], pods: list[dict[str, Any]]) -> Reads:

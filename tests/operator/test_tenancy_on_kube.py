@@ -361,25 +361,31 @@ FORGED = "2026-01-01 00:00:00,000 WARNING kubetron.api: FORGED by a trainer"
 
 
 def test_hostile_trainer_output_is_ignored_and_the_job_still_decided(world):
+    """A termination message nested 2000 deep, one with a number beyond int64, rank 0's status nested 3000
+    deep: each ignored with a warning, each job decided by its exit code (the API server would refuse a
+    status with such a number; a parser without bounds fails every reconcile). A message that forges a line
+    of the operator's log reaches status, Events and the log escaped. One pod per job: the pod that ends an
+    attempt is the one the operator reads."""
     w, admin = world, world.kube.admin
     deep = Endpoint.serve(b'{"iteration": 3, "x": ' + b"[" * 3000 + b"]" * 3000 + b"}")
+    said = {"nested": '{"exitCode": 1, "x": ' + "[" * 2000 + "]" * 2000 + "}",
+            "big": {"exitCode": 1, "iteration": 2**63},
+            "forge": {"exitCode": 1, "message": f"boom\n{FORGED}\x1b[2K"}}
     try:
-        w.create(w.pvc_job("loud", nodes=2, statusPort=deep.port))
-        w.create(w.pvc_job("forge"))
-        pods = {"loud-1-0", "loud-1-1", "forge-1-0"}
-        w.kube.wait_for("the pods", lambda: pods <= set(w.kube.pods(w.ns)))
-        for pod in sorted(pods):
-            set_running(admin, w.ns, pod)
-        w.status("loud", "Running", lambda s: s.get("phase") == "Running")
-        w.status("forge", "Running", lambda s: s.get("phase") == "Running")
-        set_exited(admin, w.ns, "loud-1-0", 1, '{"exitCode": 1, "x": ' + "[" * 2000 + "]" * 2000 + "}")
-        set_exited(admin, w.ns, "loud-1-1", 1, {"exitCode": 1, "iteration": 2**63})
-        set_exited(admin, w.ns, "forge-1-0", 1, {"exitCode": 1, "message": f"boom\n{FORGED}\x1b[2K"})
-        st = w.status("loud", "Restarting", lambda s: s.get("phase") == "Restarting")
-        assert st["reason"] == "TrainerError" and st["restarts"]["failures"] == 1, st
-        st = w.status("forge", "Restarting", lambda s: s.get("phase") == "Restarting")
+        for name in said:
+            w.create(w.pvc_job(name, statusPort=deep.port if name == "nested" else 0))
+        w.pods({f"{name}-1-0" for name in said})
+        for name in said:
+            set_running(admin, w.ns, f"{name}-1-0")
+        for name in said:
+            w.status(name, "Running", lambda s: s.get("phase") == "Running")
+        for name, message in said.items():
+            set_exited(admin, w.ns, f"{name}-1-0", 1, message)
+        for name in said:
+            st = w.status(name, "Restarting", lambda s: s.get("phase") == "Restarting")
+            assert st["reason"] == "TrainerError" and st["restarts"]["failures"] == 1, st
         assert f"pod forge-1-0 exited 1 (TrainerError): boom\\n{FORGED}\\x1b[2K" in st["message"], st
-        ignored = {"loud-1-0": "nested more than 16 levels deep", "loud-1-1": "beyond int64",
+        ignored = {"nested-1-0": "nested more than 16 levels deep", "big-1-0": "beyond int64",
                    f":{deep.port}/status": "nested more than 16 levels deep"}
         w.kube.wait_for("a warning for each payload ignored", lambda: all(any(
             e["reason"] == "TrainerOutputIgnored" and where in e["message"] and why in e["message"]
