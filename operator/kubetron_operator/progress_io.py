@@ -30,6 +30,7 @@ import logging
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 from kubetron.contract.progress import (
@@ -145,15 +146,19 @@ def operator_endpoint() -> str:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
 
 
+_OWN: list[Any] = []  # the operator's own credentials, resolved once (botocore refreshes them)
+
+
 def operator_credentials() -> tuple[str, str, str | None]:
     """The operator's own identity, from botocore's default chain (environment, IRSA, instance metadata):
     only for buckets an admin listed (--s3-operator-buckets)."""
     import botocore.session
 
-    found = botocore.session.get_session().get_credentials()
-    if found is None:
+    if not _OWN:
+        _OWN.append(botocore.session.get_session().get_credentials())
+    if _OWN[0] is None:
         raise Unread("NoOperatorCredentials", "the operator has no credentials of its own for this bucket")
-    frozen = found.get_frozen_credentials()
+    frozen = _OWN[0].get_frozen_credentials()
     return frozen.access_key, frozen.secret_key, frozen.token
 
 

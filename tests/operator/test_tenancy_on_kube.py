@@ -45,6 +45,7 @@ OPERATOR_KEY, TENANT_KEY, VICTIM_KEY = "OPERATORENVKEY01", "TENANTKEY0000001", "
 OWN_BUCKET, STORE_BUCKET = "operator-readable", "tenant-bkt"
 CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/trainingjobs.kubetron.dev"
 MiB = 2**20
+KEEP = "kubetron.dev/test-keep"  # a finalizer of the test's own
 
 
 def log_text(checkpoint: int, job_id: str) -> bytes:
@@ -333,6 +334,9 @@ def test_rank_0s_endpoint_is_read_bounded(world):
 
 
 def test_a_pod_elsewhere_naming_a_jobs_uid_does_not_end_its_attempt(world):
+    """A failed pod in the tenant's namespace, with the victim's job's labels and a controller reference to
+    its UID (kept by a finalizer: the garbage collector deletes a pod whose owner is not in its namespace),
+    is not the victim's: its attempt runs on."""
     w, admin = world, world.kube.admin
     victim = admin.create(w.kube.jobs(w.victim), w.pvc_job("owned", ns=w.victim, nodes=2))
     pods = w.pods({"owned-1-0", "owned-1-1"}, ns=w.victim)
@@ -340,18 +344,22 @@ def test_a_pod_elsewhere_naming_a_jobs_uid_does_not_end_its_attempt(world):
         set_running(admin, w.victim, name)
     w.status("owned", "Running", lambda s: s.get("phase") == "Running", ns=w.victim)
     forged = copy.deepcopy(pods["owned-1-1"])
-    forged["metadata"] = {k: forged["metadata"][k] for k in ("name", "labels", "ownerReferences")}
+    forged["metadata"] = {**{k: forged["metadata"][k] for k in ("name", "labels", "ownerReferences")},
+                          "finalizers": [KEEP]}
     assert forged["metadata"]["ownerReferences"][0]["uid"] == victim["metadata"]["uid"]
     trainer = pods["owned-1-1"]["spec"]["containers"][0]  # restricted, as the namespace enforces
     forged["spec"] = {"securityContext": pods["owned-1-1"]["spec"]["securityContext"], "nodeName": "node-1",
                       "containers": [{k: trainer[k] for k in ("name", "image", "securityContext")}]}
     admin.create(f"/api/v1/namespaces/{w.ns}/pods", forged)
-    set_exited(admin, w.ns, "owned-1-1", 1, {"exitCode": 1, "reason": "TrainerError", "message": "forged"})
-    time.sleep(2)  # the operator has seen the pod's watch events
-    admin.patch(f"{w.kube.jobs(w.victim)}/owned", {"metadata": {"annotations": {"poke": "1"}}})  # decide again
-    time.sleep(2)
-    st = w.kube.job(w.victim, "owned")["status"]
-    assert st["phase"] == "Running" and st["attempt"] == 1 and st["restarts"]["failures"] == 0, st
+    try:
+        set_exited(admin, w.ns, "owned-1-1", 1, {"exitCode": 1, "reason": "TrainerError", "message": "forged"})
+        time.sleep(2)  # the operator has seen the pod's watch events
+        admin.patch(f"{w.kube.jobs(w.victim)}/owned", {"metadata": {"annotations": {"poke": "1"}}})  # decide again
+        time.sleep(2)
+        st = w.kube.job(w.victim, "owned")["status"]
+        assert st["phase"] == "Running" and st["attempt"] == 1 and st["restarts"]["failures"] == 0, st
+    finally:
+        admin.patch(f"/api/v1/namespaces/{w.ns}/pods/owned-1-1", {"metadata": {"finalizers": None}})
 
 
 # -- 6. what trainers say ----------------------------------------------------------------------------------
