@@ -108,6 +108,7 @@ def world(kube, s3_server):
     secret(kube, victim, "their-creds", AWS_ACCESS_KEY_ID=VICTIM_KEY, AWS_SECRET_ACCESS_KEY="victim-secret")
     secret(kube, ns, "creds", AWS_ACCESS_KEY_ID=TENANT_KEY, AWS_SECRET_ACCESS_KEY="tenant-secret")
     secret(kube, ns, "half", AWS_ACCESS_KEY_ID=TENANT_KEY)
+    secret(kube, ns, "nokeys", aws_access_key_id=TENANT_KEY, aws_secret_access_key="tenant-secret")
     secret(kube, ns, "seaweed", AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key)
     own = Endpoint.objects({f"/{OWN_BUCKET}/runs/{ns}/optin/progress.txt": log_text(5, f"{ns}/optin/0")})
     store = Endpoint.objects({f"/{STORE_BUCKET}/runs/{ns}/mine/progress.txt": log_text(7, f"{ns}/mine/0")})
@@ -205,36 +206,42 @@ def _until(check: Any, what: str, timeout: float = 30.0) -> None:
 
 
 def test_s3_requests_are_signed_only_with_the_jobs_secret(world):
+    """A Secret whose keys are misnamed would have the operator fall back to its own identity: its read is
+    refused instead, naming the Secret and the keys. The tenant's endpoint never sees the operator's key."""
     w = world
+    w.create(w.s3_job("nokeys", secret="nokeys"))  # aws_access_key_id ...: neither key the operator reads
     w.create(w.s3_job("half", secret="half"))
-    w.create(w.s3_job("irsa", secret=None))  # the pods' ServiceAccount gives them credentials
-    w.create(w.s3_job("optin", secret=None, bucket=OWN_BUCKET, endpoint=""))  # the admin listed the bucket
     w.create(w.s3_job("mine", overrides=["logger.tensorboard_dir=/ckpt/tb-$(KUBETRON_JOB_ID)"]))
-
-    st = w.status("half", "StoreReadable False", lambda s: condition(s, "StoreReadable"))
-    assert condition(st, "StoreReadable") | {"lastTransitionTime": ""} == {
-        "type": "StoreReadable", "status": "False", "reason": "SecretKeyMissing", "lastTransitionTime": "",
-        "message": "Secret half has no key AWS_SECRET_ACCESS_KEY; the operator reads the job's store only with "
-                   "the job's own credentials"}
-    w.kube.wait_for("a SecretKeyMissing event", lambda: [e for e in w.warnings() if e["reason"] == "SecretKeyMissing"])
     assert w.status("mine", "the store's checkpoint", lambda s: s.get("lastCheckpoint"))["lastCheckpoint"][
         "iteration"] == 7
+    assert w.store.carrying(OPERATOR_KEY) == [] and w.store.carrying("operator-session") == []
+
+    for name, missing in (("nokeys", "AWS_ACCESS_KEY_ID or AWS_SECRET_ACCESS_KEY"), ("half", "AWS_SECRET_ACCESS_KEY")):
+        st = w.status(name, "StoreReadable False", lambda s: condition(s, "StoreReadable"))
+        assert condition(st, "StoreReadable") | {"lastTransitionTime": ""} == {
+            "type": "StoreReadable", "status": "False", "reason": "SecretKeyMissing", "lastTransitionTime": "",
+            "message": f"Secret {name} has no key {missing}; the operator reads the job's store only with "
+                       "the job's own credentials"}
+    w.kube.wait_for("a SecretKeyMissing event", lambda: [e for e in w.warnings() if e["reason"] == "SecretKeyMissing"])
+
+    w.create(w.s3_job("irsa", secret=None))  # the pods' ServiceAccount gives them credentials
+    w.create(w.s3_job("optin", secret=None, bucket=OWN_BUCKET, endpoint=""))  # the admin listed the bucket
     assert w.status("optin", "the own store's checkpoint", lambda s: s.get("lastCheckpoint"))["lastCheckpoint"][
         "iteration"] == 5
-    irsa = w.pods({"irsa-1-0", "mine-1-0", "half-1-0", "optin-1-0"})
-    assert not [e for e in irsa["irsa-1-0"]["spec"]["containers"][0]["env"] if e["name"].startswith("AWS_ACCESS")]
+    pods = w.pods({"irsa-1-0", "mine-1-0", "half-1-0", "nokeys-1-0", "optin-1-0"})
+    assert not [e for e in pods["irsa-1-0"]["spec"]["containers"][0]["env"] if e["name"].startswith("AWS_ACCESS")]
     assert "StoreReadable" not in json.dumps(w.kube.job(w.ns, "irsa")["status"])
 
-    # Every request to the tenant's endpoint: the tenant's key, for a job that has a Secret with both keys.
-    assert w.store.requests and w.store.carrying(OPERATOR_KEY) == [] and w.store.carrying("operator-session") == []
+    # Every request to the tenant's endpoint: the tenant's key, for the one job with a Secret with both keys.
+    assert w.store.carrying(OPERATOR_KEY) == [] and w.store.carrying("operator-session") == []
     assert len(w.store.carrying(f"X-Amz-Credential={TENANT_KEY}%2F")) == len(w.store.requests)
     assert {r["path"].partition("?")[0] for r in w.store.requests} == {
-        f"/{STORE_BUCKET}/runs/{w.ns}/mine/progress.txt"}  # never half's, never irsa's
+        f"/{STORE_BUCKET}/runs/{w.ns}/mine/progress.txt"}  # never half's, nokeys' or irsa's
     # The operator's own identity only at its own endpoint, only for the listed bucket.
     assert w.own.requests and all(f"X-Amz-Credential={OPERATOR_KEY}%2F" in r["path"] and f"/{OWN_BUCKET}/" in r["path"]
                                   for r in w.own.requests)
     # $(VAR) in an override: the pod carries it escaped, so the kubelet gives the trainer the literal.
-    assert "logger.tensorboard_dir=/ckpt/tb-$$(KUBETRON_JOB_ID)" in irsa["mine-1-0"]["spec"]["containers"][0]["args"]
+    assert "logger.tensorboard_dir=/ckpt/tb-$$(KUBETRON_JOB_ID)" in pods["mine-1-0"]["spec"]["containers"][0]["args"]
 
 
 # -- 3. slow and huge stores --------------------------------------------------------------------------------
