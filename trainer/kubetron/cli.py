@@ -182,15 +182,24 @@ def gang_schedulers(text: str) -> tuple[str, ...]:
     return names
 
 
-def cmd_operator(args: argparse.Namespace) -> int:
-    from kubetron_operator.main import run
+def _operator_part(command: str, module: str, name: str):
+    """`name` from the operator's package, or a one-line error where this install has only the trainer."""
+    import importlib
 
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ConfigError(command, f"needs the operator's packages ({exc.name} is missing): "
+                                   "pip install 'kubetron[operator]'") from None
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    run = _operator_part("operator", "kubetron_operator.main", "run")
     return int(run(args) or 0)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from kubetron_operator.render import render_file
-
+    render_file = _operator_part("render", "kubetron_operator.render", "render_file")
     if not os.path.isfile(args.file):
         raise ConfigError("FILE", f"{args.file}: no such file")
     print(render_file(args.file))
@@ -304,8 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="TrainingJob YAML manifest")
     p.set_defaults(func=cmd_render)
 
-    from kubetron_operator.client_cli import add_commands
-
+    try:
+        from kubetron_operator.client_cli import add_commands
+    except ImportError:  # only the trainer is here (a GPU image with the trainer's source on its path): the
+        return parser    # training commands still work, and `kubetron status` is an unknown command
     add_commands(sub, _Parser)
     return parser
 
