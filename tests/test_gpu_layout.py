@@ -134,20 +134,34 @@ def test_gpu_check_tiny_through_the_gpu_layout(gpu_machine, tmp_path):
     assert written.index("  ckpt: ") < written.index("gpu-check summary")
 
 
-def test_gpu_check_rows_pick_rows_and_order(gpu_machine, tmp_path):
-    """ROWS= runs only the rows named, in that order; an unknown row is one line naming the rows there are."""
-    python, wheels, _ = gpu_machine
-    env = _clean_env(KUBETRON_GPU_SITE=str(tmp_path / "site"))
-    out = subprocess.run(["make", "-s", "gpu-check", "TINY=1", "ROWS=moe1,sigterm", f"GPU_PY={python}",
-                          f"GPU_WHEELS={wheels}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert [line.split(":")[0].strip() for line in out.stdout.splitlines() if line.startswith("  ")] == \
-        ["moe1", "sigterm"], out.stdout
+def test_gpu_check_rows_pick_rows_and_order(gpu_machine):
+    """ROWS= runs only the rows named, in that order (all: every row; unset: the GPU default, the 21 GB
+    checkpoint row left for a second call); an unknown row is one line naming the rows there are."""
+    gpu_check = _gpu_check()
+    assert gpu_check.select_rows("moe1, sigterm", tiny=False) == ["moe1", "sigterm"]
+    assert gpu_check.select_rows("all", tiny=False) == list(gpu_check.ROWS)
+    assert gpu_check.select_rows(None, tiny=False) == ["sigterm", "ddp", "moe1", "parity", "mfu", "pp2", "moe2"]
+    assert gpu_check.select_rows(None, tiny=True)[-1] == "ckpt"
+    python, _, _ = gpu_machine
     bad = subprocess.run(["make", "-s", "gpu-check", "TINY=1", "ROWS=sigterm,mfuu", f"GPU_PY={python}"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=60)
+                         env=_clean_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0
     assert "gpu-check: ROWS: unknown row mfuu (rows: sigterm, ddp, moe1, parity, mfu, pp2, moe2, ckpt, or all)" \
         in bad.stderr, bad.stderr
+
+
+def test_the_checkpoint_row_checks_free_disk_first():
+    """The 1.3B row keeps two 21 GB saves on disk: where there is less room it is a SKIP that says so."""
+    gpu_check = _gpu_check()
+    assert gpu_check.disk_shortfall(10**9, "/") == \
+        f"needs 2200000 GB free in /, has {shutil.disk_usage('/').free / 1e9:.0f} GB"
+    assert gpu_check.disk_shortfall(1, "/") is None
+
+
+def _gpu_check():
+    from tests.test_gpu_path import _gpu_check as load
+
+    return load()
 
 
 SAVE_DELAY_S = 40  # the SIGTERM save's commit marker is held this long: past torchrun's 30 s default
