@@ -70,6 +70,12 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
     return k
 
 
+def too_large(what: str, size: int, limit: int) -> CheckpointError:
+    """An object bigger than its reader's limit (Store.read_bytes)."""
+    return CheckpointError(f"{what} is {size} bytes, more than the {limit} bytes such a file may hold: "
+                           "refusing to read it")
+
+
 def default_primary(primary: bool | None) -> bool:
     if primary is not None:
         return primary
@@ -182,8 +188,10 @@ class Store(abc.ABC):
             f.write(data)
 
     @abc.abstractmethod
-    def read_bytes(self, key: str) -> bytes:
-        """The whole object. FileNotFoundError if it does not exist."""
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """The whole object. FileNotFoundError if it does not exist. `limit`: an object larger than this many
+        bytes is a CheckpointError before its bytes are held in memory (what a store holds is hostile input:
+        a reader of an index or a marker asks for what such a file can sensibly be)."""
 
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:
@@ -198,6 +206,11 @@ class Store(abc.ABC):
         if len(data) != length:
             raise CheckpointError(f"{self.url}/{key}: expected {length} bytes at offset {start}, got {len(data)}")
         return data
+
+    def size(self, key: str) -> int:
+        """The object's size in bytes. FileNotFoundError if missing."""
+        with self.open_read(key) as f:
+            return f.seek(0, io.SEEK_END)
 
     def local_path(self, key: str) -> str | None:
         """The filesystem path of `key`, or None when the store is not a filesystem."""
