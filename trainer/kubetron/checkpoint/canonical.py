@@ -150,8 +150,8 @@ def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def _slice_tp(chunk, name: str, full: torch.Tensor, local_shape) -> torch.Tensor:
     """This TP rank's part of the canonical tensor `full` for the local tensor `name`."""
     if not torch.is_tensor(full) or full.dtype not in TENSOR_DTYPES.values():
-        raise CheckpointError(f"{name}: the checkpoint holds {type(full).__name__} "
-                              f"{getattr(full, 'dtype', '')}, not a tensor kubetron loads")
+        got = full.dtype if torch.is_tensor(full) else type(full).__name__
+        raise CheckpointError(f"{name}: the checkpoint holds {got}, not a tensor kubetron loads")
     param = dict(chunk.named_parameters()).get(name)
     dim = tp_split(param)
     tp = parallel_state.get_tensor_model_parallel_world_size()

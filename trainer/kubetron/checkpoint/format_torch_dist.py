@@ -157,8 +157,9 @@ def _checked_storage(key: str, offsets, info, files: dict[str, int], where: str)
     ok = type(info) is _StorageInfo and isinstance(info.relative_path, str) and info.relative_path in files \
         and type(info.offset) is int and type(info.length) is int and not getattr(info, "transform_descriptors", None)
     if not ok or not 0 <= info.offset <= info.offset + info.length <= files[info.relative_path]:
-        raise CheckpointError(f"{where}: the bytes of {key} at {list(offsets)} are not inside a .distcp file of "
-                              f"this checkpoint ({brief(info)})")
+        at = ", ".join(brief(getattr(info, a, None)) for a in ("relative_path", "offset", "length"))
+        raise CheckpointError(f"{where}: the bytes of {key} at {list(offsets)} ({at}: file, offset, length) are "
+                              "not inside a .distcp file of this checkpoint")
     return _StorageInfo(relative_path=info.relative_path, offset=info.offset, length=info.length)
 
 
@@ -569,7 +570,7 @@ def _optimizer_facts(common: dict, where: str) -> dict | None:
     keys = facts.get("state_keys") if isinstance(facts, dict) else None
     if not (isinstance(keys, list) and all(k in OPTIM_STATE_KEYS for k in keys) and len(set(keys)) == len(keys)
             and isinstance(facts.get("param_groups"), list)):
-        raise CheckpointError(f"{where}: dist_optimizer {brief(facts)} is not an optimizer state kubetron wrote")
+        raise CheckpointError(f"{where}: dist_optimizer names {brief(keys)}, not an optimizer state kubetron wrote")
     return facts
 
 

@@ -53,6 +53,7 @@ TENSOR_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "
                                                          "int32", "int16", "int8", "uint8", "bool")}
 MAX_NDIM = 8  # dimensions of a saved tensor
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
@@ -151,9 +152,10 @@ def safe_load(data: bytes | io.IOBase, what: str):
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0][:200]
+        lines = [_ANSI.sub("", ln).strip() for ln in str(e).splitlines()]  # torch's text has bold escapes
+        why = next((ln.split("error:", 1)[1].strip() for ln in lines if "WeightsUnpickler error:" in ln), lines[0])
         raise CheckpointError(f"refusing to load {what}: it holds objects other than tensors and plain "
-                              f"data, and loading it could run code ({first})") from None
+                              f"data, and loading it could run code ({why.split('. ')[0][:200]})") from None
     except Exception as e:  # truncated/corrupt file
         raise CheckpointError(f"cannot read {what}: {type(e).__name__}: {str(e).strip()[:300]}") from None
 
