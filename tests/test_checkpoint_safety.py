@@ -355,7 +355,7 @@ def test_a_link_in_the_tokenizer_dir_is_refused_and_the_secret_stays_out(tokeniz
     shutil.copytree(d / "store", store, symlinks=True)
     tokdir = store / "iter_0000004" / "tokenizer"
     if link == "environ":
-        (tokdir / "special_tokens_map.json").symlink_to("/proc/self/environ")
+        (tokdir / "NOTICE").symlink_to("/proc/self/environ")
     else:
         (tmp_path / "secrets").mkdir()
         (tmp_path / "secrets" / "credentials").write_text(f"aws_secret_access_key = {SECRET}\n")
@@ -363,7 +363,7 @@ def test_a_link_in_the_tokenizer_dir_is_refused_and_the_secret_stays_out(tokeniz
     p = resume(d, store, args, 6)
     assert p.returncode == exitcodes.ERROR, p.stdout[-2000:] + p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    name = "special_tokens_map.json" if link == "environ" else "extra"
+    name = "NOTICE" if link == "environ" else "extra"
     lines = [ln for ln in p.stderr.splitlines() if "checkpoint error" in ln]
     assert len(lines) == 1 and f"tokenizer/{name} is a symbolic link" in lines[0], p.stderr[-3000:]
     assert not (store / "iter_0000006").exists()
@@ -384,7 +384,8 @@ def test_a_linked_checkpoint_directory_is_ignored_and_the_secret_stays_out(token
     torch.save({"iteration": 9}, store / "latest_train_state.pt")
     p = resume(d, store, args, 12)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "at iteration 4" in p.stdout, p.stdout[-2000:]
+    assert f"resumed from {store}/iter_0000004 at iteration 4" in p.stdout, p.stdout[-2000:]
+    assert "tracker points at iteration 9 which is not complete" in p.stdout + p.stderr
     assert (store / "iter_0000012" / "tokenizer" / "tokenizer.json").is_file()
     assert secret_files(store) == []
     assert (elsewhere / "tokenizer" / "credentials").is_file()  # nothing deleted through the link either
