@@ -389,3 +389,19 @@ def test_a_linked_checkpoint_directory_is_ignored_and_the_secret_stays_out(token
     assert (store / "iter_0000012" / "tokenizer" / "tokenizer.json").is_file()
     assert secret_files(store) == []
     assert (elsewhere / "tokenizer" / "credentials").is_file()  # nothing deleted through the link either
+
+
+class _Allocates:
+    def __reduce__(self):
+        return (bytes, (10**12,))  # a terabyte, from a dozen bytes of pickle
+
+
+def test_dcp_metadata_pickle_allows_only_metadata_classes():
+    """The .metadata allow-list names DCP's metadata classes one by one: no function, and no constructor that
+    allocates what it is told (builtins.bytes)."""
+    from kubetron.checkpoint.format_torch_dist import check_metadata_pickle
+
+    for payload, name in ((_Allocates(), "builtins.bytes"), (Payload("/nonexistent/x"), "io.open")):
+        with pytest.raises(CheckpointError) as e:
+            check_metadata_pickle(pickle.dumps(payload), "dist/.metadata")
+        assert f"{name} is not allowed in checkpoint metadata" in str(e.value)

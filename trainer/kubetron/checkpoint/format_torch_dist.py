@@ -80,8 +80,8 @@ _ALLOWED_GLOBALS = frozenset(
     | {(f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
     | {(f"{_DCP}.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"), ("torch", "Size"),
        ("collections", "OrderedDict")}
-    | {("builtins", n) for n in ("set", "frozenset", "list", "dict", "tuple", "slice", "int", "float", "bool",
-                                 "bytes", "str")})
+    # containers as protocols before 4 pickle them; never bytes/str (bytes(10**11) would be a memory bomb)
+    | {("builtins", n) for n in ("set", "frozenset", "list", "dict", "tuple")})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -113,7 +113,7 @@ def _ints(v, n: int | None = None) -> tuple[int, ...] | None:
 
 def _checked_tensor(key: str, md, shape: tuple, where: str):
     """A fresh TensorStorageMetadata from the checked values of `md`, the entry for tensor `key` of `shape`."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
     if type(md) is not TensorStorageMetadata:
         raise not_a_tensor(key, md, where)
@@ -123,16 +123,21 @@ def _checked_tensor(key: str, md, shape: tuple, where: str):
     props = md.properties
     if type(props) is not TensorProperties or props.dtype not in TENSOR_DTYPES.values():
         raise CheckpointError(f"{where}: {key} has no tensor dtype kubetron loads ({brief(props)})")
-    chunks = []
-    for c in md.chunks if isinstance(md.chunks, list) else [None]:
-        off = _ints(c.offsets, len(size)) if type(c) is ChunkStorageMetadata else None
-        n = _ints(c.sizes, len(size)) if off is not None else None
-        if n is None or any(o + k > g for o, k, g in zip(off, n, size, strict=True)):
-            raise CheckpointError(f"{where}: {key} has a chunk outside its shape {list(size)}")
-        chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(n)))
+    chunks = [_checked_chunk(key, c, size, where) for c in (md.chunks if isinstance(md.chunks, list) else [None])]
     if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
         raise CheckpointError(f"{where}: the chunks of {key} do not add up to its shape {list(size)}")
     return TensorStorageMetadata(properties=TensorProperties(dtype=props.dtype), size=torch.Size(size), chunks=chunks)
+
+
+def _checked_chunk(key: str, c, size: tuple[int, ...], where: str):
+    """A fresh ChunkStorageMetadata of `c`, a box inside `size`."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    off = _ints(c.offsets, len(size)) if type(c) is ChunkStorageMetadata else None
+    n = _ints(c.sizes, len(size)) if off is not None else None
+    if off is None or n is None or any(o + k > g for o, k, g in zip(off, n, size, strict=True)):
+        raise CheckpointError(f"{where}: {key} has a chunk outside its shape {list(size)}")
+    return ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(n))
 
 
 def _storage_infos(raw, where: str) -> dict[tuple, object]:

@@ -199,8 +199,13 @@ class Store(abc.ABC):
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """`length` bytes of `key` from byte `start` (a sharded load reads only the tensors it needs).
-        Raises CheckpointError when the object is shorter."""
+        Raises CheckpointError when the object is shorter, before a buffer of `length` bytes exists (the
+        range may come from a checkpoint's own index: hostile input)."""
         with self.open_read(key) as f:
+            size = f.seek(0, io.SEEK_END)
+            if start < 0 or length < 0 or start + length > size:
+                raise CheckpointError(f"{self.url}/{key}: expected {length} bytes at offset {start}, the object "
+                                      f"holds {size}")
             f.seek(start)
             data = f.read(length)
         if len(data) != length:

@@ -263,18 +263,6 @@ class LocalStore(Store):
     def open_read(self, key: str) -> BinaryIO:
         return self._open_file(key)  # the caller closes it
 
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        with self._open_file(key) as f:
-            size = os.fstat(f.fileno()).st_size
-            if start < 0 or length < 0 or start + length > size:  # checked before a buffer is allocated
-                raise CheckpointError(f"{self._what(key)}: expected {length} bytes at offset {start}, the file "
-                                      f"holds {size}")
-            f.seek(start)
-            data = f.read(length)
-        if len(data) != length:
-            raise CheckpointError(f"{self._what(key)}: expected {length} bytes at offset {start}, got {len(data)}")
-        return data
-
     def size(self, key: str) -> int:
         with self._open_file(key) as f:
             return os.fstat(f.fileno()).st_size
