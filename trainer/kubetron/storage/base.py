@@ -212,11 +212,6 @@ class Store(abc.ABC):
             raise CheckpointError(f"{self.url}/{key}: expected {length} bytes at offset {start}, got {len(data)}")
         return data
 
-    def size(self, key: str) -> int:
-        """The object's size in bytes. FileNotFoundError if missing."""
-        with self.open_read(key) as f:
-            return f.seek(0, io.SEEK_END)
-
     def local_path(self, key: str) -> str | None:
         """The filesystem path of `key`, or None when the store is not a filesystem."""
         return None

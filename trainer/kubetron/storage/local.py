@@ -263,10 +263,6 @@ class LocalStore(Store):
     def open_read(self, key: str) -> BinaryIO:
         return self._open_file(key)  # the caller closes it
 
-    def size(self, key: str) -> int:
-        with self._open_file(key) as f:
-            return os.fstat(f.fileno()).st_size
-
     def local_path(self, key: str) -> str:
         """The path of `key`, once it is known to be a regular file reached without a link (a caller that
         hands the path on, e.g. to megatron, reads what was checked)."""

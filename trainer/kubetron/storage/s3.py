@@ -346,7 +346,7 @@ class S3Store(Store):
         come from a checkpoint's own index, which is hostile input."""
         k = check_key(key)
         head = self._call(self._what(k), self.client.head_object, Bucket=self.bucket, Key=self._k(k))
-        size = int(head.get("ContentLength", 0))  # (not self.size(): the ETag pins the object read below)
+        size = int(head.get("ContentLength", 0))
         if start < 0 or length < 0 or start + length > size:
             raise CheckpointError(f"{self._what(k)}: expected {length} bytes at offset {start}, the object "
                                   f"holds {size}")
@@ -369,11 +369,6 @@ class S3Store(Store):
 
     def open_read(self, key: str) -> BinaryIO:
         return MemoryReader(self._download(key))  # type: ignore[return-value]
-
-    def size(self, key: str) -> int:
-        k = check_key(key)
-        head = self._call(self._what(k), self.client.head_object, Bucket=self.bucket, Key=self._k(k))
-        return int(head.get("ContentLength", 0))
 
     def exists(self, key: str) -> bool:
         k = check_key(key)
