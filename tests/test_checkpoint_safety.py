@@ -195,7 +195,7 @@ SHARDED_CRAFTS = {
     # a declared size that disagrees with dtype x numel (a terabyte to read)
     "nbytes": (lambda index, e: e.update(nbytes=1 << 40), "its box of float32 holds 32768"),
     # a byte range beyond the file (size consistent with the box)
-    "offset": (lambda index, e: e.update(offset=1 << 40), "the file holds"),
+    "offset": (lambda index, e: e.update(offset=1 << 40), "the object holds"),
     # two pieces sharing bytes
     "overlap": (lambda index, e: e.update(offset=index["pieces"][1]["offset"]), "overlaps another piece's bytes"),
     # a box outside the tensor's global shape
