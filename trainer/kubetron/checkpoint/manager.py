@@ -25,6 +25,8 @@ from kubetron.checkpoint.layout import (
     CHECKPOINT_VERSION,
     COMMON,
     MARKER,
+    MAX_INDEX,
+    MAX_SMALL,
     NON_PERSISTENT,
     RUN_CONFIG,
     TOKENIZER_DIR,
@@ -36,6 +38,7 @@ from kubetron.checkpoint.layout import (
     committed_iterations,
     iter_dir,
     log_run_config_changes,
+    read_json,
     read_tokenizer_assets,
     resolve_checkpoint,
     rng_file,
@@ -403,7 +406,7 @@ class CheckpointManager:
             self.optimizer.reload_model_params()
         self._restore_common(common)
         if self.cfg.checkpoint.load_rng:
-            set_rng_state(state["rng"])
+            set_rng_state(state["rng"], key)
 
     def _restore_common(self, common):
         """Train state and data positions; the LR scheduler and fp16 loss scale only with the optimizer
@@ -465,7 +468,8 @@ class CheckpointManager:
         log.info("resumed from %s/%s at iteration %d", store.url, name, iteration)
         if not name.startswith(NON_PERSISTENT):
             self.last_durable = iteration
-            self.last_durable_time = json.loads(store.read_bytes(f"{name}/{MARKER}")).get("time")
+            marker = read_json(store, f"{name}/{MARKER}")
+            self.last_durable_time = marker.get("time") if isinstance(marker, dict) else None
         return iteration
 
     def _load_pretrained(self):
@@ -511,7 +515,9 @@ class CheckpointManager:
             raise ConfigError("checkpoint.load", f"{store.url}/{name} was written by megatron-core (Megatron-LM, "
                                                  "Megatron Bridge): fine-tune from it as "
                                                  "checkpoint.pretrained_checkpoint")
-        common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
+        common = safe_load(store.read_bytes(f"{name}/{COMMON}", limit=MAX_INDEX), f"{name}/{COMMON}")
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{name}/{COMMON} holds {type(common).__name__}, not kubetron's common state")
         check_version(common, store, name, field="checkpoint.load" if full else "checkpoint.pretrained_checkpoint")
         log_run_config_changes(store, name, self.cfg)
         self.hf_record = common.get("hf", self.hf_record)
@@ -557,9 +563,9 @@ class CheckpointManager:
         rng_key = f"{name}/{rng_file(_rank())}"
         same_layout = common.get("parallel", {}).get("world_size") == self.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):
-            rng = safe_load(store.read_bytes(rng_key), rng_key)
+            rng = safe_load(store.read_bytes(rng_key, limit=MAX_SMALL), rng_key)
             if rng:  # empty: saved with checkpoint.save_rng false by an older kubetron
-                set_rng_state(rng)
+                set_rng_state(rng, rng_key)
 
 
 def adopt_checkpoint_tokenizer(cfg) -> str | None:
