@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.trainer_utils import ITER_RE, TINY, free_port
+from tests.trainer_utils import ITER_RE, TINY, bench_module, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_TORCH = "2.11.0"  # the GPU machine's torch, older than the project's own (2.13.0)
@@ -137,7 +137,7 @@ def test_gpu_check_tiny_through_the_gpu_layout(gpu_machine, tmp_path):
 def test_gpu_check_rows_pick_rows_and_order(gpu_machine):
     """ROWS= runs only the rows named, in that order (all: every row; unset: the GPU default, the 21 GB
     checkpoint row left for a second call); an unknown row is one line naming the rows there are."""
-    gpu_check = _gpu_check()
+    gpu_check = bench_module("gpu_check")
     assert gpu_check.select_rows("moe1, sigterm", tiny=False) == ["moe1", "sigterm"]
     assert gpu_check.select_rows("all", tiny=False) == list(gpu_check.ROWS)
     assert gpu_check.select_rows(None, tiny=False) == ["sigterm", "ddp", "moe1", "parity", "mfu", "pp2", "moe2"]
@@ -152,16 +152,10 @@ def test_gpu_check_rows_pick_rows_and_order(gpu_machine):
 
 def test_the_checkpoint_row_checks_free_disk_first():
     """The 1.3B row keeps two 21 GB saves on disk: where there is less room it is a SKIP that says so."""
-    gpu_check = _gpu_check()
+    gpu_check = bench_module("gpu_check")
     assert gpu_check.disk_shortfall(10**9, "/") == \
         f"needs 2200000 GB free in /, has {shutil.disk_usage('/').free / 1e9:.0f} GB"
     assert gpu_check.disk_shortfall(1, "/") is None
-
-
-def _gpu_check():
-    from tests.test_gpu_path import _gpu_check as load
-
-    return load()
 
 
 SAVE_DELAY_S = 40  # the SIGTERM save's commit marker is held this long: past torchrun's 30 s default

@@ -3,7 +3,6 @@ activation recompute (model.recompute_*), and the judges of `make gpu-check`."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from kubetron.contract.errors import ConfigError
 
 from tests.inprocess import ensure_world_of_one, in_process_config
+from tests.trainer_utils import bench_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,18 +165,6 @@ def test_recompute_gives_the_same_losses_and_really_recomputes():
 
 # --- make gpu-check's judges (the dry run itself: tests/test_gpu_layout.py) ------------------------------
 
-def _gpu_check():
-    """bench/gpu_check.py as a module (bench/ is not a package)."""
-    import importlib.util
-
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module  # its dataclass looks itself up there
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
-
-
 def _variants(ours_ms=244.2, ours_tps=524.0, base_ms=29.8, base_tps=4295.0, mfu=0.0):
     """gpu_step.py's rows as parsed (a tiny CPU run: 128 tokens a step): step ms, tokens/s, TFLOP/s, MFU, GiB."""
     nan = float("nan")
@@ -199,12 +187,12 @@ def _variants(ours_ms=244.2, ours_tps=524.0, base_ms=29.8, base_tps=4295.0, mfu=
     (0.001, _variants(29800.0, 4.3, 29.8, 4295.0), "FAIL"),
 ])
 def test_gpu_check_dry_run_fails_a_speed_row_with_insane_figures(ratio, variants, result):
-    gpu_check = _gpu_check()
+    gpu_check = bench_module("gpu_check")
     assert gpu_check.judge_gpu_step(ratio, variants, 128, tiny=True).result == result
 
 
 def test_gpu_check_keeps_the_gpu_targets():
-    gpu_check = _gpu_check()
+    gpu_check = bench_module("gpu_check")
     assert gpu_check.judge_gpu_step(1.045, _variants(1252.2, 102, 1309.0, 98), 128, tiny=False).result == "FAIL"
     assert gpu_check.judge_gpu_step(1.2, _variants(100.0, 1280.0, 120.0, 1067.0), 128, tiny=False).result == "PASS"
     assert gpu_check.judge_checkpoint(1.5, 9.0, tiny=False).result == "FAIL"
@@ -218,7 +206,7 @@ def test_gpu_check_keeps_the_gpu_targets():
     (6.0, 7.0, "FAIL"),                    # seconds for 16 MB: outside the dry run's bound
 ])
 def test_gpu_check_dry_run_fails_a_checkpoint_row_with_insane_figures(blocked, durable, result):
-    assert _gpu_check().judge_checkpoint(blocked, durable, tiny=True).result == result
+    assert bench_module("gpu_check").judge_checkpoint(blocked, durable, tiny=True).result == result
 
 
 @pytest.mark.parametrize("rc, losses, result", [
@@ -229,7 +217,7 @@ def test_gpu_check_dry_run_fails_a_checkpoint_row_with_insane_figures(blocked, d
     (0, {1: 5.58, 3: 5.1}, "FAIL"),                        # an iteration without a loss
 ])
 def test_gpu_check_pp2_row_is_judged(rc, losses, result):
-    assert _gpu_check().judge_pp2(rc, losses, 3, "2 CPU ranks (gloo)").result == result
+    assert bench_module("gpu_check").judge_pp2(rc, losses, 3, "2 CPU ranks (gloo)").result == result
 
 
 @pytest.mark.parametrize("losses, tokens_per_s, result", [
@@ -240,10 +228,10 @@ def test_gpu_check_pp2_row_is_judged(rc, losses, result):
     ({1: 5.59, 2: 5.3, 3: 5.7}, {1: 0.0, 2: 181.1, 3: 243.0}, "FAIL"),   # the loss did not fall
 ])
 def test_gpu_check_moe_row_is_judged_with_its_throughput(losses, tokens_per_s, result):
-    row = _gpu_check().judge_run("MoE EP=1 train", 0, losses, 3, "1 GPU(s)", tokens_per_s)
+    row = bench_module("gpu_check").judge_run("MoE EP=1 train", 0, losses, 3, "1 GPU(s)", tokens_per_s)
     assert row.result == result and "tokens/s" in row.target
 
 
 def test_gpu_check_moe_ep2_row_skips_on_one_gpu():
-    row = _gpu_check().check_moe(tiny=False, gpus=1, ep=2)
+    row = bench_module("gpu_check").check_moe(tiny=False, gpus=1, ep=2)
     assert (row.name, row.result, row.figure) == ("MoE EP=2 all-to-all", "SKIP", "needs 2 GPUs, found 1")
