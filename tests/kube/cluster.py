@@ -44,6 +44,11 @@ OPTIONAL = ("kube-controller-manager", "kube-scheduler")
 HOW_TO_GET = ("no Kubernetes server binaries: set KUBEBUILDER_ASSETS to a directory with kube-apiserver and etcd "
               "(KUBEBUILDER_ASSETS=$(setup-envtest use -p path)), or provide ../shared/k8s/*.xz next to the repository")
 READY_TIMEOUT = 90.0
+# Kubernetes' own gang scheduling (KEP-4671, alpha in 1.36): scheduling.k8s.io/v1alpha2 PodGroups, which the
+# API server serves and the scheduler honours only with these gates (docs/gang.md). A binary that lacks a
+# gate refuses to start: KUBETRON_K8S_GATES="" starts the control plane without them.
+GANG_GATES = os.environ.get("KUBETRON_K8S_GATES", "GenericWorkload=true,GangScheduling=true")
+GANG_API = "scheduling.k8s.io/v1alpha2"
 # The API server's audit log: every request of a ServiceAccount (the operators under test), outside
 # kube-system (the controller manager's own), at Metadata level: who, verb, resource, response code,
 # and the authorizer's decision ("authorization.k8s.io/decision": "forbid" for an RBAC denial).
@@ -398,6 +403,7 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.0.0.0/24",
             "--authorization-mode=RBAC", "--allow-privileged=true", "--event-ttl=1h",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-mode=blocking",
+            *_gates(f"--runtime-config={GANG_API}=true"),
         ], self._log("kube-apiserver"))
         admin = self.admin
 
@@ -413,7 +419,7 @@ class ControlPlane:
     def _start_component(self, name: str) -> None:
         short = name.removeprefix("kube-")
         argv = [str(self.bin[name]), f"--kubeconfig={self._cert_kubeconfig(short)}", "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}", "--leader-elect=false"]
+                f"--secure-port={free_port()}", "--leader-elect=false", *_gates()]
         if name == "kube-controller-manager":
             p = self.pki
             argv += [f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
@@ -455,6 +461,11 @@ class ControlPlane:
         wait_for(f"CRD {crd['metadata']['name']} Established", established, 60)
         group, version = crd["spec"]["group"], crd["spec"]["versions"][0]["name"]
         wait_for(f"{group}/{version} discoverable", lambda: admin.get(f"/apis/{group}/{version}", ok=(404,)), 60)
+
+
+def _gates(*with_gates: str) -> list[str]:
+    """The feature-gate flags (GANG_GATES) and `with_gates`, or none when the gates are off."""
+    return [f"--feature-gates={GANG_GATES}", *with_gates] if GANG_GATES else []
 
 
 @contextlib.contextmanager

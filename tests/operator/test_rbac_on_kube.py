@@ -46,7 +46,7 @@ RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 # test_the_variants_cover_every_rule_set_of_the_chart), with the gang schedulers its jobs ask for.
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "default": ({}, ("none", "volcano")),  # a gang job without gangScheduling: a clear status, no call
-    "gang": ({"gangScheduling": {"enabled": True}}, ("volcano", "coscheduling", "none")),
+    "gang": ({"gangScheduling": {"enabled": True}}, ("volcano", "coscheduling", "kubernetes", "none")),
     "peering": ({"operator": {"peering": PEERING}}, ("none",)),
     "namespaced": ({"watchNamespaces": [NS]}, ("none",)),
     "namespaced-gang": ({"watchNamespaces": [NS], "gangScheduling": {"enabled": True, "schedulers": ["volcano"]}},
@@ -300,7 +300,7 @@ def test_gang_schedulers_flag_names_only_known_schedulers():
     out = subprocess.run([kubetron, "operator", "--gang-schedulers=volcano,kueue"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and out.stderr.strip() == (
-        "kubetron: error: --gang-schedulers: kueue: must be volcano, coscheduling or none")
+        "kubetron: error: --gang-schedulers: kueue: must be volcano, coscheduling, kubernetes or none")
 
 
 def test_a_namespace_pattern_is_refused_in_one_line():
