@@ -48,6 +48,8 @@ def test_a_job_from_a_dict_a_yaml_string_a_path_or_keywords(tmp_path):
     path.write_text("# a comment\n---\n" + yaml.safe_dump(JOB))
     assert load_job(JOB) == load_job(yaml.safe_dump(JOB)) == load_job(path) == load_job(str(path)) == JOB
     assert load_job(json.dumps(JOB)) == JOB  # JSON is YAML
+    load_job(JOB)["metadata"]["namespace"] = "ml"
+    assert "namespace" not in JOB["metadata"]  # the caller's dict is left as it was
     made = job_manifest("gpt", "kubetron:dev", 2, {"train": {"train_iters": 10}}, {"pvc": {"claimName": "ckpt"}})
     assert made == {**JOB, "spec": {**JOB["spec"], "config": "train:\n  train_iters: 10\n"}}
     assert job_manifest("gpt", "i", 1, "a: 1\n", {"pvc": {"claimName": "c"}}, gpusPerNode=8)["spec"] == {

@@ -22,6 +22,12 @@ POOL = "kubetron.dev/test-pool"
 PODGROUPS = f"/apis/{GANG_API}/namespaces/{{ns}}/podgroups"
 
 
+@pytest.fixture(autouse=True)
+def gang_api(kube) -> None:
+    if not kube.cp.serves(GANG_API):
+        pytest.skip(f"the test control plane does not serve {GANG_API} (Kubernetes < 1.36, or KUBETRON_K8S_GATES='')")
+
+
 @contextlib.contextmanager
 def pool(api: Api, ns: str) -> Iterator[Callable[[str], None]]:
     """add(name) registers a Node of the pool (one CPU, Ready, its Lease renewed); all go at the end."""

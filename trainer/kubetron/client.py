@@ -17,6 +17,7 @@ controller's) own words. `kubetron submit/status/logs/delete` (client_cli.py) ar
 from __future__ import annotations
 
 import builtins
+import copy
 import functools
 import json
 import os
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import yaml
 
@@ -152,7 +154,7 @@ def load_job(source: Any, what: str = "job") -> dict[str, Any]:
     """A TrainingJob manifest from a dict, a YAML string or a path (str or os.PathLike). BadInput names
     `what` (the argument) and what is wrong with it."""
     if isinstance(source, Mapping):
-        return _one_job([dict(source)], what)
+        return _one_job([copy.deepcopy(dict(source))], what)  # create() fills in the namespace: not the caller's
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source.strip()
                                            and not source.lstrip().startswith(("{", "apiVersion", "kind"))):
         return _one_job(_read_yaml_file(Path(source), what), f"{what}: {source}")
@@ -400,7 +402,8 @@ class Client:
     def table(self, name: str | None = None) -> dict[str, Any]:
         """The API server's own `kubectl get trainingjobs` table (meta.k8s.io Table, objects included): the
         columns of the CRD's additionalPrinterColumns."""
-        path = f"/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/{PLURAL}" + (f"/{name}" if name else "")
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{quote(self.namespace, safe='')}/{PLURAL}" + (
+            f"/{quote(name, safe='')}" if name else "")
         what = f"trainingjob {name}" if name else "trainingjobs"
         query, headers = [("includeObject", "Object")], {"Accept": TABLE}
         if hasattr(self.api_client, "param_serialize"):  # kubernetes >= 35 (the new generator)
