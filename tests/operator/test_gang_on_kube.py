@@ -124,6 +124,7 @@ def test_gang_binds_no_pod_until_all_fit_and_a_deleted_job_leaves_no_pod_group(k
         kube.wait_for("late's PodGroup and pods gone", lambda: pod_group(kube, ns, "late-1") is None
                       and not {"late-1-0", "late-1-1"} & set(kube.pods(ns)), 60)
         assert pod_group(kube, ns, "gpt-1") is not None and {"gpt-1-0", "gpt-1-1"} <= set(kube.pods(ns))
+        api.delete(f"{kube.jobs(ns)}/gpt")  # no gang job left for a cluster-wide operator of a later test
     print(f"\n[gang] both pods bound {joined:.1f}s after the second node joined")
 
 
@@ -154,3 +155,4 @@ def test_elastic_job_shrinks_and_grows_with_a_pod_group_per_attempt(kube, kube_n
         st = kube.wait_status(ns, "gpt", "Running at 2 nodes", lambda s: s.get("phase") == "Running")
         assert st["resizes"] == {"shrinks": 1, "grows": 1} and st["restarts"]["total"] == 0, st
         kube.wait_for("PodGroup gpt-2 deleted", lambda: pod_group(kube, ns, "gpt-2") is None)
+        api.delete(f"{kube.jobs(ns)}/gpt")
