@@ -11,9 +11,6 @@ from typing import Any, Literal, TypedDict
 
 from kubetron.contract.progress import CheckpointRef
 
-FINISHED = ("Succeeded", "Failed")
-"""The phases a job never leaves (a finished job is never rerun)."""
-
 StatusPatch = dict[str, Any]
 """A JSON merge patch for .status: JobStatus's fields, None deletes one."""
 

@@ -11,7 +11,7 @@
     kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
                                                        (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
-                       [--metrics-port PORT] [--gang-schedulers volcano,coscheduling|none]
+                       [--metrics-port PORT] [--gang-schedulers volcano,coscheduling,kubernetes|none]
     kubetron render    FILE
     kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
     kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
@@ -36,6 +36,7 @@ import sys
 from collections.abc import Sequence
 
 from kubetron import __version__
+from kubetron.client_cli import add_commands
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import ConfigError
 
@@ -170,15 +171,16 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-GANG_SCHEDULERS = ("volcano", "coscheduling")  # spec.scheduling.gang values with a PodGroup
+GANG_SCHEDULERS = ("volcano", "coscheduling", "kubernetes")  # spec.scheduling.gang values with a PodGroup
 
 
 def gang_schedulers(text: str) -> tuple[str, ...]:
-    """`--gang-schedulers volcano,coscheduling` (or 'none') -> the names, each checked."""
+    """`--gang-schedulers volcano,coscheduling,kubernetes` (or 'none') -> the names, each checked."""
     names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
     unknown = [n for n in names if n not in GANG_SCHEDULERS]
     if unknown:
-        raise ConfigError("--gang-schedulers", f"{', '.join(unknown)}: must be volcano, coscheduling or none")
+        raise ConfigError("--gang-schedulers",
+                          f"{', '.join(unknown)}: must be volcano, coscheduling, kubernetes or none")
     return names
 
 
@@ -304,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
     p.add_argument("--gang-schedulers", default=",".join(GANG_SCHEDULERS), metavar="LIST",
                    help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
-                   "comma-separated volcano, coscheduling, or 'none'; a job asking for another fails with "
+                   "comma-separated volcano, coscheduling, kubernetes, or 'none'; a job asking for another fails with "
                    "a status saying so, and no PodGroup API is called (default: %(default)s)")
     p.set_defaults(func=cmd_operator)
 
@@ -313,11 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="TrainingJob YAML manifest")
     p.set_defaults(func=cmd_render)
 
-    try:
-        from kubetron_operator.client_cli import add_commands
-    except ImportError:  # only the trainer is here (a GPU image with the trainer's source on its path): the
-        return parser    # training commands still work, and `kubetron status` is an unknown command
-    add_commands(sub, _Parser)
+    add_commands(sub, _Parser)  # submit/status/logs/delete: kubetron.client (no torch)
     return parser
 
 

@@ -147,6 +147,9 @@ class CheckpointManager:
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
+        self.last_save_seconds: float | None = None  # the newest durable save: start to durable (seconds)
+        self.last_blocked_seconds: float | None = None  # ... of which the loop waited (seconds)
+        self._blocked: dict[int, float] = {}  # iteration -> seconds the loop waited, until that save is durable
         self._run_config_yaml: str | None = None
         self._tokenizer_assets: dict[str, bytes] | None = None
         self.hf_record: dict | None = None  # the HF base's special ids + generation config (kubetron.hf.generation)
@@ -271,7 +274,10 @@ class CheckpointManager:
         finalize = lambda: self._commit(name, snap, holder, non_persistent, use_async, t0)  # noqa: E731
         if use_async:
             self.async_saver.schedule(write, finalize)
-            log.info("async save of %s scheduled; the loop was blocked %.3fs", name, time.perf_counter() - t0)
+            blocked = time.perf_counter() - t0
+            if not non_persistent:
+                self._blocked[step] = blocked
+            log.info("async save of %s scheduled; the loop was blocked %.3fs", name, blocked)
             return
         try:
             write()
@@ -327,9 +333,12 @@ class CheckpointManager:
             else:
                 self._cleanup_non_persistent(keep=name)
         _barrier()
+        seconds = time.perf_counter() - t0
         if not non_persistent:
             self.last_durable, self.last_durable_time = snap.iteration, stamp()
-        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, time.perf_counter() - t0)
+            self.last_save_seconds = seconds
+            self.last_blocked_seconds = self._blocked.pop(snap.iteration, seconds)  # a sync save: all of it
+        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, seconds)
 
     def finalize(self, blocking: bool = False):
         """Finish async saves that are done (or all, if blocking). Collective when world_size > 1:
