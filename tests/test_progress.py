@@ -413,7 +413,8 @@ def test_status_server_serves_prometheus_metrics():
         assert get(base + "/metrics") == (200, "\n")  # nothing known yet: no made-up zeros
         saved = datetime.now(UTC) - timedelta(seconds=90)
         server.update(iteration=12, trainIters=40, loss=float("nan"), learningRate=3e-4, tokensPerSecond=1234.5,
-                      tflopsPerGpu=101.25, lastCheckpoint={"iteration": 10, "time": saved.isoformat()})
+                      tflopsPerGpu=101.25, lastCheckpoint={"iteration": 10, "time": saved.isoformat()},
+                      checkpointSaveSeconds=2.5, checkpointBlockedSeconds=0.25)
         code, text = get(base + "/metrics")
         assert code == 200
         got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -421,7 +422,9 @@ def test_status_server_serves_prometheus_metrics():
         assert 89 <= age < 150
         assert got == {"kubetron_trainer_iteration": 12.0, "kubetron_trainer_train_iters": 40.0,
                        "kubetron_trainer_learning_rate": 3e-4, "kubetron_trainer_tokens_per_second": 1234.5,
-                       "kubetron_trainer_tflops_per_gpu": 101.25, "kubetron_trainer_last_checkpoint_iteration": 10.0}
+                       "kubetron_trainer_tflops_per_gpu": 101.25, "kubetron_trainer_last_checkpoint_iteration": 10.0,
+                       "kubetron_trainer_checkpoint_save_seconds": 2.5,
+                       "kubetron_trainer_checkpoint_blocked_seconds": 0.25}
 
 
 def test_status_server_serves_updates():
@@ -442,6 +445,8 @@ def test_status_server_serves_updates():
             "learningRate": None,
             "tflopsPerGpu": None,
             "inPlaceRestarts": 0,  # not under torchrun, or not restarted
+            "checkpointSaveSeconds": None,
+            "checkpointBlockedSeconds": None,
         }
         server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
         server.update(etaSeconds=30.2, lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
@@ -458,6 +463,8 @@ def test_status_server_serves_updates():
             "learningRate": None,
             "tflopsPerGpu": None,
             "inPlaceRestarts": 0,
+            "checkpointSaveSeconds": None,
+            "checkpointBlockedSeconds": None,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
         status = json.loads(get(base + "/status?x=1")[1])

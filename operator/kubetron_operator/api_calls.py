@@ -34,8 +34,10 @@ from typing import Any
 from urllib.parse import urlencode
 from uuid import uuid4
 
+from kubetron.contract.resource import GROUP, PLURAL, VERSION
+
 from kubetron_operator import metrics
-from kubetron_operator.model import GROUP, PLURAL, VERSION, is_name, shown
+from kubetron_operator.model import is_name, shown
 
 log = logging.getLogger("kubetron.api")
 
@@ -62,6 +64,7 @@ OPERATOR_CALLS: frozenset[Call] = frozenset(
     | _calls(GROUP, f"{PLURAL}/finalizers", "update")  # blockOwnerDeletion on the children
     | _calls("scheduling.volcano.sh", "podgroups", "create", "get", "delete")
     | _calls("scheduling.x-k8s.io", "podgroups", "create", "get", "delete")
+    | _calls("scheduling.k8s.io", "podgroups", "create", "get", "delete")
 )
 
 KOPF_CALLS: frozenset[Call] = frozenset(
@@ -77,7 +80,8 @@ KOPF_CALLS: frozenset[Call] = frozenset(
 ALL_CALLS: frozenset[Call] = OPERATOR_CALLS | KOPF_CALLS
 
 # spec.scheduling.gang -> the API group of its PodGroup (the chart's gangScheduling.schedulers).
-GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io"}
+GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io",
+                               "kubernetes": "scheduling.k8s.io"}
 
 # apiVersion, kind -> (group, version, plural) for everything the operator creates or deletes.
 KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
@@ -86,6 +90,7 @@ KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("v1", "Event"): ("", "v1", "events"),
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): ("scheduling.volcano.sh", "v1beta1", "podgroups"),
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+    ("scheduling.k8s.io/v1alpha2", "PodGroup"): ("scheduling.k8s.io", "v1alpha2", "podgroups"),
 }
 
 

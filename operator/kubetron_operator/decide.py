@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kubetron_operator.job_status import FINISHED, StatusPatch
+from kubetron.contract.resource import FINISHED
+
+from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed
 from kubetron_operator.policy import elastic, lifecycle, start

@@ -49,12 +49,12 @@ from typing import Any
 import kopf
 from kubetron.contract.live import LiveStatus
 from kubetron.contract.progress import ProgressSummary
+from kubetron.contract.resource import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
 from kubetron.contract.times import parse_stamp, stamp
 
 from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
 from kubetron_operator.build import (
-    LABEL_JOB,
     attempt_objects,
     build_probe_pod,
     build_reader_pod,
@@ -63,14 +63,11 @@ from kubetron_operator.build import (
     service_name,
 )
 from kubetron_operator.decide import decide
-from kubetron_operator.job_status import FINISHED, JobStatus
+from kubetron_operator.job_status import JobStatus
 from kubetron_operator.model import (
-    GROUP,
     KUEUE_GROUP_LABEL,
     KUEUE_RETRIABLE_ANNOTATION,
-    PLURAL,
     QUEUE_LABEL,
-    VERSION,
     Job,
     S3Storage,
     SpecError,

@@ -16,12 +16,7 @@ from typing import Any
 import yaml
 from kubetron.contract.config import ConfigContainer, apply_overrides
 from kubetron.contract.errors import ConfigError
-
-GROUP = "kubetron.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "TrainingJob"
-PLURAL = "trainingjobs"
+from kubetron.contract.resource import TRAINER
 
 MAX_NAME = 45
 """Longest job name: `<job>-<attempt>-<rank>` is a pod hostname (a DNS label, at most 63 characters)."""
@@ -64,7 +59,6 @@ Only the exact Kueue keys the operator writes: users' other Kueue requests (`kue
 
 RESERVED_VOLUMES = frozenset({"store", "config", "dshm"})
 RESERVED_CONTAINERS = frozenset({"progress"})
-TRAINER = "trainer"
 TEMPLATE_SPEC_KEYS = ("hostNetwork", "volumes", "initContainers", "containers")
 TRAINER_KEYS = ("name", "env", "envFrom", "volumeMounts", "securityContext")
 
@@ -124,7 +118,7 @@ class Scheduling:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
-    gang: str = "none"  # none | volcano | coscheduling
+    gang: str = "none"  # none | volcano | coscheduling | kubernetes
 
 
 @dataclass(frozen=True)
@@ -446,8 +440,8 @@ def _parse_s3(s3: Mapping[str, Any]) -> S3Storage:
 
 def _parse_scheduling(s: Mapping[str, Any]) -> Scheduling:
     gang = s.get("gang") or "none"
-    if gang not in ("none", "volcano", "coscheduling"):
-        raise SpecError("spec.scheduling.gang", f"must be none, volcano or coscheduling, got {gang!r}")
+    if gang not in ("none", "volcano", "coscheduling", "kubernetes"):
+        raise SpecError("spec.scheduling.gang", f"must be none, volcano, coscheduling or kubernetes, got {gang!r}")
     return Scheduling(
         scheduler_name=_name(s.get("schedulerName"), "spec.scheduling.schedulerName", optional=True),
         priority_class_name=_name(s.get("priorityClassName"), "spec.scheduling.priorityClassName", optional=True),

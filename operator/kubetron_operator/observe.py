@@ -19,12 +19,13 @@ from typing import Any, cast
 
 from kubetron.contract.live import LiveStatus, new_live_status
 from kubetron.contract.progress import ProgressSummary, summarize_events
+from kubetron.contract.resource import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, TRAINER
 from kubetron.contract.termination import MESSAGE_LIMIT, TerminationMessage
 from kubetron.contract.times import age_seconds
 
-from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, READER_CONTAINER
+from kubetron_operator.build import READER_CONTAINER
 from kubetron_operator.job_status import JobStatus
-from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, TRAINER
+from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION
 from kubetron_operator.untrusted import Untrusted, clean, count, load_json
 
 ADMISSION_POD_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "NodeSelectorMismatching",

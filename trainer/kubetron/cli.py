@@ -11,7 +11,7 @@
     kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
                                                        (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
-                       [--metrics-port PORT] [--gang-schedulers volcano,coscheduling|none]
+                       [--metrics-port PORT] [--gang-schedulers volcano,coscheduling,kubernetes|none]
                        [--s3-operator-buckets BUCKET,...]
     kubetron render    FILE
     kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
@@ -37,6 +37,7 @@ import sys
 from collections.abc import Sequence
 
 from kubetron import __version__
+from kubetron.client_cli import add_commands
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import ConfigError
 
@@ -171,27 +172,37 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-GANG_SCHEDULERS = ("volcano", "coscheduling")  # spec.scheduling.gang values with a PodGroup
+GANG_SCHEDULERS = ("volcano", "coscheduling", "kubernetes")  # spec.scheduling.gang values with a PodGroup
 
 
 def gang_schedulers(text: str) -> tuple[str, ...]:
-    """`--gang-schedulers volcano,coscheduling` (or 'none') -> the names, each checked."""
+    """`--gang-schedulers volcano,coscheduling,kubernetes` (or 'none') -> the names, each checked."""
     names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
     unknown = [n for n in names if n not in GANG_SCHEDULERS]
     if unknown:
-        raise ConfigError("--gang-schedulers", f"{', '.join(unknown)}: must be volcano, coscheduling or none")
+        raise ConfigError("--gang-schedulers",
+                          f"{', '.join(unknown)}: must be volcano, coscheduling, kubernetes or none")
     return names
 
 
-def cmd_operator(args: argparse.Namespace) -> int:
-    from kubetron_operator.main import run
+def _operator_part(command: str, module: str, name: str):
+    """`name` from the operator's package, or a one-line error where this install has only the trainer."""
+    import importlib
 
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ConfigError(command, f"needs the operator's packages ({exc.name} is missing): "
+                                   "pip install 'kubetron[operator]'") from None
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    run = _operator_part("operator", "kubetron_operator.main", "run")
     return int(run(args) or 0)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from kubetron_operator.render import render_file
-
+    render_file = _operator_part("render", "kubetron_operator.render", "render_file")
     if not os.path.isfile(args.file):
         raise ConfigError("FILE", f"{args.file}: no such file")
     print(render_file(args.file))
@@ -296,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
     p.add_argument("--gang-schedulers", default=",".join(GANG_SCHEDULERS), metavar="LIST",
                    help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
-                   "comma-separated volcano, coscheduling, or 'none'; a job asking for another fails with "
+                   "comma-separated volcano, coscheduling, kubernetes, or 'none'; a job asking for another fails with "
                    "a status saying so, and no PodGroup API is called (default: %(default)s)")
     p.add_argument("--s3-operator-buckets", default="", metavar="LIST",
                    help="S3 buckets (comma-separated) whose jobs without storage.s3.secretRef the operator reads "
@@ -309,9 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="TrainingJob YAML manifest")
     p.set_defaults(func=cmd_render)
 
-    from kubetron_operator.client_cli import add_commands
-
-    add_commands(sub, _Parser)
+    add_commands(sub, _Parser)  # submit/status/logs/delete: kubetron.client (no torch)
     return parser
 
 

@@ -25,6 +25,8 @@ from kubetron.checkpoint.layout import (
     CHECKPOINT_VERSION,
     COMMON,
     MARKER,
+    MAX_INDEX,
+    MAX_SMALL,
     NON_PERSISTENT,
     RUN_CONFIG,
     TOKENIZER_DIR,
@@ -36,6 +38,7 @@ from kubetron.checkpoint.layout import (
     committed_iterations,
     iter_dir,
     log_run_config_changes,
+    read_json,
     read_tokenizer_assets,
     resolve_checkpoint,
     rng_file,
@@ -144,6 +147,9 @@ class CheckpointManager:
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
+        self.last_save_seconds: float | None = None  # the newest durable save: start to durable (seconds)
+        self.last_blocked_seconds: float | None = None  # ... of which the loop waited (seconds)
+        self._blocked: dict[int, float] = {}  # iteration -> seconds the loop waited, until that save is durable
         self._run_config_yaml: str | None = None
         self._tokenizer_assets: dict[str, bytes] | None = None
         self.hf_record: dict | None = None  # the HF base's special ids + generation config (kubetron.hf.generation)
@@ -268,7 +274,10 @@ class CheckpointManager:
         finalize = lambda: self._commit(name, snap, holder, non_persistent, use_async, t0)  # noqa: E731
         if use_async:
             self.async_saver.schedule(write, finalize)
-            log.info("async save of %s scheduled; the loop was blocked %.3fs", name, time.perf_counter() - t0)
+            blocked = time.perf_counter() - t0
+            if not non_persistent:
+                self._blocked[step] = blocked
+            log.info("async save of %s scheduled; the loop was blocked %.3fs", name, blocked)
             return
         try:
             write()
@@ -324,9 +333,12 @@ class CheckpointManager:
             else:
                 self._cleanup_non_persistent(keep=name)
         _barrier()
+        seconds = time.perf_counter() - t0
         if not non_persistent:
             self.last_durable, self.last_durable_time = snap.iteration, stamp()
-        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, time.perf_counter() - t0)
+            self.last_save_seconds = seconds
+            self.last_blocked_seconds = self._blocked.pop(snap.iteration, seconds)  # a sync save: all of it
+        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, seconds)
 
     def finalize(self, blocking: bool = False):
         """Finish async saves that are done (or all, if blocking). Collective when world_size > 1:
@@ -403,7 +415,7 @@ class CheckpointManager:
             self.optimizer.reload_model_params()
         self._restore_common(common)
         if self.cfg.checkpoint.load_rng:
-            set_rng_state(state["rng"])
+            set_rng_state(state["rng"], key)
 
     def _restore_common(self, common):
         """Train state and data positions; the LR scheduler and fp16 loss scale only with the optimizer
@@ -465,7 +477,8 @@ class CheckpointManager:
         log.info("resumed from %s/%s at iteration %d", store.url, name, iteration)
         if not name.startswith(NON_PERSISTENT):
             self.last_durable = iteration
-            self.last_durable_time = json.loads(store.read_bytes(f"{name}/{MARKER}")).get("time")
+            marker = read_json(store, f"{name}/{MARKER}")
+            self.last_durable_time = marker.get("time") if isinstance(marker, dict) else None
         return iteration
 
     def _load_pretrained(self):
@@ -511,7 +524,9 @@ class CheckpointManager:
             raise ConfigError("checkpoint.load", f"{store.url}/{name} was written by megatron-core (Megatron-LM, "
                                                  "Megatron Bridge): fine-tune from it as "
                                                  "checkpoint.pretrained_checkpoint")
-        common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
+        common = safe_load(store.read_bytes(f"{name}/{COMMON}", limit=MAX_INDEX), f"{name}/{COMMON}")
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{name}/{COMMON} holds {type(common).__name__}, not kubetron's common state")
         check_version(common, store, name, field="checkpoint.load" if full else "checkpoint.pretrained_checkpoint")
         log_run_config_changes(store, name, self.cfg)
         self.hf_record = common.get("hf", self.hf_record)
@@ -557,9 +572,9 @@ class CheckpointManager:
         rng_key = f"{name}/{rng_file(_rank())}"
         same_layout = common.get("parallel", {}).get("world_size") == self.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):
-            rng = safe_load(store.read_bytes(rng_key), rng_key)
+            rng = safe_load(store.read_bytes(rng_key, limit=MAX_SMALL), rng_key)
             if rng:  # empty: saved with checkpoint.save_rng false by an older kubetron
-                set_rng_state(rng)
+                set_rng_state(rng, rng_key)
 
 
 def adopt_checkpoint_tokenizer(cfg) -> str | None:

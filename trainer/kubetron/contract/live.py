@@ -23,20 +23,23 @@ class LiveStatus(TypedDict):
     learningRate: float | None
     tflopsPerGpu: float | None
     inPlaceRestarts: int  # this attempt's restarts of the gang inside its pods (docs/recovery.md)
+    checkpointSaveSeconds: float | None  # the newest durable checkpoint: from its save's start until durable
+    checkpointBlockedSeconds: float | None  # ... of which the training loop waited (an async save: the copy)
 
 
 STATUS_KEYS: tuple[str, ...] = tuple(LiveStatus.__annotations__)
 """The keys `GET /status` always carries, in the order it serves them."""
 
 _INTS = ("iteration", "trainIters", "consumedSamples")
-_NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu")
+_NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu", "checkpointSaveSeconds",
+            "checkpointBlockedSeconds")
 
 
 def new_live_status(in_place_restarts: int = 0) -> LiveStatus:
     """The payload before the first step: nothing known but this attempt's in-place restarts."""
     return LiveStatus(iteration=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
                       etaSeconds=None, lastCheckpoint=None, loss=None, learningRate=None, tflopsPerGpu=None,
-                      inPlaceRestarts=in_place_restarts)
+                      inPlaceRestarts=in_place_restarts, checkpointSaveSeconds=None, checkpointBlockedSeconds=None)
 
 
 def jsonable(value: Any) -> Any:

@@ -331,7 +331,10 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
     if cfg.tokenizer.file_based and cfg.checkpoint.load:  # a resume trains with the checkpoint's tokenizer
         from kubetron.checkpoint.manager import adopt_checkpoint_tokenizer
 
-        adopt_checkpoint_tokenizer(cfg)
+        try:
+            adopt_checkpoint_tokenizer(cfg)
+        except CheckpointError as e:  # a checkpoint refused here ends as one refused by the run: one line
+            return _report_end(cfg, *ending_of(e)[:2], None)
     # Validate the whole config before the slow imports: a bad value fails in well under a second.
     cfg.finalize(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     warnings.filterwarnings("ignore", module="megatron")
@@ -368,7 +371,11 @@ def _run_and_report(cfg, mode: str, handler: SignalHandler | None) -> int:
         code, msg, unexpected = ending_of(e, handler)
         if unexpected:
             traceback.print_exc()
-    state = holder.get("state")
+    return _report_end(cfg, code, msg, holder.get("state"))
+
+
+def _report_end(cfg, code: int, msg: str, state) -> int:
+    """The run's one line (unless it completed), its termination message; returns the exit code."""
     if code not in (exitcodes.COMPLETED,):
         print(f"kubetron: {exitcodes.NAMES[code]}: {msg}", file=sys.stderr, flush=True)
     ts = state.train_state if state is not None else None
