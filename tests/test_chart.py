@@ -174,6 +174,20 @@ def test_extra_args_come_last_verbatim():
     assert container["args"][-2:] == ["--x=1", "y"]
 
 
+def test_operator_reads_with_its_own_identity_only_the_buckets_listed():
+    """operatorS3Buckets becomes --s3-operator-buckets; none listed, no flag (the operator reads no store with
+    its own identity); a name that is no bucket is refused at install."""
+    import helm_python
+
+    def args(values: dict) -> list[str]:
+        return deployment(render(values))["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert not [a for a in args({}) if a.startswith("--s3-operator-buckets")]
+    assert "--s3-operator-buckets=ml-ckpt,shared.runs" in args({"operatorS3Buckets": ["ml-ckpt", "shared.runs"]})
+    with pytest.raises(helm_python.HelmValuesError, match="operatorS3Buckets"):
+        render({"operatorS3Buckets": ["a/b"]})
+
+
 def test_pod_runs_as_the_service_account_the_bindings_name(rendered):
     _, manifests = rendered
     sa = deployment(manifests)["spec"]["template"]["spec"]["serviceAccountName"]

@@ -11,6 +11,11 @@ the operator is told they are granted (`Kube(gang_schedulers=...)`, `kubetron op
 refuses with 403 is logged at warning level naming the call (verb, resource, namespace), counted in
 `kubetron_api_errors_total{code="403"}` and raised as `Forbidden`.
 
+Request paths are built by one function, `api_path`, which refuses (InvalidName, no request sent) a
+namespace that is not a DNS label, a name that is not a Kubernetes name and an unknown subresource: a
+name from a spec (a Secret's, in a job stored before the CRD's schema said so) never walks the path
+elsewhere (`../../other-namespace/secrets/x`).
+
 Idempotence and ownership: creating something that exists (409) is success only when the existing
 object's controller owner is the same TrainingJob (its UID); otherwise `NameConflict`, and nothing
 foreign is ever adopted. Deleting something absent (404) is success; `delete_owned` deletes only what
@@ -26,12 +31,13 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 from uuid import uuid4
 
 from kubetron.contract.resource import GROUP, PLURAL, VERSION
 
 from kubetron_operator import metrics
+from kubetron_operator.model import is_name, shown
 
 log = logging.getLogger("kubetron.api")
 
@@ -144,6 +150,37 @@ def controller_uid(obj: Mapping[str, Any] | None) -> str | None:
     return None
 
 
+class InvalidName(ApiError):
+    """A namespace, name or subresource api_path refuses; no request was sent."""
+
+    def __init__(self, what: str, value: Any):
+        super().__init__(400, f"{what} {shown(value)} is not a Kubernetes name (lowercase letters, digits, '-' "
+                              "and '.'); no request was made")
+
+
+SUBRESOURCES = frozenset({"status"})
+
+
+def api_path(group: str, version: str, plural: str, namespace: str | None, name: str = "", sub: str = "") -> str:
+    """The request path of a namespaced collection or object (namespace None: the cluster's collection),
+    or InvalidName for anything in it that is not a name."""
+    base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+    if namespace is None:
+        return f"{base}/{plural}"
+    if not is_name(namespace, 63) or "." in namespace:
+        raise InvalidName("namespace", namespace)
+    path = f"{base}/namespaces/{namespace}/{plural}"
+    if name or sub:
+        if not is_name(name):
+            raise InvalidName(f"{plural[:-1]} name", name)
+        path += f"/{name}"
+    if sub:
+        if sub not in SUBRESOURCES:
+            raise InvalidName("subresource", sub)
+        path += f"/{sub}"
+    return path
+
+
 class UndeclaredCall(AssertionError):
     """The code tried an API call that OPERATOR_CALLS does not declare (the RBAC role would refuse it)."""
 
@@ -239,20 +276,12 @@ class Kube:
             return None
         raise _refused(call, path, status, data)
 
-    @staticmethod
-    def _path(group: str, version: str, plural: str, namespace: str, name: str = "", sub: str = "") -> str:
-        base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
-        path = f"{base}/namespaces/{quote(namespace)}/{plural}"
-        if name:
-            path += f"/{quote(name)}"
-        if sub:
-            path += f"/{sub}"
-        return path
+    _path = staticmethod(api_path)
 
     @classmethod
     def _pods_path(cls, namespace: str | None) -> str:
         """The pods of `namespace`, or of every namespace (None)."""
-        return cls._path("", "v1", "pods", namespace) if namespace else "/api/v1/pods"
+        return cls._path("", "v1", "pods", namespace or None)
 
     # -- children --------------------------------------------------------------------------------------
 
@@ -341,7 +370,7 @@ class Kube:
         return lines
 
     def list_nodes(self) -> list[dict[str, Any]]:
-        data = self._request(Call("", "nodes", "list"), "GET", "/api/v1/nodes")
+        data = self._request(Call("", "nodes", "list"), "GET", api_path("", "v1", "nodes", None))
         return (data or {}).get("items") or []
 
     def secret_data(self, namespace: str, name: str) -> dict[str, str]:
@@ -421,5 +450,5 @@ def _error_message(data: bytes) -> str:
 
 
 __all__ = ["ALL_CALLS", "GANG_GROUPS", "KOPF_CALLS", "OPERATOR_CALLS", "ApiError", "Call", "Conflict", "Forbidden",
-           "Kube", "NameConflict", "NotGranted", "UndeclaredCall", "cluster_role_rules", "controller_uid",
-           "kubernetes_transport", "pod_group_api_version"]
+           "InvalidName", "Kube", "NameConflict", "NotGranted", "UndeclaredCall", "api_path", "cluster_role_rules",
+           "controller_uid", "kubernetes_transport", "pod_group_api_version"]

@@ -23,6 +23,7 @@ from kubetron_operator.model import (
     KUEUE_COUNT_ANNOTATION,
     KUEUE_GROUP_LABEL,
     QUEUE_LABEL,
+    S3_SECRET_KEYS,
     VOLCANO_GROUP_ANNOTATION,
     Job,
     PvcStorage,
@@ -168,7 +169,8 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nod
     env += [{"name": k, "value": v} for k, v in plain.items()]
     storage = spec.storage
     if isinstance(storage, S3Storage):
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        # Without a secretRef the pods' ServiceAccount gives them credentials (IRSA, workload identity).
+        for key in S3_SECRET_KEYS if storage.secret_name else ():
             env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": storage.secret_name, "key": key}}})
         if storage.endpoint:
             env.append({"name": "AWS_ENDPOINT_URL", "value": storage.endpoint})
@@ -178,13 +180,21 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nod
 
 
 def trainer_args(job: Job) -> list[str]:
-    """Arguments after `python -m kubetron.launch`: the trainer command line with the store overrides.
+    """Arguments after `python -m kubetron.launch`, as the trainer receives them: the trainer command line
+    with the store overrides (the pod carries them kubelet_escaped).
 
     The store overrides come last, so nothing before them can point the trainer away from the store.
     """
     command = "train" if job.spec.mode == "pretrain" else "finetune"
     return [command, "--config", CONFIG_PATH, *job.spec.overrides,
             f"checkpoint.save={job.store}", f"checkpoint.load={job.store}"]
+
+
+def kubelet_escaped(arg: str) -> str:
+    """`arg` as a container's args must carry it so the process receives it as written: the kubelet expands
+    `$(VAR)` from the container's environment and turns `$$` into `$` (after the operator checked the
+    literal), so every `$` is doubled."""
+    return arg.replace("$", "$$")
 
 
 def rank_command(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
@@ -273,7 +283,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
         "name": TRAINER,
         "image": spec.image,
         "command": [PYTHON, "-m", "kubetron.launch"],
-        "args": trainer_args(job),
+        "args": [kubelet_escaped(arg) for arg in trainer_args(job)],
         "env": rank_env(job, attempt, rank, expected_iteration, nodes),
         "resources": _resources(job),
         "volumeMounts": mounts,

@@ -26,11 +26,12 @@ from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.attempt_end import attempt_end
 from kubetron_operator.policy.kueue import released
 from kubetron_operator.policy.status import in_place_news, known_checkpoint, phase_status, progress_fields
+from kubetron_operator.policy.store import store_condition
 
 
 def decide(job: Job | None, obs: Observed) -> Action:
     """The next step for `job` (None when its spec does not parse; obs.spec_error then says why)."""
-    action = _decide(job, obs)
+    action = store_condition(obs, _decide(job, obs))
     release = released(obs, action)
     if release:
         action = replace(action, release_pods=release)

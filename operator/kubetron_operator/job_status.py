@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict
 
 from kubetron.contract.progress import CheckpointRef
+from kubetron.contract.resource import FINISHED
+
+PHASES = ("Pending", "Running", "Restarting", "Suspended", *FINISHED)
+"""Every phase a job may be in (the CRD's enum); a condition of another type is not a phase's."""
 
 StatusPatch = dict[str, Any]
 """A JSON merge patch for .status: JobStatus's fields, None deletes one."""

@@ -246,7 +246,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
             continue
         iteration = int(m.group(1))
         # the operator's own fetch: rank 0 found through the pod's IP and the spec's statusPort
-        got = live.read_live([view(running(c1))], 1, job.spec.status_port)
+        got = live.read_live([view(running(c1))], 1, job.spec.status_port).status
         if got is not None:
             samples.append((time.monotonic(), got))
         if not checked_live and got is not None and (got.get("iteration") or 0) >= 3:

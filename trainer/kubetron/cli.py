@@ -12,6 +12,7 @@
                                                        (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
                        [--metrics-port PORT] [--gang-schedulers volcano,coscheduling,kubernetes|none]
+                       [--s3-operator-buckets BUCKET,...]
     kubetron render    FILE
     kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
     kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
@@ -308,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
                    "comma-separated volcano, coscheduling, kubernetes, or 'none'; a job asking for another fails with "
                    "a status saying so, and no PodGroup API is called (default: %(default)s)")
+    p.add_argument("--s3-operator-buckets", default="", metavar="LIST",
+                   help="S3 buckets (comma-separated) whose jobs without storage.s3.secretRef the operator reads "
+                   "with its own identity, at its own endpoint (the chart's operatorS3Buckets); other such jobs' "
+                   "stores are not read by the operator (default: none)")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
@@ -366,6 +371,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise ConfigError("--metrics-port", f"must be a port number (0 = off), got {args.metrics_port}")
         if args.command == "operator":
             args.gang_schedulers = gang_schedulers(args.gang_schedulers)
+            args.s3_operator_buckets = tuple(b.strip() for b in args.s3_operator_buckets.split(",") if b.strip())
         return int(args.func(args) or 0)
     except ConfigError as exc:
         cfg = getattr(args, "_cfg", None)

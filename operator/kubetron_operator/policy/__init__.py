@@ -8,6 +8,7 @@
     elastic.py      elastic node ranges: attempt size, probes, shrink and grow (docs/elastic.md)
     lifecycle.py    finished jobs (TTL), suspension, the active deadline, failing a job
     kueue.py        Kueue plain pod groups: releasing the groups whose attempt is over
+    store.py        the StoreReadable condition: whether the S3 progress log could be read, and why not
 
 Every function here is pure: what it needs comes in through kubetron_operator.observe.Observed (the
 clock too), what it must remember goes into the status patch.

@@ -16,7 +16,7 @@ from typing import Any
 from kubetron.contract.progress import CheckpointRef, ProgressSummary
 from kubetron.contract.times import format_duration, stamp
 
-from kubetron_operator.job_status import Condition, JobStatus, Restarts, StatusPatch
+from kubetron_operator.job_status import PHASES, Condition, JobStatus, Restarts, StatusPatch
 from kubetron_operator.observe import NO_LIVE, NO_PROGRESS, Observed, PodView, to_int
 from kubetron_operator.policy.action import Event
 
@@ -28,11 +28,14 @@ def phase_status(obs: Observed, phase: str, reason: str, message: str) -> Status
 
 
 def _conditions(old: list[Condition], phase: str, reason: str, message: str, now: datetime) -> list[Condition]:
-    """One condition per phase ever reached; the current one True, the others False."""
+    """One condition per phase ever reached; the current one True, the others False; other conditions kept."""
     out: list[Condition] = []
     seen = False
     for held in old:
         cond = held.copy()
+        if cond.get("type") not in PHASES:  # a condition of its own (policy/store.py), not a phase's
+            out.append(cond)
+            continue
         is_now = cond.get("type") == phase
         seen = seen or is_now
         want = "True" if is_now else "False"
