@@ -8,7 +8,8 @@
                        parameters and per-GPU memory estimate; exit 1 when it does not fit
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
-    kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
+    kubetron export-hf CKPT OUT [--adapter-only] [--max-shard-size 5GB]
+                                                       kubetron checkpoint -> HF config.json + safetensors
                                                        (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
                        [--metrics-port PORT] [--gang-schedulers volcano,coscheduling|none]
@@ -150,10 +151,14 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from kubetron.hf.io import import_hf, model_yaml
 
-    m = import_hf(args.hf_dir, args.out)
+    m = import_hf(args.hf_dir, args.out, progress=_to_stderr)
     print(f"# wrote {args.out}/iter_0000000; fine-tune from it with this in the run config:")
     sys.stdout.write(model_yaml(m, args.out, args.hf_dir))
     return 0
@@ -161,8 +166,10 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from kubetron.hf.io import export_hf
+    from kubetron.plan import parse_size
 
-    cfg = export_hf(args.ckpt, args.out, adapter_only=args.adapter_only)
+    limit = parse_size(args.max_shard_size, "--max-shard-size", bare_unit=1)
+    cfg = export_hf(args.ckpt, args.out, adapter_only=args.adapter_only, max_shard_size=limit, progress=_to_stderr)
     if args.adapter_only:
         print(f"wrote {args.out}: PEFT LoRA adapter, r={cfg['r']}, {', '.join(cfg['target_modules'])}")
         return 0
@@ -272,13 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import_hf)
 
     p = sub.add_parser("export-hf", help="write a kubetron checkpoint as a Hugging Face model",
-                       description="Write OUT/config.json and OUT/model.safetensors (and the tokenizer files the "
-                                   "checkpoint holds) from the newest checkpoint in CKPT, for transformers.")
+                       description="Write OUT/config.json and OUT/model.safetensors, or its shards with an index "
+                                   "(and the tokenizer files the checkpoint holds, its chat template included) from "
+                                   "the newest checkpoint in CKPT, for transformers.")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (or one iter_ directory, or s3://...)")
     p.add_argument("out", metavar="OUT", help="output directory")
     p.add_argument("--adapter-only", action="store_true",
                    help="a LoRA checkpoint: write its adapter in PEFT's format (adapter_config.json + "
-                        "adapter_model.safetensors) instead of weights merged into the base")
+                        "adapter_model.safetensors, with the tokenizer files) instead of weights merged into the base")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest weight file: more is written as model-0000i-of-0000n.safetensors shards with "
+                        "model.safetensors.index.json, as transformers' save_pretrained (5GB, 500MB, 2GiB; a bare "
+                        "number is bytes; default: %(default)s)")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("operator", help="run the Kubernetes operator",

@@ -45,18 +45,26 @@ from kubetron.contract.errors import ConfigError
 
 GIB = 1024**3
 DEFAULT_GPU_MEMORY = 80 * GIB
-_UNITS = {"": GIB, "gib": GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "tib": 1024**4, "tb": 10**12}
+_UNITS = {"gib": GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "tib": 1024**4, "tb": 10**12, "kib": 1024, "kb": 10**3,
+          "b": 1}
 FP32 = 4  # bytes
 DROPOUT_MASK_BYTES = 1  # CUDA's dropout keeps a bool mask (torch on CPU keeps it in the compute dtype)
 
 
-def parse_memory(text: str) -> int:
-    """'80GiB', '141GB', '80' (GiB) -> bytes."""
+def parse_size(text: str, flag: str, bare_unit: int) -> int:
+    """'80GiB', '141GB', '500MB' -> bytes (GB = 10^9 and GiB = 2^30 bytes, as transformers reads them); a
+    bare number is `bare_unit` bytes each. Anything else: a ConfigError naming `flag`."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError("--gpu-memory", f"expected a size like 80GiB or 141GB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[unit])
+    units = {**_UNITS, "": bare_unit}
+    if not m or unit not in units or float(m.group(1)) * units[unit] < 1:
+        raise ConfigError(flag, f"expected a size like 80GiB, 5GB or 500MB, got {text!r}")
+    return int(float(m.group(1)) * units[unit])
+
+
+def parse_memory(text: str) -> int:
+    """'80GiB', '141GB', '80' (GiB) -> bytes."""
+    return parse_size(text, "--gpu-memory", bare_unit=GIB)
 
 
 def derived(*values: int | None) -> tuple[int, ...]:
