@@ -386,6 +386,24 @@ def _splits_with_tokens(prefixes, weights, wanted, required, split: str) -> list
     return wanted
 
 
+class _NoIndexCacheNotice(logging.Filter):
+    """Drops megatron-core's warning, once per dataset, that it cannot save its sample indices: kubetron builds
+    them in memory on purpose (``path_to_cache=""``, the data may be on a read-only volume)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "indexes because path_to_cache is None" not in record.getMessage()
+
+
+_NO_INDEX_CACHE_NOTICE = _NoIndexCacheNotice()
+
+
+def _quiet_index_cache_notices() -> None:
+    for name in ("megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_dataset"):
+        logger = logging.getLogger(name)
+        if _NO_INDEX_CACHE_NOTICE not in logger.filters:
+            logger.addFilter(_NO_INDEX_CACHE_NOTICE)
+
+
 def _gpt_dataset_class():
     """megatron-core's ``GPTDataset``, reading s3:// prefixes in S3_BIN_CHUNK_BYTES ranged GETs
     (megatron-core's own path fixes the chunk at 256 MiB and needs ``mmap_bin_files`` off globally)."""
@@ -457,6 +475,7 @@ def build_gpt_datasets(
     )
     if config.split_matrix is not None:  # unwanted splits: None keeps the others' document ranges as they are
         config.split_matrix = [m if w else None for m, w in zip(config.split_matrix, wanted)]
+    _quiet_index_cache_notices()
     built = BlendedMegatronDatasetBuilder(_gpt_dataset_class(), list(sizes), lambda: True, config).build()
     out = {name: (EndlessDataset(ds, name) if ds is not None and len(ds) > 0 else None)
            for name, ds in zip(SPLIT_NAMES, built)}

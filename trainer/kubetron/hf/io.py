@@ -41,13 +41,14 @@ from kubetron.checkpoint.layout import (
 from kubetron.contract.errors import CheckpointError, ConfigError
 from kubetron.contract.times import stamp
 from kubetron.hf import config_map, convert, generation, weights
-from kubetron.hf.safetensors_io import write_file
+from kubetron.hf.safetensors_io import write_file, write_files
 
 # HF tokenizer files carried along (import: into the checkpoint; export: back out of it), as transformers
 # writes them: the chat template in chat_template.jinja (transformers >= 4.43) or chat_template.json, or
 # inside tokenizer_config.json (older).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json")
+TEMPLATES_DIR = "additional_chat_templates"  # transformers' named templates beside the default: <name>.jinja
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 _MOE_TRAINING_KEYS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # carried and printed; no architecture
 _UNSET_IS_DEFAULT = ("sliding_window", "kv_channels", "moe_shared_expert_intermediate_size")  # not printed when null
@@ -113,7 +114,7 @@ def _pieces(source: weights.Source, progress: Progress | None) -> Iterator:
     """format_sharded pieces of every tensor of `source`, whole, read one at a time."""
     from kubetron.checkpoint.format_sharded import Piece
 
-    total = sum(source.nbytes(n) for n in source)
+    total = max(sum(source.nbytes(n) for n in source), 1)
     done, reported = 0, 0
     for name in source:
         t = source[name]
@@ -121,9 +122,9 @@ def _pieces(source: weights.Source, progress: Progress | None) -> Iterator:
             t = t.view(2, t.shape[0] // 2, *t.shape[1:])
         yield Piece(f"model/{name}", tuple(t.shape), [(0, n) for n in t.shape], t)
         done += source.nbytes(name)
-        if progress is not None and done * 10 // max(total, 1) > reported:
-            reported = done * 10 // max(total, 1)
-            progress(f"import-hf: {done / 1e6:,.1f} of {total / 1e6:,.1f} MB converted")
+        if progress is not None and done * 10 // total > reported:  # a line per tenth
+            reported = done * 10 // total
+            progress(f"import-hf: {100 * done // total}% converted ({done / 1e6:,.1f} of {total / 1e6:,.1f} MB)")
 
 
 def import_hf(hf_dir: str, out: str, progress: Progress | None = None) -> dict:
@@ -136,7 +137,17 @@ def import_hf(hf_dir: str, out: str, progress: Progress | None = None) -> dict:
     return m
 
 
+def hf_tokenizer_files(hf_dir: str) -> list[str]:
+    """The tokenizer files of an HF directory (names relative to it, regular files only)."""
+    named = os.path.join(hf_dir, TEMPLATES_DIR)
+    extra = [f"{TEMPLATES_DIR}/{n}" for n in sorted(os.listdir(named)) if n.endswith(".jinja")] \
+        if os.path.isdir(named) else []
+    return [f for f in (*TOKENIZER_FILES, *extra) if os.path.isfile(os.path.join(hf_dir, f))
+            and not os.path.islink(os.path.join(hf_dir, f))]
+
+
 def _write_import(hf_dir: str, out: str, m: dict, source: weights.Source, progress: Progress | None) -> None:
+    import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without its TE/Apex notices)
     from kubetron.checkpoint import format_sharded
     from kubetron.contract.config import GPTModelConfig
     from kubetron.storage import open_store
@@ -153,10 +164,9 @@ def _write_import(hf_dir: str, out: str, m: dict, source: weights.Source, progre
         format_sharded.write(txn, 0, _Streamed(_pieces(source, progress), {}))
         txn.write_bytes(COMMON, to_bytes(common))
         txn.write_bytes(RUN_CONFIG, yaml.safe_dump({"model": m}, sort_keys=False).encode())
-        for f in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(hf_dir, f)):
-                with open(os.path.join(hf_dir, f), "rb") as fh:
-                    txn.write_bytes(f"{TOKENIZER_DIR}/{f}", fh.read())
+        for f in hf_tokenizer_files(hf_dir):
+            with open(os.path.join(hf_dir, f), "rb") as fh:
+                txn.write_bytes(f"{TOKENIZER_DIR}/{f}", fh.read())
         marker = {"iteration": 0, "time": stamp(), "run_id": "import-hf",
                   "checkpoint_version": CHECKPOINT_VERSION, "world_size": 1}
         txn.commit(json.dumps(marker).encode())
@@ -184,6 +194,7 @@ def _resolve(location: str) -> tuple[object, str]:
 def open_checkpoint(location: str) -> tuple[dict, weights.Source, object, str]:
     """(model keys, its canonical tensors read on access, store, iter dir) of a kubetron checkpoint (newest
     iteration): the `sharded` format one tensor at a time, the `kubetron` format's model.pt whole."""
+    import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without its TE/Apex notices)
     from kubetron.checkpoint import format_kubetron
 
     store, name = _resolve(location)
@@ -296,9 +307,7 @@ def _export_model(out: str, m: dict, source: weights.Source, where: tuple, max_s
     files = _export_files(store, name, record, cfg)
     _check_out(out, "config.json")
     write_weights(out, source, m, max_shard_size, progress)
-    for file_name, data in files.items():
-        with open(os.path.join(out, file_name), "wb") as f:
-            f.write(data)
+    write_files(out, files)
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:  # last: marks a complete export
         json.dump(cfg, f, indent=2)
     return cfg
@@ -349,8 +358,11 @@ def write_weights(out: str, source: weights.Source, m: dict, max_shard_size: int
 
 
 def _tokenizer_files(store, name: str) -> dict[str, bytes]:
-    """The tokenizer files a checkpoint holds (iter_N/tokenizer/, as transformers wrote them), verbatim."""
-    return {os.path.basename(k): store.read_bytes(k) for k in store.list(f"{name}/{TOKENIZER_DIR}")}
+    """The tokenizer files a checkpoint holds (iter_N/tokenizer/, as transformers wrote them: the chat template
+    in chat_template.jinja or .json or tokenizer_config.json, named ones in additional_chat_templates/),
+    verbatim, by their names relative to tokenizer/."""
+    prefix = f"{name}/{TOKENIZER_DIR}/"
+    return {k[len(prefix):]: store.read_bytes(k) for k in store.list(prefix.rstrip("/")) if k.startswith(prefix)}
 
 
 def _export_files(store, name: str, record: dict | None, cfg: dict) -> dict[str, bytes]:

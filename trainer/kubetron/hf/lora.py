@@ -24,7 +24,7 @@ import torch
 
 from kubetron.contract.errors import ConfigError
 from kubetron.hf import convert
-from kubetron.hf.safetensors_io import write_file
+from kubetron.hf.safetensors_io import write_file, write_files
 
 _A, _B = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)$")
@@ -79,9 +79,7 @@ def write_peft(out: str, pairs: dict, info: dict, m: dict, base_name: str, files
     if os.path.exists(os.path.join(out, "adapter_config.json")):
         raise ConfigError("OUT", f"{out} already holds an adapter_config.json; give an empty or new directory")
     write_file(os.path.join(out, "adapter_model.safetensors"), tensors)
-    for file_name, data in files.items():
-        with open(os.path.join(out, file_name), "wb") as f:
-            f.write(data)
+    write_files(out, files)
     conf = peft_config(info, base_name)
     with open(os.path.join(out, "adapter_config.json"), "w", encoding="utf-8") as f:  # last: marks it complete
         json.dump(conf, f, indent=2)

@@ -7,7 +7,7 @@ past the end of the file, or a shape its bytes do not hold: `SafetensorsFile` re
 line naming the file and the tensor before any tensor is read, and reads a tensor with plain `readinto`
 (no mmap, so the process holds only the tensors it asked for). `write_file` writes a dict of tensors
 without staging the file's bytes in memory (the safetensors package's `save_file` copies every tensor
-into one bytes object first).
+into one bytes object first); `write_files` the small files beside them (tokenizer, templates).
 """
 
 from __future__ import annotations
@@ -139,3 +139,15 @@ def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, 
             f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
     os.replace(path + ".tmp", path)
     return 8 + len(text) + offset
+
+
+def write_files(out: str, files: dict[str, bytes]) -> None:
+    """`files` {relative name: bytes} under `out` (names from a store listing: no '..', no absolute path)."""
+    for rel, data in files.items():
+        parts = rel.split("/")
+        if ".." in parts or "" in parts:
+            raise ConfigError("CKPT", f"tokenizer file {rel!r}: not a plain relative name")
+        path = os.path.join(out, *parts)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)

@@ -193,6 +193,7 @@ class Sharded(Source):
     kept there as (2, ffn, ...) = [gate, up]; here it is canonical [gate; up]."""
 
     def __init__(self, store, name: str, num_shards: int):
+        import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without TE/Apex notices)
         from kubetron.checkpoint.format_sharded import ShardReader
 
         self.reader = ShardReader(store, name, num_shards)
