@@ -116,8 +116,8 @@ class TrainingConfig(_Section):
                                  ge=0)
     check_for_nan_in_loss: bool = _f(True, "Stop with exit code 3 when the loss is NaN or Inf.")
     termination_log: str | None = _f(
-        None, "Termination message path (None: env KUBETRON_TERMINATION_LOG, else /dev/termination-log if "
-              "writable, else none).")
+        None, "Termination message path (None: env KUBETRON_TERMINATION_LOG, else in a Kubernetes pod "
+              "/dev/termination-log if writable, else none).")
     status_port: int | None = _f(
         None, "TCP port for rank 0's GET /status (None: env KUBETRON_STATUS_PORT; 0: off).", ge=0, le=65535)
     num_microbatches: int | None = _d(

@@ -194,15 +194,35 @@ class Sharded(Source):
 
     def __init__(self, store, name: str, num_shards: int):
         import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without TE/Apex notices)
-        from kubetron.checkpoint.format_sharded import ShardReader
+        from kubetron.checkpoint.format_sharded import ShardReader, shard_key
 
+        self.store, self.dir, self.shard_key = store, name, shard_key
         self.reader = ShardReader(store, name, num_shards)
         self.names = sorted(n[len("model/"):] for n in self.reader.pieces if n.startswith("model/"))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         gshape = self.reader.global_shape(f"model/{name}")
+        pieces = self.reader.pieces[f"model/{name}"]
+        if len(pieces) == 1 and [tuple(b) for b in pieces[0]["box"]] == [(0, g) for g in gshape]:
+            return self._whole(pieces[0]).reshape(self.spec(name)[0])  # saved in one piece: read into place
         t = self.reader.read_many([(f"model/{name}", [(0, g) for g in gshape])])[0]
         return t.reshape(self.spec(name)[0])
+
+    def _whole(self, e: dict) -> torch.Tensor:
+        """A piece that is the whole tensor, read into its own buffer: on a filesystem straight from the file (one
+        copy of its bytes), from S3 by one ranged GET."""
+        key = f"{self.dir}/{self.shard_key(e['rank'])}"
+        path = self.store.local_path(key)
+        if path is None:
+            buf = bytearray(self.store.read_range(key, e["offset"], e["nbytes"]))
+        else:
+            buf = bytearray(e["nbytes"])
+            with open(path, "rb") as f:
+                f.seek(e["offset"])
+                if f.readinto(buf) != e["nbytes"]:
+                    raise ConfigError("CKPT", f"{key}: ends inside {e['name']}")
+        dtype = getattr(torch, e["dtype"])
+        return torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
