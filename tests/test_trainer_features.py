@@ -326,9 +326,9 @@ def test_preprocess_then_train_on_it(tmp_path):
     d = tmp_path / "run"
     p = run(["train", "--config", TINY, f"dataset.data_path={prefix}", "train.train_iters=30",
              "checkpoint.save=null", "logger.log_interval=5", f"logger.tensorboard_dir={d}/tb",
-             "validation.eval_interval=null"], tmp_path)
+             "validation.eval_interval=null", "logger.logging_level=DEBUG"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "dataset.data_path" in p.stdout  # a non-default value, logged at start
+    assert "dataset.data_path: " in p.stdout  # a non-default value, listed at DEBUG
     loss = tb_scalars(d / "tb")
     assert sorted(loss) == list(range(1, 31))
     assert loss[30] < loss[1] - 1.0, f"loss did not fall on the text: {loss[1]} -> {loss[30]}"

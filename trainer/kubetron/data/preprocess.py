@@ -45,7 +45,6 @@ from collections.abc import Callable, Iterator
 
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import ConfigError
-from kubetron.data.datasets import TOKENIZER_RECORD, tokenizer_record
 from kubetron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, tokenizer_from_assets
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -307,8 +306,11 @@ class _Outputs:
     """One IndexedDatasetBuilder per JSON key, on temporary files renamed into place by commit(), each with the
     record of the tokenizer that made it (``record``, written as PREFIX.tokenizer.json)."""
 
-    def __init__(self, prefixes: list[str], vocab_size: int, record: dict):
-        self.record = record
+    def __init__(self, prefixes: list[str], tokenizer):
+        from kubetron.data.datasets import TOKENIZER_RECORD, tokenizer_record  # numpy: not at the CLI's import
+
+        self.record, self.record_suffix = tokenizer_record(tokenizer), TOKENIZER_RECORD
+        vocab_size = tokenizer.vocab_size
         with warnings.catch_warnings():  # megatron-core's import notes (no TransformerEngine...) are noise here
             warnings.simplefilter("ignore")
             from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -332,19 +334,19 @@ class _Outputs:
     def commit(self) -> None:
         for builder, prefix in zip(self.builders, self.prefixes):
             builder.finalize(prefix + ".idx.tmp")
-            with open(prefix + TOKENIZER_RECORD + ".tmp", "w", encoding="utf-8") as f:
+            with open(prefix + self.record_suffix + ".tmp", "w", encoding="utf-8") as f:
                 json.dump(self.record, f)
         for prefix in self.prefixes:
             os.replace(prefix + ".bin.tmp", prefix + ".bin")
             os.replace(prefix + ".idx.tmp", prefix + ".idx")
-            os.replace(prefix + TOKENIZER_RECORD + ".tmp", prefix + TOKENIZER_RECORD)
+            os.replace(prefix + self.record_suffix + ".tmp", prefix + self.record_suffix)
 
     def abort(self) -> None:
         for builder in self.builders:
             with contextlib.suppress(OSError):
                 builder.data_file.close()
         for prefix in self.prefixes:
-            for p in (prefix + ".bin.tmp", prefix + ".idx.tmp", prefix + TOKENIZER_RECORD + ".tmp"):
+            for p in (prefix + ".bin.tmp", prefix + ".idx.tmp", prefix + self.record_suffix + ".tmp"):
                 with contextlib.suppress(OSError):
                     os.remove(p)
 
@@ -396,7 +398,7 @@ def preprocess(
     tok = tokenizer or build_tokenizer("byte")
     prefixes = _output_prefixes(output_prefix, json_keys)
     init_args = (tok.tokenizer_type, tok.assets(), json_keys, append_eod)
-    outputs = _Outputs(prefixes, tok.vocab_size, tokenizer_record(tok))  # imports megatron-core: before the clock
+    outputs = _Outputs(prefixes, tok)  # imports megatron-core: before the clock starts
     progress = Progress(sum(os.path.getsize(p) for p in inputs), log, log_interval,
                         sys.stderr.isatty() if tty is None else tty)
     docs = tokens = skipped = done_bytes = 0

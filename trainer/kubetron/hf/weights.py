@@ -32,7 +32,16 @@ MAX_INDEX_BYTES = 64 << 20  # a 70B model's index is ~60 KB
 
 
 class Source(Mapping):
-    """{canonical name: tensor}, each read on access; `spec(name)`: (shape, dtype) without reading."""
+    """{canonical name: tensor}, each read on access; `spec(name)`: (shape, dtype) without reading. Its keys are
+    `names`, in order."""
+
+    names: list[str]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         raise NotImplementedError
@@ -58,16 +67,11 @@ class InMemory(Source):
     """Tensors already in memory (a `model.pt`)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
+        self.tensors, self.names = tensors, list(tensors)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
     def spec(self, name: str):
         t = self.tensors[name]
@@ -123,6 +127,7 @@ class HFWeights(Source):
 
     def __init__(self, hf_dir: str, m: dict):
         self.m, self.units = m, {u.canonical: u for u in convert.units(m)}
+        self.names = list(self.units)
         files, weight_map = weight_files(hf_dir)
         self.files: list[SafetensorsFile] = []
         self.where: dict[str, SafetensorsFile] = {}
@@ -168,11 +173,6 @@ class HFWeights(Source):
         u = self.units[name]
         return convert.to_canonical(u, [self.where[p].read(p) for p in u.hf], self.m)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.units)
-
-    def __len__(self) -> int:
-        return len(self.units)
 
     def spec(self, name: str):
         u = self.units[name]
@@ -224,11 +224,6 @@ class Sharded(Source):
         dtype = getattr(torch, e["dtype"])
         return torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
 
     def spec(self, name: str):
         shape = self.reader.global_shape(f"model/{name}")
@@ -242,7 +237,7 @@ class Merged(Source):
     for every adapted linear, `pairs` {canonical linear name: (A, B)}."""
 
     def __init__(self, base: Source, pairs: dict, scale: float):
-        self.base, self.pairs, self.scale = base, pairs, scale
+        self.base, self.pairs, self.scale, self.names = base, pairs, scale, base.names
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = self.base[name]
@@ -252,11 +247,6 @@ class Merged(Source):
         a, b = pair
         return (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.base)
-
-    def __len__(self) -> int:
-        return len(self.base)
 
     def spec(self, name: str):
         return self.base.spec(name)
