@@ -299,9 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_preprocess)
 
     p = sub.add_parser("import-hf", help="convert a Hugging Face Llama-family model into a kubetron checkpoint",
-                       description="Convert HF_DIR (config.json + *.safetensors of a Llama, Mistral, Qwen2, Qwen3, "
-                                   "Qwen3-MoE or Mixtral model) into the kubetron checkpoint OUT and print the "
-                                   "matching model section.")
+                       description="Convert HF_DIR (config.json + model.safetensors, or the shards "
+                                   "model.safetensors.index.json lists, of a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE "
+                                   "or Mixtral model; never pytorch_model.bin) into the kubetron checkpoint OUT and "
+                                   "print the matching model section.")
     p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory")
     p.add_argument("out", metavar="OUT", help="checkpoint directory to create (a path or s3://bucket/prefix)")
     p.set_defaults(func=cmd_import_hf)
