@@ -93,19 +93,22 @@ def _arrow_stream_like(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("make,kind", [(_parquet_like, "Parquet"), (_arrow_stream_like, "Arrow stream")])
-def test_preprocess_never_reads_a_columnar_file_as_text(tmp_path, make, kind):
-    """Without pyarrow, a Parquet or Arrow file (whatever its name) is refused in one line naming it; nothing
-    is written. (With pyarrow its text column is read: the next test.)"""
+@pytest.mark.parametrize("make,name,kind", [(_parquet_like, "data.parquet", "Parquet"),
+                                            (_arrow_stream_like, "data-00000-of-00001.arrow", "Arrow stream"),
+                                            (_parquet_like, "renamed.jsonl", "Parquet")])
+def test_preprocess_never_reads_a_columnar_file_as_text(tmp_path, make, name, kind):
+    """Without pyarrow, a Parquet or Arrow file (whatever its name) is refused in one line naming it, exit 2;
+    nothing is written. (Before, a .parquet or .arrow file was byte-tokenized as text, exit 0. With pyarrow its
+    text column is read: the next test.)"""
     try:
         import pyarrow  # noqa: F401
         pytest.skip("pyarrow is installed: the file is read, not refused")
     except ImportError:
         pass
-    src = make(tmp_path / "data.jsonl")
+    src = make(tmp_path / name)
     p = run(["preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "out" / "x")], tmp_path)
     line = p.stderr.strip()
-    assert p.returncode == 2 and "\n" not in line and f"a {kind} file" in line and str(src) in line, line
+    assert p.returncode == 2 and "\n" not in line and f"{src}: {kind} data" in line and "pyarrow" in line, line
     assert not list((tmp_path / "out").glob("x*"))
 
 

@@ -71,7 +71,7 @@ def _table_batches(path: str, kind: str, json_keys: tuple[str, ...]) -> Iterator
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
-        raise ConfigError("--input", f"{path}: a {kind} file; reading it needs pyarrow (pip install pyarrow), or "
+        raise ConfigError("--input", f"{path}: {kind} data; reading it needs pyarrow (pip install pyarrow), or "
                                      "convert it to JSONL") from None
     if kind == "Parquet":
         pf = pyarrow.parquet.ParquetFile(path)
