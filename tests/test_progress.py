@@ -531,3 +531,32 @@ def test_status_server_says_how_often_the_gang_restarted_in_place(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     with StatusServer(0, host="127.0.0.1") as server:
         assert json.loads(get(f"http://127.0.0.1:{server.port}/status")[1])["inPlaceRestarts"] == 2
+
+
+def test_progress_command_prints_a_short_summary_and_the_json_with_flag(tmp_path):
+    """`kubetron progress STORE`: a few lines a person reads (iteration/train iters, last checkpoint, the last job's
+    tokens/s and ETA from its last two checkpoints, restarts); `--json` the summary the operator reads."""
+    from kubetron.contract.progress import IN_PLACE_RESTARTS_KEY, RESTARTED_IN_PLACE
+
+    j1, j2 = "ns/job/1", "ns/job/2"
+    lines = [starting_job_line(0, 100, num_gpus=8, job_id=j1, now=at(0, 0)),
+             saved_checkpoint_line(10, 1.0, 1.0, 1e12, 20480, 100, num_gpus=8, job_id=j1, now=at(1, 40)),
+             exiting_job_line(10, "SavedOnSignal", 100, num_gpus=8, job_id=j1, now=at(1, 41)),
+             starting_job_line(10, 100, num_gpus=8, job_id=j2, now=at(3, 20)),
+             format_line(RESTARTED_IN_PLACE, job_id=j2, num_gpus=8, fields={IN_PLACE_RESTARTS_KEY: 2}, now=at(4, 0)),
+             saved_checkpoint_line(20, 1.0, 1.0, 2e12, 40960, 100, num_gpus=8, job_id=j2, now=at(5, 0)),
+             saved_checkpoint_line(30, 1.0, 1.0, 3e12, 61440, 100, num_gpus=8, job_id=j2, now=at(5, 50))]
+    (tmp_path / PROGRESS_FILE).write_text("\n".join(lines) + "\n")
+    from tests.trainer_utils import run
+
+    p = run(["progress", str(tmp_path)], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        f"{tmp_path}: iteration 30/100 (30%)",
+        "  last checkpoint: iteration 30 at 2026-11-22T12:05:50Z",
+        "  speed: 410 tokens/s, ETA 5m50s",  # 20480 tokens and 10 iterations in the last 50 s; 70 to go
+        "  restarts: 3 (1 new start(s), 2 in place)",
+        "  last exit: SavedOnSignal at iteration 10 (2026-11-22T12:01:41Z)"]
+    js = run(["progress", str(tmp_path), "--json"], tmp_path)
+    summary = json.loads(js.stdout)
+    assert summary == {**summarize(str(tmp_path))} and summary["lastCheckpoint"]["iteration"] == 30

@@ -9,15 +9,18 @@ import os
 import sys
 
 from kubetron.contract.progress import (
+    CHECKPOINT_EVENTS,
     JOB_ID_ENV,
     PROGRESS_FILE,
     RESTART_COUNT_ENV,
+    STARTING_JOB,
     ProgressSummary,
     as_int,
     parse_progress,
     summarize_events,
 )
 from kubetron.contract.termination import MESSAGE_LIMIT
+from kubetron.contract.times import format_duration, parse_stamp
 
 
 def job_id() -> str:
@@ -91,6 +94,58 @@ def summarize(location: str) -> ProgressSummary:
     summary = summarize_events(parse_progress(read_progress_text(location)))
     summary["store"] = location
     return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# The human summary (`kubetron progress STORE`; the JSON with --json)
+
+
+def _rate_points(events: list[dict]) -> list[tuple[int, float, int | None]]:
+    """(iteration, epoch seconds, tokens) where the last job started and at each checkpoint it saved since."""
+    points: list[tuple[int, float, int | None]] = []
+    tokens_at: dict[int, int | None] = {0: 0}
+    for ev in events:
+        it, when = as_int(ev["fields"].get("Iteration")), parse_stamp(ev["time"])
+        if it is None or when is None:
+            continue
+        if ev["event"] == STARTING_JOB:
+            points = [(it, when.timestamp(), tokens_at.get(it))]
+        elif ev["event"] in CHECKPOINT_EVENTS:
+            tokens_at[it] = as_int(ev["fields"].get("Tokens"))
+            points.append((it, when.timestamp(), tokens_at[it]))
+    return points
+
+
+def _speed(summary: ProgressSummary) -> tuple[str, str]:
+    """(tokens/s, ETA) of the last job, from its last two points (its start or a checkpoint); "?" unknown."""
+    points = _rate_points(summary.get("events", []))
+    if len(points) < 2 or points[-1][1] <= points[-2][1]:
+        return "?", "done" if summary["completed"] else "?"
+    (i0, t0, k0), (i1, t1, k1) = points[-2], points[-1]
+    tokens = f"{(k1 - k0) / (t1 - t0):,.0f}" if k0 is not None and k1 is not None else "?"
+    left = (summary["trainIters"] or 0) - i1
+    if summary["completed"]:
+        return tokens, "done"
+    return tokens, format_duration(left * (t1 - t0) / (i1 - i0)) if i1 > i0 and left > 0 else "?"
+
+
+def format_summary(summary: ProgressSummary) -> str:
+    """A few lines for a person: where the run is, its last checkpoint, speed and ETA, restarts, how it ended."""
+    it, total = summary["iteration"], summary["trainIters"]
+    where = f"iteration {'?' if it is None else it}/{'?' if total is None else total}"
+    if it is not None and total:
+        where += f" ({100 * it // total}%)"
+    ckpt = summary["lastCheckpoint"]
+    saved = "none" if ckpt is None else f"iteration {ckpt['iteration']} at {ckpt['time']}"
+    tokens, eta = _speed(summary)
+    starts, in_place = max(summary["jobs"] - 1, 0), sum(summary["inPlaceRestarts"].values())
+    lines = [f"{summary.get('store', 'store')}: {where}{', completed' if summary['completed'] else ''}",
+             f"  last checkpoint: {saved}", f"  speed: {tokens} tokens/s, ETA {eta}",
+             f"  restarts: {starts + in_place} ({starts} new start(s), {in_place} in place)"]
+    last = summary["lastExit"]
+    if last is not None:
+        lines.append(f"  last exit: {last['reason']} at iteration {last['iteration']} ({last['time']})")
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -462,11 +462,14 @@ class CheckpointManager:
                 f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")
         if found is not None:
             return self._resume(*found, expected=expected)
-        if finetune or peft.enabled(self.cfg):
-            self._load_pretrained()
-        elif ck.exit_on_missing_checkpoint and ck.load:
+        if ck.exit_on_missing_checkpoint and ck.load and not (finetune or peft.enabled(self.cfg)):
             raise CheckpointError(f"checkpoint.load={ck.load} holds no complete checkpoint "
                                   "(exit_on_missing_checkpoint is set)")
+        if ck.load:
+            log.info("checkpoint.load=%s holds no checkpoint: starting at iteration 0 from %s", ck.load,
+                     "the pretrained weights" if finetune or peft.enabled(self.cfg) else "freshly initialized weights")
+        if finetune or peft.enabled(self.cfg):
+            self._load_pretrained()
         return 0
 
     def _resume(self, store, name: str, iteration: int, *, expected: int | None) -> int:
@@ -575,6 +578,32 @@ class CheckpointManager:
             rng = safe_load(store.read_bytes(rng_key, limit=MAX_SMALL), rng_key)
             if rng:  # empty: saved with checkpoint.save_rng false by an older kubetron
                 set_rng_state(rng, rng_key)
+
+
+def check_before_build(cfg, *, finetune: bool) -> None:
+    """What `CheckpointManager.load` will check that needs no model, before the model is built: the
+    architecture of the checkpoint it will resume (checkpoint.load) or start from (pretrained_checkpoint: a
+    kubetron or megatron checkpoint, or an HF directory's config.json) against `model:`. A mismatch is the
+    same config error (exit 2) from every kind of checkpoint."""
+    ck = cfg.checkpoint
+    found = resolve_checkpoint(ck.load, ck.ckpt_step, cfg) if ck.load else None
+    if found is None and (finetune or peft.enabled(cfg)) and ck.pretrained_checkpoint:
+        from kubetron.hf import is_hf_dir
+
+        if is_hf_dir(ck.pretrained_checkpoint):
+            from kubetron.hf.io import check_hf_dir
+
+            return check_hf_dir(cfg, ck.pretrained_checkpoint)
+        found = resolve_checkpoint(ck.pretrained_checkpoint, None, cfg, non_persistent=False)
+    if found is None:
+        return None
+    store, name, _ = found
+    if format_torch_dist.megatron_backend(store, name) is not None:
+        return check_architecture(bridge_heads(store, name), cfg, name)
+    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
+    sharded = common.get("ckpt_format") == "sharded"
+    return check_architecture(common.get("model_config", {}), cfg, name,
+                              saved_tokenizer_vocab=common.get("tokenizer_vocab_size") if sharded else None)
 
 
 def adopt_checkpoint_tokenizer(cfg) -> str | None:

@@ -116,8 +116,8 @@ class TrainingConfig(_Section):
                                  ge=0)
     check_for_nan_in_loss: bool = _f(True, "Stop with exit code 3 when the loss is NaN or Inf.")
     termination_log: str | None = _f(
-        None, "Termination message path (None: env KUBETRON_TERMINATION_LOG, else /dev/termination-log if "
-              "writable, else none).")
+        None, "Termination message path (None: env KUBETRON_TERMINATION_LOG, else in a Kubernetes pod "
+              "/dev/termination-log if writable, else none).")
     status_port: int | None = _f(
         None, "TCP port for rank 0's GET /status (None: env KUBETRON_STATUS_PORT; 0: off).", ge=0, le=65535)
     num_microbatches: int | None = _d(
@@ -1285,14 +1285,15 @@ class ConfigContainer(BaseModel):
         return out
 
     def log_non_default_values(self, logger) -> None:
-        """Log the keys that differ from their defaults, one per line."""
+        """One line at INFO: how many keys differ from their defaults; then, at DEBUG, each on its own line."""
         diffs = self.non_default_values()
         if not diffs:
             logger.info("Configuration: all values are defaults")
             return
-        logger.info("Configuration values that differ from defaults:")
+        logger.info("Configuration: %d values differ from the defaults (logger.logging_level DEBUG lists them; each "
+                    "checkpoint's run_config.yaml holds the whole config)", len(diffs))
         for key, (old, new) in diffs.items():
-            logger.info("  %s: %s (default %s)", key, _fmt(new), _fmt(old))
+            logger.debug("  %s: %s (default %s)", key, _fmt(new), _fmt(old))
 
 
 _TOP_LEVEL_FIELDS = {"data_parallel_size"}

@@ -101,8 +101,15 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
          signal_handler: SignalHandler | None = None, **non_loss):
     from megatron.core import parallel_state
 
-    from kubetron.checkpoint.manager import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
+    from kubetron.checkpoint.manager import (
+        CheckpointManager,
+        adopt_checkpoint_tokenizer,
+        check_before_build,
+        open_save_store,
+    )
     from kubetron.data import build_train_valid_test_data_iterators
+    from kubetron.data.datasets import check_data_tokenizer
+    from kubetron.data.loader import build_tokenizer_from_config
     from kubetron.training import pipeline
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
@@ -133,6 +140,10 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     if cfg.train.exit_signal_handler:
         state.signal_handler = signal_handler or SignalHandler(exit_signals(cfg))
 
+    from_pretrained = mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)
+    check_before_build(cfg, finetune=from_pretrained)  # what needs no model fails before it is built
+    if not cfg.finetuning.data_path:  # indexed data: made by this run's tokenizer?
+        check_data_tokenizer(cfg.dataset, build_tokenizer_from_config(cfg))
     model = pipeline.build(cfg, device, build_model)  # build_model + PP shared-embedding setup on CPU
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
@@ -149,7 +160,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
                              world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
     state.ckpt = ckpt
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
-    ckpt.load(finetune=(mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)))
+    ckpt.load(finetune=from_pretrained)
     CLOCK.mark("checkpoint load")
 
     status = None

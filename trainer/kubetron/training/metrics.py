@@ -121,9 +121,11 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.flush()
         self._console(iteration, pending, host, elapsed_ms, gbs, scales[-1])
-        if times:
+        # interval-time is the console line's "elapsed time per iteration": the timers line has the others (level >= 1)
+        timed = {k: v for k, v in times.items() if k != "interval-time"}
+        if timed:
             print(" time (ms, per iteration) | " + " | ".join(f"{k}: {1000 * v / n_iters:.2f}"
-                                                              for k, v in times.items()), flush=True)
+                                                              for k, v in timed.items()), flush=True)
         if memory and not self._memory_reported:
             self._memory_reported = True
             print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (GB) | "
