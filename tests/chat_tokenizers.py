@@ -101,11 +101,13 @@ def mistral_tokenizer(out: Path, template: str | dict | None = MISTRAL_V3_TEMPLA
 
     specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     chars = sorted(set("".join(CORPUS) + "\n▁"))
     tok.train_from_iterator(CORPUS * 20, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                                              initial_alphabet=chars))
+    # Trained word by word (SentencePiece's pieces never cross a space), run on whole texts as Mistral's is.
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
                                                        special_tokens=[("<s>", tok.token_to_id("<s>"))])
     return _save(tok, out, template, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -125,3 +127,16 @@ def hf_chat_ids(tok_dir: Path, messages: list[dict], **kw) -> list[int]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def sample_digest(ds) -> str:
+    """A digest of every sample a fine-tuning dataset serves (one epoch), to compare two builds."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256()
+    for i in range(len(ds)):
+        for k, v in sorted(ds[i].items()):
+            h.update(k.encode() + np.ascontiguousarray(v).tobytes())
+    return h.hexdigest()

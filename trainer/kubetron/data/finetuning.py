@@ -34,7 +34,7 @@ import numpy as np
 
 from kubetron.contract.errors import ConfigError
 from kubetron.data.sft import cache, files
-from kubetron.data.sft.encode import Encoder, Progress, parse_all
+from kubetron.data.sft.encode import Progress, encode_all, parse_all
 from kubetron.data.sft.rows import RowKeys, parse_row
 
 log = logging.getLogger("kubetron")
@@ -84,8 +84,8 @@ def build_arrays(paths, tokenizer, s: SftSettings, field: str) -> tuple[dict[str
     items = parse_all(rows, lambda row: parse_row(row, s.keys), field)
     if not items:
         raise ConfigError(field, f"{_name(paths)}: holds no examples")
-    encoded = Encoder(tokenizer, s.seq_length, s.add_eod, s.chat_template, field).encode_all(
-        items, Progress(f"{field}: tokenizing", len(items), "examples"))
+    encoded = encode_all(tokenizer, (s.seq_length, s.add_eod, s.chat_template, field), items,
+                         Progress(f"{field}: tokenizing", len(items), "examples"))
     arrays = encoded.arrays()
     if len(arrays["offsets"]) < 2:
         raise ConfigError(field, f"{_name(paths)}: no example has two or more tokens")

@@ -16,8 +16,9 @@ Which characters are trained (the assistant turns), from one rendering of the wh
   the markers removed that rendering must be the conversation's text exactly (else the example is refused: the
   template rewrites the content in a way that cannot be traced). A turn runs from the end of the template's
   generation prompt (``<|im_start|>assistant\\n``: so Qwen3's ``<think>`` block, which the template writes after it,
-  is trained) - or, for templates without one (Mistral), from the start of the content - to its end and through
-  the first special token after it (the end of turn: ``<|eot_id|>``, ``<|im_end|>``, ``</s>``).
+  is trained) - or, for templates without one (Mistral), from the start of the content and the whitespace the
+  template writes before it (``[/INST] Yes``: the model writes that space) - to its end and through the first
+  special token after it (the end of turn: ``<|eot_id|>``, ``<|im_end|>``, ``</s>``).
 
 Tokens are in a span when their characters overlap it (transformers' ``char_to_token`` of its first and last
 character).
@@ -196,8 +197,11 @@ class ChatTemplate:
         spans, done = [], 0
         for n, (start, end) in enumerate(ends):
             header = text.rfind(self.prompt_header, done, end) if self.prompt_header else -1
-            begin = header + len(self.prompt_header) if header >= 0 else start
-            if begin is None:
+            if header >= 0:
+                begin = header + len(self.prompt_header)
+            elif start is not None:  # the space a template writes before the answer is the answer's first token's
+                begin = start - (start - done - len(text[done:start].rstrip()))
+            else:
                 raise ValueError("cannot tell where an assistant turn starts (its text is cut by the template and "
                                  "the template has no generation prompt); give the template {% generation %} markers")
             limit = self._next_turn(text, ends, n, end)

@@ -7,16 +7,17 @@
   writes them), so the ids equal transformers' ``apply_chat_template(messages, tokenize=True)``; the flags are 1
   on the assistant turns (:mod:`kubetron.data.sft.chat`).
 
-The chat template is compiled once; texts go to the Rust tokenizer ``BATCH`` at a time (``encode_batch`` runs on
-all cores) while Python renders the next batch.
+The chat template is compiled once per process; the examples go ``BATCH`` at a time to processes on all cores
+(each renders its batch and encodes it in one call to the Rust tokenizer); a little data stays in this process.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import jinja2
@@ -25,18 +26,21 @@ import numpy as np
 from kubetron.contract.errors import ConfigError
 from kubetron.data.sft.chat import ChatTemplate, token_mask
 from kubetron.data.sft.rows import Chat, Pair
+from kubetron.data.tokenizer import FILE_TOKENIZERS, build_tokenizer, tokenizer_from_assets
 
 log = logging.getLogger("kubetron")
 
 BATCH = 1024
+MAX_WORKERS = 32
 PROGRESS_EVERY_S = 10.0
 
 
 class Progress:
     """A log line with the rate and an ETA every `every` seconds of long work (none for work done sooner)."""
 
-    def __init__(self, what: str, total: float, unit: str, every: float = PROGRESS_EVERY_S):
-        self.what, self.total, self.unit, self.every = what, total, unit, every
+    def __init__(self, what: str, total: float, unit: str, every: float | None = None):
+        self.what, self.total, self.unit = what, total, unit
+        self.every = PROGRESS_EVERY_S if every is None else every
         self.t0 = self.last = time.monotonic()
 
     def __call__(self, done: float) -> None:
@@ -65,27 +69,26 @@ def _duration(s: float) -> str:
 
 @dataclass
 class Encoded:
-    """Every example's ids back to back: example i is ``tokens[offsets[i]:offsets[i + 1]]``, flags alike."""
+    """Every example's ids back to back, in chunks: example i's ids and flags, lengths in order."""
 
-    tokens: list[int] = field(default_factory=list)
-    flags: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=lambda: [0])
+    ids: list[np.ndarray] = field(default_factory=list)
+    flags: list[np.ndarray] = field(default_factory=list)
+    lengths: list[np.ndarray] = field(default_factory=list)
     cut: int = 0
     short: int = 0
 
-    def add(self, ids: list[int], flags: list[int], limit: int) -> None:
-        self.cut += len(ids) > limit
-        ids, flags = ids[:limit], flags[:limit]
-        if len(ids) < 2:
-            self.short += 1  # nothing to predict
-            return
-        self.tokens += ids
-        self.flags += flags
-        self.offsets.append(len(self.tokens))
+    def extend(self, other: Encoded) -> None:
+        self.ids += other.ids
+        self.flags += other.flags
+        self.lengths += other.lengths
+        self.cut += other.cut
+        self.short += other.short
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"tokens": np.asarray(self.tokens, dtype=np.int32), "flags": np.asarray(self.flags, dtype=np.uint8),
-                "offsets": np.asarray(self.offsets, dtype=np.int64)}
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        return {"tokens": np.concatenate(self.ids or [np.zeros(0, np.int32)]).astype(np.int32),
+                "flags": np.concatenate(self.flags or [np.zeros(0, np.uint8)]).astype(np.uint8),
+                "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}
 
 
 class Encoder:
@@ -111,24 +114,32 @@ class Encoder:
                                                  f"chat template {name!r}")
         return self._templates[name]
 
-    def encode_all(self, items: list[tuple[str, Pair | Chat]], progress: Progress | None = None) -> Encoded:
+    def encode(self, batch: list[tuple[str, Pair | Chat]]) -> Encoded:
+        """One batch: render its chats, encode every text in one call to the tokenizer, cut at seq_length + 1."""
+        prepared = [self._render(where, ex) if isinstance(ex, Chat) else ex for where, ex in batch]
+        chats = [p for p in prepared if not isinstance(p, Pair)]
+        pairs = [p for p in prepared if isinstance(p, Pair)]
+        chat_enc = iter(self.tok.encode_offsets([text for text, _ in chats]) if chats else [])
+        plain = iter(self.tok.encode_plain([t for p in pairs for t in (p.prompt, p.answer)]) if pairs else [])
         out = Encoded()
-        with ThreadPoolExecutor(1, thread_name_prefix="kubetron-encode") as pool:
-            pending = None
-            for start in range(0, len(items), BATCH):
-                batch = items[start:start + BATCH]
-                prepared = self._prepare(batch)  # Python: render the chats while the Rust tokenizer runs
-                if pending is not None:
-                    self._collect(*pending.result(), out)
-                pending = pool.submit(self._encode, batch, prepared)
-                if progress:
-                    progress(start)
-            if pending is not None:
-                self._collect(*pending.result(), out)
+        kept: list[tuple[list[int], list[int]]] = []
+        for p in prepared:
+            if isinstance(p, Pair):
+                prompt, answer = next(plain), next(plain)
+                ids = self.leading + prompt + answer + ([self.tok.eod] if self.add_eod else [])
+                flags = [0] * (len(self.leading) + len(prompt)) + [1] * (len(ids) - len(self.leading) - len(prompt))
+            else:
+                enc = next(chat_enc)
+                ids, flags = list(enc.ids), token_mask(enc, p[1])
+            out.cut += len(ids) > self.limit
+            if min(len(ids), self.limit) < 2:
+                out.short += 1  # nothing to predict
+                continue
+            kept.append((ids[:self.limit], flags[:self.limit]))
+        out.ids = [np.asarray([i for ids, _ in kept for i in ids], dtype=np.int32)]
+        out.flags = [np.asarray([f for _, flags in kept for f in flags], dtype=np.uint8)]
+        out.lengths = [np.asarray([len(ids) for ids, _ in kept], dtype=np.int64)]
         return out
-
-    def _prepare(self, batch: list[tuple[str, Pair | Chat]]) -> list:
-        return [self._render(where, ex) if isinstance(ex, Chat) else ex for where, ex in batch]
 
     def _render(self, where: str, chat: Chat):
         template = self.template(chat, where)
@@ -139,26 +150,55 @@ class Encoder:
         except ValueError as e:
             raise ConfigError(self.field, f"{where}: {e}") from None
 
-    def _encode(self, batch, prepared) -> tuple[list, list]:
-        chats = [p for p in prepared if not isinstance(p, Pair)]
-        pairs = [p for p in prepared if isinstance(p, Pair)]
-        chat_enc = iter(self.tok.encode_offsets([text for text, _ in chats]) if chats else [])
-        plain = iter(self.tok.encode_plain([t for p in pairs for t in (p.prompt, p.answer)]) if pairs else [])
-        results = []
-        for p in prepared:
-            if isinstance(p, Pair):
-                prompt, answer = next(plain), next(plain)
-                ids = self.leading + prompt + answer + ([self.tok.eod] if self.add_eod else [])
-                results.append((ids, [0] * (len(self.leading) + len(prompt)) + [1] * (len(ids) - len(self.leading)
-                                                                                       - len(prompt))))
-            else:
-                enc = next(chat_enc)
-                results.append((list(enc.ids), token_mask(enc, p[1])))
-        return batch, results
 
-    def _collect(self, batch, results, out: Encoded) -> None:
-        for ids, flags in results:
-            out.add(ids, flags, self.limit)
+def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]], progress: Progress | None = None,
+               workers: int | None = None) -> Encoded:
+    """Every item, BATCH at a time: in this process for little data, else on all cores (processes started
+    fresh - spawn - each with its own copy of the tokenizer, rendering and encoding whole batches)."""
+    batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
+    workers = min(workers or available_cpus(), MAX_WORKERS, len(batches))
+    out = Encoded()
+    if workers <= 1 or tokenizer.tokenizer_type not in FILE_TOKENIZERS + ("byte",):
+        encoder = Encoder(tokenizer, *settings)
+        for n, batch in enumerate(batches, 1):
+            out.extend(encoder.encode(batch))
+            if progress:
+                progress(min(n * BATCH, len(items)))
+        return out
+    init = (tokenizer.tokenizer_type, tokenizer.assets(), settings)
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=init) as pool:
+        for n, result in enumerate(pool.imap(_encode_batch, batches), 1):
+            if isinstance(result, tuple):  # a ConfigError, sent back as (field, message)
+                raise ConfigError(*result)
+            out.extend(result)
+            if progress:
+                progress(min(n * BATCH, len(items)))
+    return out
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+_WORKER: Encoder | None = None
+
+
+def _start_worker(tokenizer_type: str, assets: dict[str, bytes], settings: tuple) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    global _WORKER
+    tok = build_tokenizer(tokenizer_type) if tokenizer_type == "byte" else tokenizer_from_assets(tokenizer_type, assets)
+    _WORKER = Encoder(tok, *settings)
+
+
+def _encode_batch(batch) -> Encoded | tuple[str, str]:
+    assert _WORKER is not None
+    try:
+        return _WORKER.encode(batch)
+    except ConfigError as e:
+        return e.field, e.message
 
 
 def choose_template(templates: dict[str, str], name: str | None, has_tools: bool) -> str:
