@@ -57,17 +57,19 @@ def _bpe(split: str, specials: list[str], vocab_size: int = 400):
     return tok
 
 
-def _save(tok, out: Path, template: str | dict | None, **special) -> Path:
+def _save(tok, out: Path, template: str | dict | None, legacy: bool, **special) -> Path:
+    """`legacy`: the template inside tokenizer_config.json, as transformers before 4.4x saved it (today:
+    chat_template.jinja, and additional_chat_templates/NAME.jinja for named ones)."""
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
     if template is not None:
         hf.chat_template = template
-    hf.save_pretrained(out)
+    hf.save_pretrained(out, save_jinja_files=not legacy)
     return out
 
 
-def llama3_tokenizer(out: Path, template: str | dict | None = LLAMA32_TEMPLATE) -> Path:
+def llama3_tokenizer(out: Path, template: str | dict | None = LLAMA32_TEMPLATE, legacy: bool = False) -> Path:
     """Llama 3's shape: its split regex, byte-level BPE, a post-processor that prepends <|begin_of_text|> to
     everything it encodes (ByteLevel + TemplateProcessing), eos <|eot_id|>."""
     from tokenizers import processors
@@ -79,10 +81,10 @@ def llama3_tokenizer(out: Path, template: str | dict | None = LLAMA32_TEMPLATE) 
         processors.ByteLevel(trim_offsets=False),
         processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
                                       special_tokens=[("<|begin_of_text|>", bos)])])
-    return _save(tok, out, template, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    return _save(tok, out, template, legacy, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
 
 
-def qwen3_tokenizer(out: Path, template: str | dict | None = QWEN3_TEMPLATE) -> Path:
+def qwen3_tokenizer(out: Path, template: str | dict | None = QWEN3_TEMPLATE, legacy: bool = False) -> Path:
     """Qwen3's shape: Qwen's split, byte-level BPE, no BOS, <|im_start|>/<|im_end|> special, <think>/</think> and
     <tool_call>/</tool_call> added but not special; eos <|im_end|>, pad <|endoftext|>."""
     from tokenizers import AddedToken, processors
@@ -91,10 +93,10 @@ def qwen3_tokenizer(out: Path, template: str | dict | None = QWEN3_TEMPLATE) -> 
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return _save(tok, out, template, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return _save(tok, out, template, legacy, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
-def mistral_tokenizer(out: Path, template: str | dict | None = MISTRAL_V3_TEMPLATE) -> Path:
+def mistral_tokenizer(out: Path, template: str | dict | None = MISTRAL_V3_TEMPLATE, legacy: bool = False) -> Path:
     """Mistral v0.3's shape: a Metaspace BPE ("▁" for spaces, prepended at the start), a post-processor
     "<s> $A", [INST]/[/INST] as control (special) tokens; bos <s>, eos </s>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -110,7 +112,7 @@ def mistral_tokenizer(out: Path, template: str | dict | None = MISTRAL_V3_TEMPLA
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
                                                        special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    return _save(tok, out, template, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return _save(tok, out, template, legacy, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 BUILDERS = {"llama3": llama3_tokenizer, "qwen3": qwen3_tokenizer, "mistral": mistral_tokenizer}

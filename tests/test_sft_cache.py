@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from kubetron.contract.errors import ConfigError
 from kubetron.data.finetuning import FinetuningDataset
-from kubetron.data.sft import encode
 from kubetron.data.tokenizer import tokenizer_from_assets
 
 from tests.chat_tokenizers import (
@@ -153,8 +152,8 @@ def test_other_ranks_wait_for_rank_0_and_load_its_build(tok_dir, tmp_path, monke
 def test_long_work_logs_progress_with_an_eta(tok_dir, tmp_path, monkeypatch, caplog):
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tok_dir))
     data = write_jsonl(tmp_path / "sft.jsonl", ROWS * 60)
-    monkeypatch.setattr(encode, "PROGRESS_EVERY_S", 0.0)
-    monkeypatch.setattr(encode, "BATCH", 256)
+    monkeypatch.setattr("kubetron.data.sft.encode.PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr("kubetron.data.sft.encode.BATCH", 256)
     with caplog.at_level(logging.INFO, logger="kubetron"):
         FinetuningDataset(str(data), tok, 128, packing=True, seed=0)
     lines = [r.getMessage() for r in caplog.records if "tokenizing:" in r.getMessage()]
@@ -207,6 +206,7 @@ def test_finetune_on_chats_keeps_the_templates_in_every_checkpoint_and_restarts_
 def test_all_cores_give_the_same_ids_as_one_process_and_name_a_bad_row(tok_dir, tmp_path):
     """Batches tokenized by worker processes (spawned, one per core) come back in order, equal to one process's;
     a template error inside a worker is the same one line naming the row."""
+    from kubetron.data.sft import encode
     from kubetron.data.sft.rows import RowKeys, parse_row
 
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tok_dir))

@@ -72,16 +72,29 @@ def tokenizers(tmp_path_factory):
     return {name: build(root / name) for name, build in BUILDERS.items()}
 
 
+@pytest.fixture(scope="module")
+def legacy_tokenizers(tmp_path_factory):
+    """The same tokenizers saved as transformers < 4.4x saved them: the template in tokenizer_config.json."""
+    root = tmp_path_factory.mktemp("legacy")
+    return {name: build(root / name, legacy=True) for name, build in BUILDERS.items()}
+
+
 def _example(tmp_path, tok, rows: list[dict], seq: int = 512, **kw) -> dict:
-    ds = FinetuningDataset(str(write_jsonl(tmp_path / "sft.jsonl", rows)), tok, seq, packing=False, seed=0, **kw)
-    return ds.example(0)
+    """tokens/labels/loss_mask of the first row's example (the first segment of the first packed sequence)."""
+    ds = FinetuningDataset(str(write_jsonl(tmp_path / "sft.jsonl", rows)), tok, seq, packing=True, seed=0,
+                           shuffle=False, **kw)
+    s = ds[0]
+    first = s["segment_ids"] == 1
+    return {k: s[k][first] for k in ("tokens", "labels", "loss_mask")}
 
 
+@pytest.mark.parametrize("layout", ["chat_template.jinja", "tokenizer_config.json"])
 @pytest.mark.parametrize("name", list(BUILDERS))
 @pytest.mark.parametrize("chat", CHATS + REASONING, ids=["one-turn", "system-two-turns", "three-turns",
                                                          "reasoning-two-turns", "reasoning-field"])
-def test_chat_ids_equal_apply_chat_template_and_only_assistant_turns_train(tokenizers, tmp_path, name, chat):
-    tok_dir = tokenizers[name]
+def test_chat_ids_equal_apply_chat_template_and_only_assistant_turns_train(tokenizers, legacy_tokenizers, tmp_path,
+                                                                           name, chat, layout):
+    tok_dir = (tokenizers if layout == "chat_template.jinja" else legacy_tokenizers)[name]
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tok_dir))
     ex = _example(tmp_path, tok, [{"messages": chat}])
     ids = [int(t) for t in ex["tokens"]] + [int(ex["labels"][-1])]
@@ -118,10 +131,13 @@ def test_generation_markers_give_transformers_assistant_mask(tmp_path):
 def test_prompt_answer_rows_get_one_bos_at_the_start(tokenizers, tmp_path, name):
     """{"input", "output"}: BOS once when the tokenizer adds one (Llama 3, Mistral), never between prompt and
     answer; the loss on the answer and eod only."""
+    from transformers import AutoTokenizer
+
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tokenizers[name]))
     ex = _example(tmp_path, tok, [{"input": "What color is snow? ", "output": "Snow is white."}])
     ids = [int(t) for t in ex["tokens"]] + [int(ex["labels"][-1])]
-    plain = tok.encode_plain(["What color is snow? ", "Snow is white."])
+    hf = AutoTokenizer.from_pretrained(tokenizers[name])
+    plain = [hf(text, add_special_tokens=False)["input_ids"] for text in ("What color is snow? ", "Snow is white.")]
     leading = [tok.bos] if name != "qwen3" else []
     assert ids == leading + plain[0] + plain[1] + [tok.eod]
     assert tok.bos is None or ids.count(tok.bos) == 1
@@ -129,12 +145,13 @@ def test_prompt_answer_rows_get_one_bos_at_the_start(tokenizers, tmp_path, name)
     assert answer == plain[1] + [tok.eod]
 
 
-def test_a_model_saved_today_is_read_with_its_template(tokenizers):
+def test_a_model_saved_today_is_read_with_its_template(tokenizers, tmp_path):
     """save_pretrained writes chat_template.jinja and leaves tokenizer_config.json without one: it is read."""
     tok_dir = tokenizers["llama3"]
     assert "chat_template" not in json.loads((tok_dir / "tokenizer_config.json").read_text())
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tok_dir))
-    assert tok.chat_templates == {"default": (tok_dir / "chat_template.jinja").read_text()}
+    ex = _example(tmp_path, tok, [{"messages": CHATS[0]}])
+    assert [int(t) for t in ex["tokens"]] + [int(ex["labels"][-1])] == hf_chat_ids(tok_dir, CHATS[0])
 
 
 def _files_of(tok_dir) -> dict[str, bytes]:
