@@ -221,3 +221,32 @@ def test_all_cores_give_the_same_ids_as_one_process_and_name_a_bad_row(tok_dir, 
                                             "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
     with pytest.raises(ConfigError, match=r"finetuning.data_path: f:3: the chat template failed: too long"):
         encode.encode_all(tokenizer_from_assets("HuggingFaceTokenizer", str(bad)), settings, items, workers=2)
+
+
+def test_the_finetuning_keys_reach_the_data(tok_dir, tmp_path, caplog):
+    """finetuning.cache_dir is where the data is stored (else <checkpoint.save>/sft_cache); finetuning.chat_template
+    names the template (an unknown one is refused naming the key); lists of paths are accepted as data_path."""
+    from kubetron.config import ConfigContainer
+    from kubetron.data.finetuning import build_finetuning_datasets
+
+    data = write_jsonl(tmp_path / "sft.jsonl", ROWS)
+
+    def datasets(**finetuning):
+        cfg = ConfigContainer.from_dict({
+            "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 64},
+            "train": {"train_iters": 1}, "checkpoint": {"save": str(tmp_path / "store")},
+            "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tok_dir)},
+            "finetuning": {"data_path": [str(data), str(data)], "packing": True, **finetuning}})
+        cfg = cfg.finalize(world_size=1, check_paths=True)
+        return build_finetuning_datasets(cfg, tokenizer_from_assets("HuggingFaceTokenizer", str(tok_dir)))
+
+    with caplog.at_level(logging.INFO, logger="kubetron"):
+        by_default = datasets()["train"]
+    assert len(list((tmp_path / "store" / "sft_cache").glob("*.npz"))) == 1
+    assert by_default.offsets.size - 1 == 2 * len(ROWS)  # both paths of the list were read
+    chosen = datasets(cache_dir=str(tmp_path / "elsewhere"))["train"]
+    assert len(list((tmp_path / "elsewhere").glob("*.npz"))) == 1 and sample_digest(chosen) == sample_digest(by_default)
+    with pytest.raises(ConfigError, match=r"finetuning.chat_template: 'chatml': the tokenizer has no chat template"):
+        datasets(chat_template="chatml")
+    with pytest.raises(ConfigError, match=r"finetuning.data_path: .*missing.jsonl: no such file or directory"):
+        datasets(data_path=str(tmp_path / "missing.jsonl"))

@@ -133,10 +133,14 @@ class FinetuningDataset:
 
     def _serve(self, a: dict[str, np.ndarray]) -> None:
         self.tokens, self.flags, self.offsets = a["tokens"], a["flags"], a["offsets"]
-        self.groups = np.split(a["groups"], a["group_offsets"][1:-1])
+        self._groups, self._group_offsets = a["groups"], a["group_offsets"]
 
     def __len__(self) -> int:
-        return len(self.groups)
+        return len(self._group_offsets) - 1
+
+    def group(self, n: int) -> np.ndarray:
+        """The examples of sequence n (before shuffling), in the order they are packed."""
+        return self._groups[self._group_offsets[n]:self._group_offsets[n + 1]]
 
     def example(self, i: int) -> dict[str, np.ndarray]:
         """tokens/labels/loss_mask of example i (n ids -> n - 1 positions; loss where the label is an answer)."""
@@ -146,8 +150,8 @@ class FinetuningDataset:
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
-            return np.arange(len(self.groups))
-        return np.random.RandomState((self.seed + 7919 * epoch) % 2**32).permutation(len(self.groups))
+            return np.arange(len(self))
+        return np.random.RandomState((self.seed + 7919 * epoch) % 2**32).permutation(len(self))
 
     def sequence(self, group) -> dict[str, np.ndarray]:
         T = self.seq_length
@@ -170,8 +174,8 @@ class FinetuningDataset:
         return out
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
-        epoch, i = divmod(int(idx), len(self.groups))
-        return self.sequence(self.groups[self._order(epoch)[i]])
+        epoch, i = divmod(int(idx), len(self))
+        return self.sequence(self.group(int(self._order(epoch)[i])))
 
 
 def build_finetuning_datasets(cfg, tokenizer) -> dict:
