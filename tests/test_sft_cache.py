@@ -176,7 +176,7 @@ def test_finetune_on_chats_keeps_the_templates_in_every_checkpoint_and_restarts_
         (hf / name).write_bytes(data)
     imported = run_cli(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
     assert imported.returncode == 0, imported.stderr
-    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "chats.parquet")
+    pq.write_table(pa.Table.from_pylist(ROWS * 10), tmp_path / "chats.parquet")  # batches for 2 worker processes
     keys = imported_model_keys(tmp_path / "ckpt")
     store = tmp_path / "run"
 

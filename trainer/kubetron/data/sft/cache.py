@@ -107,11 +107,10 @@ def load_or_build(location: str, shared: bool, key: str, vocab_size: int,
     builder = is_builder(shared)
     if not builder:
         _wait_for(store, name, what)
-    t0 = time.monotonic()
     if store.exists(name):
         try:
             arrays, meta = from_bytes(store.read_bytes(name), key, vocab_size)
-            return arrays, meta, f"loaded from {store.url}/{name} in {time.monotonic() - t0:.1f}s"
+            return arrays, meta, f"loaded from {store.url}/{name}"
         except ValueError as e:
             log.warning("%s: the cached %s/%s is %s; rebuilding it", what, store.url, name, e)
     arrays, meta = build()

@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import time
 from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import jinja2
@@ -154,26 +156,37 @@ class Encoder:
 def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]], progress: Progress | None = None,
                workers: int | None = None) -> Encoded:
     """Every item, BATCH at a time: in this process for little data, else on all cores (processes started
-    fresh - spawn - each with its own copy of the tokenizer, rendering and encoding whole batches)."""
+    fresh - spawn - each with its own copy of the tokenizer, rendering and encoding whole batches). Should the
+    workers not start (a program that cannot be re-imported), it goes on in this process, with a warning."""
     batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
     workers = min(workers or available_cpus(), MAX_WORKERS, len(batches))
     out = Encoded()
-    if workers <= 1 or tokenizer.tokenizer_type not in FILE_TOKENIZERS + ("byte",):
-        encoder = Encoder(tokenizer, *settings)
-        for n, batch in enumerate(batches, 1):
-            out.extend(encoder.encode(batch))
-            if progress:
-                progress(min(n * BATCH, len(items)))
-        return out
+    if workers > 1 and tokenizer.tokenizer_type in FILE_TOKENIZERS + ("byte",):
+        try:
+            for result in _in_workers(tokenizer, settings, batches, workers):
+                out.extend(result)
+                if progress:
+                    progress(min(len(out.lengths) * BATCH, len(items)))
+            return out
+        except BrokenProcessPool as e:
+            log.warning("tokenizing in %d processes failed (%s); going on in this one", workers, e)
+            out = Encoded()
+    encoder = Encoder(tokenizer, *settings)
+    for n, batch in enumerate(batches, 1):
+        out.extend(encoder.encode(batch))
+        if progress:
+            progress(min(n * BATCH, len(items)))
+    return out
+
+
+def _in_workers(tokenizer, settings: tuple, batches: list, workers: int):
     init = (tokenizer.tokenizer_type, tokenizer.assets(), settings)
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=init) as pool:
-        for n, result in enumerate(pool.imap(_encode_batch, batches), 1):
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                             initargs=init) as pool:
+        for result in pool.map(_encode_batch, batches):
             if isinstance(result, tuple):  # a ConfigError, sent back as (field, message)
                 raise ConfigError(*result)
-            out.extend(result)
-            if progress:
-                progress(min(n * BATCH, len(items)))
-    return out
+            yield result
 
 
 def available_cpus() -> int:

@@ -19,6 +19,7 @@ version (mtime, or the ETag on S3): the cache of tokenized data is rebuilt when 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob
 import gzip
 import io
@@ -27,7 +28,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kubetron.contract.errors import CheckpointError, ConfigError
+from kubetron.contract.errors import ConfigError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".arrow")
 _COMPRESSED = (".gz", ".zst")
@@ -51,9 +52,15 @@ class DataFile:
     def open(self):
         if self.store is None:
             return open(self.key, "rb")
-        from kubetron.storage import open_store
+        return _bucket(self.store).open_read(self.key)
 
-        return open_store(self.store).open_read(self.key)
+
+@functools.lru_cache(maxsize=8)
+def _bucket(url: str):
+    """One store (one S3 client) per bucket for all its files."""
+    from kubetron.storage import open_store
+
+    return open_store(url)
 
 
 def resolve(paths: str | list[str], field: str) -> list[DataFile]:
@@ -62,7 +69,7 @@ def resolve(paths: str | list[str], field: str) -> list[DataFile]:
     for path in [paths] if isinstance(paths, str) else list(paths):
         try:
             out += _s3_files(path, field) if path.startswith("s3://") else _local_files(path, field)
-        except (OSError, CheckpointError) as e:
+        except OSError as e:  # an S3 failure (CheckpointError) is not the config's: it goes on as the error it is
             raise ConfigError(field, f"{path}: cannot read ({e})") from None
     return out
 
@@ -142,11 +149,9 @@ def _json(data: bytes | None, where: str, field: str) -> dict:
 
 
 def _s3_files(url: str, field: str) -> list[DataFile]:
-    from kubetron.storage import open_store
-
     bucket, _, key = url.removeprefix("s3://").partition("/")
     root = f"s3://{bucket}"
-    store = open_store(root)
+    store = _bucket(root)
     key = key.rstrip("/")
 
     def file(k: str) -> DataFile:
@@ -185,7 +190,7 @@ def read_rows(files: list[DataFile], field: str, progress: Callable[[int], None]
         try:
             with f.open() as raw:
                 yield from _rows_of(f.url, raw, field)
-        except (OSError, EOFError, CheckpointError) as e:
+        except (OSError, EOFError) as e:
             raise ConfigError(field, f"{f.url}: cannot read ({e})") from None
         done += f.size
         if progress:
