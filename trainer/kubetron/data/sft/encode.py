@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from itertools import chain
 
 import jinja2
 import numpy as np
@@ -138,9 +139,10 @@ class Encoder:
                 out.short += 1  # nothing to predict
                 continue
             kept.append((ids[:self.limit], flags[:self.limit]))
-        out.ids = [np.asarray([i for ids, _ in kept for i in ids], dtype=np.int32)]
-        out.flags = [np.asarray([f for _, flags in kept for f in flags], dtype=np.uint8)]
-        out.lengths = [np.asarray([len(ids) for ids, _ in kept], dtype=np.int64)]
+        lengths = [len(ids) for ids, _ in kept]
+        out.ids = [np.fromiter(chain.from_iterable(ids for ids, _ in kept), np.int32, sum(lengths))]
+        out.flags = [np.fromiter(chain.from_iterable(flags for _, flags in kept), np.uint8, sum(lengths))]
+        out.lengths = [np.asarray(lengths, dtype=np.int64)]
         return out
 
     def _render(self, where: str, chat: Chat):
