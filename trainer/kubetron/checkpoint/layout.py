@@ -32,6 +32,7 @@ import torch.distributed as dist
 import yaml
 
 from kubetron.contract.errors import CheckpointError, ConfigError
+from kubetron.data.tokenizer import CHAT_TEMPLATE_DIR
 from kubetron.storage import MARKER, open_store
 
 log = logging.getLogger("kubetron")
@@ -310,7 +311,8 @@ def bridge_heads(store, name: str) -> dict:
     return {k: v for k, v in (("num_attention_heads", heads), ("num_query_groups", groups)) if isinstance(v, int)}
 
 
-_ASSET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}")
+# A plain file name, or a named chat template in transformers' folder of them (additional_chat_templates/NAME.jinja).
+_ASSET_NAME = re.compile(rf"({re.escape(CHAT_TEMPLATE_DIR)}/)?[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,200}}")
 
 
 def read_tokenizer_assets(store, name: str) -> dict[str, bytes]:

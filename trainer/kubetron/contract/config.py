@@ -454,27 +454,41 @@ class GPTDatasetConfig(_Section):
 
 
 class FinetuningDatasetConfig(_Section):
-    """Supervised fine-tuning data (JSONL prompt/answer pairs) instead of the dataset section's corpus."""
+    """Supervised fine-tuning data (chats or prompt/answer rows) instead of the dataset section's corpus."""
 
-    data_path: str | None = _f(
-        None, "JSONL training file, one {input, output} object per line (None: train on the dataset section).")
-    valid_data_path: str | None = _f(None, "JSONL validation file (needed when validation.eval_interval is set; "
-                                           "also evaluated after training).")
-    input_key: str = _f("input", "JSONL field holding the prompt (no loss on its tokens).")
-    output_key: str = _f("output", "JSONL field holding the answer (the loss is taken on its tokens only).")
+    data_path: str | list[str] | None = _f(
+        None, "Training rows: a JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst), Parquet or Arrow file, a datasets "
+              "save_to_disk directory, a directory or glob of shards, or a list of these; local or s3:// (None: "
+              "train on the dataset section).")
+    valid_data_path: str | list[str] | None = _f(
+        None, "Validation rows, as data_path (needed when validation.eval_interval is set; also evaluated after "
+              "training).")
+    input_key: str = _f("input", "Row field holding the prompt (no loss on its tokens).")
+    output_key: str = _f("output", "Row field holding the answer (the loss is taken on its tokens only).")
     messages_key: str = _f(
-        "messages", "JSONL field holding a chat ([{role, content}, ...], rendered with the tokenizer's chat "
+        "messages", "Row field holding a chat ([{role, content}, ...], rendered with the tokenizer's chat "
                     "template; the loss is taken on assistant turns only).")
+    chat_template: str | None = _f(
+        None, "Name of the tokenizer's chat template to render chats with (one of its "
+              "additional_chat_templates/NAME.jinja or tokenizer_config.json's named templates; None: 'default', "
+              "or 'tool_use' for rows with tools when it has one, as transformers chooses).")
     packing: bool = _f(
         False, "Pack several examples into each sequence, attention kept inside each example and position ids "
                "reset per example (false: one example per sequence, padded).")
-    add_eod: bool = _f(True, "End every answer with the tokenizer's end-of-document token.")
+    add_eod: bool = _f(True, "End every prompt/answer row's answer with the tokenizer's end-of-document token "
+                             "(chats end their turns as their template writes them).")
     shuffle: bool = _f(True, "Shuffle the sequences every epoch (seeded by rng.seed; resume stays exact).")
+    cache_dir: str | None = _f(
+        None, "Where the tokenized and packed data is stored once and reused by every rank and restart (local "
+              "or s3://; None: <checkpoint.save>/sft_cache, or $TMPDIR/kubetron-sft-cache without checkpoint.save).")
 
     def check(self) -> None:
         for name in ("data_path", "valid_data_path"):
-            if is_remote(getattr(self, name)):
-                raise ConfigError(f"finetuning.{name}", "must be a local file (a mounted volume), not s3://")
+            value = getattr(self, name)
+            if isinstance(value, list) and (not value or not all(value)):
+                raise ConfigError(f"finetuning.{name}", "an empty list or an empty path in it")
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ConfigError("finetuning.cache_dir", "an empty path (leave it unset for the default)")
 
 
 class TokenizerConfig(_Section):

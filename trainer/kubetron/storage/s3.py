@@ -378,6 +378,12 @@ class S3Store(Store):
         except FileNotFoundError:
             return False
 
+    def stat(self, key: str) -> tuple[int, str]:
+        """(size in bytes, ETag) of an object: what identifies its content without reading it."""
+        k = check_key(key)
+        r = self._call(self._what(k), self.client.head_object, Bucket=self.bucket, Key=self._k(k))
+        return int(r["ContentLength"]), str(r.get("ETag", ""))
+
     def list(self, prefix: str = "") -> list[str]:
         full = self._dir_prefix(prefix)
         root = f"{self.prefix}/" if self.prefix else ""
