@@ -115,8 +115,6 @@ def test_chat_finetune_export_keeps_the_template_and_answers(chat_export):
     assert "Snow is white.<|eot_id|>" in answer and out[-1] == ids["eot"], answer
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue 32 item 1 (the SFT token ids: no BOS before each assistant "
-                                       "answer, data/finetuning.py); remove this mark with that fix")
 def test_chat_finetune_export_answers_without_bos(chat_export):
     """... and the answer holds no <|begin_of_text|>: the trained ids were apply_chat_template's."""
     ids, out, answer = chat_export

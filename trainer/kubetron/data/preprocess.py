@@ -5,8 +5,8 @@ Inputs, by file name (a trailing ``.gz`` is read through gzip):
 * ``*.jsonl`` / ``*.json``: one JSON object per line; each document is the string under each of
   ``--json-keys`` (default ``text``). Blank lines are skipped.
 * Parquet and Arrow files (``datasets``' ``save_to_disk`` shards), known by their bytes whatever their name:
-  each document is a row's string in the column each of ``--json-keys`` names, read with ``pyarrow`` when it
-  is installed; without it such a file is refused in one line (never read as text).
+  each document is a row's string in the column each of ``--json-keys`` names, read with ``pyarrow`` (never
+  as text); one that pyarrow cannot read is refused in one line.
 * anything else is plain text: documents are separated by one or more blank lines (a line that is
   empty or only whitespace); newlines inside a document are kept. A file with no blank line is a
   single document.
@@ -66,13 +66,20 @@ def table_kind(path: str) -> str | None:
 
 
 def _table_batches(path: str, kind: str, json_keys: tuple[str, ...]) -> Iterator[list[list]]:
-    """Per batch of rows, the values of each column in ``json_keys`` (pyarrow; refused in one line without it)."""
+    """Per batch of rows, the values of each column in ``json_keys``; a file pyarrow cannot read is one line."""
+    import pyarrow
+
     try:
-        import pyarrow.ipc
-        import pyarrow.parquet
-    except ImportError:
-        raise ConfigError("--input", f"{path}: {kind} data; reading it needs pyarrow (pip install pyarrow), or "
-                                     "convert it to JSONL") from None
+        yield from _read_table(path, kind, json_keys)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise ConfigError("--input", f"{path}: cannot read it as {kind} data: {' '.join(str(e).split())[:200]}") \
+            from None
+
+
+def _read_table(path: str, kind: str, json_keys: tuple[str, ...]) -> Iterator[list[list]]:
+    import pyarrow.ipc
+    import pyarrow.parquet
+
     if kind == "Parquet":
         pf = pyarrow.parquet.ParquetFile(path)
         _check_columns(path, pf.schema_arrow, json_keys)
@@ -452,7 +459,7 @@ def preprocess(
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``kubetron preprocess`` arguments (Megatron's ``preprocess_data.py`` names)."""
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help=".jsonl/.json or plain text files (optionally .gz), Parquet or Arrow files (with pyarrow)")
+                        help=".jsonl/.json or plain text files (optionally .gz), Parquet or Arrow files")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], metavar="KEY",
                         help="JSONL keys (Parquet/Arrow columns) holding document text; several keys write "

@@ -40,6 +40,7 @@ from kubetron.checkpoint.layout import (
 )
 from kubetron.contract.errors import CheckpointError, ConfigError
 from kubetron.contract.times import stamp
+from kubetron.data.tokenizer import CHAT_TEMPLATE_DIR  # transformers' named templates: <name>.jinja
 from kubetron.hf import config_map, convert, generation, weights
 from kubetron.hf.safetensors_io import write_file, write_files
 
@@ -48,7 +49,6 @@ from kubetron.hf.safetensors_io import write_file, write_files
 # inside tokenizer_config.json (older).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json")
-TEMPLATES_DIR = "additional_chat_templates"  # transformers' named templates beside the default: <name>.jinja
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 _MOE_TRAINING_KEYS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # carried and printed; no architecture
 _UNSET_IS_DEFAULT = ("sliding_window", "kv_channels", "moe_shared_expert_intermediate_size")  # not printed when null
@@ -139,8 +139,8 @@ def import_hf(hf_dir: str, out: str, progress: Progress | None = None) -> dict:
 
 def hf_tokenizer_files(hf_dir: str) -> list[str]:
     """The tokenizer files of an HF directory (names relative to it, regular files only)."""
-    named = os.path.join(hf_dir, TEMPLATES_DIR)
-    extra = [f"{TEMPLATES_DIR}/{n}" for n in sorted(os.listdir(named)) if n.endswith(".jinja")] \
+    named = os.path.join(hf_dir, CHAT_TEMPLATE_DIR)
+    extra = [f"{CHAT_TEMPLATE_DIR}/{n}" for n in sorted(os.listdir(named)) if n.endswith(".jinja")] \
         if os.path.isdir(named) else []
     return [f for f in (*TOKENIZER_FILES, *extra) if os.path.isfile(os.path.join(hf_dir, f))
             and not os.path.islink(os.path.join(hf_dir, f))]
