@@ -151,7 +151,9 @@ _DELETE = object()
     ("spec.gpusPerNode", -1, "spec.gpusPerNode"),
     ("spec.storage", {"pvc": {"claimName": "a"}, "s3": {"bucket": "b", "secretRef": {"name": "s"}}},
      "spec.storage"),
-    ("spec.storage", {"s3": {"bucket": "b"}}, "secretRef"),
+    ("spec.storage", {"s3": {"bucket": "bkt", "secretRef": {"name": "../../other/secrets/s"}}},
+     "spec.storage.s3.secretRef.name"),  # a name that would climb out of the namespace in a request path
+    ("spec.storage", {"s3": {"bucket": "b", "secretRef": {"name": "s"}}}, "spec.storage.s3.bucket"),
     ("spec.storage.pvc.mountPath", "ckpt", "spec.storage.pvc.mountPath"),
     ("spec.scheduling", {"gang": "kueue"}, "spec.scheduling.gang"),
     ("spec.mode", "rlhf", "spec.mode"),
