@@ -442,6 +442,9 @@ def test_status_server_serves_updates():
             "learningRate": None,
             "tflopsPerGpu": None,
             "inPlaceRestarts": 0,  # not under torchrun, or not restarted
+            "hangs": 0,
+            "lastHang": None,
+            "trainerTime": None,  # a server without the trainer's clock
         }
         server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
         server.update(etaSeconds=30.2, lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
@@ -458,6 +461,9 @@ def test_status_server_serves_updates():
             "learningRate": None,
             "tflopsPerGpu": None,
             "inPlaceRestarts": 0,
+            "hangs": 0,
+            "lastHang": None,
+            "trainerTime": None,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
         status = json.loads(get(base + "/status?x=1")[1])

@@ -48,7 +48,6 @@ from kubetron_operator.build import (
     LABEL_JOB,
     attempt_objects,
     build_probe_pod,
-    build_reader_pod,
     build_service,
     pod_group_name,
     service_name,
@@ -66,7 +65,7 @@ from kubetron_operator.model import (
     S3Storage,
     SpecError,
 )
-from kubetron_operator.observe import Observed, PodView, job_status, json_copy, node_trouble, termination_text
+from kubetron_operator.observe import Observed, PodView, job_status, json_copy, node_trouble
 from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.elastic import attempt_size, shrink_due
@@ -74,7 +73,6 @@ from kubetron_operator.policy.lifecycle import FORCE_DELETE_AFTER
 from kubetron_operator.policy.start import (
     ENDING_PHASES,
     NOT_SCHEDULED_AFTER,
-    READER_TIMEOUT,
     create_failed,
     service_failed,
 )
@@ -85,7 +83,7 @@ DEBOUNCE = 0.2  # seconds: a burst of watch events (a gang of pods starting) bec
 RESYNC = 300.0  # seconds: an unfinished, unsuspended job is re-decided at least this often (no API request)
 UNSEEN_FOR = 60.0  # seconds a pod we created may stay unseen by the watch before we stop vouching for it
 RECONCILE_THREADS = 16  # jobs reconciled at once (each mostly waits for the API server)
-PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond"})  # throttled status fields
+PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond", "goodput"})  # throttled status fields
 FINALIZER = "kubetron.dev/operator"  # kopf's (settings.persistence.finalizer), on Kueue-queued jobs only
 FINALIZER_WAIT = 1.0  # seconds a new queued job waits for kopf's finalizer at most before looking again
 SERVICE_RETRY = 10.0  # seconds until a Service that could not be created (a transient error) is tried again
@@ -413,7 +411,7 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
 
 def _idle(action: Action) -> bool:
     return not (action.status or action.delete_pods or action.force_delete_pods or action.events or action.release_pods
-                or action.create_attempt is not None or action.create_reader is not None or action.delete_job
+                or action.create_attempt is not None or action.delete_job
                 or action.create_probes or action.create_service)
 
 
@@ -460,8 +458,6 @@ def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
         for p in obs.pods:
             if p.deleting_for is not None:
                 waits.append(FORCE_DELETE_AFTER - p.deleting_for)
-            elif p.role == "progress-reader" and not p.terminated:
-                waits.append(READER_TIMEOUT - p.created_for)
             elif p.role == "worker" and not p.scheduler_seen:
                 waits.append(NOT_SCHEDULED_AFTER - p.created_for)
     future = [w for w in waits if w > 0]
@@ -567,9 +563,6 @@ def observe(deps: Deps, body: dict[str, Any],
         pods_in = kube.list_pods(namespace, {LABEL_JOB: name})
     owned = [p for p in pods_in if controller_uid(p) == meta.get("uid")]
     pods = [PodView.from_pod(p, now) for p in owned]
-    # A progress reader reports through its termination message (no pods/log, no kubelet round trip).
-    pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.terminated
-            else p for p, raw in zip(pods, owned)]
     trouble = _node_trouble(kube, status, pods)
     progress = live_data = None
     if job is not None and status.get("phase") not in FINISHED:
@@ -578,7 +571,8 @@ def observe(deps: Deps, body: dict[str, Any],
         if isinstance(job.spec.storage, S3Storage):
             progress = _progress(deps, job, status, pods, now)
     return Observed(now=now, status=status, pods=tuple(pods), progress=progress, live=live_data,
-                    spec_error=error, node_trouble=trouble, service=meta.get("uid") in deps.view.services), job
+                    spec_error=error, node_trouble=trouble, service=meta.get("uid") in deps.view.services,
+                    created=parse_stamp(meta.get("creationTimestamp"))), job
 
 
 def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[str, str]:
@@ -654,10 +648,6 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         for probe in probes:
             kube.create(probe)
         deps.view.created(job.uid, probes)
-    if action.create_reader is not None and job is not None:
-        reader = build_reader_pod(job, action.create_reader)
-        kube.create(reader)
-        deps.view.created(job.uid, [reader])
     now = stamp(obs.now)
     for event in action.events:
         logger.log(logging.WARNING if event.type == "Warning" else logging.INFO, "%s: %s", event.reason, event.message)

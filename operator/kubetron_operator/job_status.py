@@ -11,6 +11,8 @@ from typing import Any, Literal, TypedDict
 
 from kubetron.contract.progress import CheckpointRef
 
+PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+"""status.phase's values (a condition of each type records when the job was last in it)."""
 FINISHED = ("Succeeded", "Failed")
 """The phases a job never leaves (a finished job is never rerun)."""
 
@@ -26,11 +28,30 @@ class Restarts(TypedDict, total=False):
     neverStarted: int
     total: int
     inPlace: int
+    hangs: int  # gangs that hung (restarted in place, or as a new attempt); not in total
 
 
 class Resizes(TypedDict, total=False):
     shrinks: int
     grows: int
+
+
+class LastHang(TypedDict, total=False):
+    """The newest hang (docs/recovery.md): the rank its pods' watchdogs named, its pod and node."""
+
+    time: str
+    attempt: int
+    rank: int
+    pod: str
+    node: str
+    phase: str
+    iteration: int
+    idleSeconds: float
+    timeoutSeconds: float
+    state: str  # stopped | unresponsive | elsewhere | collective (kubetron.contract.hang.STATES)
+    where: str
+    stacks: str
+    restartedInPlace: bool
 
 
 class Condition(TypedDict, total=False):
@@ -57,6 +78,8 @@ class JobStatus(TypedDict, total=False):
     sizes: list[int]
     restarts: Restarts
     attemptInPlaceRestarts: int
+    attemptHangs: int  # hangs of the current attempt already counted in restarts.hangs
+    lastHang: LastHang
     iteration: int
     trainIters: int
     progress: str

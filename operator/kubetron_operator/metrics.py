@@ -20,7 +20,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+from kubetron_operator.job_status import PHASES
+
 RESTART_KINDS = ("preemptions", "failures", "neverStarted")
 
 REGISTRY = CollectorRegistry(auto_describe=True)

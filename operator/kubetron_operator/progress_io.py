@@ -1,8 +1,8 @@
 """Reading a job's progress log (`<store>/progress.txt`) from the operator.
 
 S3 stores: directly with boto3, with the credentials from the job's own Secret (never logged, never
-put in status). PVC stores: no direct access from the operator; decide() uses the ranks' termination
-messages and, between attempts, a short-lived reader pod (build.build_reader_pod) whose log it parses.
+put in status). PVC stores: no direct access from the operator; decide() uses rank 0's status endpoint and
+the ranks' termination messages (a new attempt's rank 0 reports the checkpoint it resumed from).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def pod(name: str, attempt: int, rank: int, role: str = "worker", job: str = "gp
 def test_logs_select_the_current_attempts_pods_by_rank():
     job = {"metadata": {"name": "gpt"}, "status": {"attempt": 2, "phase": "Running"}}
     pods = [pod("gpt-2-1", 2, 1), pod("gpt-1-0", 1, 0), pod("gpt-2-0", 2, 0),
-            pod("gpt-2-progress", 2, 0, "progress-reader"), pod("other-2-0", 2, 0, job="other")]
+            pod("gpt-2-probe-2", 2, 2, "probe"), pod("other-2-0", 2, 0, job="other")]
     assert [p["metadata"]["name"] for p in select_pods(pods, job, None)] == ["gpt-2-0", "gpt-2-1"]
     assert [p["metadata"]["name"] for p in select_pods(pods, job, 1)] == ["gpt-2-1"]
     with pytest.raises(CliError, match="no attempt has started yet"):

@@ -18,7 +18,7 @@ from kubetron_operator.observe import Observed, PodView
 from tests.operator.jobs import S3_JOB, job_body
 
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
-RESTARTS = {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}
+RESTARTS = {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0, "hangs": 0}
 
 
 def elastic(nodes=2, min_nodes=1, config=None, **spec):

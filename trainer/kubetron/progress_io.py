@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from kubetron.contract.hang import HANGS_ENV, HangReport, parse_hangs
 from kubetron.contract.progress import (
     JOB_ID_ENV,
     PROGRESS_FILE,
@@ -28,6 +29,11 @@ def job_id() -> str:
 def in_place_restarts() -> int:
     """How often torchrun has restarted this process's gang inside its pods, this attempt (0 outside torchrun)."""
     return as_int(os.environ.get(RESTART_COUNT_ENV)) or 0
+
+
+def hangs() -> tuple[int, HangReport | None]:
+    """Of those restarts, how many followed a hang, and the newest hang's report (the agent's, kubetron.watchdog)."""
+    return parse_hangs(os.environ.get(HANGS_ENV))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from kubetron_operator.job_status import RestartKind, Restarts, StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action, Event
+from kubetron_operator.policy.hang import carry_hang
 from kubetron_operator.policy.lifecycle import fail, overdue
 from kubetron_operator.policy.status import (
     ckpt_iteration,
@@ -73,7 +74,7 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
         action.status.update(common)
         return action
     delay = 0.0 if kind == "preemptions" else _backoff(job, attempt, restarts["failures"] + restarts["neverStarted"])
-    status = phase_status(obs, "Restarting", reason, message)
+    status = carry_hang(phase_status(obs, "Restarting", reason, message), in_place)
     status.update(common)
     status.update(progress_fields(obs, ckpt, live=False))
     status["nextAttemptTime"] = stamp(obs.now + timedelta(seconds=delay)) if delay else None

@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
+from kubetron.contract.goodput import TrainerTime, parse_trainer_time
+from kubetron.contract.hang import HangReport, parse_report
 from kubetron.contract.progress import CheckpointRef
 
 
@@ -23,6 +25,9 @@ class LiveStatus(TypedDict):
     learningRate: float | None
     tflopsPerGpu: float | None
     inPlaceRestarts: int  # this attempt's restarts of the gang inside its pods (docs/recovery.md)
+    hangs: int  # of those, the ones after the gang hung (the pods' watchdogs stopped it)
+    lastHang: HangReport | None  # the newest of them: the rank named, where the stacks are
+    trainerTime: TrainerTime | None  # where this process's time went (docs/goodput.md), read at each request
 
 
 STATUS_KEYS: tuple[str, ...] = tuple(LiveStatus.__annotations__)
@@ -32,11 +37,11 @@ _INTS = ("iteration", "trainIters", "consumedSamples")
 _NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu")
 
 
-def new_live_status(in_place_restarts: int = 0) -> LiveStatus:
-    """The payload before the first step: nothing known but this attempt's in-place restarts."""
+def new_live_status(in_place_restarts: int = 0, hangs: int = 0, last_hang: HangReport | None = None) -> LiveStatus:
+    """The payload before the first step: nothing known but this attempt's in-place restarts and hangs."""
     return LiveStatus(iteration=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
                       etaSeconds=None, lastCheckpoint=None, loss=None, learningRate=None, tflopsPerGpu=None,
-                      inPlaceRestarts=in_place_restarts)
+                      inPlaceRestarts=in_place_restarts, hangs=hangs, lastHang=last_hang, trainerTime=None)
 
 
 def jsonable(value: Any) -> Any:
@@ -61,15 +66,17 @@ def jsonable(value: Any) -> Any:
 
 def parse_live_status(data: Any) -> LiveStatus | None:
     """The endpoint's JSON object as a LiveStatus, or None when it is not an object. A key it lacks, or
-    whose value has the wrong type, reads as unknown (null; inPlaceRestarts 0); other keys are dropped."""
+    whose value has the wrong type, reads as unknown (null; inPlaceRestarts and hangs 0); other keys are dropped."""
     if not isinstance(data, Mapping):
         return None
-    status = new_live_status(_as_int(data.get("inPlaceRestarts")) or 0)
+    status = new_live_status(_as_int(data.get("inPlaceRestarts")) or 0, _as_int(data.get("hangs")) or 0,
+                             parse_report(data.get("lastHang")))
     for key in _INTS:
         status[key] = _as_int(data.get(key))  # type: ignore[literal-required]
     for key in _NUMBERS:
         status[key] = _as_number(data.get(key))  # type: ignore[literal-required]
     status["lastCheckpoint"] = _as_checkpoint(data.get("lastCheckpoint"))
+    status["trainerTime"] = parse_trainer_time(data.get("trainerTime"))
     return status
 
 

@@ -1,0 +1,147 @@
+"""The goodput ledger (docs/goodput.md): every rank-second since the job was created, by bucket, in
+status.goodput (kubetron.contract.goodput names the buckets).
+
+Each decision advances the ledger from `asOf` to now: the time in between times the attempt's ranks goes to
+one bucket by what the job was doing (status.phase, the current attempt's pods), except while an attempt runs,
+when rank 0's own account of its time (the status endpoint's trainerTime, read every --interval) splits it into
+productive (its training iterations), checkpoint (the loop blocked on saves) and the rest (recovery until an
+iteration completes after a failure, hang or preemption; else other: start-up, evaluation, logging). When a
+restart discards iterations (the attempt reached iteration I, the next resumes from checkpoint C < I), their
+time, (I - C) x the trainer's mean iteration, moves from productive to lostWork.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime
+
+from kubetron.contract.goodput import (
+    BUCKETS,
+    LOST_WORK,
+    OTHER,
+    PENDING,
+    PRODUCTIVE,
+    RECOVERY,
+    Goodput,
+    TrainerTime,
+    parse_trainer_time,
+)
+from kubetron.contract.hang import CHECKPOINT
+from kubetron.contract.times import parse_stamp, stamp
+
+from kubetron_operator.job_status import FINISHED, JobStatus, StatusPatch
+from kubetron_operator.model import Job
+from kubetron_operator.observe import NO_LIVE, Observed
+from kubetron_operator.policy.action import Action
+
+NEVER_STARTED = frozenset({"StartupTimeout", "AdmissionRejected", "NeverStarted"})
+"""Restart reasons of attempts that never ran: the wait until the next one is pending, not recovery."""
+
+
+def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
+    """The ledger as of now ({"goodput": ...}), or {} for a finished job (its ledger stopped at its end) or one
+    whose spec does not parse."""
+    st = obs.status
+    if job is None or st.get("phase") in FINISHED:
+        return {}
+    held: Goodput = st.get("goodput") or {}  # type: ignore[assignment]  # the CRD schema checked its shape
+    since = parse_stamp(held.get("asOf")) or obs.created or obs.now
+    seconds = {b: float((held.get("seconds") or {}).get(b) or 0.0) for b in BUCKETS}
+    trainer = parse_trainer_time((obs.live or NO_LIVE).get("trainerTime"))
+    before = parse_trainer_time(held.get("trainer"))
+    recovering = bool(held.get("recovering"))
+    ranks = (st.get("nodes") or job.spec.nodes) * job.spec.nproc_per_node
+    wall = max(0.0, (obs.now - since).total_seconds())
+    for bucket, spent in _interval(obs, wall, trainer, before, recovering).items():
+        seconds[bucket] += spent * ranks
+    step = _step_seconds(trainer, held.get("stepSeconds"))
+    if trainer is not None and trainer["steps"] and (before is None or trainer["started"] != before["started"]):
+        recovering = False  # a process after the failure completed an iteration
+    lost = _lost_iterations(obs, action)
+    if lost is not None:
+        moved = min(seconds[PRODUCTIVE], lost * step * ranks)
+        seconds[PRODUCTIVE] -= moved
+        seconds[LOST_WORK] += moved
+        recovering = True
+    return {"goodput": ledger(seconds, obs.now, recovering, step, trainer or before)}
+
+
+def ledger(seconds: dict[str, float], now: datetime, recovering: bool, step: float,
+           trainer: TrainerTime | None) -> Goodput:
+    rounded = {b: round(seconds[b], 3) for b in BUCKETS}
+    total = round(sum(rounded.values()), 3)
+    return Goodput(seconds=rounded, totalSeconds=total, ratio=round(rounded[PRODUCTIVE] / total, 4) if total else 0.0,
+                   asOf=stamp(now), recovering=recovering, stepSeconds=round(step, 6), trainer=trainer)
+
+
+def _interval(obs: Observed, wall: float, trainer: TrainerTime | None, before: TrainerTime | None,
+              recovering: bool) -> dict[str, float]:
+    """Where `wall` seconds up to now went, per rank, by what the job was doing (its status as held)."""
+    st = obs.status
+    phase, rest = st.get("phase") or "", RECOVERY if recovering else OTHER
+    if phase == "Running":
+        return _running(wall, trainer, before, rest)
+    if phase == "Restarting":
+        return {PENDING if st.get("reason") in NEVER_STARTED else RECOVERY: wall}
+    if phase == "Suspended":
+        return {OTHER: wall}
+    return {PENDING if _waiting_for_placement(obs, st) else rest: wall}
+
+
+def _running(wall: float, trainer: TrainerTime | None, before: TrainerTime | None, rest: str) -> dict[str, float]:
+    """A running attempt: rank 0's counters since the last reading split the time (without them: productive,
+    unless recovering)."""
+    if trainer is None:
+        return {rest if rest == RECOVERY else PRODUCTIVE: wall}
+    same = before is not None and before["started"] == trainer["started"]
+    train = trainer["train"] - (before["train"] if same and before else 0.0)
+    saving = trainer["checkpoint"] - (before["checkpoint"] if same and before else 0.0)
+    productive = min(wall, max(0.0, train))
+    checkpoint = min(wall - productive, max(0.0, saving))
+    return {PRODUCTIVE: productive, CHECKPOINT: checkpoint, rest: wall - productive - checkpoint}
+
+
+def _waiting_for_placement(obs: Observed, st: JobStatus) -> bool:
+    """The current attempt's pods wait for the scheduler or a queue (not all bound to nodes, or gated); no
+    attempt yet counts too."""
+    attempt = st.get("attempt") or 0
+    current = [p for p in obs.pods if p.role == "worker" and p.attempt == attempt]
+    return not attempt or not current or any(p.gates or not p.node for p in current)
+
+
+def _step_seconds(trainer: TrainerTime | None, held: object) -> float:
+    """A training iteration's mean seconds: the newest trainer's, else the one the ledger holds."""
+    if trainer is not None and trainer["steps"]:
+        return trainer["train"] / trainer["steps"]
+    return float(held) if isinstance(held, (int, float)) else 0.0
+
+
+def _lost_iterations(obs: Observed, action: Action) -> int | None:
+    """Iterations this decision finds discarded: an attempt that ended (it reached lastAttemptIteration, the next
+    resumes from lastCheckpoint) or a gang restarted in place (it reached status.iteration, its new processes
+    resumed from the checkpoint they report); None when nothing ended."""
+    st, patch = obs.status, action.status
+    if patch.get("lastAttemptIteration") is not None and st.get("phase") in ("Pending", "Running"):
+        return max(0, patch["lastAttemptIteration"] - _iteration(patch.get("lastCheckpoint", st.get("lastCheckpoint"))))
+    if (patch.get("attemptInPlaceRestarts") or 0) > (st.get("attemptInPlaceRestarts") or 0):
+        resumed = _iteration((obs.live or NO_LIVE).get("lastCheckpoint") or st.get("lastCheckpoint"))
+        return max(0, (st.get("iteration") or 0) - resumed)
+    return None
+
+
+def _iteration(ckpt: object) -> int:
+    value = ckpt.get("iteration") if isinstance(ckpt, dict) else None
+    return value if isinstance(value, int) else 0
+
+
+def with_goodput(job: Job | None, obs: Observed, action: Action) -> Action:
+    """`action` with the ledger in its status patch, when the patch goes out anyway or the job runs (its
+    progress is patched every few seconds): an idle job's ledger costs no API request, it catches up at the
+    next change."""
+    running = "Running" in (obs.status.get("phase"), action.phase)
+    if not (action.status or running):
+        return action
+    patch = account(job, obs, action)
+    if not patch or (not action.status and patch["goodput"] == obs.status.get("goodput")):
+        return action  # nothing changed, nothing written
+    return replace(action, status={**action.status, **patch})
