@@ -24,12 +24,14 @@ from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.attempt_end import attempt_end
 from kubetron_operator.policy.goodput import with_goodput
 from kubetron_operator.policy.kueue import released
+from kubetron_operator.policy.nodes import with_node_strikes
 from kubetron_operator.policy.status import in_place_news, known_checkpoint, phase_status, progress_fields
 
 
 def decide(job: Job | None, obs: Observed) -> Action:
     """The next step for `job` (None when its spec does not parse; obs.spec_error then says why)."""
-    action = with_goodput(job, obs, _decide(job, obs))  # the ledger of where the job's time went (policy/goodput.py)
+    action = with_node_strikes(job, obs, _decide(job, obs))  # nodes that keep failing are left out
+    action = with_goodput(job, obs, action)  # the ledger of where the job's time went (policy/goodput.py)
     release = released(obs, action)
     if release:
         action = replace(action, release_pods=release)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
+from kubetron.contract.goodput import Goodput
 from kubetron.contract.progress import CheckpointRef
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
@@ -54,6 +55,23 @@ class LastHang(TypedDict, total=False):
     restartedInPlace: bool
 
 
+class AvoidedNode(TypedDict):
+    """A node later attempts are kept off (policy/nodes.py): why, and the evidence."""
+
+    node: str
+    reason: str  # AdmissionRejected | Hung | HardwareError | StragglerDetected
+    evidence: str
+    time: str
+
+
+class FailingNode(TypedDict):
+    """Failures of this job that pointed at a node (policy/nodes.py); policy.nodes.STRIKES of them avoid it."""
+
+    node: str
+    failures: int
+    evidence: list[str]  # the newest few
+
+
 class Condition(TypedDict, total=False):
     type: str
     status: str  # "True" | "False"
@@ -80,6 +98,7 @@ class JobStatus(TypedDict, total=False):
     attemptInPlaceRestarts: int
     attemptHangs: int  # hangs of the current attempt already counted in restarts.hangs
     lastHang: LastHang
+    goodput: Goodput  # where every rank-second went (policy/goodput.py)
     iteration: int
     trainIters: int
     progress: str
@@ -93,7 +112,8 @@ class JobStatus(TypedDict, total=False):
     noProgressAttempts: int
     preemptionsWithoutProgress: int
     attemptStartCheckpoint: int
-    avoidNodes: list[str]
+    avoidNodes: list[AvoidedNode]  # (an older operator wrote names: policy.nodes reads both)
+    failingNodes: list[FailingNode]
     startTime: str  # timestamps: kubetron.contract.times.stamp
     attemptStartTime: str
     admittedTime: str | None

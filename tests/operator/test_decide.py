@@ -459,7 +459,8 @@ def test_admission_rejection_backs_off_and_avoids_the_node(case, reason, msg):
     assert msg in action.status["message"] and "gpu-7" in action.status["message"]
     assert "None" not in action.status["message"]
     assert action.status["restarts"]["neverStarted"] == 1 and action.status["restarts"]["preemptions"] == 0
-    assert action.status["avoidNodes"] == ["gpu-7"]
+    (avoided,) = action.status["avoidNodes"]  # the node, why, and the kubelet's words as evidence
+    assert avoided["node"] == "gpu-7" and avoided["reason"] == "AdmissionRejected" and msg in avoided["evidence"]
     assert action.status["nextAttemptTime"] >= "2026-11-22T12:00:10Z"
     waiting = run({**RUNNING, **action.status}, pods=[])  # the backoff holds the next attempt back
     assert waiting.kind == "wait" and waiting.create_attempt is None

@@ -135,7 +135,8 @@ def test_admission_rejection_backs_off_counts_apart_and_avoids_the_node(kube, s3
     assert st["reason"] == "AdmissionRejected" and "node-1" in st["message"], st
     assert "enough resource: nvidia.com/gpu" in st["message"] and "None" not in st["message"]
     assert st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1, "inPlace": 0, "hangs": 0}
-    assert st["avoidNodes"] == ["node-1"] and st["nextAttemptTime"]
+    assert [(a["node"], a["reason"]) for a in st["avoidNodes"]] == [("node-1", "AdmissionRejected")]
+    assert "enough resource: nvidia.com/gpu" in st["avoidNodes"][0]["evidence"] and st["nextAttemptTime"]
 
     # The next attempt waits out the backoff (10 s + jitter), then keeps off the node that rejected it:
     # here the only node, so the real scheduler says so.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import datetime
+from typing import cast
 
 from kubetron.contract.goodput import (
     BUCKETS,
@@ -44,7 +45,7 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
     st = obs.status
     if job is None or st.get("phase") in FINISHED:
         return {}
-    held: Goodput = st.get("goodput") or {}  # type: ignore[assignment]  # the CRD schema checked its shape
+    held: Goodput = st.get("goodput") or Goodput()
     since = parse_stamp(held.get("asOf")) or obs.created or obs.now
     seconds = {b: float((held.get("seconds") or {}).get(b) or 0.0) for b in BUCKETS}
     trainer = parse_trainer_time((obs.live or NO_LIVE).get("trainerTime"))
@@ -52,31 +53,35 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
     recovering = bool(held.get("recovering"))
     ranks = (st.get("nodes") or job.spec.nodes) * job.spec.nproc_per_node
     wall = max(0.0, (obs.now - since).total_seconds())
-    for bucket, spent in _interval(obs, wall, trainer, before, recovering).items():
+    lost = _lost_iterations(obs, action)  # None unless this decision found a failure, a hang or a preemption
+    waiting = held.get("waiting", True)  # the attempt's pods waited for placement as of `since`
+    for bucket, spent in _interval(obs, wall, trainer, before, recovering or lost is not None, waiting).items():
         seconds[bucket] += spent * ranks
     step = _step_seconds(trainer, held.get("stepSeconds"))
     if trainer is not None and trainer["steps"] and (before is None or trainer["started"] != before["started"]):
         recovering = False  # a process after the failure completed an iteration
-    lost = _lost_iterations(obs, action)
     if lost is not None:
         moved = min(seconds[PRODUCTIVE], lost * step * ranks)
         seconds[PRODUCTIVE] -= moved
         seconds[LOST_WORK] += moved
         recovering = True
-    return {"goodput": ledger(seconds, obs.now, recovering, step, trainer or before)}
+    after = cast(JobStatus, {**st, **action.status})
+    return {"goodput": ledger(seconds, obs.now, recovering, step, trainer or before, _waiting(obs, after))}
 
 
-def ledger(seconds: dict[str, float], now: datetime, recovering: bool, step: float,
-           trainer: TrainerTime | None) -> Goodput:
+def ledger(seconds: dict[str, float], now: datetime, recovering: bool, step: float, trainer: TrainerTime | None,
+           waiting: bool) -> Goodput:
     rounded = {b: round(seconds[b], 3) for b in BUCKETS}
     total = round(sum(rounded.values()), 3)
     return Goodput(seconds=rounded, totalSeconds=total, ratio=round(rounded[PRODUCTIVE] / total, 4) if total else 0.0,
-                   asOf=stamp(now), recovering=recovering, stepSeconds=round(step, 6), trainer=trainer)
+                   asOf=stamp(now), recovering=recovering, stepSeconds=round(step, 6), trainer=trainer,
+                   waiting=waiting)
 
 
 def _interval(obs: Observed, wall: float, trainer: TrainerTime | None, before: TrainerTime | None,
-              recovering: bool) -> dict[str, float]:
-    """Where `wall` seconds up to now went, per rank, by what the job was doing (its status as held)."""
+              recovering: bool, waiting: bool) -> dict[str, float]:
+    """Where `wall` seconds up to now went, per rank, by what the job was doing at their start (its status as
+    held, whether its pods waited for placement)."""
     st = obs.status
     phase, rest = st.get("phase") or "", RECOVERY if recovering else OTHER
     if phase == "Running":
@@ -85,7 +90,7 @@ def _interval(obs: Observed, wall: float, trainer: TrainerTime | None, before: T
         return {PENDING if st.get("reason") in NEVER_STARTED else RECOVERY: wall}
     if phase == "Suspended":
         return {OTHER: wall}
-    return {PENDING if _waiting_for_placement(obs, st) else rest: wall}
+    return {PENDING if waiting or not st.get("attempt") else rest: wall}
 
 
 def _running(wall: float, trainer: TrainerTime | None, before: TrainerTime | None, rest: str) -> dict[str, float]:
@@ -101,12 +106,13 @@ def _running(wall: float, trainer: TrainerTime | None, before: TrainerTime | Non
     return {PRODUCTIVE: productive, CHECKPOINT: checkpoint, rest: wall - productive - checkpoint}
 
 
-def _waiting_for_placement(obs: Observed, st: JobStatus) -> bool:
-    """The current attempt's pods wait for the scheduler or a queue (not all bound to nodes, or gated); no
-    attempt yet counts too."""
+def _waiting(obs: Observed, st: JobStatus) -> bool:
+    """The current attempt's pods wait for the scheduler or a queue (not all there and bound to nodes, or
+    gated); no attempt yet counts too. The next interval's `waiting`."""
     attempt = st.get("attempt") or 0
-    current = [p for p in obs.pods if p.role == "worker" and p.attempt == attempt]
-    return not attempt or not current or any(p.gates or not p.node for p in current)
+    current = [p for p in obs.pods if p.role == "worker" and p.attempt == attempt and p.deleting_for is None]
+    size = st.get("nodes") or len(current)
+    return not attempt or len(current) < size or any(p.gates or not p.node for p in current)
 
 
 def _step_seconds(trainer: TrainerTime | None, held: object) -> float:
@@ -135,13 +141,15 @@ def _iteration(ckpt: object) -> int:
 
 
 def with_goodput(job: Job | None, obs: Observed, action: Action) -> Action:
-    """`action` with the ledger in its status patch, when the patch goes out anyway or the job runs (its
-    progress is patched every few seconds): an idle job's ledger costs no API request, it catches up at the
-    next change."""
+    """`action` with the ledger in its status patch, when the patch goes out anyway, the job runs (its progress
+    is patched every few seconds) or its pods were just placed: an idle job's ledger costs no API request, it
+    catches up at the next change."""
     running = "Running" in (obs.status.get("phase"), action.phase)
-    if not (action.status or running):
+    held = obs.status.get("goodput") or Goodput()
+    placed = held.get("waiting", True) != _waiting(obs, obs.status)  # the pods were just placed (or lost)
+    if not (action.status or running or placed):
         return action
     patch = account(job, obs, action)
-    if not patch or (not action.status and patch["goodput"] == obs.status.get("goodput")):
+    if not patch or (not action.status and patch["goodput"] == held):
         return action  # nothing changed, nothing written
     return replace(action, status={**action.status, **patch})

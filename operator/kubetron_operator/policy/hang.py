@@ -58,10 +58,11 @@ def name_hang(obs: Observed, attempt: int, report: HangReport, in_place: bool) -
                     node=pod.node if pod else "", phase=report["phase"], iteration=report["iteration"],
                     idleSeconds=report["idleSeconds"], timeoutSeconds=report["timeoutSeconds"],
                     state=report["state"], where=report["where"], stacks=report["stacks"], restartedInPlace=in_place)
-    where = f" (pod {last['pod']} on node {last['node'] or '?'})" if pod else ""
+    where = f"(pod {last['pod']} on node {last['node'] or '?'})" if pod else f"(pod rank {report['nodeRank']})"
     then = "restarted in place from the newest checkpoint" if in_place else "no in-place restart left: a new attempt"
     stacks = f"; stacks in {report['stacks']}" if report["stacks"] else ""
-    message = f"attempt {attempt}: {describe(report).replace(' hung:', f'{where} hung:', 1)}{stacks}; {then}"
+    named = describe(report).replace(f"(pod rank {report['nodeRank']})", where, 1)
+    message = f"attempt {attempt}: {named}{stacks}; {then}"
     conditions = set_condition(obs.status.get("conditions") or [], HUNG, "True", HUNG, message, obs.now)
     return {"lastHang": last, "conditions": conditions}, Event("Warning", HUNG, message)
 

@@ -21,8 +21,9 @@ from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import STUCK_WAITING, Observed, PodView
 from kubetron_operator.policy.action import Action, Event
-from kubetron_operator.policy.elastic import attempt_size, resize, shrink_due, shrink_to
+from kubetron_operator.policy.elastic import attempt_size, resize, shrink_after, shrink_due, shrink_to
 from kubetron_operator.policy.lifecycle import fail, overdue
+from kubetron_operator.policy.nodes import avoided
 from kubetron_operator.policy.restart import restart
 from kubetron_operator.policy.status import (
     ckpt_iteration,
@@ -62,7 +63,7 @@ def next_attempt(job: Job, obs: Observed) -> Action:
     size = st.get("resizeTo") or job.spec.nodes  # after a preemption or failure: try the full size
     status = _attempt_status(job, obs, ckpt, nxt, size)
     resume = f", resuming from iteration {ckpt_iteration(ckpt)}" if ckpt_iteration(ckpt) else ""
-    avoid = tuple(st.get("avoidNodes") or ())
+    avoid = avoided(st)
     avoiding = f", avoiding node(s) {', '.join(avoid)}" if avoid else ""
     event = Event("Normal", "AttemptCreated", f"creating attempt {nxt} ({size} pods){resume}{avoiding}")
     return Action("create", status=status, create_attempt=nxt, expected_iteration=ckpt_iteration(ckpt),
@@ -119,9 +120,10 @@ def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt
     if shrink_in is not None and shrink_in < 0:
         size = attempt_size(job, st)
         stuck = [p for p in sorted(current, key=lambda p: p.rank) if p.unschedulable]
+        seconds, setting = shrink_after(job)
         return resize(job, obs, current, ckpt, shrink_to(job, current, size),
-                      f"{len(stuck)} pod(s) Unschedulable for more than shrinkAfterSeconds "
-                      f"({job.spec.shrink_after_seconds}s): pod {stuck[0].name}: {stuck[0].unschedulable}")
+                      f"{len(stuck)} pod(s) Unschedulable for more than {setting} ({seconds}s): "
+                      f"pod {stuck[0].name}: {stuck[0].unschedulable}")
     if began and not admitted and (obs.now - began).total_seconds() > timeout:
         why = trouble[1] if trouble else "the pods were still starting"
         return restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",

@@ -39,6 +39,7 @@ class Goodput(TypedDict, total=False):
     recovering: bool  # a failure, hang or preemption happened and no iteration has completed since
     stepSeconds: float  # a training iteration's mean seconds (the trainer's), for lost work
     trainer: TrainerTime | None  # the newest trainer counters read
+    waiting: bool  # as of asOf, the attempt's pods waited for placement (the next interval is pending)
 
 
 def parse_trainer_time(data: Any) -> TrainerTime | None:

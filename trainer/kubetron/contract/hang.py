@@ -9,11 +9,12 @@ completed in this process. The pod's torchrun agent reads the records from outsi
 
 - `train`: `spec.hangTimeoutSeconds` (KUBETRON_HANG_TIMEOUT_SECONDS), else max(FLOOR_SECONDS,
   STEP_FACTOR x the slowest recent iteration);
-- `checkpoint`, `evaluation` and the first WARMUP_STEPS iterations of a process: ALLOWANCE_FACTOR times that,
-  and every file written or batch evaluated is progress;
-- `startup` (imports, distributed init, model, checkpoint load), `data` (the dataset build) and `teardown`
-  are not judged: how long they take depends on the model, the data and the store, and nothing in them
-  repeats to measure it by. The collective timeout (dist.distributed_timeout_minutes) stays the last resort.
+- `checkpoint`, `evaluation` and a process's iterations after its first, up to WARMUP_STEPS: ALLOWANCE_FACTOR
+  times that, and every file written or batch evaluated is progress;
+- `startup` (imports, distributed init, model, checkpoint load, up to the end of the first iteration), `data`
+  (the dataset build) and `teardown` are not judged: how long they take depends on the model, the data and the
+  store, and nothing in them repeats to measure it by. The collective timeout (dist.distributed_timeout_minutes)
+  stays the last resort.
 
 A gang is hung when every rank of it has been idle past its timeout (a rank waiting in a collective for a
 slow peer that still makes progress is not). The rank named is the first of: a stopped process (SIGSTOP, a
@@ -104,8 +105,8 @@ def step_timeout(slowest_step: float, override: float | None) -> float:
 def hang_timeout(beat: Beat, override: float | None) -> float | None:
     """Seconds without progress after which this rank counts as hung; None: not judged (its phase, or
     hang detection off: override 0)."""
-    if override == 0 or beat.phase in UNJUDGED:
-        return None
+    if override == 0 or beat.phase in UNJUDGED or (beat.phase == TRAIN and beat.steps == 0):
+        return None  # start-up ends with the first iteration (compilation, caches): not judged either
     timeout = step_timeout(beat.slowest_step, override)
     if beat.phase in LONG_PHASES or beat.steps < WARMUP_STEPS:
         return ALLOWANCE_FACTOR * timeout
