@@ -52,21 +52,25 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
     before = parse_trainer_time(held.get("trainer"))
     recovering = bool(held.get("recovering"))
     ranks = (st.get("nodes") or job.spec.nodes) * job.spec.nproc_per_node
-    wall = max(0.0, (obs.now - since).total_seconds())
+    now = obs.now.replace(microsecond=0)  # up to the second asOf keeps: no interval counted twice
+    wall = max(0.0, (now - since).total_seconds())
     lost = _lost_iterations(obs, action)  # None unless this decision found a failure, a hang or a preemption
     waiting = held.get("waiting", True)  # the attempt's pods waited for placement as of `since`
     for bucket, spent in _interval(obs, wall, trainer, before, recovering or lost is not None, waiting).items():
         seconds[bucket] += spent * ranks
     step = _step_seconds(trainer, held.get("stepSeconds"))
-    if trainer is not None and trainer["steps"] and (before is None or trainer["started"] != before["started"]):
-        recovering = False  # a process after the failure completed an iteration
+    origin = held.get("recoveringFrom")
     if lost is not None:
         moved = min(seconds[PRODUCTIVE], lost * step * ranks)
         seconds[PRODUCTIVE] -= moved
         seconds[LOST_WORK] += moved
-        recovering = True
+        recovering, origin = True, before["started"] if before else None  # the process that failed
+    elif recovering and trainer is not None and trainer["steps"] and trainer["started"] != origin:
+        recovering, origin = False, None  # a process after the failure completed an iteration
     after = cast(JobStatus, {**st, **action.status})
-    return {"goodput": ledger(seconds, obs.now, recovering, step, trainer or before, _waiting(obs, after))}
+    patch = ledger(seconds, now, recovering, step, trainer or before, _waiting(obs, after))
+    patch["recoveringFrom"] = origin
+    return {"goodput": patch}
 
 
 def ledger(seconds: dict[str, float], now: datetime, recovering: bool, step: float, trainer: TrainerTime | None,

@@ -37,6 +37,7 @@ class Goodput(TypedDict, total=False):
     ratio: float
     asOf: str  # the ledger covers the job's life up to here
     recovering: bool  # a failure, hang or preemption happened and no iteration has completed since
+    recoveringFrom: str | None  # TrainerTime.started of the process that failed (None: not known, or not recovering)
     stepSeconds: float  # a training iteration's mean seconds (the trainer's), for lost work
     trainer: TrainerTime | None  # the newest trainer counters read
     waiting: bool  # as of asOf, the attempt's pods waited for placement (the next interval is pending)
