@@ -113,6 +113,8 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     """The hang, the crash and the preemption, each checked as it happens; the ledger around each."""
     timeline: dict[str, Any] = {}
     explain = lambda: "\n".join(f"--- {n}\n" + "".join(c.lines[-15:]) for n, c in node.containers.items())  # noqa: E731
+    kube.wait_for("the ledger has read the trainer's clock", lambda: goodput(kube, ns).get("stepSeconds"), 300,
+                  explain)
     rank1 = kube.wait_for("rank 1 mid-interval", lambda: (c := node.containers.get("gpt-1-1")) and c.last_iteration()
                           % SAVE_INTERVAL in (3, 4, 5) and c.last_iteration() > SAVE_INTERVAL and c, 300, explain)
     hung_node = kube.pods(ns)["gpt-1-1"]["spec"]["nodeName"]

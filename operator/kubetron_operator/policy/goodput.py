@@ -56,8 +56,13 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
     wall = max(0.0, (now - since).total_seconds())
     lost = _lost_iterations(obs, action)  # None unless this decision found a failure, a hang or a preemption
     waiting = held.get("waiting", True)  # the attempt's pods waited for placement as of `since`
-    for bucket, spent in _interval(obs, wall, trainer, before, recovering or lost is not None, waiting).items():
+    advanced = (action.status.get("iteration") or 0) > (st.get("iteration") or 0)
+    for bucket, spent in _interval(obs, wall, trainer, before, recovering or lost is not None, waiting,
+                                   advanced).items():
         seconds[bucket] += spent * ranks
+    hung = _hang_seconds(obs, action) * ranks  # the hang's idle time went to other (no iteration): recovery
+    seconds[OTHER], seconds[RECOVERY] = seconds[OTHER] - min(hung, seconds[OTHER]), seconds[RECOVERY] + min(
+        hung, seconds[OTHER])
     step = _step_seconds(trainer, held.get("stepSeconds"))
     origin = held.get("recoveringFrom")
     if lost is not None:
@@ -83,13 +88,13 @@ def ledger(seconds: dict[str, float], now: datetime, recovering: bool, step: flo
 
 
 def _interval(obs: Observed, wall: float, trainer: TrainerTime | None, before: TrainerTime | None,
-              recovering: bool, waiting: bool) -> dict[str, float]:
+              recovering: bool, waiting: bool, advanced: bool) -> dict[str, float]:
     """Where `wall` seconds up to now went, per rank, by what the job was doing at their start (its status as
-    held, whether its pods waited for placement)."""
+    held, whether its pods waited for placement). `advanced`: the job's iteration moved meanwhile."""
     st = obs.status
     phase, rest = st.get("phase") or "", RECOVERY if recovering else OTHER
     if phase == "Running":
-        return _running(wall, trainer, before, rest)
+        return _running(wall, trainer, before, PRODUCTIVE if advanced and trainer is None else rest)
     if phase == "Restarting":
         return {PENDING if st.get("reason") in NEVER_STARTED else RECOVERY: wall}
     if phase == "Suspended":
@@ -98,10 +103,10 @@ def _interval(obs: Observed, wall: float, trainer: TrainerTime | None, before: T
 
 
 def _running(wall: float, trainer: TrainerTime | None, before: TrainerTime | None, rest: str) -> dict[str, float]:
-    """A running attempt: rank 0's counters since the last reading split the time (without them: productive,
-    unless recovering)."""
+    """A running attempt: rank 0's counters since the last reading split the time (without them, `rest`:
+    productive when the iteration moved, else other, or recovery)."""
     if trainer is None:
-        return {rest if rest == RECOVERY else PRODUCTIVE: wall}
+        return {rest: wall}
     same = before is not None and before["started"] == trainer["started"]
     train = trainer["train"] - (before["train"] if same and before else 0.0)
     saving = trainer["checkpoint"] - (before["checkpoint"] if same and before else 0.0)
@@ -137,6 +142,15 @@ def _lost_iterations(obs: Observed, action: Action) -> int | None:
         resumed = _iteration((obs.live or NO_LIVE).get("lastCheckpoint") or st.get("lastCheckpoint"))
         return max(0, (st.get("iteration") or 0) - resumed)
     return None
+
+
+def _hang_seconds(obs: Observed, action: Action) -> float:
+    """A hang this decision learned of: the seconds its gang sat without progress before it was found."""
+    hang = action.status.get("lastHang")
+    if not isinstance(hang, dict) or hang == obs.status.get("lastHang"):
+        return 0.0
+    idle = hang.get("idleSeconds")
+    return float(idle) if isinstance(idle, (int, float)) else 0.0
 
 
 def _iteration(ckpt: object) -> int:
