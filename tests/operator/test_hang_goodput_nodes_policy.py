@@ -132,6 +132,21 @@ def test_hangs_on_one_node_avoid_it_and_an_older_operators_names_still_count():
     assert later.kind == "create" and later.avoid_nodes == ("gpu-9", "gpu-1")
 
 
+def test_in_place_restarts_caused_by_a_rank_on_one_node_avoid_it():
+    """Rank 0 reports the rank whose crash restarted the gang in place (lastRestart); a peer failure is never one."""
+    status, pods = dict(RUNNING), [pod(0), pod(1)]
+    for n in (1, 2):
+        cause = {"restart": n, "rank": 1, "nodeRank": 1, "how": "was killed by SIGBUS"}
+        action = run(status, pods, live=live(inPlaceRestarts=n, lastRestart=cause))
+        status = merge(status, action.status)
+    assert status["restarts"]["inPlace"] == 2 and status["failingNodes"][0]["failures"] == 2
+    (avoided,) = status["avoidNodes"]
+    assert (avoided["node"], avoided["reason"]) == ("gpu-1", "Crashed")
+    assert "in-place restart 2: rank 1 (pod gpt-1-1) was killed by SIGBUS" in avoided["evidence"]
+    again = run(status, pods, live=live(inPlaceRestarts=2, lastRestart=cause))
+    assert "failingNodes" not in again.status  # each restart counted once
+
+
 def test_a_straggler_exit_points_at_the_node_of_the_rank_it_names():
     job = Job.from_body(job_body(S3_JOB, gpusPerNode=2, resources={"limits": {"nvidia.com/gpu": 2}}))
     words = "straggler detected at iteration 40: rank 3 at 0.42 of the fastest rank's speed (relative_threshold 0.7)"

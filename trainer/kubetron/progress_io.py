@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from kubetron.contract.hang import HANGS_ENV, HangReport, parse_hangs
+from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause, parse_cause, parse_hangs
 from kubetron.contract.progress import (
     JOB_ID_ENV,
     PROGRESS_FILE,
@@ -34,6 +34,14 @@ def in_place_restarts() -> int:
 def hangs() -> tuple[int, HangReport | None]:
     """Of those restarts, how many followed a hang, and the newest hang's report (the agent's, kubetron.watchdog)."""
     return parse_hangs(os.environ.get(HANGS_ENV))
+
+
+def restart_cause() -> RestartCause | None:
+    """The rank whose crash caused the newest other in-place restart (the agent's, kubetron.torchrun)."""
+    try:
+        return parse_cause(json.loads(os.environ.get(CAUSE_ENV) or "null"))
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Sequence
 
 from kubetron.contract import exitcodes
-from kubetron.contract.hang import HANGS_ENV, HangReport
+from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause
 from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.progress import JOB_ID_ENV
 from kubetron.watchdog import Rank, Watchdog, override_from_env, store_from_args
@@ -100,6 +100,7 @@ def _only_restart_restartable_ends(agent_class, dog: Watchdog | None = None) -> 
             if restartable(result.failures):
                 _write_failures(result.failures, RESTARTS_FILE, "a")
                 spec = worker_group.spec
+                _tell_cause(dog, hung, result.failures, spec.max_restarts - self._remaining_restarts + 1)
                 why = f"the gang hung: {describe_hang(hung)}" if hung else describe_failure(
                     failure_records(result.failures)[0])
                 print(f"kubetron.torchrun: {why}: restarting "
@@ -142,6 +143,17 @@ def _hang_of(dog: Watchdog | None, result) -> HangReport | None:
     return report
 
 
+def _tell_cause(dog: Watchdog | None, hung: HangReport | None, failures, restart: int) -> None:
+    """A rank of this pod ended the round by itself (not a peer failure, not SIGTERM, not a hang): the
+    RestartCause of the in-place restart `restart`, for rank 0 to report (policy/nodes.py counts them)."""
+    own = [f for f in failure_records(failures) if f["exitcode"] != exitcodes.PEER_FAILURE
+           and f["signal"] not in ("SIGTERM", "SIGINT")]
+    if dog is None or hung is not None or not own:
+        return
+    how = describe_failure(own[0]).split(") ", 1)[1]  # `was killed by SIGSEGV`
+    dog.tell_cause(RestartCause(restart=restart, rank=own[0]["rank"], nodeRank=dog.node_rank, how=how))
+
+
 def _watch_for_hangs(agent_class, dog: Watchdog) -> None:
     """Make torchrun's agent run the hang watchdog: every round of workers is handed to it, and its monitor
     loop polls it (kubetron.watchdog stops the ranks of a hung gang; the monitor then sees them fail)."""
@@ -149,6 +161,9 @@ def _watch_for_hangs(agent_class, dog: Watchdog) -> None:
 
     def _start_workers(self, worker_group):
         dog.forget_files(w.local_rank for w in worker_group.workers)  # the previous round's
+        cause = dog.cause()  # what ended the previous round, when a rank of some pod did
+        if cause is not None:
+            os.environ[CAUSE_ENV] = json.dumps(cause)  # the new ranks' (rank 0 reports it)
         pids = start(self, worker_group)
         spec = worker_group.spec
         ranks = [Rank(w.global_rank, w.local_rank, pids[w.local_rank]) for w in worker_group.workers]

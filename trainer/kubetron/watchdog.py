@@ -35,6 +35,7 @@ STACK_LINES = 12  # frames of each rank's main thread in the pod's log
 STACK_BYTES = 256 * 1024  # of a rank's dump kept (its newest part)
 HANGS_DIR = "hangs"  # in the job's store
 KEY = "kubetron/hang/"  # + node rank, in the round's rendezvous store
+CAUSE_KEY = "kubetron/restart-cause"  # in the round's rendezvous store: the RestartCause that ended it
 STOPPED_STATES = ("T", "t")  # /proc/<pid>/stat: stopped by a signal, stopped by a tracer
 
 
@@ -126,6 +127,20 @@ class Watchdog:
         self.restart, self.restarts_left = restart, restarts_left
         self._reset()
 
+    def tell_cause(self, cause: hang.RestartCause) -> None:
+        """This pod's rank ended the round (a crash, not a hang): say so in the round's store, for rank 0."""
+        with contextlib.suppress(Exception):  # best effort: the restart goes on without it
+            self.store.set(CAUSE_KEY, json.dumps(cause))
+
+    def cause(self) -> hang.RestartCause | None:
+        """What ended the current (old) round, as a pod's agent said (read before the next round starts)."""
+        try:
+            if self.store is None or not self.store.check([CAUSE_KEY]):
+                return None
+            return hang.parse_cause(json.loads(self.store.get(CAUSE_KEY)))
+        except Exception:  # noqa: BLE001 - the round's store may be gone with its host
+            return None
+
     def forget_files(self, local_ranks: Iterable[int]) -> None:
         """Before a round starts: the previous ranks' heartbeats and stacks go (never read as the new ones')."""
         for local_rank in local_ranks:
@@ -140,7 +155,7 @@ class Watchdog:
             return None
         self._next = now + POLL_SECONDS
         beats = {r.local_rank: read_beat(heartbeat_path(self.dir, r.local_rank)) for r in self.ranks}
-        if not all(b is not None and b.pid == r.pid and hang.stalled(b, self.override, now)
+        if not all(b is not None and b.pid == r.pid and hang.idle_past_base(b, self.override, now)
                    for r, b in zip(self.ranks, beats.values(), strict=True)):
             if self.state == "published":
                 self._withdraw()
@@ -153,6 +168,7 @@ class Watchdog:
         elif self.state == "dumping" and self._dumped(now):
             self._publish(beats, now)  # type: ignore[arg-type]  # all present: checked above
         elif self.state == "published":
+            self._publish(beats, now)  # type: ignore[arg-type]  # idle and stalled as of now
             return self._agree()
         return None
 
@@ -176,15 +192,19 @@ class Watchdog:
         return answered or now - self._dumped_at > DUMP_WAIT
 
     def _publish(self, beats: dict[int, hang.Beat], now: float) -> None:
-        """This pod's stalled ranks, each with what its dump (or /proc) says, into the round's store."""
+        """This pod's idle ranks, each with what its dump (or /proc) says and whether it is past its own hang
+        timeout, into the round's store (again at each poll: the time goes on)."""
         states = []
         for r in self.ranks:
-            dump = self._dumps[r.local_rank] = read_tail(stacks_path(self.dir, r.local_rank), self._sizes[r.local_rank])
-            beat = beats[r.local_rank]
+            if r.local_rank not in self._dumps:
+                self._dumps[r.local_rank] = read_tail(stacks_path(self.dir, r.local_rank), self._sizes[r.local_rank])
+            dump, beat = self._dumps[r.local_rank], beats[r.local_rank]
             stopped = process_state(r.pid) in STOPPED_STATES
+            timeout = hang.step_timeout(beat.slowest_step, self.override) if stopped else hang.hang_timeout(
+                beat, self.override) or 0.0
             states.append(RankState(rank=r.rank, nodeRank=self.node_rank, localRank=r.local_rank, phase=beat.phase,
                                     iteration=beat.iteration, idleSeconds=round(beat.idle(now), 1),
-                                    timeoutSeconds=hang.hang_timeout(beat, self.override) or 0.0,
+                                    timeoutSeconds=timeout, stalled=beat.idle(now) > timeout,
                                     state=hang.STOPPED if stopped else hang.classify(dump), where=hang.innermost(dump)))
         self.store.set(f"{KEY}{self.node_rank}", json.dumps(states))
         self.state = "published"
@@ -209,6 +229,8 @@ class Watchdog:
         if not self.store.check(keys):
             return None
         ranks = [s for value in self.store.multi_get(keys) for s in json.loads(value)]
+        if not hang.gang_hung(ranks):
+            return None  # all idle, not all past their phase's allowance yet (a slow save, a long evaluation)
         folder = f"{HANGS_DIR}/{self.attempt}-{self.restart + 1}"
         location = f"{self.store_url.rstrip('/')}/{folder}/" if self.store_url else ""
         report = hang.report(ranks, location, self.restart + 1 if self.restarts_left > 0 else 0)

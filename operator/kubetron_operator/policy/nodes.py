@@ -2,7 +2,8 @@
 
 A failure that points at a node is a strike against it, kept in status.failingNodes: a rank on it named by a
 hang, a pod on it that ended with a hardware-looking error (a crash by SIGSEGV, SIGBUS, SIGILL, SIGFPE or
-SIGABRT; words such as "CUDA error", "Xid", "ECC"), a straggler exit naming a rank on it. STRIKES strikes put
+SIGABRT; words such as "CUDA error", "Xid", "ECC"), a straggler exit naming a rank on it, a rank on it whose
+crash restarted the gang in place (rank 0's lastRestart). STRIKES strikes put
 the node on status.avoidNodes (the reason and the evidence with it), as a kubelet that rejects a pod does at
 once: every later attempt's pods get a required node affinity `kubernetes.io/hostname NotIn` those nodes
 (build.py). An elastic job whose pods then find no room shrinks (policy/elastic.py) rather than wait for them.
@@ -21,7 +22,7 @@ from kubetron.contract.times import stamp
 
 from kubetron_operator.job_status import AvoidedNode, FailingNode, JobStatus, StatusPatch
 from kubetron_operator.model import Job
-from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.observe import NO_LIVE, Observed, PodView
 from kubetron_operator.policy.action import Action, Event
 
 STRIKES = 2  # failures pointing at a node before it is avoided
@@ -91,11 +92,25 @@ def _strikes(job: Job, obs: Observed, action: Action) -> list[tuple[str, str, st
     if isinstance(hang, Mapping) and hang != obs.status.get("lastHang") and hang.get("node"):
         out.append((str(hang["node"]), "Hung", f"attempt {hang.get('attempt')}: rank {hang.get('rank')} (pod "
                     f"{hang.get('pod')}) hung in phase {hang.get('phase')} after iteration {hang.get('iteration')}"))
+    attempt = obs.status.get("attempt") or 0
+    current = [p for p in obs.pods if p.role == "worker" and p.attempt == attempt]
     if _failed_now(obs, action):
-        attempt = obs.status.get("attempt") or 0
-        current = [p for p in obs.pods if p.role == "worker" and p.attempt == attempt]
         out += _hardware(current) + _stragglers(job, current)
-    return out
+    return out + _crashed_in_place(obs, action, current)
+
+
+def _crashed_in_place(obs: Observed, action: Action, current: list[PodView]) -> list[tuple[str, str, str]]:
+    """The pod whose rank's crash caused an in-place restart this decision counts (rank 0's lastRestart)."""
+    counted = obs.status.get("attemptInPlaceRestarts") or 0
+    now = action.status.get("attemptInPlaceRestarts") or counted
+    cause = (obs.live or NO_LIVE).get("lastRestart")
+    if cause is None or not counted < cause["restart"] <= now:
+        return []
+    pod = next((p for p in current if p.rank == cause["nodeRank"] and p.node), None)
+    if pod is None:
+        return []
+    return [(pod.node, "Crashed", f"attempt {pod.attempt}, in-place restart {cause['restart']}: rank {cause['rank']} "
+                                  f"(pod {pod.name}) {cause['how']}")]
 
 
 def _failed_now(obs: Observed, action: Action) -> bool:

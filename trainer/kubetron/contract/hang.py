@@ -17,9 +17,11 @@ completed in this process. The pod's torchrun agent reads the records from outsi
   stays the last resort.
 
 A gang is hung when every rank of it has been idle past its timeout (a rank waiting in a collective for a
-slow peer that still makes progress is not). The rank named is the first of: a stopped process (SIGSTOP, a
-debugger: it cannot dump its stack), one that did not answer the stack dump, one whose main thread is not
-waiting in torch.distributed (stuck in the data loader, the store, a GPU sync...), then the one idle longest.
+slow peer that still makes progress is not), or when all are idle past the iteration's timeout and one of
+them is stopped (SIGSTOP, a debugger): it does no legitimately long work, so no phase allowance applies.
+The rank named is the first of: a stopped process (it cannot dump its stack), one that did not answer the
+stack dump, one whose main thread is not waiting in torch.distributed (stuck in the data loader, the store,
+a GPU sync...), then the one idle longest.
 
 Standard library only, no I/O.
 """
@@ -46,6 +48,7 @@ ALLOWANCE_FACTOR = 10.0  # checkpoint saves, evaluation and the first iterations
 WARMUP_STEPS = 3  # iterations of a process that count as its first (compilation, allocator growth, caches)
 TIMEOUT_ENV = "KUBETRON_HANG_TIMEOUT_SECONDS"  # spec.hangTimeoutSeconds on every pod (0: hang detection off)
 HANGS_ENV = "KUBETRON_HANGS"  # the agent's, for a restarted gang's ranks: {"hangs": n, "lastHang": HangReport}
+CAUSE_ENV = "KUBETRON_RESTART_CAUSE"  # the agent's, for a gang restarted after a rank crashed: a RestartCause
 
 # The record: a sequence number at both ends (a reader that sees them differ read a torn record and reads
 # again), then iteration, phase index, pid, phase start, last progress, slowest recent step, steps done.
@@ -114,8 +117,17 @@ def hang_timeout(beat: Beat, override: float | None) -> float | None:
 
 
 def stalled(beat: Beat, override: float | None, now: float) -> bool:
+    """No progress past the rank's hang timeout (its phase's allowance included)."""
     timeout = hang_timeout(beat, override)
     return timeout is not None and beat.idle(now) > timeout
+
+
+def idle_past_base(beat: Beat, override: float | None, now: float) -> bool:
+    """No progress past the training iteration's timeout, in a judged phase: what a stopped rank is judged by
+    (it does no legitimately long work: no allowance), and what a pod waits for before it looks closer."""
+    if hang_timeout(beat, override) is None:
+        return False
+    return beat.idle(now) > step_timeout(beat.slowest_step, override)
 
 
 # -- what a rank was doing: its stack dump (faulthandler's format) ------------------------------------
@@ -178,7 +190,7 @@ def _frame(line: str) -> str:
 
 
 class RankState(TypedDict):
-    """One stalled rank, as its pod's agent found it."""
+    """One rank without progress past the iteration's timeout, as its pod's agent found it."""
 
     rank: int  # global
     nodeRank: int  # the pod (NODE_RANK)
@@ -186,9 +198,16 @@ class RankState(TypedDict):
     phase: str
     iteration: int
     idleSeconds: float
-    timeoutSeconds: float
+    timeoutSeconds: float  # its hang timeout (a stopped rank's: the iteration's, no allowance)
+    stalled: bool  # idle past timeoutSeconds
     state: str  # STATES
     where: str  # `innermost` of its dump ('' when it has none)
+
+
+def gang_hung(ranks: Sequence[RankState]) -> bool:
+    """Every rank of the gang (all idle past the iteration's timeout) is past its own hang timeout, or one is
+    stopped: a stopped process makes no progress, whatever its phase allows."""
+    return bool(ranks) and (all(r["stalled"] for r in ranks) or any(r["state"] == STOPPED for r in ranks))
 
 
 class HangReport(TypedDict):
@@ -261,3 +280,23 @@ def parse_hangs(text: str | None) -> tuple[int, HangReport | None]:
     if not isinstance(data, dict) or not isinstance(data.get("hangs"), int):
         return 0, None
     return data["hangs"], parse_report(data.get("lastHang"))
+
+
+class RestartCause(TypedDict):
+    """The rank whose end restarted the gang in place (not a peer failure, not a hang): its pod's agent tells
+    the others through the rendezvous store, and rank 0 reports it (`lastRestart`) so the operator can count
+    the restarts a node causes (policy/nodes.py)."""
+
+    restart: int  # the in-place restart it caused (1-based)
+    rank: int
+    nodeRank: int
+    how: str  # `was killed by SIGSEGV`, `exited with status 6`
+
+
+def parse_cause(data: object) -> RestartCause | None:
+    """A RestartCause from JSON, or None when a key is missing or of the wrong type."""
+    types = {"restart": int, "rank": int, "nodeRank": int, "how": str}
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), t) and not isinstance(data.get(k), bool)
+                                             for k, t in types.items()):
+        return None
+    return RestartCause(restart=data["restart"], rank=data["rank"], nodeRank=data["nodeRank"], how=data["how"])

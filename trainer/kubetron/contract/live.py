@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 from kubetron.contract.goodput import TrainerTime, parse_trainer_time
-from kubetron.contract.hang import HangReport, parse_report
+from kubetron.contract.hang import HangReport, RestartCause, parse_cause, parse_report
 from kubetron.contract.progress import CheckpointRef
 
 
@@ -27,6 +27,7 @@ class LiveStatus(TypedDict):
     inPlaceRestarts: int  # this attempt's restarts of the gang inside its pods (docs/recovery.md)
     hangs: int  # of those, the ones after the gang hung (the pods' watchdogs stopped it)
     lastHang: HangReport | None  # the newest of them: the rank named, where the stacks are
+    lastRestart: RestartCause | None  # the rank whose crash caused the newest other in-place restart
     trainerTime: TrainerTime | None  # where this process's time went (docs/goodput.md), read at each request
 
 
@@ -37,11 +38,13 @@ _INTS = ("iteration", "trainIters", "consumedSamples")
 _NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu")
 
 
-def new_live_status(in_place_restarts: int = 0, hangs: int = 0, last_hang: HangReport | None = None) -> LiveStatus:
-    """The payload before the first step: nothing known but this attempt's in-place restarts and hangs."""
+def new_live_status(in_place_restarts: int = 0, hangs: int = 0, last_hang: HangReport | None = None,
+                    last_restart: RestartCause | None = None) -> LiveStatus:
+    """The payload before the first step: nothing known but this attempt's in-place restarts and their causes."""
     return LiveStatus(iteration=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
                       etaSeconds=None, lastCheckpoint=None, loss=None, learningRate=None, tflopsPerGpu=None,
-                      inPlaceRestarts=in_place_restarts, hangs=hangs, lastHang=last_hang, trainerTime=None)
+                      inPlaceRestarts=in_place_restarts, hangs=hangs, lastHang=last_hang, lastRestart=last_restart,
+                      trainerTime=None)
 
 
 def jsonable(value: Any) -> Any:
@@ -70,7 +73,7 @@ def parse_live_status(data: Any) -> LiveStatus | None:
     if not isinstance(data, Mapping):
         return None
     status = new_live_status(_as_int(data.get("inPlaceRestarts")) or 0, _as_int(data.get("hangs")) or 0,
-                             parse_report(data.get("lastHang")))
+                             parse_report(data.get("lastHang")), parse_cause(data.get("lastRestart")))
     for key in _INTS:
         status[key] = _as_int(data.get(key))  # type: ignore[literal-required]
     for key in _NUMBERS:

@@ -23,7 +23,7 @@ from typing import Any, Self
 from kubetron.contract.goodput import TrainerTime
 from kubetron.contract.live import LiveStatus, jsonable, new_live_status
 from kubetron.contract.times import parse_stamp
-from kubetron.progress_io import hangs, in_place_restarts
+from kubetron.progress_io import hangs, in_place_restarts, restart_cause
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class StatusServer:
     def __init__(self, port: int, host: str = "0.0.0.0", trainer_time: Callable[[], TrainerTime] | None = None):
         self._lock = threading.Lock()
         self._trainer_time = trainer_time  # read at each request: the process's time to the second (docs/goodput.md)
-        self._status: LiveStatus = new_live_status(in_place_restarts(), *hangs())  # docs/recovery.md
+        self._status: LiveStatus = new_live_status(in_place_restarts(), *hangs(), restart_cause())  # docs/recovery.md
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self.host = host
