@@ -27,7 +27,7 @@ from kubetron.contract.hang import CHECKPOINT, EVALUATION, STARTUP, TRAIN, Beat
 from kubetron.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
-from tests.test_in_place_restart import LOSS_RE, collect, finish, start_pods, trainer_pid
+from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
 from tests.trainer_utils import QUICK, TINY
 
 # -- the rules --------------------------------------------------------------------------------------------
@@ -323,18 +323,9 @@ def test_a_slow_checkpoint_store_is_not_a_hang(tmp_path, s3_server):
         pods = start_pods(tmp_path, [*ARGS, "train.train_iters=30", f"checkpoint.save={store}",
                                      f"checkpoint.load={store}"], KUBETRON_HANG_TIMEOUT_SECONDS="4",
                           **s3_server.env(px.endpoint))
-        codes, outs, log = run_pods(pods)
+        codes, outs, log = run_to_end(pods, timeout=600)
         assert px.stats["delay"] > 10
     assert codes == [0, 0], log[-6000:]
     assert "hung" not in log and "kubetron.watchdog" not in log
     saves = [float(s) for s in re.findall(r"saved checkpoint iter_\d+ at iteration \d+ \(([0-9.]+)s\)", log)]
     assert saves and max(saves) > 4 * 2, saves  # a save far slower than the hang timeout
-
-
-def run_pods(pods):
-    outs: list[list[str]] = [[] for _ in pods]
-    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
-    codes = finish(pods, timeout=600)
-    for t in threads:
-        t.join(timeout=10)
-    return codes, outs, "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])

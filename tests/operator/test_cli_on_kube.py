@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,21 +15,10 @@ import yaml
 from kubetron_operator.client_cli import CliError, format_table, select_pods, whole_lines
 
 from tests.kube.cluster import set_running
+from tests.operator.cli import BIN, kubetron, user_env
 from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
-BIN = Path(sys.executable).parent
-
-
-def kubetron(kube, *args: str, exe: str = "kubetron", timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / exe), *args], capture_output=True, text=True, timeout=timeout,
-                          env=user_env(kube))
-
-
-def user_env(kube) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
-    env["KUBECONFIG"] = str(kube.cp._cert_kubeconfig("admin"))  # the cluster admin's kubeconfig
-    return env
 
 
 def manifest(tmp_path: Path, body: dict) -> Path:

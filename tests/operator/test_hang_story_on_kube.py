@@ -26,9 +26,9 @@ import pytest
 from kubetron.contract import hang
 
 from tests.kube.cluster import Kubelet, free_port
+from tests.operator.cli import kubetron
 from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import ITER_RE, Container, ProcessKubelet, pvc, tiny_config
-from tests.operator.test_cli_on_kube import kubetron
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 POOL = "kubetron.dev/hang-story"
