@@ -54,8 +54,8 @@ def test_submit_status_logs_delete(kube, kube_ns, tmp_path):
         got = kubetron(kube, "status", "-n", ns)
         assert got.returncode == 0, got.stderr
         head, row = got.stdout.splitlines()
-        assert head.split() == ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "LOSS", "AGE",
-                                "REASON", "LAST-CHECKPOINT"]  # the CRD's columns, the wide ones included
+        assert head.split() == ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "GOODPUT",
+                                "LOSS", "AGE", "REASON", "LAST-CHECKPOINT"]  # the CRD's columns, the wide ones too
         assert row.split()[:2] == ["gpt", "Running"] and row.split()[-2:] == ["Running", "<none>"]
         read_end, write_end = os.pipe()  # `kubetron status | head -1` once head has its line
         os.close(read_end)

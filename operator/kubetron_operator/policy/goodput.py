@@ -120,7 +120,7 @@ def _waiting(obs: Observed, st: JobStatus) -> bool:
     gated); no attempt yet counts too. The next interval's `waiting`."""
     attempt = st.get("attempt") or 0
     current = [p for p in obs.pods if p.role == "worker" and p.attempt == attempt and p.deleting_for is None]
-    size = st.get("nodes") or len(current)
+    size = st.get("nodes") or 1
     return not attempt or len(current) < size or any(p.gates or not p.node for p in current)
 
 
