@@ -70,6 +70,7 @@ from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.elastic import attempt_size, shrink_due
 from kubetron_operator.policy.lifecycle import FORCE_DELETE_AFTER
+from kubetron_operator.policy.nodes import TAINT_KEY
 from kubetron_operator.policy.start import (
     ENDING_PHASES,
     NOT_SCHEDULED_AFTER,
@@ -412,7 +413,7 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
 def _idle(action: Action) -> bool:
     return not (action.status or action.delete_pods or action.force_delete_pods or action.events or action.release_pods
                 or action.create_attempt is not None or action.delete_job
-                or action.create_probes or action.create_service)
+                or action.create_probes or action.create_service or action.taint_nodes)
 
 
 def _throttle(deps: Deps, uid: str, action: Action) -> tuple[Action, bool]:
@@ -642,6 +643,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             delete_attempt_children(kube, job, int(obs.status["attempt"]), job.spec.scheduling.gang, logger)
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
+    taint_nodes(kube, action.taint_nodes, name, logger)
     if action.create_probes and job is not None:
         probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
                   for rank in action.create_probes]
@@ -655,6 +657,17 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     if action.delete_job:
         kube.delete_job(namespace, name)
     return action
+
+
+def taint_nodes(kube: Kube, nodes: Iterable[str], job: str, logger: kopf.Logger) -> None:
+    """Nodes the job just left out (policy/nodes.py), tainted cluster-wide when the chart allows it
+    (`--taint-failing-nodes`); best effort: the job's own avoid list holds either way."""
+    for node in nodes if kube.taint_nodes else ():
+        try:
+            if kube.taint_node(node, TAINT_KEY, job):
+                logger.warning("tainted node %s %s=%s:NoSchedule (it failed job %s twice)", node, TAINT_KEY, job, job)
+        except ApiError as exc:
+            logger.warning("cannot taint node %s: %s", node, exc)
 
 
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],

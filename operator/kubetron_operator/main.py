@@ -72,7 +72,8 @@ def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
 def run(args: argparse.Namespace) -> int:
     """Blocks until the operator stops. `args`: namespace(s) (list; empty = cluster-wide), liveness
     (endpoint URL, "" to disable), peering (a KopfPeering name for HA, or None), interval (seconds),
-    gang_schedulers (those whose PodGroups the role grants; None: all)."""
+    gang_schedulers (those whose PodGroups the role grants; None: all), taint_failing_nodes (the role may get and
+    patch nodes: taint the ones that keep failing jobs)."""
     from kubernetes import client
 
     namespaces = list(getattr(args, "namespaces", None) or getattr(args, "namespace", None) or [])
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     gang = getattr(args, "gang_schedulers", None)
     api_client = client.ApiClient(configuration)
     kube = Kube(kubernetes_transport(api_client), stream=kubernetes_stream(api_client, WATCH_SECONDS + 30),
+                taint_nodes=bool(getattr(args, "taint_failing_nodes", False)),
                 **({} if gang is None else {"gang_schedulers": gang}))
     deps = handlers.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces))
     kopf.run(

@@ -4,13 +4,17 @@ writes into status, which nodes are left out, and where every rank-second of a j
 from __future__ import annotations
 
 import copy
+import json
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from kubetron.contract import exitcodes, hang
 from kubetron.contract.times import stamp
+from kubetron_operator.api_calls import Kube, TaintNotGranted
 from kubetron_operator.decide import decide
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.policy.nodes import TAINT_KEY
 
 from tests.operator.jobs import S3_JOB, job_body
 
@@ -145,6 +149,26 @@ def test_in_place_restarts_caused_by_a_rank_on_one_node_avoid_it():
     assert "in-place restart 2: rank 1 (pod gpt-1-1) was killed by SIGBUS" in avoided["evidence"]
     again = run(status, pods, live=live(inPlaceRestarts=2, lastRestart=cause))
     assert "failingNodes" not in again.status  # each restart counted once
+
+
+def test_the_newly_avoided_node_is_tainted_only_by_an_operator_whose_role_allows_it():
+    status = {**RUNNING, "failingNodes": [{"node": "gpu-7", "failures": 1, "evidence": ["a hang"]}]}
+    action = run(status, [peer(0, "gpu-3"), crashed(1, "gpu-7")])
+    assert action.taint_nodes == ("gpu-7",)  # asked for; the handler acts only with --taint-failing-nodes
+    calls = []
+
+    def transport(method, path, query, body, content_type):
+        calls.append((method, path, body))
+        node = {"metadata": {"resourceVersion": "7"}, "spec": {"taints": [{"key": "x", "effect": "NoExecute"}]}}
+        return 200, json.dumps(node).encode()
+
+    with pytest.raises(TaintNotGranted, match="failingNodes.taint=true"):
+        Kube(transport).taint_node("gpu-7", TAINT_KEY, "gpt")
+    assert calls == []  # nothing sent
+    assert Kube(transport, taint_nodes=True).taint_node("gpu-7", TAINT_KEY, "gpt")
+    (_, _, patch) = calls[-1]
+    assert patch == {"metadata": {"resourceVersion": "7"}, "spec": {"taints": [
+        {"key": "x", "effect": "NoExecute"}, {"key": TAINT_KEY, "value": "gpt", "effect": "NoSchedule"}]}}
 
 
 def test_a_straggler_exit_points_at_the_node_of_the_rank_it_names():

@@ -6,7 +6,8 @@ has room for one pod): one 2-pod job of the tiny GPT on a PVC store
    go to the store, the gang restarts in place (status Hung naming its pod and node, restarts.hangs, an event)
    and trains again, within the goal (detection <= 60 s, training <= 120 s; with hangTimeoutSeconds 10);
 2. crashes on the same Node with a hardware-looking end (SIGSEGV; its one in-place restart is spent): the
-   attempt fails, the Node has failed the job twice and the next attempt is placed on the other two;
+   attempt fails, the Node has failed the job twice: the next attempt is placed on the other two, and the
+   operator (--taint-failing-nodes, the chart's failingNodes.taint) taints it;
 3. is preempted (its rank 0 evicted; it saves on SIGTERM) and resumes;
 4. completes. Its goodput ledger put each of the three in recovery (the hang and the crash also in lost
    work), and its buckets sum to every rank-second since the job was created; `kubetron status` shows it.
@@ -73,7 +74,8 @@ def test_a_hang_a_crash_and_a_preemption_each_land_where_they_belong(kube, kube_
     body["metadata"] = {"name": "gpt"}
     pool = nodes(kube, ns)
     try:
-        with kube.operator(ns), ProcessKubelet(api, ns, tmp_path / "pods", nodes=tuple(n.name for n in pool)) as node:
+        with kube.operator(ns, "--taint-failing-nodes"), \
+                ProcessKubelet(api, ns, tmp_path / "pods", nodes=tuple(n.name for n in pool)) as node:
             api.create(kube.jobs(ns), body)
             timeline = story(kube, ns, node, store / "gpt")
             st = kube.wait_status(ns, "gpt", "Succeeded", lambda s: s.get("phase") == "Succeeded", timeout=300)
@@ -152,6 +154,9 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     (avoided,) = st["avoidNodes"]
     assert avoided["node"] == hung_node and avoided["reason"] == "HardwareError", avoided
     assert "hung" in avoided["evidence"] and "SIGSEGV" in avoided["evidence"], avoided
+    kube.wait_for("the node tainted (--taint-failing-nodes)", lambda: {"key": "kubetron.dev/failing-node",
+                  "value": "gpt", "effect": "NoSchedule"} in kube.admin.get(f"/api/v1/nodes/{hung_node}")["spec"].get(
+                  "taints", []), 30)
     pods = kube.wait_for("attempt 2 placed", lambda: (p := kube.pods(ns)) and {"gpt-2-0", "gpt-2-1"} <= set(p) and all(
         p[n]["spec"].get("nodeName") for n in ("gpt-2-0", "gpt-2-1")) and p, 120)
     assert hung_node not in {pods[n]["spec"]["nodeName"] for n in ("gpt-2-0", "gpt-2-1")}

@@ -7,7 +7,9 @@ crash restarted the gang in place (rank 0's lastRestart). STRIKES strikes put
 the node on status.avoidNodes (the reason and the evidence with it), as a kubelet that rejects a pod does at
 once: every later attempt's pods get a required node affinity `kubernetes.io/hostname NotIn` those nodes
 (build.py). An elastic job whose pods then find no room shrinks (policy/elastic.py) rather than wait for them.
-The current attempt keeps its pods; the node is left out from the next attempt on.
+The current attempt keeps its pods; the node is left out from the next attempt on. With the chart's
+failingNodes.taint (off by default) the operator also taints such a node cluster-wide (TAINT_KEY, NoSchedule):
+no pod without a toleration lands there until someone removes the taint.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kubetron_operator.observe import NO_LIVE, Observed, PodView
 from kubetron_operator.policy.action import Action, Event
 
 STRIKES = 2  # failures pointing at a node before it is avoided
+TAINT_KEY = "kubetron.dev/failing-node"  # with the chart's failingNodes.taint: <key>=<job>:NoSchedule on the node
 MAX_AVOID_NODES = 8  # nodes remembered in status.avoidNodes
 MAX_FAILING_NODES = 16  # nodes with strikes remembered in status.failingNodes
 EVIDENCE_KEPT = 3  # strikes' evidence kept per node
@@ -82,7 +85,9 @@ def with_node_strikes(job: Job | None, obs: Observed, action: Action) -> Action:
             events.append(Event("Warning", "NodeAvoided", f"node {node} failed this job {STRIKES} times; later "
                                                           f"attempts are kept off it: {why}"))
     status["failingNodes"] = list(failing.values())[-MAX_FAILING_NODES:]
-    return replace(action, status={**action.status, **status}, events=action.events + tuple(events))
+    newly = tuple(a["node"] for a in status.get("avoidNodes") or () if a["node"] not in avoided(obs.status))
+    return replace(action, status={**action.status, **status}, events=action.events + tuple(events),
+                   taint_nodes=action.taint_nodes + newly)
 
 
 def _strikes(job: Job, obs: Observed, action: Action) -> list[tuple[str, str, str]]:
