@@ -444,6 +444,7 @@ def test_status_server_serves_updates():
             "inPlaceRestarts": 0,  # not under torchrun, or not restarted
             "hangs": 0,
             "lastHang": None,
+            "lastRestart": None,
             "trainerTime": None,  # a server without the trainer's clock
         }
         server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
@@ -463,6 +464,7 @@ def test_status_server_serves_updates():
             "inPlaceRestarts": 0,
             "hangs": 0,
             "lastHang": None,
+            "lastRestart": None,
             "trainerTime": None,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
