@@ -230,6 +230,15 @@ def test_every_rank_second_lands_in_one_bucket_and_they_sum_to_the_jobs_life():
     assert status["goodput"]["ratio"] == round(g["productive"] / (100 * 2), 4) and not status["goodput"]["recovering"]
 
 
+def test_training_read_twice_within_a_second_is_counted_once_the_second_moves_on():
+    """asOf keeps whole seconds: a reading in the same second accounts nothing yet, and loses nothing."""
+    status = {**RUNNING, "nodes": 2, "goodput": {"asOf": stamp(T0), "waiting": False}}
+    for seconds, clock in ((1.2, trainer("p", 10, 0.5)), (1.7, trainer("p", 20, 1.0)), (3.1, trainer("p", 40, 2.5))):
+        action = run(status, [pod(0), pod(1)], now=T0 + timedelta(seconds=seconds), live=live(trainerTime=clock))
+        status = merge(status, action.status)
+    assert status["goodput"]["seconds"]["productive"] == 2.5 * 2 and status["goodput"]["totalSeconds"] == 3 * 2
+
+
 def test_an_idle_job_writes_no_ledger_a_running_one_does_and_a_finished_one_is_left_alone():
     pending = {"phase": "Pending", "attempt": 1, "attemptStartTime": stamp(T0), "reason": "AttemptCreated",
                "message": "attempt 1 created", "startTime": stamp(T0)}

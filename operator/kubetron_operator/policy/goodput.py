@@ -57,9 +57,9 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
     lost = _lost_iterations(obs, action)  # None unless this decision found a failure, a hang or a preemption
     waiting = held.get("waiting", True)  # the attempt's pods waited for placement as of `since`
     advanced = (action.status.get("iteration") or 0) > (st.get("iteration") or 0)
-    for bucket, spent in _interval(obs, wall, trainer, before, recovering or lost is not None, waiting,
-                                   advanced).items():
-        seconds[bucket] += spent * ranks
+    spent = _interval(obs, wall, trainer, before, recovering or lost is not None, waiting, advanced)
+    for bucket in spent:
+        seconds[bucket] += spent[bucket] * ranks
     hung = _hang_seconds(obs, action) * ranks  # the hang's idle time went to other (no iteration): recovery
     seconds[OTHER], seconds[RECOVERY] = seconds[OTHER] - min(hung, seconds[OTHER]), seconds[RECOVERY] + min(
         hung, seconds[OTHER])
@@ -73,7 +73,8 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
     elif recovering and trainer is not None and trainer["steps"] and trainer["started"] != origin:
         recovering, origin = False, None  # a process after the failure completed an iteration
     after = cast(JobStatus, {**st, **action.status})
-    patch = ledger(seconds, now, recovering, step, trainer or before, _waiting(obs, after))
+    baseline = _baseline(trainer, before, spent) if trainer is not None else before
+    patch = ledger(seconds, now, recovering, step, baseline, _waiting(obs, after))
     patch["recoveringFrom"] = origin
     return {"goodput": patch}
 
@@ -113,6 +114,19 @@ def _running(wall: float, trainer: TrainerTime | None, before: TrainerTime | Non
     productive = min(wall, max(0.0, train))
     checkpoint = min(wall - productive, max(0.0, saving))
     return {PRODUCTIVE: productive, CHECKPOINT: checkpoint, rest: wall - productive - checkpoint}
+
+
+def _baseline(trainer: TrainerTime, before: TrainerTime | None, spent: dict[str, float]) -> TrainerTime:
+    """The trainer reading the next interval counts from: as far as this one accounted for (an interval
+    shorter than the trainer's growth, e.g. two decisions within the second asOf keeps, leaves the rest to the
+    next one, rather than losing it)."""
+    same = before is not None and before["started"] == trainer["started"]
+    base = before if same and before is not None else TrainerTime(started=trainer["started"], steps=0, train=0.0,
+                                                                    checkpoint=0.0, evaluation=0.0)
+    return TrainerTime(started=trainer["started"], steps=trainer["steps"],
+                       train=round(base["train"] + spent.get(PRODUCTIVE, 0.0), 6),
+                       checkpoint=round(base["checkpoint"] + spent.get(CHECKPOINT, 0.0), 6),
+                       evaluation=trainer["evaluation"])
 
 
 def _waiting(obs: Observed, st: JobStatus) -> bool:
