@@ -8,7 +8,7 @@ TORCH  := torch==2.13.0
 # Every other package at the version CI tested (regenerate with `make constraints`).
 PINNED := -c constraints.txt
 
-.PHONY: demo test venv venv-dev lint chart images image-operator image-trainer image-test bench gpu-check clean \
+.PHONY: demo test venv venv-dev lint chart images image-operator image-trainer image-test bench gpu-wheels gpu-check clean \
         constraints
 
 $(VENV)/bin/python:
@@ -79,12 +79,22 @@ constraints: $(VENV)/.dev
 	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.new
 	mv constraints.new constraints.txt
 
-## gpu-check: on a GPU machine, the GPU path's checks in one summary table (README: running it there).
-## TINY=1: the CPU dry run CI runs (tiny shapes). The GPU machine's own python3 is used when there is no .venv.
+## gpu-wheels: here (with network), the wheels a GPU machine lacks (megatron-core, pydantic, boto3 and their
+## dependencies), pinned by constraints.txt, for its Python (GPU_PYTHON_VERSION), into WHEEL_DIR (.whl/, ignored).
+## gpu-check: there, the GPU path's checks: each row printed as it ends (and into $OUT/gpu-check.txt when OUT is
+## set), then one table. Without a .venv it uses python3 and installs .whl/ into a side directory first.
+## ROWS=sigterm,ddp,... picks rows and their order (bench/gpu_check.py); TINY=1: the CPU dry run CI runs.
 TINY   ?=
+ROWS   ?=
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_PYTHON_VERSION ?= 3.12
+WHEEL_DIR ?= .whl
+GPU_WHEELS ?= $(if $(wildcard $(PY)),,$(wildcard $(WHEEL_DIR)))
+gpu-wheels:
+	$(PYTHON) bench/gpu_wheels.py download --python-version $(GPU_PYTHON_VERSION) --dest $(WHEEL_DIR)
+
 gpu-check:
-	TINY=$(TINY) $(GPU_PY) bench/gpu_check.py
+	TINY=$(TINY) ROWS=$(ROWS) $(GPU_PY) bench/gpu_check.py $(if $(GPU_WHEELS),--wheels $(GPU_WHEELS))
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info

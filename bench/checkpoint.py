@@ -306,7 +306,7 @@ def multirank(a, work: Path) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(a.ranks), "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.ranks), "--master-port",
            str(port), str(ROOT / "bench" / "checkpoint_ranks.py"), "--dir", str(work), "--layers", str(a.layers),
            "--hidden", str(a.hidden), "--repeats", str(a.repeats)]
     # A fixed mmap threshold: large buffers are mapped on allocation and unmapped on free (glibc's

@@ -178,16 +178,18 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(code)
     args = parse_args(argv)
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    # The script's own options travel in the environment: torchrun would take --nproc for its own.
-    env = {**os.environ, "KUBETRON_BENCH_WORKER": "1", "PYTHONPATH": str(ROOT / "trainer"),
+    # The script's own options travel in the environment: torchrun would take --nproc for its own. The
+    # ranks keep the caller's PYTHONPATH (on a GPU machine it holds megatron-core: bench/gpu_wheels.py).
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "trainer"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "KUBETRON_BENCH_WORKER": "1", "PYTHONPATH": pythonpath,
            "KUBETRON_BENCH_ARGS": json.dumps(sys.argv[1:] if argv is None else list(argv))}
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [torchrun, "--nproc-per-node", str(args.nproc), "--master-port", str(port), __file__]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
+           str(port), __file__]
     return subprocess.call(cmd, env=env)
 
 

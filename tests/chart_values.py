@@ -10,6 +10,7 @@ VALUE_SETS = {
         "gangScheduling": {"enabled": True, "schedulers": ["volcano"]},
     },
     "peering": {"operator": {"peering": "kubetron"}},
+    "dashboard": {"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}},
     "peering-namespaced": {"operator": {"peering": "kubetron"}, "watchNamespaces": ["team-a", "team-b"]},
     "replicas": {"replicas": 2},
     "replicas-namespaced": {"replicas": 3, "watchNamespaces": ["team-a"]},

@@ -4,6 +4,7 @@
         store = open_store("s3://bucket/x", endpoint_url=px.endpoint)
         ...
         px.stats  # Counter: requests, forwarded, 503, reset, reset_after, delay
+        px.requests  # every request: {"method", "path", "headers"}
 
 For each request, with the given probabilities (one draw per request), the proxy
   * `p_503`: answers 503 SlowDown itself (the server never sees the request),
@@ -110,6 +111,8 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         fault = px._draw(self.command, self.path)
         px._count("requests")
+        with px._lock:
+            px.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers)})
         if fault == "503":
             px._count("503")
             self.send_response_only(503, "Slow Down")
@@ -166,6 +169,7 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.stats: collections.Counter[str] = collections.Counter()
+        self.requests: list[dict[str, object]] = []
         self.set(p_503=p_503, p_reset=p_reset, p_reset_after=p_reset_after, p_delay=p_delay)
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.proxy = self

@@ -162,6 +162,13 @@ def imported_model_keys(ckpt: Path) -> dict:
     return yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]
 
 
+def imported_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The canonical tensors import-hf wrote (sharded format), read by export-hf's own reader."""
+    from kubetron.hf.io import read_checkpoint
+
+    return read_checkpoint(str(ckpt))[1]
+
+
 def finetune_args(tmp: Path, data: Path, pretrained: Path, keys: dict, iters: int) -> list[str]:
     model = [f"model.{k}={json.dumps(v)}" for k, v in keys.items() if k not in ("seq_length",)]
     return ["finetune", *model, "model.seq_length=64", f"train.train_iters={iters}", "train.micro_batch_size=2",

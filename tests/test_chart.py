@@ -174,6 +174,20 @@ def test_extra_args_come_last_verbatim():
     assert container["args"][-2:] == ["--x=1", "y"]
 
 
+def test_operator_reads_with_its_own_identity_only_the_buckets_listed():
+    """operatorS3Buckets becomes --s3-operator-buckets; none listed, no flag (the operator reads no store with
+    its own identity); a name that is no bucket is refused at install."""
+    import helm_python
+
+    def args(values: dict) -> list[str]:
+        return deployment(render(values))["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert not [a for a in args({}) if a.startswith("--s3-operator-buckets")]
+    assert "--s3-operator-buckets=ml-ckpt,shared.runs" in args({"operatorS3Buckets": ["ml-ckpt", "shared.runs"]})
+    with pytest.raises(helm_python.HelmValuesError, match="operatorS3Buckets"):
+        render({"operatorS3Buckets": ["a/b"]})
+
+
 def test_pod_runs_as_the_service_account_the_bindings_name(rendered):
     _, manifests = rendered
     sa = deployment(manifests)["spec"]["template"]["spec"]["serviceAccountName"]
@@ -238,8 +252,8 @@ def test_podgroup_rules_only_with_gang_scheduling():
     def groups(values):
         return {g for g, _, _ in granted(rules_of(render(values), "ClusterRole"))}
 
-    assert not {"scheduling.volcano.sh", "scheduling.x-k8s.io"} & groups({})
-    assert {"scheduling.volcano.sh", "scheduling.x-k8s.io"} <= groups({"gangScheduling": {"enabled": True}})
+    assert not set(GANG_GROUPS) & groups({})
+    assert set(GANG_GROUPS) <= groups({"gangScheduling": {"enabled": True}})
 
 
 def test_operator_asks_only_for_the_podgroups_the_role_grants(rendered):
@@ -279,7 +293,8 @@ def test_rbac_off_renders_no_roles():
 CLUSTER_SCOPED = {("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions"),
                   ("kopf.dev", "clusterkopfpeerings"), ("", "nodes"), ("", "persistentvolumes"),
                   ("scheduling.k8s.io", "priorityclasses"), ("storage.k8s.io", "storageclasses")}
-GANG_GROUPS = {"scheduling.volcano.sh": "volcano", "scheduling.x-k8s.io": "coscheduling"}
+GANG_GROUPS = {"scheduling.volcano.sh": "volcano", "scheduling.x-k8s.io": "coscheduling",
+               "scheduling.k8s.io": "kubernetes"}
 
 
 def operator_api_calls(values: dict) -> set[tuple[str, str, str]]:
@@ -292,7 +307,7 @@ def operator_api_calls(values: dict) -> set[tuple[str, str, str]]:
     api_calls = pytest.importorskip(
         "kubetron_operator.api_calls", reason="the operator's API-call registry does not exist yet")
     gang = values.get("gangScheduling", {})
-    schedulers = gang.get("schedulers", ["volcano", "coscheduling"]) if gang.get("enabled") else []
+    schedulers = gang.get("schedulers", ["volcano", "coscheduling", "kubernetes"]) if gang.get("enabled") else []
     namespaced = bool(values.get("watchNamespaces"))
     peering = bool(peering_name(values))
     calls = set()

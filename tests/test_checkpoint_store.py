@@ -45,7 +45,7 @@ def assert_continues_exactly(tb, reference, after: int):
 
 
 def progress_summary(store: str, tmp_path, env: dict) -> dict:
-    p = run(["progress", store], tmp_path, **env)
+    p = run(["progress", store, "--json"], tmp_path, **env)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 

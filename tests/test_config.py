@@ -338,11 +338,17 @@ def test_non_default_values():
 
 
 def test_log_non_default_values(caplog):
+    """One line at INFO (a run's start is not a config dump); each value at DEBUG."""
     cfg = make(optimizer={"lr": 0.001})
     log = logging.getLogger("kubetron.test")
     with caplog.at_level(logging.INFO, logger="kubetron.test"):
         cfg.log_non_default_values(log)
-    assert "optimizer.lr" in caplog.text and "train.train_iters" in caplog.text
+    assert len(caplog.records) == 1 and "values differ from the defaults" in caplog.text
+    assert "optimizer.lr" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kubetron.test"):
+        cfg.log_non_default_values(log)
+    assert "optimizer.lr: 0.001 (default 0.0003)" in caplog.text and "train.train_iters" in caplog.text
 
 
 def test_reference_markdown_lists_every_key():

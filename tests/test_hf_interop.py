@@ -23,6 +23,7 @@ from tests.hf_utils import (
     hf_logits,
     import_finetune_export,
     imported_model_keys,
+    imported_tensors,
     kubetron_logits,
     make_tiny_llama,
     make_tiny_qwen3,
@@ -62,7 +63,7 @@ def test_import_gives_transformers_logits_at_tp1(tiny, imported):
                                                                                                              False)
     cfg = config_for(keys)
     model = build_model(cfg, torch.device("cpu"))
-    canonical.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, imported_tensors(imported))
     diff = (kubetron_logits(model[0]) - tiny.logits).abs().max().item()
     print(f"TP=1 import-hf checkpoint vs transformers: max abs logit diff {diff:.3g}")
     assert diff <= TOL
@@ -71,7 +72,7 @@ def test_import_gives_transformers_logits_at_tp1(tiny, imported):
     assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() <= TOL
     # The rope scaling is not a no-op at this size: without it the logits are far off.
     model = build_model(config_for(keys, "model.rope_scaling=false"), torch.device("cpu"))
-    canonical.load_model_state(model, torch.load(imported / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, imported_tensors(imported))
     assert (kubetron_logits(model[0]) - tiny.logits).abs().max().item() > 0.1
 
 
@@ -289,7 +290,7 @@ def test_qwen2_tied_with_qkv_bias_round_trips_with_equal_logits(tmp_path):
     assert keys["add_qkv_bias"] and keys["share_embeddings_and_output_weights"]
     ensure_world_of_one()
     model = build_model(config_for(keys), torch.device("cpu"))
-    canonical.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, imported_tensors(tmp_path / "ckpt"))
     with torch.no_grad():
         want = hf(TOKENS).logits
     assert (kubetron_logits(model[0]) - want).abs().max().item() <= TOL
@@ -322,7 +323,7 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
     assert keys["sliding_window"] == 8
     ensure_world_of_one()
     model = build_model(config_for(keys), torch.device("cpu"))
-    canonical.load_model_state(model, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(model, imported_tensors(tmp_path / "ckpt"))
     diff = (kubetron_logits(model[0]) - want).abs().max().item()
     print(f"Mistral, window 8, 48 tokens: max abs logit diff to transformers {diff:.3g}")
     assert diff <= TOL
@@ -340,7 +341,7 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= TOL
     # the window is not a no-op here: without it the logits past the window are far off
     full = build_model(config_for(keys, "model.sliding_window=null"), torch.device("cpu"))
-    canonical.load_model_state(full, torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True))
+    canonical.load_model_state(full, imported_tensors(tmp_path / "ckpt"))
     assert (kubetron_logits(full[0]) - want)[:, 8:].abs().max().item() > 0.1
     # ... so a run that leaves the window out of its model section may not start from the import
     from kubetron.checkpoint.layout import check_architecture
@@ -354,7 +355,7 @@ def test_mistral_sliding_window_round_trips_with_equal_logits_beyond_the_window(
 def _load_canonical(model, ckpt: Path, drop: tuple[str, ...] = ()):
     from kubetron.checkpoint import canonical
 
-    tensors = torch.load(ckpt / "iter_0000000" / "model.pt", weights_only=True)
+    tensors = imported_tensors(ckpt)
     canonical.load_model_state(model, {k: v for k, v in tensors.items() if not any(d in k for d in drop)})
 
 

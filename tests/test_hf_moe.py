@@ -21,6 +21,7 @@ from tests.hf_utils import (
     config_for,
     finetune_args,
     hf_logits,
+    imported_tensors,
     kubetron_logits,
     make_tiny_mixtral,
     make_tiny_qwen3_moe,
@@ -80,7 +81,7 @@ def test_moe_import_gives_transformers_logits_and_export_round_trips_bit_exact(n
     assert {k: keys.get(k) for k in moe_keys} == moe_keys
 
     ensure_world_of_one()
-    tensors = torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True)
+    tensors = imported_tensors(tmp_path / "ckpt")
     diff = (kubetron_logits(_build_and_load(keys, tensors)[0]) - want).abs().max().item()
     print(f"{name}: import-hf -> kubetron vs transformers, max abs logit diff {diff:.3g}")
     assert diff <= TOL
@@ -162,7 +163,7 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     ensure_world_of_one()
     cfg = config_for(keys, *lora[:3], f"checkpoint.pretrained_checkpoint={tmp_path / 'ckpt'}")
     model = build_model(cfg, torch.device("cpu"))
-    base = torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True)
+    base = imported_tensors(tmp_path / "ckpt")
     canonical.load_model_state(model, base, keep=peft.is_base_name)
     canonical.load_model_state(model, adapters, keep=peft.is_adapter_name)
     merged = hf_logits(tmp_path / "merged")
@@ -200,7 +201,7 @@ def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_direct
     logits; a run whose MoE keys differ from the HF directory's or the import's may not load it (the field
     is named)."""
     from kubetron.checkpoint.layout import check_architecture
-    from kubetron.contract.errors import CheckpointError, ConfigError
+    from kubetron.contract.errors import ConfigError
     from kubetron.hf.io import import_hf, load_hf_into_model
     from kubetron.training.model import build_model
 
@@ -208,10 +209,10 @@ def test_qwen3_moe_renormalised_router_and_a_run_that_differs_from_the_hf_direct
     keys = import_hf(str(hf), str(tmp_path / "ckpt"))
     assert (keys["moe_router_pre_softmax"], keys["moe_layer_freq"]) == (False, 1)
     ensure_world_of_one()
-    tensors = torch.load(tmp_path / "ckpt" / "iter_0000000" / "model.pt", weights_only=True)
+    tensors = imported_tensors(tmp_path / "ckpt")
     assert (kubetron_logits(_build_and_load(keys, tensors)[0]) - hf_logits(hf)).abs().max().item() <= TOL
     cfg = config_for(keys, "model.moe_router_topk=3")
-    with pytest.raises(CheckpointError, match="model.moe_router_topk: HF 2, this run 3"):
+    with pytest.raises(ConfigError, match="model.moe_router_topk: HF 2, this run 3"):
         load_hf_into_model(build_model(cfg, torch.device("cpu")), cfg, str(hf))
     # ... nor the import (its architecture record); the same layers written out one by one are the same model
     common = torch.load(tmp_path / "ckpt" / "iter_0000000" / "common.pt", weights_only=True)

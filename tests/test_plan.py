@@ -425,3 +425,30 @@ if __name__ == "__main__":  # one rank of the test above: prints its measurement
     result, _ = measure(*sys.argv[1:], world_size=int(os.environ["WORLD_SIZE"]))
     if os.environ["RANK"] == "0":
         print(json.dumps(result))
+
+
+def test_plan_search_prints_the_smallest_layout_that_fits():
+    """`plan --search`: the fewest GPUs (then no recompute before selective before full, then fewest TP x PP) at
+    which the estimate fits; every smaller GPU count has no layout that fits, and the layout printed is what
+    `plan` itself says fits."""
+    from kubetron.config import ConfigContainer
+    from kubetron.plan import gpu_counts, search
+
+    path = str(REPO / "recipes" / "llama3.1-70b-pretrain.yaml")
+    out = _plan(path, "--nodes", "8", "--gpus-per-node", "8", "--search")
+    assert out.returncode == 0, out.stderr
+    m = re.search(r"smallest layout that fits 80 GiB per GPU: (\d+) GPU\(s\) \((\d+) node\(s\) x (\d+)\), TP (\d+), "
+                  r"PP (\d+), DP (\d+), recompute (\w+)", out.stdout)
+    assert m, out.stdout
+    world, nodes, per_node, tp, pp, dp, recompute = m.groups()
+    assert int(world) == int(nodes) * int(per_node) == int(tp) * int(pp) * int(dp)
+    overrides = re.search(r"^overrides: (.+)$", out.stdout, re.M).group(1).split()
+    again = _plan(path, "--nodes", nodes, "--gpus-per-node", per_node, *overrides, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["fits"], again.stdout
+    fewer = [(n, g) for n, g in gpu_counts(8, 8) if n * g < int(world)]
+    assert len(fewer) >= 3  # 1, 2, 4 GPUs at least: a 70B model fits none of them
+    load = lambda extra: ConfigContainer.from_yaml(path, list(extra), check_paths=False)  # noqa: E731
+    for count in fewer:  # no layout at a smaller count fits
+        assert search(load, [count], 80 * GIB) is None, count
+    nothing = _plan(path, "--nodes", "1", "--gpus-per-node", "2", "--search")
+    assert nothing.returncode == 1 and "no layout fits 80 GiB" in nothing.stdout

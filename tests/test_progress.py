@@ -413,7 +413,8 @@ def test_status_server_serves_prometheus_metrics():
         assert get(base + "/metrics") == (200, "\n")  # nothing known yet: no made-up zeros
         saved = datetime.now(UTC) - timedelta(seconds=90)
         server.update(iteration=12, trainIters=40, loss=float("nan"), learningRate=3e-4, tokensPerSecond=1234.5,
-                      tflopsPerGpu=101.25, lastCheckpoint={"iteration": 10, "time": saved.isoformat()})
+                      tflopsPerGpu=101.25, lastCheckpoint={"iteration": 10, "time": saved.isoformat()},
+                      checkpointSaveSeconds=2.5, checkpointBlockedSeconds=0.25)
         code, text = get(base + "/metrics")
         assert code == 200
         got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -421,7 +422,9 @@ def test_status_server_serves_prometheus_metrics():
         assert 89 <= age < 150
         assert got == {"kubetron_trainer_iteration": 12.0, "kubetron_trainer_train_iters": 40.0,
                        "kubetron_trainer_learning_rate": 3e-4, "kubetron_trainer_tokens_per_second": 1234.5,
-                       "kubetron_trainer_tflops_per_gpu": 101.25, "kubetron_trainer_last_checkpoint_iteration": 10.0}
+                       "kubetron_trainer_tflops_per_gpu": 101.25, "kubetron_trainer_last_checkpoint_iteration": 10.0,
+                       "kubetron_trainer_checkpoint_save_seconds": 2.5,
+                       "kubetron_trainer_checkpoint_blocked_seconds": 0.25}
 
 
 def test_status_server_serves_updates():
@@ -446,6 +449,8 @@ def test_status_server_serves_updates():
             "lastHang": None,
             "lastRestart": None,
             "trainerTime": None,  # a server without the trainer's clock
+            "checkpointSaveSeconds": None,
+            "checkpointBlockedSeconds": None,
         }
         server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
         server.update(etaSeconds=30.2, lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
@@ -466,6 +471,8 @@ def test_status_server_serves_updates():
             "lastHang": None,
             "lastRestart": None,
             "trainerTime": None,
+            "checkpointSaveSeconds": None,
+            "checkpointBlockedSeconds": None,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
         status = json.loads(get(base + "/status?x=1")[1])
@@ -513,7 +520,7 @@ def test_status_server_from_env(monkeypatch):
 
 
 def test_progress_command_writes_its_summary_as_a_termination_message(tmp_path, capsys):
-    """The operator's PVC progress-reader pod reports through /dev/termination-log (no pods/log)."""
+    """A pod that reads a store can report through /dev/termination-log (no pods/log)."""
     store = tmp_path / "store"
     store.mkdir()
     (store / PROGRESS_FILE).write_text(
@@ -532,3 +539,32 @@ def test_status_server_says_how_often_the_gang_restarted_in_place(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     with StatusServer(0, host="127.0.0.1") as server:
         assert json.loads(get(f"http://127.0.0.1:{server.port}/status")[1])["inPlaceRestarts"] == 2
+
+
+def test_progress_command_prints_a_short_summary_and_the_json_with_flag(tmp_path):
+    """`kubetron progress STORE`: a few lines a person reads (iteration/train iters, last checkpoint, the last job's
+    tokens/s and ETA from its last two checkpoints, restarts); `--json` the summary the operator reads."""
+    from kubetron.contract.progress import IN_PLACE_RESTARTS_KEY, RESTARTED_IN_PLACE
+
+    j1, j2 = "ns/job/1", "ns/job/2"
+    lines = [starting_job_line(0, 100, num_gpus=8, job_id=j1, now=at(0, 0)),
+             saved_checkpoint_line(10, 1.0, 1.0, 1e12, 20480, 100, num_gpus=8, job_id=j1, now=at(1, 40)),
+             exiting_job_line(10, "SavedOnSignal", 100, num_gpus=8, job_id=j1, now=at(1, 41)),
+             starting_job_line(10, 100, num_gpus=8, job_id=j2, now=at(3, 20)),
+             format_line(RESTARTED_IN_PLACE, job_id=j2, num_gpus=8, fields={IN_PLACE_RESTARTS_KEY: 2}, now=at(4, 0)),
+             saved_checkpoint_line(20, 1.0, 1.0, 2e12, 40960, 100, num_gpus=8, job_id=j2, now=at(5, 0)),
+             saved_checkpoint_line(30, 1.0, 1.0, 3e12, 61440, 100, num_gpus=8, job_id=j2, now=at(5, 50))]
+    (tmp_path / PROGRESS_FILE).write_text("\n".join(lines) + "\n")
+    from tests.trainer_utils import run
+
+    p = run(["progress", str(tmp_path)], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        f"{tmp_path}: iteration 30/100 (30%)",
+        "  last checkpoint: iteration 30 at 2026-11-22T12:05:50Z",
+        "  speed: 410 tokens/s, ETA 5m50s",  # 20480 tokens and 10 iterations in the last 50 s; 70 to go
+        "  restarts: 3 (1 new start(s), 2 in place)",
+        "  last exit: SavedOnSignal at iteration 10 (2026-11-22T12:01:41Z)"]
+    js = run(["progress", str(tmp_path), "--json"], tmp_path)
+    summary = json.loads(js.stdout)
+    assert summary == {**summarize(str(tmp_path))} and summary["lastCheckpoint"]["iteration"] == 30

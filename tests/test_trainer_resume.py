@@ -46,7 +46,7 @@ def test_done_when_2_layout_and_tensorboard(tmp_path):
     assert loss[40] < loss[1] - 0.5, f"loss did not fall: {loss[1]} -> {loss[40]}"
     assert p.termination["reason"] == "Completed" and p.termination["lastCheckpoint"] == 40
     # `kubetron progress` reads the same log the operator reads
-    q = run(["progress", str(d)], tmp_path)
+    q = run(["progress", str(d), "--json"], tmp_path)
     summary = json.loads(q.stdout)
     assert summary["lastCheckpoint"]["iteration"] == 40 and summary["completed"] is True
 

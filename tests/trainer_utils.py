@@ -118,3 +118,15 @@ def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:
             for ev in acc.Scalars(tag):
                 values[ev.step] = ev.value
     return values
+
+
+def bench_module(name: str):
+    """bench/<name>.py as a module (bench/ is not a package), loaded once."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # a dataclass in it looks its module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]

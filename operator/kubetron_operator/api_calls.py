@@ -11,6 +11,11 @@ the operator is told they are granted (`Kube(gang_schedulers=...)`, `kubetron op
 refuses with 403 is logged at warning level naming the call (verb, resource, namespace), counted in
 `kubetron_api_errors_total{code="403"}` and raised as `Forbidden`.
 
+Request paths are built by one function, `api_path`, which refuses (InvalidName, no request sent) a
+namespace that is not a DNS label, a name that is not a Kubernetes name and an unknown subresource: a
+name from a spec (a Secret's, in a job stored before the CRD's schema said so) never walks the path
+elsewhere (`../../other-namespace/secrets/x`).
+
 Idempotence and ownership: creating something that exists (409) is success only when the existing
 object's controller owner is the same TrainingJob (its UID); otherwise `NameConflict`, and nothing
 foreign is ever adopted. Deleting something absent (404) is success; `delete_owned` deletes only what
@@ -26,11 +31,13 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 from uuid import uuid4
 
+from kubetron.contract.resource import GROUP, PLURAL, VERSION
+
 from kubetron_operator import metrics
-from kubetron_operator.model import GROUP, PLURAL, VERSION
+from kubetron_operator.model import is_name, shown
 
 log = logging.getLogger("kubetron.api")
 
@@ -58,6 +65,7 @@ OPERATOR_CALLS: frozenset[Call] = frozenset(
     | _calls(GROUP, f"{PLURAL}/finalizers", "update")  # blockOwnerDeletion on the children
     | _calls("scheduling.volcano.sh", "podgroups", "create", "get", "delete")
     | _calls("scheduling.x-k8s.io", "podgroups", "create", "get", "delete")
+    | _calls("scheduling.k8s.io", "podgroups", "create", "get", "delete")
 )
 
 KOPF_CALLS: frozenset[Call] = frozenset(
@@ -75,7 +83,8 @@ TAINT_CALLS: frozenset[Call] = frozenset(_calls("", "nodes", "get", "patch"))
 """Made only by an operator told its role grants them (`Kube(taint_nodes=True)`, `--taint-failing-nodes`)."""
 
 # spec.scheduling.gang -> the API group of its PodGroup (the chart's gangScheduling.schedulers).
-GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io"}
+GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io",
+                               "kubernetes": "scheduling.k8s.io"}
 
 # apiVersion, kind -> (group, version, plural) for everything the operator creates or deletes.
 KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
@@ -84,6 +93,7 @@ KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("v1", "Event"): ("", "v1", "events"),
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): ("scheduling.volcano.sh", "v1beta1", "podgroups"),
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+    ("scheduling.k8s.io/v1alpha2", "PodGroup"): ("scheduling.k8s.io", "v1alpha2", "podgroups"),
 }
 
 
@@ -150,6 +160,37 @@ def controller_uid(obj: Mapping[str, Any] | None) -> str | None:
         if ref.get("controller"):
             return ref.get("uid")
     return None
+
+
+class InvalidName(ApiError):
+    """A namespace, name or subresource api_path refuses; no request was sent."""
+
+    def __init__(self, what: str, value: Any):
+        super().__init__(400, f"{what} {shown(value)} is not a Kubernetes name (lowercase letters, digits, '-' "
+                              "and '.'); no request was made")
+
+
+SUBRESOURCES = frozenset({"status"})
+
+
+def api_path(group: str, version: str, plural: str, namespace: str | None, name: str = "", sub: str = "") -> str:
+    """The request path of a namespaced collection or object (namespace None: the cluster's collection),
+    or InvalidName for anything in it that is not a name."""
+    base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+    if namespace is None:
+        return f"{base}/{plural}"
+    if not is_name(namespace, 63) or "." in namespace:
+        raise InvalidName("namespace", namespace)
+    path = f"{base}/namespaces/{namespace}/{plural}"
+    if name or sub:
+        if not is_name(name):
+            raise InvalidName(f"{plural[:-1]} name", name)
+        path += f"/{name}"
+    if sub:
+        if sub not in SUBRESOURCES:
+            raise InvalidName("subresource", sub)
+        path += f"/{sub}"
+    return path
 
 
 class UndeclaredCall(AssertionError):
@@ -250,20 +291,12 @@ class Kube:
             return None
         raise _refused(call, path, status, data)
 
-    @staticmethod
-    def _path(group: str, version: str, plural: str, namespace: str, name: str = "", sub: str = "") -> str:
-        base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
-        path = f"{base}/namespaces/{quote(namespace)}/{plural}"
-        if name:
-            path += f"/{quote(name)}"
-        if sub:
-            path += f"/{sub}"
-        return path
+    _path = staticmethod(api_path)
 
     @classmethod
     def _pods_path(cls, namespace: str | None) -> str:
         """The pods of `namespace`, or of every namespace (None)."""
-        return cls._path("", "v1", "pods", namespace) if namespace else "/api/v1/pods"
+        return cls._path("", "v1", "pods", namespace or None)
 
     # -- children --------------------------------------------------------------------------------------
 
@@ -352,13 +385,15 @@ class Kube:
         return lines
 
     def list_nodes(self) -> list[dict[str, Any]]:
-        data = self._request(Call("", "nodes", "list"), "GET", "/api/v1/nodes")
+        data = self._request(Call("", "nodes", "list"), "GET", api_path("", "v1", "nodes", None))
         return (data or {}).get("items") or []
 
     def taint_node(self, name: str, key: str, value: str, effect: str = "NoSchedule") -> bool:
         """Add the taint `key=value:effect` to node `name` unless it has one with `key` (True when added). The
         taint list is replaced as read, at the read's resourceVersion: a concurrent change is read again."""
-        path = f"/api/v1/nodes/{quote(name)}"
+        if not is_name(name):  # a node's name from a pod's spec.nodeName: still checked before it is a path
+            raise InvalidName("node name", name)
+        path = f"{api_path('', 'v1', 'nodes', None)}/{name}"
         for _ in range(3):
             node = self._request(Call("", "nodes", "get"), "GET", path) or {}
             taints = list((node.get("spec") or {}).get("taints") or [])
@@ -448,5 +483,5 @@ def _error_message(data: bytes) -> str:
 
 
 __all__ = ["ALL_CALLS", "GANG_GROUPS", "KOPF_CALLS", "OPERATOR_CALLS", "TAINT_CALLS", "ApiError", "Call", "Conflict",
-           "Forbidden", "Kube", "NameConflict", "NotGranted", "UndeclaredCall", "cluster_role_rules", "controller_uid",
-           "kubernetes_transport", "pod_group_api_version", "TaintNotGranted"]
+           "Forbidden", "InvalidName", "Kube", "NameConflict", "NotGranted", "TaintNotGranted", "UndeclaredCall",
+           "api_path", "cluster_role_rules", "controller_uid", "kubernetes_transport", "pod_group_api_version"]

@@ -15,27 +15,22 @@ from __future__ import annotations
 from typing import Any
 
 from kubetron.contract.hang import TIMEOUT_ENV as HANG_TIMEOUT_ENV
+from kubetron.contract.resource import API_VERSION, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, LABEL_ROLE, TRAINER
 from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
 
 from kubetron_operator.model import (
-    API_VERSION,
     CONFIG_ANNOTATION,
     COSCHEDULING_GROUP_LABEL,
-    KIND,
     KUEUE_COUNT_ANNOTATION,
     KUEUE_GROUP_LABEL,
     QUEUE_LABEL,
-    TRAINER,
+    S3_SECRET_KEYS,
     VOLCANO_GROUP_ANNOTATION,
     Job,
     PvcStorage,
     S3Storage,
 )
 
-LABEL_JOB = "kubetron.dev/job"
-LABEL_ATTEMPT = "kubetron.dev/attempt"
-LABEL_RANK = "kubetron.dev/rank"
-LABEL_ROLE = "kubetron.dev/role"  # worker | probe
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetron"}
 
 CONFIG_DIR = "/etc/kubetron"
@@ -44,6 +39,7 @@ TERMINATION_LOG = DEFAULT_TERMINATION_LOG  # the path Kubernetes reads the train
 RUN_AS_USER = 10001  # the images (Dockerfile) and the chart run as this UID
 PYTHON = "python3"  # what the trainer image's ENTRYPOINT runs; every Python image has it, not all have `python`
 DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
+K8S_POD_GROUP_API = "scheduling.k8s.io/v1alpha2"  # Kubernetes' own gang scheduling (docs/gang.md)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
@@ -130,9 +126,11 @@ def build_service(job: Job) -> dict[str, Any]:
 
 
 def build_pod_group(job: Job, attempt: int, nodes: int = 0) -> dict[str, Any]:
-    """Volcano or scheduler-plugins PodGroup: schedule all the attempt's `nodes` pods or none."""
+    """Volcano, scheduler-plugins or Kubernetes PodGroup: schedule all the attempt's `nodes` pods or none."""
     spec: dict[str, Any] = {"minMember": nodes or job.spec.nodes}
-    if job.spec.scheduling.gang == "volcano":
+    if job.spec.scheduling.gang == "kubernetes":  # KEP-4671; minCount is immutable: one PodGroup per attempt
+        api_version, spec = K8S_POD_GROUP_API, {"schedulingPolicy": {"gang": {"minCount": spec["minMember"]}}}
+    elif job.spec.scheduling.gang == "volcano":
         api_version = "scheduling.volcano.sh/v1beta1"
         if job.spec.scheduling.priority_class_name:
             spec["priorityClassName"] = job.spec.scheduling.priority_class_name
@@ -168,7 +166,8 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nod
     env += [{"name": k, "value": v} for k, v in plain.items()]
     storage = spec.storage
     if isinstance(storage, S3Storage):
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        # Without a secretRef the pods' ServiceAccount gives them credentials (IRSA, workload identity).
+        for key in S3_SECRET_KEYS if storage.secret_name else ():
             env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": storage.secret_name, "key": key}}})
         if storage.endpoint:
             env.append({"name": "AWS_ENDPOINT_URL", "value": storage.endpoint})
@@ -178,13 +177,21 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nod
 
 
 def trainer_args(job: Job) -> list[str]:
-    """Arguments after `python -m kubetron.launch`: the trainer command line with the store overrides.
+    """Arguments after `python -m kubetron.launch`, as the trainer receives them: the trainer command line
+    with the store overrides (the pod carries them kubelet_escaped).
 
     The store overrides come last, so nothing before them can point the trainer away from the store.
     """
     command = "train" if job.spec.mode == "pretrain" else "finetune"
     return [command, "--config", CONFIG_PATH, *job.spec.overrides,
             f"checkpoint.save={job.store}", f"checkpoint.load={job.store}"]
+
+
+def kubelet_escaped(arg: str) -> str:
+    """`arg` as a container's args must carry it so the process receives it as written: the kubelet expands
+    `$(VAR)` from the container's environment and turns `$$` into `$` (after the operator checked the
+    literal), so every `$` is doubled."""
+    return arg.replace("$", "$$")
 
 
 def rank_command(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
@@ -256,6 +263,8 @@ def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, An
         metadata.setdefault("annotations", {})[VOLCANO_GROUP_ANNOTATION] = pod_group_name(job, attempt)
     elif sched.gang == "coscheduling":
         metadata["labels"][COSCHEDULING_GROUP_LABEL] = pod_group_name(job, attempt)
+    elif sched.gang == "kubernetes":
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group_name(job, attempt)}
 
 
 def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
@@ -271,7 +280,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
         "name": TRAINER,
         "image": spec.image,
         "command": [PYTHON, "-m", "kubetron.launch"],
-        "args": trainer_args(job),
+        "args": [kubelet_escaped(arg) for arg in trainer_args(job)],
         "env": rank_env(job, attempt, rank, expected_iteration, nodes),
         "resources": _resources(job),
         "volumeMounts": mounts,
@@ -333,7 +342,7 @@ def build_probe_pod(job: Job, attempt: int, rank: int, nodes: int) -> dict[str, 
                            "resources": trainer["resources"], "securityContext": trainer["securityContext"],
                            **({"imagePullPolicy": trainer["imagePullPolicy"]} if "imagePullPolicy" in trainer
                               else {})}]
-    for key in ("initContainers", "hostname", "subdomain"):
+    for key in ("initContainers", "hostname", "subdomain", "schedulingGroup"):
         spec.pop(key, None)
     spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "config"]
     spec["terminationGracePeriodSeconds"] = 5

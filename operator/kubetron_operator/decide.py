@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kubetron_operator.job_status import FINISHED, StatusPatch
+from kubetron.contract.resource import FINISHED
+
+from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed
 from kubetron_operator.policy import elastic, lifecycle, start
@@ -26,11 +28,13 @@ from kubetron_operator.policy.goodput import with_goodput
 from kubetron_operator.policy.kueue import released
 from kubetron_operator.policy.nodes import with_node_strikes
 from kubetron_operator.policy.status import in_place_news, known_checkpoint, phase_status, progress_fields
+from kubetron_operator.policy.store import store_condition
 
 
 def decide(job: Job | None, obs: Observed) -> Action:
     """The next step for `job` (None when its spec does not parse; obs.spec_error then says why)."""
-    action = with_node_strikes(job, obs, _decide(job, obs))  # nodes that keep failing are left out
+    action = store_condition(obs, _decide(job, obs))
+    action = with_node_strikes(job, obs, action)  # nodes that keep failing are left out
     action = with_goodput(job, obs, action)  # the ledger of where the job's time went (policy/goodput.py)
     release = released(obs, action)
     if release:

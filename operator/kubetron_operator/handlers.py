@@ -20,6 +20,14 @@ attempt; an ended attempt is recorded in status before its pods are deleted. Pod
 just created are remembered until the watch shows them, so a lagging watch is never taken for a
 preemption. Status is patched only when a field changed, and a change of live progress alone
 (iteration, ETA, tokens/s) at most every `2 * interval` seconds.
+
+What a job's pods and store serve is read outside the reconcile pool (`gather`: rank 0's status endpoint,
+the S3 progress log), in a pool of its own with at most IO_PER_NAMESPACE reads of one namespace at a time,
+each bounded in time and size (live.py, progress_io.py): a tenant whose endpoints are slow delays only its
+own jobs. A read that failed is not tried again for RETRY_AFTER seconds. /healthz fails while work has
+waited more than STARVED_AFTER seconds for a thread of either pool (PoolWatch). A payload refused as
+hostile (a termination message nested too deep, a number beyond int64) is a Warning event, once; text
+from pods reaches status, Events and the log only with its control characters escaped.
 """
 
 from __future__ import annotations
@@ -39,13 +47,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from kubetron.contract.live import LiveStatus
 from kubetron.contract.progress import ProgressSummary
+from kubetron.contract.resource import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
 from kubetron.contract.times import parse_stamp, stamp
 
 from kubetron_operator import live, metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
 from kubetron_operator.build import (
-    LABEL_JOB,
     attempt_objects,
     build_probe_pod,
     build_service,
@@ -53,14 +62,11 @@ from kubetron_operator.build import (
     service_name,
 )
 from kubetron_operator.decide import decide
-from kubetron_operator.job_status import FINISHED, JobStatus
+from kubetron_operator.job_status import JobStatus
 from kubetron_operator.model import (
-    GROUP,
     KUEUE_GROUP_LABEL,
     KUEUE_RETRIABLE_ANNOTATION,
-    PLURAL,
     QUEUE_LABEL,
-    VERSION,
     Job,
     S3Storage,
     SpecError,
@@ -77,7 +83,8 @@ from kubetron_operator.policy.start import (
     create_failed,
     service_failed,
 )
-from kubetron_operator.progress_io import read_s3_progress
+from kubetron_operator.progress_io import ProgressRead, read_s3_progress
+from kubetron_operator.untrusted import clean, clean_all
 
 PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt runs quietly
 DEBOUNCE = 0.2  # seconds: a burst of watch events (a gang of pods starting) becomes one reconcile
@@ -90,6 +97,10 @@ FINALIZER_WAIT = 1.0  # seconds a new queued job waits for kopf's finalizer at m
 SERVICE_RETRY = 10.0  # seconds until a Service that could not be created (a transient error) is tried again
 EVENT_QUIET = 0.1  # seconds without an action in flight before a held-back Event goes out
 EVENT_HOLD = 10.0  # seconds an Event waits at most for the operator to be quiet
+IO_THREADS = 16  # reads of what pods and stores serve, at once (gather)
+IO_PER_NAMESPACE = 2  # of them, for one namespace
+RETRY_AFTER = 30.0  # seconds before a store or status endpoint that failed a read is read again
+STARVED_AFTER = 60.0  # seconds work may wait for a thread before /healthz says the operator is stuck
 
 
 class View:
@@ -106,9 +117,12 @@ class View:
         self.patched: dict[str, float] = {}
         self.gone: set[str] = set()  # jobs whose DELETED event came: their daemons stop
         self.services: set[str] = set()  # jobs whose Service this operator created or found (Observed.service)
+        self.namespaces: dict[str, str] = {}  # job UID -> its namespace (a pod wakes a job only from there)
+        self.warned: dict[str, set[str]] = {}  # job UID -> the ignored-payload warnings already posted
 
-    def wake(self, uid: str | None) -> None:
-        if uid and uid in self.wakes:
+    def wake(self, uid: str | None, namespace: str | None = None) -> None:
+        """Wake the job `uid`; with `namespace` (a pod's), only when the job lives there."""
+        if uid and uid in self.wakes and (namespace is None or self.namespaces.get(uid) == namespace):
             self.wakes[uid].set()
 
     def saw(self, uid: str, body: dict[str, Any]) -> None:
@@ -161,7 +175,7 @@ class View:
             return pods + [m for _, m in mine.values()]
 
     def forget(self, uid: str) -> None:
-        for table in (self.wakes, self.patched):
+        for table in (self.wakes, self.patched, self.namespaces, self.warned):
             table.pop(uid, None)
         self.gone.discard(uid)
         self.services.discard(uid)
@@ -223,7 +237,7 @@ class EventPoster:
         meta = body["metadata"]
         involved = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                     "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid")}}
-        self._queue.put((time.monotonic(), (involved, type_, reason, message, now, logger)))
+        self._queue.put((time.monotonic(), (involved, type_, reason, clean(message), now, logger)))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="events", daemon=True)
@@ -240,20 +254,66 @@ class EventPoster:
                 logger.warning("could not post event %s: %s", reason, exc)
 
 
+class PoolWatch:
+    """How long work handed to the thread pools has waited for a thread: `oldest()` is the longest wait of
+    what waits now (0 when nothing waits). /healthz fails beyond STARVED_AFTER (pool_health)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[object, float] = {}
+
+    async def run(self, executor: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in `executor`, its wait for a thread watched."""
+        ticket, loop = object(), asyncio.get_running_loop()
+        with self._lock:
+            self._waiting[ticket] = time.monotonic()
+
+        def started() -> Any:
+            with self._lock:
+                self._waiting.pop(ticket, None)
+            return fn(*args)
+
+        try:
+            return await loop.run_in_executor(executor, started)
+        finally:
+            with self._lock:
+                self._waiting.pop(ticket, None)
+
+    def oldest(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            return max((now - t for t in self._waiting.values()), default=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What `gather` read for one wake-up, outside the reconcile pool."""
+
+    progress: ProgressSummary | None = None  # the S3 progress log's summary; None: unread
+    live: LiveStatus | None = None  # rank 0's status endpoint; None: unread
+    store_unread: tuple[str, str] | None = None  # (reason, message): why the S3 log could not be read
+    warnings: tuple[str, ...] = ()  # payloads ignored as hostile
+
+
 @dataclasses.dataclass
 class Deps:
     """What the handlers use, injectable for tests (passed to kopf as its `memo`)."""
 
     kube: Kube
     interval: float = 5.0  # seconds between live-progress reads of a running job
-    read_progress: Callable[[Job, Kube], ProgressSummary | None] = read_s3_progress
+    read_progress: Callable[[Job, Kube], ProgressRead] = read_s3_progress
     fetch_live: live.Fetch = live.http_fetch
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
-    last_progress: dict[str, tuple[datetime, ProgressSummary | None]] = dataclasses.field(default_factory=dict)
+    last_progress: dict[str, tuple[datetime, ProgressRead]] = dataclasses.field(default_factory=dict)
+    live_quiet: dict[str, float] = dataclasses.field(default_factory=dict)  # job UID -> no live read before
     view: View = dataclasses.field(default_factory=View)
     # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
     executor: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile"))
+    io_executor: ThreadPoolExecutor = dataclasses.field(  # what pods and stores serve (gather)
+        default_factory=lambda: ThreadPoolExecutor(IO_THREADS, thread_name_prefix="read"))
+    io_slots: dict[str, asyncio.Semaphore] = dataclasses.field(default_factory=dict)  # namespace -> its reads
+    pools: PoolWatch = dataclasses.field(default_factory=PoolWatch)
     activity: Activity = dataclasses.field(default_factory=Activity)  # actions in flight
     poster: EventPoster = dataclasses.field(init=False)  # the jobs' Events, through `kube`
     namespaces: tuple[str, ...] = ()  # the watched namespaces (empty: the whole cluster)
@@ -270,6 +330,7 @@ def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     kopf.on.startup(registry=registry)(start_pod_cache)
     kopf.on.cleanup(registry=registry)(stop_pod_cache)
     kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)(job_event)
+    kopf.on.probe(id="pools", registry=registry)(pool_health)
     # kopf's handler protocols type `namespace` as str | None (for cluster-wide resources; a TrainingJob is
     # namespaced): hence the ignores.
     kopf.daemon(GROUP, VERSION, PLURAL, registry=registry,
@@ -322,8 +383,8 @@ async def start_pod_cache(memo: Any, **_: Any) -> None:
     deps: Deps = memo.deps
     loop = asyncio.get_running_loop()
 
-    def wake(uid: str) -> None:
-        loop.call_soon_threadsafe(deps.view.wake, uid)
+    def wake(namespace: str, uid: str) -> None:
+        loop.call_soon_threadsafe(deps.view.wake, uid, namespace)
 
     cache = PodCache(deps.kube, deps.namespaces, LABEL_JOB, wake)
     try:
@@ -331,6 +392,14 @@ async def start_pod_cache(memo: Any, **_: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - the API server is away or refuses: kopf tries again (one line)
         raise kopf.TemporaryError(f"cannot list the pods to watch: {exc}", delay=2.0) from None
     deps.pods = cache
+
+
+async def pool_health(memo: Any, **_: Any) -> dict[str, float]:
+    """/healthz (kopf's probe): fails while work has waited for a thread longer than STARVED_AFTER."""
+    waited = memo.deps.pools.oldest()
+    if waited > STARVED_AFTER:
+        raise kopf.PermanentError(f"work has waited {waited:.0f}s for a thread (reconcile or read pool starved)")
+    return {"oldestWaitSeconds": round(waited, 1)}
 
 
 async def stop_pod_cache(memo: Any, **_: Any) -> None:
@@ -359,14 +428,15 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
     deps: Deps = memo.deps
     view = deps.view
     wake = view.wakes.setdefault(uid, asyncio.Event())
-    loop = asyncio.get_running_loop()
+    view.namespaces[uid] = namespace
     try:
         while not stopped and uid not in view.gone:
             wake.clear()
             current = view.bodies.get(uid) or json_copy(body)
-            pods = view.pods(uid, deps.pods.pods(uid) if deps.pods is not None else ())
+            pods = view.pods(uid, deps.pods.pods(namespace, uid) if deps.pods is not None else ())
             try:
-                due = await loop.run_in_executor(deps.executor, react, deps, current, pods, logger)
+                reads = await _gather_outside(deps, namespace, current, pods)
+                due = await deps.pools.run(deps.executor, react, deps, current, pods, logger, reads)
             except Exception:  # one bad round must not kill the job's reconciler
                 logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
                 due = deps.interval
@@ -375,6 +445,47 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
     finally:
         view.forget(uid)
         deps.last_progress.pop(f"{namespace}/{name}", None)
+        deps.live_quiet.pop(uid, None)
+
+
+async def _gather_outside(deps: Deps, namespace: str, body: dict[str, Any], pods: list[dict[str, Any]]) -> Reads:
+    """gather() in the read pool, at most IO_PER_NAMESPACE of one namespace at a time (waiting here costs
+    no thread); nothing for a finished job."""
+    if (body.get("status") or {}).get("phase") in FINISHED:
+        return Reads()
+    slot = deps.io_slots.setdefault(namespace, asyncio.Semaphore(IO_PER_NAMESPACE))
+    async with slot:
+        if (body.get("metadata") or {}).get("uid") in deps.view.gone:  # deleted while it waited for its turn
+            return Reads()
+        reads: Reads = await deps.pools.run(deps.io_executor, gather, deps, body, pods)
+        return reads
+
+
+def gather(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]]) -> Reads:
+    """Read what the job's pods and store serve: rank 0's status endpoint and the S3 progress log (each
+    bounded in time and size; one that failed is left alone for RETRY_AFTER seconds)."""
+    job, _ = deps.view.job(body)
+    status = job_status(body)
+    if job is None or status.get("phase") in FINISHED:
+        return Reads()
+    now, meta = deps.clock(), body["metadata"]
+    pods = [PodView.from_pod(p, now) for p in _owned(meta, pods_in)]
+    attempt = int(status.get("attempt") or 0)
+    quiet_until = deps.live_quiet.get(job.uid, 0.0)
+    got = live.read_live(pods, attempt, job.spec.status_port, deps.fetch_live) if time.monotonic() >= quiet_until \
+        else live.LiveRead()
+    if got.problem:
+        deps.live_quiet[job.uid] = time.monotonic() + RETRY_AFTER
+    read = _progress(deps, job, status, pods, now) if isinstance(job.spec.storage, S3Storage) else ProgressRead()
+    return Reads(progress=read.summary, live=got.status, store_unread=read.unread,
+                 warnings=(*read.warnings, *((got.problem,) if got.problem else ())))
+
+
+def _owned(meta: Mapping[str, Any], pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods the job controls, in its own namespace only (an owner reference names no namespace)."""
+    namespace = meta.get("namespace") or "default"
+    return [p for p in pods if controller_uid(p) == meta.get("uid")
+            and ((p.get("metadata") or {}).get("namespace") or namespace) == namespace]
 
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
@@ -389,15 +500,17 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: floa
             w.cancel()
 
 
-def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: kopf.Logger) -> float | None:
-    """One wake-up: decide from the freshest known body and the watched pods, and act when that calls
-    for something. Returns the seconds until time itself matters (None: never)."""
+def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: kopf.Logger,
+          reads: Reads | None = None) -> float | None:
+    """One wake-up: decide from the freshest known body, the watched pods and what `gather` read, and act
+    when that calls for something. Returns the seconds until time itself matters (None: never)."""
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return None
     if FINALIZER not in (meta.get("finalizers") or ()) and queued(body):
         return FINALIZER_WAIT  # kopf's finalizer patch is under way; its watch event wakes us
-    obs, job = observe(deps, body, pods)
+    obs, job = observe(deps, body, pods, reads)
+    _warn_once(deps, body, obs, reads, logger)
     action, held = _throttle(deps, meta.get("uid") or "", decide(job, obs))
     if not _idle(action):
         with metrics.RECONCILE.time(), deps.activity.acting():
@@ -408,6 +521,18 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
     if action.create_service and meta.get("uid") not in deps.view.services:  # a transient error: try again
         due = min(due if due is not None else float("inf"), SERVICE_RETRY)
     return due
+
+
+def _warn_once(deps: Deps, body: dict[str, Any], obs: Observed, reads: Reads | None, logger: kopf.Logger) -> None:
+    """A Warning event (TrainerOutputIgnored) for each payload newly ignored as hostile: a pod's termination
+    message, rank 0's status endpoint, lines of the progress log."""
+    uid = body["metadata"].get("uid") or ""
+    found = [*(reads.warnings if reads else ()), *(f"pod {p.name}: {p.refused}" for p in obs.pods if p.refused)]
+    posted = deps.view.warned.setdefault(uid, set())
+    for message in (m for m in found if m not in posted):
+        posted.add(message)
+        logger.warning("TrainerOutputIgnored: %s", message)
+        deps.poster.post(body, "Warning", "TrainerOutputIgnored", message, stamp(obs.now), logger)
 
 
 def _idle(action: Action) -> bool:
@@ -551,29 +676,25 @@ def _backing_off(obs: Observed) -> bool:
     return retry_at is not None and obs.now < retry_at
 
 
-def observe(deps: Deps, body: dict[str, Any],
-            pods_in: list[dict[str, Any]] | None = None) -> tuple[Observed, Job | None]:
-    """What decide needs. `pods_in`: the job's pods as watched (None: list them from the API)."""
+def observe(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]] | None = None,
+            reads: Reads | None = None) -> tuple[Observed, Job | None]:
+    """What decide needs. `pods_in`: the job's pods as watched (None: list them from the API); `reads`:
+    what gather() read of its pods and store (None: nothing)."""
     kube, now = deps.kube, deps.clock()
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
     job, error = deps.view.job(body)
     status = job_status(body)
-    # Only pods this job controls: a foreign pod with our label is never counted, nor deleted.
+    # Only pods this job controls, in its namespace: a foreign pod with our label is never counted, nor deleted.
     if pods_in is None:
         pods_in = kube.list_pods(namespace, {LABEL_JOB: name})
-    owned = [p for p in pods_in if controller_uid(p) == meta.get("uid")]
+    owned = _owned(meta, pods_in)
     pods = [PodView.from_pod(p, now) for p in owned]
     trouble = _node_trouble(kube, status, pods)
-    progress = live_data = None
-    if job is not None and status.get("phase") not in FINISHED:
-        attempt = int(status.get("attempt") or 0)
-        live_data = live.read_live(pods, attempt, job.spec.status_port, deps.fetch_live)
-        if isinstance(job.spec.storage, S3Storage):
-            progress = _progress(deps, job, status, pods, now)
-    return Observed(now=now, status=status, pods=tuple(pods), progress=progress, live=live_data,
+    reads = reads or Reads()
+    return Observed(now=now, status=status, pods=tuple(pods), progress=reads.progress, live=reads.live,
                     spec_error=error, node_trouble=trouble, service=meta.get("uid") in deps.view.services,
-                    created=parse_stamp(meta.get("creationTimestamp"))), job
+                    store_unread=reads.store_unread, created=parse_stamp(meta.get("creationTimestamp"))), job
 
 
 def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[str, str]:
@@ -586,20 +707,23 @@ def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[st
     return node_trouble(kube.list_nodes(), {p.node for p in current if p.node})
 
 
-def _progress(deps: Deps, job: Job, status: JobStatus, pods: list[PodView], now: datetime) -> ProgressSummary | None:
-    """The S3 progress log: read whenever an attempt ends or starts, else at most every 30 s."""
+def _progress(deps: Deps, job: Job, status: JobStatus, pods: list[PodView], now: datetime) -> ProgressRead:
+    """The S3 progress log: read whenever an attempt ends or starts, else at most every 30 s; after a
+    failed read, not before RETRY_AFTER seconds."""
     key = f"{job.namespace}/{job.name}"
     cached = deps.last_progress.get(key)
     attempt = int(status.get("attempt") or 0)
     eventful = status.get("phase") in (None, "Restarting", "Suspended") or any(
         p.attempt == attempt and (p.terminated or p.deleting_for is not None or p.phase == "Unknown") for p in pods
     ) or len([p for p in pods if p.attempt == attempt and p.role == "worker"]) < attempt_size(job, status)
-    if cached and not eventful and (status.get("phase") != "Running"
-                                    or (now - cached[0]).total_seconds() < PROGRESS_REFRESH):
+    age = (now - cached[0]).total_seconds() if cached else 0.0
+    if cached and cached[1].unread and age < RETRY_AFTER:
+        return cached[1]
+    if cached and not eventful and (status.get("phase") != "Running" or age < PROGRESS_REFRESH):
         return cached[1]  # between events only a running attempt moves the log
-    summary = deps.read_progress(job, deps.kube)
-    deps.last_progress[key] = (now, summary)
-    return summary
+    read = deps.read_progress(job, deps.kube)
+    deps.last_progress[key] = (now, read)
+    return read
 
 
 def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
@@ -703,6 +827,7 @@ def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], reso
     server returns is the freshest known version (View.saw); a stale one is replaced by a fresh read."""
     if not status:
         return
+    status = clean_all(status)  # what pods said reaches status only with its control characters escaped
     meta = body["metadata"]
     namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid") or ""
     try:

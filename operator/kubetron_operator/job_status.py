@@ -11,11 +11,10 @@ from typing import Any, Literal, TypedDict
 
 from kubetron.contract.goodput import Goodput
 from kubetron.contract.progress import CheckpointRef
+from kubetron.contract.resource import FINISHED
 
-PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
-"""status.phase's values (a condition of each type records when the job was last in it)."""
-FINISHED = ("Succeeded", "Failed")
-"""The phases a job never leaves (a finished job is never rerun)."""
+PHASES = ("Pending", "Running", "Restarting", "Suspended", *FINISHED)
+"""Every phase a job may be in (the CRD's enum); a condition of another type is not a phase's."""
 
 StatusPatch = dict[str, Any]
 """A JSON merge patch for .status: JobStatus's fields, None deletes one."""

@@ -2,47 +2,107 @@
 
 The operator reads it every `--interval` seconds while an attempt runs (far inside the 60 s the status
 may lag), and on every change to the job's pods, so the pods need no RBAC at all to report progress.
-The fetch is injectable for tests.
+What a tenant's rank 0 serves is hostile input: the fetch (http_get) goes only to the pod's own IP, follows
+no redirect, stops at LIVE_DEADLINE seconds and LIVE_LIMIT bytes; the JSON is bounded (untrusted.load_json)
+and its numbers range-checked. A refused answer is a `problem` (a warning Event; the job is decided from
+what else is known, and the endpoint is left alone for a while). The fetch is injectable for tests.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.request
+import ipaddress
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kubetron.contract.live import LiveStatus, parse_live_status
+from kubetron.contract.progress import CheckpointRef
 
+from kubetron_operator import http_get
 from kubetron_operator.observe import PodView
+from kubetron_operator.untrusted import Untrusted, clean, count, load_json
 
 Fetch = Callable[[str], dict[str, Any]]
+LIVE_DEADLINE = 2.0  # seconds for one fetch, all of it
+LIVE_LIMIT = 64 * 1024  # bytes of answer
+MAX_SECONDS = 10 * 365 * 86400.0  # an ETA beyond ten years is not one
+_COUNTS = ("iteration", "trainIters", "consumedSamples", "inPlaceRestarts")
+_RANGES = {"etaSeconds": (0.0, MAX_SECONDS), "tokensPerSecond": (0.0, 1e15), "tflopsPerGpu": (0.0, 1e9),
+           "loss": (-1e300, 1e300), "learningRate": (-1e300, 1e300)}
 
 
-def http_fetch(url: str, timeout: float = 3.0) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # cluster-internal http
-        data = json.loads(resp.read(65536))
+class Redirected(OSError):
+    """The endpoint answered with a redirect; the operator follows none."""
+
+
+def http_fetch(url: str) -> dict[str, Any]:
+    answer = http_get.get(url, limit=LIVE_LIMIT, deadline=LIVE_DEADLINE, ip_only=True)
+    if 300 <= answer.status < 400:
+        raise Redirected(f"answered HTTP {answer.status} (a redirect, not followed)")
+    if answer.status != 200:
+        raise ConnectionError(f"answered HTTP {answer.status}")  # not serving (yet): nothing to warn about
+    data = load_json(answer.body.decode("utf-8", "replace"), LIVE_LIMIT)
     if not isinstance(data, dict):
-        raise TypeError(f"{url} did not return a JSON object")
+        raise Untrusted(f"a JSON {type(data).__name__}, not an object")
     return data
 
 
+@dataclass(frozen=True)
+class LiveRead:
+    """The endpoint's payload (None: no running rank 0, or it does not answer yet), or why it was refused."""
+
+    status: LiveStatus | None = None
+    problem: str = ""
+
+
 def status_url(pods: Iterable[PodView], attempt: int, port: int) -> str | None:
-    """Rank 0's endpoint for `attempt`, or None when it is not running (or the endpoint is off)."""
+    """Rank 0's endpoint for `attempt` at the pod's own IP, or None when it is not running (or the endpoint
+    is off, or the pod has no IP address)."""
     if not port:
         return None
     for pod in pods:
         if pod.role == "worker" and pod.attempt == attempt and pod.rank == 0 and pod.phase == "Running" and pod.ip:
-            return f"http://{pod.ip}:{port}/status"
+            try:
+                ip = ipaddress.ip_address(pod.ip)
+            except ValueError:
+                return None
+            return f"http://{ip if ip.version == 4 else f'[{ip}]'}:{port}/status"
     return None
 
 
-def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = http_fetch) -> LiveStatus | None:
-    """The endpoint's payload, or None when there is no running rank 0 or it does not answer (yet)."""
+def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = http_fetch) -> LiveRead:
+    """Fetch and check rank 0's status (see the module docstring)."""
     url = status_url(pods, attempt, port)
     if url is None:
-        return None
+        return LiveRead()
     try:
-        return parse_live_status(fetch(url))
+        return LiveRead(status=checked(parse_live_status(fetch(url))))
+    except OverflowError:  # a number beyond a double (from a fetch that did not bound it)
+        return LiveRead(problem=f"rank 0's status endpoint ({url}): a number beyond the range of a double")
+    except (Untrusted, Redirected, http_get.TooLarge, TimeoutError) as exc:
+        return LiveRead(problem=f"rank 0's status endpoint ({url}): {clean(exc, 300)}")
     except (OSError, ValueError, TypeError):
-        return None  # not listening yet (model still loading) or going away: the log covers it
+        return LiveRead()  # not listening yet (model still loading) or going away: the log covers it
+
+
+def checked(status: LiveStatus | None) -> LiveStatus | None:
+    """`status` when its numbers are in range (counts: int64, not negative; the ETA and speeds not negative
+    and bounded), else Untrusted naming the field."""
+    if status is None:
+        return None
+    values: dict[str, Any] = dict(status)
+    for key in _COUNTS:
+        count(values.get(key), key)
+    for key, (low, high) in _RANGES.items():
+        if values.get(key) is not None and not low <= values[key] <= high:
+            raise Untrusted(f"{key} is out of range")
+    ckpt = status["lastCheckpoint"]
+    if ckpt is not None:
+        count(ckpt.get("iteration"), "lastCheckpoint.iteration")
+        status["lastCheckpoint"] = CheckpointRef(iteration=ckpt["iteration"], time=_time(ckpt.get("time")))
+    return status
+
+
+def _time(value: Any) -> str | None:
+    """A checkpoint's time as status may hold it: a short timestamp without control characters."""
+    return clean(value, 40) if isinstance(value, str) else None

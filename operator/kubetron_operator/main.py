@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import secrets
 from typing import Any
@@ -13,8 +14,11 @@ from kubetron.contract.errors import ConfigError
 from kubetron_operator import handlers
 from kubetron_operator.api_calls import Kube, kubernetes_stream, kubernetes_transport
 from kubetron_operator.pod_cache import WATCH_SECONDS
+from kubetron_operator.progress_io import read_s3_progress
+from kubetron_operator.untrusted import clean
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def client_configuration() -> Any:
@@ -64,6 +68,16 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
     return s
 
 
+class OneLineFormatter(logging.Formatter):
+    """Every log record's message on one line: control characters (a newline a trainer put in its message,
+    an ANSI escape) are written as escapes, so nothing a pod says can forge a line of the operator's log.
+    Tracebacks keep their lines (they are formatted after the message)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = clean(record.message, limit=None)
+        return super().formatMessage(record)
+
+
 def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
     """Drop kopf's "Handler 'job_event' succeeded." lines: one per watch event, thousands a minute."""
     return not (record.levelno <= logging.INFO and record.getMessage().startswith("Handler 'job_event'"))
@@ -72,8 +86,9 @@ def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
 def run(args: argparse.Namespace) -> int:
     """Blocks until the operator stops. `args`: namespace(s) (list; empty = cluster-wide), liveness
     (endpoint URL, "" to disable), peering (a KopfPeering name for HA, or None), interval (seconds),
-    gang_schedulers (those whose PodGroups the role grants; None: all), taint_failing_nodes (the role may get and
-    patch nodes: taint the ones that keep failing jobs)."""
+    gang_schedulers (those whose PodGroups the role grants; None: all), s3_operator_buckets (buckets whose jobs
+    without a secretRef the operator reads with its own identity; default none), taint_failing_nodes (the role
+    may get and patch nodes: taint the ones that keep failing jobs)."""
     from kubernetes import client
 
     namespaces = list(getattr(args, "namespaces", None) or getattr(args, "namespace", None) or [])
@@ -86,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     peering = getattr(args, "peering", None) or None
     liveness = getattr(args, "liveness", DEFAULT_LIVENESS)
     interval = float(getattr(args, "interval", None) or 5.0)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(OneLineFormatter(LOG_FORMAT))
     logging.getLogger("kopf.objects").addFilter(_quiet_watch_handlers)
     configuration = client_configuration()
     metrics_port = int(getattr(args, "metrics_port", 0) or 0)
@@ -98,15 +115,18 @@ def run(args: argparse.Namespace) -> int:
     # how to log in (the same credentials our own calls use).
     registry = handlers.register(kopf.OperatorRegistry())
     kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
-    # A connection per reconcile thread, one for the event poster and one per pod watch (an extra one
+    # A connection per reconcile and read thread, one for the event poster and one per pod watch (an extra one
     # would be a new TLS handshake per request, its connection discarded after).
-    configuration.connection_pool_maxsize = handlers.RECONCILE_THREADS + 1 + max(1, len(namespaces))
+    configuration.connection_pool_maxsize = (handlers.RECONCILE_THREADS + handlers.IO_THREADS + 1
+                                             + max(1, len(namespaces)))
     gang = getattr(args, "gang_schedulers", None)
     api_client = client.ApiClient(configuration)
     kube = Kube(kubernetes_transport(api_client), stream=kubernetes_stream(api_client, WATCH_SECONDS + 30),
                 taint_nodes=bool(getattr(args, "taint_failing_nodes", False)),
                 **({} if gang is None else {"gang_schedulers": gang}))
-    deps = handlers.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces))
+    own_buckets = tuple(getattr(args, "s3_operator_buckets", None) or ())
+    deps = handlers.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces),
+                         read_progress=functools.partial(read_s3_progress, own_buckets=own_buckets))
     kopf.run(
         registry=registry,
         settings=settings(peering),

@@ -7,6 +7,7 @@ Defaults here match the CRD's (crds/trainingjob.yaml), so a body that skipped se
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -15,12 +16,7 @@ from typing import Any
 import yaml
 from kubetron.contract.config import ConfigContainer, apply_overrides
 from kubetron.contract.errors import ConfigError
-
-GROUP = "kubetron.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "TrainingJob"
-PLURAL = "trainingjobs"
+from kubetron.contract.resource import TRAINER
 
 MAX_NAME = 45
 """Longest job name: `<job>-<attempt>-<rank>` is a pod hostname (a DNS label, at most 63 characters)."""
@@ -32,6 +28,9 @@ RESERVED_ENV = frozenset({
     "KUBETRON_MAX_IN_PLACE_RESTARTS",
 })
 """Variables the operator sets itself (docs/CONTRACT.md); a spec.env entry may not override them."""
+
+S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+"""The keys of a job's storage.s3.secretRef Secret: the pods' credentials and the operator's."""
 
 STORE_KEYS = ("checkpoint.save", "checkpoint.load")
 """Config keys the operator sets to the job's store; a spec.overrides entry may not redirect them."""
@@ -60,11 +59,28 @@ Only the exact Kueue keys the operator writes: users' other Kueue requests (`kue
 
 RESERVED_VOLUMES = frozenset({"store", "config", "dshm"})
 RESERVED_CONTAINERS = frozenset({"progress"})
-TRAINER = "trainer"
 TEMPLATE_SPEC_KEYS = ("hostNetwork", "volumes", "initContainers", "containers")
 TRAINER_KEYS = ("name", "env", "envFrom", "volumeMounts", "securityContext")
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A Kubernetes object name (a DNS-1123 subdomain): the CRD's pattern for every name a spec carries."""
+NAME_MAX = 253
+_NAME = re.compile(NAME_PATTERN)
+BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+"""An S3 bucket name (3-63 lowercase letters, digits, '.', '-')."""
+_BUCKET = re.compile(BUCKET_PATTERN)
+ENDPOINT_PATTERN = r"^(https?://[^\s/?#@]+/?)?$"
+"""spec.storage.s3.endpoint: empty (AWS) or an http(s) URL naming only a host (and port)."""
+_ENDPOINT = re.compile(ENDPOINT_PATTERN)
+_REGION = re.compile(r"[a-z0-9-]{0,32}")  # spec.storage.s3.region: it is part of AWS S3's host name
+
+POD_OVERHEAD = 8 * 1024
+"""Bytes of each worker pod that are the operator's own fields (about 4 KiB; counted generously)."""
+ATTEMPT_LIMIT = 64 * 1024 * 1024
+"""Bytes of pods one attempt may make the operator create: spec.config, spec.podTemplate, spec.env and
+spec.overrides are copied onto every pod (the API server, etcd and the operator each hold them)."""
 
 
 class SpecError(ValueError):
@@ -82,7 +98,7 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class S3Storage:
     bucket: str
-    secret_name: str
+    secret_name: str = ""  # "": no secretRef, the pods' ServiceAccount gives them credentials (IRSA ...)
     prefix: str = ""
     endpoint: str = ""
     region: str = ""
@@ -102,7 +118,7 @@ class Scheduling:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
-    gang: str = "none"  # none | volcano | coscheduling
+    gang: str = "none"  # none | volcano | coscheduling | kubernetes
 
 
 @dataclass(frozen=True)
@@ -261,6 +277,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     ports = _int(spec, "statusPort", 8080, minimum=0), _int(spec, "masterPort", 29500, minimum=1)
     if ports[0] == ports[1]:
         raise SpecError("spec.statusPort", f"must differ from spec.masterPort (both {ports[0]})")
+    _check_attempt_bytes(spec, nodes)
     return JobSpec(
         image=str(spec["image"]),
         nodes=nodes,
@@ -287,11 +304,45 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         env=env,
         scheduling=_parse_scheduling(spec.get("scheduling") or {}),
         image_pull_policy=spec.get("imagePullPolicy") or "",
-        image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or () if s.get("name")),
-        service_account_name=spec.get("serviceAccountName") or "",
-        queue_name=str(spec.get("queueName") or ""),
+        image_pull_secrets=tuple(_name(s.get("name"), f"spec.imagePullSecrets[{i}].name")
+                                 for i, s in enumerate(spec.get("imagePullSecrets") or ())),
+        service_account_name=_name(spec.get("serviceAccountName"), "spec.serviceAccountName", optional=True),
+        queue_name=_name(spec.get("queueName"), "spec.queueName", optional=True, max_length=63),
         pod_template=parse_pod_template(spec.get("podTemplate") or {}, spec),
     )
+
+
+def is_name(value: Any, max_length: int = NAME_MAX) -> bool:
+    """`value` is a Kubernetes object name (NAME_PATTERN) of at most `max_length` characters."""
+    return isinstance(value, str) and len(value) <= max_length and _NAME.fullmatch(value) is not None
+
+
+def _name(value: Any, where: str, optional: bool = False, max_length: int = NAME_MAX) -> str:
+    """A name the spec gives (it ends up in request paths and pods) when it is a Kubernetes name, else
+    SpecError naming `where`; with `optional`, None and "" read as "" (none)."""
+    if optional and value in (None, ""):
+        return ""
+    if not is_name(value, max_length):
+        raise SpecError(where, f"must be a Kubernetes name (lowercase letters, digits, '-' and '.', at most "
+                               f"{max_length} characters), got {shown(value)}")
+    return str(value)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`value` as an error message quotes it: repr (control characters escaped), cut to `limit`."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_attempt_bytes(spec: Mapping[str, Any], nodes: int) -> None:
+    """What one attempt makes the operator create is bounded (ATTEMPT_LIMIT): every pod carries the config,
+    the pod template, the env and the overrides. The CRD refuses config x nodes at apply time already."""
+    per_pod = POD_OVERHEAD + len(str(spec.get("config") or "").encode()) + sum(
+        len(json.dumps(spec.get(key) or "")) for key in ("podTemplate", "env", "overrides"))
+    if per_pod * nodes > ATTEMPT_LIMIT:
+        raise SpecError("spec.nodes", f"{nodes} pods of {per_pod // 1024} KiB each (spec.config, podTemplate, env "
+                        f"and overrides are copied onto every pod) make {per_pod * nodes / 2**20:.0f} MiB per "
+                        f"attempt, more than {ATTEMPT_LIMIT // 2**20} MiB; keep files on the volume, not in the spec")
 
 
 def _min_nodes(spec: Mapping[str, Any], nodes: int) -> int:
@@ -358,31 +409,44 @@ def _parse_storage(storage: Mapping[str, Any]) -> S3Storage | PvcStorage:
     if not isinstance(storage, Mapping) or len([k for k in ("s3", "pvc") if storage.get(k)]) != 1:
         raise SpecError("spec.storage", "needs exactly one of s3 or pvc")
     if storage.get("s3"):
-        s3 = storage["s3"]
-        secret = (s3.get("secretRef") or {}).get("name")
-        if not s3.get("bucket") or not secret:
-            raise SpecError("spec.storage.s3", "needs bucket and secretRef.name")
-        return S3Storage(bucket=s3["bucket"], secret_name=secret, prefix=s3.get("prefix") or "",
-                         endpoint=s3.get("endpoint") or "", region=s3.get("region") or "")
+        return _parse_s3(storage["s3"])
     pvc = storage["pvc"]
-    if not pvc.get("claimName"):
-        raise SpecError("spec.storage.pvc.claimName", "is required")
+    claim = _name(pvc.get("claimName"), "spec.storage.pvc.claimName")
     mount = pvc.get("mountPath") or "/ckpt"
     if not mount.startswith("/"):
         raise SpecError("spec.storage.pvc.mountPath", "must be an absolute path")
     sub = pvc.get("subPath") or ""
     if ".." in sub.split("/"):
         raise SpecError("spec.storage.pvc.subPath", "may not contain '..'")
-    return PvcStorage(claim_name=pvc["claimName"], mount_path=mount, sub_path=sub)
+    return PvcStorage(claim_name=claim, mount_path=mount, sub_path=sub)
+
+
+def _parse_s3(s3: Mapping[str, Any]) -> S3Storage:
+    """spec.storage.s3: every part of it names something outside the job (a bucket, an endpoint, a Secret)."""
+    f = "spec.storage.s3"
+    bucket, prefix, endpoint = s3.get("bucket"), s3.get("prefix") or "", s3.get("endpoint") or ""
+    if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket):
+        raise SpecError(f"{f}.bucket", "must be an S3 bucket name (3-63 lowercase letters, digits, '.' and '-'), "
+                        f"got {shown(bucket)}")
+    if not isinstance(prefix, str) or any(seg in (".", "..") for seg in prefix.split("/")) or not prefix.isprintable():
+        raise SpecError(f"{f}.prefix", f"may not have '.' or '..' segments or control characters, got {shown(prefix)}")
+    if not isinstance(endpoint, str) or not _ENDPOINT.fullmatch(endpoint):
+        raise SpecError(f"{f}.endpoint", f"must be an http:// or https:// URL of a host, got {shown(endpoint)}")
+    region = s3.get("region") or ""
+    if not isinstance(region, str) or not _REGION.fullmatch(region):
+        raise SpecError(f"{f}.region", f"must be a region name (lowercase letters, digits, '-'), got {shown(region)}")
+    ref = s3.get("secretRef")
+    secret = _name((ref or {}).get("name"), f"{f}.secretRef.name") if ref is not None else ""
+    return S3Storage(bucket=bucket, secret_name=secret, prefix=prefix, endpoint=endpoint, region=region)
 
 
 def _parse_scheduling(s: Mapping[str, Any]) -> Scheduling:
     gang = s.get("gang") or "none"
-    if gang not in ("none", "volcano", "coscheduling"):
-        raise SpecError("spec.scheduling.gang", f"must be none, volcano or coscheduling, got {gang!r}")
+    if gang not in ("none", "volcano", "coscheduling", "kubernetes"):
+        raise SpecError("spec.scheduling.gang", f"must be none, volcano, coscheduling or kubernetes, got {gang!r}")
     return Scheduling(
-        scheduler_name=s.get("schedulerName") or "",
-        priority_class_name=s.get("priorityClassName") or "",
+        scheduler_name=_name(s.get("schedulerName"), "spec.scheduling.schedulerName", optional=True),
+        priority_class_name=_name(s.get("priorityClassName"), "spec.scheduling.priorityClassName", optional=True),
         node_selector=dict(s.get("nodeSelector") or {}),
         tolerations=tuple(s.get("tolerations") or ()),
         affinity=dict(s.get("affinity") or {}),

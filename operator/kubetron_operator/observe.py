@@ -3,6 +3,10 @@ are read here, once, and decide() (kubetron_operator.policy) reads only these vi
 
 A pod's outcome is its trainer container's, found by name (PodView.from_pod): a rank has ended once that
 container terminated, whatever sidecars still run or how they exited.
+
+What a pod says is hostile input (kubetron_operator.untrusted): the trainer's termination message is read
+bounded and range-checked (a refused one is PodView.refused, and the pod is judged by its exit code), and
+every text taken from a pod has its control characters escaped before decide() sees it.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from typing import Any, cast
 
 from kubetron.contract.live import LiveStatus, new_live_status
 from kubetron.contract.progress import ProgressSummary, summarize_events
-from kubetron.contract.termination import TerminationMessage, parse_termination_message
+from kubetron.contract.resource import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, TRAINER
+from kubetron.contract.termination import MESSAGE_LIMIT, TerminationMessage
 from kubetron.contract.times import age_seconds
 
-from kubetron_operator.build import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
 from kubetron_operator.job_status import JobStatus
-from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, TRAINER
+from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION
+from kubetron_operator.untrusted import Untrusted, clean, count, load_json
 
 ADMISSION_POD_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "NodeSelectorMismatching",
                                    "NodePorts", "InvalidNodeInfo", "UnknownNode"})
@@ -73,8 +78,9 @@ class PodView:
     deleting_for: float | None = None  # seconds since deletionTimestamp; None when not being deleted
     started: bool = False  # a container of it ever ran
     created_for: float = 0.0  # seconds since creationTimestamp
-    termination: TerminationMessage | None = None  # the trainer's termination message (JSON)
+    termination: TerminationMessage | None = None  # the trainer's termination message (JSON), checked
     term_text: str = ""  # the last line of a termination message that is not the trainer's JSON
+    refused: str = ""  # why the trainer's termination message was ignored (too big, too deep, a bad number)
     ip: str = ""
     node: str = ""  # spec.nodeName, once scheduled
     unschedulable: str = ""  # the message of PodScheduled=False, else ""
@@ -134,11 +140,11 @@ class PodView:
                   for cs in status.get(key) or ()}
         started = any("running" in st or (st.get("terminated") or {}).get("startedAt") for st in states.values())
         stuck = [st["waiting"] for st in states.values() if (st.get("waiting") or {}).get("reason") in STUCK_WAITING]
-        waiting = f"{stuck[0]['reason']}: {stuck[0].get('message') or ''}".rstrip(": ") if stuck else ""
+        waiting = clean(f"{stuck[0]['reason']}: {stuck[0].get('message') or ''}".rstrip(": ")) if stuck else ""
         # The trainer by name, never by position: containerStatuses are sorted by name, sidecars included.
         term_state = states.get(TRAINER, {}).get("terminated")
         exit_code = (term_state or {}).get("exitCode")
-        reason, message = (term_state or {}).get("reason") or "", (term_state or {}).get("message") or ""
+        reason, message = clean((term_state or {}).get("reason") or "", 100), (term_state or {}).get("message") or ""
         pod_phase = status.get("phase") or "Pending"
         disrupted, unschedulable, seen = "", "", False
         for cond in status.get("conditions") or ():
@@ -147,9 +153,9 @@ class PodView:
             if cond.get("type") == "PodScheduled":
                 seen = True
                 if cond.get("status") == "False":
-                    unschedulable = cond.get("message") or cond.get("reason") or "not schedulable"
+                    unschedulable = clean(cond.get("message") or cond.get("reason") or "not schedulable")
         deleting = meta.get("deletionTimestamp")
-        termination = parse_termination_message(message)
+        termination, refused = trainer_message(message)
         return cls(
             name=meta.get("name", ""),
             attempt=to_int(labels.get(LABEL_ATTEMPT)),
@@ -159,14 +165,15 @@ class PodView:
             pod_phase=pod_phase,
             exit_code=exit_code,
             reason=reason,
-            pod_reason=status.get("reason") or "",
-            pod_message=status.get("message") or "",
-            disrupted=disrupted,
+            pod_reason=clean(status.get("reason") or "", 100),
+            pod_message=clean(status.get("message") or ""),
+            disrupted=clean(disrupted, 100),
             deleting_for=age_seconds(deleting, now) if deleting else None,
             started=started or pod_phase in ("Running", "Succeeded"),
             created_for=age_seconds(meta.get("creationTimestamp"), now),
             termination=termination,
-            term_text="" if termination else _last_line(message),
+            term_text="" if termination else clean(_last_line(message), 300),
+            refused=refused,
             ip=status.get("podIP") or "",
             node=spec.get("nodeName") or "",
             unschedulable=unschedulable,
@@ -177,6 +184,37 @@ class PodView:
             kueue_group=labels.get(KUEUE_GROUP_LABEL) or "",
             retriable=(meta.get("annotations") or {}).get(KUEUE_RETRIABLE_ANNOTATION) != "false",
         )
+
+
+def trainer_message(text: str) -> tuple[TerminationMessage | None, str]:
+    """The trainer's one-line JSON in a termination message (the last line that is one), checked: (the
+    message, "") or, when it is refused, (None, why). (None, "") when there is none."""
+    for line in reversed((text or "").strip().splitlines()):
+        if not line.lstrip().startswith("{"):
+            continue
+        try:
+            data = load_json(line, MESSAGE_LIMIT)
+            if isinstance(data, dict) and isinstance(data.get("exitCode"), int):
+                return _checked_termination(data), ""
+        except Untrusted as exc:
+            return None, f"its termination message was ignored: {exc}"
+        except ValueError:
+            continue  # a log line that starts with a brace
+    return None, ""
+
+
+def _checked_termination(data: Mapping[str, Any]) -> TerminationMessage:
+    """The keys decide() reads, each checked (Untrusted when one is out of range); text made safe."""
+    code = data["exitCode"]
+    if isinstance(code, bool) or not 0 <= code <= 255:
+        raise Untrusted("exitCode is not an exit code")
+    out = TerminationMessage(exitCode=code)
+    for key in ("iteration", "trainIters", "lastCheckpoint"):
+        out[key] = count(data.get(key), key)
+    for key in ("reason", "message"):
+        if isinstance(data.get(key), str):
+            out[key] = clean(data[key])  # type: ignore[literal-required]
+    return out
 
 
 def _main_phase(pod_phase: str, terminated: Mapping[str, Any] | None) -> str:
@@ -222,6 +260,7 @@ class Observed:
     node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
     service: bool = False  # the job's headless Service is known to exist (this operator created or found it)
     created: datetime | None = None  # the job's metadata.creationTimestamp (the goodput ledger starts there)
+    store_unread: tuple[str, str] | None = None  # (reason, message): why the S3 progress log could not be read
 
 
 NO_PROGRESS: ProgressSummary = summarize_events([])

@@ -1,5 +1,7 @@
-"""The operator's pods, listed and watched outside kopf: controller owner UID -> that job's pods (what
-decide reads of each, observe.pod_essentials).
+"""The operator's pods, listed and watched outside kopf: (namespace, controller owner UID) -> that job's pods
+(what decide reads of each, observe.pod_essentials). A pod belongs to a job only in the job's own namespace:
+an owner reference names no namespace (owners are always in their dependent's), so a pod elsewhere that
+names a job's UID as its controller is not that job's.
 
 kopf's machinery per watch event (its per-object worker, handler invocation, body views, loggers) cost
 more than everything else the operator does for a pod, and a job start brings several pod events (created,
@@ -7,7 +9,7 @@ seen by the scheduler, bound). Here one thread per scope (each watched namespace
 LISTs the pods carrying the job label, then WATCHes from that list's resourceVersion (bookmarks keep it
 fresh): a stream the server ends is watched again from the last version seen; one it refuses as too old
 (410 Gone), or an error, is listed anew (after a backoff on errors). Every change wakes the pod's job
-(`wake(owner_uid)`, which must be thread-safe); a new listing wakes every job whose pods it changed.
+(`wake(namespace, owner_uid)`, which must be thread-safe); a new listing wakes every job whose pods it changed.
 
 start() returns once every scope holds its first listing, so no job is ever decided from a half-filled
 view of its pods (which would look like pods that vanished): the operator calls it before kopf starts
@@ -27,6 +29,9 @@ from kubetron_operator.observe import pod_essentials
 
 log = logging.getLogger("kubetron.pods")
 
+Owner = tuple[str, str]
+"""(namespace, controller owner UID): whose pod it is."""
+
 BACKOFF = (0.5, 30.0)  # seconds before listing again after an error: the first, doubling up to the cap
 WATCH_SECONDS = 300  # the server ends each watch after this long (timeoutSeconds); it is resumed at once
 
@@ -36,25 +41,25 @@ class Gone(Exception):
 
 
 class PodCache:
-    """Pods by controller owner UID, kept current by list + watch threads (see the module docstring).
-    `namespaces`: the scopes (empty: the whole cluster); `selector`: the label selector of our pods."""
+    """Pods by (namespace, controller owner UID), kept current by list + watch threads (see the module
+    docstring). `namespaces`: the scopes (empty: the whole cluster); `selector`: the label selector of our pods."""
 
-    def __init__(self, kube: Kube, namespaces: Iterable[str], selector: str, wake: Callable[[str], None]):
+    def __init__(self, kube: Kube, namespaces: Iterable[str], selector: str, wake: Callable[[str, str], None]):
         self.kube, self.selector, self.wake = kube, selector, wake
         self.scopes: list[str | None] = list(namespaces) or [None]
         self._lock = threading.Lock()
-        self._pods: dict[str, dict[str, dict[str, Any]]] = {}  # owner UID -> pod UID -> essentials
-        self._owner: dict[str, str] = {}  # pod UID -> owner UID
+        self._pods: dict[Owner, dict[str, dict[str, Any]]] = {}  # (namespace, owner UID) -> pod UID -> essentials
+        self._owner: dict[str, Owner] = {}  # pod UID -> (namespace, owner UID)
         self._scope_of: dict[str, str | None] = {}  # pod UID -> the scope that listed it
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # -- reading ----------------------------------------------------------------------------------------
 
-    def pods(self, owner: str) -> list[dict[str, Any]]:
-        """The pods `owner` controls, as last seen (shared: never change them)."""
+    def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        """The pods of `namespace` that `owner` controls, as last seen (shared: never change them)."""
         with self._lock:
-            return list((self._pods.get(owner) or {}).values())
+            return list((self._pods.get((namespace, owner)) or {}).values())
 
     # -- running ----------------------------------------------------------------------------------------
 
@@ -120,15 +125,17 @@ class PodCache:
             held = [uid for uid, s in self._scope_of.items() if s == scope]
         changed = {self._drop(uid, wake=False) for uid in held if uid not in fresh}
         changed |= {self._put(scope, pod, wake=False) for pod in fresh.values()}
-        for owner in changed - {None}:
-            self.wake(str(owner))
+        for owner in changed:
+            if owner is not None:
+                self.wake(*owner)
         return version
 
-    def _put(self, scope: str | None, pod: dict[str, Any], wake: bool = True) -> str | None:
+    def _put(self, scope: str | None, pod: dict[str, Any], wake: bool = True) -> Owner | None:
         meta = pod.get("metadata") or {}
-        uid, owner = meta.get("uid") or "", controller_uid(pod)
-        if not uid or not owner:
+        uid, owner_uid = meta.get("uid") or "", controller_uid(pod)
+        if not uid or not owner_uid:
             return None
+        owner = (meta.get("namespace") or "", owner_uid)
         view = pod_essentials(pod)
         with self._lock:
             before = self._owner.get(uid)
@@ -137,10 +144,10 @@ class PodCache:
             self._pods.setdefault(owner, {})[uid] = view
             self._owner[uid], self._scope_of[uid] = owner, scope
         if wake:
-            self.wake(owner)
+            self.wake(*owner)
         return owner
 
-    def _drop(self, uid: str, wake: bool = True) -> str | None:
+    def _drop(self, uid: str, wake: bool = True) -> Owner | None:
         with self._lock:
             owner = self._owner.pop(uid, None)
             self._scope_of.pop(uid, None)
@@ -151,6 +158,6 @@ class PodCache:
             if not mine:
                 self._pods.pop(owner, None)
         if wake:
-            self.wake(owner)
+            self.wake(*owner)
         return owner
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import yaml
 from kubetron.contract.errors import ConfigError
+from kubetron.contract.resource import API_VERSION, KIND
 
 from kubetron_operator.build import build
-from kubetron_operator.model import API_VERSION, KIND, Job, SpecError
+from kubetron_operator.model import Job, SpecError
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # the API server assigns the real one
 

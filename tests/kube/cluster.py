@@ -44,6 +44,11 @@ OPTIONAL = ("kube-controller-manager", "kube-scheduler")
 HOW_TO_GET = ("no Kubernetes server binaries: set KUBEBUILDER_ASSETS to a directory with kube-apiserver and etcd "
               "(KUBEBUILDER_ASSETS=$(setup-envtest use -p path)), or provide ../shared/k8s/*.xz next to the repository")
 READY_TIMEOUT = 90.0
+# Kubernetes' own gang scheduling (KEP-4671, alpha in 1.36): scheduling.k8s.io/v1alpha2 PodGroups, which the
+# API server serves and the scheduler honours only with these gates (docs/gang.md). An older kube-apiserver
+# refuses them: it is started again without (cp.gates == ""); KUBETRON_K8S_GATES="" never sets them.
+GANG_GATES = os.environ.get("KUBETRON_K8S_GATES", "GenericWorkload=true,GangScheduling=true")
+GANG_API = "scheduling.k8s.io/v1alpha2"
 # The API server's audit log: every request of a ServiceAccount (the operators under test), outside
 # kube-system (the controller manager's own), at Metadata level: who, verb, resource, response code,
 # and the authorizer's decision ("authorization.k8s.io/decision": "forbid" for an RBAC denial).
@@ -278,6 +283,7 @@ class ControlPlane:
         self.server = ""
         self.startup_seconds = 0.0
         self.audit_log = workdir / "audit.log"
+        self.gates = GANG_GATES  # "" once a kube-apiserver without them refused to start
 
     # identities -----------------------------------------------------------------------------------
 
@@ -380,7 +386,24 @@ class ControlPlane:
                 conn.close()
         wait_for("etcd /health", healthy, READY_TIMEOUT, explain=lambda: tail(self._log("etcd")))
 
+    def serves(self, api_version: str) -> bool:
+        """Whether the API server serves `api_version` (group/version), e.g. GANG_API."""
+        return self.admin.get(f"/apis/{api_version}", ok=(404,)) is not None
+
+    def _gates(self, *with_gates: str) -> list[str]:
+        """The feature-gate flags and `with_gates`, or none when the gates are off."""
+        return [f"--feature-gates={self.gates}", *with_gates] if self.gates else []
+
     def _start_apiserver(self) -> None:
+        try:
+            self._start_apiserver_once()
+        except RuntimeError:  # exited: a kube-apiserver older than the gates (< 1.36) names them unknown
+            if not self.gates:
+                raise
+            self.gates = ""
+            self._start_apiserver_once()
+
+    def _start_apiserver_once(self) -> None:
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
         tokens = self.dir / "tokens.csv"
@@ -398,6 +421,7 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.0.0.0/24",
             "--authorization-mode=RBAC", "--allow-privileged=true", "--event-ttl=1h",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-mode=blocking",
+            *self._gates(f"--runtime-config={GANG_API}=true"),
         ], self._log("kube-apiserver"))
         admin = self.admin
 
@@ -413,7 +437,7 @@ class ControlPlane:
     def _start_component(self, name: str) -> None:
         short = name.removeprefix("kube-")
         argv = [str(self.bin[name]), f"--kubeconfig={self._cert_kubeconfig(short)}", "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}", "--leader-elect=false"]
+                f"--secure-port={free_port()}", "--leader-elect=false", *self._gates()]
         if name == "kube-controller-manager":
             p = self.pki
             argv += [f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",

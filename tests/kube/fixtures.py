@@ -101,6 +101,24 @@ class KubeEnv:
         self.admin.apply_all([_in_namespace(m, name) for m in self.namespaced_rbac])
         return name
 
+    def tenant(self, ns: str, name: str = "tenant") -> Api:
+        """A client with the identity of a tenant: ServiceAccount `name` of `ns`, allowed only TrainingJobs
+        in `ns` (a Role and RoleBinding; a token from the TokenRequest API, as a pod would mount)."""
+        rbac = "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/{kind}"
+        self.admin.create(f"/api/v1/namespaces/{ns}/serviceaccounts",
+                          {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}}, ok=(409,))
+        self.admin.create(rbac.format(ns=ns, kind="roles"), {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name},
+            "rules": [{"apiGroups": ["kubetron.dev"], "resources": ["trainingjobs"],
+                       "verbs": ["create", "get", "list", "watch", "update", "patch", "delete"]}]}, ok=(409,))
+        self.admin.create(rbac.format(ns=ns, kind="rolebindings"), {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}, ok=(409,))
+        token = self.admin.create(f"/api/v1/namespaces/{ns}/serviceaccounts/{name}/token", {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}})
+        return self.cp.api_for(token["status"]["token"])
+
     def jobs(self, ns: str) -> str:
         return JOBS.format(ns=ns)
 

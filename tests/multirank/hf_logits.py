@@ -18,8 +18,9 @@ import yaml
 
 
 def main(ckpt: str, hf_dir: str, out: str, split: str = "tp") -> int:
-    from kubetron.checkpoint import canonical
+    from kubetron.checkpoint import format_sharded
     from kubetron.hf.io import load_hf_into_model
+    from kubetron.storage import open_store
     from kubetron.training.model import build_model
     from megatron.core import parallel_state
 
@@ -34,7 +35,8 @@ def main(ckpt: str, hf_dir: str, out: str, split: str = "tp") -> int:
     layout = [f"model.tensor_model_parallel_size={tp}"] + ([f"model.expert_model_parallel_size={ep}"] if ep > 1 else [])
     cfg = config_for(model_keys, *layout, world_size=world)
     model = build_model(cfg, torch.device("cpu"))
-    canonical.load_model_state(model, torch.load(f"{ckpt}/{name}/model.pt", weights_only=True))
+    # as a fine-tune starting from the import reads it: each rank only the byte ranges of its own part
+    format_sharded.load_model(model, format_sharded.ShardReader(open_store(ckpt), name, 1))
     a = kubetron_logits(model[0])
     model = build_model(cfg, torch.device("cpu"))
     load_hf_into_model(model, cfg, hf_dir)

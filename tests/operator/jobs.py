@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 from datetime import datetime
 from typing import Any
@@ -52,4 +53,16 @@ def tj(ns: str, name: str = "gpt", **spec: Any) -> dict[str, Any]:
     body = copy.deepcopy(S3_JOB)
     body["metadata"] = {"name": name, "namespace": ns}
     body["spec"].update(spec)
+    return body
+
+
+def s3_job(kube: Any, ns: str, s3_server: Any, name: str = "gpt", **spec: Any) -> dict[str, Any]:
+    """tj() whose store is a fresh bucket of the real S3 server; its Secret (s3-creds) holds the keys."""
+    bucket = s3_server.new_bucket()
+    kube.admin.create(f"/api/v1/namespaces/{ns}/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
+        "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(s3_server.access_key.encode()).decode(),
+                 "AWS_SECRET_ACCESS_KEY": base64.b64encode(s3_server.secret_key.encode()).decode()}}, ok=(409,))
+    body = tj(ns, name, **spec)
+    body["spec"]["storage"]["s3"].update(bucket=bucket, endpoint=s3_server.endpoint)
     return body

@@ -1,7 +1,8 @@
 """Pods as local processes, for on-kube tests that play the kubelet (test_in_place_on_kube.py,
 test_elastic_on_kube.py, bench/recovery.py): a pod's exact command and env from the API server, with only
 the laptop differences rewritten (the interpreter, the mounted config, the termination log,
-MASTER_ADDR). A PVC's mountPath is a local directory already (`pvc` makes its hostPath the mountPath).
+MASTER_ADDR), and `$(VAR)` in the command and args expanded from the container's env as the kubelet does
+(`expand`). A PVC's mountPath is a local directory already (`pvc` makes its hostPath the mountPath).
 
 `ProcessKubelet` does for every pod of a namespace bound to its Nodes what a kubelet does: a bound pod's
 container is started and the pod reported Running; a container that ends is reported with its exit code
@@ -31,6 +32,30 @@ from tests.kube.cluster import Api, ApiError, pod_path, set_exited, set_running
 from tests.trainer_utils import TINY
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of a container's command and args (k8s.io/kubernetes third_party/forked/golang/
+    expansion, Expand with MappingFuncFor): `$(VAR)` becomes VAR's value when the container defines it and
+    stays as written otherwise, `$$` becomes `$`, an unterminated `$(` and any other `$x` stay as they are."""
+    out, checkpoint, cursor = [], 0, 0
+    while cursor < len(text):
+        if text[cursor] == "$" and cursor + 1 < len(text):
+            out.append(text[checkpoint:cursor])
+            rest = text[cursor + 1:]
+            close = rest.find(")") if rest[0] == "(" else -1
+            if rest[0] == "$":
+                out.append("$")
+            elif close > 0:
+                name = rest[1:close]
+                out.append(env.get(name, f"$({name})"))
+                cursor += close
+            else:
+                out.append("$" + rest[0])
+            cursor += 1
+            checkpoint = cursor + 1
+        cursor += 1
+    return "".join(out) + text[checkpoint:]
 
 
 def tiny_config(train_iters: int = 100, save_interval: int = 10, **logger: Any) -> str:
@@ -77,7 +102,7 @@ class Container:
                        MASTER_ADDR="127.0.0.1")
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir))
         local = {PYTHON: sys.executable, CONFIG_PATH: str(config), TERMINATION_LOG: str(self.termination_log)}
-        argv = [local.get(a, a) for a in container["command"] + container.get("args", [])]
+        argv = [local.get(a, a) for a in (expand(a, env) for a in container["command"] + container.get("args", []))]
         base = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
         self.started = time.time()
         self.proc = subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

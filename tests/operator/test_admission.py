@@ -94,6 +94,7 @@ ON_THE_POD = [
     ("indexed-data-on-the-claim", "dataset: {data_path: [/ckpt/data/corpus]}\n"),
     ("per-split-data-on-s3", "dataset: {train_data_path: [s3://d/train], valid_data_path: [s3://d/valid]}\n"),
     ("sft-jsonl-on-the-claim", "finetuning: {data_path: /ckpt/data/sft.jsonl}\n"),
+    ("sft-shards-on-s3", "finetuning: {data_path: [s3://d/sft/train-*.parquet, s3://d/more.jsonl.zst]}\n"),
     ("tensorboard-on-the-claim", "logger: {tensorboard_dir: /ckpt/tb}\n"),
     ("wandb-in-the-trainer-image", "logger: {wandb_project: team-a}\n"),
 ]
@@ -125,7 +126,7 @@ REFUSED = [
     ("byte-vocab-too-small", "model: {vocab_size: 200}\n", "model.vocab_size"),
     ("tokenizer-file-missing-its-key", "tokenizer: {tokenizer_type: HuggingFaceTokenizer}\n",
      "tokenizer.tokenizer_model"),
-    ("sft-data-on-s3", "finetuning: {data_path: s3://d/sft.jsonl}\n", "finetuning.data_path"),
+    ("sft-data-empty-list", "finetuning: {data_path: []}\n", "finetuning.data_path"),
     ("lora-without-base", "peft: {scheme: lora}\n", "checkpoint.pretrained_checkpoint"),
 ]
 

@@ -160,7 +160,7 @@ def test_read_s3_progress_with_the_jobs_secret(s3_server, caplog):
     secret = {"data": {"AWS_ACCESS_KEY_ID": base64.b64encode(access_key.encode()).decode(),
                        "AWS_SECRET_ACCESS_KEY": base64.b64encode(secret_key.encode()).decode()}}
     kube = Kube(FakeApi({("GET", "/api/v1/namespaces/ml/secrets/s3-creds"): (200, secret)}))
-    assert read_s3_progress(job, kube)["lastCheckpoint"] is None  # no log yet: read, empty
+    assert read_s3_progress(job, kube).summary["lastCheckpoint"] is None  # no log yet: read, empty
 
     text = "\n".join([starting_job_line(0, 40, num_gpus=2, job_id="ml/gpt/1"),
                       saved_checkpoint_line(20, 0.1, 0.1, 1e12, 20480, 40, num_gpus=2, job_id="ml/gpt/1")])
@@ -168,13 +168,16 @@ def test_read_s3_progress_with_the_jobs_secret(s3_server, caplog):
     assert key == "runs/ml/gpt/progress.txt"
     s3_server.client().put_object(Bucket=bucket_name, Key=key, Body=text.encode())
     with caplog.at_level(logging.DEBUG):
-        summary = read_s3_progress(job, kube)
+        summary = read_s3_progress(job, kube).summary
     assert summary["lastCheckpoint"]["iteration"] == 20 and summary["trainIters"] == 40
     assert secret_key not in caplog.text
 
     wrong = Kube(FakeApi({("GET", "/api/v1/namespaces/ml/secrets/s3-creds"): (200, {"data": {}})}))
     with caplog.at_level(logging.DEBUG):
-        assert read_s3_progress(job, wrong) is None  # unreadable: "unknown", never a guess
+        read = read_s3_progress(job, wrong)
+    assert read.summary is None  # unreadable: "unknown", never a guess
+    assert read.unread == ("SecretKeyMissing", "Secret s3-creds has no key AWS_ACCESS_KEY_ID or AWS_SECRET_ACCESS_KEY; "
+                           "the operator reads the job's store only with the job's own credentials")
     assert secret_key not in caplog.text
 
 
@@ -187,16 +190,16 @@ def test_live_status_from_rank0_only():
         seen.append(url)
         return {"iteration": 5}
 
-    status = live.read_live(pods, 2, 8080, fetch)
+    status = live.read_live(pods, 2, 8080, fetch).status
     assert status is not None and status["iteration"] == 5
     assert status["lastCheckpoint"] is None and status["inPlaceRestarts"] == 0  # not said: unknown
     assert seen == ["http://10.0.0.1:8080/status"]
-    assert live.read_live(pods, 2, 0, fetch) is None  # endpoint off
+    assert live.read_live(pods, 2, 0, fetch) == live.LiveRead()  # endpoint off
 
     def refused(url):
         raise OSError("connection refused")
 
-    assert live.read_live(pods, 2, 8080, refused) is None
+    assert live.read_live(pods, 2, 8080, refused) == live.LiveRead()  # not listening yet: nothing to say
 
 
 def test_transient_creation_errors_back_off_exponentially_to_a_cap():
@@ -226,7 +229,7 @@ def test_live_status_reads_what_rank_0_serves():
                       loss=2.31, learningRate=3e-4, tflopsPerGpu=float("nan"),
                       lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
         pod = PodView(name="gpt-1-0", attempt=1, rank=0, phase="Running", ip="127.0.0.1")
-        assert live.read_live([pod], 1, server.port) == server.snapshot()
+        assert live.read_live([pod], 1, server.port).status == server.snapshot()
         assert server.snapshot()["tflopsPerGpu"] is None and server.snapshot()["loss"] == 2.31
 
 
@@ -234,8 +237,8 @@ def test_live_status_of_the_wrong_type_reads_as_unknown():
     odd = {"iteration": "12", "trainIters": 40.0, "loss": True, "etaSeconds": "soon", "inPlaceRestarts": None,
            "lastCheckpoint": {"iteration": "x", "time": "2026-11-22T12:00:09Z"}, "futureKey": 1}
     pod = PodView(name="gpt-1-0", attempt=1, rank=0, phase="Running", ip="10.0.0.1")
-    status = live.read_live([pod], 1, 8080, lambda url: odd)
+    status = live.read_live([pod], 1, 8080, lambda url: odd).status
     assert status is not None and "futureKey" not in status
     assert (status["iteration"], status["trainIters"], status["loss"], status["etaSeconds"]) == (None, 40, None, None)
     assert status["lastCheckpoint"] is None and status["inPlaceRestarts"] == 0
-    assert live.read_live([pod], 1, 8080, lambda url: [1, 2]) is None  # not an object
+    assert live.read_live([pod], 1, 8080, lambda url: [1, 2]).status is None  # not an object

@@ -10,7 +10,7 @@ import sys
 import jsonschema
 import pytest
 import yaml
-from kubetron_operator.build import CONFIG_PATH, build, master_addr, rank_command
+from kubetron_operator.build import CONFIG_PATH, build, build_probe_pod, master_addr, rank_command
 from kubetron_operator.model import Job, SpecError
 from kubetron_operator.render import render_file
 
@@ -137,6 +137,24 @@ def test_gang_pod_group(gang, kind_api, scheduler):
             assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "gpt-2"
         else:
             assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "gpt-2"
+
+
+def test_kubernetes_gang_pod_group_per_attempt_links_every_pod():
+    """Kubernetes' own gang scheduling (KEP-4671): a scheduling.k8s.io/v1alpha2 PodGroup of the attempt's size
+    (minCount), owned by the job; each pod names it in spec.schedulingGroup and keeps the default scheduler;
+    an elastic job's smaller attempt gets a smaller minCount, its probes no group."""
+    job = Job.from_body(job_body(nodes=4, minNodes=2, scheduling={"gang": "kubernetes"}))
+    for attempt, size in ((1, 4), (2, 2)):
+        manifests = build(job, attempt, nodes=size)
+        (group,) = by_kind(manifests, "PodGroup")
+        assert group["apiVersion"] == "scheduling.k8s.io/v1alpha2" and group["metadata"]["name"] == f"gpt-{attempt}"
+        assert group["spec"] == {"schedulingPolicy": {"gang": {"minCount": size}}}
+        assert group["metadata"]["ownerReferences"][0]["controller"] is True
+        pods = by_kind(manifests, "Pod")
+        assert len(pods) == size
+        assert all(p["spec"]["schedulingGroup"] == {"podGroupName": f"gpt-{attempt}"} for p in pods)
+        assert not any("schedulerName" in p["spec"] for p in pods)
+    assert "schedulingGroup" not in build_probe_pod(job, 2, 3, 2)["spec"]
 
 
 def test_no_pod_group_without_gang():

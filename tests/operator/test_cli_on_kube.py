@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kubetron_operator.client_cli import CliError, format_table, select_pods, whole_lines
+from kubetron.client import Client, NotFound, select_pods, whole_lines
+from kubetron.client_cli import format_table
 
 from tests.kube.cluster import set_running
 from tests.operator.cli import BIN, kubetron, user_env
@@ -113,7 +114,7 @@ def test_logs_select_the_current_attempts_pods_by_rank():
             pod("gpt-2-probe-2", 2, 2, "probe"), pod("other-2-0", 2, 0, job="other")]
     assert [p["metadata"]["name"] for p in select_pods(pods, job, None)] == ["gpt-2-0", "gpt-2-1"]
     assert [p["metadata"]["name"] for p in select_pods(pods, job, 1)] == ["gpt-2-1"]
-    with pytest.raises(CliError, match="no attempt has started yet"):
+    with pytest.raises(NotFound, match="no attempt has started yet"):
         select_pods(pods, {"metadata": {"name": "gpt"}, "status": {}}, None)
 
 
@@ -137,39 +138,22 @@ def test_followed_logs_end_quietly_when_stdout_closes(monkeypatch, capsys):
     closed pipe still ends the command at once, exit 141, no thread traceback."""
     import threading
 
+    from kubetron import client_cli
     from kubetron.cli import main
-    from kubetron_operator import client_cli
 
     silent = threading.Event()
 
-    class Stream:
-        def __init__(self, chatty: bool):
-            self.chatty = chatty
+    class Pods(Client):  # the real Client.logs over two pods whose streams the test makes up
+        def __init__(self, **_):
+            self.namespace = "ns"
 
-        def stream(self):
-            while self.chatty:
-                yield b"iteration 1 | loss 2.0\n"
+        def pods(self, name, rank=None):
+            return [pod("gpt-1-0", 1, 0), pod("gpt-1-1", 1, 1)]
+
+        def _pod_lines(self, pod_name, follow):
+            while pod_name.endswith("-1"):
+                yield "iteration 1 | loss 2.0"
             silent.wait()  # a pod that writes nothing more: its thread blocks in the read
-            yield b""
-
-    class Cluster:
-        namespace = "ns"
-
-        def __init__(self, _args):
-            self.api_client = type("C", (), {"sanitize_for_serialization": staticmethod(lambda x: x)})()
-            self.core = self
-
-        def job(self, name):
-            return {"metadata": {"name": name}, "status": {"attempt": 1}}
-
-        def call(self, fn, what):
-            return fn()
-
-        def list_namespaced_pod(self, ns, label_selector):
-            return {"items": [pod("gpt-1-0", 1, 0), pod("gpt-1-1", 1, 1)]}
-
-        def read_namespaced_pod_log(self, name, ns, **_):
-            return Stream(chatty=name.endswith("-1"))
 
     class ClosedPipe:
         def write(self, _text):
@@ -178,7 +162,7 @@ def test_followed_logs_end_quietly_when_stdout_closes(monkeypatch, capsys):
         def flush(self):
             raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(client_cli, "Cluster", Cluster)
+    monkeypatch.setattr(client_cli, "Client", Pods)
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     result = []
     command = threading.Thread(target=lambda: result.append(main(["logs", "gpt", "-f"])), daemon=True)

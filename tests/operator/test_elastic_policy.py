@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kubetron_operator.build import LABEL_ROLE, build, build_probe_pod
+from kubetron.contract.resource import LABEL_ROLE
+from kubetron_operator.build import build, build_probe_pod
 from kubetron_operator.decide import decide
 from kubetron_operator.handlers import next_due
 from kubetron_operator.model import KUEUE_COUNT_ANNOTATION, KUEUE_GROUP_LABEL, Job, SpecError

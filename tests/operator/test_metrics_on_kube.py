@@ -1,5 +1,6 @@
 """The real `kubetron operator` process serves Prometheus metrics (`--metrics-port`): scraped over HTTP and
-parsed with prometheus-client's own parser, while it reconciles jobs on a real API server."""
+parsed with prometheus-client's own parser, while it reconciles jobs on a real API server. The chart's
+dashboard reads only metrics it serves (tests/dashboard.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ import pytest
 from kubetron.contract.goodput import BUCKETS as GOODPUT_BUCKETS
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import dashboard
 from tests.kube.cluster import free_port, set_exited, set_running
 from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
+def scrape_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+        return resp.read().decode()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+            for family in text_string_to_metric_families(scrape_text(port)) for s in family.samples}
 
 
 def test_operator_metrics(kube, kube_ns):
@@ -58,6 +63,8 @@ def test_operator_metrics(kube, kube_ns):
         gauges = {b: m[("kubetron_goodput_seconds", tuple(sorted((*job, ("bucket", b)))))] for b in GOODPUT_BUCKETS}
         assert gauges == pytest.approx(ledger["seconds"]) and sum(gauges.values()) > 0
         assert m[("kubetron_goodput_ratio", job)] == pytest.approx(ledger["ratio"])
+        # Every operator metric a dashboard query reads is served (each has samples by now).
+        assert dashboard.read_by("operator") and dashboard.missing("operator", scrape_text(port)) == set()
 
         api.delete(f"{kube.jobs(ns)}/nopc")
         kube.wait_for("the deleted job no longer counted", lambda: scrape(port).get(

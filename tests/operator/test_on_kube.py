@@ -10,7 +10,6 @@ there.
 
 from __future__ import annotations
 
-import base64
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
 from packaging.requirements import Requirement
 
 from tests.kube.cluster import set_exited, set_running
-from tests.operator.jobs import tj
+from tests.operator.jobs import s3_job, tj
 from tests.operator.status_endpoint import StatusEndpoint
 
 pytestmark = pytest.mark.timeout(180)
@@ -37,18 +36,6 @@ def status_endpoint():
     endpoint = StatusEndpoint()
     yield endpoint
     endpoint.close()
-
-
-def s3_job(kube, ns: str, s3_server, **spec: Any) -> dict[str, Any]:
-    """A job whose store is a fresh bucket of the real S3 server; its Secret holds the keys."""
-    bucket = s3_server.new_bucket()
-    kube.admin.create(f"/api/v1/namespaces/{ns}/secrets", {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
-        "data": {"AWS_ACCESS_KEY_ID": base64.b64encode(s3_server.access_key.encode()).decode(),
-                 "AWS_SECRET_ACCESS_KEY": base64.b64encode(s3_server.secret_key.encode()).decode()}})
-    body = tj(ns, **spec)
-    body["spec"]["storage"]["s3"].update(bucket=bucket, endpoint=s3_server.endpoint)
-    return body
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from kubetron_operator.model import RESERVED_ENV, Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action
 
+from tests import dashboard
 from tests.operator.jobs import PVC_JOB, kubectl_get
 from tests.operator.local_pods import config_yaml
 from tests.trainer_utils import ITER_RE, TINY, tb_scalars
@@ -215,6 +217,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     assert c1.pod["metadata"]["name"] == "gpt-1-0"
     samples: list[tuple[float, dict[str, Any]]] = []
     checked_live = False
+    metrics = ""  # rank 0's GET /metrics once a checkpoint is durable
     for line in c1.proc.stdout:
         c1.lines.append(line)
         m = ITER_RE.search(line)
@@ -222,7 +225,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
             continue
         iteration = int(m.group(1))
         # the operator's own fetch: rank 0 found through the pod's IP and the spec's statusPort
-        got = live.read_live([view(running(c1))], 1, job.spec.status_port)
+        got = live.read_live([view(running(c1))], 1, job.spec.status_port).status
         if got is not None:
             samples.append((time.monotonic(), got))
         if not checked_live and got is not None and (got.get("iteration") or 0) >= 3:
@@ -233,6 +236,9 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
             assert st["progress"] == f"{math.floor(100 * got['iteration'] / ITERS)}%"
             assert st["tokensPerSecond"] > 0 and st["eta"] and st["eta"].endswith("s")
             checked_live = True
+        if not metrics and iteration >= SAVE_INTERVAL + 2:
+            with urllib.request.urlopen(f"http://127.0.0.1:{job.spec.status_port}/metrics", timeout=10) as resp:
+                metrics = resp.read().decode()
         if iteration >= SIGTERM_AFTER and c1.proc.poll() is None:
             c1.proc.send_signal(signal.SIGTERM)  # the kubelet stopping the container: PID 1 gets it
             break
@@ -251,6 +257,11 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     assert last["consumedSamples"] == 8 * last["iteration"]  # global_batch_size 8
     if last["iteration"] > SAVE_INTERVAL:
         assert last["lastCheckpoint"]["iteration"] == SAVE_INTERVAL
+    # Every trainer metric a dashboard query reads is served by the real trainer; the save took some time.
+    assert dashboard.read_by("trainer") and dashboard.missing("trainer", metrics) == set(), metrics
+    saved_in = dashboard.samples(metrics)
+    assert 0 < saved_in["kubetron_trainer_checkpoint_blocked_seconds"] <= saved_in[
+        "kubetron_trainer_checkpoint_save_seconds"] < 60, metrics
 
     # -- the kubelet's report -> decide: a free restart from the checkpoint saved on SIGTERM ----------
     state = exited["status"]["containerStatuses"][0]["state"]["terminated"]

@@ -3,16 +3,18 @@
     kubetron train     --config FILE [section.key=value ...]   pretrain (also under torchrun)
     kubetron finetune  --config FILE [section.key=value ...]   finetune from checkpoint.pretrained_checkpoint
     kubetron config    [--reference] [--config FILE] [overrides ...]
-    kubetron progress  STORE [--json]
-    kubetron plan      CONFIG --nodes N --gpus-per-node G [--gpu-memory 80GiB] [--json] [overrides ...]
-                       parameters and per-GPU memory estimate; exit 1 when it does not fit
+    kubetron progress  STORE [--json]                 a short summary; the progress log's summary as JSON
+    kubetron plan      CONFIG --nodes N --gpus-per-node G [--gpu-memory 80GiB] [--json] [--search] [overrides ...]
+                       parameters and per-GPU memory estimate; exit 1 when it does not fit (--search: the
+                       smallest layout on up to N nodes that fits)
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
-    kubetron export-hf CKPT OUT [--adapter-only]       kubetron checkpoint -> HF config.json + safetensors
+    kubetron export-hf CKPT OUT [--adapter-only] [--max-shard-size 5GB]
+                                                       kubetron checkpoint -> HF config.json + safetensors
                                                        (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
-                       [--metrics-port PORT] [--gang-schedulers volcano,coscheduling|none]
-                       [--taint-failing-nodes]
+                       [--metrics-port PORT] [--gang-schedulers volcano,coscheduling,kubernetes|none]
+                       [--s3-operator-buckets BUCKET,...] [--taint-failing-nodes]
     kubetron render    FILE
     kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
     kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
@@ -37,6 +39,7 @@ import sys
 from collections.abc import Sequence
 
 from kubetron import __version__
+from kubetron.client_cli import add_commands
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import ConfigError
 
@@ -120,10 +123,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_progress(args: argparse.Namespace) -> int:
-    from kubetron.progress_io import summarize
+    from kubetron.progress_io import format_summary, summarize
 
     summary = summarize(args.store)
-    print(json.dumps(summary, indent=None if args.json else 2, sort_keys=False))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        sys.stdout.write(format_summary(summary))
     return 0
 
 
@@ -136,12 +142,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be >= 1, got {getattr(args, name)}")
     args._cfg = cfg = ConfigContainer.from_yaml(args.config, list(args.overrides), check_paths=False)
+    if args.search:
+        return _plan_search(args)
     plan = make_plan(cfg, args.nodes * args.gpus_per_node, parse_memory(args.gpu_memory))
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:
         sys.stdout.write(format_plan(plan, cfg, args.nodes, args.gpus_per_node))
     return 0 if plan.fits else 1
+
+
+def _plan_search(args: argparse.Namespace) -> int:
+    """`plan --search`: the smallest layout (GPUs, TP/PP/DP, recompute) on up to --nodes nodes that fits."""
+    from kubetron.config import ConfigContainer
+    from kubetron.plan import format_found, gpu_counts, parse_memory, search
+
+    memory = parse_memory(args.gpu_memory)
+    found = search(lambda extra: ConfigContainer.from_yaml(args.config, [*args.overrides, *extra], check_paths=False),
+                   gpu_counts(args.nodes, args.gpus_per_node), memory)
+    if args.json:
+        print(json.dumps(None if found is None else {"nodes": found.nodes, "gpus_per_node": found.gpus_per_node,
+                                                     "recompute": found.recompute, "overrides": found.overrides,
+                                                     **found.plan.to_dict()}))
+    else:
+        sys.stdout.write(format_found(found, args.nodes, args.gpus_per_node, memory))
+    return 0 if found is not None else 1
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
@@ -151,10 +176,14 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from kubetron.hf.io import import_hf, model_yaml
 
-    m = import_hf(args.hf_dir, args.out)
+    m = import_hf(args.hf_dir, args.out, progress=_to_stderr)
     print(f"# wrote {args.out}/iter_0000000; fine-tune from it with this in the run config:")
     sys.stdout.write(model_yaml(m, args.out, args.hf_dir))
     return 0
@@ -162,8 +191,10 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from kubetron.hf.io import export_hf
+    from kubetron.plan import parse_size
 
-    cfg = export_hf(args.ckpt, args.out, adapter_only=args.adapter_only)
+    limit = parse_size(args.max_shard_size, "--max-shard-size", bare_unit=1)
+    cfg = export_hf(args.ckpt, args.out, adapter_only=args.adapter_only, max_shard_size=limit, progress=_to_stderr)
     if args.adapter_only:
         print(f"wrote {args.out}: PEFT LoRA adapter, r={cfg['r']}, {', '.join(cfg['target_modules'])}")
         return 0
@@ -171,27 +202,37 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-GANG_SCHEDULERS = ("volcano", "coscheduling")  # spec.scheduling.gang values with a PodGroup
+GANG_SCHEDULERS = ("volcano", "coscheduling", "kubernetes")  # spec.scheduling.gang values with a PodGroup
 
 
 def gang_schedulers(text: str) -> tuple[str, ...]:
-    """`--gang-schedulers volcano,coscheduling` (or 'none') -> the names, each checked."""
+    """`--gang-schedulers volcano,coscheduling,kubernetes` (or 'none') -> the names, each checked."""
     names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
     unknown = [n for n in names if n not in GANG_SCHEDULERS]
     if unknown:
-        raise ConfigError("--gang-schedulers", f"{', '.join(unknown)}: must be volcano, coscheduling or none")
+        raise ConfigError("--gang-schedulers",
+                          f"{', '.join(unknown)}: must be volcano, coscheduling, kubernetes or none")
     return names
 
 
-def cmd_operator(args: argparse.Namespace) -> int:
-    from kubetron_operator.main import run
+def _operator_part(command: str, module: str, name: str):
+    """`name` from the operator's package, or a one-line error where this install has only the trainer."""
+    import importlib
 
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ConfigError(command, f"needs the operator's packages ({exc.name} is missing): "
+                                   "pip install 'kubetron[operator]'") from None
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    run = _operator_part("operator", "kubetron_operator.main", "run")
     return int(run(args) or 0)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from kubetron_operator.render import render_file
-
+    render_file = _operator_part("render", "kubetron_operator.render", "render_file")
     if not os.path.isfile(args.file):
         raise ConfigError("FILE", f"{args.file}: no such file")
     print(render_file(args.file))
@@ -234,11 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-finalize", action="store_true", help="print the validated input without derived values")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("progress", help="summarize a store's progress log as JSON",
-                       description="Parse <STORE>/progress.txt (a directory or s3://bucket/prefix) and print "
-                                   "the summary as JSON.")
+    p = sub.add_parser("progress", help="summarize a store's progress log",
+                       description="Parse <STORE>/progress.txt (a directory or s3://bucket/prefix) and print a "
+                                   "short summary (iteration, last checkpoint, tokens/s, ETA, restarts), or with "
+                                   "--json the whole summary as JSON.")
     p.add_argument("store", metavar="STORE", help="checkpoint store: a directory or s3://bucket/prefix")
-    p.add_argument("--json", action="store_true", help="compact single-line JSON")
+    p.add_argument("--json", action="store_true", help="the summary as one line of JSON (every event included)")
     p.set_defaults(func=cmd_progress)
 
     p = sub.add_parser("plan", help="parameters and per-GPU memory estimate of a config at a GPU count",
@@ -254,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", default="80GiB", metavar="SIZE",
                    help="memory of one GPU: 80GiB, 141GB, ... (a bare number is GiB; default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the plan as one line of JSON (bytes)")
+    p.add_argument("--search", action="store_true",
+                   help="find the smallest layout that fits instead: fewest GPUs (parts of a node, then 1..NODES "
+                        "nodes of GPUS_PER_NODE), then recompute off/selective/full, then fewest TP x PP; exit 1 when "
+                        "none does")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("preprocess", help="tokenize text/JSONL into an indexed dataset (.bin/.idx)",
@@ -265,21 +311,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_preprocess)
 
     p = sub.add_parser("import-hf", help="convert a Hugging Face Llama-family model into a kubetron checkpoint",
-                       description="Convert HF_DIR (config.json + *.safetensors of a Llama, Mistral, Qwen2, Qwen3, "
-                                   "Qwen3-MoE or Mixtral model) into the kubetron checkpoint OUT and print the "
-                                   "matching model section.")
+                       description="Convert HF_DIR (config.json + model.safetensors, or the shards "
+                                   "model.safetensors.index.json lists, of a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE "
+                                   "or Mixtral model; never pytorch_model.bin) into the kubetron checkpoint OUT and "
+                                   "print the matching model section.")
     p.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory")
     p.add_argument("out", metavar="OUT", help="checkpoint directory to create (a path or s3://bucket/prefix)")
     p.set_defaults(func=cmd_import_hf)
 
     p = sub.add_parser("export-hf", help="write a kubetron checkpoint as a Hugging Face model",
-                       description="Write OUT/config.json and OUT/model.safetensors (and the tokenizer files the "
-                                   "checkpoint holds) from the newest checkpoint in CKPT, for transformers.")
+                       description="Write OUT/config.json and OUT/model.safetensors, or its shards with an index "
+                                   "(and the tokenizer files the checkpoint holds, its chat template included) from "
+                                   "the newest checkpoint in CKPT, for transformers.")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (or one iter_ directory, or s3://...)")
     p.add_argument("out", metavar="OUT", help="output directory")
     p.add_argument("--adapter-only", action="store_true",
                    help="a LoRA checkpoint: write its adapter in PEFT's format (adapter_config.json + "
-                        "adapter_model.safetensors) instead of weights merged into the base")
+                        "adapter_model.safetensors, with the tokenizer files) instead of weights merged into the base")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest weight file: more is written as model-0000i-of-0000n.safetensors shards with "
+                        "model.safetensors.index.json, as transformers' save_pretrained (5GB, 500MB, 2GiB; a bare "
+                        "number is bytes; default: %(default)s)")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("operator", help="run the Kubernetes operator",
@@ -300,8 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "failingNodes.taint)")
     p.add_argument("--gang-schedulers", default=",".join(GANG_SCHEDULERS), metavar="LIST",
                    help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
-                   "comma-separated volcano, coscheduling, or 'none'; a job asking for another fails with "
+                   "comma-separated volcano, coscheduling, kubernetes, or 'none'; a job asking for another fails with "
                    "a status saying so, and no PodGroup API is called (default: %(default)s)")
+    p.add_argument("--s3-operator-buckets", default="", metavar="LIST",
+                   help="S3 buckets (comma-separated) whose jobs without storage.s3.secretRef the operator reads "
+                   "with its own identity, at its own endpoint (the chart's operatorS3Buckets); other such jobs' "
+                   "stores are not read by the operator (default: none)")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("render", help="print the Kubernetes objects for a TrainingJob manifest",
@@ -309,9 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="TrainingJob YAML manifest")
     p.set_defaults(func=cmd_render)
 
-    from kubetron_operator.client_cli import add_commands
-
-    add_commands(sub, _Parser)
+    add_commands(sub, _Parser)  # submit/status/logs/delete: kubetron.client (no torch)
     return parser
 
 
@@ -362,6 +416,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise ConfigError("--metrics-port", f"must be a port number (0 = off), got {args.metrics_port}")
         if args.command == "operator":
             args.gang_schedulers = gang_schedulers(args.gang_schedulers)
+            args.s3_operator_buckets = tuple(b.strip() for b in args.s3_operator_buckets.split(",") if b.strip())
         return int(args.func(args) or 0)
     except ConfigError as exc:
         cfg = getattr(args, "_cfg", None)

@@ -117,9 +117,10 @@ class ConfigContainer(schema.ConfigContainer):
                     names = " and ".join(prefix + e for e in missing)
                     raise ConfigError(f"dataset.{name}", f"{prefix!r}: missing {names}")
         for name in ("data_path", "valid_data_path"):
-            path = getattr(self.finetuning, name)
-            if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"finetuning.{name}", f"{path}: no such file")
+            value = getattr(self.finetuning, name)
+            for path in [value] if isinstance(value, str) else value or ():
+                if not (is_remote(path) or any(c in path for c in "*?[") or os.path.exists(path)):
+                    raise ConfigError(f"finetuning.{name}", f"{path}: no such file or directory")
         if c.pretrained_checkpoint and not is_remote(c.pretrained_checkpoint) \
                 and not os.path.exists(c.pretrained_checkpoint):
             raise ConfigError("checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint}: no such directory")

@@ -6,8 +6,8 @@ MASTER_ADDR, MASTER_PORT. Four things make it more than `exec torchrun`:
 
 - It is PID 1 in the container, so it forwards SIGTERM/SIGINT to torchrun (which forwards them to the
   ranks); a preempted pod's trainer gets to finish its step and save. torchrun's own grace before it
-  SIGKILLs the ranks is raised (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, newer torch), so the kubelet's
-  terminationGracePeriodSeconds is the one limit.
+  SIGKILLs the ranks is raised (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, which kubetron.torchrun makes torch
+  < 2.12 honour too), so the kubelet's terminationGracePeriodSeconds is the one limit.
 - torchrun exits 1 whenever any rank fails, which would turn "preempted and saved" (75) into "crashed"
   (1). The launcher exits with the ranks' own code instead, so the operator's reading of the pod's
   exit code matches the contract's table.
@@ -41,7 +41,7 @@ from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
 from kubetron.heartbeat import HEARTBEAT_ENV, STACKS_ENV
 from kubetron.termination_log import write_termination_message
-from kubetron.torchrun import FAILURES_FILE, HANGS_FILE, describe_failure
+from kubetron.torchrun import FAILURES_FILE, HANGS_FILE, SHUTDOWN_TIMEOUT_ENV, describe_failure
 from kubetron.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
 from kubetron.watchdog import heartbeat_path, stacks_path
 
@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     # torchrun SIGKILLs the ranks 30 s after forwarding SIGTERM unless told otherwise; a checkpoint
     # save can take longer. The pod's grace period bounds it instead.
-    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "86400")
+    env.setdefault(SHUTDOWN_TIMEOUT_ENV, "86400")  # kubetron.torchrun makes older torch honour it too
     log_path = env.get("KUBETRON_TERMINATION_LOG") or DEFAULT_TERMINATION_LOG
     try:
         messages_dir = tempfile.mkdtemp(prefix="kubetron-launch-")

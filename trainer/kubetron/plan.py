@@ -45,18 +45,26 @@ from kubetron.contract.errors import ConfigError
 
 GIB = 1024**3
 DEFAULT_GPU_MEMORY = 80 * GIB
-_UNITS = {"": GIB, "gib": GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "tib": 1024**4, "tb": 10**12}
+_UNITS = {"gib": GIB, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "tib": 1024**4, "tb": 10**12, "kib": 1024, "kb": 10**3,
+          "b": 1}
 FP32 = 4  # bytes
 DROPOUT_MASK_BYTES = 1  # CUDA's dropout keeps a bool mask (torch on CPU keeps it in the compute dtype)
 
 
-def parse_memory(text: str) -> int:
-    """'80GiB', '141GB', '80' (GiB) -> bytes."""
+def parse_size(text: str, flag: str, bare_unit: int) -> int:
+    """'80GiB', '141GB', '500MB' -> bytes (GB = 10^9 and GiB = 2^30 bytes, as transformers reads them); a
+    bare number is `bare_unit` bytes each. Anything else: a ConfigError naming `flag`."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError("--gpu-memory", f"expected a size like 80GiB or 141GB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[unit])
+    units = {**_UNITS, "": bare_unit}
+    if not m or unit not in units or float(m.group(1)) * units[unit] < 1:
+        raise ConfigError(flag, f"expected a size like 80GiB, 5GB or 500MB, got {text!r}")
+    return int(float(m.group(1)) * units[unit])
+
+
+def parse_memory(text: str) -> int:
+    """'80GiB', '141GB', '80' (GiB) -> bytes."""
+    return parse_size(text, "--gpu-memory", bare_unit=GIB)
 
 
 def derived(*values: int | None) -> tuple[int, ...]:
@@ -582,3 +590,76 @@ def format_plan(plan: Plan, cfg: ConfigContainer, nodes: int, gpus_per_node: int
         "CUDA context, NCCL buffers, fragmentation and transient tensors are not included.",
     ]
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Search: the smallest layout that fits
+# --------------------------------------------------------------------------------------------------
+
+# cheapest first: recompute costs a forward pass of what it recomputes
+RECOMPUTE_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("off", ("model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null")),
+    ("selective", ("model.recompute_granularity=selective", "model.recompute_method=null",
+                   "model.recompute_num_layers=null")),
+    ("full", ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")),
+)
+
+
+@dataclass
+class Found:
+    """The layout `search` found: its GPUs, the overrides that give it, and its plan."""
+
+    nodes: int
+    gpus_per_node: int
+    recompute: str
+    overrides: tuple[str, ...]
+    plan: Plan
+    cfg: ConfigContainer
+
+
+def gpu_counts(max_nodes: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """(nodes, GPUs per node), fewest GPUs first: part of one node (powers of two), then whole nodes."""
+    part = [(1, g) for g in (1, 2, 4, 8, 16) if g < gpus_per_node and gpus_per_node % g == 0]
+    return part + [(n, gpus_per_node) for n in range(1, max_nodes + 1)]
+
+
+def _layouts(layers: int, world: int, per_node: int):
+    """(TP, PP) with TP a power of two within a node and PP dividing the layers, fewest model-parallel ranks
+    first (the rest is data-parallel)."""
+    pairs = [(tp, pp) for tp in (1, 2, 4, 8, 16) if tp <= per_node and world % tp == 0
+             for pp in range(1, layers + 1) if layers % pp == 0 and world % (tp * pp) == 0]
+    return sorted(pairs, key=lambda p: (p[0] * p[1], p[1]))
+
+
+def search(load, counts: list[tuple[int, int]], gpu_memory: int) -> Found | None:
+    """The first layout that fits `gpu_memory`, by `counts` of (nodes, GPUs per node) in order (gpu_counts: fewest
+    GPUs first), then no recompute before selective before full, then fewest model-parallel ranks.
+    `load(overrides)`: the run config with those overrides (a layout a config check refuses, e.g. a global
+    batch DP does not divide, is skipped)."""
+    layers = load(()).model.num_layers
+    for nodes, per_node in counts:
+        world = nodes * per_node
+        for name, recompute in RECOMPUTE_CHOICES:
+            for tp, pp in _layouts(layers, world, per_node):
+                overrides = (f"model.tensor_model_parallel_size={tp}", f"model.pipeline_model_parallel_size={pp}",
+                             *recompute)
+                try:
+                    cfg = load(overrides)
+                    plan = make_plan(cfg, world, gpu_memory)
+                except ConfigError:
+                    continue
+                if plan.fits:
+                    return Found(nodes, per_node, name, overrides, plan, cfg)
+    return None
+
+
+def format_found(found: Found | None, max_nodes: int, gpus_per_node: int, gpu_memory: int) -> str:
+    if found is None:
+        return (f"no layout fits {gpu_memory / GIB:.0f} GiB per GPU on up to {max_nodes} node(s) x {gpus_per_node} "
+                "GPUs (TP up to a node, any PP, recompute off/selective/full)\n")
+    lay, st = found.plan.layout, found.plan.stage
+    head = (f"smallest layout that fits {gpu_memory / GIB:.0f} GiB per GPU: {found.plan.world_size} GPU(s) "
+            f"({found.nodes} node(s) x {found.gpus_per_node}), TP {lay.tp}, PP {lay.pp}, DP {lay.dp}, recompute "
+            f"{found.recompute}: {st.total / GIB:.1f} GiB per GPU\n"
+            f"overrides: {' '.join(o for o in found.overrides if not o.endswith('=null'))}\n\n")
+    return head + format_plan(found.plan, found.cfg, found.nodes, found.gpus_per_node)

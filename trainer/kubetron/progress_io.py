@@ -1,6 +1,6 @@
 """The trainer's side of the progress log (its format is kubetron.contract.progress): what a pod's
 environment says about the lines it writes, reading a store's log back, and `kubetron progress STORE`
-(also the operator's progress-reader pod: `python -m kubetron.progress_io`)."""
+(also `python -m kubetron.progress_io`)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,18 @@ import sys
 
 from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause, parse_cause, parse_hangs
 from kubetron.contract.progress import (
+    CHECKPOINT_EVENTS,
     JOB_ID_ENV,
     PROGRESS_FILE,
     RESTART_COUNT_ENV,
+    STARTING_JOB,
     ProgressSummary,
     as_int,
     parse_progress,
     summarize_events,
 )
 from kubetron.contract.termination import MESSAGE_LIMIT
+from kubetron.contract.times import format_duration, parse_stamp
 
 
 def job_id() -> str:
@@ -108,14 +111,66 @@ def summarize(location: str) -> ProgressSummary:
 
 
 # --------------------------------------------------------------------------------------------------
+# The human summary (`kubetron progress STORE`; the JSON with --json)
+
+
+def _rate_points(events: list[dict]) -> list[tuple[int, float, int | None]]:
+    """(iteration, epoch seconds, tokens) where the last job started and at each checkpoint it saved since."""
+    points: list[tuple[int, float, int | None]] = []
+    tokens_at: dict[int, int | None] = {0: 0}
+    for ev in events:
+        it, when = as_int(ev["fields"].get("Iteration")), parse_stamp(ev["time"])
+        if it is None or when is None:
+            continue
+        if ev["event"] == STARTING_JOB:
+            points = [(it, when.timestamp(), tokens_at.get(it))]
+        elif ev["event"] in CHECKPOINT_EVENTS:
+            tokens_at[it] = as_int(ev["fields"].get("Tokens"))
+            points.append((it, when.timestamp(), tokens_at[it]))
+    return points
+
+
+def _speed(summary: ProgressSummary) -> tuple[str, str]:
+    """(tokens/s, ETA) of the last job, from its last two points (its start or a checkpoint); "?" unknown."""
+    points = _rate_points(summary.get("events", []))
+    if len(points) < 2 or points[-1][1] <= points[-2][1]:
+        return "?", "done" if summary["completed"] else "?"
+    (i0, t0, k0), (i1, t1, k1) = points[-2], points[-1]
+    tokens = f"{(k1 - k0) / (t1 - t0):,.0f}" if k0 is not None and k1 is not None else "?"
+    left = (summary["trainIters"] or 0) - i1
+    if summary["completed"]:
+        return tokens, "done"
+    return tokens, format_duration(left * (t1 - t0) / (i1 - i0)) if i1 > i0 and left > 0 else "?"
+
+
+def format_summary(summary: ProgressSummary) -> str:
+    """A few lines for a person: where the run is, its last checkpoint, speed and ETA, restarts, how it ended."""
+    it, total = summary["iteration"], summary["trainIters"]
+    where = f"iteration {'?' if it is None else it}/{'?' if total is None else total}"
+    if it is not None and total:
+        where += f" ({100 * it // total}%)"
+    ckpt = summary["lastCheckpoint"]
+    saved = "none" if ckpt is None else f"iteration {ckpt['iteration']} at {ckpt['time']}"
+    tokens, eta = _speed(summary)
+    starts, in_place = max(summary["jobs"] - 1, 0), sum(summary["inPlaceRestarts"].values())
+    lines = [f"{summary.get('store', 'store')}: {where}{', completed' if summary['completed'] else ''}",
+             f"  last checkpoint: {saved}", f"  speed: {tokens} tokens/s, ETA {eta}",
+             f"  restarts: {starts + in_place} ({starts} new start(s), {in_place} in place)"]
+    last = summary["lastExit"]
+    if last is not None:
+        lines.append(f"  last exit: {last['reason']} at iteration {last['iteration']} ({last['time']})")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
 # `kubetron progress STORE`
 
 
 def main(argv: list[str] | None = None) -> int:
     """`kubetron progress STORE` (also `python -m kubetron.progress_io STORE`): print the summary as JSON.
 
-    `--termination-log PATH` also writes it, compact, to PATH: the operator's progress-reader pod reports
-    through its termination message, so the operator needs no pods/log access.
+    `--termination-log PATH` also writes it, compact and within the termination message's limit, to PATH (a
+    pod's /dev/termination-log: a pod that reads a store reports through its termination message).
     """
     args = sys.argv[1:] if argv is None else list(argv)
     brief = False

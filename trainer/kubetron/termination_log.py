@@ -16,15 +16,20 @@ from kubetron.contract.termination import (
     encode_termination_message,
 )
 
+IN_POD_VAR = "KUBERNETES_SERVICE_HOST"  # set in every container Kubernetes starts
+
 
 def termination_log_path(path: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
-    """`path` if given, else env KUBETRON_TERMINATION_LOG, else /dev/termination-log when writable."""
+    """`path` if given, else env KUBETRON_TERMINATION_LOG, else, in a Kubernetes pod (KUBERNETES_SERVICE_HOST
+    set), /dev/termination-log when writable. Outside a pod nothing is written unless asked for: a laptop's
+    /dev/termination-log is nobody's message."""
     if path:
         return path
     env = os.environ if environ is None else environ
     if env.get(ENV_VAR):
         return env[ENV_VAR]
-    if os.path.exists(DEFAULT_TERMINATION_LOG) and os.access(DEFAULT_TERMINATION_LOG, os.W_OK):
+    if env.get(IN_POD_VAR) and os.path.exists(DEFAULT_TERMINATION_LOG) \
+            and os.access(DEFAULT_TERMINATION_LOG, os.W_OK):
         return DEFAULT_TERMINATION_LOG
     return None
 

@@ -22,6 +22,8 @@ JSON line, to `RESTARTS_FILE` in the launcher's messages directory.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import logging
 import os
@@ -178,6 +180,30 @@ def _watch_for_hangs(agent_class, dog: Watchdog) -> None:
         return result
 
     agent_class._start_workers, agent_class._monitor_workers = _start_workers, _monitor_workers
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # seconds torchrun waits for the ranks after a signal
+
+
+def _shutdown_waits_for_the_ranks(agent_class, grace_s: int) -> None:
+    """Make torchrun's agent wait `grace_s` seconds (not 30) for its ranks after forwarding a signal.
+
+    A preempted rank finishes its step and saves before it exits, which can take longer than 30 s. torch
+    2.12 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT and passes it to the agent's `_shutdown(death_sig, timeout)`;
+    older torch (2.11 on the GPU machines and NGC images of its age) has `_shutdown(death_sig)`, which
+    closes the ranks' process context with its 30 s default and then SIGKILLs them, whatever the variable
+    says. There the context's close gets `grace_s`. Checked against torch 2.11.0 (the old signature) and
+    2.13.0 (the new one, left alone); tests/test_gpu_layout.py runs a save longer than 30 s under 2.11.
+    """
+    if "timeout" in inspect.signature(agent_class._shutdown).parameters:
+        return  # torch >= 2.12 honours the variable itself
+    shutdown = agent_class._shutdown
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM) -> None:
+        pcontext = self._pcontext
+        if pcontext is not None and death_sig != signal.SIGKILL:
+            pcontext.close = functools.partial(type(pcontext).close, pcontext, timeout=grace_s)
+        shutdown(self, death_sig)
+
+    agent_class._shutdown = _shutdown
 
 
 def _ranks_follow_node_rank(handler_class, node_rank: int) -> None:
@@ -230,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dog is not None:
         _watch_for_hangs(LocalElasticAgent, dog)
     _only_restart_restartable_ends(LocalElasticAgent, dog)
+    _shutdown_waits_for_the_ranks(LocalElasticAgent, int(os.environ.get(SHUTDOWN_TIMEOUT_ENV) or 30))
     if os.environ.get(NODE_RANK_ENV):
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 

@@ -4,7 +4,7 @@ operator/kubetron_operator/api_calls.py (OPERATOR_CALLS: kubetron's own code; KO
 framework), with each conditional call granted only when it can happen. tests/test_chart.py derives the
 required rules from that registry for every values combination and fails on anything missing or extra.
 
-  podgroups (two API groups)   only with gangScheduling.enabled, per scheduler
+  podgroups (three API groups) only with gangScheduling.enabled, per scheduler
   namespaces list/watch        only with watchNamespaces: kopf observes namespaces only when it is
                                not cluster-wide
   (cluster)kopfpeerings        only with peering (operator.peering, or replicas > 1): standalone kopf
@@ -91,6 +91,12 @@ required rules from that registry for every values combination and fails on anyt
 {{- if has "coscheduling" .Values.gangScheduling.schedulers }}
 # Gang scheduling with scheduler-plugins coscheduling: one PodGroup per attempt.
 - apiGroups: [scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [create, get, delete]
+{{- end }}
+{{- if has "kubernetes" .Values.gangScheduling.schedulers }}
+# Kubernetes' own gang scheduling (scheduling.k8s.io/v1alpha2): one PodGroup per attempt.
+- apiGroups: [scheduling.k8s.io]
   resources: [podgroups]
   verbs: [create, get, delete]
 {{- end }}

@@ -29,13 +29,13 @@ def phase_status(obs: Observed, phase: str, reason: str, message: str) -> Status
 
 
 def _conditions(old: list[Condition], phase: str, reason: str, message: str, now: datetime) -> list[Condition]:
-    """One condition per phase ever reached; the current one True, the others False. Conditions of other
-    types (Hung: policy/hang.py) are kept as they are."""
+    """One condition per phase ever reached; the current one True, the others False; other conditions kept
+    (StoreReadable: policy/store.py; Hung: policy/hang.py)."""
     out: list[Condition] = []
     seen = False
     for held in old:
         cond = held.copy()
-        if cond.get("type") not in PHASES:
+        if cond.get("type") not in PHASES:  # a condition of its own (policy/store.py), not a phase's
             out.append(cond)
             continue
         is_now = cond.get("type") == phase

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from kubetron.checkpoint.hostcopy import HostBuffers
+from kubetron.checkpoint.layout import TENSOR_DTYPES, brief
 from kubetron.contract.errors import CheckpointError
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -148,6 +149,9 @@ def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def _slice_tp(chunk, name: str, full: torch.Tensor, local_shape) -> torch.Tensor:
     """This TP rank's part of the canonical tensor `full` for the local tensor `name`."""
+    if not torch.is_tensor(full) or full.dtype not in TENSOR_DTYPES.values():
+        got = full.dtype if torch.is_tensor(full) else type(full).__name__
+        raise CheckpointError(f"{name}: the checkpoint holds {got}, not a tensor kubetron loads")
     param = dict(chunk.named_parameters()).get(name)
     dim = tp_split(param)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -298,6 +302,8 @@ def gather_optimizer_state(model, by_name: dict, buffers: HostBuffers) -> dict:
 
 def scatter_optimizer_state(model, saved: dict) -> dict:
     """This rank's share of a canonical optimizer state, keyed by local parameter name."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or "param_groups" not in saved:
+        raise CheckpointError(f"the optimizer state is not kubetron's ({brief(saved)})")
     chunk = model[0]
     tp, pp = _sizes()
     offsets = layer_offsets(chunk)
@@ -309,6 +315,8 @@ def scatter_optimizer_state(model, saved: dict) -> dict:
         src = saved["state"].get(source_name(chunk, name, offsets))
         if src is None:
             continue
+        if not isinstance(src, dict):
+            raise CheckpointError(f"optimizer state of {name} is {type(src).__name__}, not a dict")
         entry = {}
         for k, v in src.items():
             if torch.is_tensor(v) and v.ndim > 0:  # param-shaped state: sliced like the parameter
@@ -335,11 +343,42 @@ def param_groups_of(optimizer) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
+def _hyper(v) -> bool:
+    """A hyperparameter value an optimizer's param group holds (lr, betas, weight_decay, flags, names)."""
+    if isinstance(v, (tuple, list)):
+        return len(v) <= 8 and all(v_ is None or type(v_) in (bool, int, float) for v_ in v)
+    return v is None or type(v) in (bool, int, float, str) or (torch.is_tensor(v) and v.numel() == 1)
+
+
 def _restore_param_groups(optimizer, saved_groups: list[dict]):
+    """The saved hyperparameters into the live param groups; a checkpoint's groups are hostile input, so
+    each is a dict of plain values, keyed by the names the live group has (others are left out)."""
+    if not isinstance(saved_groups, list) or not all(isinstance(sg, dict) for sg in saved_groups):
+        raise CheckpointError(f"the optimizer's param groups are not a list of dicts ({brief(saved_groups)})")
     for g, sg in zip(optimizer.param_groups, saved_groups):
         for k, v in sg.items():
-            if k != "params":
-                g[k] = v
+            if k == "params" or k not in g:
+                continue
+            if not _hyper(v):
+                raise CheckpointError(f"optimizer param group {brief(k)} = {brief(v)} is not a hyperparameter")
+            g[k] = v
+
+
+def check_param_state(name: str, state, param) -> dict:
+    """One parameter's saved optimizer state: a dict of known state names whose tensors are the
+    parameter's shape (or 0-d, `step`) and whose other values are plain numbers."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"optimizer state of {name} is {type(state).__name__}, not a dict")
+    for k, v in state.items():
+        if torch.is_tensor(v):
+            ok = v.dtype in TENSOR_DTYPES.values() and (v.ndim == 0 or v.numel() == param.numel())
+        else:
+            ok = v is None or type(v) in (bool, int, float)
+        if not isinstance(k, str) or not ok:
+            got = list(v.shape) if torch.is_tensor(v) else brief(v)
+            raise CheckpointError(f"optimizer state {brief(k)} of {name} is not param-shaped state ({got}; the "
+                                  f"parameter has {param.numel()} elements)")
+    return state
 
 
 def _state_on(device, optimizer, state: dict) -> dict:
@@ -361,8 +400,8 @@ def load_optimizer_state_by_name(model, optimizer, saved: dict, device):
     for name, s in saved["state"].items():
         p = by_name.get(name)
         if p is None:
-            raise CheckpointError(f"optimizer state has a parameter this model lacks: {name}")
-        optimizer.set_param_state(p, _state_on(device, optimizer, s))
+            raise CheckpointError(f"optimizer state has a parameter this model lacks: {brief(name)}")
+        optimizer.set_param_state(p, _state_on(device, optimizer, check_param_state(name, s, p)))
     _restore_param_groups(optimizer, saved["param_groups"])
 
 

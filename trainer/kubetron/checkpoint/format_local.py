@@ -9,7 +9,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from kubetron.checkpoint.layout import committed_iterations, iter_dir, safe_load
+from kubetron.checkpoint.layout import TENSOR_DTYPES, brief, committed_iterations, iter_dir, safe_load
 from kubetron.contract.errors import CheckpointError
 from kubetron.contract.times import stamp
 from kubetron.storage import open_store
@@ -63,7 +63,14 @@ def read(store, iteration: int) -> tuple[str, dict]:
 
 
 def load_model(chunk, weights: dict, key: str):
-    """The saved chunk's tensors into `chunk`; they must match it exactly."""
+    """The saved chunk's tensors into `chunk`; they must match it exactly (tensors of its shapes)."""
+    own = chunk.state_dict()
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"local checkpoint {key} holds no model tensors")
+    for k, v in weights.items():
+        if k in own and not (torch.is_tensor(v) and v.shape == own[k].shape and v.dtype in TENSOR_DTYPES.values()):
+            raise CheckpointError(f"local checkpoint {key}: {brief(k)} is not a tensor of this model's shape "
+                                  f"{list(own[k].shape)}")
     missing, unexpected = chunk.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -35,11 +35,12 @@ from megatron.core import parallel_state
 
 from kubetron.checkpoint import canonical
 from kubetron.checkpoint.hostcopy import HostBuffers
-from kubetron.checkpoint.layout import COMMON, safe_load
+from kubetron.checkpoint.layout import COMMON, MAX_INDEX, MAX_NDIM, TENSOR_DTYPES, brief, read_json, safe_load
 from kubetron.contract.errors import CheckpointError
 
 VOCAB_TENSORS = (canonical.WORD_EMBEDDING, "output_layer.weight")
 MERGE_GAP = 4 << 20  # bytes: neighbouring ranges of one shard file closer than this are read as one
+MAX_SHARDS = 1 << 20  # ranks: a checkpoint's num_shards above this is not one kubetron wrote
 
 
 def shard_key(rank: int) -> str:
@@ -328,23 +329,92 @@ def write(txn, rank: int, shard: RankShard, after_data=None) -> int:
 
 # --- load -------------------------------------------------------------------------------------------
 
+def _count(v) -> bool:
+    """A JSON number of things: an int, not a bool."""
+    return type(v) is int and v >= 0
+
+
+def _check_piece(e, key: str) -> dict:
+    """One index entry, as format_sharded.write writes it, or a CheckpointError."""
+    if not isinstance(e, dict) or not isinstance(e.get("name"), str) \
+            or not e["name"].startswith(("model/", "optim/")) or e.get("dtype") not in TENSOR_DTYPES:
+        raise CheckpointError(f"{key}: {brief(e)} is not a tensor piece (name, dtype)")
+    shape, box = e.get("global_shape"), e.get("box")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_count(g) for g in shape) \
+            or not isinstance(box, list) or len(box) != len(shape):
+        raise CheckpointError(f"{key}: {e['name']} has no valid global shape and box")
+    for b, g in zip(box, shape, strict=True):
+        if not (isinstance(b, list) and len(b) == 2 and _count(b[0]) and _count(b[1]) and b[0] <= b[1] <= g):
+            raise CheckpointError(f"{key}: {e['name']} box {brief(box)} is not inside {shape}")
+    size = _numel(box) * TENSOR_DTYPES[e["dtype"]].itemsize
+    if not (_count(e.get("offset")) and e.get("nbytes") == size):
+        raise CheckpointError(f"{key}: {e['name']} declares {brief(e.get('nbytes'))} bytes at "
+                              f"{brief(e.get('offset'))}; its box of {e['dtype']} holds {size}")
+    return {k: e[k] for k in ("name", "dtype", "global_shape", "box", "offset", "nbytes")}
+
+
+def _plain(v) -> bool:
+    return v is None or type(v) in (bool, int, float, str)
+
+
+def check_index(index, key: str) -> tuple[list[dict], dict]:
+    """(pieces, values) of one rank's index, checked; its pieces' byte ranges may not overlap."""
+    if not isinstance(index, dict) or not isinstance(index.get("pieces"), list) \
+            or not isinstance(index.get("values"), dict):
+        raise CheckpointError(f"{key}: not a shard index (pieces, values)")
+    values = index["values"]
+    bad = next((k for k, v in values.items() if not (k.startswith("optim/") and k.count("/") >= 2 and _plain(v))),
+               None)
+    if bad is not None:
+        raise CheckpointError(f"{key}: value {brief(bad)} is not a plain optimizer value")
+    pieces = [_check_piece(e, key) for e in index["pieces"]]
+    end = 0
+    for e in sorted(pieces, key=lambda e: e["offset"]):
+        if e["offset"] < end:
+            raise CheckpointError(f"{key}: {e['name']} overlaps another piece's bytes")
+        end = e["offset"] + e["nbytes"]
+    return pieces, values
+
+
+def _check_consistent(name: str, entries: list[dict], where: str):
+    """One canonical tensor's pieces (from every rank): one global shape and dtype, and together exactly
+    its elements (none missing, none twice over)."""
+    first = entries[0]
+    if any(e["global_shape"] != first["global_shape"] or e["dtype"] != first["dtype"] for e in entries):
+        raise CheckpointError(f"{where}: the pieces of {name} disagree on its shape or dtype")
+    if sum(_numel(e["box"]) for e in entries) != math.prod(first["global_shape"]):
+        raise CheckpointError(f"{where}: the pieces of {name} do not add up to its shape {first['global_shape']}")
+
+
 class ShardReader:
     """Reads boxes of canonical tensors from a sharded checkpoint: every index (small), then only the
-    byte ranges (whole rows of each saved piece) that overlap what this rank asks for."""
+    byte ranges (whole rows of each saved piece) that overlap what this rank asks for.
+
+    The indexes are hostile input, checked before anything is read or allocated from them (check_index,
+    _check_consistent): every piece has a known dtype, a box inside its global shape and exactly
+    numel x itemsize bytes; one file's pieces do not overlap; one tensor's pieces agree on shape and dtype
+    and add up to it. A load then compares the global shapes with its model's, so what it reads and
+    allocates is bounded by its model and by the shard files' real sizes (the store checks each byte range
+    against its file before reading)."""
 
     def __init__(self, store, name: str, num_shards: int):
         self.store, self.name = store, name
         self.pieces: dict[str, list[dict]] = {}
         self.values: dict[str, object] = {}
+        if type(num_shards) is not int or not 1 <= num_shards <= MAX_SHARDS:
+            raise CheckpointError(f"{name}/{COMMON}: num_shards {brief(num_shards)} is not a number of ranks")
         for r in range(num_shards):
             key = f"{name}/{index_key(r)}"
             try:
-                index = json.loads(store.read_bytes(key))
-            except (FileNotFoundError, ValueError) as e:
+                index = read_json(store, key, MAX_INDEX)
+            except FileNotFoundError as e:
                 raise CheckpointError(f"cannot read {key}: {e}") from None
-            for e in index["pieces"]:
+            pieces, values = check_index(index, key)
+            for e in pieces:
                 self.pieces.setdefault(e["name"], []).append({**e, "rank": r})
-            self.values.update(index["values"])
+            self.values.update(values)
+        for n, entries in self.pieces.items():
+            _check_consistent(n, entries, name)
 
     def has(self, name: str) -> bool:
         return name in self.pieces
@@ -359,11 +429,11 @@ class ShardReader:
         """The boxes asked for (name, box), in order. Byte ranges are planned first and fetched per shard
         file in few large reads (neighbours closer than MERGE_GAP merged), then cut into the boxes."""
         parts = [self._parts(name, box) for name, box in wants]
-        blobs = self._fetch([(e["rank"], lo, hi) for ps in parts for e, _, lo, hi in ps])
+        blobs = self._fetch([(e["rank"], lo, hi) for ps in parts for e, _, lo, hi in ps])  # checked, then read
         out = []
         for (name, box), ps in zip(wants, parts, strict=True):
             entries = self.pieces[name]
-            t = torch.zeros([hi - lo for lo, hi in box], dtype=getattr(torch, entries[0]["dtype"]))
+            t = torch.zeros([hi - lo for lo, hi in box], dtype=TENSOR_DTYPES[entries[0]["dtype"]])
             for e, inter, lo, hi in ps:
                 t[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(inter, box, strict=True))] = \
                     _cut(e, inter, blobs(e["rank"], lo, hi))
@@ -419,7 +489,7 @@ class ShardReader:
 
 def _cut(e: dict, inter, raw: memoryview) -> torch.Tensor:
     """The intersection `inter` out of the whole rows `raw` of saved piece `e`."""
-    dtype = getattr(torch, e["dtype"])
+    dtype = TENSOR_DTYPES[e["dtype"]]
     if not inter:
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(())
     sizes = [hi - lo for lo, hi in e["box"]]
@@ -537,8 +607,8 @@ def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> l
 def read_canonical(store, name: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """A whole sharded checkpoint as canonical tensors: ({name: tensor}, {param name: {state key: value}})
     (for tools and tests; a training load reads only its own boxes)."""
-    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
-    reader = ShardReader(store, name, common["num_shards"])
+    common = safe_load(store.read_bytes(f"{name}/{COMMON}", limit=MAX_INDEX), f"{name}/{COMMON}")
+    reader = ShardReader(store, name, common.get("num_shards") if isinstance(common, dict) else None)
     names = sorted(reader.pieces)
     full = reader.read_many([(n, [(0, g) for g in reader.global_shape(n)]) for n in names])
     model, optim = {}, {}

@@ -32,23 +32,32 @@ Three things around megatron-core 0.16.1:
   through the store's transaction; a load downloads `dist/` into staging first (on a path store the
   staging holds links to the shards, and a copy of `.metadata`). The S3 staging needs free local disk
   for one rank's shards (save) or the whole `dist/` (load).
-- torch DCP reads `.metadata` with plain `pickle.load`, which would run code planted in a store.
-  `check_metadata_pickle` unpickles it first with an allow-list of torch.distributed.checkpoint's
-  metadata classes and refuses anything else, before megatron reads the (local, checked) copy.
+- A store is hostile input, and torch DCP trusts its files: it reads `.metadata` with plain `pickle.load`,
+  loads any entry recorded as bytes (`BytesStorageMetadata`) with `torch.load(weights_only=False)`, opens
+  whatever relative path an entry names, and inflates compressed chunks. So megatron never sees the
+  checkpoint's own `.metadata`: `check_metadata_pickle` unpickles it with an allow-list of DCP's metadata
+  classes, `checked_metadata` takes from it only the tensors this load asks for, each a
+  `TensorStorageMetadata` with this model's global shape, a known dtype, chunks that tile it, and bytes
+  inside a `.distcp` file of this checkpoint (no transforms), and builds a fresh `Metadata` from those
+  checked plain values, which is what the staging directory holds. Every chunk's bytes are a torch.save
+  zip that layout.check_torch_zip accepts (DCP reads each with weights_only=True). An entry the load asks
+  for that is anything but such a tensor is refused with one line: no byte or object entry is ever loaded.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
+import re
 import shutil
 import tempfile
 
 import torch
 
-from kubetron.checkpoint.layout import MARKER
+from kubetron.checkpoint.layout import MARKER, MAX_NDIM, TENSOR_DTYPES, brief, check_torch_zip, read_json
 from kubetron.contract.errors import CheckpointError, ConfigError
 
 DIST = "dist"
@@ -56,36 +65,141 @@ OPTIM_PREFIX = "optimizer"
 MEGATRON_CONFIG = MARKER  # megatron's own dist/metadata.json (its format and backend), written last as ours
 MEGATRON_CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version, in dist/common.pt
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                    "torch.distributed.checkpoint.filesystem")
-_ALLOWED_BUILTINS = {"set", "frozenset", "list", "dict", "tuple", "slice", "int", "float", "bool", "bytes", "str"}
+MAX_DCP_METADATA = 1 << 30  # bytes: torch DCP's .metadata (an entry per tensor chunk per saving rank)
+DISTCP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.distcp")  # DCP's `__<rank>_<n>.distcp`
+# the optimizer state kubetron's optimizers keep per parameter (Adam, SGD, fp32 mains): a checkpoint's
+# `dist_optimizer.state_keys` may only name these
+OPTIM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "main_param")
+
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED_GLOBALS = frozenset(
+    {(f"{_DCP}.metadata", n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                        "TensorProperties", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                        "_MEM_FORMAT_ENCODING")}
+    # megatron-core keeps the save plans in the metadata too (all_local_plans)
+    | {(f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
+    | {(f"{_DCP}.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"), ("torch", "Size"),
+       ("collections", "OrderedDict")}
+    # containers as protocols before 4 pickle them; never bytes/str (bytes(10**11) would be a memory bomb)
+    | {("builtins", n) for n in ("set", "frozenset", "list", "dict", "tuple")})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module in _ALLOWED_MODULES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # metadata dataclasses and enums, never a function
-                return obj
-        if module == "torch.serialization" and name == "_get_layout":
-            return super().find_class(module, name)
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module == "builtins" and name in _ALLOWED_BUILTINS:
+        if (module, name) in _ALLOWED_GLOBALS:  # DCP's metadata dataclasses and enums, never a function
             return super().find_class(module, name)
         if module == "torch":
             value = getattr(torch, name, None)
-            if name == "Size" or isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
                 return value
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
 def check_metadata_pickle(data: bytes, where: str):
-    """Refuse a `.metadata` that references anything but torch DCP's metadata classes; return it."""
+    """Refuse a `.metadata` that references anything but torch DCP's metadata classes; return it (still
+    hostile: checked_metadata takes the plain values out of it)."""
     try:
         return _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # noqa: BLE001 - any failure means: do not let pickle.load near it
-        raise CheckpointError(f"{where}: refusing to load: {e}") from None
+        raise CheckpointError(f"{where}: refusing to load: {str(e)[:300]}") from None
+
+
+def _ints(v, n: int | None = None) -> tuple[int, ...] | None:
+    """`v` (a torch.Size or a tuple) as non-negative ints, `n` of them if given; None if it is not that."""
+    if not isinstance(v, tuple) or len(v) > MAX_NDIM or (n is not None and len(v) != n):
+        return None
+    return tuple(v) if all(type(x) is int and x >= 0 for x in v) else None
+
+
+def _checked_tensor(key: str, md, shape: tuple, where: str):
+    """A fresh TensorStorageMetadata from the checked values of `md`, the entry for tensor `key` of `shape`."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    if type(md) is not TensorStorageMetadata:
+        raise not_a_tensor(key, md, where)
+    size = _ints(md.size)
+    if size != tuple(shape):
+        raise CheckpointError(f"{where}: {key} is {brief(md.size)} in the checkpoint, {list(shape)} here")
+    props = md.properties
+    if type(props) is not TensorProperties or props.dtype not in TENSOR_DTYPES.values():
+        raise CheckpointError(f"{where}: {key} has no tensor dtype kubetron loads ({brief(props)})")
+    chunks = [_checked_chunk(key, c, size, where) for c in (md.chunks if isinstance(md.chunks, list) else [None])]
+    if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
+        raise CheckpointError(f"{where}: the chunks of {key} do not add up to its shape {list(size)}")
+    return TensorStorageMetadata(properties=TensorProperties(dtype=props.dtype), size=torch.Size(size), chunks=chunks)
+
+
+def _checked_chunk(key: str, c, size: tuple[int, ...], where: str):
+    """A fresh ChunkStorageMetadata of `c`, a box inside `size`."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    off = _ints(c.offsets, len(size)) if type(c) is ChunkStorageMetadata else None
+    n = _ints(c.sizes, len(size)) if off is not None else None
+    if off is None or n is None or any(o + k > g for o, k, g in zip(off, n, size, strict=True)):
+        raise CheckpointError(f"{where}: {key} has a chunk outside its shape {list(size)}")
+    return ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(n))
+
+
+def _storage_infos(raw, where: str) -> dict[tuple, object]:
+    """{(fqn, chunk offsets): entry} of a DCP Metadata's storage_data (the entries still unchecked)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    data = getattr(raw, "storage_data", None)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where}: no storage data")
+    out = {}
+    for k, info in data.items():
+        off = () if type(k) is MetadataIndex and k.offset is None else _ints(getattr(k, "offset", None))
+        if type(k) is MetadataIndex and isinstance(k.fqn, str) and off is not None:
+            out[(k.fqn, off)] = info
+    return out
+
+
+def _checked_storage(key: str, offsets, info, files: dict[str, int], where: str):
+    """A fresh _StorageInfo from `info`: a whole .distcp file of this checkpoint holds the bytes, untransformed."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    ok = type(info) is _StorageInfo and isinstance(info.relative_path, str) and info.relative_path in files \
+        and type(info.offset) is int and type(info.length) is int and not getattr(info, "transform_descriptors", None)
+    if not ok or not 0 <= info.offset <= info.offset + info.length <= files[info.relative_path]:
+        at = ", ".join(brief(getattr(info, a, None)) for a in ("relative_path", "offset", "length"))
+        raise CheckpointError(f"{where}: the bytes of {key} at {list(offsets)} ({at}: file, offset, length) are "
+                              "not inside a .distcp file of this checkpoint")
+    return _StorageInfo(relative_path=info.relative_path, offset=info.offset, length=info.length)
+
+
+def checked_tensors(raw, wanted: dict[str, tuple], where: str) -> dict:
+    """{key: fresh TensorStorageMetadata} for the tensors a load asks for (`wanted`: key -> global shape)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if type(raw) is not Metadata or not isinstance(raw.state_dict_metadata, dict):
+        raise CheckpointError(f"{where}: not torch DCP metadata ({type(raw).__name__})")
+    return {k: _checked_tensor(k, raw.state_dict_metadata.get(k), shape, where) for k, shape in wanted.items()}
+
+
+def checked_metadata(raw, tensors: dict, files: dict[str, int], where: str):
+    """A fresh DCP Metadata of `tensors` (checked_tensors') whose bytes `raw`'s storage data places inside
+    `files` ({.distcp name: size}); nothing else of `raw` is kept."""
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    infos = _storage_infos(raw, where)
+    storage = {MetadataIndex(k, c.offsets, i): _checked_storage(k, c.offsets, infos.get((k, tuple(c.offsets))),
+                                                                files, where)
+               for k, md in tensors.items() for i, c in enumerate(md.chunks)}
+    return Metadata(state_dict_metadata=dict(tensors), storage_data=storage)
+
+
+def referenced_files(raw, tensors: dict, names: set[str], where: str) -> set[str]:
+    """The .distcp files (of `names`, those the checkpoint holds) that the chunks of `tensors` name."""
+    infos = _storage_infos(raw, where)
+    out = set()
+    for k, md in tensors.items():
+        for c in md.chunks:
+            rel = getattr(infos.get((k, tuple(c.offsets))), "relative_path", None)
+            if not (isinstance(rel, str) and DISTCP_NAME.fullmatch(rel) and rel in names):
+                raise CheckpointError(f"{where}: {k} names {brief(rel)}, not a .distcp file of this checkpoint")
+            out.add(rel)
+    return out
 
 
 def cpu_save_strategy():
@@ -224,37 +338,84 @@ def megatron_backend(store, name: str) -> str | None:
     the iteration directory is the dist_checkpointing directory, its metadata.json megatron's config),
     or None for kubetron's own layout (there metadata.json is kubetron's commit marker)."""
     try:
-        marker = json.loads(store.read_bytes(f"{name}/{MARKER}"))
-    except (ValueError, OSError):
+        marker = read_json(store, f"{name}/{MARKER}")
+    except FileNotFoundError:
         return None
     return marker.get("sharded_backend") if isinstance(marker, dict) else None
 
 
-def _stage(store, prefix: str, staging: str):
-    """Bring the dist_checkpointing files under `prefix` into `staging` (links on a path store, copies
-    from S3) and return the checked `.metadata`. Only megatron's own files come along: its common.pt,
-    which Megatron-LM fills with pickled objects (args), is never read."""
-    keys = store.list(prefix)
-    if f"{prefix}.metadata" not in keys:
-        raise CheckpointError(f"{prefix}.metadata is missing")
-    metadata = None
-    for key in keys:
-        rel = key[len(prefix):]
-        if not (rel.endswith(".distcp") or rel in (".metadata", MEGATRON_CONFIG)):
-            continue
-        path = os.path.join(staging, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if rel == ".metadata":  # checked, then megatron reads this very copy
-            data = store.read_bytes(key)
-            metadata = check_metadata_pickle(data, key)
-            with open(path, "wb") as dst:
-                dst.write(data)
-        elif store.local_path(key) is not None:  # a path store: link, do not copy the shards
-            os.symlink(store.local_path(key), path)
-        else:
-            with store.open_read(key) as src, open(path, "wb") as dst:
-                shutil.copyfileobj(src, dst, 8 << 20)
-    return metadata
+def _read_metadata(store, prefix: str):
+    """The checkpoint's own `.metadata`, unpickled with the allow-list (still to be checked)."""
+    key = f"{prefix}.metadata"
+    try:
+        return check_metadata_pickle(store.read_bytes(key, limit=MAX_DCP_METADATA), key)
+    except FileNotFoundError:
+        raise CheckpointError(f"{key} is missing") from None
+
+
+def _megatron_config(store, prefix: str) -> bytes:
+    """megatron's dist_checkpointing config (metadata.json) as staged: rewritten from its checked values."""
+    key = f"{prefix}{MEGATRON_CONFIG}"
+    try:
+        config = read_json(store, key)
+    except FileNotFoundError:
+        raise CheckpointError(f"{key} is missing") from None
+    version = config.get("sharded_backend_version") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist" or type(version) is not int:
+        raise CheckpointError(f"{store.url}/{key}: not a megatron-core torch_dist checkpoint ({brief(config)})")
+    return json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": version,
+                       "common_backend": "torch", "common_backend_version": 1}).encode()
+
+
+def _stage_file(store, key: str, path: str) -> int:
+    """`key` at the staging `path`: on a path store a link to its file (which the store checked is a regular
+    file reached without following a link; a file swapped for a link after that check is still read only
+    as a torch.save zip, weights_only), from S3 a copy. Returns its size."""
+    local = store.local_path(key)
+    if local is not None:
+        os.symlink(local, path)
+    else:
+        with store.open_read(key) as src, open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
+    return os.path.getsize(path)
+
+
+def _check_chunks(staging: str, metadata, where: str):
+    """Every chunk DCP will torch.load is a torch.save zip that check_torch_zip accepts (nothing inflates)."""
+    by_file: dict[str, list] = {}
+    for info in metadata.storage_data.values():
+        by_file.setdefault(info.relative_path, []).append(info)
+    for rel, infos in by_file.items():
+        with open(os.path.join(staging, rel), "rb") as f:
+            for info in infos:
+                check_torch_zip(f, f"{where}{rel} bytes {info.offset}+{info.length}", info.offset, info.length)
+
+
+def _stage(store, prefix: str, staging: str, raw, tensors: dict):
+    """Into `staging`, what megatron reads: the .distcp files the checked tensors' chunks name, a fresh
+    `.metadata` of only those tensors (checked_metadata) and megatron's config. Nothing else comes along:
+    megatron's common.pt, which Megatron-LM fills with pickled objects (args), is never read."""
+    names = {k[len(prefix):] for k in store.list(prefix)}
+    files = {rel: _stage_file(store, prefix + rel, os.path.join(staging, rel))
+             for rel in sorted(referenced_files(raw, tensors, names, prefix))}
+    metadata = checked_metadata(raw, tensors, files, prefix)
+    _check_chunks(staging, metadata, prefix)
+    with open(os.path.join(staging, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)  # built here from checked plain values, nothing of the checkpoint's pickle
+    with open(os.path.join(staging, MEGATRON_CONFIG), "wb") as f:
+        f.write(_megatron_config(store, prefix))
+
+
+def _load_checked(sd: dict, store, prefix: str, raw, wanted: dict[str, tuple], cfg) -> dict:
+    """megatron's dist_checkpointing.load of `sd` from a staging directory that holds only the tensors
+    `wanted` asks for (key -> global shape), checked."""
+    tensors = checked_tensors(raw, wanted, prefix)
+    staging = _staging(cfg)
+    try:
+        _stage(store, prefix, staging, raw, tensors)
+        return _load_sharded(sd, staging, prefix)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _no_common_strategy():
@@ -300,10 +461,28 @@ def _wanted_shapes(sd: dict) -> dict[str, tuple]:
     return out
 
 
-def _saved_shapes(metadata) -> dict[str, tuple]:
-    """{key: shape} of the model tensors in a torch DCP `.metadata` (no optimizer state, no objects)."""
-    return {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items()
-            if k.startswith(_MODEL_PREFIXES) and hasattr(md, "size")}
+def not_a_tensor(key: str, md, where: str) -> CheckpointError:
+    what = "it is missing" if md is None else f"a {type(md).__name__} entry is no tensor (DCP would unpickle it)"
+    return CheckpointError(f"{where}: refusing to load {key}: {what}")
+
+
+def _saved_shapes(metadata, wanted: dict, where: str) -> dict[str, tuple]:
+    """{key: shape} of the model tensors in a torch DCP `.metadata` (no optimizer state, no objects); an
+    entry the load asks for (`wanted`) that is not a tensor is refused here."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{where}: not torch DCP metadata")
+    out = {}
+    for k, md in entries.items():
+        if isinstance(k, str) and k.startswith(_MODEL_PREFIXES):
+            size = _ints(md.size) if type(md) is TensorStorageMetadata else None
+            if size is not None:
+                out[k] = size
+            elif k in wanted:
+                raise not_a_tensor(k, md, where)
+    return out
 
 
 def _shape_field(key: str, saved: tuple, wanted: tuple) -> str:
@@ -379,43 +558,51 @@ def load_megatron(model, store, name: str, cfg):
     `dist_checkpointing.save(model.sharded_state_dict(), dir)`): the tensors only, checked against this
     model first. Its common.pt (args, scheduler) and optimizer state are not read."""
     prefix = f"{name}/"
-    staging = _staging(cfg)
-    try:
-        metadata = _stage(store, prefix, staging)
-        sd = _model_sharded(model)
-        chunk = model[0]
-        check_tensors(_wanted_shapes(sd), _saved_shapes(metadata), f"{store.url}/{name}",
-                      first=chunk.pre_process, last=chunk.post_process)
-        loaded = _load_sharded(sd, staging, prefix)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    _into_model(model, loaded, prefix)
+    sd = _model_sharded(model)
+    wanted = _wanted_shapes(sd)
+    raw = _read_metadata(store, prefix)
+    chunk = model[0]
+    check_tensors(wanted, _saved_shapes(raw, wanted, prefix), f"{store.url}/{name}",
+                  first=chunk.pre_process, last=chunk.post_process)
+    _into_model(model, _load_checked(sd, store, prefix, raw, wanted, cfg), prefix)
+
+
+def _optimizer_facts(common: dict, where: str) -> dict | None:
+    """kubetron's common.pt record of a torch_dist optimizer state, checked: it decides what is allocated."""
+    facts = common.get("dist_optimizer")
+    if not facts:
+        return None
+    keys = facts.get("state_keys") if isinstance(facts, dict) else None
+    if not (isinstance(keys, list) and all(k in OPTIM_STATE_KEYS for k in keys) and len(set(keys)) == len(keys)
+            and isinstance(facts.get("param_groups"), list)):
+        raise CheckpointError(f"{where}: dist_optimizer names {brief(keys)}, not an optimizer state kubetron wrote")
+    return facts
 
 
 def load(model, optimizer, store, name: str, cfg, common: dict, *, with_optimizer: bool, device) -> dict | None:
     """Load model weights (and, with_optimizer, return optimizer state by parameter name, in the
     form canonical.load_optimizer_state_by_name takes) from `name`/dist."""
     prefix = f"{name}/{DIST}/"
-    staging = _staging(cfg)
-    try:
-        _stage(store, prefix, staging)
-        facts = common.get("dist_optimizer") if with_optimizer else None
-        sd = {"model": _model_sharded(model)}
-        keys = _param_keys(model, sd["model"])
-        if facts:
-            from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    facts = _optimizer_facts(common, prefix) if with_optimizer else None
+    sd = {"model": _model_sharded(model)}
+    keys = _param_keys(model, sd["model"])
+    if facts:
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-            optim = {}
-            for p in model[0].parameters():
-                pname, sh = keys[id(p)]
-                for k in facts["state_keys"]:
-                    optim[f"{k}.{pname}"] = make_sharded_optimizer_tensor(
-                        sh, torch.empty(p.shape, dtype=torch.float32, device=p.device), f"{OPTIM_PREFIX}.{k}")
-            sd["optimizer"] = optim
-        loaded = _load_sharded(sd, staging, prefix)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        optim = {}
+        for p in model[0].parameters():
+            pname, sh = keys[id(p)]
+            for k in facts["state_keys"]:
+                optim[f"{k}.{pname}"] = make_sharded_optimizer_tensor(
+                    sh, torch.zeros(p.shape, dtype=torch.float32, device=p.device), f"{OPTIM_PREFIX}.{k}")
+        sd["optimizer"] = optim
+    model_keys = _wanted_shapes(sd["model"])
+    wanted = {**model_keys, **_wanted_shapes(sd.get("optimizer", {}))}
+    raw = _read_metadata(store, prefix)
     chunk = model[0]
+    check_tensors(model_keys, _saved_shapes(raw, wanted, prefix), f"{store.url}/{name}",
+                  first=chunk.pre_process, last=chunk.post_process)
+    loaded = _load_checked(sd, store, prefix, raw, wanted, cfg)
     _into_model(model, loaded["model"], prefix)
     if not facts:
         return None

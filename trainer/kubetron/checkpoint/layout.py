@@ -8,22 +8,31 @@ record, which iteration to load, and the one safe way to read a file back.
     <save>/progress.txt                          "Saved checkpoint" appended once durable
 
 The format's files: format_sharded.py (shards/), format_kubetron.py (model.pt, optim.pt),
-format_torch_dist.py (dist/). Every load is `torch.load(..., weights_only=True)` (safe_load): a
-checkpoint can never run code.
+format_torch_dist.py (dist/). A checkpoint is data, never code, and hostile input:
+- every .pt is read by safe_load: a torch.save zip whose records are stored uncompressed inside the file
+  (so memory stays within the file's size), then `torch.load(..., weights_only=True)`;
+- JSON and YAML (markers, indexes, run_config.yaml) by json.loads / yaml.safe_load;
+- small files with a size limit (MAX_SMALL, MAX_INDEX), checked before their bytes are held;
+- values from a checkpoint reach messages through `brief` (a bounded repr: a pickle or YAML of shared
+  references can stand for an exponentially large structure).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import pickle
 import re
+import reprlib
+import zipfile
 
 import torch
 import torch.distributed as dist
 import yaml
 
 from kubetron.contract.errors import CheckpointError, ConfigError
+from kubetron.data.tokenizer import CHAT_TEMPLATE_DIR
 from kubetron.storage import MARKER, open_store
 
 log = logging.getLogger("kubetron")
@@ -38,7 +47,14 @@ TOKENIZER_DIR = "tokenizer"
 COMMON = "common.pt"  # counters, scheduler, data position, architecture, version (rank 0)
 RUN_CONFIG = "run_config.yaml"  # the resolved config
 CHECKPOINT_VERSION = 1
+MAX_SMALL = 16 << 20  # bytes: tracker, commit marker, run_config.yaml, RNG state (kubetron writes KBs)
+MAX_INDEX = 256 << 20  # bytes: common.pt, a shard's JSON index, one tokenizer file (MBs at the largest sizes)
+# the dtypes a saved tensor may have (parameters and optimizer state), by the name torch prints without "torch."
+TENSOR_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64",
+                                                         "int32", "int16", "int8", "uint8", "bool")}
+MAX_NDIM = 8  # dimensions of a saved tensor
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Architecture fields that must match between a checkpoint and the model loading it.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "vocab_size", "position_embedding_type", "normalization", "activation", "add_bias_linear",
@@ -81,17 +97,96 @@ def rng_file(rank: int) -> str:
     return f"rng/rank_{rank:05d}.pt"
 
 
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of a seekable binary file, as a file of their own (a record inside a
+    larger file, as torch DCP stores one tensor chunk; or the whole file)."""
+
+    def __init__(self, f, start: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(b)[:n]) if n else 0
+        self.pos += got
+        return got
+
+
+def check_torch_zip(f, what: str, start: int = 0, length: int | None = None):
+    """Refuse what torch.load could inflate beyond its size: `f` (bytes [start, start + length) of it) must be
+    a torch.save zip archive whose records are all stored (torch.save never compresses; a deflated record of
+    a few MB can stand for any size) and lie inside it. The legacy (pre-1.6) format is not read either."""
+    if length is None:
+        length = f.seek(0, io.SEEK_END) - start
+    try:
+        records = zipfile.ZipFile(_Window(f, start, length)).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise CheckpointError(f"refusing to load {what}: not a torch.save zip archive ({e})") from None
+    for r in records:
+        if r.compress_type != zipfile.ZIP_STORED or r.compress_size != r.file_size \
+                or r.header_offset + r.compress_size > length:
+            raise CheckpointError(f"refusing to load {what}: record {brief(r.filename)} is compressed or lies "
+                                  "outside the file (torch.save writes neither)")
+
+
 def safe_load(data: bytes | io.IOBase, what: str):
-    """torch.load that refuses anything but tensors and plain containers (no code from a store)."""
+    """torch.load that refuses anything but tensors and plain containers (no code from a store), of a zip
+    archive check_torch_zip accepts (memory within the file's size)."""
     f = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    check_torch_zip(f, what)
+    f.seek(0)
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0][:200]
+        lines = [_ANSI.sub("", ln).strip() for ln in str(e).splitlines()]  # torch's text has bold escapes
+        why = next((ln.split("error:", 1)[1].strip() for ln in lines if "WeightsUnpickler error:" in ln), lines[0])
         raise CheckpointError(f"refusing to load {what}: it holds objects other than tensors and plain "
-                              f"data, and loading it could run code ({first})") from None
+                              f"data, and loading it could run code ({why.split('. ')[0][:200]})") from None
     except Exception as e:  # truncated/corrupt file
-        raise CheckpointError(f"cannot read {what}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read {what}: {type(e).__name__}: {str(e).strip()[:300]}") from None
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlist, _BRIEF.maxdict = 3, 80, 80, 8, 8
+
+
+def brief(value) -> str:
+    """A bounded repr of a value read from a checkpoint (for messages)."""
+    return _BRIEF.repr(value)
+
+
+def read_json(store, key: str, limit: int = MAX_SMALL):
+    """A JSON file of the store, at most `limit` bytes; anything but JSON is a CheckpointError."""
+    try:
+        return json.loads(store.read_bytes(key, limit=limit))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"{store.url}/{key} is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def read_yaml(store, key: str):
+    """A checkpoint's YAML file (yaml.safe_load: plain data only, at most MAX_SMALL bytes); None, with a
+    warning, when it is not YAML (only logs and checks that can do without it read one)."""
+    data = store.read_bytes(key, limit=MAX_SMALL)
+    try:
+        return yaml.safe_load(data)
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        log.warning("%s/%s: not read (%s)", store.url, key, str(e).splitlines()[0][:100])
+        return None
 
 
 def to_bytes(obj) -> bytes:
@@ -115,16 +210,16 @@ def tracked_iteration(store) -> int | None:
     """The iteration the tracker names: kubetron's `latest_train_state.pt` ({"iteration": ...}), Megatron
     Bridge's (its TrainState, {"step": ...}) or Megatron-LM's `latest_checkpointed_iteration.txt`."""
     if store.exists(TRACKER):
-        tracker = safe_load(store.read_bytes(TRACKER), TRACKER)
+        tracker = safe_load(store.read_bytes(TRACKER, limit=MAX_SMALL), TRACKER)
         value = tracker.get("iteration", tracker.get("step")) if isinstance(tracker, dict) else None
     elif store.exists(MEGATRON_LM_TRACKER):
-        value = store.read_bytes(MEGATRON_LM_TRACKER).decode(errors="replace").strip()
+        value = store.read_bytes(MEGATRON_LM_TRACKER, limit=MAX_SMALL).decode(errors="replace").strip()
     else:
         return None
     try:
         return int(value)
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{store.url}: the tracker names no iteration ({str(value)[:40]!r})") from None
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        raise CheckpointError(f"{store.url}: the tracker names no iteration ({brief(value)})") from None
 
 
 def resolve_checkpoint(location: str, ckpt_step: int | None, cfg, non_persistent: bool = True):
@@ -175,7 +270,7 @@ def check_version(common: dict, store, name: str, field: str = "checkpoint.load"
     """A checkpoint written by a newer kubetron (unknown layout) is refused with one line naming `field`."""
     version = common.get("checkpoint_version")
     if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
-        raise ConfigError(field, f"{store.url}/{name} has checkpoint version {version!r}; this kubetron "
+        raise ConfigError(field, f"{store.url}/{name} has checkpoint version {brief(version)}; this kubetron "
                                  f"reads versions 1..{CHECKPOINT_VERSION} (use the kubetron that wrote it)")
 
 
@@ -192,7 +287,7 @@ def check_architecture(saved: dict, cfg, name: str, saved_tokenizer_vocab: int |
     checkpoint may differ in the padded vocabulary (it grows with TP) when the tokenizer is the same."""
     same_tokenizer = saved_tokenizer_vocab is not None and saved_tokenizer_vocab == tokenizer_vocab(cfg)
     current = arch_record(cfg.model)
-    diffs = [f"model.{k}: checkpoint {saved[k]!r}, this run {current[k]!r}"
+    diffs = [f"model.{k}: checkpoint {brief(saved[k])}, this run {current[k]!r}"
              for k in ARCH_FIELDS if k in saved and saved[k] != current[k]
              and not (k == "vocab_size" and same_tokenizer)]
     if diffs:  # a spec error no retry fixes (exit 2): the first differing field is named
@@ -206,26 +301,38 @@ def bridge_heads(store, name: str) -> dict:
     key = f"{name}/{RUN_CONFIG}"
     if not store.exists(key):
         return {}
-    try:
-        model = (yaml.safe_load(store.read_bytes(key)) or {}).get("model") or {}
-    except (yaml.YAMLError, AttributeError) as e:
-        log.warning("%s: not read (%s); the attention heads are not checked", key, str(e).splitlines()[0][:100])
+    saved = read_yaml(store, key)
+    model = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(model, dict):
+        log.warning("%s: no model section read; the attention heads are not checked", key)
         return {}
     heads = model.get("num_attention_heads")
     groups = model.get("num_query_groups") or heads
     return {k: v for k, v in (("num_attention_heads", heads), ("num_query_groups", groups)) if isinstance(v, int)}
 
 
+# A plain file name, or a named chat template in transformers' folder of them (additional_chat_templates/NAME.jinja).
+_ASSET_NAME = re.compile(rf"({re.escape(CHAT_TEMPLATE_DIR)}/)?[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,200}}")
+
+
 def read_tokenizer_assets(store, name: str) -> dict[str, bytes]:
-    """{file name: bytes} of a checkpoint's tokenizer/ directory ({} for byte/null or older checkpoints)."""
+    """{file name: bytes} of a checkpoint's tokenizer/ directory ({} for byte/null or older checkpoints).
+    These files are copied into every later checkpoint, so an entry that is not a plain file kubetron could
+    have written (a link: the store refuses reading it; a subdirectory, an odd name, a huge file) stops the
+    run with one line rather than being left out, which would silently change the tokenizer."""
     prefix = f"{name}/{TOKENIZER_DIR}/"
-    return {key[len(prefix):]: store.read_bytes(key) for key in store.list(prefix.rstrip("/"))
-            if key.startswith(prefix)}
+    assets = {}
+    for key in store.list(prefix.rstrip("/")):
+        file_name = key[len(prefix):]
+        if not _ASSET_NAME.fullmatch(file_name):
+            raise CheckpointError(f"{store.url}/{key}: not a tokenizer file kubetron writes (plain names only)")
+        assets[file_name] = store.read_bytes(key, limit=MAX_INDEX)
+    return assets
 
 
-def run_config_changes(saved_yaml: str, cfg) -> list[str]:
-    """`section.key: old -> new` for every setting that differs from the saved run_config.yaml."""
-    saved = yaml.safe_load(saved_yaml) or {}
+def run_config_changes(saved, cfg) -> list[str]:
+    """`section.key: old -> new` for every setting that differs from the saved run_config.yaml (parsed)."""
+    saved = saved if isinstance(saved, dict) else {}
     now = cfg.to_dict()
     changes = []
     for section, values in saved.items():
@@ -234,7 +341,7 @@ def run_config_changes(saved_yaml: str, cfg) -> list[str]:
         for key, old in values.items():
             new = now[section].get(key, old)
             if new != old:
-                changes.append(f"{section}.{key}: {old!r} -> {new!r}")
+                changes.append(f"{section}.{key}: {brief(old)} -> {new!r}")
     return changes
 
 
@@ -243,6 +350,6 @@ def log_run_config_changes(store, name: str, cfg):
     key = f"{name}/{RUN_CONFIG}"
     if (dist.get_rank() if dist.is_initialized() else 0) != 0 or not store.exists(key):
         return
-    changes = run_config_changes(store.read_bytes(key).decode(), cfg)
+    changes = run_config_changes(read_yaml(store, key), cfg)
     if changes:
         log.info("settings changed since %s: %s", name, "; ".join(changes))

@@ -26,6 +26,8 @@ from kubetron.checkpoint.layout import (
     CHECKPOINT_VERSION,
     COMMON,
     MARKER,
+    MAX_INDEX,
+    MAX_SMALL,
     NON_PERSISTENT,
     RUN_CONFIG,
     TOKENIZER_DIR,
@@ -37,6 +39,7 @@ from kubetron.checkpoint.layout import (
     committed_iterations,
     iter_dir,
     log_run_config_changes,
+    read_json,
     read_tokenizer_assets,
     resolve_checkpoint,
     rng_file,
@@ -146,6 +149,9 @@ class CheckpointManager:
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
+        self.last_save_seconds: float | None = None  # the newest durable save: start to durable (seconds)
+        self.last_blocked_seconds: float | None = None  # ... of which the loop waited (seconds)
+        self._blocked: dict[int, float] = {}  # iteration -> seconds the loop waited, until that save is durable
         self._run_config_yaml: str | None = None
         self._tokenizer_assets: dict[str, bytes] | None = None
         self.hf_record: dict | None = None  # the HF base's special ids + generation config (kubetron.hf.generation)
@@ -274,7 +280,10 @@ class CheckpointManager:
         finalize = lambda: self._commit(name, snap, holder, non_persistent, use_async, t0)  # noqa: E731
         if use_async:
             self.async_saver.schedule(write, finalize)
-            log.info("async save of %s scheduled; the loop was blocked %.3fs", name, time.perf_counter() - t0)
+            blocked = time.perf_counter() - t0
+            if not non_persistent:
+                self._blocked[step] = blocked
+            log.info("async save of %s scheduled; the loop was blocked %.3fs", name, blocked)
             return
         try:
             write()
@@ -335,9 +344,12 @@ class CheckpointManager:
             else:
                 self._cleanup_non_persistent(keep=name)
         _barrier()
+        seconds = time.perf_counter() - t0
         if not non_persistent:
             self.last_durable, self.last_durable_time = snap.iteration, stamp()
-        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, time.perf_counter() - t0)
+            self.last_save_seconds = seconds
+            self.last_blocked_seconds = self._blocked.pop(snap.iteration, seconds)  # a sync save: all of it
+        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, seconds)
 
     def finalize(self, blocking: bool = False):
         """Finish async saves that are done (or all, if blocking). Collective when world_size > 1:
@@ -420,7 +432,7 @@ class CheckpointManager:
             self.optimizer.reload_model_params()
         self._restore_common(common)
         if self.cfg.checkpoint.load_rng:
-            set_rng_state(state["rng"])
+            set_rng_state(state["rng"], key)
 
     def _restore_common(self, common):
         """Train state and data positions; the LR scheduler and fp16 loss scale only with the optimizer
@@ -467,11 +479,14 @@ class CheckpointManager:
                 f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")
         if found is not None:
             return self._resume(*found, expected=expected)
-        if finetune or peft.enabled(self.cfg):
-            self._load_pretrained()
-        elif ck.exit_on_missing_checkpoint and ck.load:
+        if ck.exit_on_missing_checkpoint and ck.load and not (finetune or peft.enabled(self.cfg)):
             raise CheckpointError(f"checkpoint.load={ck.load} holds no complete checkpoint "
                                   "(exit_on_missing_checkpoint is set)")
+        if ck.load:
+            log.info("checkpoint.load=%s holds no checkpoint: starting at iteration 0 from %s", ck.load,
+                     "the pretrained weights" if finetune or peft.enabled(self.cfg) else "freshly initialized weights")
+        if finetune or peft.enabled(self.cfg):
+            self._load_pretrained()
         return 0
 
     def _resume(self, store, name: str, iteration: int, *, expected: int | None) -> int:
@@ -482,7 +497,8 @@ class CheckpointManager:
         log.info("resumed from %s/%s at iteration %d", store.url, name, iteration)
         if not name.startswith(NON_PERSISTENT):
             self.last_durable = iteration
-            self.last_durable_time = json.loads(store.read_bytes(f"{name}/{MARKER}")).get("time")
+            marker = read_json(store, f"{name}/{MARKER}")
+            self.last_durable_time = marker.get("time") if isinstance(marker, dict) else None
         return iteration
 
     def _load_pretrained(self):
@@ -528,7 +544,9 @@ class CheckpointManager:
             raise ConfigError("checkpoint.load", f"{store.url}/{name} was written by megatron-core (Megatron-LM, "
                                                  "Megatron Bridge): fine-tune from it as "
                                                  "checkpoint.pretrained_checkpoint")
-        common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
+        common = safe_load(store.read_bytes(f"{name}/{COMMON}", limit=MAX_INDEX), f"{name}/{COMMON}")
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{name}/{COMMON} holds {type(common).__name__}, not kubetron's common state")
         check_version(common, store, name, field="checkpoint.load" if full else "checkpoint.pretrained_checkpoint")
         log_run_config_changes(store, name, self.cfg)
         self.hf_record = common.get("hf", self.hf_record)
@@ -574,9 +592,35 @@ class CheckpointManager:
         rng_key = f"{name}/{rng_file(_rank())}"
         same_layout = common.get("parallel", {}).get("world_size") == self.world_size
         if ck.load_rng and same_layout and store.exists(rng_key):
-            rng = safe_load(store.read_bytes(rng_key), rng_key)
+            rng = safe_load(store.read_bytes(rng_key, limit=MAX_SMALL), rng_key)
             if rng:  # empty: saved with checkpoint.save_rng false by an older kubetron
-                set_rng_state(rng)
+                set_rng_state(rng, rng_key)
+
+
+def check_before_build(cfg, *, finetune: bool) -> None:
+    """What `CheckpointManager.load` will check that needs no model, before the model is built: the
+    architecture of the checkpoint it will resume (checkpoint.load) or start from (pretrained_checkpoint: a
+    kubetron or megatron checkpoint, or an HF directory's config.json) against `model:`. A mismatch is the
+    same config error (exit 2) from every kind of checkpoint."""
+    ck = cfg.checkpoint
+    found = resolve_checkpoint(ck.load, ck.ckpt_step, cfg) if ck.load else None
+    if found is None and (finetune or peft.enabled(cfg)) and ck.pretrained_checkpoint:
+        from kubetron.hf import is_hf_dir
+
+        if is_hf_dir(ck.pretrained_checkpoint):
+            from kubetron.hf.io import check_hf_dir
+
+            return check_hf_dir(cfg, ck.pretrained_checkpoint)
+        found = resolve_checkpoint(ck.pretrained_checkpoint, None, cfg, non_persistent=False)
+    if found is None:
+        return None
+    store, name, _ = found
+    if format_torch_dist.megatron_backend(store, name) is not None:
+        return check_architecture(bridge_heads(store, name), cfg, name)
+    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
+    sharded = common.get("ckpt_format") == "sharded"
+    return check_architecture(common.get("model_config", {}), cfg, name,
+                              saved_tokenizer_vocab=common.get("tokenizer_vocab_size") if sharded else None)
 
 
 def adopt_checkpoint_tokenizer(cfg) -> str | None:

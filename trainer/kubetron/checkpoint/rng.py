@@ -7,6 +7,8 @@ import random
 import numpy as np
 import torch
 
+from kubetron.contract.errors import CheckpointError
+
 
 def get_rng_state() -> dict:
     """python, numpy, torch (and CUDA) generator states, in weights_only-loadable types."""
@@ -23,7 +25,17 @@ def get_rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict):
+def set_rng_state(state: dict, what: str = "the RNG state"):
+    """Restore get_rng_state()'s states; a state of other types or shapes (a checkpoint is hostile input)
+    is a CheckpointError naming `what`."""
+    try:
+        _set(state)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise CheckpointError(f"{what} is not a random generator state: {type(e).__name__}: "
+                              f"{str(e).strip()[:200]}") from None
+
+
+def _set(state: dict):
     py = state["random"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["np"]

@@ -116,8 +116,8 @@ class TrainingConfig(_Section):
                                  ge=0)
     check_for_nan_in_loss: bool = _f(True, "Stop with exit code 3 when the loss is NaN or Inf.")
     termination_log: str | None = _f(
-        None, "Termination message path (None: env KUBETRON_TERMINATION_LOG, else /dev/termination-log if "
-              "writable, else none).")
+        None, "Termination message path (None: env KUBETRON_TERMINATION_LOG, else in a Kubernetes pod "
+              "/dev/termination-log if writable, else none).")
     status_port: int | None = _f(
         None, "TCP port for rank 0's GET /status (None: env KUBETRON_STATUS_PORT; 0: off).", ge=0, le=65535)
     num_microbatches: int | None = _d(
@@ -454,27 +454,41 @@ class GPTDatasetConfig(_Section):
 
 
 class FinetuningDatasetConfig(_Section):
-    """Supervised fine-tuning data (JSONL prompt/answer pairs) instead of the dataset section's corpus."""
+    """Supervised fine-tuning data (chats or prompt/answer rows) instead of the dataset section's corpus."""
 
-    data_path: str | None = _f(
-        None, "JSONL training file, one {input, output} object per line (None: train on the dataset section).")
-    valid_data_path: str | None = _f(None, "JSONL validation file (needed when validation.eval_interval is set; "
-                                           "also evaluated after training).")
-    input_key: str = _f("input", "JSONL field holding the prompt (no loss on its tokens).")
-    output_key: str = _f("output", "JSONL field holding the answer (the loss is taken on its tokens only).")
+    data_path: str | list[str] | None = _f(
+        None, "Training rows: a JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst), Parquet or Arrow file, a datasets "
+              "save_to_disk directory, a directory or glob of shards, or a list of these; local or s3:// (None: "
+              "train on the dataset section).")
+    valid_data_path: str | list[str] | None = _f(
+        None, "Validation rows, as data_path (needed when validation.eval_interval is set; also evaluated after "
+              "training).")
+    input_key: str = _f("input", "Row field holding the prompt (no loss on its tokens).")
+    output_key: str = _f("output", "Row field holding the answer (the loss is taken on its tokens only).")
     messages_key: str = _f(
-        "messages", "JSONL field holding a chat ([{role, content}, ...], rendered with the tokenizer's chat "
+        "messages", "Row field holding a chat ([{role, content}, ...], rendered with the tokenizer's chat "
                     "template; the loss is taken on assistant turns only).")
+    chat_template: str | None = _f(
+        None, "Name of the tokenizer's chat template to render chats with (one of its "
+              "additional_chat_templates/NAME.jinja or tokenizer_config.json's named templates; None: 'default', "
+              "or 'tool_use' for rows with tools when it has one, as transformers chooses).")
     packing: bool = _f(
         False, "Pack several examples into each sequence, attention kept inside each example and position ids "
                "reset per example (false: one example per sequence, padded).")
-    add_eod: bool = _f(True, "End every answer with the tokenizer's end-of-document token.")
+    add_eod: bool = _f(True, "End every prompt/answer row's answer with the tokenizer's end-of-document token "
+                             "(chats end their turns as their template writes them).")
     shuffle: bool = _f(True, "Shuffle the sequences every epoch (seeded by rng.seed; resume stays exact).")
+    cache_dir: str | None = _f(
+        None, "Where the tokenized and packed data is stored once and reused by every rank and restart (local "
+              "or s3://; None: <checkpoint.save>/sft_cache, or $TMPDIR/kubetron-sft-cache without checkpoint.save).")
 
     def check(self) -> None:
         for name in ("data_path", "valid_data_path"):
-            if is_remote(getattr(self, name)):
-                raise ConfigError(f"finetuning.{name}", "must be a local file (a mounted volume), not s3://")
+            value = getattr(self, name)
+            if isinstance(value, list) and (not value or not all(value)):
+                raise ConfigError(f"finetuning.{name}", "an empty list or an empty path in it")
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ConfigError("finetuning.cache_dir", "an empty path (leave it unset for the default)")
 
 
 class TokenizerConfig(_Section):
@@ -1285,14 +1299,15 @@ class ConfigContainer(BaseModel):
         return out
 
     def log_non_default_values(self, logger) -> None:
-        """Log the keys that differ from their defaults, one per line."""
+        """One line at INFO: how many keys differ from their defaults; then, at DEBUG, each on its own line."""
         diffs = self.non_default_values()
         if not diffs:
             logger.info("Configuration: all values are defaults")
             return
-        logger.info("Configuration values that differ from defaults:")
+        logger.info("Configuration: %d values differ from the defaults (logger.logging_level DEBUG lists them; each "
+                    "checkpoint's run_config.yaml holds the whole config)", len(diffs))
         for key, (old, new) in diffs.items():
-            logger.info("  %s: %s (default %s)", key, _fmt(new), _fmt(old))
+            logger.debug("  %s: %s (default %s)", key, _fmt(new), _fmt(old))
 
 
 _TOP_LEVEL_FIELDS = {"data_parallel_size"}

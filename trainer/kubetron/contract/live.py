@@ -29,13 +29,16 @@ class LiveStatus(TypedDict):
     lastHang: HangReport | None  # the newest of them: the rank named, where the stacks are
     lastRestart: RestartCause | None  # the rank whose crash caused the newest other in-place restart
     trainerTime: TrainerTime | None  # where this process's time went (docs/goodput.md), read at each request
+    checkpointSaveSeconds: float | None  # the newest durable checkpoint: from its save's start until durable
+    checkpointBlockedSeconds: float | None  # ... of which the training loop waited (an async save: the copy)
 
 
 STATUS_KEYS: tuple[str, ...] = tuple(LiveStatus.__annotations__)
 """The keys `GET /status` always carries, in the order it serves them."""
 
 _INTS = ("iteration", "trainIters", "consumedSamples")
-_NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu")
+_NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu", "checkpointSaveSeconds",
+            "checkpointBlockedSeconds")
 
 
 def new_live_status(in_place_restarts: int = 0, hangs: int = 0, last_hang: HangReport | None = None,
@@ -44,7 +47,7 @@ def new_live_status(in_place_restarts: int = 0, hangs: int = 0, last_hang: HangR
     return LiveStatus(iteration=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
                       etaSeconds=None, lastCheckpoint=None, loss=None, learningRate=None, tflopsPerGpu=None,
                       inPlaceRestarts=in_place_restarts, hangs=hangs, lastHang=last_hang, lastRestart=last_restart,
-                      trainerTime=None)
+                      trainerTime=None, checkpointSaveSeconds=None, checkpointBlockedSeconds=None)
 
 
 def jsonable(value: Any) -> Any:

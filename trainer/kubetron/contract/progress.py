@@ -233,7 +233,7 @@ class LastExit(TypedDict):
 
 
 class ProgressSummary(TypedDict):
-    """What `summarize_events` returns (see there), the progress-reader pod prints and the operator reads."""
+    """What `summarize_events` returns (see there), `kubetron progress --json` prints and the operator reads."""
 
     lastCheckpoint: CheckpointRef | None
     trainIters: int | None

@@ -25,10 +25,19 @@ Every dataset here is indexed by a *global sample index* ``0, 1, 2, ...``: the o
 on the data-parallel size. Past the planned number of samples the order starts again from sample 0.
 
 No data path -> :class:`MockGPTDataset`: synthetic, generated on demand, learnable.
+
+Which tokenizer made a prefix: ``kubetron preprocess`` writes ``<prefix>.tokenizer.json`` beside the
+``.bin/.idx`` (megatron-core's ``.idx`` has no room for it): the tokenizer's type, vocabulary size, eod and a
+fingerprint of the files that decide its ids. :func:`check_data_tokenizer` refuses, at start and in one line
+naming both, a prefix made by another tokenizer than the run's (byte-level data read by an HF tokenizer trains
+on meaningless ids); a prefix without the record (an older preprocess, megatron's own tools) is read as
+before, with a log line.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -280,6 +289,76 @@ def _open_s3_index(prefix: str, field: str):
         raise ConfigError(field, f"cannot read indexed dataset {prefix!r}: {exc}") from exc
 
 
+TOKENIZER_RECORD = ".tokenizer.json"  # <prefix>.tokenizer.json: which tokenizer made <prefix>.bin/.idx
+_ID_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")  # the files that decide the ids
+_RECORD_KEYS = ("tokenizer_type", "vocab_size", "eod", "fingerprint")
+_MAX_RECORD_BYTES = 1 << 20
+
+
+def tokenizer_record(tokenizer) -> dict:
+    """What preprocess records beside its output: type, vocabulary size, eod and a fingerprint of the files that
+    decide the ids (JSON by content, so a file saved again with other formatting is the same tokenizer)."""
+    digest = hashlib.sha256(tokenizer.tokenizer_type.encode())
+    assets = tokenizer.assets()
+    for name in sorted(n for n in assets if n in _ID_FILES):
+        data = assets[name]
+        if name.endswith(".json"):
+            data = json.dumps(json.loads(data), sort_keys=True, separators=(",", ":")).encode()
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return {"tokenizer_type": tokenizer.tokenizer_type, "vocab_size": int(tokenizer.vocab_size),
+            "eod": int(tokenizer.eod), "fingerprint": digest.hexdigest()[:16]}
+
+
+def _describe(record: dict) -> str:
+    return (f"{record.get('tokenizer_type')} (vocabulary {record.get('vocab_size')}, eod {record.get('eod')}, "
+            f"files {record.get('fingerprint')})")
+
+
+def read_tokenizer_record(prefix: str, field: str) -> dict | None:
+    """``<prefix>.tokenizer.json`` (local or s3://), or None when there is none."""
+    path = _strip_suffix(prefix) + TOKENIZER_RECORD
+    try:
+        if path.startswith("s3://"):
+            from kubetron.storage import open_store
+
+            parent, _, leaf = path.rpartition("/")
+            store = open_store(parent)
+            data = None
+            if store.exists(leaf):
+                with store.open_read(leaf) as f:
+                    data = f.read(_MAX_RECORD_BYTES)
+        elif os.path.isfile(path):
+            with open(path, "rb") as f:
+                data = f.read(_MAX_RECORD_BYTES)
+        else:
+            data = None
+        record = None if data is None else json.loads(data)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(field, f"{path}: not a tokenizer record ({exc})") from None
+    if record is not None and not isinstance(record, dict):
+        raise ConfigError(field, f"{path}: not a tokenizer record (a JSON object)")
+    return record
+
+
+def check_data_tokenizer(dataset_cfg, tokenizer) -> None:
+    """Every data prefix of the ``dataset`` section was made by ``tokenizer``: a prefix whose record names
+    another is a config error naming both; prefixes without a record are logged and read as they are."""
+    ours, unknown = tokenizer_record(tokenizer), []
+    for field, paths in (("dataset.data_path", dataset_cfg.data_path),
+                         *((f"dataset.{k}_data_path", v) for k, v in dataset_cfg.blends().items())):
+        for _, prefix in parse_data_path(paths, field):
+            record = read_tokenizer_record(prefix, field)
+            if record is None:
+                unknown.append(_strip_suffix(prefix))
+            elif any(record.get(k) != ours[k] for k in _RECORD_KEYS):
+                raise ConfigError(field, f"{_strip_suffix(prefix)} was tokenized by {_describe(record)}; this run's "
+                                         f"tokenizer is {_describe(ours)}: preprocess it again with this tokenizer, "
+                                         "or configure the one that made it")
+    if unknown:
+        log.info("%s: no %s beside the data (an older preprocess or megatron's tools): which tokenizer made it is "
+                 "not checked", ", ".join(sorted(set(unknown))[:3]), TOKENIZER_RECORD)
+
+
 def _check_not_empty(prefix: str, field: str) -> None:
     """A per-split prefix without tokens would make megatron-core spin forever: refuse it first."""
     indexed = open_indexed(prefix, field)  # held while its mmap'd lengths are read
@@ -305,6 +384,24 @@ def _splits_with_tokens(prefixes, weights, wanted, required, split: str) -> list
             log.info("dataset.split %s: no %s evaluation", what, SPLIT_NAMES[i])
             wanted[i] = False
     return wanted
+
+
+class _NoIndexCacheNotice(logging.Filter):
+    """Drops megatron-core's warning, once per dataset, that it cannot save its sample indices: kubetron builds
+    them in memory on purpose (``path_to_cache=""``, the data may be on a read-only volume)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "indexes because path_to_cache is None" not in record.getMessage()
+
+
+_NO_INDEX_CACHE_NOTICE = _NoIndexCacheNotice()
+
+
+def _quiet_index_cache_notices() -> None:
+    for name in ("megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_dataset"):
+        logger = logging.getLogger(name)
+        if _NO_INDEX_CACHE_NOTICE not in logger.filters:
+            logger.addFilter(_NO_INDEX_CACHE_NOTICE)
 
 
 def _gpt_dataset_class():
@@ -378,6 +475,7 @@ def build_gpt_datasets(
     )
     if config.split_matrix is not None:  # unwanted splits: None keeps the others' document ranges as they are
         config.split_matrix = [m if w else None for m, w in zip(config.split_matrix, wanted)]
+    _quiet_index_cache_notices()
     built = BlendedMegatronDatasetBuilder(_gpt_dataset_class(), list(sizes), lambda: True, config).build()
     out = {name: (EndlessDataset(ds, name) if ds is not None and len(ds) > 0 else None)
            for name, ds in zip(SPLIT_NAMES, built)}

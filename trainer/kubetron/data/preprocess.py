@@ -3,8 +3,10 @@
 Inputs, by file name (a trailing ``.gz`` is read through gzip):
 
 * ``*.jsonl`` / ``*.json``: one JSON object per line; each document is the string under each of
-  ``--json-keys`` (default ``text``). Blank lines are skipped. Parquet is not read (pyarrow is a
-  heavy dependency): convert it to JSONL first.
+  ``--json-keys`` (default ``text``). Blank lines are skipped.
+* Parquet and Arrow files (``datasets``' ``save_to_disk`` shards), known by their bytes whatever their name:
+  each document is a row's string in the column each of ``--json-keys`` names, read with ``pyarrow`` (never
+  as text); one that pyarrow cannot read is refused in one line.
 * anything else is plain text: documents are separated by one or more blank lines (a line that is
   empty or only whitespace); newlines inside a document are kept. A file with no blank line is a
   single document.
@@ -15,7 +17,9 @@ documents with no text are skipped. With one JSON key the output is ``PREFIX.bin
 several, one dataset per key, ``PREFIX_<key>.bin/.idx`` (Megatron's ``preprocess_data.py`` layout).
 The output is written with megatron-core's ``IndexedDatasetBuilder`` (one sequence per document,
 ``DType.optimal_dtype`` of the vocabulary) to temporary files renamed into place at the end, so a
-failed run (a bad line, a missing key) leaves nothing under the prefix.
+failed run (a bad line, a missing key, inputs without a single document) leaves nothing under the prefix.
+Beside each output, ``PREFIX.tokenizer.json`` records which tokenizer made it
+(:func:`kubetron.data.datasets.tokenizer_record`): a run whose tokenizer differs refuses the data at start.
 
 ``--workers N`` parses and tokenizes chunks of lines in N processes; the main process reads the
 files and writes the output in input order, so the result does not depend on N. Progress
@@ -45,17 +49,67 @@ from kubetron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, tokenizer_
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 CHUNK_BYTES = 1 << 18  # work unit sent to a worker: about 256 KiB of input text
+TABLE_ROWS = 4096  # rows of a Parquet/Arrow file per work unit
+# A columnar file by its first bytes: Parquet, the Arrow IPC file, the Arrow IPC stream (datasets' .arrow).
+_TABLE_MAGIC = ((b"PAR1", "Parquet"), (b"ARROW1", "Arrow"), (b"\xff\xff\xff\xff", "Arrow stream"))
 
 
 def _is_jsonl(path: str) -> bool:
     return path.removesuffix(".gz").lower().endswith(JSONL_SUFFIXES)
 
 
+def table_kind(path: str) -> str | None:
+    """"Parquet", "Arrow" or "Arrow stream" for a columnar file (by its first bytes), else None."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return next((kind for magic, kind in _TABLE_MAGIC if head.startswith(magic)), None)
+
+
+def _table_batches(path: str, kind: str, json_keys: tuple[str, ...]) -> Iterator[list[list]]:
+    """Per batch of rows, the values of each column in ``json_keys``; a file pyarrow cannot read is one line."""
+    import pyarrow
+
+    try:
+        yield from _read_table(path, kind, json_keys)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise ConfigError("--input", f"{path}: cannot read it as {kind} data: {' '.join(str(e).split())[:200]}") \
+            from None
+
+
+def _read_table(path: str, kind: str, json_keys: tuple[str, ...]) -> Iterator[list[list]]:
+    import pyarrow.ipc
+    import pyarrow.parquet
+
+    if kind == "Parquet":
+        pf = pyarrow.parquet.ParquetFile(path)
+        _check_columns(path, pf.schema_arrow, json_keys)
+        batches = pf.iter_batches(batch_size=TABLE_ROWS, columns=list(json_keys))
+    else:
+        reader = (pyarrow.ipc.open_file if kind == "Arrow" else pyarrow.ipc.open_stream)(pyarrow.memory_map(path))
+        _check_columns(path, reader.schema, json_keys)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if kind == "Arrow" else reader
+    for batch in batches:
+        yield [batch.column(batch.schema.get_field_index(k)).to_pylist() for k in json_keys]
+
+
+def _check_columns(path: str, schema, json_keys: tuple[str, ...]) -> None:
+    import pyarrow
+
+    for key in json_keys:
+        if key not in schema.names:
+            raise ConfigError("--json-keys", f"{path}: no column {key!r} (columns: {schema.names[:10]})")
+        kind = schema.field(key).type
+        if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+            raise ConfigError("--json-keys", f"{path}: column {key!r} is {kind}, expected strings")
+
+
 class _Input:
-    """An input file read as text lines, with the raw byte position (for progress through .gz too)."""
+    """An input file read as text lines, with the raw byte position (for progress through .gz too); a
+    columnar file (``table``) is read by column instead."""
 
     def __init__(self, path: str):
         self.path = path
+        self.table = table_kind(path)
         self.raw = open(path, "rb")
         stream = gzip.open(self.raw) if path.endswith(".gz") else self.raw
         self.text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
@@ -121,7 +175,14 @@ def iter_documents(path: str, json_key: str = "text") -> Iterator[str]:
 
 
 def _chunks(inp: _Input, json_keys: tuple[str, ...]) -> Iterator[tuple]:
-    """Work units of about CHUNK_BYTES: ("jsonl", path, first line number, lines) or ("text", path, 0, docs)."""
+    """Work units of about CHUNK_BYTES: ("jsonl", path, first line number, lines), ("text", path, 0, docs) or
+    ("table", path, first row, [values per key])."""
+    if inp.table is not None:
+        first = 0
+        for columns in _table_batches(inp.path, inp.table, json_keys):
+            yield ("table", inp.path, first, columns)
+            first += len(columns[0])
+        return
     jsonl = _is_jsonl(inp.path)
     source = inp.text if jsonl else _text_documents(inp.text)
     first, buf, size, lineno = 1, [], 0, 0
@@ -154,12 +215,13 @@ def _encode_chunk(chunk: tuple) -> tuple:
     kind, path, first, items = chunk
     tok, keys, eod = _WORKER["tok"], _WORKER["json_keys"], _WORKER["append_eod"]
     try:
-        columns = _parse_jsonl(path, first, items, keys) if kind == "jsonl" else [items]
+        columns = _parse_jsonl(path, first, items, keys) if kind == "jsonl" else items if kind == "table" \
+            else [items]
     except ConfigError as exc:
         return ("error", exc.field, exc.message)
     out, skipped = [], 0
     for texts in columns:
-        kept = [t for t in texts if t]
+        kept = [t for t in texts if t]  # a table's null is an empty document
         skipped += len(texts) - len(kept)
         out.append(_encode_texts(tok, kept, eod))
     return (out, sum(len(c) for c in columns), skipped)
@@ -248,9 +310,14 @@ def _output_prefixes(output_prefix: str, json_keys: tuple[str, ...]) -> list[str
 
 
 class _Outputs:
-    """One IndexedDatasetBuilder per JSON key, on temporary files renamed into place by commit()."""
+    """One IndexedDatasetBuilder per JSON key, on temporary files renamed into place by commit(), each with the
+    record of the tokenizer that made it (``record``, written as PREFIX.tokenizer.json)."""
 
-    def __init__(self, prefixes: list[str], vocab_size: int):
+    def __init__(self, prefixes: list[str], tokenizer):
+        from kubetron.data.datasets import TOKENIZER_RECORD, tokenizer_record  # numpy: not at the CLI's import
+
+        self.record, self.record_suffix = tokenizer_record(tokenizer), TOKENIZER_RECORD
+        vocab_size = tokenizer.vocab_size
         with warnings.catch_warnings():  # megatron-core's import notes (no TransformerEngine...) are noise here
             warnings.simplefilter("ignore")
             from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -274,16 +341,19 @@ class _Outputs:
     def commit(self) -> None:
         for builder, prefix in zip(self.builders, self.prefixes):
             builder.finalize(prefix + ".idx.tmp")
+            with open(prefix + self.record_suffix + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(self.record, f)
         for prefix in self.prefixes:
             os.replace(prefix + ".bin.tmp", prefix + ".bin")
             os.replace(prefix + ".idx.tmp", prefix + ".idx")
+            os.replace(prefix + self.record_suffix + ".tmp", prefix + self.record_suffix)
 
     def abort(self) -> None:
         for builder in self.builders:
             with contextlib.suppress(OSError):
                 builder.data_file.close()
         for prefix in self.prefixes:
-            for p in (prefix + ".bin.tmp", prefix + ".idx.tmp"):
+            for p in (prefix + ".bin.tmp", prefix + ".idx.tmp", prefix + self.record_suffix + ".tmp"):
                 with contextlib.suppress(OSError):
                     os.remove(p)
 
@@ -335,7 +405,7 @@ def preprocess(
     tok = tokenizer or build_tokenizer("byte")
     prefixes = _output_prefixes(output_prefix, json_keys)
     init_args = (tok.tokenizer_type, tok.assets(), json_keys, append_eod)
-    outputs = _Outputs(prefixes, tok.vocab_size)  # imports megatron-core: before the clock starts
+    outputs = _Outputs(prefixes, tok)  # imports megatron-core: before the clock starts
     progress = Progress(sum(os.path.getsize(p) for p in inputs), log, log_interval,
                         sys.stderr.isatty() if tty is None else tty)
     docs = tokens = skipped = done_bytes = 0
@@ -358,6 +428,9 @@ def preprocess(
             finally:
                 done_bytes += os.path.getsize(path)
                 inp.close()
+        if docs == 0:
+            raise ConfigError("--input", f"{', '.join(inputs[:3])}: no documents (only blank lines or empty texts"
+                                         f"{'' if skipped == 0 else f', {skipped} empty skipped'})")
         outputs.commit()
         committed = True
     finally:
@@ -366,8 +439,8 @@ def preprocess(
             outputs.abort()
     seconds = time.monotonic() - progress.t0
     log(f"preprocess: done, {docs} documents, {tokens} tokens, {skipped} empty skipped in {seconds:.1f}s "
-        f"({tokens / max(seconds, 1e-9):,.0f} tokens/s, {workers} worker(s)) -> "
-        + ", ".join(p + ".bin/.idx" for p in prefixes))
+        f"({tokens / max(seconds, 1e-9):,.0f} tokens/s, {workers} worker(s), tokenizer {tok.tokenizer_type} of "
+        f"{tok.vocab_size} ids) -> " + ", ".join(p + ".bin/.idx" for p in prefixes))
     return {
         "files": len(inputs),
         "documents": docs,
@@ -386,11 +459,11 @@ def preprocess(
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``kubetron preprocess`` arguments (Megatron's ``preprocess_data.py`` names)."""
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help=".jsonl/.json or plain text files (optionally .gz)")
+                        help=".jsonl/.json or plain text files (optionally .gz), Parquet or Arrow files")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], metavar="KEY",
-                        help="JSONL keys holding document text; several keys write PREFIX_<key>.bin/.idx each "
-                             "(default: text)")
+                        help="JSONL keys (Parquet/Arrow columns) holding document text; several keys write "
+                             "PREFIX_<key>.bin/.idx each (default: text)")
     parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                         help="end every document with the tokenizer's eod token (default: on)")
     parser.add_argument("--tokenizer-type", default="byte", choices=TOKENIZER_TYPES[:1] + TOKENIZER_TYPES[2:],

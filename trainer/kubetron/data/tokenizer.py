@@ -5,9 +5,10 @@
 * ``null``: no text at all, just a vocabulary size, for mock data with any vocabulary:
   ``eod = vocab_size - 1``, ``pad = eod`` (ids ``0..vocab_size-2`` are ordinary tokens).
 * ``HuggingFaceTokenizer``: a ``tokenizer.json`` (or a directory holding one, with its
-  ``tokenizer_config.json`` / ``special_tokens_map.json`` when present), run by the ``tokenizers``
-  library; no ``transformers``. Text is encoded with the tokenizer's post-processor (a Llama
-  tokenizer adds its BOS), as Megatron's ``HuggingFaceTokenizer.tokenize`` does.
+  ``tokenizer_config.json`` / ``special_tokens_map.json`` and chat templates when present), run by the
+  ``tokenizers`` library; no ``transformers``. Text is encoded with the tokenizer's post-processor (a Llama
+  tokenizer adds its BOS), as Megatron's ``HuggingFaceTokenizer.tokenize`` does. Its chat templates are
+  read where ``transformers`` reads them (:func:`chat_templates`).
 * ``SentencePieceTokenizer``: a SentencePiece ``.model`` (Megatron's GPT SentencePiece semantics:
   no extra tokens, no BOS added; ``eod`` is the model's ``</s>``).
 * ``GPT2BPETokenizer``: GPT-2's ``vocab.json`` + ``merges.txt`` (byte-level BPE, ``eod`` is
@@ -29,7 +30,13 @@ from kubetron.contract.errors import ConfigError
 
 TOKENIZER_TYPES = ("byte", "null", "HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer")
 FILE_TOKENIZERS = TOKENIZER_TYPES[2:]
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The files of an HF tokenizer directory a checkpoint carries (besides CHAT_TEMPLATE_DIR/*.jinja), copied verbatim.
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+            "chat_template.json")
+# transformers' folder of named chat templates (NAME.jinja), next to chat_template.jinja (the default one).
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# The special-token names transformers passes to a chat template (tokenizer.special_tokens_map).
+TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # End-of-document candidates when a bare tokenizer.json says nothing (most common first).
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>", "[SEP]")
 
@@ -48,6 +55,9 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    encode_plain = encode_batch  # no special tokens are ever added
+    leading_special_ids: tuple[int, ...] = ()
 
     def encode_np(self, text: str, append_eod: bool = False):
         """Fast path for preprocessing: uint16 ids, with ``eod`` appended if asked."""
@@ -91,7 +101,8 @@ class NullTokenizer:
     def encode(self, text: str) -> list[int]:
         raise ConfigError("tokenizer.tokenizer_type", "the null tokenizer cannot encode text; use 'byte'")
 
-    encode_batch = encode
+    encode_batch = encode_plain = encode
+    leading_special_ids: tuple[int, ...] = ()
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -110,10 +121,20 @@ class _FileTokenizer:
     vocab_size: int
     eod: int
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        raise NotImplementedError
     bos: int | None = None
     pad: int | None = None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def encode_plain(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text without the special tokens a post-processor adds (for these tokenizers: none)."""
+        return self.encode_batch(texts)
+
+    @property
+    def leading_special_ids(self) -> tuple[int, ...]:
+        """The ids encode() puts before every text (a Llama tokenizer's BOS); none here."""
+        return ()
 
     def __init__(self, files: dict[str, bytes], source: str = ""):
         self._files = dict(files)
@@ -171,7 +192,9 @@ class HuggingFaceTokenizer(_FileTokenizer):
             raise ConfigError("tokenizer.tokenizer_model", f"{source}: no end-of-document token (no eos_token in "
                               f"tokenizer_config.json and none of {', '.join(EOD_CANDIDATES)} in the vocabulary)")
         self.eod = eod
-        self.chat_template = meta.get("chat_template")
+        self.chat_templates = chat_templates(files, source)
+        # The named special tokens as transformers hands them to a chat template ({{ bos_token }} ...).
+        self.template_tokens = {k: _token_name(meta[k]) for k in TEMPLATE_TOKEN_NAMES if _token_name(meta.get(k))}
 
     def _id(self, token) -> int | None:
         name = _token_name(token)
@@ -179,6 +202,25 @@ class HuggingFaceTokenizer(_FileTokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def encode_plain(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def encode_offsets(self, texts: list[str]) -> list:
+        """tokenizers Encodings (``.ids``, ``.char_to_token(i)``) of each text, without the post-processor's
+        special tokens: what transformers' apply_chat_template(tokenize=True) encodes (a template writes its own)."""
+        return self._tok.encode_batch(texts, add_special_tokens=False)
+
+    @property
+    def leading_special_ids(self) -> tuple[int, ...]:
+        enc = self._tok.encode("a")
+        n = next((i for i, m in enumerate(enc.special_tokens_mask) if not m), len(enc.ids))
+        return tuple(enc.ids[:n])
+
+    @property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The added tokens marked special (a chat's control tokens: <|eot_id|>, <|im_end|>, </s> ...)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -239,7 +281,48 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self.vocab_size = len(vocab)
         self.eod = vocab["<|endoftext|>"]
         self.bos = self.pad = None
-        self.chat_template = None
+        self.chat_templates, self.template_tokens = {}, {}
+
+
+def chat_templates(files: dict[str, bytes], source: str = "") -> dict[str, str]:
+    """``{name: template}`` read as transformers reads them: ``chat_template.jinja`` ("default") and
+    ``additional_chat_templates/NAME.jinja`` win over ``tokenizer_config.json``'s ``chat_template`` (a string,
+    "default", or a list of ``{name, template}``); ``chat_template.json`` (a processor's legacy file) comes last."""
+    field = "tokenizer.tokenizer_model"
+    named = {name[len(CHAT_TEMPLATE_DIR) + 1:-len(".jinja")]: data for name, data in files.items()
+             if name.startswith(CHAT_TEMPLATE_DIR + "/") and name.endswith(".jinja")}
+    jinja = {"default": files["chat_template.jinja"]} if "chat_template.jinja" in files else {}
+    if jinja or named:
+        return {name: _text(data, f"{source}/{name}.jinja", field) for name, data in {**jinja, **named}.items()}
+    for file_name in ("tokenizer_config.json", "chat_template.json"):
+        if file_name in files:
+            found = _config_templates(files[file_name], f"{source}/{file_name}", field)
+            if found:
+                return found
+    return {}
+
+
+def _text(data: bytes, where: str, field: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(field, f"{where}: not UTF-8 text") from None
+
+
+def _config_templates(data: bytes, where: str, field: str) -> dict[str, str]:
+    """The ``chat_template`` entry of a JSON file: a string, or transformers' list of ``{name, template}``."""
+    try:
+        value = json.loads(data).get("chat_template")
+    except (ValueError, AttributeError):
+        raise ConfigError(field, f"{where}: not a JSON object") from None
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}
+    raise ConfigError(field, f"{where}: chat_template is neither a string nor a list of {{name, template}}")
 
 
 _CLASSES = {c.tokenizer_type: c for c in (HuggingFaceTokenizer, SentencePieceTokenizer, GPT2BPETokenizer)}
@@ -299,6 +382,21 @@ def _model_files(path: str, main: str, extras: tuple[str, ...] = ()) -> dict[str
     return files
 
 
+def _named_templates(path: str) -> dict[str, bytes]:
+    """``additional_chat_templates/NAME.jinja`` of an HF tokenizer directory (local or s3://), as asset names."""
+    if not _is_dir(path):
+        return {}
+    base = f"{path.rstrip('/')}/{CHAT_TEMPLATE_DIR}"
+    if base.startswith("s3://"):
+        from kubetron.storage import open_store
+
+        names = [n for n in open_store(base).list() if "/" not in n]
+    else:
+        names = sorted(os.listdir(base)) if os.path.isdir(base) else []
+    return {f"{CHAT_TEMPLATE_DIR}/{n}": _read(f"{base}/{n}", "tokenizer.tokenizer_model")
+            for n in names if n.endswith(".jinja")}
+
+
 def tokenizer_assets(tok_cfg) -> dict[str, bytes]:
     """``{file name: bytes}`` of the tokenizer a ``tokenizer`` config section names (``{}`` for byte/null).
 
@@ -311,7 +409,8 @@ def tokenizer_assets(tok_cfg) -> dict[str, bytes]:
         return dict(held())  # adopted from a checkpoint (resume)
     kind = tok_cfg.tokenizer_type
     if kind == "HuggingFaceTokenizer":
-        return _model_files(tok_cfg.tokenizer_model, "tokenizer.json", HF_FILES[1:])
+        files = _model_files(tok_cfg.tokenizer_model, "tokenizer.json", HF_FILES[1:])
+        return {**files, **_named_templates(tok_cfg.tokenizer_model)}
     if kind == "SentencePieceTokenizer":
         return _model_files(tok_cfg.tokenizer_model, "tokenizer.model")
     if kind == "GPT2BPETokenizer":
@@ -327,12 +426,22 @@ def tokenizer_from_assets(tokenizer_type: str, assets: dict[str, bytes], source:
     """Rebuild a file-based tokenizer from its assets (a dict, or a local directory holding them)."""
     if isinstance(assets, str):
         source = source or assets
-        assets = {n: _read(os.path.join(assets, n), "tokenizer.tokenizer_model")
-                  for n in sorted(os.listdir(assets))}
+        assets = _local_tree(assets)
     cls = _CLASSES.get(tokenizer_type)
     if cls is None:
         raise ConfigError("tokenizer.tokenizer_type", f"{tokenizer_type!r} has no tokenizer files")
     return _cached(cls, assets, source)
+
+
+def _local_tree(root: str) -> dict[str, bytes]:
+    """Every file under a local directory, named by its relative path with "/" (a checkpoint's tokenizer/)."""
+    out = {}
+    for parent, dirs, names in os.walk(root):
+        dirs.sort()
+        rel = os.path.relpath(parent, root).replace(os.sep, "/")
+        for n in sorted(names):
+            out[n if rel == "." else f"{rel}/{n}"] = _read(os.path.join(parent, n), "tokenizer.tokenizer_model")
+    return out
 
 
 _CACHE: dict[tuple, _FileTokenizer] = {}

@@ -30,11 +30,12 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def is_hf_dir(path: str | None) -> bool:
-    """A local directory holding an HF model: config.json and at least one *.safetensors file."""
+    """A local directory holding an HF model: config.json and weights (*.safetensors, or *.bin, which
+    reading refuses in one line)."""
     if not path or str(path).startswith("s3://") or not os.path.isdir(path):
         return False
     names = os.listdir(path)
-    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    return "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names)
 
 
 def read_hf_config(hf_dir: str) -> dict:

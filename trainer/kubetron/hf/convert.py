@@ -15,30 +15,27 @@ A tied model has no `lm_head.weight` (HF) and no `output_layer.weight` (kubetron
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 
 import torch
 
 from kubetron.contract.errors import ConfigError
 from kubetron.hf.config_map import export_architecture, moe_layer_pattern
 
-_RENAMES = {  # HF name -> canonical name ("{i}" = layer number)
-    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
-    "model.norm.weight": "decoder.final_layernorm.weight",
-    "lm_head.weight": "output_layer.weight",
-    "model.layers.{i}.input_layernorm.weight": "decoder.layers.{i}.input_layernorm.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "decoder.layers.{i}.pre_mlp_layernorm.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "decoder.layers.{i}.self_attention.linear_proj.weight",
-}
-_QK_NORMS = {  # with model.qk_layernorm
-    "model.layers.{i}.self_attn.q_norm.weight": "decoder.layers.{i}.self_attention.q_layernorm.weight",
-    "model.layers.{i}.self_attn.k_norm.weight": "decoder.layers.{i}.self_attention.k_layernorm.weight",
-}
 _MOE_BLOCKS = {  # HF MoE block name, expert gate/up/down projections
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One canonical tensor and the HF tensors it is made of, by `kind`: "same" (renamed), "cat" ([gate; up]
+    along dim 0, SwiGLU's fc1) or "qkv" (q, k, v fused per query group)."""
+
+    canonical: str
+    hf: tuple[str, ...]
+    kind: str = "same"
 
 
 def _shape(m: dict) -> tuple[int, int, int]:
@@ -65,55 +62,104 @@ def split_qkv(qkv: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, t
             v.reshape(groups * d, *rest).contiguous())
 
 
-def _layer_names(m: dict) -> dict[str, str]:
-    """HF -> canonical names of the per-layer tensors that are only renamed."""
-    names = {k: v for k, v in _RENAMES.items() if "{i}" in k}
-    return {**names, **_QK_NORMS} if m.get("qk_layernorm") else names
+def _attention_units(m: dict, i: int) -> list[Unit]:
+    hf, pre = f"model.layers.{i}.self_attn", f"decoder.layers.{i}.self_attention"
+    out = [Unit(f"{pre}.linear_qkv.weight", tuple(f"{hf}.{p}_proj.weight" for p in "qkv"), "qkv")]
+    if m.get("add_qkv_bias"):
+        out.append(Unit(f"{pre}.linear_qkv.bias", tuple(f"{hf}.{p}_proj.bias" for p in "qkv"), "qkv"))
+    if m.get("qk_layernorm"):
+        out += [Unit(f"{pre}.{p}_layernorm.weight", (f"{hf}.{p}_norm.weight",)) for p in "qk"]
+    return [*out, Unit(f"{pre}.linear_proj.weight", (f"{hf}.o_proj.weight",))]
 
 
-def _mlp_names(m: dict, i: int, moe: bool) -> dict[str, tuple[str, ...]]:
-    """Canonical name -> the HF names it is made of (two: [gate; up], concatenated) for layer i's MLP."""
+def _mlp_units(m: dict, i: int, moe: bool) -> list[Unit]:
+    """Layer i's MLP: a dense SwiGLU, or an MoE block's router and experts."""
     hf, pre = f"model.layers.{i}", f"decoder.layers.{i}.mlp"
     if not moe:
-        return {f"{pre}.linear_fc1.weight": (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
-                f"{pre}.linear_fc2.weight": (f"{hf}.mlp.down_proj.weight",)}
+        return [Unit(f"{pre}.linear_fc1.weight", (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), "cat"),
+                Unit(f"{pre}.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",))]
     block, (gate, up, down) = _MOE_BLOCKS[export_architecture(m)]
-    out = {f"{pre}.router.weight": (f"{hf}.{block}.gate.weight",)}
+    out = [Unit(f"{pre}.router.weight", (f"{hf}.{block}.gate.weight",))]
     for e in range(m["num_moe_experts"]):
         src, dst = f"{hf}.{block}.experts.{e}", f"{pre}.experts.local_experts.{e}"
-        out[f"{dst}.linear_fc1.weight"] = (f"{src}.{gate}.weight", f"{src}.{up}.weight")
-        out[f"{dst}.linear_fc2.weight"] = (f"{src}.{down}.weight",)
+        out += [Unit(f"{dst}.linear_fc1.weight", (f"{src}.{gate}.weight", f"{src}.{up}.weight"), "cat"),
+                Unit(f"{dst}.linear_fc2.weight", (f"{src}.{down}.weight",))]
     return out
+
+
+def units(m: dict) -> list[Unit]:
+    """Every canonical tensor of kubetron's model keys `m` with its HF tensors, in HF's order (embeddings,
+    layers, final norm, output layer; a tied model has no `lm_head.weight` and no `output_layer.weight`)."""
+    out = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+    for i, moe in enumerate(moe_layer_pattern(m)):
+        hf, pre = f"model.layers.{i}", f"decoder.layers.{i}"
+        out += [Unit(f"{pre}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)), *_attention_units(m, i),
+                Unit(f"{pre}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
+                *_mlp_units(m, i, moe)]
+    out.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if not m["share_embeddings_and_output_weights"]:
+        out.append(Unit("output_layer.weight", ("lm_head.weight",)))
+    return out
+
+
+def canonical_shape(name: str, m: dict) -> tuple[int, ...]:
+    """The shape `m` gives canonical tensor `name` (the HF config's vocabulary, unpadded)."""
+    heads, groups, d = _shape(m)
+    h, qkv = m["hidden_size"], (heads + 2 * groups) * d
+    ffn = (m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]) if ".experts." in name else m["ffn_hidden_size"]
+    shapes = {"word_embeddings.weight": (m["vocab_size"], h), "output_layer.weight": (m["vocab_size"], h),
+              "q_layernorm.weight": (d,), "k_layernorm.weight": (d,), "linear_qkv.weight": (qkv, h),
+              "linear_qkv.bias": (qkv,), "linear_proj.weight": (h, heads * d),
+              "router.weight": (m.get("num_moe_experts") or 0, h), "linear_fc1.weight": (2 * ffn, h),
+              "linear_fc2.weight": (h, ffn)}
+    return shapes.get(".".join(name.split(".")[-2:]), (h,))  # else a norm over the hidden size
+
+
+def part_shapes(u: Unit, shape: tuple[int, ...], m: dict) -> list[tuple[int, ...]]:
+    """The shapes of u's HF tensors for a canonical tensor of `shape`."""
+    if u.kind == "same":
+        return [tuple(shape)]
+    if u.kind == "cat":
+        return [(shape[0] // len(u.hf), *shape[1:])] * len(u.hf)
+    heads, groups, d = _shape(m)
+    return [(heads * d, *shape[1:]), (groups * d, *shape[1:]), (groups * d, *shape[1:])]
+
+
+def hf_shapes(m: dict) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of the model whose keys are `m`: what a safetensors file of it must hold."""
+    return {name: s for u in units(m) for name, s in zip(u.hf, part_shapes(u, canonical_shape(u.canonical, m), m),
+                                                           strict=True)}
+
+
+def to_canonical(u: Unit, parts: list[torch.Tensor], m: dict) -> torch.Tensor:
+    if u.kind == "same":
+        return parts[0]
+    return torch.cat(parts, dim=0) if u.kind == "cat" else _fuse_qkv(*parts, m)
+
+
+def to_hf(u: Unit, t: torch.Tensor, m: dict) -> list[torch.Tensor]:
+    """u's HF tensors (contiguous, ready for safetensors) from its canonical tensor."""
+    parts = [t] if u.kind == "same" else t.chunk(len(u.hf), dim=0) if u.kind == "cat" else split_qkv(t, m)
+    return [p.contiguous() for p in parts]
+
+
+def is_tolerated_extra(name: str, m: dict) -> bool:
+    """An HF tensor that is not a weight of the model but may be in the files: rotary caches (buffers), and a
+    tied model's stored copy of the embedding as `lm_head.weight`."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight"
+                                                    and m["share_embeddings_and_output_weights"])
 
 
 def hf_to_canonical(hf: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
     """Canonical tensors for kubetron's model keys `m` from an HF state dict (names as in safetensors)."""
-    out, used = {}, set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise ConfigError("HF weights", f"tensor {name} is missing from the *.safetensors files")
-        used.add(name)
-        return hf[name]
-
-    for src, dst in _RENAMES.items():
-        if "{i}" in src or (src == "lm_head.weight" and m["share_embeddings_and_output_weights"]):
-            continue
-        out[dst] = take(src)
-    for i, moe in enumerate(moe_layer_pattern(m)):
-        for src, dst in _layer_names(m).items():
-            out[dst.format(i=i)] = take(src.format(i=i))
-        for dst, parts in _mlp_names(m, i, moe).items():
-            out[dst] = torch.cat([take(p) for p in parts], dim=0) if len(parts) > 1 else take(parts[0])
-        attn, pre = f"model.layers.{i}.self_attn", f"decoder.layers.{i}"
-        out[f"{pre}.self_attention.linear_qkv.weight"] = _fuse_qkv(
-            take(f"{attn}.q_proj.weight"), take(f"{attn}.k_proj.weight"), take(f"{attn}.v_proj.weight"), m)
-        if m.get("add_qkv_bias"):
-            out[f"{pre}.self_attention.linear_qkv.bias"] = _fuse_qkv(
-                take(f"{attn}.q_proj.bias"), take(f"{attn}.k_proj.bias"), take(f"{attn}.v_proj.bias"), m)
-    # A tied HF checkpoint may still store lm_head (a copy of the embedding); rotary caches are buffers.
-    extra = sorted(k for k in hf if k not in used and not k.endswith("rotary_emb.inv_freq")
-                   and not (k == "lm_head.weight" and m["share_embeddings_and_output_weights"]))
+    out = {}
+    for u in units(m):
+        missing = [p for p in u.hf if p not in hf]
+        if missing:
+            raise ConfigError("HF weights", f"tensor {missing[0]} is missing from the *.safetensors files")
+        out[u.canonical] = to_canonical(u, [hf[p] for p in u.hf], m)
+    used = {p for u in units(m) for p in u.hf}
+    extra = sorted(k for k in hf if k not in used and not is_tolerated_extra(k, m))
     if extra:
         raise ConfigError("HF weights", f"tensors this architecture does not have: {', '.join(extra[:3])}")
     return out
@@ -121,25 +167,4 @@ def hf_to_canonical(hf: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Ten
 
 def canonical_to_hf(canon: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
     """HF state dict (contiguous tensors, ready for safetensors) from canonical tensors."""
-    out = {}
-    for src, dst in _RENAMES.items():
-        if "{i}" in src or (src == "lm_head.weight" and m["share_embeddings_and_output_weights"]):
-            continue
-        out[src] = canon[dst]
-    for i, moe in enumerate(moe_layer_pattern(m)):
-        for src, dst in _layer_names(m).items():
-            out[src.format(i=i)] = canon[dst.format(i=i)]
-        for name, parts in _mlp_names(m, i, moe).items():
-            out.update(zip(parts, canon[name].chunk(len(parts), dim=0), strict=True))
-        attn, pre = f"model.layers.{i}.self_attn", f"decoder.layers.{i}"
-        q, k, v = split_qkv(canon[f"{pre}.self_attention.linear_qkv.weight"], m)
-        out.update({f"{attn}.q_proj.weight": q, f"{attn}.k_proj.weight": k, f"{attn}.v_proj.weight": v})
-        if m.get("add_qkv_bias"):
-            q, k, v = split_qkv(canon[f"{pre}.self_attention.linear_qkv.bias"], m)
-            out.update({f"{attn}.q_proj.bias": q, f"{attn}.k_proj.bias": k, f"{attn}.v_proj.bias": v})
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def hf_layer_count(names) -> int:
-    """Layers present in an HF state dict (for a clear error when config and weights disagree)."""
-    return 1 + max((int(mt.group(1)) for n in names if (mt := _HF_LAYER.match(n))), default=-1)
+    return {name: t for u in units(m) for name, t in zip(u.hf, to_hf(u, canon[u.canonical], m), strict=True)}

@@ -1,18 +1,24 @@
-"""Reading and writing: HF directories (config.json + *.safetensors) and kubetron checkpoints.
+"""Reading and writing: HF directories (config.json + safetensors) and kubetron checkpoints.
 
-`import_hf` writes a checkpoint in the canonical layout kubetron/checkpoint/ reads
-(`iter_0000000/{model.pt, common.pt, run_config.yaml, tokenizer/}` + `metadata.json`, the commit
-marker, written last through the store's transaction), so `checkpoint.pretrained_checkpoint=OUT`
-loads it at any TP/PP (checkpoint/canonical.py slices canonical tensors). It holds weights only: `finetune`
-starts from it; it is not a run to resume. Everything is read and converted before the first byte
-is written, so a bad input leaves nothing behind.
+`import_hf` writes a checkpoint that kubetron/checkpoint/ reads (`iter_0000000/{shards/, common.pt,
+run_config.yaml, tokenizer/}` + `metadata.json`, the commit marker, written last through the store's
+transaction) in the `sharded` format, so `checkpoint.pretrained_checkpoint=OUT` loads it at any TP/PP with
+every rank reading only its part. It holds weights only: `finetune` starts from it; it is not a run to resume.
+Every header of the HF files is checked before the first byte is written, so a bad input leaves nothing
+behind; the tensors are then read, converted and written one at a time (kubetron.hf.weights).
+
+`export_hf` writes `model.safetensors`, or shards of at most `max_shard_size` bytes with
+`model.safetensors.index.json` as transformers' `save_pretrained` does, one shard in memory at a time, with a
+progress line per shard; then the tokenizer files the checkpoint holds (its chat template included) and
+config.json, last.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import yaml
@@ -34,28 +40,19 @@ from kubetron.checkpoint.layout import (
 )
 from kubetron.contract.errors import CheckpointError, ConfigError
 from kubetron.contract.times import stamp
-from kubetron.hf import config_map, convert, generation
+from kubetron.data.tokenizer import CHAT_TEMPLATE_DIR  # transformers' named templates: <name>.jinja
+from kubetron.hf import config_map, convert, generation, weights
+from kubetron.hf.safetensors_io import write_file, write_files
 
-# HF tokenizer files carried along (import: into the checkpoint; export: back out of it).
+# HF tokenizer files carried along (import: into the checkpoint; export: back out of it), as transformers
+# writes them: the chat template in chat_template.jinja (transformers >= 4.43) or chat_template.json, or
+# inside tokenizer_config.json (older).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 _MOE_TRAINING_KEYS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # carried and printed; no architecture
 _UNSET_IS_DEFAULT = ("sliding_window", "kv_channels", "moe_shared_expert_intermediate_size")  # not printed when null
-
-
-def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if not files:
-        raise ConfigError("HF_DIR", f"{hf_dir}: no *.safetensors files (only safetensors weights are read)")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            out.update(load_file(f))
-        except Exception as e:  # a truncated or foreign file
-            raise ConfigError("HF_DIR", f"{f}: not a readable safetensors file ({e})") from None
-    return out
+Progress = Callable[[str], None]
 
 
 def _model_keys(hf_dir: str) -> dict:
@@ -65,10 +62,17 @@ def _model_keys(hf_dir: str) -> dict:
     return GPTModelConfig(**config_map.model_section(config_map.read_hf_config(hf_dir))).model_dump()
 
 
-def load_hf_canonical(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(model keys, canonical tensors) of an HF directory."""
+def open_hf(hf_dir: str) -> tuple[dict, weights.HFWeights]:
+    """(model keys, its canonical tensors read on access) of an HF directory; every file's header checked."""
     m = _model_keys(hf_dir)
-    return m, convert.hf_to_canonical(read_hf_weights(hf_dir), m)
+    return m, weights.HFWeights(hf_dir, m)
+
+
+def load_hf_canonical(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(model keys, canonical tensors) of an HF directory, all in memory (tools and tests)."""
+    m, source = open_hf(hf_dir)
+    with source:
+        return m, dict(source.items())
 
 
 def model_yaml(m: dict, out: str | None = None, hf_dir: str | None = None) -> str:
@@ -99,39 +103,77 @@ def _printed(key: str, value, m: dict) -> bool:
     return m.get("num_moe_experts") is not None or not (key.startswith("moe_") or key == "num_moe_experts")
 
 
-def import_hf(hf_dir: str, out: str) -> dict:
+class _Streamed(NamedTuple):
+    """A rank's part of a sharded checkpoint whose pieces are made as they are written (format_sharded.write)."""
+
+    pieces: Iterator
+    values: dict
+
+
+def _pieces(source: weights.Source, progress: Progress | None) -> Iterator:
+    """format_sharded pieces of every tensor of `source`, whole, read one at a time."""
+    from kubetron.checkpoint.format_sharded import Piece
+
+    total = max(sum(source.nbytes(n) for n in source), 1)
+    done, reported = 0, 0
+    for name in source:
+        t = source[name]
+        if ".linear_fc1." in name:  # the sharded format keeps a gated fc1 as (2, ffn, ...) = [gate, up]
+            t = t.view(2, t.shape[0] // 2, *t.shape[1:])
+        yield Piece(f"model/{name}", tuple(t.shape), [(0, n) for n in t.shape], t)
+        done += source.nbytes(name)
+        if progress is not None and done * 10 // total > reported:  # a line per tenth
+            reported = done * 10 // total
+            progress(f"import-hf: {100 * done // total}% converted ({done / 1e6:,.1f} of {total / 1e6:,.1f} MB)")
+
+
+def import_hf(hf_dir: str, out: str, progress: Progress | None = None) -> dict:
     """Write `out`/iter_0000000 from the HF model in `hf_dir`; returns the model keys."""
     if not os.path.isdir(hf_dir):
         raise ConfigError("HF_DIR", f"{hf_dir}: no such directory")
-    m, tensors = load_hf_canonical(hf_dir)  # every check before megatron-core is even imported
-    from kubetron.checkpoint import format_kubetron
+    m, source = open_hf(hf_dir)  # every check before megatron-core is even imported
+    with source:
+        _write_import(hf_dir, out, m, source, progress)
+    return m
+
+
+def hf_tokenizer_files(hf_dir: str) -> list[str]:
+    """The tokenizer files of an HF directory (names relative to it, regular files only)."""
+    named = os.path.join(hf_dir, CHAT_TEMPLATE_DIR)
+    extra = [f"{CHAT_TEMPLATE_DIR}/{n}" for n in sorted(os.listdir(named)) if n.endswith(".jinja")] \
+        if os.path.isdir(named) else []
+    return [f for f in (*TOKENIZER_FILES, *extra) if os.path.isfile(os.path.join(hf_dir, f))
+            and not os.path.islink(os.path.join(hf_dir, f))]
+
+
+def _write_import(hf_dir: str, out: str, m: dict, source: weights.Source, progress: Progress | None) -> None:
+    import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without its TE/Apex notices)
+    from kubetron.checkpoint import format_sharded
     from kubetron.contract.config import GPTModelConfig
     from kubetron.storage import open_store
 
     store = open_store(out)
     if committed_iterations(store):
         raise ConfigError("OUT", f"{out} already holds a checkpoint; give an empty or new directory")
-    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
+    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "ckpt_format": "sharded", "num_shards": 1,
               "model_config": arch_record(GPTModelConfig(**m)), "source": {"hf_dir": os.path.abspath(hf_dir)},
               "hf": generation.record_of_hf_dir(hf_dir)}
     name = iter_dir(0)
     txn = store.begin_dir(name, txn_id="import-hf")
     try:
-        txn.write_bytes(format_kubetron.MODEL, to_bytes(tensors))
+        format_sharded.write(txn, 0, _Streamed(_pieces(source, progress), {}))
         txn.write_bytes(COMMON, to_bytes(common))
         txn.write_bytes(RUN_CONFIG, yaml.safe_dump({"model": m}, sort_keys=False).encode())
-        for f in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(hf_dir, f)):
-                with open(os.path.join(hf_dir, f), "rb") as fh:
-                    txn.write_bytes(f"{TOKENIZER_DIR}/{f}", fh.read())
+        for f in hf_tokenizer_files(hf_dir):
+            with open(os.path.join(hf_dir, f), "rb") as fh:
+                txn.write_bytes(f"{TOKENIZER_DIR}/{f}", fh.read())
         marker = {"iteration": 0, "time": stamp(), "run_id": "import-hf",
                   "checkpoint_version": CHECKPOINT_VERSION, "world_size": 1}
         txn.commit(json.dumps(marker).encode())
-    except Exception:
+    except BaseException:
         txn.abort()
         raise
     assert store.exists(f"{name}/{MARKER}")
-    return m
 
 
 def _resolve(location: str) -> tuple[object, str]:
@@ -149,25 +191,30 @@ def _resolve(location: str) -> tuple[object, str]:
     return found[0], found[1]
 
 
-def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], object, str]:
-    """(model keys, canonical tensors, store, iter dir) of a kubetron checkpoint (newest iteration)."""
-    from kubetron.checkpoint import format_kubetron, format_sharded
+def open_checkpoint(location: str) -> tuple[dict, weights.Source, object, str]:
+    """(model keys, its canonical tensors read on access, store, iter dir) of a kubetron checkpoint (newest
+    iteration): the `sharded` format one tensor at a time, the `kubetron` format's model.pt whole."""
+    import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without its TE/Apex notices)
+    from kubetron.checkpoint import format_kubetron
 
     store, name = _resolve(location)
     run_cfg = yaml.safe_load(store.read_bytes(f"{name}/{RUN_CONFIG}"))
     model_pt = f"{name}/{format_kubetron.MODEL}"
-    if store.exists(model_pt):  # ckpt_format kubetron (and import-hf's output)
+    if store.exists(model_pt):  # ckpt_format kubetron (and import-hf's output before the sharded format)
         with store.open_read(model_pt) as f:
-            return run_cfg["model"], safe_load(f, model_pt), store, name
-    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
+            return run_cfg["model"], weights.InMemory(safe_load(f, model_pt)), store, name
+    common = _common(store, name)
     if common.get("ckpt_format") != "sharded":
         raise ConfigError("CKPT", f"{location}/{name}: export-hf reads checkpoints saved with "
                                   "checkpoint.ckpt_format sharded or kubetron, not torch_dist")
-    # The sharded format keeps a gated fc1 (a dense layer's or an expert's, and its LoRA B) as (2, ffn, ...) =
-    # [gate, up]; canonical is [gate; up].
-    tensors = {k: (t.reshape(-1, t.shape[-1]) if ".linear_fc1." in k and t.ndim == 3 else t)
-               for k, t in format_sharded.read_canonical(store, name)[0].items()}
-    return run_cfg["model"], tensors, store, name
+    return run_cfg["model"], weights.Sharded(store, name, common["num_shards"]), store, name
+
+
+def read_checkpoint(location: str) -> tuple[dict, dict[str, torch.Tensor], object, str]:
+    """(model keys, canonical tensors, store, iter dir) of a kubetron checkpoint (newest iteration), in memory."""
+    m, source, store, name = open_checkpoint(location)
+    with source:
+        return m, dict(source.items()), store, name
 
 
 def _common(store, name: str) -> dict:
@@ -191,13 +238,13 @@ def _run_tokenizer(store, name: str, assets: dict[str, bytes]):
     return build_tokenizer(kind, tok.get("vocab_size"))
 
 
-def _read_base(location: str | None) -> dict[str, torch.Tensor]:
-    """Canonical tensors of a LoRA checkpoint's base (a kubetron checkpoint or an HF directory)."""
+def _read_base(location: str | None) -> weights.Source:
+    """Canonical tensors of a LoRA checkpoint's base (a kubetron checkpoint or an HF directory), read on access."""
     from kubetron.hf import is_hf_dir
 
     if not location:
         raise ConfigError("CKPT", "the LoRA checkpoint names no pretrained_checkpoint to merge into")
-    return load_hf_canonical(location)[1] if is_hf_dir(location) else read_checkpoint(location)[1]
+    return open_hf(location)[1] if is_hf_dir(location) else open_checkpoint(location)[1]
 
 
 def peft_base_name(base: str | None) -> str:
@@ -218,37 +265,110 @@ def peft_base_name(base: str | None) -> str:
     return hf_dir
 
 
-def export_hf(location: str, out: str, adapter_only: bool = False) -> dict:
-    """Write `out`/{config.json, generation_config.json, model.safetensors, tokenizer files} from a kubetron
-    checkpoint. A LoRA checkpoint's adapters are merged into its base; with `adapter_only`, `out` gets a
-    PEFT adapter naming the base's HF directory."""
+def export_hf(location: str, out: str, adapter_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
+              progress: Progress | None = None) -> dict:
+    """Write `out`/{config.json, generation_config.json, model.safetensors or its shards + index, tokenizer
+    files} from a kubetron checkpoint. A LoRA checkpoint's adapters are merged into its base; with
+    `adapter_only`, `out` gets a PEFT adapter naming the base's HF directory, and the tokenizer files."""
+    m, source, store, name = open_checkpoint(location)
+    with source:
+        return _export(location, out, (m, source, store, name), adapter_only, max_shard_size, progress)
+
+
+def _export(location: str, out: str, ckpt: tuple, adapter_only: bool, max_shard_size: int,
+            progress: Progress | None) -> dict:
     from kubetron.hf import lora
 
-    m, tensors, store, name = read_checkpoint(location)
+    m, source, store, name = ckpt
     common = _common(store, name)
     info = common.get("peft")
     if adapter_only and info is None:
         raise ConfigError("--adapter-only", f"{location}/{name} is not a LoRA (peft) checkpoint")
     if info is not None:
-        pairs = lora.adapters(tensors)
+        pairs = lora.adapters(source)
         if adapter_only:
-            return lora.write_peft(out, pairs, info, m, peft_base_name(info.get("pretrained_checkpoint")))
-        tensors = lora.merge(_read_base(info.get("pretrained_checkpoint")), pairs, info["alpha"] / info["dim"])
+            files = {k: v for k, v in _tokenizer_files(store, name).items() if k != generation.GENERATION_CONFIG}
+            return lora.write_peft(out, pairs, info, m, peft_base_name(info.get("pretrained_checkpoint")), files)
+        base = _read_base(info.get("pretrained_checkpoint"))
+        with weights.Merged(base, pairs, info["alpha"] / info["dim"]) as merged:
+            return _export_model(out, m, merged, (store, name, common.get("hf")), max_shard_size, progress)
+    return _export_model(out, m, source, (store, name, common.get("hf")), max_shard_size, progress)
+
+
+def _export_model(out: str, m: dict, source: weights.Source, where: tuple, max_shard_size: int,
+                  progress: Progress | None) -> dict:
+    store, name, record = where
     cfg = config_map.hf_config(m)
-    try:
-        hf = convert.canonical_to_hf(tensors, m)
-    except KeyError as e:
-        raise ConfigError("CKPT", f"{location}/{name}: tensor {e} missing for this model") from None
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in hf.values()}
+    missing = [u.canonical for u in convert.units(m) if u.canonical not in source]
+    if missing:
+        raise ConfigError("CKPT", f"{store.url}/{name}: tensor {missing[0]!r} missing for this model")
+    dtypes = {str(source.spec(u.canonical)[1]).removeprefix("torch.") for u in convert.units(m)}
     cfg["torch_dtype"] = cfg["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
-    _write_export(out, hf, _export_files(store, name, common.get("hf"), cfg), cfg)
+    files = _export_files(store, name, record, cfg)
+    _check_out(out, "config.json")
+    write_weights(out, source, m, max_shard_size, progress)
+    write_files(out, files)
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:  # last: marks a complete export
+        json.dump(cfg, f, indent=2)
     return cfg
+
+
+def _check_out(out: str, marker: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    if os.path.exists(os.path.join(out, marker)):
+        raise ConfigError("OUT", f"{out} already holds a {marker}; give an empty or new directory")
+
+
+def shard_groups(sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of consecutive tensors per shard: a shard holds at most `limit` bytes, or one larger tensor."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(sizes):
+        if not groups or (size + n > limit and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def write_weights(out: str, source: weights.Source, m: dict, max_shard_size: int,
+                  progress: Progress | None = None) -> list[str]:
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` when the
+    weights exceed `max_shard_size` bytes: one shard's tensors in memory at a time. Returns the file names."""
+    units = convert.units(m)
+    groups = shard_groups([source.nbytes(u.canonical) for u in units], max_shard_size)
+    names = [weights.SINGLE] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total = {}, 0
+    for i, (file, group) in enumerate(zip(names, groups, strict=True)):
+        tensors = {}
+        for u in (units[j] for j in group):
+            tensors.update(zip(u.hf, convert.to_hf(u, source[u.canonical], m), strict=True))
+        size = write_file(os.path.join(out, file), tensors)
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+        if progress is not None:
+            progress(f"export-hf: wrote {file} ({i + 1} of {len(groups)}, {size / 1e6:,.1f} MB)")
+    if len(groups) > 1:
+        with open(os.path.join(out, weights.INDEX), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def _tokenizer_files(store, name: str) -> dict[str, bytes]:
+    """The tokenizer files a checkpoint holds (iter_N/tokenizer/, as transformers wrote them: the chat template
+    in chat_template.jinja or .json or tokenizer_config.json, named ones in additional_chat_templates/),
+    verbatim, by their names relative to tokenizer/."""
+    prefix = f"{name}/{TOKENIZER_DIR}/"
+    return {k[len(prefix):]: store.read_bytes(k) for k in store.list(prefix.rstrip("/")) if k.startswith(prefix)}
 
 
 def _export_files(store, name: str, record: dict | None, cfg: dict) -> dict[str, bytes]:
     """The tokenizer files the checkpoint holds and generation_config.json; the special ids go into `cfg`:
     the HF base's (`record`), else (a model trained from scratch) the tokenizer's."""
-    files = {os.path.basename(k): store.read_bytes(k) for k in store.list(f"{name}/{TOKENIZER_DIR}")}
+    files = _tokenizer_files(store, name)
     ids, gen = generation.export_ids(record, None if record else _run_tokenizer(store, name, files))
     cfg.update(ids)
     if gen:  # else an older import's copy in tokenizer/, if any
@@ -256,31 +376,25 @@ def _export_files(store, name: str, record: dict | None, cfg: dict) -> dict[str,
     return files
 
 
-def _write_export(out: str, hf: dict[str, torch.Tensor], files: dict[str, bytes], cfg: dict):
-    from safetensors.torch import save_file
+def check_hf_dir(cfg, hf_dir: str) -> None:
+    """An HF directory as checkpoint.pretrained_checkpoint: its config.json must give this run's model (a
+    config error, exit 2, naming the first field that differs). Reads config.json only."""
+    from kubetron.contract.config import GPTModelConfig
 
-    os.makedirs(out, exist_ok=True)
-    if os.path.exists(os.path.join(out, "config.json")):
-        raise ConfigError("OUT", f"{out} already holds a config.json; give an empty or new directory")
-    save_file(hf, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    for file_name, data in files.items():
-        with open(os.path.join(out, file_name), "wb") as f:
-            f.write(data)
-    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:  # last: marks a complete export
-        json.dump(cfg, f, indent=2)
+    hf_model = GPTModelConfig(**config_map.model_section(config_map.read_hf_config(hf_dir)))
+    diffs = [f"model.{k}: HF {arch_value(hf_model, k)!r}, this run {arch_value(cfg.model, k)!r}" for k in HF_ARCH_FIELDS
+             if arch_value(hf_model, k) != arch_value(cfg.model, k)]
+    if diffs:
+        raise ConfigError(diffs[0].split(":")[0], f"{hf_dir} does not match this model (`kubetron import-hf` prints "
+                                                  "the model section): " + "; ".join(diffs[:4]))
 
 
 def load_hf_into_model(model, cfg, hf_dir: str, keep=None):
     """checkpoint.pretrained_checkpoint = an HF directory: its weights into this rank's model parts
-    (`keep(name)`: only some; LoRA: the base)."""
+    (`keep(name)`: only some; LoRA: the base), read tensor by tensor."""
     from kubetron.checkpoint import canonical
-    from kubetron.contract.config import GPTModelConfig
 
-    m, tensors = load_hf_canonical(hf_dir)
-    hf_model = GPTModelConfig(**m)
-    diffs = [f"model.{k}: HF {arch_value(hf_model, k)!r}, this run {arch_value(cfg.model, k)!r}" for k in HF_ARCH_FIELDS
-             if arch_value(hf_model, k) != arch_value(cfg.model, k)]
-    if diffs:
-        raise CheckpointError(f"{hf_dir} does not match this model (`kubetron import-hf` prints the model "
-                              "section): " + "; ".join(diffs[:4]))
-    canonical.load_model_state(model, tensors, keep=keep)
+    check_hf_dir(cfg, hf_dir)
+    _, source = open_hf(hf_dir)
+    with source:
+        canonical.load_model_state(model, source, keep=keep)

@@ -3,7 +3,8 @@
 An adapter-only checkpoint (peft.scheme lora) holds, per adapted linear, canonical A (dim x in) and
 B (out x dim) under `<linear>.adapter.linear_in.weight` / `.linear_out.weight`; its base is the
 checkpoint its common.pt names (`pretrained_checkpoint`: a kubetron checkpoint or an HF directory).
-- merge: W' = W + (alpha / dim) * B @ A, computed in fp32, stored in the base weight's dtype;
+- merge: W' = W + (alpha / dim) * B @ A, computed in fp32, stored in the base weight's dtype
+  (kubetron.hf.weights.Merged, tensor by tensor);
 - PEFT (`--adapter-only`): adapter_config.json + adapter_model.safetensors under PEFT's names
   (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`, ...). megatron fuses q/k/v and
   gate/up; an adapter on a fused linear is the same as adapters on its parts that share A, with B
@@ -17,11 +18,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 
 import torch
 
 from kubetron.contract.errors import ConfigError
 from kubetron.hf import convert
+from kubetron.hf.safetensors_io import write_file, write_files
 
 _A, _B = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)$")
@@ -30,23 +33,9 @@ HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_p
               "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 
 
-def adapters(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{canonical linear name: (A, B)} of an adapter-only checkpoint's tensors."""
-    out = {}
-    for k, a in tensors.items():
-        if k.endswith(_A):
-            linear = k[:-len(_A)]
-            out[linear] = (a, tensors[linear + _B])
-    return out
-
-
-def merge(base: dict[str, torch.Tensor], pairs: dict, scale: float) -> dict[str, torch.Tensor]:
-    """The base's canonical tensors with every adapted weight replaced by W + scale * B @ A."""
-    merged = dict(base)
-    for linear, (a, b) in pairs.items():
-        w = base[f"{linear}.weight"]
-        merged[f"{linear}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
-    return merged
+def adapters(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{canonical linear name: (A, B)} of an adapter-only checkpoint's tensors (only the adapters are read)."""
+    return {k[:-len(_A)]: (tensors[k], tensors[k[:-len(_A)] + _B]) for k in tensors if k.endswith(_A)}
 
 
 def peft_tensors(pairs: dict, m: dict) -> dict[str, torch.Tensor]:
@@ -82,14 +71,15 @@ def peft_config(info: dict, base_name: str) -> dict:
             "base_model_name_or_path": base_name}
 
 
-def write_peft(out: str, pairs: dict, info: dict, m: dict, base_name: str) -> dict:
-    from safetensors.torch import save_file
-
+def write_peft(out: str, pairs: dict, info: dict, m: dict, base_name: str, files: dict[str, bytes]) -> dict:
+    """adapter_model.safetensors, `files` (the tokenizer's, as TRL saves them beside an adapter) and
+    adapter_config.json, last."""
     tensors = peft_tensors(pairs, m)  # every check before anything is written
     os.makedirs(out, exist_ok=True)
     if os.path.exists(os.path.join(out, "adapter_config.json")):
         raise ConfigError("OUT", f"{out} already holds an adapter_config.json; give an empty or new directory")
-    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_file(os.path.join(out, "adapter_model.safetensors"), tensors)
+    write_files(out, files)
     conf = peft_config(info, base_name)
     with open(os.path.join(out, "adapter_config.json"), "w", encoding="utf-8") as f:  # last: marks it complete
         json.dump(conf, f, indent=2)

@@ -70,6 +70,12 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
     return k
 
 
+def too_large(what: str, size: int, limit: int) -> CheckpointError:
+    """An object bigger than its reader's limit (Store.read_bytes)."""
+    return CheckpointError(f"{what} is {size} bytes, more than the {limit} bytes such a file may hold: "
+                           "refusing to read it")
+
+
 def default_primary(primary: bool | None) -> bool:
     if primary is not None:
         return primary
@@ -182,8 +188,10 @@ class Store(abc.ABC):
             f.write(data)
 
     @abc.abstractmethod
-    def read_bytes(self, key: str) -> bytes:
-        """The whole object. FileNotFoundError if it does not exist."""
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """The whole object. FileNotFoundError if it does not exist. `limit`: an object larger than this many
+        bytes is a CheckpointError before its bytes are held in memory (what a store holds is hostile input:
+        a reader of an index or a marker asks for what such a file can sensibly be)."""
 
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:
@@ -191,8 +199,13 @@ class Store(abc.ABC):
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """`length` bytes of `key` from byte `start` (a sharded load reads only the tensors it needs).
-        Raises CheckpointError when the object is shorter."""
+        Raises CheckpointError when the object is shorter, before a buffer of `length` bytes exists (the
+        range may come from a checkpoint's own index: hostile input)."""
         with self.open_read(key) as f:
+            size = f.seek(0, io.SEEK_END)
+            if start < 0 or length < 0 or start + length > size:
+                raise CheckpointError(f"{self.url}/{key}: expected {length} bytes at offset {start}, the object "
+                                      f"holds {size}")
             f.seek(start)
             data = f.read(length)
         if len(data) != length:

@@ -1,4 +1,22 @@
-"""Filesystem / PVC store: temp name + fsync + rename for every object, renamed temp dirs for checkpoints."""
+"""Filesystem / PVC store: temp name + fsync + rename for every object, renamed temp dirs for checkpoints.
+
+A store is hostile input (another tenant's writes on a shared claim, a checkpoint copied from elsewhere), and
+kubetron itself never puts a symbolic link in one. So below the root (which the user named, and may be a
+link) no link is ever followed: every path is walked one component at a time from a directory descriptor
+with O_NOFOLLOW, so a link planted anywhere (`iter_N/tokenizer/x -> /proc/self/environ`, `iter_N -> /`) is
+never read, written, listed into or deleted through, and a swap between a check and the open cannot win.
+What each operation does on meeting one:
+  * reading a file (read_bytes, open_read, read_range, local_path): refused with a CheckpointError naming it;
+    the caller asked for a checkpoint file, and a link is not the file that was saved;
+  * exists(): a link counts as an entry, so the read that follows refuses it loudly instead of the run
+    silently taking another path (a linked tracker, optim.pt or commit marker is tampering, not absence);
+  * list(): links are listed like files, for the same reason (a tokenizer/ with a file left out would
+    silently change the tokenizer); list_dirs(): a linked directory is not a directory of this store (it
+    is no checkpoint kubetron wrote), so it is ignored;
+  * writing, appending, creating directories, deleting: a link in the path is refused; a link in the
+    final place is replaced or removed as an entry (rename and unlink never follow).
+Anything else that is not a regular file (a FIFO, a device) is refused where it would be read.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +25,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +42,7 @@ from kubetron.storage.base import (
     check_key,
     default_primary,
     is_internal_name,
+    too_large,
 )
 
 
@@ -38,7 +58,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def _makedirs(path: str) -> None:
-    """mkdir -p, fsyncing each parent whose entry list changed (so new directories survive a crash)."""
+    """mkdir -p, fsyncing each parent whose entry list changed (so new directories survive a crash). For the
+    store's root only: below it, directories are made by LocalStore._dir(create=True), which follows no link."""
     missing = []
     p = path
     while not os.path.isdir(p):
@@ -52,14 +73,55 @@ def _makedirs(path: str) -> None:
         _fsync_dir(os.path.dirname(d))
 
 
-@contextmanager
-def _atomic_file(path: str, what: str) -> Iterator[BinaryIO]:
-    """Write `path` through `.<name>.tmp-<uuid>` in the same directory; fsync, rename, fsync the dir."""
-    parent, base = os.path.split(path)
-    tmp = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a planted FIFO never blocks
+
+
+def _fsync_fd(fd: int) -> None:
     try:
-        _makedirs(parent)
-        f = open(tmp, "wb")  # noqa: SIM115 - closed below on every path
+        os.fsync(fd)
+    except OSError as e:  # as _fsync_dir: some filesystems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def link_refused(what: str) -> CheckpointError:
+    return CheckpointError(f"{what} is a symbolic link: kubetron never follows a link inside a store "
+                           "(it writes none), so this is not a file it saved")
+
+
+def _open_at(dir_fd: int, name: str, flags: int, what: str, mode: int = 0o644) -> int:
+    """os.open(name, flags | O_NOFOLLOW) in the directory `dir_fd`; a link there is a CheckpointError."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _is_link(dir_fd, name):
+            raise link_refused(what) from None
+        raise
+
+
+def _regular(fd: int, what: str) -> int:
+    """`fd` if it is a regular file; otherwise closed, and a CheckpointError (a FIFO or device never is data)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{what} is not a regular file")
+    return fd
+
+
+@contextmanager
+def _atomic_file(dir_fd: int, base: str, what: str) -> Iterator[BinaryIO]:
+    """Write `base` in the directory `dir_fd` through `.<base>.tmp-<uuid>`; fsync, rename, fsync the dir.
+    The rename replaces whatever entry `base` was (a planted link too) and never follows it."""
+    tmp = f".{base}.tmp-{uuid.uuid4().hex}"
+    try:
+        f = os.fdopen(_open_at(dir_fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what), "wb")
     except OSError as e:
         raise CheckpointError(f"cannot write {what}: {e}") from e
     try:
@@ -67,15 +129,15 @@ def _atomic_file(path: str, what: str) -> Iterator[BinaryIO]:
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        os.replace(tmp, path)
-        _fsync_dir(parent)
+        os.replace(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        _fsync_fd(dir_fd)
     except BaseException as e:
         try:
             f.close()
         except OSError:
             pass
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
         if isinstance(e, OSError):
@@ -107,9 +169,14 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def _fsync_tree(path: str) -> None:
-    for dirpath, _dirs, files in os.walk(path, topdown=False):
+    for dirpath, _dirs, files in os.walk(path, topdown=False):  # os.walk enters no linked directory
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(dirpath, name), _READ_FLAGS)
+            except OSError as e:  # a link (nothing kubetron wrote: it is not opened, let alone synced)
+                if e.errno == errno.ELOOP:
+                    continue
+                raise
             try:
                 os.fsync(fd)
             finally:
@@ -118,7 +185,8 @@ def _fsync_tree(path: str) -> None:
 
 
 class LocalStore(Store):
-    """A directory (local disk or a mounted PVC). The root is created on the first write."""
+    """A directory (local disk or a mounted PVC). The root is created on the first write. No link below the
+    root is followed (the module docstring says what each operation does on meeting one)."""
 
     is_remote = False
 
@@ -133,81 +201,166 @@ class LocalStore(Store):
     def _what(self, key: str) -> str:
         return os.path.join(self.url, key)
 
+    @contextmanager
+    def _dir(self, parts: builtins.list[str], *, create: bool = False) -> Iterator[int]:
+        """A descriptor of the directory root/parts..., walked one component at a time without following a
+        link (a link on the way is a CheckpointError); `create`: make what is missing, fsyncing each parent."""
+        if create and not os.path.isdir(self.root):
+            _makedirs(self.root)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root: the user named it
+        try:
+            for i, name in enumerate(parts):
+                nfd = self._subdir(fd, name, "/".join(parts[: i + 1]), create)
+                os.close(fd)
+                fd = nfd
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _subdir(self, fd: int, name: str, rel: str, create: bool) -> int:
+        try:
+            return _open_at(fd, name, _DIR_FLAGS, self._what(rel))
+        except FileNotFoundError:
+            if not create:
+                raise
+        try:
+            os.mkdir(name, dir_fd=fd)
+        except FileExistsError:
+            pass
+        _fsync_fd(fd)
+        return _open_at(fd, name, _DIR_FLAGS, self._what(rel))
+
+    def _parts(self, key: str) -> builtins.list[str]:
+        return check_key(key).split("/")
+
+    def _open_file(self, key: str) -> BinaryIO:
+        """`key` opened for reading: a regular file reached without following a link, else CheckpointError."""
+        *parents, name = self._parts(key)
+        what = self._what(key)
+        with self._dir(parents) as d:
+            return os.fdopen(_regular(_open_at(d, name, _READ_FLAGS, what), what), "rb")
+
     # -- objects ---------------------------------------------------------------------------------------
     @contextmanager
     def open_write(self, key: str) -> Iterator[BinaryIO]:
-        k = check_key(key)
-        with _atomic_file(self._path(k), self._what(k)) as f:
-            yield f
+        *parents, name = self._parts(key)
+        try:
+            with self._dir(parents, create=True) as d, _atomic_file(d, name, self._what(key)) as f:
+                yield f
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise CheckpointError(f"cannot write {self._what(key)}: {e}") from e
 
-    def read_bytes(self, key: str) -> bytes:
-        with open(self._path(check_key(key)), "rb") as f:
-            return f.read()
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        with self._open_file(key) as f:
+            size = os.fstat(f.fileno()).st_size
+            if limit is not None and size > limit:
+                raise too_large(self._what(key), size, limit)
+            data = f.read()
+        if limit is not None and len(data) > limit:  # it grew while being read
+            raise too_large(self._what(key), len(data), limit)
+        return data
 
     def open_read(self, key: str) -> BinaryIO:
-        return open(self._path(check_key(key)), "rb")  # the caller closes it
+        return self._open_file(key)  # the caller closes it
 
     def local_path(self, key: str) -> str:
-        return self._path(check_key(key))
+        """The path of `key`, once it is known to be a regular file reached without a link (a caller that
+        hands the path on, e.g. to megatron, reads what was checked)."""
+        with self._open_file(key):
+            return self._path(key)
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(check_key(key)))
-
-    def list(self, prefix: str = "") -> list[str]:
-        p = check_key(prefix, allow_empty=True)
-        base = self._path(p)
-        out = []
-        for dirpath, dirs, files in os.walk(base):
-            dirs[:] = [d for d in dirs if not is_internal_name(d)]
-            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            for name in files:
-                if not is_internal_name(name):
-                    out.append(name if rel == "." else f"{rel}/{name}")
-        return sorted(out)
-
-    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
-        base = self._path(check_key(prefix, allow_empty=True))
+        """A regular file, or a link (reading it is refused: see the module docstring), is there."""
+        *parents, name = self._parts(key)
         try:
-            entries = list(os.scandir(base))
+            with self._dir(parents) as d:
+                mode = os.stat(name, dir_fd=d, follow_symlinks=False).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return not stat.S_ISDIR(mode)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        p = check_key(prefix, allow_empty=True)
+        parts = p.split("/") if p else []
+        out: builtins.list[str] = []
+        try:
+            with self._dir(parts) as d:
+                self._list_into(d, p, out)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(e.name for e in entries if e.is_dir() and not is_internal_name(e.name))
+        return sorted(out)
+
+    def _list_into(self, fd: int, rel: str, out: builtins.list[str]) -> None:
+        """Every entry under the directory `fd` that is not a directory: files, and links (listed, never
+        entered: a reader of one is refused), depth first."""
+        with os.scandir(fd) as entries:
+            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries if not is_internal_name(e.name)]
+        for name, is_dir in names:
+            key = f"{rel}/{name}" if rel else name
+            if not is_dir:
+                out.append(key)
+                continue
+            sub = _open_at(fd, name, _DIR_FLAGS, self._what(key))
+            try:
+                self._list_into(sub, key, out)
+            finally:
+                os.close(sub)
+
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
+        """Real directories only: a linked one holds nothing this store wrote, so it is no checkpoint."""
+        p = check_key(prefix, allow_empty=True)
+        try:
+            with self._dir(p.split("/") if p else []) as d, os.scandir(d) as entries:
+                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False)
+                              and not is_internal_name(e.name))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except CheckpointError:  # the prefix itself is (or passes) a link: no directory of this store
+            return []
 
     def delete_prefix(self, prefix: str) -> None:
-        k = check_key(prefix)  # never the whole store
-        path = self._path(k)
+        *parents, name = self._parts(prefix)  # never the whole store
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                # rename away first: a delete killed halfway never leaves a marker over missing files
-                parent, base = os.path.split(path)
-                gone = os.path.join(parent, f".{base}.del-{uuid.uuid4().hex}")
-                os.rename(path, gone)
-                _fsync_dir(parent)
-                shutil.rmtree(gone, ignore_errors=True)
-            elif os.path.lexists(path):
-                os.unlink(path)
-                _fsync_dir(os.path.dirname(path))
+            with self._dir(parents) as d:
+                self._delete_at(d, name)
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise CheckpointError(f"deleting {self._what(k)} failed: {e}") from e
+            raise CheckpointError(f"deleting {self._what(prefix)} failed: {e}") from e
+
+    @staticmethod
+    def _delete_at(d: int, name: str) -> None:
+        try:
+            is_dir = stat.S_ISDIR(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return
+        if not is_dir:  # a file or a link: the entry goes, what a link points at stays
+            os.unlink(name, dir_fd=d)
+            _fsync_fd(d)
+            return
+        # rename away first: a delete killed halfway never leaves a marker over missing files
+        gone = f".{name}.del-{uuid.uuid4().hex}"
+        os.rename(name, gone, src_dir_fd=d, dst_dir_fd=d)
+        _fsync_fd(d)
+        shutil.rmtree(gone, ignore_errors=True, dir_fd=d)  # fd-based: never descends a link
 
     def append_line(self, key: str, line: str) -> None:
-        k = check_key(key)
-        path = self._path(k)
+        *parents, name = self._parts(key)
+        what = self._what(key)
         if not line.endswith("\n"):
             line += "\n"
         try:
-            _makedirs(os.path.dirname(path))
-            new = not os.path.exists(path)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
-            if new:
-                _fsync_dir(os.path.dirname(path))
+            with self._dir(parents, create=True) as d:
+                new = not self.exists(key)
+                fd = _regular(_open_at(d, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, what), what)
+                with os.fdopen(fd, "a", encoding="utf-8") as f:
+                    f.write(line)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if new:
+                    _fsync_fd(d)
         except OSError as e:
-            raise CheckpointError(f"appending to {self._what(k)} failed: {e}") from e
+            raise CheckpointError(f"appending to {what} failed: {e}") from e
 
     # -- checkpoint directories -------------------------------------------------------------------------
     def begin_dir(self, name: str, *, txn_id: str | None = None, primary: bool | None = None) -> DirTxn:
@@ -261,11 +414,13 @@ class _LocalDirTxn(DirTxn):
         parent, base = os.path.split(self.final)
         self.parent = parent
         self.tmp = os.path.join(parent, f".{base}.tmp-{txn_id}")
+        self._tmp_parts = [*name.split("/")[:-1], os.path.basename(self.tmp)]  # below the root, as _dir walks
         self._open = 0
         self._failed: list[str] = []
         self._done = False
         try:
-            _makedirs(self.tmp)
+            with store._dir(self._tmp_parts, create=True):  # a link on the way is refused
+                pass
         except OSError as e:
             raise CheckpointError(f"cannot create {self.tmp} for {store._what(name)}: {e}") from e
 
@@ -274,13 +429,17 @@ class _LocalDirTxn(DirTxn):
 
     @contextmanager
     def _open_object(self, rk: str) -> Iterator[BinaryIO]:
-        with _atomic_file(os.path.join(self.tmp, *rk.split("/")), self._what(rk)) as f:
+        *parents, base = rk.split("/")
+        with self.store._dir([*self._tmp_parts, *parents], create=True) as d, \
+                _atomic_file(d, base, self._what(rk)) as f:
             yield f
 
     def local_dir(self, relkey: str) -> str:
-        path = os.path.join(self.tmp, *check_key(relkey).split("/"))
+        parts = check_key(relkey).split("/")
+        path = os.path.join(self.tmp, *parts)
         try:
-            _makedirs(path)
+            with self.store._dir([*self._tmp_parts, *parts], create=True):
+                pass
         except OSError as e:
             raise CheckpointError(f"cannot create {path} for {self._what(relkey)}: {e}") from e
         return path
@@ -290,7 +449,7 @@ class _LocalDirTxn(DirTxn):
             raise CheckpointError(f"{self._what()}: temp directory {self.tmp} vanished before commit")
         try:
             _fsync_tree(self.tmp)  # other ranks' files too (each rank also fsyncs its own)
-            with _atomic_file(os.path.join(self.tmp, MARKER), self._what(MARKER)) as f:
+            with self.store._dir(self._tmp_parts) as d, _atomic_file(d, MARKER, self._what(MARKER)) as f:
                 f.write(marker)
             if os.path.lexists(self.final):
                 if _exchange(self.tmp, self.final):

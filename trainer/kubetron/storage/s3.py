@@ -47,6 +47,7 @@ from kubetron.storage.base import (
     default_primary,
     is_internal_name,
     join_key,
+    too_large,
 )
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class S3Store(Store):
     def replace_tracker(self, key: str, data: bytes) -> None:
         self._put(check_key(key), data)  # a single PUT replaces an object atomically
 
-    def _download(self, key: str) -> bytes | bytearray:
+    def _download(self, key: str, limit: int | None = None) -> bytes | bytearray:
         k = check_key(key)
         what = self._what(k)
         ps = self.options.part_size
@@ -297,6 +298,8 @@ class S3Store(Store):
                 return body, total, r.get("ETag")
 
             head, total, etag = self._call(what, first)
+            if limit is not None and max(total, len(head)) > limit:  # before a buffer of that size exists
+                raise too_large(what, max(total, len(head)), limit)
             if total <= len(head):
                 return head
             buf = bytearray(total)
@@ -338,19 +341,30 @@ class S3Store(Store):
         self._call(f"{self._what(k)} bytes {start}-{end - 1}", once)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        """Ranged GETs of at most part_size each, in parallel; only these bytes cross the network."""
+        """Ranged GETs of at most part_size each, in parallel; only these bytes cross the network. The range
+        is checked against the object's size (one HEAD) before a buffer for it exists: a caller's range may
+        come from a checkpoint's own index, which is hostile input."""
         k = check_key(key)
+        head = self._call(self._what(k), self.client.head_object, Bucket=self.bucket, Key=self._k(k))
+        size = int(head.get("ContentLength", 0))
+        if start < 0 or length < 0 or start + length > size:
+            raise CheckpointError(f"{self._what(k)}: expected {length} bytes at offset {start}, the object "
+                                  f"holds {size}")
         buf = bytearray(length)
         mv = memoryview(buf)
         ps = self.options.part_size
-        futs = [self._pool.submit(self._get_range, k, None, start + lo, start + min(lo + ps, length),
+        etag = head.get("ETag")  # the object checked above, or the read fails (never a mix of two)
+        futs = [self._pool.submit(self._get_range, k, etag, start + lo, start + min(lo + ps, length),
                                   mv[lo:min(lo + ps, length)]) for lo in range(0, length, ps)]
-        for f in futs:
-            f.result()
+        errors = [e for e in (f.exception() for f in futs) if e is not None]  # every part done first
+        if any(isinstance(e, _ObjectChanged) for e in errors):
+            raise CheckpointError(f"{self._what(k)}: the object changed while being read")
+        if errors:
+            raise errors[0]
         return bytes(buf)
 
-    def read_bytes(self, key: str) -> bytes:
-        data = self._download(key)
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        data = self._download(key, limit)
         return data if isinstance(data, bytes) else bytes(data)
 
     def open_read(self, key: str) -> BinaryIO:
@@ -363,6 +377,12 @@ class S3Store(Store):
             return True
         except FileNotFoundError:
             return False
+
+    def stat(self, key: str) -> tuple[int, str]:
+        """(size in bytes, ETag) of an object: what identifies its content without reading it."""
+        k = check_key(key)
+        r = self._call(self._what(k), self.client.head_object, Bucket=self.bucket, Key=self._k(k))
+        return int(r["ContentLength"]), str(r.get("ETag", ""))
 
     def list(self, prefix: str = "") -> list[str]:
         full = self._dir_prefix(prefix)

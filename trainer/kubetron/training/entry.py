@@ -103,8 +103,15 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
          signal_handler: SignalHandler | None = None, **non_loss):
     from megatron.core import parallel_state
 
-    from kubetron.checkpoint.manager import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
+    from kubetron.checkpoint.manager import (
+        CheckpointManager,
+        adopt_checkpoint_tokenizer,
+        check_before_build,
+        open_save_store,
+    )
     from kubetron.data import build_train_valid_test_data_iterators
+    from kubetron.data.datasets import check_data_tokenizer
+    from kubetron.data.loader import build_tokenizer_from_config
     from kubetron.training import pipeline
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
@@ -135,6 +142,10 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     if cfg.train.exit_signal_handler:
         state.signal_handler = signal_handler or SignalHandler(exit_signals(cfg))
 
+    from_pretrained = mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)
+    check_before_build(cfg, finetune=from_pretrained)  # what needs no model fails before it is built
+    if not cfg.finetuning.data_path:  # indexed data: made by this run's tokenizer?
+        check_data_tokenizer(cfg.dataset, build_tokenizer_from_config(cfg))
     model = pipeline.build(cfg, device, build_model)  # build_model + PP shared-embedding setup on CPU
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
@@ -152,7 +163,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
                              world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
     state.ckpt = ckpt
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
-    ckpt.load(finetune=(mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)))
+    ckpt.load(finetune=from_pretrained)
     heartbeat.current().resumed(state.train_state.step)
     CLOCK.mark("checkpoint load")
 
@@ -336,7 +347,10 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
     if cfg.tokenizer.file_based and cfg.checkpoint.load:  # a resume trains with the checkpoint's tokenizer
         from kubetron.checkpoint.manager import adopt_checkpoint_tokenizer
 
-        adopt_checkpoint_tokenizer(cfg)
+        try:
+            adopt_checkpoint_tokenizer(cfg)
+        except CheckpointError as e:  # a checkpoint refused here ends as one refused by the run: one line
+            return _report_end(cfg, *ending_of(e)[:2], None)
     # Validate the whole config before the slow imports: a bad value fails in well under a second.
     cfg.finalize(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     warnings.filterwarnings("ignore", module="megatron")
@@ -374,7 +388,11 @@ def _run_and_report(cfg, mode: str, handler: SignalHandler | None) -> int:
         code, msg, unexpected = ending_of(e, handler)
         if unexpected:
             traceback.print_exc()
-    state = holder.get("state")
+    return _report_end(cfg, code, msg, holder.get("state"))
+
+
+def _report_end(cfg, code: int, msg: str, state) -> int:
+    """The run's one line (unless it completed), its termination message; returns the exit code."""
     if code not in (exitcodes.COMPLETED,):
         print(f"kubetron: {exitcodes.NAMES[code]}: {msg}", file=sys.stderr, flush=True)
     ts = state.train_state if state is not None else None

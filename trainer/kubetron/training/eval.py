@@ -86,11 +86,11 @@ def evaluate_and_print_results(state, prefix: str, forward_step_func, data_itera
 
 def final_evaluation(state, forward_step_func, model, valid_iterator, test_iterator, **non_loss) -> None:
     """After training (or instead of it, validation.skip_train): the validation split if do_valid, the test
-    split if do_test, as the reference's pretrain(); skip_train runs write no TensorBoard scalars."""
-    ts, skip_train = state.train_state, state.cfg.validation.skip_train
+    split if do_test, as the reference's pretrain(). An evaluation-only run writes its scalars too (Bridge
+    writes none: a logger.tensorboard_dir given to an evaluation is where its results are looked for)."""
+    ts = state.train_state
     for on, name, iterator, label in ((ts.do_valid, "validation", valid_iterator, "validation"),
                                       (ts.do_test, "test", test_iterator, "test")):
         if on and evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
-                                             iterator, model, label=label, write_to_tensorboard=not skip_train,
-                                             **non_loss) is None:
+                                             iterator, model, label=label, **non_loss) is None:
             return  # the time limit (train.exit_duration_in_mins) was reached

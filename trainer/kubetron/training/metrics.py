@@ -121,9 +121,11 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.flush()
         self._console(iteration, pending, host, elapsed_ms, gbs, scales[-1])
-        if times:
+        # interval-time is the console line's "elapsed time per iteration": the timers line has the others (level >= 1)
+        timed = {k: v for k, v in times.items() if k != "interval-time"}
+        if timed:
             print(" time (ms, per iteration) | " + " | ".join(f"{k}: {1000 * v / n_iters:.2f}"
-                                                              for k, v in times.items()), flush=True)
+                                                              for k, v in timed.items()), flush=True)
         if memory and not self._memory_reported:
             self._memory_reported = True
             print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (GB) | "
@@ -199,7 +201,7 @@ class MetricsLogger:
         self.status.update(iteration=iteration, trainIters=self.cfg.train.train_iters,
                            consumedSamples=self.state.train_state.consumed_train_samples,
                            tokensPerSecond=round(tokens_per_sec, 1), etaSeconds=round(remaining, 1),
-                           lastCheckpoint=self._last_checkpoint(), **latest)
+                           lastCheckpoint=self._last_checkpoint(), **self._save_seconds(), **latest)
 
     def _latest(self, pending, host, elapsed_ms: float, gbs: int) -> dict[str, float | None]:
         """loss (the first loss key, e.g. `lm loss`, averaged over the interval's finite values), the last
@@ -219,6 +221,12 @@ class MetricsLogger:
         if iteration is None:
             return None
         return {"iteration": int(iteration), "time": getattr(ckpt, "last_durable_time", None)}
+
+    def _save_seconds(self) -> dict[str, float | None]:
+        """How long the newest durable checkpoint took, and how long of that the loop waited (None before any)."""
+        ckpt = getattr(self.state, "ckpt", None)
+        return {"checkpointSaveSeconds": getattr(ckpt, "last_save_seconds", None),
+                "checkpointBlockedSeconds": getattr(ckpt, "last_blocked_seconds", None)}
 
     # -- estimates ----------------------------------------------------------------------------------
     def _throughput(self, tokens_per_iter: int) -> tuple[float, float]:

@@ -38,6 +38,10 @@ METRICS = (  # (name, status key, help): gauges of GET /metrics
     ("kubetron_trainer_tokens_per_second", "tokensPerSecond", "Training throughput of the whole job."),
     ("kubetron_trainer_tflops_per_gpu", "tflopsPerGpu", "Model TFLOP/s per GPU over the last log interval."),
     ("kubetron_trainer_eta_seconds", "etaSeconds", "Estimated seconds until train_iters."),
+    ("kubetron_trainer_checkpoint_save_seconds", "checkpointSaveSeconds",
+     "Seconds the newest durable checkpoint took, from the start of its save until durable."),
+    ("kubetron_trainer_checkpoint_blocked_seconds", "checkpointBlockedSeconds",
+     "Seconds the training loop waited for the newest durable checkpoint's save."),
 )
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 

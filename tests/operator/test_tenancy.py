@@ -1,0 +1,319 @@
+"""Tenant safety without a cluster (issue 31; the same on a real API server: test_tenancy_on_kube.py).
+
+A TrainingJob is written by a tenant: every name it carries is a Kubernetes name (the CRD's schema and the
+operator's admission), request paths refuse anything else, what one job makes the operator create is
+bounded, `$` in overrides reaches the trainer as written, and what pods and stores serve is read bounded
+(http_get, untrusted) and never reaches a log line, an Event or status with its control characters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import pathlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+
+import jsonschema
+import kopf
+import pytest
+import yaml
+from kubetron.contract.progress import (
+    exiting_job_line,
+    parse_progress,
+    saved_checkpoint_line,
+    starting_job_line,
+    summarize_events,
+)
+from kubetron_operator import handlers, http_get, live, progress_io
+from kubetron_operator.api_calls import InvalidName, Kube, api_path
+from kubetron_operator.build import build_pod, trainer_args
+from kubetron_operator.decide import decide
+from kubetron_operator.main import OneLineFormatter
+from kubetron_operator.model import ATTEMPT_LIMIT, NAME_PATTERN, Job, SpecError
+from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.untrusted import Untrusted, clean, load_json
+
+from tests.operator.endpoints import Endpoint
+from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
+from tests.operator.local_pods import expand
+
+CRD = pathlib.Path(__file__).parents[2] / "crds" / "trainingjob.yaml"
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+TRAVERSAL = "../../other-ns/secrets/their-creds"
+
+
+def schema():
+    return yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def with_s3(**s3):
+    body = copy.deepcopy(S3_JOB)
+    body["spec"]["storage"]["s3"].update(s3)
+    return body
+
+
+# -- 1. names -------------------------------------------------------------------------------------------
+
+NAMES = [  # (where in the spec, the body with a traversal there)
+    ("spec.storage.s3.secretRef.name", with_s3(secretRef={"name": TRAVERSAL})),
+    ("spec.storage.pvc.claimName", job_body(storage={"pvc": {"claimName": "../claims/x"}})),
+    ("spec.serviceAccountName", job_body(serviceAccountName="../../kube-system/serviceaccounts/admin")),
+    ("spec.imagePullSecrets[0].name", job_body(imagePullSecrets=[{"name": "a/b"}])),
+    ("spec.scheduling.priorityClassName", job_body(scheduling={"priorityClassName": "Upper"})),
+    ("spec.scheduling.schedulerName", job_body(scheduling={"schedulerName": "x/y"})),
+    ("spec.queueName", job_body(queueName="../q")),
+    ("spec.storage.s3.bucket", with_s3(bucket="b/../../c")),
+    ("spec.storage.s3.region", with_s3(region="evil.example/x")),
+    ("spec.storage.s3.endpoint", with_s3(endpoint="http://s3:9000/other-bucket?x=")),
+    ("spec.storage.s3.prefix", with_s3(prefix="runs/../../other-team")),
+]
+
+
+@pytest.mark.parametrize(("field", "body"), NAMES, ids=[n[0] for n in NAMES])
+def test_every_name_a_spec_carries_is_checked_by_the_crd_and_by_admission(field, body):
+    with pytest.raises(SpecError) as info:
+        Job.from_body(body)
+    assert info.value.field == field and "\n" not in str(info.value)
+    if field != "spec.storage.s3.prefix":  # the prefix is a CEL rule (test_tenancy_on_kube.py)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(body, schema())
+
+
+def test_names_in_the_pod_template_are_checked_by_the_crd():
+    template = {"spec": {"volumes": [{"name": "v", "secret": {"secretName": TRAVERSAL}}],
+                         "containers": [{"name": "trainer", "envFrom": [{"secretRef": {"name": "../x"}}]}]}}
+    for bad in ({"volumes": template["spec"]["volumes"]}, {"containers": template["spec"]["containers"]}):
+        with pytest.raises(jsonschema.ValidationError, match="does not match"):
+            jsonschema.validate(job_body(podTemplate={"spec": bad}), schema())
+    env = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": TRAVERSAL, "key": "k"}}}]
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        jsonschema.validate(job_body(env=env), schema())
+
+
+def test_the_crds_name_pattern_is_the_operators():
+    spec = schema()["properties"]["spec"]["properties"]
+    for where in (spec["serviceAccountName"], spec["storage"]["properties"]["s3"]["properties"]["secretRef"]
+                  ["properties"]["name"], spec["storage"]["properties"]["pvc"]["properties"]["claimName"]):
+        assert where["pattern"] == NAME_PATTERN and where["maxLength"] == 253
+
+
+def test_the_path_builder_refuses_what_is_not_a_name_and_sends_nothing():
+    """Whatever got past the schema (a job stored before it said so): no request leaves with that path."""
+    sent = []
+    kube = Kube(lambda *call: sent.append(call) or (200, b"{}"))
+    with pytest.raises(InvalidName, match="secret name '../../other-ns/secrets/their-creds' is not a Kubernetes"):
+        kube.secret_data("team-a", TRAVERSAL)
+    for bad in ("..", "a/b", "a%2Fb", "A", "a b", "a\nb"):
+        with pytest.raises(InvalidName):
+            kube.get("v1", "Pod", "team-a", bad)
+        with pytest.raises(InvalidName):
+            api_path("", "v1", "pods", bad)
+    assert sent == []
+    assert api_path("", "v1", "secrets", "team-a", "s3-creds.v2") == "/api/v1/namespaces/team-a/secrets/s3-creds.v2"
+
+
+def test_a_job_without_secret_ref_gives_its_pods_no_keys():
+    job = Job.from_body(with_s3(secretRef=None) | {})
+    assert job.spec.storage.secret_name == ""
+    pod = build_pod(job, 1, 0)
+    assert not [e for e in pod["spec"]["containers"][0]["env"] if e["name"].startswith("AWS_") and "KEY" in e["name"]]
+
+
+# -- 7. amplification -----------------------------------------------------------------------------------
+
+
+def test_what_one_attempt_creates_is_bounded():
+    big = "train:\n  train_iters: 4\n" + "#" * 16_000 + "\n"
+    with pytest.raises(SpecError) as info:
+        Job.from_body(job_body(nodes=4096, config=big))
+    assert info.value.field == "spec.nodes" and "more than 64 MiB" in str(info.value)
+    crd = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    (rule,) = [r for r in crd["x-kubernetes-validations"] if "self.nodes <=" in r["rule"]]
+    assert str(ATTEMPT_LIMIT) in rule["rule"]
+    sidecars = [{"name": f"s{i}", "image": "x", "args": ["y" * 60_000]} for i in range(8)]
+    with pytest.raises(SpecError, match="spec.nodes: 200 pods of 477 KiB"):  # the template is copied too
+        Job.from_body(job_body(nodes=200, podTemplate={"spec": {"containers": sidecars}}))
+    Job.from_body(job_body(nodes=4096))  # a small config at the largest size is fine
+
+
+# -- 8. $(VAR) in overrides ----------------------------------------------------------------------------
+
+
+def test_overrides_reach_the_trainer_as_written():
+    """The kubelet expands $(VAR) in args from the container's env (and $$ to $): the pod carries every $
+    doubled, so the trainer gets the override the operator validated."""
+    written = ["logger.wandb_exp_name=run-$(NODE_RANK)-$$-$(HOME", "logger.tensorboard_dir=/ckpt/$(KUBETRON_JOB_ID)"]
+    job = Job.from_body(job_body(overrides=written))
+    pod = build_pod(job, 1, 1)
+    container = pod["spec"]["containers"][0]
+    assert "logger.wandb_exp_name=run-$$(NODE_RANK)-$$$$-$$(HOME" in container["args"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    received = [expand(a, env) for a in container["args"]]
+    assert received == trainer_args(job) and set(written) <= set(received)
+
+
+# -- 6. what pods say -----------------------------------------------------------------------------------
+
+
+def worker(name: str, message: str, code: int = 1) -> dict:
+    return {"metadata": {"name": name, "labels": {"kubetron.dev/attempt": "1", "kubetron.dev/rank": name[-1]},
+                         "creationTimestamp": "2026-11-22T11:00:00Z"},
+            "spec": {"nodeName": "n1"},
+            "status": {"phase": "Failed", "containerStatuses": [{"name": "trainer", "state": {"terminated": {
+                "exitCode": code, "reason": "Error", "message": message, "startedAt": "2026-11-22T11:00:01Z"}}}]}}
+
+
+HOSTILE = [
+    ("nested", '{"exitCode": 1, "x": ' + "[" * 2000 + "]" * 2000 + "}", "nested more than 16 levels"),
+    ("huge int", '{"exitCode": 1, "iteration": 1' + "0" * 4000 + "}", "beyond int64"),
+    ("too long", '{"exitCode": 1, "message": "' + "x" * 5000 + '"}', "more than 4096"),
+    ("above int64", '{"exitCode": 1, "lastCheckpoint": 9223372036854775808}', "beyond int64"),
+    ("negative", '{"exitCode": 1, "trainIters": -4}', "trainIters is not a count"),
+    ("infinite", '{"exitCode": 1, "iteration": 1e999}', "beyond the range of a double"),
+]
+
+
+@pytest.mark.parametrize(("case", "message", "why"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_a_hostile_termination_message_is_ignored_and_the_job_still_decided(case, message, why):
+    pods = tuple(PodView.from_pod(worker(f"gpt-1-{r}", message), NOW) for r in (0, 1))
+    assert all(p.termination is None and why in p.refused for p in pods)
+    status = {"phase": "Running", "attempt": 1, "restarts": {}}
+    action = decide(Job.from_body(PVC_JOB), Observed(now=NOW, status=status, pods=pods))
+    assert action.status["reason"] == "TrainerError" and action.status["phase"] == "Restarting"
+    assert action.status["restarts"]["failures"] == 1
+
+
+def test_control_characters_never_reach_status_events_or_the_log():
+    forged = "boom\n2026-11-22 12:00:00,000 INFO kubetron.api: job gpt Succeeded\x1b[2K\u2028"
+    pod = PodView.from_pod(worker("gpt-1-0", json.dumps({"exitCode": 1, "message": forged})), NOW)
+    assert pod.termination["message"] == "boom\\n2026-11-22 12:00:00,000 INFO kubetron.api: job gpt Succeeded" \
+                                          "\\x1b[2K\\u2028"
+    record = logging.LogRecord("kubetron", logging.WARNING, __file__, 1, "pod said: %s", (forged,), None)
+    line = OneLineFormatter("%(levelname)s %(message)s").format(record)
+    assert "\n" not in line and "\x1b" not in line and line.startswith("WARNING pod said: boom\\n")
+    assert clean("a\tb\rc\x00d\x9be") == "a\\tb\\rc\\x00d\\x9be"
+
+
+def test_bounded_json():
+    assert load_json('{"a": [1, 2.5, "x"]}', 100) == {"a": [1, 2.5, "x"]}
+    for text, why in (("[" * 17 + "]" * 17, "nested"), ('"' + "x" * 200 + '"', "more than 100"),
+                      ("9223372036854775808", "int64"), ("NaN", "not a number"), ('{"a": "[[[[[[[[[[[[[[[[[["}', "")):
+        if not why:  # brackets inside a string do not nest
+            assert load_json(text, 100) == {"a": "[" * 18}
+            continue
+        with pytest.raises(Untrusted, match=why):
+            load_json(text, 100)
+
+
+# -- 4. rank 0's status endpoint -----------------------------------------------------------------------
+
+
+def rank0(port_ip: str = "127.0.0.1") -> list[PodView]:
+    return [PodView(name="gpt-1-0", attempt=1, rank=0, phase="Running", ip=port_ip)]
+
+
+def test_rank0s_endpoint_is_read_bounded(monkeypatch):
+    monkeypatch.setattr(live, "LIVE_DEADLINE", 0.6)  # the real 2 s: test_tenancy_on_kube.py
+    target = Endpoint.serve(b'{"iteration": 999}')
+    hops = Endpoint.redirect(f"{target.url}/status")
+    drip = Endpoint.drip(every=0.2)
+    big = Endpoint.serve(b'{"loss": 1.0, "pad": "' + b"x" * 100_000 + b'"}')
+    deep = Endpoint.serve(b'{"iteration": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    try:
+        read = live.read_live(rank0(), 1, hops.port)
+        assert read.status is None and "a redirect, not followed" in read.problem and target.requests == []
+        t0 = time.monotonic()
+        read = live.read_live(rank0(), 1, drip.port)
+        assert time.monotonic() - t0 < 1.0 and "no answer within 0.6s" in read.problem
+        assert "longer than 65536 bytes" in live.read_live(rank0(), 1, big.port).problem
+        assert "nested more than" in live.read_live(rank0(), 1, deep.port).problem
+        assert live.read_live(rank0("node-1.example"), 1, target.port) == live.LiveRead()  # only the pod's IP
+        assert live.read_live(rank0(), 1, target.port).status["iteration"] == 999
+        huge = live.read_live(rank0(), 1, 8080, lambda url: {"iteration": 10**30})
+        assert huge.status is None and "iteration is not a count" in huge.problem
+        huge = live.read_live(rank0(), 1, 8080, lambda url: {"loss": 10**400})
+        assert huge.status is None and "beyond the range of a double" in huge.problem
+    finally:
+        for e in (target, hops, drip, big, deep):
+            e.close()
+    with pytest.raises(ValueError, match="not an IP address"):
+        http_get.get("http://example.com/status", limit=10, deadline=1, ip_only=True)
+
+
+# -- 3. the progress log: its tail, bounded ------------------------------------------------------------
+
+
+def long_log(attempts: int = 80, saves: int = 60) -> str:
+    lines = []
+    for a in range(1, attempts + 1):
+        job_id = f"ml/gpt/{a}"
+        lines.append(starting_job_line((a - 1) * saves, 10**6, num_gpus=16, job_id=job_id))
+        for s in range((a - 1) * saves + 1, a * saves + 1):
+            lines.append(saved_checkpoint_line(s, 1.0, 1.0, 1e15 * s, 4096 * s, 10**6, num_gpus=16, job_id=job_id))
+        lines.append(exiting_job_line(a * saves, "SavedOnSignal", 10**6, num_gpus=16, job_id=job_id))
+    return "\n".join(lines) + "\n"
+
+
+def test_the_tail_of_a_long_log_says_what_the_whole_log_says():
+    """What the operator takes from the summary is the same from the 256 KiB tail as from the whole log."""
+    text = long_log()
+    assert len(text) > 3 * progress_io.TAIL_BYTES
+    whole = summarize_events(parse_progress(text))
+    tail = text[-progress_io.TAIL_BYTES:].partition("\n")[2]
+    part = summarize_events(parse_progress(tail))
+    for key in ("lastCheckpoint", "trainIters", "iteration", "completed", "inPlaceRestarts"):
+        assert part[key] == whole[key], key
+    assert part["jobIterations"]["ml/gpt/80"] == whole["jobIterations"]["ml/gpt/80"]
+
+
+def test_the_store_is_read_by_its_tail_within_a_deadline(monkeypatch):
+    monkeypatch.setattr(progress_io, "READ_DEADLINE", 0.6)  # the real 3 s: test_tenancy_on_kube.py
+    text = long_log().encode()
+    store = Endpoint.objects({"/bkt/runs/ml/gpt/progress.txt": text})
+    drip = Endpoint.drip(every=0.2)
+    whole = Endpoint.serve(text)  # a store that ignores Range
+    keys = ("AKID", "SECRET", None)
+    try:
+        tail = progress_io.read_tail(progress_io.presign(store.url, "", "bkt", "runs/ml/gpt/progress.txt", keys), "s")
+        assert store.requests[0]["headers"]["Range"] == f"bytes=-{progress_io.TAIL_BYTES}"
+        assert len(tail) < progress_io.TAIL_BYTES and tail.startswith("20")  # the cut first line dropped
+        assert "X-Amz-Credential=AKID%2F" in store.requests[0]["path"]
+        t0 = time.monotonic()
+        with pytest.raises(progress_io.Unread) as slow:
+            progress_io.read_tail(f"{drip.url}/bkt/key", "slow")
+        assert slow.value.reason == "StoreTimeout" and time.monotonic() - t0 < 1.0
+        with pytest.raises(progress_io.Unread) as large:
+            progress_io.read_tail(f"{whole.url}/bkt/key", "whole")
+        assert large.value.reason == "StoreTooLarge"
+        assert progress_io.read_tail(f"{store.url}/bkt/none", "s") == ""  # no log yet
+    finally:
+        for e in (store, drip, whole):
+            e.close()
+
+
+# -- liveness -------------------------------------------------------------------------------------------
+
+
+def test_liveness_fails_while_work_waits_for_a_thread(monkeypatch):
+    monkeypatch.setattr(handlers, "STARVED_AFTER", 0.3)
+    deps = handlers.Deps(kube=Kube(lambda *a: (200, b"{}")), executor=ThreadPoolExecutor(1))
+    memo = kopf.Memo(deps=deps)
+    release = threading.Event()
+
+    async def scenario():
+        assert await handlers.pool_health(memo) == {"oldestWaitSeconds": 0.0}
+        blocker = asyncio.ensure_future(deps.pools.run(deps.executor, release.wait, 10))
+        waiting = asyncio.ensure_future(deps.pools.run(deps.executor, lambda: "done"))
+        await asyncio.sleep(0.5)
+        with pytest.raises(kopf.PermanentError, match="waited"):
+            await handlers.pool_health(memo)
+        release.set()
+        assert await waiting == "done" and await blocker
+        assert (await handlers.pool_health(memo))["oldestWaitSeconds"] == 0.0
+
+    asyncio.run(scenario())

@@ -1,0 +1,99 @@
+"""The Grafana dashboard the chart ships (charts/kubetron/dashboards/kubetron.json) and its alerts: every
+query parses (promtool, Prometheus' own parser), the panels cover what an operator of training jobs looks
+at, and the chart installs it as Grafana's dashboard sidecar expects. That each metric name a query reads is
+exported: the operator's in tests/operator/test_metrics_on_kube.py, rank 0's in
+tests/operator/test_real_trainer_story.py (both scrape the real processes)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from kubetron_operator.build import build
+from kubetron_operator.model import Job
+
+from tests.dashboard import DASHBOARD, ROOT, dashboard, metric_names, queries, read_by
+from tests.operator.jobs import PVC_JOB
+
+helm = pytest.importorskip("kubetron_operator.helm")
+pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
+
+CHART = ROOT / "charts" / "kubetron"
+PROMTOOL = shutil.which("promtool")
+NO_PROMTOOL = "promtool is not installed (Debian: apt-get install prometheus; .ci/run installs it)"
+
+
+def render(values: dict) -> list[dict]:
+    return helm.template(CHART, values, namespace="kubetron-system")
+
+
+def of_kind(manifests: list[dict], kind: str) -> list[dict]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def promtool_check_rules(tmp_path, groups: list[dict]) -> subprocess.CompletedProcess:
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": groups}))
+    return subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
+def test_every_query_and_alert_parses_with_promtool(tmp_path):
+    rules = [{"record": f"kubetron:panel_{i}", "expr": expr} for i, expr in enumerate(queries().values())]
+    checked = promtool_check_rules(tmp_path, [{"name": "dashboard", "rules": rules}])
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in checked.stdout
+    (rule,) = of_kind(render({"metrics": {"prometheusRule": {"enabled": True}}}), "PrometheusRule")
+    checked = promtool_check_rules(tmp_path, rule["spec"]["groups"])
+    assert checked.returncode == 0 and "SUCCESS: 4 rules found" in checked.stdout, checked.stdout + checked.stderr
+    # ... and promtool refuses what is not PromQL, so the checks above can fail
+    assert promtool_check_rules(tmp_path, [{"name": "x", "rules": [{"record": "x:y", "expr": "sum by (a"}]}]).returncode
+
+
+def test_the_panels_cover_jobs_restarts_speed_loss_checkpoints_and_the_operator():
+    titles = [p["title"] for p in dashboard()["panels"]]
+    assert {"Jobs by phase", "Restarts by kind", "Iterations per second", "Tokens per second", "Loss",
+            "Checkpoint save time", "Operator reconcile latency", "Operator API errors"} <= set(titles)
+    assert len(titles) == len(set(titles)) and all(p["targets"] for p in dashboard()["panels"])
+    assert read_by("operator") == {"kubetron_trainingjobs", "kubetron_restarts_total", "kubetron_attempts_total",
+                                   "kubetron_reconcile_duration_seconds_bucket", "kubetron_api_errors_total"}
+    assert {"kubetron_trainer_iteration", "kubetron_trainer_tokens_per_second", "kubetron_trainer_loss",
+            "kubetron_trainer_checkpoint_save_seconds"} <= read_by("trainer")
+    for name, expr in queries().items():  # every name read is one of ours: nothing the parse missed
+        assert metric_names(expr) and all(n.startswith("kubetron_") for n in metric_names(expr)), name
+
+
+def test_metric_names_are_read_from_promql():
+    assert metric_names('histogram_quantile(0.99, sum by (le) (rate(a_bucket{x="y{z}"}[5m])))') == {"a_bucket"}
+    assert metric_names("max by (ns) (a{b=~\"c\"}) / on (ns) group_left b offset 1h > 2e3") == {"a", "b"}
+
+
+def test_the_chart_installs_it_for_grafanas_sidecar():
+    assert not of_kind(render({}), "ConfigMap")  # off by default
+    values = {"grafanaDashboard": {"enabled": True, "namespace": "monitoring", "labels": {"team": "ml"},
+                                   "annotations": {"grafana_folder": "Training"}}}
+    (cm,) = of_kind(render(values), "ConfigMap")
+    meta = cm["metadata"]
+    assert meta["labels"]["grafana_dashboard"] == "1" and meta["labels"]["team"] == "ml"
+    assert meta["namespace"] == "monitoring" and meta["annotations"] == {"grafana_folder": "Training"}
+    assert json.loads(cm["data"]["kubetron.json"]) == json.loads(DASHBOARD.read_text())
+    assert (CHART / "dashboards" / "kubetron.json") == DASHBOARD
+
+
+def test_the_pod_monitor_scrapes_rank_0_of_every_job_and_names_the_job():
+    (monitor,) = of_kind(render({"metrics": {"podMonitor": {"enabled": True}}}), "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("status", "/metrics")
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_label_kubetron_dev_job"],
+                                        "targetLabel": "trainingjob"}]  # the label the dashboard groups by
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    pods = [m for m in build(Job.from_body(PVC_JOB), 1) if m["kind"] == "Pod"]  # the pods the operator makes
+    chosen = [p for p in pods if selector.items() <= p["metadata"]["labels"].items()]
+    assert [p["metadata"]["name"] for p in chosen] == ["gpt-1-0"]
+    assert {"name": "status", "containerPort": 8080} in chosen[0]["spec"]["containers"][0]["ports"]
+    namespaced = render({"metrics": {"podMonitor": {"enabled": True}}, "watchNamespaces": ["team-a"]})
+    assert of_kind(namespaced, "PodMonitor")[0]["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}

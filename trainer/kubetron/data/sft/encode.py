@@ -1,0 +1,243 @@
+"""Rows to token ids and answer flags, in batches, with progress lines on long work.
+
+* A prompt/answer pair: ``leading + prompt + answer (+ eod)`` where ``leading`` is what the tokenizer's
+  post-processor puts before a text (Llama 3's ``<|begin_of_text|>``; nothing for most), prompt and answer encoded
+  without it: one BOS, at the start only. The flags are 1 on the answer (and eod).
+* A chat: its rendering by the chat template, encoded without the post-processor's special tokens (the template
+  writes them), so the ids equal transformers' ``apply_chat_template(messages, tokenize=True)``; the flags are 1
+  on the assistant turns (:mod:`kubetron.data.sft.chat`).
+
+The chat template is compiled once per process; the examples go ``BATCH`` at a time to processes on all cores
+(each renders its batch and encodes it in one call to the Rust tokenizer); a little data stays in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from itertools import chain
+
+import jinja2
+import numpy as np
+
+from kubetron.contract.errors import ConfigError
+from kubetron.data.sft.chat import ChatTemplate, token_mask
+from kubetron.data.sft.rows import Chat, Pair
+from kubetron.data.tokenizer import FILE_TOKENIZERS, build_tokenizer, tokenizer_from_assets
+
+log = logging.getLogger("kubetron")
+
+BATCH = 1024
+MAX_WORKERS = 32
+PROGRESS_EVERY_S = 10.0
+
+
+class Progress:
+    """A log line with the rate and an ETA every `every` seconds of long work (none for work done sooner)."""
+
+    def __init__(self, what: str, total: float, unit: str, every: float | None = None):
+        self.what, self.total, self.unit = what, total, unit
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, done: float) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        log.info("%s: %s of %s %s (%.0f%%, %.0f/s, ETA %s)", self.what, _count(done), _count(self.total), self.unit,
+                 100 * done / max(self.total, 1), rate, _duration(eta))
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e7 else f"{n:.0f}"
+
+
+def _duration(s: float) -> str:
+    if s != s or s == float("inf"):
+        return "?"
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}min"
+
+
+@dataclass
+class Encoded:
+    """Every example's ids back to back, in chunks: example i's ids and flags, lengths in order."""
+
+    ids: list[np.ndarray] = field(default_factory=list)
+    flags: list[np.ndarray] = field(default_factory=list)
+    lengths: list[np.ndarray] = field(default_factory=list)
+    cut: int = 0
+    short: int = 0
+
+    def extend(self, other: Encoded) -> None:
+        self.ids += other.ids
+        self.flags += other.flags
+        self.lengths += other.lengths
+        self.cut += other.cut
+        self.short += other.short
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        return {"tokens": np.concatenate(self.ids or [np.zeros(0, np.int32)]).astype(np.int32),
+                "flags": np.concatenate(self.flags or [np.zeros(0, np.uint8)]).astype(np.uint8),
+                "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}
+
+
+class Encoder:
+    """Turns (where, example) items into ids and flags for one tokenizer and its chat templates."""
+
+    def __init__(self, tokenizer, seq_length: int, add_eod: bool, template_name: str | None, field: str):
+        self.tok, self.limit, self.add_eod, self.field = tokenizer, seq_length + 1, add_eod, field
+        self.template_name = template_name
+        self.leading = list(getattr(tokenizer, "leading_special_ids", ()))
+        self._templates: dict[str, ChatTemplate] = {}
+
+    def template(self, chat: Chat, where: str) -> ChatTemplate:
+        templates = getattr(self.tok, "chat_templates", {})
+        if not templates:
+            raise ConfigError(self.field, f"{where}: chat messages need a tokenizer with a chat template "
+                                          f"(chat_template.jinja or tokenizer_config.json's chat_template); "
+                                          f"{self.tok!r} has none")
+        name = choose_template(templates, self.template_name, chat.tools is not None)
+        if name not in self._templates:
+            tokens = getattr(self.tok, "template_tokens", {})
+            specials = getattr(self.tok, "special_token_texts", ())
+            self._templates[name] = ChatTemplate(self.tok.chat_templates[name], tokens, specials,
+                                                 f"chat template {name!r}")
+        return self._templates[name]
+
+    def encode(self, batch: list[tuple[str, Pair | Chat]]) -> Encoded:
+        """One batch: render its chats, encode every text in one call to the tokenizer, cut at seq_length + 1."""
+        prepared = [self._render(where, ex) if isinstance(ex, Chat) else ex for where, ex in batch]
+        chats = [p for p in prepared if not isinstance(p, Pair)]
+        pairs = [p for p in prepared if isinstance(p, Pair)]
+        chat_enc = iter(self.tok.encode_offsets([text for text, _ in chats]) if chats else [])
+        plain = iter(self.tok.encode_plain([t for p in pairs for t in (p.prompt, p.answer)]) if pairs else [])
+        out = Encoded()
+        kept: list[tuple[list[int], list[int]]] = []
+        for p in prepared:
+            if isinstance(p, Pair):
+                prompt, answer = next(plain), next(plain)
+                ids = self.leading + prompt + answer + ([self.tok.eod] if self.add_eod else [])
+                flags = [0] * (len(self.leading) + len(prompt)) + [1] * (len(ids) - len(self.leading) - len(prompt))
+            else:
+                enc = next(chat_enc)
+                ids, flags = list(enc.ids), token_mask(enc, p[1])
+            out.cut += len(ids) > self.limit
+            if min(len(ids), self.limit) < 2:
+                out.short += 1  # nothing to predict
+                continue
+            kept.append((ids[:self.limit], flags[:self.limit]))
+        lengths = [len(ids) for ids, _ in kept]
+        out.ids = [np.fromiter(chain.from_iterable(ids for ids, _ in kept), np.int32, sum(lengths))]
+        out.flags = [np.fromiter(chain.from_iterable(flags for _, flags in kept), np.uint8, sum(lengths))]
+        out.lengths = [np.asarray(lengths, dtype=np.int64)]
+        return out
+
+    def _render(self, where: str, chat: Chat):
+        template = self.template(chat, where)
+        try:
+            return template.spans(list(chat.messages), chat.trained, chat.tools)
+        except jinja2.TemplateError as e:
+            raise ConfigError(self.field, f"{where}: the chat template failed: {e}") from None
+        except ValueError as e:
+            raise ConfigError(self.field, f"{where}: {e}") from None
+
+
+def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]], progress: Progress | None = None,
+               workers: int | None = None) -> Encoded:
+    """Every item, BATCH at a time: in this process for little data, else on all cores (processes started
+    fresh - spawn - each with its own copy of the tokenizer, rendering and encoding whole batches). Should the
+    workers not start (a program that cannot be re-imported), it goes on in this process, with a warning."""
+    batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
+    workers = min(workers or available_cpus(), MAX_WORKERS, len(batches))
+    out = Encoded()
+    if workers > 1 and tokenizer.tokenizer_type in FILE_TOKENIZERS + ("byte",):
+        try:
+            for result in _in_workers(tokenizer, settings, batches, workers):
+                out.extend(result)
+                if progress:
+                    progress(min(len(out.lengths) * BATCH, len(items)))
+            return out
+        except BrokenProcessPool as e:
+            log.warning("tokenizing in %d processes failed (%s); going on in this one", workers, e)
+            out = Encoded()
+    encoder = Encoder(tokenizer, *settings)
+    for n, batch in enumerate(batches, 1):
+        out.extend(encoder.encode(batch))
+        if progress:
+            progress(min(n * BATCH, len(items)))
+    return out
+
+
+def _in_workers(tokenizer, settings: tuple, batches: list, workers: int):
+    init = (tokenizer.tokenizer_type, tokenizer.assets(), settings)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                             initargs=init) as pool:
+        for result in pool.map(_encode_batch, batches):
+            if isinstance(result, tuple):  # a ConfigError, sent back as (field, message)
+                raise ConfigError(*result)
+            yield result
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+_WORKER: Encoder | None = None
+
+
+def _start_worker(tokenizer_type: str, assets: dict[str, bytes], settings: tuple) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    global _WORKER
+    tok = build_tokenizer(tokenizer_type) if tokenizer_type == "byte" else tokenizer_from_assets(tokenizer_type, assets)
+    _WORKER = Encoder(tok, *settings)
+
+
+def _encode_batch(batch) -> Encoded | tuple[str, str]:
+    assert _WORKER is not None
+    try:
+        return _WORKER.encode(batch)
+    except ConfigError as e:
+        return e.field, e.message
+
+
+def choose_template(templates: dict[str, str], name: str | None, has_tools: bool) -> str:
+    """The template a chat is rendered with, chosen as transformers' get_chat_template chooses (the configured
+    name, else "tool_use" for a chat with tools when there is one, else "default")."""
+    if name is not None:
+        if name not in templates:
+            raise ConfigError("finetuning.chat_template", f"{name!r}: the tokenizer has no chat template of that name "
+                                                          f"(it has {', '.join(sorted(templates))})")
+        return name
+    if has_tools and "tool_use" in templates:
+        return "tool_use"
+    if "default" not in templates:
+        raise ConfigError("finetuning.chat_template", f"the tokenizer has chat templates {', '.join(sorted(templates))}"
+                                                      " and none named 'default': choose one")
+    return "default"
+
+
+def parse_all(rows: Iterable[tuple[str, object]], parse, field: str) -> list[tuple[str, Pair | Chat]]:
+    """Every row as an example; a bad row is a ConfigError naming FILE:LINE and what is wrong."""
+    out = []
+    for where, row in rows:
+        try:
+            out.append((where, parse(row)))
+        except ValueError as e:
+            raise ConfigError(field, f"{where}: {e}") from None
+    return out
