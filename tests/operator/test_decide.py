@@ -290,6 +290,17 @@ def test_pvc_restart_creates_the_next_attempt_at_once_from_the_known_checkpoint(
     assert built == {"gpt-2-0", "gpt-2-1"}  # the attempt's own pods, nothing else
 
 
+def test_what_the_old_pods_saved_on_their_way_out_is_what_the_next_attempt_expects():
+    """A stopped gang saves on SIGTERM after the attempt ended (a resize, a suspension): its messages, read
+    while its pods go, are the newest checkpoint (no pod reads the store), so nothing counts as lost."""
+    ended = {**RESTARTING_PVC, "lastAttemptIteration": 50, "lastCheckpoint": {"iteration": 40, "time": "t"}}
+    saved = term(75, iteration=51, lastCheckpoint=51, message="received SIGTERM at iteration 51; saved iter_0000051")
+    going = run(ended, pods=[pod(0, phase="Failed", exit_code=75, termination=saved, deleting_for=1.0)], job=PVC)
+    assert going.kind == "wait" and going.status["lastCheckpoint"]["iteration"] == 51
+    created = run({**ended, **going.status}, pods=[], job=PVC)
+    assert created.expected_iteration == 51 and created.status["lostIterations"] == 0
+
+
 def test_pvc_termination_messages_carry_the_checkpoint():
     msg = term(75, iteration=17, lastCheckpoint=17, message="received SIGTERM")
     action = run(pods=[pod(0, phase="Failed", exit_code=75, termination=msg), pod(1)], job=PVC)

@@ -101,7 +101,7 @@ def test_a_hang_a_crash_and_a_preemption_each_land_where_they_belong(kube, kube_
     for what in ("hang", "crash", "preemption"):
         assert after[what]["recovery"] > before[what]["recovery"], (what, before[what], after[what])
     for what in ("hang", "crash"):  # mid-interval: iterations computed, then lost
-        assert after[what]["lostWork"] > before[what]["lostWork"], (what, before[what], after[what])
+        assert after[what]["lostWork"] > before[what]["lostWork"], (what, json.dumps(timeline), json.dumps(g))
     assert seconds["productive"] > 0 and seconds["checkpoint"] > 0 and seconds["pending"] >= 0
     assert g["ratio"] == pytest.approx(seconds["productive"] / g["totalSeconds"], abs=1e-4) and not g["recovering"]
     head, row = table.stdout.splitlines()[:2]
@@ -143,6 +143,7 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     kube.wait_status(ns, "gpt", "the Hung condition over", lambda s: {c["type"]: c["status"] for c in s.get(
         "conditions") or []}.get("Hung") == "False", timeout=60)
     timeline["after hang"] = goodput(kube, ns)["seconds"]
+    timeline["hang status"] = {k: st.get(k) for k in ("iteration", "lastCheckpoint", "lostIterations", "lastHang")}
 
     # 2. a hardware-looking crash on the same Node: no in-place restart left; the Node is avoided
     resumed = max(iterations_after(rank1, line))

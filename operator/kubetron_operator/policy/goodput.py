@@ -6,8 +6,9 @@ one bucket by what the job was doing (status.phase, the current attempt's pods),
 when rank 0's own account of its time (the status endpoint's trainerTime, read every --interval) splits it into
 productive (its training iterations), checkpoint (the loop blocked on saves) and the rest (recovery until an
 iteration completes after a failure, hang or preemption; else other: start-up, evaluation, logging). When a
-restart discards iterations (the attempt reached iteration I, the next resumes from checkpoint C < I), their
-time, (I - C) x the trainer's mean iteration, moves from productive to lostWork.
+restart discards iterations (the attempt reached iteration I, the next resumes from checkpoint C < I: counted
+when the next attempt is created, as status.lostIterations counts them), their time, (I - C) x the trainer's
+mean iteration, moves from productive to lostWork.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
     ranks = (st.get("nodes") or job.spec.nodes) * job.spec.nproc_per_node
     now = obs.now.replace(microsecond=0)  # up to the second asOf keeps: no interval counted twice
     wall = max(0.0, (now - since).total_seconds())
-    lost = _lost_iterations(obs, action)  # None unless this decision found a failure, a hang or a preemption
+    failed = _attempt_ended(obs, action)  # a failure, a hang, a preemption (or any other end of an attempt)
     waiting = held.get("waiting", True)  # the attempt's pods waited for placement as of `since`
     advanced = (action.status.get("iteration") or 0) > (st.get("iteration") or 0)
-    spent = _interval(obs, wall, trainer, before, recovering or lost is not None, waiting, advanced)
+    spent = _interval(obs, wall, trainer, before, recovering or failed, waiting, advanced)
     for bucket in spent:
         seconds[bucket] += spent[bucket] * ranks
     hung = _hang_seconds(obs, action) * ranks  # the hang's idle time went to other (no iteration): recovery
@@ -65,10 +66,10 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
         hung, seconds[OTHER])
     step = _step_seconds(trainer, held.get("stepSeconds"))
     origin = held.get("recoveringFrom")
-    if lost is not None:
-        moved = min(seconds[PRODUCTIVE], lost * step * ranks)
-        seconds[PRODUCTIVE] -= moved
-        seconds[LOST_WORK] += moved
+    moved = min(seconds[PRODUCTIVE], _lost_iterations(obs, action) * step * ranks)
+    seconds[PRODUCTIVE] -= moved
+    seconds[LOST_WORK] += moved
+    if failed:
         recovering, origin = True, before["started"] if before else None  # the process that failed
     elif recovering and trainer is not None and trainer["steps"] and trainer["started"] != origin:
         recovering, origin = False, None  # a process after the failure completed an iteration
@@ -145,17 +146,27 @@ def _step_seconds(trainer: TrainerTime | None, held: object) -> float:
     return float(held) if isinstance(held, (int, float)) else 0.0
 
 
-def _lost_iterations(obs: Observed, action: Action) -> int | None:
-    """Iterations this decision finds discarded: an attempt that ended (it reached lastAttemptIteration, the next
-    resumes from lastCheckpoint) or a gang restarted in place (it reached status.iteration, its new processes
-    resumed from the checkpoint they report); None when nothing ended."""
+def _attempt_ended(obs: Observed, action: Action) -> bool:
+    """This decision ends the running attempt (it records the iteration it reached) or counts a gang restarted
+    in place: recovery begins."""
     st, patch = obs.status, action.status
     if patch.get("lastAttemptIteration") is not None and st.get("phase") in ("Pending", "Running"):
-        return max(0, patch["lastAttemptIteration"] - _iteration(patch.get("lastCheckpoint", st.get("lastCheckpoint"))))
+        return True
+    return (patch.get("attemptInPlaceRestarts") or 0) > (st.get("attemptInPlaceRestarts") or 0)
+
+
+def _lost_iterations(obs: Observed, action: Action) -> int:
+    """Iterations this decision finds discarded: those status.lostIterations counts as the next attempt is
+    created (the one before reached lastAttemptIteration, the newest checkpoint known by then, what its
+    ranks saved on the way out included, is where the next resumes), or those of a gang restarted in place
+    (it reached status.iteration; its new processes resumed from the checkpoint they report)."""
+    st, patch = obs.status, action.status
+    if "lostIterations" in patch:
+        return max(0, int(patch["lostIterations"] or 0) - (st.get("lostIterations") or 0))
     if (patch.get("attemptInPlaceRestarts") or 0) > (st.get("attemptInPlaceRestarts") or 0):
         resumed = _iteration((obs.live or NO_LIVE).get("lastCheckpoint") or st.get("lastCheckpoint"))
         return max(0, (st.get("iteration") or 0) - resumed)
-    return None
+    return 0
 
 
 def _hang_seconds(obs: Observed, action: Action) -> float:

@@ -49,8 +49,10 @@ def next_attempt(job: Job, obs: Observed) -> Action:
     old = [p for p in obs.pods if p.role == "worker" and p.attempt <= attempt]
     # Probes hold the capacity the next attempt may need: they go once the old gang is gone.
     old = old or [p for p in obs.pods if p.role == "probe" and p.attempt <= attempt]
-    if old:
-        return Action("wait", delete_pods=tuple(p.name for p in old if p.deleting_for is None),
+    if old:  # what they saved on the way out (SIGTERM: the step, then a checkpoint) is in their messages
+        ckpt = known_checkpoint(obs, attempt)
+        saved: StatusPatch = {"lastCheckpoint": ckpt} if ckpt != st.get("lastCheckpoint") else {}
+        return Action("wait", status=saved, delete_pods=tuple(p.name for p in old if p.deleting_for is None),
                       force_delete_pods=overdue(obs))
     # The newest checkpoint the operator knows of (status, rank 0's endpoint, the ranks' termination messages,
     # an S3 store's log). No pod is waited for: the new attempt's rank 0 resumes from the newest durable one in
