@@ -436,6 +436,7 @@ def test_status_server_serves_updates():
         assert code == 200
         assert json.loads(body) == {
             "iteration": None,
+            "resumedFrom": None,
             "trainIters": None,
             "consumedSamples": None,
             "tokensPerSecond": None,
@@ -458,6 +459,7 @@ def test_status_server_serves_updates():
         assert code == 200
         assert json.loads(body) == {
             "iteration": 12,
+            "resumedFrom": None,
             "trainIters": 40,
             "consumedSamples": 96,
             "tokensPerSecond": 1234.5,

@@ -239,6 +239,20 @@ def test_training_read_twice_within_a_second_is_counted_once_the_second_moves_on
     assert status["goodput"]["seconds"]["productive"] == 2.5 * 2 and status["goodput"]["totalSeconds"] == 3 * 2
 
 
+def test_a_gang_restarted_in_place_loses_what_it_computed_past_where_its_new_processes_resumed():
+    """Seen late (the new rank 0 already saved iteration 20): the lost iterations are counted from where the
+    new processes resumed (resumedFrom 10), not from the newest checkpoint."""
+    status = {**RUNNING, "nodes": 2, "iteration": 16, "goodput": {
+        "asOf": stamp(T0), "waiting": False, "stepSeconds": 0.5, "seconds": {"productive": 20.0},
+        "trainer": trainer("p1", 16, 10.0)}}
+    action = run(status, [pod(0), pod(1)], now=T0 + timedelta(seconds=10), live=live(
+        iteration=22, inPlaceRestarts=1, resumedFrom=10, lastCheckpoint={"iteration": 20, "time": "t"},
+        trainerTime=trainer("p2", 4, 2.0)))  # its mean iteration: 0.5 s
+    g = action.status["goodput"]
+    assert g["seconds"]["lostWork"] == (16 - 10) * 0.5 * 2 and g["seconds"]["productive"] == 20.0 + 2.0 * 2 - 6.0
+    assert g["seconds"]["recovery"] == (10 - 2.0) * 2 and g["recovering"]
+
+
 def test_an_idle_job_writes_no_ledger_a_running_one_does_and_a_finished_one_is_left_alone():
     pending = {"phase": "Pending", "attempt": 1, "attemptStartTime": stamp(T0), "reason": "AttemptCreated",
                "message": "attempt 1 created", "startTime": stamp(T0)}

@@ -164,7 +164,10 @@ def _lost_iterations(obs: Observed, action: Action) -> int:
     if "lostIterations" in patch:
         return max(0, int(patch["lostIterations"] or 0) - (st.get("lostIterations") or 0))
     if (patch.get("attemptInPlaceRestarts") or 0) > (st.get("attemptInPlaceRestarts") or 0):
-        resumed = _iteration((obs.live or NO_LIVE).get("lastCheckpoint") or st.get("lastCheckpoint"))
+        live = obs.live or NO_LIVE
+        resumed = live.get("resumedFrom")
+        if resumed is None:  # an older trainer: the checkpoint it reports (newer, once it saved one)
+            resumed = _iteration(live.get("lastCheckpoint") or st.get("lastCheckpoint"))
         return max(0, (st.get("iteration") or 0) - resumed)
     return 0
 

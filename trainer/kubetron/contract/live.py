@@ -16,6 +16,7 @@ class LiveStatus(TypedDict):
     """Every key is always there, null until known (`inPlaceRestarts`: 0 before any, from the start)."""
 
     iteration: int | None  # last completed training iteration
+    resumedFrom: int | None  # the iteration this process resumed from (0: from scratch; a lost iteration's bound)
     trainIters: int | None
     consumedSamples: int | None
     tokensPerSecond: float | None  # the whole job's
@@ -36,7 +37,7 @@ class LiveStatus(TypedDict):
 STATUS_KEYS: tuple[str, ...] = tuple(LiveStatus.__annotations__)
 """The keys `GET /status` always carries, in the order it serves them."""
 
-_INTS = ("iteration", "trainIters", "consumedSamples")
+_INTS = ("iteration", "resumedFrom", "trainIters", "consumedSamples")
 _NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerGpu", "checkpointSaveSeconds",
             "checkpointBlockedSeconds")
 
@@ -44,7 +45,7 @@ _NUMBERS = ("tokensPerSecond", "etaSeconds", "loss", "learningRate", "tflopsPerG
 def new_live_status(in_place_restarts: int = 0, hangs: int = 0, last_hang: HangReport | None = None,
                     last_restart: RestartCause | None = None) -> LiveStatus:
     """The payload before the first step: nothing known but this attempt's in-place restarts and their causes."""
-    return LiveStatus(iteration=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
+    return LiveStatus(iteration=None, resumedFrom=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
                       etaSeconds=None, lastCheckpoint=None, loss=None, learningRate=None, tflopsPerGpu=None,
                       inPlaceRestarts=in_place_restarts, hangs=hangs, lastHang=last_hang, lastRestart=last_restart,
                       trainerTime=None, checkpointSaveSeconds=None, checkpointBlockedSeconds=None)
