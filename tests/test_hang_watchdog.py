@@ -320,7 +320,7 @@ def test_a_slow_checkpoint_store_is_not_a_hang(tmp_path, s3_server):
     store = f"s3://{s3_server.bucket}/slow-{os.getpid()}-{time.monotonic_ns()}"
     writes = lambda method, path: method in ("PUT", "POST")  # noqa: E731
     with FaultProxy(s3_server.endpoint, p_delay=1.0, delay_s=2.0, match=writes) as px:
-        pods = start_pods(tmp_path, [*ARGS, "train.train_iters=30", f"checkpoint.save={store}",
+        pods = start_pods(tmp_path, [*ARGS, "train.train_iters=20", f"checkpoint.save={store}",
                                      f"checkpoint.load={store}"], KUBETRON_HANG_TIMEOUT_SECONDS="4",
                           **s3_server.env(px.endpoint))
         codes, outs, log = run_to_end(pods, timeout=600)
