@@ -4,7 +4,7 @@ tests/operator/test_rbac_on_kube.py checks its RBAC variants cover the rules of 
 VALUE_SETS = {
     "default": {},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
-    "gang": {"gangScheduling": {"enabled": True}},
+    "gang": {"gangScheduling": {"enabled": True}, "failingNodes": {"taint": True}},
     "gang-volcano-namespaced": {
         "watchNamespaces": ["team-a"],
         "gangScheduling": {"enabled": True, "schedulers": ["volcano"]},

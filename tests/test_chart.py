@@ -268,6 +268,20 @@ def test_operator_asks_only_for_the_podgroups_the_role_grants(rendered):
     assert (flag == "none") == (not groups)
 
 
+def test_nodes_are_patched_only_with_failing_nodes_taint():
+    """Off by default: the role may only list nodes, and the operator is not told to taint any."""
+    def node_verbs_and_args(values):
+        manifests = render(values)
+        (container,) = deployment(manifests)["spec"]["template"]["spec"]["containers"]
+        verbs = {v for g, r, v in granted(rules_of(manifests, "ClusterRole")) if (g, r) == ("", "nodes")}
+        return verbs, "--taint-failing-nodes" in container["args"]
+
+    assert node_verbs_and_args({}) == ({"list"}, False)
+    assert node_verbs_and_args({"failingNodes": {"taint": True}}) == ({"list", "get", "patch"}, True)
+    assert node_verbs_and_args({"failingNodes": {"taint": True}, "watchNamespaces": ["team-a"]}) == (
+        {"list", "get", "patch"}, True)  # nodes are cluster-scoped: the ClusterRole, also when namespaced
+
+
 def test_rbac_off_renders_no_roles():
     manifests = render({"rbac": {"create": False}})
     assert not {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} & {m["kind"] for m in manifests}
@@ -305,6 +319,8 @@ def operator_api_calls(values: dict) -> set[tuple[str, str, str]]:
         if call.group == "kopf.dev" and (
                 not peering or call.resource != ("kopfpeerings" if namespaced else "clusterkopfpeerings")):
             continue  # standalone kopf never touches peering objects
+        if call in api_calls.TAINT_CALLS and not (values.get("failingNodes") or {}).get("taint"):
+            continue  # failing nodes are tainted only with failingNodes.taint
         calls.add((call.group, call.resource, call.verb))
     return calls
 
@@ -312,7 +328,8 @@ def operator_api_calls(values: dict) -> set[tuple[str, str, str]]:
 def test_every_declared_call_is_granted_in_some_configuration():
     """No registry entry is silently dropped by the conditions above."""
     api_calls = pytest.importorskip("kubetron_operator.api_calls")
-    everything = {"gangScheduling": {"enabled": True}, "operator": {"peering": "kubetron"}}
+    everything = {"gangScheduling": {"enabled": True}, "operator": {"peering": "kubetron"},
+                  "failingNodes": {"taint": True}}
     granted_somewhere = set()
     for extra in ({}, {"watchNamespaces": ["team-a"]}):
         manifests = render({**everything, **extra})

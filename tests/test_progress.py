@@ -436,6 +436,7 @@ def test_status_server_serves_updates():
         assert code == 200
         assert json.loads(body) == {
             "iteration": None,
+            "resumedFrom": None,
             "trainIters": None,
             "consumedSamples": None,
             "tokensPerSecond": None,
@@ -445,6 +446,10 @@ def test_status_server_serves_updates():
             "learningRate": None,
             "tflopsPerGpu": None,
             "inPlaceRestarts": 0,  # not under torchrun, or not restarted
+            "hangs": 0,
+            "lastHang": None,
+            "lastRestart": None,
+            "trainerTime": None,  # a server without the trainer's clock
             "checkpointSaveSeconds": None,
             "checkpointBlockedSeconds": None,
         }
@@ -454,6 +459,7 @@ def test_status_server_serves_updates():
         assert code == 200
         assert json.loads(body) == {
             "iteration": 12,
+            "resumedFrom": None,
             "trainIters": 40,
             "consumedSamples": 96,
             "tokensPerSecond": 1234.5,
@@ -463,6 +469,10 @@ def test_status_server_serves_updates():
             "learningRate": None,
             "tflopsPerGpu": None,
             "inPlaceRestarts": 0,
+            "hangs": 0,
+            "lastHang": None,
+            "lastRestart": None,
+            "trainerTime": None,
             "checkpointSaveSeconds": None,
             "checkpointBlockedSeconds": None,
         }
@@ -512,7 +522,7 @@ def test_status_server_from_env(monkeypatch):
 
 
 def test_progress_command_writes_its_summary_as_a_termination_message(tmp_path, capsys):
-    """The operator's PVC progress-reader pod reports through /dev/termination-log (no pods/log)."""
+    """A pod that reads a store can report through /dev/termination-log (no pods/log)."""
     store = tmp_path / "store"
     store.mkdir()
     (store / PROGRESS_FILE).write_text(

@@ -59,6 +59,7 @@ OPERATOR_CALLS: frozenset[Call] = frozenset(
     | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
     | _calls("", "events", "create")
     | _calls("", "nodes", "list")  # is a pod's node still Ready (node trouble is a preemption, not a failure)
+    | _calls("", "nodes", "get", "patch")  # taint a node that keeps failing jobs (chart failingNodes.taint only)
     | _calls(GROUP, PLURAL, "get", "delete")  # delete: ttlSecondsAfterFinished
     | _calls(GROUP, f"{PLURAL}/status", "get", "patch")
     | _calls(GROUP, f"{PLURAL}/finalizers", "update")  # blockOwnerDeletion on the children
@@ -78,6 +79,8 @@ KOPF_CALLS: frozenset[Call] = frozenset(
 )
 
 ALL_CALLS: frozenset[Call] = OPERATOR_CALLS | KOPF_CALLS
+TAINT_CALLS: frozenset[Call] = frozenset(_calls("", "nodes", "get", "patch"))
+"""Made only by an operator told its role grants them (`Kube(taint_nodes=True)`, `--taint-failing-nodes`)."""
 
 # spec.scheduling.gang -> the API group of its PodGroup (the chart's gangScheduling.schedulers).
 GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io",
@@ -130,6 +133,15 @@ class Conflict(ApiError):
 
 class Forbidden(ApiError):
     """403: the operator's role does not grant the call, or admission refused it (quota, PodSecurity)."""
+
+
+class TaintNotGranted(ApiError):
+    """A node taint by an operator not told its role allows one (the chart's failingNodes.taint); never sent."""
+
+    def __init__(self, call: Call):
+        super().__init__(403, f"tainting failing nodes is off for this operator, so it may not {call.verb} "
+                         "nodes: install the chart with failingNodes.taint=true (`kubetron operator "
+                         "--taint-failing-nodes`)")
 
 
 class NotGranted(ApiError):
@@ -251,9 +263,10 @@ class Kube:
     `gang_schedulers`: the gang schedulers whose PodGroups the operator's role grants (GANG_GROUPS keys)."""
 
     def __init__(self, transport: Transport, gang_schedulers: Iterable[str] = tuple(GANG_GROUPS),
-                 stream: Stream | None = None):
+                 stream: Stream | None = None, taint_nodes: bool = False):
         self._send, self._stream = transport, stream
         self._not_granted = {group: gang for gang, group in GANG_GROUPS.items() if gang not in set(gang_schedulers)}
+        self.taint_nodes = taint_nodes  # the role grants nodes get and patch (TAINT_CALLS)
 
     # -- plumbing --------------------------------------------------------------------------------------
 
@@ -262,6 +275,8 @@ class Kube:
             raise UndeclaredCall(f"{call} is not in api_calls.OPERATOR_CALLS")
         if call.group in self._not_granted:
             raise NotGranted(call, self._not_granted[call.group])
+        if call in TAINT_CALLS and not self.taint_nodes:
+            raise TaintNotGranted(call)
 
     def _request(self, call: Call, method: str, path: str, *, query: Mapping[str, str] | None = None,
                  body: Any = None, content_type: str = "application/json", ok: Iterable[int] = (),
@@ -373,6 +388,24 @@ class Kube:
         data = self._request(Call("", "nodes", "list"), "GET", api_path("", "v1", "nodes", None))
         return (data or {}).get("items") or []
 
+    def taint_node(self, name: str, key: str, value: str, effect: str = "NoSchedule") -> bool:
+        """Add the taint `key=value:effect` to node `name` unless it has one with `key` (True when added). The
+        taint list is replaced as read, at the read's resourceVersion: a concurrent change is read again."""
+        if not is_name(name):  # a node's name from a pod's spec.nodeName: still checked before it is a path
+            raise InvalidName("node name", name)
+        path = f"{api_path('', 'v1', 'nodes', None)}/{name}"
+        for _ in range(3):
+            node = self._request(Call("", "nodes", "get"), "GET", path) or {}
+            taints = list((node.get("spec") or {}).get("taints") or [])
+            if any(t.get("key") == key for t in taints):
+                return False
+            patch = {"metadata": {"resourceVersion": (node.get("metadata") or {}).get("resourceVersion")},
+                     "spec": {"taints": [*taints, {"key": key, "value": value, "effect": effect}]}}
+            if self._request(Call("", "nodes", "patch"), "PATCH", path, body=patch, ok=(409,),
+                             content_type="application/merge-patch+json", answer=False):
+                return True
+        return False
+
     def secret_data(self, namespace: str, name: str) -> dict[str, str]:
         """A Secret's data, decoded. Callers must never log or store these values."""
         data = self._request(Call("", "secrets", "get"), "GET", self._path("", "v1", "secrets", namespace, name))
@@ -449,6 +482,6 @@ def _error_message(data: bytes) -> str:
         return data[:500].decode("utf-8", "replace")
 
 
-__all__ = ["ALL_CALLS", "GANG_GROUPS", "KOPF_CALLS", "OPERATOR_CALLS", "ApiError", "Call", "Conflict", "Forbidden",
-           "InvalidName", "Kube", "NameConflict", "NotGranted", "UndeclaredCall", "api_path", "cluster_role_rules",
-           "controller_uid", "kubernetes_transport", "pod_group_api_version"]
+__all__ = ["ALL_CALLS", "GANG_GROUPS", "KOPF_CALLS", "OPERATOR_CALLS", "TAINT_CALLS", "ApiError", "Call", "Conflict",
+           "Forbidden", "InvalidName", "Kube", "NameConflict", "NotGranted", "TaintNotGranted", "UndeclaredCall",
+           "api_path", "cluster_role_rules", "controller_uid", "kubernetes_transport", "pod_group_api_version"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubetron.contract.hang import TIMEOUT_ENV as HANG_TIMEOUT_ENV
 from kubetron.contract.resource import API_VERSION, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, LABEL_ROLE, TRAINER
 from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
 
@@ -31,7 +32,6 @@ from kubetron_operator.model import (
 )
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetron"}
-READER_CONTAINER = "progress"  # the progress-reader pod's one container
 
 CONFIG_DIR = "/etc/kubetron"
 CONFIG_PATH = f"{CONFIG_DIR}/config.yaml"
@@ -61,11 +61,6 @@ def pod_group_name(job: Job, attempt: int) -> str:
 def probe_pod_name(job: Job, attempt: int, rank: int) -> str:
     """A placeholder for the missing rank `rank` while attempt `attempt` runs on fewer nodes (docs/elastic.md)."""
     return f"{job.name}-{attempt}-probe-{rank}"
-
-
-def reader_pod_name(job: Job, attempt: int) -> str:
-    """The short-lived pod that prints a PVC store's progress log after attempt `attempt` ended."""
-    return f"{job.name}-{attempt}-progress"
 
 
 def master_addr(job: Job, attempt: int) -> str:
@@ -165,6 +160,8 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nod
         "NPROC_PER_NODE": str(spec.nproc_per_node),
         "KUBETRON_MAX_IN_PLACE_RESTARTS": str(spec.max_in_place_restarts),
     }
+    if spec.hang_timeout_seconds is not None:  # else the trainer's default rule (docs/recovery.md)
+        plain[HANG_TIMEOUT_ENV] = str(spec.hang_timeout_seconds)
     env: list[dict[str, Any]] = [dict(var) for var in spec.env]  # user's first; ours cannot be overridden
     env += [{"name": k, "value": v} for k, v in plain.items()]
     storage = spec.storage
@@ -384,42 +381,3 @@ def _apply_queue(job: Job, metadata: dict[str, Any], group: str, count: int) -> 
     metadata["labels"][QUEUE_LABEL] = job.spec.queue_name
     metadata["labels"][KUEUE_GROUP_LABEL] = group
     metadata.setdefault("annotations", {})[KUEUE_COUNT_ANNOTATION] = str(count)
-
-
-def build_reader_pod(job: Job, attempt: int) -> dict[str, Any]:
-    """A pod that mounts the job's claim read-only and prints the progress summary (`kubetron progress`).
-
-    It reports through its termination message (the summary as JSON), so reading a PVC store needs
-    neither pods/log nor pods/exec nor a live rank.
-    """
-    volumes, mounts = _storage_volume(job)
-    for m in mounts:
-        m["readOnly"] = True
-    metadata = _metadata(job, reader_pod_name(job, attempt), attempt, **{LABEL_ROLE: "progress-reader"})
-    pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "enableServiceLinks": False,
-        "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 5,
-        "securityContext": _security_context_pod(),
-        "containers": [{
-            "name": READER_CONTAINER,
-            "image": job.spec.image,
-            "command": [PYTHON, "-m", "kubetron.progress_io", "--no-events", "--termination-log", TERMINATION_LOG,
-                        job.store],
-            "terminationMessagePath": TERMINATION_LOG,
-            "terminationMessagePolicy": "FallbackToLogsOnError",  # a crash's last lines, read by the kubelet
-            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
-            "volumeMounts": mounts,
-            "securityContext": _security_context_container(),
-        }],
-        "volumes": volumes,
-    }
-    sched = job.spec.scheduling
-    if sched.node_selector:
-        pod_spec["nodeSelector"] = dict(sched.node_selector)
-    if sched.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in sched.tolerations]
-    if job.spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in job.spec.image_pull_secrets]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

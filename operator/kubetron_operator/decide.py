@@ -24,7 +24,9 @@ from kubetron_operator.observe import Observed
 from kubetron_operator.policy import elastic, lifecycle, start
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.attempt_end import attempt_end
+from kubetron_operator.policy.goodput import with_goodput
 from kubetron_operator.policy.kueue import released
+from kubetron_operator.policy.nodes import with_node_strikes
 from kubetron_operator.policy.status import in_place_news, known_checkpoint, phase_status, progress_fields
 from kubetron_operator.policy.store import store_condition
 
@@ -32,6 +34,8 @@ from kubetron_operator.policy.store import store_condition
 def decide(job: Job | None, obs: Observed) -> Action:
     """The next step for `job` (None when its spec does not parse; obs.spec_error then says why)."""
     action = store_condition(obs, _decide(job, obs))
+    action = with_node_strikes(job, obs, action)  # nodes that keep failing are left out
+    action = with_goodput(job, obs, action)  # the ledger of where the job's time went (policy/goodput.py)
     release = released(obs, action)
     if release:
         action = replace(action, release_pods=release)

@@ -57,7 +57,6 @@ from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, 
 from kubetron_operator.build import (
     attempt_objects,
     build_probe_pod,
-    build_reader_pod,
     build_service,
     pod_group_name,
     service_name,
@@ -72,15 +71,15 @@ from kubetron_operator.model import (
     S3Storage,
     SpecError,
 )
-from kubetron_operator.observe import Observed, PodView, job_status, json_copy, node_trouble, termination_text
+from kubetron_operator.observe import Observed, PodView, job_status, json_copy, node_trouble
 from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.elastic import attempt_size, shrink_due
 from kubetron_operator.policy.lifecycle import FORCE_DELETE_AFTER
+from kubetron_operator.policy.nodes import TAINT_KEY
 from kubetron_operator.policy.start import (
     ENDING_PHASES,
     NOT_SCHEDULED_AFTER,
-    READER_TIMEOUT,
     create_failed,
     service_failed,
 )
@@ -92,7 +91,7 @@ DEBOUNCE = 0.2  # seconds: a burst of watch events (a gang of pods starting) bec
 RESYNC = 300.0  # seconds: an unfinished, unsuspended job is re-decided at least this often (no API request)
 UNSEEN_FOR = 60.0  # seconds a pod we created may stay unseen by the watch before we stop vouching for it
 RECONCILE_THREADS = 16  # jobs reconciled at once (each mostly waits for the API server)
-PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond"})  # throttled status fields
+PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond", "goodput"})  # throttled status fields
 FINALIZER = "kubetron.dev/operator"  # kopf's (settings.persistence.finalizer), on Kueue-queued jobs only
 FINALIZER_WAIT = 1.0  # seconds a new queued job waits for kopf's finalizer at most before looking again
 SERVICE_RETRY = 10.0  # seconds until a Service that could not be created (a transient error) is tried again
@@ -538,8 +537,8 @@ def _warn_once(deps: Deps, body: dict[str, Any], obs: Observed, reads: Reads | N
 
 def _idle(action: Action) -> bool:
     return not (action.status or action.delete_pods or action.force_delete_pods or action.events or action.release_pods
-                or action.create_attempt is not None or action.create_reader is not None or action.delete_job
-                or action.create_probes or action.create_service)
+                or action.create_attempt is not None or action.delete_job
+                or action.create_probes or action.create_service or action.taint_nodes)
 
 
 def _throttle(deps: Deps, uid: str, action: Action) -> tuple[Action, bool]:
@@ -585,8 +584,6 @@ def next_due(job: Job | None, obs: Observed, interval: float) -> float | None:
         for p in obs.pods:
             if p.deleting_for is not None:
                 waits.append(FORCE_DELETE_AFTER - p.deleting_for)
-            elif p.role == "progress-reader" and not p.terminated:
-                waits.append(READER_TIMEOUT - p.created_for)
             elif p.role == "worker" and not p.scheduler_seen:
                 waits.append(NOT_SCHEDULED_AFTER - p.created_for)
     future = [w for w in waits if w > 0]
@@ -693,14 +690,11 @@ def observe(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]] | No
         pods_in = kube.list_pods(namespace, {LABEL_JOB: name})
     owned = _owned(meta, pods_in)
     pods = [PodView.from_pod(p, now) for p in owned]
-    # A progress reader reports through its termination message (no pods/log, no kubelet round trip).
-    pods = [dataclasses.replace(p, log=termination_text(raw)) if p.role == "progress-reader" and p.terminated
-            else p for p, raw in zip(pods, owned)]
     trouble = _node_trouble(kube, status, pods)
     reads = reads or Reads()
     return Observed(now=now, status=status, pods=tuple(pods), progress=reads.progress, live=reads.live,
                     spec_error=error, node_trouble=trouble, service=meta.get("uid") in deps.view.services,
-                    store_unread=reads.store_unread), job
+                    store_unread=reads.store_unread, created=parse_stamp(meta.get("creationTimestamp"))), job
 
 
 def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[str, str]:
@@ -773,16 +767,13 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             delete_attempt_children(kube, job, int(obs.status["attempt"]), job.spec.scheduling.gang, logger)
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
+    taint_nodes(kube, action.taint_nodes, name, logger)
     if action.create_probes and job is not None:
         probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
                   for rank in action.create_probes]
         for probe in probes:
             kube.create(probe)
         deps.view.created(job.uid, probes)
-    if action.create_reader is not None and job is not None:
-        reader = build_reader_pod(job, action.create_reader)
-        kube.create(reader)
-        deps.view.created(job.uid, [reader])
     now = stamp(obs.now)
     for event in action.events:
         logger.log(logging.WARNING if event.type == "Warning" else logging.INFO, "%s: %s", event.reason, event.message)
@@ -790,6 +781,17 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     if action.delete_job:
         kube.delete_job(namespace, name)
     return action
+
+
+def taint_nodes(kube: Kube, nodes: Iterable[str], job: str, logger: kopf.Logger) -> None:
+    """Nodes the job just left out (policy/nodes.py), tainted cluster-wide when the chart allows it
+    (`--taint-failing-nodes`); best effort: the job's own avoid list holds either way."""
+    for node in nodes if kube.taint_nodes else ():
+        try:
+            if kube.taint_node(node, TAINT_KEY, job):
+                logger.warning("tainted node %s %s=%s:NoSchedule (it failed job %s twice)", node, TAINT_KEY, job, job)
+        except ApiError as exc:
+            logger.warning("cannot taint node %s: %s", node, exc)
 
 
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],

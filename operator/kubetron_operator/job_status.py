@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
+from kubetron.contract.goodput import Goodput
 from kubetron.contract.progress import CheckpointRef
 from kubetron.contract.resource import FINISHED
 
@@ -27,11 +28,47 @@ class Restarts(TypedDict, total=False):
     neverStarted: int
     total: int
     inPlace: int
+    hangs: int  # gangs that hung (restarted in place, or as a new attempt); not in total
 
 
 class Resizes(TypedDict, total=False):
     shrinks: int
     grows: int
+
+
+class LastHang(TypedDict, total=False):
+    """The newest hang (docs/recovery.md): the rank its pods' watchdogs named, its pod and node."""
+
+    time: str
+    attempt: int
+    rank: int
+    pod: str
+    node: str
+    phase: str
+    iteration: int
+    idleSeconds: float
+    timeoutSeconds: float
+    state: str  # stopped | unresponsive | elsewhere | collective (kubetron.contract.hang.STATES)
+    where: str
+    stacks: str
+    restartedInPlace: bool
+
+
+class AvoidedNode(TypedDict):
+    """A node later attempts are kept off (policy/nodes.py): why, and the evidence."""
+
+    node: str
+    reason: str  # AdmissionRejected | Hung | HardwareError | StragglerDetected
+    evidence: str
+    time: str
+
+
+class FailingNode(TypedDict):
+    """Failures of this job that pointed at a node (policy/nodes.py); policy.nodes.STRIKES of them avoid it."""
+
+    node: str
+    failures: int
+    evidence: list[str]  # the newest few
 
 
 class Condition(TypedDict, total=False):
@@ -58,6 +95,9 @@ class JobStatus(TypedDict, total=False):
     sizes: list[int]
     restarts: Restarts
     attemptInPlaceRestarts: int
+    attemptHangs: int  # hangs of the current attempt already counted in restarts.hangs
+    lastHang: LastHang
+    goodput: Goodput  # where every rank-second went (policy/goodput.py)
     iteration: int
     trainIters: int
     progress: str
@@ -71,7 +111,8 @@ class JobStatus(TypedDict, total=False):
     noProgressAttempts: int
     preemptionsWithoutProgress: int
     attemptStartCheckpoint: int
-    avoidNodes: list[str]
+    avoidNodes: list[AvoidedNode]  # (an older operator wrote names: policy.nodes reads both)
+    failingNodes: list[FailingNode]
     startTime: str  # timestamps: kubetron.contract.times.stamp
     attemptStartTime: str
     admittedTime: str | None

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     """Blocks until the operator stops. `args`: namespace(s) (list; empty = cluster-wide), liveness
     (endpoint URL, "" to disable), peering (a KopfPeering name for HA, or None), interval (seconds),
     gang_schedulers (those whose PodGroups the role grants; None: all), s3_operator_buckets (buckets whose jobs
-    without a secretRef the operator reads with its own identity; default none)."""
+    without a secretRef the operator reads with its own identity; default none), taint_failing_nodes (the role
+    may get and patch nodes: taint the ones that keep failing jobs)."""
     from kubernetes import client
 
     namespaces = list(getattr(args, "namespaces", None) or getattr(args, "namespace", None) or [])
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     gang = getattr(args, "gang_schedulers", None)
     api_client = client.ApiClient(configuration)
     kube = Kube(kubernetes_transport(api_client), stream=kubernetes_stream(api_client, WATCH_SECONDS + 30),
+                taint_nodes=bool(getattr(args, "taint_failing_nodes", False)),
                 **({} if gang is None else {"gang_schedulers": gang}))
     own_buckets = tuple(getattr(args, "s3_operator_buckets", None) or ())
     deps = handlers.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces),

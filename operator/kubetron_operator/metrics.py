@@ -6,6 +6,9 @@
     kubetron_reconcile_duration_seconds             one reconcile of one job (read, decide, apply)
     kubetron_api_errors_total{code}                 Kubernetes API calls answered with an error, by HTTP status
                                                     (a 403 is also logged at warning level, naming the call)
+    kubetron_goodput_seconds{namespace,name,bucket} a job's rank-seconds by goodput bucket (status.goodput,
+                                                    docs/goodput.md): productive, checkpoint, lostWork, ...
+    kubetron_goodput_ratio{namespace,name}          productive / all of them
 
 The handlers report through record()/forget()/RECONCILE; api_calls through api_error(). One registry of
 our own, so the process's default collectors do not mix in.
@@ -17,10 +20,12 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from kubetron.contract.goodput import BUCKETS
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+from kubetron_operator.job_status import PHASES
+
 RESTART_KINDS = ("preemptions", "failures", "neverStarted")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -34,6 +39,7 @@ API_ERRORS = Counter("kubetron_api_errors", "Kubernetes API calls that failed, b
 
 _lock = threading.Lock()
 _phases: dict[tuple[str, str], str] = {}
+_goodput: dict[tuple[str, str], Mapping[str, Any]] = {}  # the newest status.goodput per job
 
 
 class _Jobs:
@@ -51,12 +57,36 @@ class _Jobs:
 REGISTRY.register(_Jobs())
 
 
+class _Goodput:
+    """kubetron_goodput_seconds / kubetron_goodput_ratio per job, from the newest status.goodput seen."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        seconds = GaugeMetricFamily("kubetron_goodput_seconds", "Rank-seconds (GPU-seconds on GPU jobs) since the "
+                                    "job was created, by goodput bucket.", labels=["namespace", "name", "bucket"])
+        ratio = GaugeMetricFamily("kubetron_goodput_ratio", "Productive rank-seconds / all since the job was "
+                                  "created.", labels=["namespace", "name"])
+        with _lock:
+            jobs = list(_goodput.items())
+        for (namespace, name), ledger in jobs:
+            for bucket in BUCKETS:
+                seconds.add_metric([namespace, name, bucket], float((ledger.get("seconds") or {}).get(bucket) or 0.0))
+            ratio.add_metric([namespace, name], float(ledger.get("ratio") or 0.0))
+        yield seconds
+        yield ratio
+
+
+REGISTRY.register(_Goodput())
+
+
 def record(namespace: str, name: str, old_status: Mapping[str, Any], new_status: Mapping[str, Any],
            created_attempt: bool) -> None:
     """After one reconcile: the job's phase now, and what the status patch counted anew."""
     phase = new_status.get("phase") or old_status.get("phase") or "Pending"
+    ledger = new_status.get("goodput") or old_status.get("goodput")
     with _lock:
         _phases[(namespace, name)] = phase
+        if isinstance(ledger, Mapping):
+            _goodput[(namespace, name)] = ledger
     if created_attempt:
         ATTEMPTS.inc()
     old, new = old_status.get("restarts") or {}, new_status.get("restarts") or {}
@@ -70,6 +100,7 @@ def forget(namespace: str, name: str) -> None:
     """The job is gone (deleted): it no longer counts in any phase."""
     with _lock:
         _phases.pop((namespace, name), None)
+        _goodput.pop((namespace, name), None)
 
 
 def api_error(status: int) -> None:

@@ -156,6 +156,7 @@ class JobSpec:
     startup_timeout_seconds: int = 600
     max_never_started_attempts: int = 5
     max_in_place_restarts: int = 3
+    hang_timeout_seconds: int | None = None  # None: the trainer's default rule; 0: off (docs/recovery.md)
     min_nodes: int = 0  # spec.minNodes as asked (0: as nodes); `sizes` holds what admission found works
     shrink_after_seconds: int = 60  # an attempt's pods Unschedulable this long -> the next attempt is smaller
     sizes: tuple[int, ...] = ()  # node counts an attempt may have, ascending, `nodes` last (admission fills it)
@@ -295,6 +296,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         startup_timeout_seconds=_int(spec, "startupTimeoutSeconds", 600, minimum=1),
         max_never_started_attempts=_int(spec, "maxNeverStartedAttempts", 5, minimum=1),
         max_in_place_restarts=_int(spec, "maxInPlaceRestarts", 3, minimum=0),
+        hang_timeout_seconds=_opt_int(spec, "hangTimeoutSeconds"),
         min_nodes=_min_nodes(spec, nodes),
         shrink_after_seconds=_int(spec, "shrinkAfterSeconds", 60, minimum=1),
         status_port=ports[0],

@@ -23,7 +23,6 @@ from kubetron.contract.resource import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, TR
 from kubetron.contract.termination import MESSAGE_LIMIT, TerminationMessage
 from kubetron.contract.times import age_seconds
 
-from kubetron_operator.build import READER_CONTAINER
 from kubetron_operator.job_status import JobStatus
 from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION
 from kubetron_operator.untrusted import Untrusted, clean, count, load_json
@@ -39,7 +38,6 @@ OWN_LIMIT_EVICTIONS = ("exceeds the total limit of containers", "exceeded its lo
 """Words of the kubelet's eviction manager (pkg/kubelet/eviction/helpers.go) when a pod outgrew its *own*
 limits (pod or container ephemeral-storage, an emptyDir sizeLimit): the job's doing, a failure. Its
 node-pressure evictions ("The node was low on resource: ...") stay free preemptions."""
-MAIN_CONTAINER = {"worker": TRAINER, "progress-reader": READER_CONTAINER}
 POD_SPEC_READ = ("nodeName", "schedulerName", "schedulingGates")
 """The fields of a pod's spec that PodView.from_pod reads."""
 
@@ -52,7 +50,7 @@ def json_copy(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def pod_essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy (json_copy) of the parts of a pod that PodView.from_pod and termination_text read: its
+    """A deep copy (json_copy) of the parts of a pod that PodView.from_pod reads: its
     metadata without the trainer's config, POD_SPEC_READ, its status. The operator holds one per watched
     pod and copies one per watch event: a whole pod is several times the bytes."""
     meta = dict(pod.get("metadata") or {})
@@ -69,7 +67,7 @@ class PodView:
     name: str
     attempt: int
     rank: int = 0
-    role: str = "worker"  # worker | progress-reader
+    role: str = "worker"  # worker | probe
     phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown; the trainer's once it ended
     pod_phase: str = ""  # the pod's own status.phase (a sidecar may keep it Running); "" means as `phase`
     exit_code: int | None = None  # the trainer container's, once terminated
@@ -83,7 +81,6 @@ class PodView:
     termination: TerminationMessage | None = None  # the trainer's termination message (JSON), checked
     term_text: str = ""  # the last line of a termination message that is not the trainer's JSON
     refused: str = ""  # why the trainer's termination message was ignored (too big, too deep, a bad number)
-    log: str = ""  # a progress-reader's output, raw (handlers.observe: its termination message, once it ended)
     ip: str = ""
     node: str = ""  # spec.nodeName, once scheduled
     unschedulable: str = ""  # the message of PodScheduled=False, else ""
@@ -145,7 +142,7 @@ class PodView:
         stuck = [st["waiting"] for st in states.values() if (st.get("waiting") or {}).get("reason") in STUCK_WAITING]
         waiting = clean(f"{stuck[0]['reason']}: {stuck[0].get('message') or ''}".rstrip(": ")) if stuck else ""
         # The trainer by name, never by position: containerStatuses are sorted by name, sidecars included.
-        term_state = states.get(MAIN_CONTAINER.get(role, TRAINER), {}).get("terminated")
+        term_state = states.get(TRAINER, {}).get("terminated")
         exit_code = (term_state or {}).get("exitCode")
         reason, message = clean((term_state or {}).get("reason") or "", 100), (term_state or {}).get("message") or ""
         pod_phase = status.get("phase") or "Pending"
@@ -262,6 +259,7 @@ class Observed:
     spec_error: str = ""
     node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
     service: bool = False  # the job's headless Service is known to exist (this operator created or found it)
+    created: datetime | None = None  # the job's metadata.creationTimestamp (the goodput ledger starts there)
     store_unread: tuple[str, str] | None = None  # (reason, message): why the S3 progress log could not be read
 
 
@@ -274,40 +272,6 @@ NO_LIVE: LiveStatus = new_live_status()
 def job_status(body: Mapping[str, Any]) -> JobStatus:
     """The job's .status (a copy); the API server has checked it against the CRD's status schema."""
     return cast(JobStatus, dict(body.get("status") or {}))
-
-
-def termination_text(pod: Mapping[str, Any]) -> str:
-    """The progress reader's termination message, from its own container (an injected sidecar has others)."""
-    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
-        if cs.get("name") == READER_CONTAINER:
-            return ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
-    return ""
-
-
-def parse_reader_output(text: str) -> dict[str, Any] | None:
-    """The JSON object a reader pod printed (its termination message). Its output holds stderr too, so a
-    warning line before or after the object must not make it unreadable: the last object that starts a
-    line wins. Bounded as a trainer's message is (untrusted.load_json); a lastCheckpoint that is not a
-    count makes it unreadable."""
-    text = (text or "")[-4 * MESSAGE_LIMIT:]
-    starts = [i for i in range(len(text)) if text[i] == "{" and (i == 0 or text[i - 1] == "\n")]
-    for start in reversed(starts):
-        try:
-            data = load_json(_object_at(text, start), 4 * MESSAGE_LIMIT)
-            if isinstance(data, dict):
-                count((data.get("lastCheckpoint") or {}).get("iteration"), "lastCheckpoint.iteration")
-                return data
-        except (ValueError, AttributeError):
-            continue
-    return None
-
-
-def _object_at(text: str, start: int) -> str:
-    """The JSON value that starts at `start` (up to where the decoder ends it), or the rest of the text."""
-    try:
-        return text[start:json.JSONDecoder().raw_decode(text, start)[1]]
-    except (ValueError, RecursionError):
-        return text[start:]
 
 
 def to_int(value: Any) -> int:

@@ -20,8 +20,8 @@ attempt writes between two reads) holds. What needs the whole history (`jobs`, `
 the operator; `kubetron progress STORE` reads the whole log. Lines whose numbers do not fit int64 are
 dropped (ProgressRead.warnings says so), the rest still count.
 
-PVC stores: no direct access from the operator; decide() uses the ranks' termination messages and, between
-attempts, a short-lived reader pod (build.build_reader_pod) whose output it parses.
+PVC stores: no direct access from the operator; decide() uses rank 0's status endpoint and the ranks'
+termination messages (a new attempt's rank 0 reports the checkpoint it resumed from).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ PLACEHOLDER_NS = "kubetron-test-placeholder"
 # The chart in its namespaced mode (as `watchNamespaces: [ns]` renders it) with every optional rule:
 # the operator under test watches one namespace per test, so each gets the chart's Role + RoleBinding.
 CHART_VALUES = {"gangScheduling": {"enabled": True}, "watchNamespaces": [PLACEHOLDER_NS],
-                "operator": {"peering": "kubetron"}}
+                "operator": {"peering": "kubetron"}, "failingNodes": {"taint": True}}
 PEERING_CRDS = CHART / "crds" / "kopf-peering.yaml"
 JOBS = "/apis/kubetron.dev/v1alpha1/namespaces/{ns}/trainingjobs"
 _counter = itertools.count(1)

@@ -10,7 +10,7 @@ import sys
 import jsonschema
 import pytest
 import yaml
-from kubetron_operator.build import CONFIG_PATH, build, build_probe_pod, build_reader_pod, master_addr, rank_command
+from kubetron_operator.build import CONFIG_PATH, build, build_probe_pod, master_addr, rank_command
 from kubetron_operator.model import Job, SpecError
 from kubetron_operator.render import render_file
 
@@ -254,15 +254,6 @@ def test_rank_command_runs_locally():
     assert "AWS_SECRET_ACCESS_KEY" not in env  # secrets are the caller's business
 
 
-def test_reader_pod_mounts_claim_read_only():
-    pod = build_reader_pod(Job.from_body(PVC_JOB), 3)
-    assert pod["metadata"]["name"] == "gpt-3-progress"
-    c = pod["spec"]["containers"][0]
-    assert c["command"][-1] == "/ckpt/gpt" and "kubetron.progress_io" in c["command"]
-    assert {"name": "store", "mountPath": "/ckpt", "readOnly": True} in c["volumeMounts"]
-    assert pod["spec"]["restartPolicy"] == "Never"
-
-
 def test_build_is_deterministic():
     job = Job.from_body(S3_JOB)
     assert json.dumps(build(job, 5)) == json.dumps(build(job, 5))
@@ -274,7 +265,7 @@ def test_crd_schema_accepts_examples_and_rejects_bad_specs():
     (version,) = crd["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Nodes", "Progress", "Iteration", "Restarts", "ETA", "Loss", "Age"]
+        "Phase", "Nodes", "Progress", "Iteration", "Restarts", "ETA", "Goodput", "Loss", "Age"]
     schema = version["schema"]["openAPIV3Schema"]
     for body in (PVC_JOB, S3_JOB):
         jsonschema.validate(body, schema)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,21 +16,10 @@ from kubetron.client import Client, NotFound, select_pods, whole_lines
 from kubetron.client_cli import format_table
 
 from tests.kube.cluster import set_running
+from tests.operator.cli import BIN, kubetron, user_env
 from tests.operator.jobs import tj
 
 pytestmark = pytest.mark.timeout(180)
-BIN = Path(sys.executable).parent
-
-
-def kubetron(kube, *args: str, exe: str = "kubetron", timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / exe), *args], capture_output=True, text=True, timeout=timeout,
-                          env=user_env(kube))
-
-
-def user_env(kube) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
-    env["KUBECONFIG"] = str(kube.cp._cert_kubeconfig("admin"))  # the cluster admin's kubeconfig
-    return env
 
 
 def manifest(tmp_path: Path, body: dict) -> Path:
@@ -67,8 +55,8 @@ def test_submit_status_logs_delete(kube, kube_ns, tmp_path):
         got = kubetron(kube, "status", "-n", ns)
         assert got.returncode == 0, got.stderr
         head, row = got.stdout.splitlines()
-        assert head.split() == ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "LOSS", "AGE",
-                                "REASON", "LAST-CHECKPOINT"]  # the CRD's columns, the wide ones included
+        assert head.split() == ["NAME", "PHASE", "NODES", "PROGRESS", "ITERATION", "RESTARTS", "ETA", "GOODPUT",
+                                "LOSS", "AGE", "REASON", "LAST-CHECKPOINT"]  # the CRD's columns, the wide ones too
         assert row.split()[:2] == ["gpt", "Running"] and row.split()[-2:] == ["Running", "<none>"]
         read_end, write_end = os.pipe()  # `kubetron status | head -1` once head has its line
         os.close(read_end)
@@ -123,7 +111,7 @@ def pod(name: str, attempt: int, rank: int, role: str = "worker", job: str = "gp
 def test_logs_select_the_current_attempts_pods_by_rank():
     job = {"metadata": {"name": "gpt"}, "status": {"attempt": 2, "phase": "Running"}}
     pods = [pod("gpt-2-1", 2, 1), pod("gpt-1-0", 1, 0), pod("gpt-2-0", 2, 0),
-            pod("gpt-2-progress", 2, 0, "progress-reader"), pod("other-2-0", 2, 0, job="other")]
+            pod("gpt-2-probe-2", 2, 2, "probe"), pod("other-2-0", 2, 0, job="other")]
     assert [p["metadata"]["name"] for p in select_pods(pods, job, None)] == ["gpt-2-0", "gpt-2-1"]
     assert [p["metadata"]["name"] for p in select_pods(pods, job, 1)] == ["gpt-2-1"]
     with pytest.raises(NotFound, match="no attempt has started yet"):

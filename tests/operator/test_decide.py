@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,6 +9,7 @@ import pytest
 from kubetron.contract import exitcodes
 from kubetron.contract.termination import parse_termination_message
 from kubetron.contract.times import format_duration
+from kubetron_operator.build import build
 from kubetron_operator.decide import decide
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView, node_trouble
@@ -21,7 +21,7 @@ from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 JOB = Job.from_body(S3_JOB)  # 2 nodes, backoffLimit 2
 RUNNING = {"phase": "Running", "attempt": 1, "startTime": "2026-11-22T11:00:00Z", "attemptStartCheckpoint": 0,
-           "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}}
+           "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0, "hangs": 0}}
 
 
 def pod(rank, phase="Running", attempt=1, **kw):
@@ -55,7 +55,8 @@ def test_preemption_restarts_free(case, rank1):
     action = run(pods=[pod(0), rank1])
     assert action.kind == "restart"
     assert action.phase == "Restarting"
-    assert action.status["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1, "inPlace": 0}
+    assert action.status["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1,
+                                         "inPlace": 0, "hangs": 0}
     assert set(action.delete_pods) == ({"gpt-1-0", "gpt-1-1"} if rank1.deleting_for is None else {"gpt-1-0"})
     assert action.create_attempt is None  # the next attempt waits until every pod is gone
     assert action.events and action.events[0].type == "Warning"
@@ -81,7 +82,8 @@ FAILURES = [
 def test_failures_count_toward_backoff(case, rank1, reason):
     action = run(pods=[pod(0), rank1])
     assert action.kind == "restart" and action.status["reason"] == reason
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1, "inPlace": 0}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1,
+                                         "inPlace": 0, "hangs": 0}
     if reason == "OOMKilled":
         assert "OOMKilled" in action.status["message"] and "memory" in action.status["message"]
 
@@ -225,7 +227,8 @@ def test_new_job_creates_attempt_one():
     assert action.kind == "create" and action.create_attempt == 1 and action.expected_iteration == 0
     assert action.phase == "Pending" and action.status["attempt"] == 1
     assert action.status["startTime"] == "2026-11-22T12:00:00Z"
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0,
+                                         "inPlace": 0, "hangs": 0}
 
 
 def test_restarting_waits_for_every_old_pod_to_go():
@@ -271,45 +274,31 @@ def test_pods_of_older_attempts_are_cleaned_up_while_running():
     assert action.kind == "wait" and action.delete_pods == ("gpt-1-1",)
 
 
-# -- PVC: the progress-reader pod ---------------------------------------------------------------------
+# -- PVC: the next attempt waits for no pod but the last one's (issue 33 item 5) -----------------------
 
 PVC = Job.from_body(PVC_JOB)
 RESTARTING_PVC = {**RUNNING, "phase": "Restarting", "lastCheckpoint": {"iteration": 10, "time": "t"}}
 
 
-def reader(phase, log="", created_for=5.0):
-    return PodView(name="gpt-1-progress", attempt=1, role="progress-reader", phase=phase, log=log,
-                   created_for=created_for)
+def test_pvc_restart_creates_the_next_attempt_at_once_from_the_known_checkpoint():
+    """No progress-reader pod to schedule first (a full cluster held the restart 180 s): attempt 2 expects the
+    newest checkpoint the operator knows of; its rank 0 resumes from the newest durable one in the store."""
+    action = run(RESTARTING_PVC, pods=[], job=PVC)
+    assert action.kind == "create" and action.create_attempt == 2 and action.expected_iteration == 10
+    assert action.status["attempt"] == 2 and action.status["message"] == "attempt 2 created"
+    built = {m["metadata"]["name"] for m in build(PVC, 2, 10) if m["kind"] == "Pod"}
+    assert built == {"gpt-2-0", "gpt-2-1"}  # the attempt's own pods, nothing else
 
 
-def test_pvc_restart_reads_progress_with_a_reader_pod():
-    assert run(RESTARTING_PVC, pods=[], job=PVC).create_reader == 1
-    assert run(RESTARTING_PVC, pods=[reader("Running")], job=PVC).kind == "wait"
-    log = '{"lastCheckpoint": {"iteration": 30, "time": "t3"}, "completed": false}'
-    action = run(RESTARTING_PVC, pods=[reader("Succeeded", log)], job=PVC)
-    assert action.kind == "create" and action.expected_iteration == 30
-    assert action.delete_pods == ("gpt-1-progress",)
-
-
-def test_pvc_reader_log_with_stderr_lines_still_reads():
-    """pods/log interleaves stderr: a warning around the printed JSON must not hide the checkpoint."""
-    summary = json.dumps({"lastCheckpoint": {"iteration": 30, "time": "t3"}, "completed": False}, indent=2)
-    log = f"/usr/lib/python3/warnings.py:1: UserWarning: something\n{summary}\nException ignored in: x\n"
-    action = run(RESTARTING_PVC, pods=[reader("Succeeded", log)], job=PVC)
-    assert action.kind == "create" and action.expected_iteration == 30
-    assert not any(e.reason == "ProgressUnread" for e in action.events)
-
-
-def test_pvc_reader_with_an_unreadable_log_says_so():
-    action = run(RESTARTING_PVC, pods=[reader("Succeeded", "Traceback (most recent call last): ...")], job=PVC)
-    assert action.kind == "create" and action.expected_iteration == 10
-    assert any(e.reason == "ProgressUnread" for e in action.events)
-
-
-def test_pvc_reader_failure_falls_back_to_what_is_known():
-    action = run(RESTARTING_PVC, pods=[reader("Pending", created_for=999)], job=PVC)
-    assert action.kind == "create" and action.expected_iteration == 10
-    assert any(e.reason == "ProgressUnread" for e in action.events)
+def test_what_the_old_pods_saved_on_their_way_out_is_what_the_next_attempt_expects():
+    """A stopped gang saves on SIGTERM after the attempt ended (a resize, a suspension): its messages, read
+    while its pods go, are the newest checkpoint (no pod reads the store), so nothing counts as lost."""
+    ended = {**RESTARTING_PVC, "lastAttemptIteration": 50, "lastCheckpoint": {"iteration": 40, "time": "t"}}
+    saved = term(75, iteration=51, lastCheckpoint=51, message="received SIGTERM at iteration 51; saved iter_0000051")
+    going = run(ended, pods=[pod(0, phase="Failed", exit_code=75, termination=saved, deleting_for=1.0)], job=PVC)
+    assert going.kind == "wait" and going.status["lastCheckpoint"]["iteration"] == 51
+    created = run({**ended, **going.status}, pods=[], job=PVC)
+    assert created.expected_iteration == 51 and created.status["lostIterations"] == 0
 
 
 def test_pvc_termination_messages_carry_the_checkpoint():
@@ -429,7 +418,8 @@ def test_startup_timeout_ends_the_attempt_as_never_started():
     action = run(status, pods=[pod(0), stuck])
     assert action.kind == "restart" and action.status["reason"] == "StartupTimeout"
     assert "didn't match selector" in action.status["message"] and "600s" in action.status["message"]
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1, "inPlace": 0}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1,
+                                         "inPlace": 0, "hangs": 0}
     assert set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}  # the partial gang lets go of its GPUs
     assert action.status["nextAttemptTime"] > "2026-11-22T12:00:09Z"  # backoff: 10 s + jitter
     job = Job.from_body(job_body(S3_JOB, startupTimeoutSeconds=3600))
@@ -460,7 +450,7 @@ def test_pods_gated_for_admission_are_queued_not_stuck():
 
 def test_never_started_attempts_are_capped():
     status = {**PENDING, "attemptStartTime": "2026-11-22T11:00:00Z",
-              "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 4, "total": 4, "inPlace": 0}}
+              "restarts": {"preemptions": 0, "failures": 0, "neverStarted": 4, "total": 4, "inPlace": 0, "hangs": 0}}
     action = run(status, pods=[pod(0, phase="Pending"), pod(1, phase="Pending")])
     assert action.kind == "fail" and action.status["reason"] == "NeverStarted"
     assert "5 attempts never started (maxNeverStartedAttempts 5)" in action.status["message"]
@@ -480,7 +470,8 @@ def test_admission_rejection_backs_off_and_avoids_the_node(case, reason, msg):
     assert msg in action.status["message"] and "gpu-7" in action.status["message"]
     assert "None" not in action.status["message"]
     assert action.status["restarts"]["neverStarted"] == 1 and action.status["restarts"]["preemptions"] == 0
-    assert action.status["avoidNodes"] == ["gpu-7"]
+    (avoided,) = action.status["avoidNodes"]  # the node, why, and the kubelet's words as evidence
+    assert avoided["node"] == "gpu-7" and avoided["reason"] == "AdmissionRejected" and msg in avoided["evidence"]
     assert action.status["nextAttemptTime"] >= "2026-11-22T12:00:10Z"
     waiting = run({**RUNNING, **action.status}, pods=[])  # the backoff holds the next attempt back
     assert waiting.kind == "wait" and waiting.create_attempt is None
@@ -648,7 +639,8 @@ def test_an_eviction_for_the_pods_own_limit_is_a_failure(message):
     evicted = pod(1, phase="Failed", pod_reason="Evicted", pod_message=message, exit_code=137)
     action = run(pods=[pod(0, phase="Failed", exit_code=exitcodes.PEER_FAILURE), evicted])
     assert action.kind == "restart" and action.status["reason"] == "EvictedOverLimit"
-    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1, "inPlace": 0}
+    assert action.status["restarts"] == {"preemptions": 0, "failures": 1, "neverStarted": 0, "total": 1,
+                                         "inPlace": 0, "hangs": 0}
     assert message.strip() in action.status["message"] and "gpt-1-1" in action.status["message"]
     assert action.status["nextAttemptTime"]  # backoff, as any failure
 
@@ -699,15 +691,6 @@ def test_an_ended_kueue_pod_group_is_marked_not_retriable():
     assert run(pods=[pod(0), pod(1, deleting_for=1.0)]).release_pods == ()  # no queue, nothing to mark
 
 
-def test_the_progress_readers_summary_is_read_from_its_own_container():
-    from kubetron_operator.observe import termination_text
-
-    injected = {"status": {"containerStatuses": [  # a mesh sidecar injected into the reader pod sorts first
-        {"name": "istio-proxy", "state": {"terminated": {"exitCode": 0, "message": "proxy drained"}}},
-        {"name": "progress", "state": {"terminated": {"exitCode": 0, "message": '{"iteration": 7}'}}}]}}
-    assert termination_text(injected) == '{"iteration": 7}'
-
-
 # -- in-place restarts (docs/recovery.md) ---------------------------------------------------------------
 
 def _log_with_restarts(*lines: tuple[int, int]) -> dict:
@@ -747,7 +730,8 @@ def test_in_place_restarts_already_counted_post_nothing():
 def test_in_place_restarts_add_up_over_attempts_and_survive_the_attempts_end():
     """Attempt 1 restarted once in place, attempt 2 once so far; then attempt 2 fails: the count is kept,
     and the next attempt starts its own count from 0."""
-    status = {**RUNNING, "attempt": 2, "restarts": {**RUNNING["restarts"], "failures": 1, "total": 1, "inPlace": 1},
+    status = {**RUNNING, "attempt": 2, "restarts": {**RUNNING["restarts"], "failures": 1, "total": 1,
+                                                    "inPlace": 1, "hangs": 0},
               "attemptInPlaceRestarts": 0}
     log = _log_with_restarts((1, 1), (2, 1))
     running = run(status, pods=[pod(0, attempt=2), pod(1, attempt=2)], progress=log)

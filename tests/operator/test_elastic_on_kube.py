@@ -1,6 +1,7 @@
 """Issue 24's elastic "done when", on the real API server, kube-scheduler and operator: a `nodes: 2,
 minNodes: 1` job on a pool of one Node with room for one pod trains at 1 node instead of waiting, grows to 2
-when a second Node joins the pool, and ends Succeeded at train_iters with its losses continuous.
+when a second Node joins the pool, and ends Succeeded at train_iters with its losses continuous. Its
+startupTimeoutSeconds is shorter than shrinkAfterSeconds: it shrinks at the start-up timeout (issue 33 item 4).
 
 The test plays the kubelet of its two Nodes (tests/operator/local_pods.py): a bound pod's exact command
 runs as a local process (workers and progress readers; a probe pod only reports Running, its command is a
@@ -29,6 +30,7 @@ ITERS = 150  # ~30 ms each: the grow (a Node joins, the probe is bound, the trai
 GROW_AFTER = 5  # iteration of the shrunk attempt after which the second Node joins
 POOL = "kubetron.dev/test-pool"
 GRACE = 30.0  # seconds: a container still running this long after its pod's deletion is killed
+STARTUP_TIMEOUT = 8  # spec.startupTimeoutSeconds (shrinkAfterSeconds stays at its default, 60)
 
 
 class PoolKubelet:
@@ -132,7 +134,9 @@ def test_elastic_job_shrinks_runs_grows_and_succeeds(kube, kube_ns, tmp_path):
     store.mkdir()
     pvc(kube, ns, store)
     config = tiny_config(ITERS, tensorboard_dir=str(store / "tb"))
-    body = job_body(PVC_JOB, nodes=2, minNodes=1, shrinkAfterSeconds=2, config=config,
+    # startupTimeoutSeconds below the default shrinkAfterSeconds (60): the pod the scheduler cannot place
+    # shrinks the job at the start-up timeout (issue 33 item 4), it does not end the attempt as StartupTimeout.
+    body = job_body(PVC_JOB, nodes=2, minNodes=1, startupTimeoutSeconds=STARTUP_TIMEOUT, config=config,
                     storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=free_port(), masterPort=free_port(), terminationGracePeriodSeconds=int(GRACE),
                     resources={"requests": {"cpu": "1"}}, scheduling={"nodeSelector": {POOL: ns}})
@@ -176,7 +180,8 @@ def test_elastic_job_shrinks_runs_grows_and_succeeds(kube, kube_ns, tmp_path):
     assert st["restarts"]["total"] == 0 and st["lostIterations"] == 0  # not failures; no iteration lost
     assert (st["minNodes"], st["sizes"]) == (1, [1, 2])
     assert sorted(e["message"].split(":")[0] for e in events) == ["attempt 1", "attempt 2"]
-    assert any("2 -> 1 nodes" in e["message"] and "Unschedulable" in e["message"] for e in events)
+    assert any("2 -> 1 nodes" in e["message"] and "Unschedulable for more than startupTimeoutSeconds "
+               f"({STARTUP_TIMEOUT}s)" in e["message"] for e in events), events
     assert any("1 -> 2 nodes" in e["message"] and "probe" in e["message"] for e in events)
     stopped = pool.container(f"gpt-{shrunk['attempt']}-0")
     assert stopped.exit_code() == 75, stopped.lines[-20:]  # saved on SIGTERM: the grow lost nothing

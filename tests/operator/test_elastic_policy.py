@@ -19,7 +19,7 @@ from kubetron_operator.observe import Observed, PodView
 from tests.operator.jobs import S3_JOB, job_body
 
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
-RESTARTS = {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}
+RESTARTS = {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0, "hangs": 0}
 
 
 def elastic(nodes=2, min_nodes=1, config=None, **spec):
@@ -105,6 +105,24 @@ def test_unschedulable_past_the_wait_shrinks_to_what_the_scheduler_placed():
     assert set(action.delete_pods) == {"gpt-1-0", "gpt-1-1"}
     assert action.events[0].reason == "Resized" and "2 -> 1 nodes" in action.events[0].message
     assert "Insufficient cpu" in action.events[0].message
+
+
+def test_a_startup_timeout_shorter_than_the_shrink_wait_shrinks_instead_of_ending_the_attempt():
+    """Issue 33 item 4: startupTimeoutSeconds 20 < shrinkAfterSeconds 60 used to end every attempt at full size
+    as StartupTimeout (never started 1/5, 2/5, ...). Pods the elastic rule waits on shrink the job at whichever
+    timeout is shorter."""
+    job = Job.from_body(job_body(S3_JOB, nodes=2, minNodes=1, startupTimeoutSeconds=20))  # shrinkAfterSeconds 60
+    pods = [pod(0, node="a"), unplaced(1)]
+    assert run(job, starting(age=19), pods).kind == "wait"
+    action = run(job, starting(age=21), pods)
+    assert action.kind == "restart" and action.status["reason"] == "Resized" and action.status["resizeTo"] == 1
+    assert action.status.get("restarts", RESTARTS) == RESTARTS  # not a never-started attempt
+    assert "Unschedulable for more than startupTimeoutSeconds (20s)" in action.events[0].message
+    due = next_due(job, Observed(now=NOW, status=starting(age=15), pods=tuple(
+        PodView(**{**vars(p), "scheduler_seen": True}) for p in pods)), interval=5.0)
+    assert 5 < due < 6.1  # the operator wakes for it
+    placed = [pod(0, node="a"), pod(1, node="b", phase="Pending")]  # nothing to shrink for: StartupTimeout
+    assert run(job, starting(age=21), placed).status["reason"] == "StartupTimeout"
 
 
 def test_the_operator_wakes_when_the_shrink_is_due():

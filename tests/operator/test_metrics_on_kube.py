@@ -7,6 +7,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+from kubetron.contract.goodput import BUCKETS as GOODPUT_BUCKETS
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import dashboard
@@ -56,9 +57,16 @@ def test_operator_metrics(kube, kube_ns):
         # attempt 1, Running, the restart, attempt 2; nopc's failed creation.
         assert m[("kubetron_reconcile_duration_seconds_count", ())] >= 5
         assert m[("kubetron_api_errors_total", (("code", "403"),))] >= 1
+        # The goodput ledger of each job (status.goodput): gauges per bucket and the ratio, as status says.
+        ledger = kube.job(ns, "gpt")["status"]["goodput"]  # gpt waits for attempt 2's pods: nothing moves
+        job = (("name", "gpt"), ("namespace", ns))
+        gauges = {b: m[("kubetron_goodput_seconds", tuple(sorted((*job, ("bucket", b)))))] for b in GOODPUT_BUCKETS}
+        assert gauges == pytest.approx(ledger["seconds"]) and sum(gauges.values()) > 0
+        assert m[("kubetron_goodput_ratio", job)] == pytest.approx(ledger["ratio"])
         # Every operator metric a dashboard query reads is served (each has samples by now).
         assert dashboard.read_by("operator") and dashboard.missing("operator", scrape_text(port)) == set()
 
         api.delete(f"{kube.jobs(ns)}/nopc")
         kube.wait_for("the deleted job no longer counted", lambda: scrape(port).get(
             ("kubetron_trainingjobs", (("phase", "Failed"),))) == 0, 30)
+        assert not [k for k in scrape(port) if k[0].startswith("kubetron_goodput") and ("name", "nopc") in k[1]]

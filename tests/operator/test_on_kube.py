@@ -59,7 +59,8 @@ def test_preempted_then_resumed_then_succeeded(kube, kube_ns, s3_server, status_
         pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
         st = kube.wait_status(ns, "gpt", "Pending attempt 1", lambda s: s.get("phase") == "Pending")
         assert st["attempt"] == 1
-        assert st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0}
+        assert st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0,
+                                  "inPlace": 0, "hangs": 0}
         env = {e["name"]: e for e in pods["gpt-1-0"]["spec"]["containers"][0]["env"]}
         assert env["MASTER_ADDR"]["value"] == f"gpt-1-0.gpt.{ns}.svc"
         assert "value" not in env["AWS_SECRET_ACCESS_KEY"]  # a secretKeyRef, never the secret itself
@@ -89,7 +90,8 @@ def test_preempted_then_resumed_then_succeeded(kube, kube_ns, s3_server, status_
                    conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}])
         pods = kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"})  # the whole gang went, the next one came
         st = kube.wait_status(ns, "gpt", "attempt 2", lambda s: s.get("attempt") == 2)
-        assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1, "inPlace": 0}
+        assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1,
+                                  "inPlace": 0, "hangs": 0}
         assert st["lastCheckpoint"]["iteration"] == 13
         env = env_of(pods["gpt-2-1"])
         assert env["KUBETRON_EXPECTED_ITERATION"] == "13" and env["KUBETRON_JOB_ID"] == f"{ns}/gpt/2"
@@ -123,7 +125,8 @@ def test_trainer_errors_past_backoff_limit_fail_the_job(kube, kube_ns):
                                                         "message": "RuntimeError: boom"})
         st = kube.wait_status(ns, "gpt", "Failed", lambda s: s.get("phase") == "Failed")
         assert st["reason"] == "BackoffLimitExceeded" and "RuntimeError: boom" in st["message"]
-        assert st["restarts"] == {"preemptions": 0, "failures": 2, "neverStarted": 0, "total": 2, "inPlace": 0}
+        assert st["restarts"] == {"preemptions": 0, "failures": 2, "neverStarted": 0, "total": 2,
+                                  "inPlace": 0, "hangs": 0}
         kube.wait_pods(ns, {"gpt-2-0"})  # the rank still running was stopped; the failed one is kept for logs
 
 

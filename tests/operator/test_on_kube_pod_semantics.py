@@ -90,7 +90,8 @@ def test_an_eviction_for_the_pods_own_limit_is_a_failure_and_a_node_pressure_one
             "containerStatuses": [exited("trainer", 137)]})
         kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"})
         st = kube.wait_status(ns, "gpt", "attempt 2", lambda s: s.get("attempt") == 2)
-        assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1, "inPlace": 0}
+        assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1,
+                                  "inPlace": 0, "hangs": 0}
         for pod in ("gpt-2-0", "gpt-2-1"):
             set_running(api, ns, pod)
         kube.wait_status(ns, "gpt", "Running", lambda s: s.get("phase") == "Running")
@@ -102,4 +103,5 @@ def test_an_eviction_for_the_pods_own_limit_is_a_failure_and_a_node_pressure_one
         st = kube.wait_status(ns, "gpt", "Failed", lambda s: s.get("phase") == "Failed")
         assert st["reason"] == "BackoffLimitExceeded", st
         assert "exceeds the total limit of containers 1Gi" in st["message"] and "ephemeral-storage" in st["message"]
-        assert st["restarts"] == {"preemptions": 1, "failures": 1, "neverStarted": 0, "total": 2, "inPlace": 0}
+        assert st["restarts"] == {"preemptions": 1, "failures": 1, "neverStarted": 0, "total": 2,
+                                  "inPlace": 0, "hangs": 0}

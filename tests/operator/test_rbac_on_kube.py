@@ -46,7 +46,8 @@ RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 # test_the_variants_cover_every_rule_set_of_the_chart), with the gang schedulers its jobs ask for.
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "default": ({}, ("none", "volcano")),  # a gang job without gangScheduling: a clear status, no call
-    "gang": ({"gangScheduling": {"enabled": True}}, ("volcano", "coscheduling", "kubernetes", "none")),
+    "gang": ({"gangScheduling": {"enabled": True}, "failingNodes": {"taint": True}},
+             ("volcano", "coscheduling", "kubernetes", "none")),
     "peering": ({"operator": {"peering": PEERING}}, ("none",)),
     "namespaced": ({"watchNamespaces": [NS]}, ("none",)),
     "namespaced-gang": ({"watchNamespaces": [NS], "gangScheduling": {"enabled": True, "schedulers": ["volcano"]}},

@@ -134,8 +134,9 @@ def test_admission_rejection_backs_off_counts_apart_and_avoids_the_node(kube, s3
     ended = time.time()
     assert st["reason"] == "AdmissionRejected" and "node-1" in st["message"], st
     assert "enough resource: nvidia.com/gpu" in st["message"] and "None" not in st["message"]
-    assert st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1, "inPlace": 0}
-    assert st["avoidNodes"] == ["node-1"] and st["nextAttemptTime"]
+    assert st["restarts"] == {"preemptions": 0, "failures": 0, "neverStarted": 1, "total": 1, "inPlace": 0, "hangs": 0}
+    assert [(a["node"], a["reason"]) for a in st["avoidNodes"]] == [("node-1", "AdmissionRejected")]
+    assert "enough resource: nvidia.com/gpu" in st["avoidNodes"][0]["evidence"] and st["nextAttemptTime"]
 
     # The next attempt waits out the backoff (10 s + jitter), then keeps off the node that rejected it:
     # here the only node, so the real scheduler says so.
@@ -160,7 +161,7 @@ def test_preemptions_while_loading_do_not_fail_as_no_progress(kube, s3_server, p
     kube.wait_pods(ns, {"gpt-4-0", "gpt-4-1"})
     st = kube.wait_status(ns, "gpt", "attempt 4", lambda s: s.get("attempt") == 4)
     assert st["phase"] == "Pending", st
-    assert st["restarts"] == {"preemptions": 3, "failures": 0, "neverStarted": 0, "total": 3, "inPlace": 0}
+    assert st["restarts"] == {"preemptions": 3, "failures": 0, "neverStarted": 0, "total": 3, "inPlace": 0, "hangs": 0}
     assert st["noProgressAttempts"] == 0
 
 
@@ -210,7 +211,8 @@ def test_peer_failure_on_a_not_ready_node_is_a_preemption(kube, s3_server, polic
         set_exited(api, ns, "gpt-1-0", 5, {"exitCode": 5, "reason": "PeerFailure", "message": "rank 1 unreachable"})
         st = kube.wait_status(ns, "gpt", "Restarting", lambda s: s.get("phase") == "Restarting")
         assert st["reason"] == "NodeNotReady" and "container runtime network not ready" in st["message"], st
-        assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1, "inPlace": 0}
+        assert st["restarts"] == {"preemptions": 1, "failures": 0, "neverStarted": 0, "total": 1,
+                                  "inPlace": 0, "hangs": 0}
         assert st.get("nextAttemptTime") is None  # a preemption restarts at once
     finally:
         kubelet.stop()

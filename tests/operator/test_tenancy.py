@@ -35,7 +35,7 @@ from kubetron_operator.build import build_pod, trainer_args
 from kubetron_operator.decide import decide
 from kubetron_operator.main import OneLineFormatter
 from kubetron_operator.model import ATTEMPT_LIMIT, NAME_PATTERN, Job, SpecError
-from kubetron_operator.observe import Observed, PodView, parse_reader_output
+from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.untrusted import Untrusted, clean, load_json
 
 from tests.operator.endpoints import Endpoint
@@ -208,12 +208,6 @@ def test_bounded_json():
             continue
         with pytest.raises(Untrusted, match=why):
             load_json(text, 100)
-
-
-def test_a_reader_pods_output_with_an_out_of_range_checkpoint_is_unread():
-    assert parse_reader_output('warn\n{"lastCheckpoint": {"iteration": 13}}') == {"lastCheckpoint": {"iteration": 13}}
-    assert parse_reader_output('{"lastCheckpoint": {"iteration": 99999999999999999999}}') is None
-    assert parse_reader_output('{"lastCheckpoint": {"iteration": -1}}') is None
 
 
 # -- 4. rank 0's status endpoint -----------------------------------------------------------------------

@@ -14,7 +14,7 @@
                                                        (LoRA: merged into the base, or a PEFT adapter)
     kubetron operator  [--namespace NS ...] [--liveness URL] [--peering NAME] [--interval SECONDS]
                        [--metrics-port PORT] [--gang-schedulers volcano,coscheduling,kubernetes|none]
-                       [--s3-operator-buckets BUCKET,...]
+                       [--s3-operator-buckets BUCKET,...] [--taint-failing-nodes]
     kubetron render    FILE
     kubetron submit    FILE [--wait]          create a TrainingJob, follow it until Running (or finished)
     kubetron status    [NAME]                 the kubectl get columns plus reason and last checkpoint
@@ -346,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "pods are handled as they happen (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
+    p.add_argument("--taint-failing-nodes", action="store_true",
+                   help="taint a node a job left out for failing it twice (kubetron.dev/failing-node=<job>:NoSchedule, "
+                        "cluster-wide); the operator's role must allow get and patch on nodes (the chart's "
+                        "failingNodes.taint)")
     p.add_argument("--gang-schedulers", default=",".join(GANG_SCHEDULERS), metavar="LIST",
                    help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
                    "comma-separated volcano, coscheduling, kubernetes, or 'none'; a job asking for another fails with "

@@ -36,10 +36,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kubetron.contract import exitcodes
+from kubetron.contract.hang import HangReport, parse_report
+from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
+from kubetron.heartbeat import HEARTBEAT_ENV, STACKS_ENV
 from kubetron.termination_log import write_termination_message
-from kubetron.torchrun import FAILURES_FILE, SHUTDOWN_TIMEOUT_ENV, describe_failure
+from kubetron.torchrun import FAILURES_FILE, HANGS_FILE, SHUTDOWN_TIMEOUT_ENV, describe_failure
 from kubetron.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
+from kubetron.watchdog import heartbeat_path, stacks_path
 
 DEFAULT_CONFIG = "/etc/kubetron/config.yaml"
 MESSAGES_DIR_ENV = "KUBETRON_LAUNCH_MESSAGES"  # set by the launcher for its torchrun workers
@@ -154,12 +158,37 @@ def read_failures(path: str | Path) -> list[dict]:
     return failures if isinstance(failures, list) else []
 
 
+def last_hang(path: str | Path) -> HangReport | None:
+    """The newest hang the agent recorded (kubetron.torchrun.HANGS_FILE) when it ended the run: no restart left."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    try:
+        report = parse_report(json.loads(lines[-1])) if lines else None
+    except ValueError:
+        return None
+    return report if report is not None and report["restart"] == 0 else None
+
+
+def hang_message(hung: HangReport) -> dict:
+    """The pod's termination message after a hang with no in-place restart left (exit 7, Hung)."""
+    where = f"; stacks in {hung['stacks']}" if hung["stacks"] else ""
+    return {"exitCode": exitcodes.HUNG, "reason": exitcodes.reason(exitcodes.HUNG), "iteration": hung["iteration"],
+            "message": f"the gang hung: {describe_hang(hung)}{where}", "hang": hung}
+
+
 def worker(args: Sequence[str]) -> None:
     """One rank under torchrun: give it its own termination log, then become the trainer (exec, so
     torchrun's signals reach it directly)."""
     local_rank = os.environ.get("LOCAL_RANK", "0")
     log = os.environ["KUBETRON_TERMINATION_LOG"] = os.path.join(os.environ[MESSAGES_DIR_ENV], f"rank-{local_rank}.json")
     Path(log).unlink(missing_ok=True)  # a restarted rank: its predecessor's message no longer says why the run ends
+    # The hang watchdog's files (kubetron.watchdog): this rank's heartbeat and stacks, its predecessor's gone.
+    beat = os.environ[HEARTBEAT_ENV] = heartbeat_path(os.environ[MESSAGES_DIR_ENV], local_rank)
+    stacks = os.environ[STACKS_ENV] = stacks_path(os.environ[MESSAGES_DIR_ENV], local_rank)
+    for path in (beat, stacks):
+        Path(path).unlink(missing_ok=True)
     module = os.environ.get(TRAINER_MODULE_ENV) or "kubetron"
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
@@ -185,17 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     received: list[int] = []
     rc = run(command, env, received)
 
-    rank_messages, failures = [], []
+    rank_messages, failures, hung = [], [], None
     if messages_dir:
         for path in sorted(Path(messages_dir).glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1])):
             rank_messages += read_messages(path)
         failures = read_failures(Path(messages_dir, FAILURES_FILE))
+        hung = last_hang(Path(messages_dir, HANGS_FILE))
         shutil.rmtree(messages_dir, ignore_errors=True)
     messages = rank_messages + read_messages(log_path)  # a rank whose config names its own termination_log
     message = root_cause(messages)
     completed = (bool(received) and len(rank_messages) == int(env.get("NPROC_PER_NODE", "1"))
                  and all(m["exitCode"] == exitcodes.COMPLETED for m in rank_messages))
     code = resolve_exit_code(rc, message, stopped_after_completion=completed)
+    if code != 0 and hung is not None and not received:  # the watchdog stopped a hung gang, no restart left
+        message, code = hang_message(hung), exitcodes.HUNG
+        print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)
     if code != 0 and (message is None or message["exitCode"] != code):
         # No rank said why (rendezvous failure, import error, a rank SIGKILLed): say what we know, in
         # the pod's log (torchrun's own report is left out) and in the termination message.

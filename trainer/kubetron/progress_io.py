@@ -1,6 +1,6 @@
 """The trainer's side of the progress log (its format is kubetron.contract.progress): what a pod's
 environment says about the lines it writes, reading a store's log back, and `kubetron progress STORE`
-(also the operator's progress-reader pod: `python -m kubetron.progress_io`)."""
+(also `python -m kubetron.progress_io`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause, parse_cause, parse_hangs
 from kubetron.contract.progress import (
     CHECKPOINT_EVENTS,
     JOB_ID_ENV,
@@ -31,6 +32,19 @@ def job_id() -> str:
 def in_place_restarts() -> int:
     """How often torchrun has restarted this process's gang inside its pods, this attempt (0 outside torchrun)."""
     return as_int(os.environ.get(RESTART_COUNT_ENV)) or 0
+
+
+def hangs() -> tuple[int, HangReport | None]:
+    """Of those restarts, how many followed a hang, and the newest hang's report (the agent's, kubetron.watchdog)."""
+    return parse_hangs(os.environ.get(HANGS_ENV))
+
+
+def restart_cause() -> RestartCause | None:
+    """The rank whose crash caused the newest other in-place restart (the agent's, kubetron.torchrun)."""
+    try:
+        return parse_cause(json.loads(os.environ.get(CAUSE_ENV) or "null"))
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,8 +169,8 @@ def format_summary(summary: ProgressSummary) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`kubetron progress STORE` (also `python -m kubetron.progress_io STORE`): print the summary as JSON.
 
-    `--termination-log PATH` also writes it, compact, to PATH: the operator's progress-reader pod reports
-    through its termination message, so the operator needs no pods/log access.
+    `--termination-log PATH` also writes it, compact and within the termination message's limit, to PATH (a
+    pod's /dev/termination-log: a pod that reads a store reports through its termination message).
     """
     args = sys.argv[1:] if argv is None else list(argv)
     brief = False

@@ -21,6 +21,7 @@ JSON line, to `RESTARTS_FILE` in the launcher's messages directory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -31,10 +32,15 @@ import sys
 from collections.abc import Sequence
 
 from kubetron.contract import exitcodes
+from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause
+from kubetron.contract.hang import describe as describe_hang
+from kubetron.contract.progress import JOB_ID_ENV
+from kubetron.watchdog import Rank, Watchdog, override_from_env, store_from_args
 
 FAILURES_FILE = "torchrun-failures.json"  # in the launcher's messages directory (KUBETRON_LAUNCH_MESSAGES)
 NODE_RANK_ENV = "KUBETRON_RDZV_NODE_RANK"  # set by the launcher with a c10d rendezvous: this node's group rank
 RESTARTS_FILE = "torchrun-restarts.jsonl"  # ditto: one line per in-place restart of the local workers
+HANGS_FILE = "torchrun-hangs.jsonl"  # ditto: one HangReport per hung gang (kubetron.watchdog)
 
 
 class _NoFailureReport(logging.Filter):
@@ -84,17 +90,22 @@ def restartable(failures) -> bool:
     return bool(causes) and all(exitcodes.restartable_in_place(f.exitcode, signal_name(f)) for f in causes)
 
 
-def _only_restart_restartable_ends(agent_class) -> None:
-    """Make torchrun's agent restart a failed worker group only when `restartable`, recording each restart."""
+def _only_restart_restartable_ends(agent_class, dog: Watchdog | None = None) -> None:
+    """Make torchrun's agent restart a failed worker group only when `restartable`, recording each restart.
+    `dog`: the hang watchdog; a gang it stopped is restarted as hung (its report instead of the kill)."""
     monitor = agent_class._monitor_workers
 
     def _monitor_workers(self, worker_group):
         result = monitor(self, worker_group)
+        hung = _hang_of(dog, result)
         if result.is_failed() and self._remaining_restarts > 0:
             if restartable(result.failures):
                 _write_failures(result.failures, RESTARTS_FILE, "a")
                 spec = worker_group.spec
-                print(f"kubetron.torchrun: {describe_failure(failure_records(result.failures)[0])}: restarting "
+                _tell_cause(dog, hung, result.failures, spec.max_restarts - self._remaining_restarts + 1)
+                why = f"the gang hung: {describe_hang(hung)}" if hung else describe_failure(
+                    failure_records(result.failures)[0])
+                print(f"kubetron.torchrun: {why}: restarting "
                       f"the gang in place from the newest checkpoint (restart "
                       f"{spec.max_restarts - self._remaining_restarts + 1} of {spec.max_restarts})",
                       file=sys.stderr, flush=True)
@@ -119,6 +130,56 @@ def _only_restart_restartable_ends(agent_class) -> None:
     agent_class._restart_workers = _restart_workers
 
 
+def _hang_of(dog: Watchdog | None, result) -> HangReport | None:
+    """The hang this failed result ends (recorded once in HANGS_FILE and, for the next ranks, in
+    KUBETRON_HANGS), or None. A pod whose ranks died of the peers the other pods' agents stopped learns the
+    verdict from the round's store too."""
+    if dog is None or not result.is_failed():
+        return None
+    report = dog.settle()
+    if report is not None:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(dog.dir, HANGS_FILE), "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(report) + "\n")
+        os.environ[HANGS_ENV] = json.dumps({"hangs": dog.hangs, "lastHang": report})  # the next ranks' (rank 0 reports)
+    return report
+
+
+def _tell_cause(dog: Watchdog | None, hung: HangReport | None, failures, restart: int) -> None:
+    """A rank of this pod ended the round by itself (not a peer failure, not SIGTERM, not a hang): the
+    RestartCause of the in-place restart `restart`, for rank 0 to report (policy/nodes.py counts them)."""
+    own = [f for f in failure_records(failures) if f["exitcode"] != exitcodes.PEER_FAILURE
+           and f["signal"] not in ("SIGTERM", "SIGINT")]
+    if dog is None or hung is not None or not own:
+        return
+    how = describe_failure(own[0]).split(") ", 1)[1]  # `was killed by SIGSEGV`
+    dog.tell_cause(RestartCause(restart=restart, rank=own[0]["rank"], nodeRank=dog.node_rank, how=how))
+
+
+def _watch_for_hangs(agent_class, dog: Watchdog) -> None:
+    """Make torchrun's agent run the hang watchdog: every round of workers is handed to it, and its monitor
+    loop polls it (kubetron.watchdog stops the ranks of a hung gang; the monitor then sees them fail)."""
+    start, monitor = agent_class._start_workers, agent_class._monitor_workers
+
+    def _start_workers(self, worker_group):
+        dog.forget_files(w.local_rank for w in worker_group.workers)  # the previous round's
+        cause = dog.cause()  # what ended the previous round, when a rank of some pod did
+        if cause is not None:
+            os.environ[CAUSE_ENV] = json.dumps(cause)  # the new ranks' (rank 0 reports it)
+        pids = start(self, worker_group)
+        spec = worker_group.spec
+        ranks = [Rank(w.global_rank, w.local_rank, pids[w.local_rank]) for w in worker_group.workers]
+        dog.new_round(ranks, worker_group.store, worker_group.group_world_size,
+                      spec.max_restarts - self._remaining_restarts, self._remaining_restarts)
+        return pids
+
+    def _monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        if not result.is_failed() and result.state.name == "HEALTHY":
+            dog.poll()
+        return result
+
+    agent_class._start_workers, agent_class._monitor_workers = _start_workers, _monitor_workers
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # seconds torchrun waits for the ranks after a signal
 
 
@@ -171,6 +232,18 @@ def _ranks_follow_node_rank(handler_class, node_rank: int) -> None:
     handler_class.next_rendezvous = _next_rendezvous
 
 
+def _watchdog(trainer_args: Sequence[str]) -> Watchdog | None:
+    """This pod's hang watchdog, under the launcher (its messages directory holds the ranks' heartbeats);
+    None outside it, or with hang detection off (KUBETRON_HANG_TIMEOUT_SECONDS=0)."""
+    directory = os.environ.get("KUBETRON_LAUNCH_MESSAGES")
+    override = override_from_env(os.environ)
+    if not directory or override == 0:
+        return None
+    attempt = (os.environ.get(JOB_ID_ENV) or "0").rsplit("/", 1)[-1]
+    return Watchdog(directory, int(os.environ.get(NODE_RANK_ENV) or 0), override, store_from_args(trainer_args),
+                    attempt=attempt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -178,14 +251,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    _only_restart_restartable_ends(LocalElasticAgent)
+    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    dog = _watchdog(args.training_script_args)
+    if dog is not None:
+        _watch_for_hangs(LocalElasticAgent, dog)
+    _only_restart_restartable_ends(LocalElasticAgent, dog)
     _shutdown_waits_for_the_ranks(LocalElasticAgent, int(os.environ.get(SHUTDOWN_TIMEOUT_ENV) or 30))
     if os.environ.get(NODE_RANK_ENV):
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
         _ranks_follow_node_rank(DynamicRendezvousHandler, int(os.environ[NODE_RANK_ENV]))
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureReport())
-    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         torchrun.run(args)
     except ChildFailedError as exc:

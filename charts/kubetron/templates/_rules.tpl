@@ -9,6 +9,7 @@ required rules from that registry for every values combination and fails on anyt
                                not cluster-wide
   (cluster)kopfpeerings        only with peering (operator.peering, or replicas > 1): standalone kopf
                                never touches them
+  nodes get/patch              only with failingNodes.taint: tainting a node that keeps failing jobs
 */ -}}
 
 {{/* Cluster-scoped resources: always in a ClusterRole. */}}
@@ -21,6 +22,12 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [""]
   resources: [nodes]
   verbs: [list]
+{{- if .Values.failingNodes.taint }}
+# A node that failed a job twice: tainted kubetron.dev/failing-node=<job>:NoSchedule (read, then patched).
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get, patch]
+{{- end }}
 {{- if .Values.watchNamespaces }}
 # kopf: checks the watched namespaces exist (it serves only those that do).
 - apiGroups: [""]

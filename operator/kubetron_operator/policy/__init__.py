@@ -9,6 +9,9 @@
     lifecycle.py    finished jobs (TTL), suspension, the active deadline, failing a job
     kueue.py        Kueue plain pod groups: releasing the groups whose attempt is over
     store.py        the StoreReadable condition: whether the S3 progress log could be read, and why not
+    hang.py         hangs: counting them (restarts.hangs), naming the rank, its pod and node (lastHang, Hung)
+    nodes.py        nodes that keep failing a job: failingNodes, avoidNodes
+    goodput.py      the goodput ledger: every rank-second since the job was created, by bucket
 
 Every function here is pure: what it needs comes in through kubetron_operator.observe.Observed (the
 clock too), what it must remember goes into the status patch.

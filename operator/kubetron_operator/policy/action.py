@@ -25,9 +25,9 @@ class Action:
     avoid_nodes: tuple[str, ...] = ()
     nodes: int = 0  # the size of the attempt to create (0: spec.nodes)
     create_probes: tuple[int, ...] = ()  # ranks whose probe pod to create for the current attempt (docs/elastic.md)
-    create_reader: int | None = None  # create the progress-reader pod for this attempt
     create_service: bool = False  # create the job's headless Service (rank 0's name), before anything else
     release_pods: tuple[str, ...] = ()  # Kueue group members to mark retriable-in-group "false" (before any delete)
+    taint_nodes: tuple[str, ...] = ()  # nodes this job just left out: tainted cluster-wide if the chart allows it
     delete_job: bool = False
     events: tuple[Event, ...] = ()
 

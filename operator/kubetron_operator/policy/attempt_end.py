@@ -29,6 +29,7 @@ from kubetron_operator.model import Job
 from kubetron_operator.observe import NO_PROGRESS, Observed, PodView, to_int
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.elastic import attempt_size
+from kubetron_operator.policy.hang import HUNG, carry_hang, hang_ended_attempt
 from kubetron_operator.policy.lifecycle import fail
 from kubetron_operator.policy.restart import restart
 from kubetron_operator.policy.status import in_place_news, phase_status, progress_fields
@@ -70,7 +71,12 @@ def attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Checkpoin
                        message=f"node {p.node or '?'} rejected pod {p.name}: {p.detail}",
                        bad_nodes=tuple(p.node for p in rejected if p.node))
     reason, message = _failure_reason(failures)
-    return restart(job, obs, current, ckpt, kind="failures", reason=reason, message=message)
+    action = restart(job, obs, current, ckpt, kind="failures", reason=reason, message=message)
+    if reason == HUNG:  # the pods' watchdogs stopped a hung gang with no in-place restart left
+        hung = hang_ended_attempt(obs, obs.status.get("attempt") or 0, current, action.status["restarts"])
+        action.status["restarts"] = hung["restarts"]
+        carry_hang(action.status, hung)
+    return action
 
 
 def _sort_out(current: list[PodView]) -> tuple[list[str], list[PodView], list[PodView], list[PodView]]:

@@ -70,7 +70,15 @@ def shrink_due(job: Job, obs: Observed, current: list[PodView], began: datetime 
     size = attempt_size(job, obs.status)
     if began is None or size <= (job.spec.sizes or (size,))[0] or not any(p.unschedulable for p in current):
         return None
-    return job.spec.shrink_after_seconds - (obs.now - began).total_seconds()
+    return shrink_after(job)[0] - (obs.now - began).total_seconds()
+
+
+def shrink_after(job: Job) -> tuple[int, str]:
+    """(seconds, the setting they come from) pods the elastic rule waits on may stay Unschedulable before the
+    job shrinks: shrinkAfterSeconds, or startupTimeoutSeconds when that is shorter (it would otherwise end
+    every attempt at full size as StartupTimeout first, and the job would never shrink)."""
+    return min((job.spec.shrink_after_seconds, "shrinkAfterSeconds"),
+               (job.spec.startup_timeout_seconds, "startupTimeoutSeconds"))
 
 
 def shrink_to(job: Job, current: list[PodView], size: int) -> int:

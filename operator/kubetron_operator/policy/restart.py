@@ -14,7 +14,7 @@ reset the streak (an attempt that saved something new does reset it): being pree
 loads is the cluster's doing, not a crash loop. Free restarts are bounded by a streak of their own:
 MAX_PREEMPTIONS_WITHOUT_PROGRESS running attempts in a row preempted without a new checkpoint -> Failed
 (NoProgress); any new checkpoint resets it, so a job preempted often while it progresses runs on.
-Nodes that rejected a pod at admission are remembered in status.avoidNodes (the last MAX_AVOID_NODES).
+Nodes that rejected a pod at admission are remembered in status.avoidNodes (policy/nodes.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from kubetron_operator.job_status import RestartKind, Restarts, StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action, Event
+from kubetron_operator.policy.hang import carry_hang
 from kubetron_operator.policy.lifecycle import fail, overdue
+from kubetron_operator.policy.nodes import avoid
 from kubetron_operator.policy.status import (
     ckpt_iteration,
     in_place_news,
@@ -40,7 +42,6 @@ from kubetron_operator.policy.status import (
 )
 
 BACKOFF_BASE, BACKOFF_CAP, BACKOFF_JITTER = 10.0, 360.0, 0.2  # seconds, seconds, fraction (as Kubernetes Job)
-MAX_AVOID_NODES = 8  # nodes remembered in status.avoidNodes
 MAX_PREEMPTIONS_WITHOUT_PROGRESS = 10  # free restarts of running attempts in a row that saved nothing new -> NoProgress
 
 
@@ -60,20 +61,18 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
     # Free restarts are bounded too: a running attempt preempted before it saved anything new, again and again.
     free = kind == "preemptions" and not own_doing and st.get("phase") == "Running"
     free_streak = 0 if progressed else (st.get("preemptionsWithoutProgress") or 0) + int(free)
-    avoid = list(st.get("avoidNodes") or ())
-    avoid = ([n for n in avoid if n not in bad_nodes] + list(bad_nodes))[-MAX_AVOID_NODES:]
     common: StatusPatch = {"restarts": restarts, "noProgressAttempts": no_progress, "lastCheckpoint": ckpt,
                            "preemptionsWithoutProgress": free_streak,
                            "lastAttemptIteration": reached_iteration(obs, attempt, current)}
-    if bad_nodes:
-        common["avoidNodes"] = avoid
+    if bad_nodes:  # a kubelet's rejection: avoided at once (policy/nodes.py)
+        common["avoidNodes"] = avoid(st, bad_nodes, reason, message, stamp(obs.now))
     limit = _limit_reached(job, restarts, kind, no_progress, free_streak, ckpt)
     if limit is not None:
         action = fail(obs, limit[0], f"{limit[1]}; last: {message}")
         action.status.update(common)
         return action
     delay = 0.0 if kind == "preemptions" else _backoff(job, attempt, restarts["failures"] + restarts["neverStarted"])
-    status = phase_status(obs, "Restarting", reason, message)
+    status = carry_hang(phase_status(obs, "Restarting", reason, message), in_place)
     status.update(common)
     status.update(progress_fields(obs, ckpt, live=False))
     status["nextAttemptTime"] = stamp(obs.now + timedelta(seconds=delay)) if delay else None

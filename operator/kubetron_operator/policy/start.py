@@ -4,8 +4,8 @@ waiting for its gang to run, saying what holds it up.
 Never started: the gang was not all running startupTimeoutSeconds after the attempt was created (or
 admitted by Kueue): unschedulable, image pull errors, a missing Secret key, a scheduler nobody runs
 -> restart after a backoff; counts toward maxNeverStartedAttempts (policy/restart.py).
-PVC stores: between attempts a short-lived reader pod reads the progress log (its output is the
-summary); S3 stores are read by the operator itself.
+The next attempt waits for no pod but the last one's to go: it expects the newest checkpoint the operator
+knows of, and its rank 0 reports the one it resumed from (an S3 store's log is read by the operator itself).
 Children that could not be created (the handler tore down what it had made): create_failed.
 """
 
@@ -18,16 +18,16 @@ from kubetron.contract.progress import CheckpointRef
 from kubetron.contract.times import format_duration, parse_stamp, stamp
 
 from kubetron_operator.job_status import StatusPatch
-from kubetron_operator.model import Job, PvcStorage
-from kubetron_operator.observe import STUCK_WAITING, Observed, PodView, parse_reader_output
+from kubetron_operator.model import Job
+from kubetron_operator.observe import STUCK_WAITING, Observed, PodView
 from kubetron_operator.policy.action import Action, Event
-from kubetron_operator.policy.elastic import attempt_size, resize, shrink_due, shrink_to
+from kubetron_operator.policy.elastic import attempt_size, resize, shrink_after, shrink_due, shrink_to
 from kubetron_operator.policy.lifecycle import fail, overdue
+from kubetron_operator.policy.nodes import avoided
 from kubetron_operator.policy.restart import restart
 from kubetron_operator.policy.status import (
     ckpt_iteration,
     known_checkpoint,
-    newer_checkpoint,
     percent,
     phase_status,
     progress_fields,
@@ -37,7 +37,6 @@ from kubetron_operator.policy.status import (
 ENDING_PHASES = frozenset({"Restarting", "Succeeded", "Failed", "Suspended"})
 """Phases an action moves to when the current attempt ends."""
 STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
-READER_TIMEOUT = 180.0  # seconds a progress-reader pod may take before we go on without it
 NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
 CREATE_BACKOFF = (10.0, 300.0)  # seconds: the first retry's delay, doubling up to the cap (as Kubernetes Job)
 
@@ -50,60 +49,33 @@ def next_attempt(job: Job, obs: Observed) -> Action:
     old = [p for p in obs.pods if p.role == "worker" and p.attempt <= attempt]
     # Probes hold the capacity the next attempt may need: they go once the old gang is gone.
     old = old or [p for p in obs.pods if p.role == "probe" and p.attempt <= attempt]
-    if old:
-        return Action("wait", delete_pods=tuple(p.name for p in old if p.deleting_for is None),
+    if old:  # what they saved on the way out (SIGTERM: the step, then a checkpoint) is in their messages
+        ckpt = known_checkpoint(obs, attempt)
+        saved: StatusPatch = {"lastCheckpoint": ckpt} if ckpt != st.get("lastCheckpoint") else {}
+        return Action("wait", status=saved, delete_pods=tuple(p.name for p in old if p.deleting_for is None),
                       force_delete_pods=overdue(obs))
+    # The newest checkpoint the operator knows of (status, rank 0's endpoint, the ranks' termination messages,
+    # an S3 store's log). No pod is waited for: the new attempt's rank 0 resumes from the newest durable one in
+    # the store (never older than this: the trainer refuses a store that holds less) and reports it.
     ckpt = known_checkpoint(obs, attempt)
-    events: list[Event] = []
-    delete: tuple[str, ...] = ()
-    unread = ""  # why the progress log could not be read (PVC stores), shown in status.message too
-    if isinstance(job.spec.storage, PvcStorage) and attempt > 0:
-        read = _read_by_reader(obs, attempt, ckpt)
-        if isinstance(read, Action):
-            return read
-        ckpt, unread, delete = read
-        if unread:
-            events.append(Event("Warning", "ProgressUnread", unread[2:]))
     not_before = parse_stamp(st.get("nextAttemptTime"))
     if not_before and obs.now < not_before:
         return Action("wait")
     nxt = attempt + 1
     size = st.get("resizeTo") or job.spec.nodes  # after a preemption or failure: try the full size
-    status = _attempt_status(job, obs, ckpt, nxt, size, unread)
+    status = _attempt_status(job, obs, ckpt, nxt, size)
     resume = f", resuming from iteration {ckpt_iteration(ckpt)}" if ckpt_iteration(ckpt) else ""
-    avoid = tuple(st.get("avoidNodes") or ())
+    avoid = avoided(st)
     avoiding = f", avoiding node(s) {', '.join(avoid)}" if avoid else ""
-    events.append(Event("Normal", "AttemptCreated",
-                        f"creating attempt {nxt} ({size} pods){resume}{avoiding}"))
+    event = Event("Normal", "AttemptCreated", f"creating attempt {nxt} ({size} pods){resume}{avoiding}")
     return Action("create", status=status, create_attempt=nxt, expected_iteration=ckpt_iteration(ckpt),
-                  avoid_nodes=avoid, delete_pods=delete, events=tuple(events), nodes=size)
+                  avoid_nodes=avoid, events=(event,), nodes=size)
 
 
-def _read_by_reader(obs: Observed, attempt: int,
-                    ckpt: CheckpointRef | None) -> Action | tuple[CheckpointRef | None, str, tuple[str, ...]]:
-    """PVC stores: the ended attempt's progress-reader pod (created here, then waited for, at most
-    READER_TIMEOUT). (the newest checkpoint, why the log is unread or "", the reader pod to delete), or
-    the Action that waits for it."""
-    reader = next((p for p in obs.pods if p.role == "progress-reader" and p.attempt == attempt), None)
-    if reader is None:
-        return Action("wait", create_reader=attempt)
-    summary = parse_reader_output(reader.log) if reader.phase == "Succeeded" else None
-    unread = ""
-    if summary is not None:
-        ckpt = newer_checkpoint(ckpt, summary.get("lastCheckpoint"))
-    elif reader.phase in ("Succeeded", "Failed") or reader.created_for > READER_TIMEOUT:
-        unread = (f"; progress log unread (pod {reader.name}: {_reader_trouble(reader)}), resuming from the "
-                  f"last checkpoint seen ({ckpt_iteration(ckpt)})")
-    else:
-        return Action("wait")
-    return ckpt, unread, (reader.name,)
-
-
-def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: int, size: int,
-                    unread: str) -> StatusPatch:
+def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: int, size: int) -> StatusPatch:
     """The status patch that records attempt `nxt` (of `size` pods) as created."""
     st = obs.status
-    status = phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created{unread}")
+    status = phase_status(obs, "Pending", "AttemptCreated", f"attempt {nxt} created")
     lost = (st.get("lostIterations") or 0) + max(0, (st.get("lastAttemptIteration") or 0) - ckpt_iteration(ckpt))
     status.update({
         "attempt": nxt,
@@ -131,13 +103,6 @@ def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: in
     return status
 
 
-def _reader_trouble(reader: PodView) -> str:
-    if reader.phase == "Pending":
-        return f"not finished after {READER_TIMEOUT:.0f}s"
-    detail = reader.log.strip().splitlines()[-1][:200] if reader.log.strip() else reader.reason or "no output"
-    return f"{reader.phase.lower()}, exit {reader.exit_code}: {detail}"
-
-
 def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: CheckpointRef | None,
              stale: tuple[str, ...]) -> Action:
     """The gang is not all running yet: say what holds it up; end the attempt after startupTimeoutSeconds."""
@@ -157,9 +122,10 @@ def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt
     if shrink_in is not None and shrink_in < 0:
         size = attempt_size(job, st)
         stuck = [p for p in sorted(current, key=lambda p: p.rank) if p.unschedulable]
+        seconds, setting = shrink_after(job)
         return resize(job, obs, current, ckpt, shrink_to(job, current, size),
-                      f"{len(stuck)} pod(s) Unschedulable for more than shrinkAfterSeconds "
-                      f"({job.spec.shrink_after_seconds}s): pod {stuck[0].name}: {stuck[0].unschedulable}")
+                      f"{len(stuck)} pod(s) Unschedulable for more than {setting} ({seconds}s): "
+                      f"pod {stuck[0].name}: {stuck[0].unschedulable}")
     if began and not admitted and (obs.now - began).total_seconds() > timeout:
         why = trouble[1] if trouble else "the pods were still starting"
         return restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",

@@ -19,6 +19,7 @@ from kubetron.contract.times import format_duration, stamp
 from kubetron_operator.job_status import PHASES, Condition, JobStatus, Restarts, StatusPatch
 from kubetron_operator.observe import NO_LIVE, NO_PROGRESS, Observed, PodView, to_int
 from kubetron_operator.policy.action import Event
+from kubetron_operator.policy.hang import hang_news
 
 
 def phase_status(obs: Observed, phase: str, reason: str, message: str) -> StatusPatch:
@@ -28,7 +29,8 @@ def phase_status(obs: Observed, phase: str, reason: str, message: str) -> Status
 
 
 def _conditions(old: list[Condition], phase: str, reason: str, message: str, now: datetime) -> list[Condition]:
-    """One condition per phase ever reached; the current one True, the others False; other conditions kept."""
+    """One condition per phase ever reached; the current one True, the others False; other conditions kept
+    (StoreReadable: policy/store.py; Hung: policy/hang.py)."""
     out: list[Condition] = []
     seen = False
     for held in old:
@@ -86,25 +88,30 @@ def restart_counts(st: JobStatus) -> Restarts:
     """The restart counters; `inPlace` (docs/recovery.md) is not in `total`, which counts attempts."""
     r = st.get("restarts") or Restarts()
     p, f, n = r.get("preemptions") or 0, r.get("failures") or 0, r.get("neverStarted") or 0
-    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n, "inPlace": r.get("inPlace") or 0}
+    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n, "inPlace": r.get("inPlace") or 0,
+            "hangs": r.get("hangs") or 0}
 
 
 def in_place_news(obs: Observed, attempt: int) -> tuple[StatusPatch, tuple[Event, ...]]:
-    """In-place restarts of the current attempt not counted yet, from rank 0's status endpoint or the
-    progress log: the status fields that count them, and an event for each."""
+    """In-place restarts (and hangs) of the current attempt not counted yet, from rank 0's status endpoint or
+    the progress log: the status fields that count them, and an event for each."""
     counted = obs.status.get("attemptInPlaceRestarts") or 0
     by_job = (obs.progress or NO_PROGRESS).get("inPlaceRestarts")
     logged = [n for job_id, n in by_job.items() if str(job_id).endswith(f"/{attempt}")] if isinstance(
         by_job, Mapping) else []
     now = max([counted, (obs.live or NO_LIVE).get("inPlaceRestarts") or 0, *logged])
-    if now <= counted:
-        return {}, ()
     restarts = restart_counts(obs.status)
-    total = restarts["inPlace"] + now - counted
-    events = tuple(Event("Warning", "RestartedInPlace", f"attempt {attempt}: a trainer process ended; the gang "
-                         f"restarted inside its pods from the newest checkpoint ({n} in this attempt, "
-                         f"{total - now + n} in all)") for n in range(counted + 1, now + 1))
-    return {"restarts": {**restarts, "inPlace": total}, "attemptInPlaceRestarts": now}, events
+    news: StatusPatch = {}
+    events: tuple[Event, ...] = ()
+    if now > counted:
+        total = restarts["inPlace"] + now - counted
+        events = tuple(Event("Warning", "RestartedInPlace", f"attempt {attempt}: a trainer process ended; the gang "
+                             f"restarted inside its pods from the newest checkpoint ({n} in this attempt, "
+                             f"{total - now + n} in all)") for n in range(counted + 1, now + 1))
+        restarts = {**restarts, "inPlace": total}
+        news = {"restarts": restarts, "attemptInPlaceRestarts": now}
+    hangs, hung = hang_news(obs, attempt, restarts)  # some of them after the gang hung (policy/hang.py)
+    return {**news, **hangs}, events + hung
 
 
 def known_checkpoint(obs: Observed, attempt: int) -> CheckpointRef | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kubetron import heartbeat
 from kubetron.checkpoint import format_kubetron, format_local, format_sharded, format_torch_dist
 from kubetron.checkpoint.canonical import (
     load_optimizer_state_by_name,
@@ -49,6 +50,7 @@ from kubetron.checkpoint.layout import (
 from kubetron.checkpoint.rng import get_rng_state, set_rng_state
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.contract.hang import CHECKPOINT
 from kubetron.contract.times import stamp
 from kubetron.storage import open_store
 from kubetron.training import comm, peft
@@ -264,6 +266,10 @@ class CheckpointManager:
             return self._save_local(step)
         if not self.enabled:
             return
+        with heartbeat.current().during(CHECKPOINT):  # a slow save is not a hang (docs/recovery.md)
+            self._save(step, non_persistent, blocking)
+
+    def _save(self, step: int, non_persistent: bool, blocking: bool | None):
         t0 = time.perf_counter()
         self.finalize(blocking=True)  # one save in flight at a time
         snap = self.snapshot(step)
@@ -290,14 +296,17 @@ class CheckpointManager:
     def _write(self, name: str, snap: Snapshot, holder: dict):
         """Every rank: its own files into the transaction (background thread for async saves)."""
         rank, it = _rank(), snap.iteration
+        wrote = heartbeat.current().progress  # each file written is progress: a slow store is not a hang
         if snap.copied is not None:
             snap.copied.synchronize()
         txn = holder["txn"] = self.save_store.begin_dir(name, txn_id=f"{self.run_id}-{it}")
         if snap.rng:  # checkpoint.save_rng: false writes none (and a resume keeps this run's seeds)
             txn.write_bytes(rng_file(rank), to_bytes(snap.rng))
+            wrote()
         if snap.shard is not None:
             self.last_save_bytes = format_sharded.write(txn, rank, snap.shard,
                                                         after_data=lambda: _chaos("after-shard", it))
+            wrote()
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
             common = format_torch_dist.megatron_common(it, self.scheduler.state_dict(),
                                                        self.train_state.state_dict())
@@ -307,8 +316,10 @@ class CheckpointManager:
                 snap.common["dist_optimizer"] = facts
         if snap.common is not None:
             format_kubetron.write(txn, snap.model, snap.optim, after=lambda key: _chaos(f"after-{key[:-3]}", it))
+            wrote()
             with txn.open_write(COMMON) as f:
                 torch.save(snap.common, f)
+            wrote()
             _chaos("after-common", it)
             txn.write_bytes(RUN_CONFIG, snap.run_config.encode())
             for file_name, data in (snap.tokenizer or {}).items():  # a checkpoint is self-contained
@@ -347,10 +358,12 @@ class CheckpointManager:
         if saver is None or not saver.pending:  # the same on every rank: saves start and end together,
             return  # so the loop pays the collective below only while a save is in flight
         if blocking or not (dist.is_initialized() and dist.get_world_size() > 1):
-            saver.maybe_finalize(blocking=blocking)
+            with heartbeat.current().during(CHECKPOINT):
+                saver.maybe_finalize(blocking=blocking)
             return
         if comm.all_ranks(saver.ready()):
-            saver.maybe_finalize(blocking=True)
+            with heartbeat.current().during(CHECKPOINT):
+                saver.maybe_finalize(blocking=True)
 
     def close(self):
         if self.async_saver is not None:
@@ -388,6 +401,10 @@ class CheckpointManager:
     # -- non-persistent "local": rank-local shards, resumable at the same layout only -------------------
     def _save_local(self, step: int):
         """Every rank writes its own shard (model chunk, optimizer, RNG) to its node-local directory."""
+        with heartbeat.current().during(CHECKPOINT):
+            self._save_local_now(step)
+
+    def _save_local_now(self, step: int):
         self.optimizer.finish_param_sync()
         t0 = time.perf_counter()
         name = iter_dir(step)

@@ -24,6 +24,10 @@ PEER_FAILURE = 5
 STRAGGLER = 6
 """Stopped because a straggler was detected and straggler.stop_if_detected is set."""
 
+HUNG = 7
+"""A pod's end, never a rank's: its gang hung (no rank made progress past the hang timeout, docs/recovery.md) and
+no in-place restart was left; the pod's agent stopped the ranks. A failure: counts toward backoffLimit."""
+
 SAVED_ON_SIGNAL = 75
 """SIGTERM/SIGINT received: finished the step, saved a checkpoint, exited. Preempted: restart, free."""
 
@@ -38,6 +42,7 @@ NAMES = {
     RESUME_MISMATCH: "ResumeMismatch",
     PEER_FAILURE: "PeerFailure",
     STRAGGLER: "StragglerDetected",
+    HUNG: "Hung",
     SAVED_ON_SIGNAL: "SavedOnSignal",
     EXIT_CONDITION: "ExitCondition",
 }
@@ -49,7 +54,7 @@ def reason(code: int) -> str:
     return NAMES.get(code, NAMES[ERROR])
 
 
-NOT_RESTARTED_IN_PLACE = frozenset({COMPLETED, ERROR, CONFIG_ERROR, DIVERGED, RESUME_MISMATCH, SAVED_ON_SIGNAL,
+NOT_RESTARTED_IN_PLACE = frozenset({COMPLETED, ERROR, CONFIG_ERROR, DIVERGED, RESUME_MISMATCH, HUNG, SAVED_ON_SIGNAL,
                                     EXIT_CONDITION})
 """Ends that a restart inside the same pods would not cure, or that the operator must see (docs/recovery.md)."""
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NotRequired, TypedDict
 
+from kubetron.contract.hang import HangReport
 from kubetron.contract.times import stamp
 
 PROGRESS_FILE = "progress.txt"
@@ -31,6 +32,7 @@ SAVED_CHECKPOINT = "Saved checkpoint"
 SAVED_ASYNC_CHECKPOINT = "Saved async checkpoint"
 EXITING_JOB = "Exiting job"
 RESTARTED_IN_PLACE = "Restarted in place"  # before the "Starting job" of a gang restarted inside its pods
+HANG_DETECTED = "Hang detected"  # before the "Restarted in place" of a gang restarted after it hung
 IN_PLACE_RESTARTS_KEY = "In-place restarts"  # its count within the attempt (docs/recovery.md)
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's, in every rank's environment: the count
 CHECKPOINT_EVENTS = frozenset({SAVED_CHECKPOINT, SAVED_ASYNC_CHECKPOINT})
@@ -108,6 +110,22 @@ def restarted_in_place_line(
         job_id=job_id,
         num_gpus=num_gpus,
         fields={"Iteration": int(iteration), IN_PLACE_RESTARTS_KEY: int(restarts), "Train iters": int(train_iters)},
+        now=now,
+    )
+
+
+def hang_detected_line(hang: HangReport, train_iters: int, *, num_gpus: int, job_id: str,
+                       now: datetime | None = None) -> str:
+    """`Hang detected  Iteration: <it>  Rank: <r>  Pod rank: <n>  Phase: <p>  Idle seconds: <s>  State: <how>
+    In-place restarts: <the restart it caused>  Stacks: <where>  Train iters: <n>` (kubetron.contract.hang)."""
+    return format_line(
+        HANG_DETECTED,
+        job_id=job_id,
+        num_gpus=num_gpus,
+        fields={"Iteration": hang["iteration"], "Rank": hang["rank"], "Pod rank": hang["nodeRank"],
+                "Phase": hang["phase"], "Idle seconds": f"{hang['idleSeconds']:.0f}", "State": hang["state"],
+                IN_PLACE_RESTARTS_KEY: hang["restart"], "Stacks": hang["stacks"] or "-",
+                "Train iters": int(train_iters)},
         now=now,
     )
 
@@ -215,7 +233,7 @@ class LastExit(TypedDict):
 
 
 class ProgressSummary(TypedDict):
-    """What `summarize_events` returns (see there), the progress-reader pod prints and the operator reads."""
+    """What `summarize_events` returns (see there), `kubetron progress --json` prints and the operator reads."""
 
     lastCheckpoint: CheckpointRef | None
     trainIters: int | None
@@ -230,6 +248,7 @@ class ProgressSummary(TypedDict):
     completed: bool
     lastExit: LastExit | None
     inPlaceRestarts: dict[str, int]
+    hangs: dict[str, int]  # job id -> its "Hang detected" lines
     events: NotRequired[list[dict[str, Any]]]  # left out by `--no-events` and the operator's S3 read
     store: NotRequired[str]  # `kubetron progress STORE`'s location
 
@@ -346,8 +365,8 @@ def summarize_events(events: list[ProgressEvent]) -> ProgressSummary:
     the latest iteration its lines mention: the operator's job ids are <ns>/<job>/<attempt>), tokens,
     floatingPointOperations, jobThroughput, cumulativeThroughput (of the last checkpoint), jobs (number of
     Starting job lines), startTime (earliest Starting job), completed, lastExit ({iteration, reason,
-    time} or None), inPlaceRestarts (job id -> its in-place restarts, from Restarted in place lines)
-    and events (every parsed line).
+    time} or None), inPlaceRestarts (job id -> its in-place restarts, from Restarted in place lines),
+    hangs (job id -> its Hang detected lines) and events (every parsed line).
 
     `completed` is true when the last Exiting job after the last Starting job says `Completed`, or the
     last checkpoint's iteration reached the latest Train iters.
@@ -361,6 +380,7 @@ def summarize_events(events: list[ProgressEvent]) -> ProgressSummary:
     start_time: datetime | None = None
     by_job: dict[str, int] = {}
     in_place: dict[str, int] = {}
+    hangs: dict[str, int] = {}
 
     for ev in events:
         it = ev.iteration
@@ -384,6 +404,8 @@ def summarize_events(events: list[ProgressEvent]) -> ProgressSummary:
         elif ev.event == RESTARTED_IN_PLACE:
             count = as_int(ev.fields.get(IN_PLACE_RESTARTS_KEY)) or 0
             in_place[ev.job_id] = max(in_place.get(ev.job_id, 0), count)
+        elif ev.event == HANG_DETECTED:
+            hangs[ev.job_id] = hangs.get(ev.job_id, 0) + 1
 
     completed = False
     if exit_since_start is not None and exit_since_start.fields.get("Reason") == "Completed":
@@ -419,6 +441,7 @@ def summarize_events(events: list[ProgressEvent]) -> ProgressSummary:
             else None
         ),
         "inPlaceRestarts": in_place,
+        "hangs": hangs,
         "events": [ev.to_json() for ev in events],
     }
 

@@ -14,7 +14,7 @@ PLURAL = "trainingjobs"
 LABEL_JOB = "kubetron.dev/job"
 LABEL_ATTEMPT = "kubetron.dev/attempt"
 LABEL_RANK = "kubetron.dev/rank"
-LABEL_ROLE = "kubetron.dev/role"  # worker | progress-reader | probe
+LABEL_ROLE = "kubetron.dev/role"  # worker | probe
 
 TRAINER = "trainer"
 """The trainer's container in a worker pod (what `kubectl logs` and `kubetron logs` read)."""

@@ -9,6 +9,8 @@ import json
 from collections.abc import Mapping
 from typing import TypedDict
 
+from kubetron.contract.hang import HangReport
+
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 ENV_VAR = "KUBETRON_TERMINATION_LOG"
 MESSAGE_LIMIT = 4096  # bytes; the kubelet reads at most this much (the one definition of the limit)
@@ -23,6 +25,7 @@ class TerminationMessage(TypedDict, total=False):
     iteration: int | None
     trainIters: int | None
     lastCheckpoint: int | None  # the newest durable checkpoint's iteration this process knows of
+    hang: HangReport  # exit 7 (Hung): the rank the pod's watchdog named (docs/recovery.md)
 
 
 def parse_termination_message(text: str) -> TerminationMessage | None:

@@ -20,8 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kubetron import heartbeat
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
+from kubetron.contract.hang import DATA, TEARDOWN
 from kubetron.startup import CLOCK
 from kubetron.termination_log import write_termination_message
 from kubetron.training.state import GlobalState, SignalHandler, Timers
@@ -153,7 +155,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     state.ckpt = None
     run_id = _broadcast_str(f"{int(time.time())}-{os.getpid()}")
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    train_it, valid_it, test_it = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size)
+    with heartbeat.current().during(DATA):  # the hang watchdog leaves the data build alone (docs/recovery.md)
+        train_it, valid_it, test_it = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size)
     CLOCK.mark("model + data")
     ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
                              train_state=state.train_state, data=(train_it, valid_it), run_id=run_id,
@@ -161,6 +164,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     state.ckpt = ckpt
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
     ckpt.load(finetune=from_pretrained)
+    heartbeat.current().resumed(state.train_state.step)
     CLOCK.mark("checkpoint load")
 
     status = None
@@ -168,7 +172,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
         from kubetron.training.status_server import StatusServer
 
         if cfg.train.status_port:  # finalize() resolved it from KUBETRON_STATUS_PORT when unset
-            status = StatusServer(cfg.train.status_port)
+            status = StatusServer(cfg.train.status_port, trainer_time=heartbeat.current().trainer_time)
     state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
     # this run's splits (the flags a loaded checkpoint carries are its run's)
     state.train_state.do_valid, state.train_state.do_test = valid_it is not None, test_it is not None
@@ -226,6 +230,7 @@ def _train_then_evaluate(forward_step_func, model, optimizer, scheduler, iterato
     else:
         code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt,
                      profiler=profiler, **non_loss)
+    heartbeat.current().enter(TEARDOWN)  # judged again only in a final evaluation
     if code == exitcodes.COMPLETED:
         final_evaluation(state, forward_step_func, model, valid_it, test_it, **non_loss)
     return code
@@ -357,6 +362,7 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
     handler = None
     if cfg.train.exit_signal_handler:
         handler = SignalHandler(exit_signals(cfg))
+    heartbeat.current()  # under the launcher: the hang watchdog's record and stack dumps, from here on
     try:
         return _run_and_report(cfg, mode, handler)
     finally:

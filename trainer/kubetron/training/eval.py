@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from kubetron import heartbeat
 from kubetron.checkpoint.manager import time_limit_reached
+from kubetron.contract.hang import EVALUATION
 from kubetron.training.schedule import forward_backward
 from kubetron.training.utils import prepare_forward_step_func, reduce_losses
 
@@ -47,6 +49,7 @@ def evaluate(forward_step_func, data_iterator, model, state, *, process_non_loss
             for _ in range(cfg.validation.eval_iters):
                 reports += forward_backward(fwd, data_iterator, model, n, forward_only=True)
                 state.train_state.consumed_valid_samples += cfg.train.global_batch_size
+                heartbeat.current().progress()  # a long evaluation is not a hang (docs/recovery.md)
                 if time_limit_reached(cfg, state.start_time):  # as the reference: after every batch
                     log.info("exiting during evaluation, time limit reached")
                     return None
@@ -68,7 +71,7 @@ def evaluate_and_print_results(state, prefix: str, forward_step_func, data_itera
                                non_loss_data_func: Callable | None = None) -> dict[str, torch.Tensor] | None:
     """evaluate(), then ` validation loss at <prefix> | ...` and the `<key> <label>` scalars at the current
     iteration; process_non_loss_data_func runs on the rank holding the TensorBoard writer."""
-    with state.timers.time("evaluate", 1):
+    with heartbeat.current().during(EVALUATION), state.timers.time("evaluate", 1):
         result = evaluate(forward_step_func, data_iterator, model, state,
                           process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
     if result is None:

@@ -51,6 +51,7 @@ class MetricsLogger:
         if status is not None:  # before the first step: what the endpoint can already tell
             ts = getattr(state, "train_state", None)
             status.update(trainIters=cfg.train.train_iters, iteration=getattr(ts, "step", None),
+                          resumedFrom=getattr(ts, "step", None),  # this process's start: the goodput ledger's
                           consumedSamples=getattr(ts, "consumed_train_samples", None),
                           lastCheckpoint=self._last_checkpoint())
 

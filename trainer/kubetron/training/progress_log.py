@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from kubetron.contract import progress as progress_log
 from kubetron.contract.progress import PROGRESS_FILE
-from kubetron.progress_io import in_place_restarts, job_id
+from kubetron.progress_io import hangs, in_place_restarts, job_id
 
 
 class ProgressLog:
@@ -30,6 +30,10 @@ class ProgressLog:
     def start(self):
         if self.enabled:
             self._start_flops = self.train_state.floating_point_operations_so_far
+            _, hang = hangs()
+            if hang is not None and hang["restart"] == in_place_restarts() > 0:  # this restart: the gang hung
+                self.store.append_line(PROGRESS_FILE, progress_log.hang_detected_line(
+                    hang, self.cfg.train.train_iters, num_gpus=self.world_size, job_id=job_id()))
             if in_place_restarts():
                 self.store.append_line(PROGRESS_FILE, progress_log.restarted_in_place_line(
                     iteration=self.train_state.step, restarts=in_place_restarts(),

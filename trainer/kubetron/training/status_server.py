@@ -16,12 +16,14 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
+from kubetron.contract.goodput import TrainerTime
 from kubetron.contract.live import LiveStatus, jsonable, new_live_status
 from kubetron.contract.times import parse_stamp
-from kubetron.progress_io import in_place_restarts
+from kubetron.progress_io import hangs, in_place_restarts, restart_cause
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +115,10 @@ class _Server(ThreadingHTTPServer):
 class StatusServer:
     """Serve `GET /status` on `host:port` (0: an ephemeral port, see `.port`) from a daemon thread."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0"):
+    def __init__(self, port: int, host: str = "0.0.0.0", trainer_time: Callable[[], TrainerTime] | None = None):
         self._lock = threading.Lock()
-        self._status: LiveStatus = new_live_status(in_place_restarts())  # docs/recovery.md
+        self._trainer_time = trainer_time  # read at each request: the process's time to the second (docs/goodput.md)
+        self._status: LiveStatus = new_live_status(in_place_restarts(), *hangs(), restart_cause())  # docs/recovery.md
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self.host = host
@@ -157,7 +160,10 @@ class StatusServer:
 
     def snapshot(self) -> LiveStatus:
         with self._lock:
-            return self._status.copy()
+            status = self._status.copy()
+        if self._trainer_time is not None:
+            status["trainerTime"] = self._trainer_time()
+        return status
 
     def close(self) -> None:
         """Stop serving and release the port (idempotent)."""

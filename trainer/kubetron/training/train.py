@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kubetron import heartbeat
+from kubetron.contract.hang import TRAIN
 from kubetron.startup import CLOCK
 from kubetron.training import moe, straggler
 from kubetron.training.eval import evaluate_and_print_results
@@ -145,6 +147,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     if cfg.train.manual_gc:
         gc.disable()  # no collector pauses mid-step; post_training_step_callbacks collects on an interval
         gc.collect()
+    beat = heartbeat.current()  # the pod's hang watchdog reads it (docs/recovery.md)
+    beat.enter(TRAIN)
 
     while ts.step < cfg.train.train_iters:
         if ts.step + 1 in skip:
@@ -152,11 +156,14 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             ts.step += 1
             ts.consumed_train_samples += cfg.train.global_batch_size
             ts.skipped_train_samples += cfg.train.global_batch_size
+            beat.progress()
             log.info("iteration %d skipped (iterations_to_skip)", ts.step)
         else:
+            beat.step_started()
             with timers.time("interval-time", 0):
                 result = train_step(fwd, train_data_iterator, model, optimizer, scheduler, global_state, checks)
             ts.step += 1
+            beat.step_done(ts.step)
             ts.consumed_train_samples += cfg.train.global_batch_size
             ts.floating_point_operations_so_far += flops_per_iter
             pnorm = None

@@ -1,0 +1,78 @@
+"""Two (or more) pods' entry points on localhost, for tests of the launcher and torchrun's agent
+(tests/test_in_place_restart.py, tests/test_hang_watchdog.py): `python -m kubetron.launch` processes with
+NNODES/NODE_RANK/MASTER_PORT as the operator sets them, real torchrun with gloo, one store."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from kubetron import launch
+
+from tests.multirank.runner import free_port
+from tests.trainer_utils import pod_env
+
+REPO = Path(__file__).resolve().parents[2]
+LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
+
+
+def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,
+               nproc: int = 1, **extra: str) -> list[subprocess.Popen]:
+    port = str(free_port())
+    pods = []
+    for rank in range(nodes):
+        (tmp_path / f"pod{rank}").mkdir()
+        env = {**pod_env(tmp_path / f"pod{rank}", nproc), "NNODES": str(nodes), "NODE_RANK": str(rank),
+               "MASTER_PORT": port, "KUBETRON_JOB_ID": "default/tiny/0",
+               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts), **extra}
+        pods.append(subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True))
+    return pods
+
+
+def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:
+    """Global rank `rank`'s trainer process (`python -m kubetron train ...` under torchrun), not a launcher."""
+    for pod in pods:
+        for child in psutil.Process(pod.pid).children(recursive=True):
+            if child.cmdline()[1:4] == ["-m", "kubetron", "train"] and child.environ().get("RANK") == str(rank):
+                return child.pid
+    raise AssertionError(f"no trainer process of rank {rank}")
+
+
+def collect(pod: subprocess.Popen, lines: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: lines.extend(pod.stdout), daemon=True)
+    thread.start()
+    return thread
+
+
+def finish(pods: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """The pods' exit codes, None for one still running after `timeout` (then killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pod.poll() is None for pod in pods):
+        time.sleep(0.1)
+    codes = [pod.poll() for pod in pods]
+    for pod in pods:
+        if pod.poll() is None:
+            os.killpg(pod.pid, signal.SIGKILL)
+            pod.wait()
+    return codes
+
+
+def run_to_end(pods: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[list[str]], str]:
+    """Collect two pods' output until they end (`finish`): their codes, their lines, and one log of both."""
+    outs: list[list[str]] = [[] for _ in pods]
+    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    codes = finish(pods, timeout=timeout)
+    for t in threads:
+        t.join(timeout=10)
+    return codes, outs, "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+
+
