@@ -68,3 +68,28 @@ def exported(text: str) -> set[str]:
 def missing(exporter: str, text: str) -> set[str]:
     """The names the dashboard reads from `exporter` that its /metrics answer `text` lacks."""
     return read_by(exporter) - exported(text)
+
+
+def labels_read(expr: str) -> set[str]:
+    """The label names a PromQL expression matches on (`{name=~"..."}`) or groups by (`by (a, b)`)."""
+    matched = {m for body in re.findall(r"\{([^}]*)\}", re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr))
+               for m in re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", body)}
+    grouped = {g.strip() for clause in re.findall(r"\bby\s*\(([^)]*)\)", expr) for g in clause.split(",")}
+    return matched | (grouped - {""})
+
+
+def unserved_labels(exporter: str, text: str, board: dict[str, Any] | None = None) -> set[tuple[str, str]]:
+    """(query, label) for each label a one-metric query of `exporter` filters or groups by that the
+    metric's samples in `text` do not carry: a panel that would stay empty though the metric is there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    carried: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            carried.setdefault(s.name, set()).update(s.labels)
+    out = set()
+    for title, expr in queries(board).items():
+        names = {n for n in metric_names(expr) if n.startswith(TRAINER_PREFIX) == (exporter == "trainer")}
+        if len(names) == 1 and (name := names.pop()) in carried:
+            out |= {(title, label) for label in labels_read(expr) - carried[name]}
+    return out

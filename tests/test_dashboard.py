@@ -15,7 +15,7 @@ import yaml
 from kubetron_operator.build import build
 from kubetron_operator.model import Job
 
-from tests.dashboard import DASHBOARD, ROOT, dashboard, metric_names, queries, read_by
+from tests.dashboard import DASHBOARD, ROOT, dashboard, labels_read, metric_names, queries, read_by, unserved_labels
 from tests.operator.jobs import PVC_JOB
 
 helm = pytest.importorskip("kubetron_operator.helm")
@@ -53,13 +53,15 @@ def test_every_query_and_alert_parses_with_promtool(tmp_path):
     assert promtool_check_rules(tmp_path, [{"name": "x", "rules": [{"record": "x:y", "expr": "sum by (a"}]}]).returncode
 
 
-def test_the_panels_cover_jobs_restarts_speed_loss_checkpoints_and_the_operator():
+def test_the_panels_cover_jobs_restarts_speed_loss_checkpoints_goodput_and_the_operator():
     titles = [p["title"] for p in dashboard()["panels"]]
     assert {"Jobs by phase", "Restarts by kind", "Iterations per second", "Tokens per second", "Loss",
-            "Checkpoint save time", "Operator reconcile latency", "Operator API errors"} <= set(titles)
+            "Checkpoint save time", "Goodput", "Where the time went", "Operator reconcile latency",
+            "Operator API errors"} <= set(titles)
     assert len(titles) == len(set(titles)) and all(p["targets"] for p in dashboard()["panels"])
     assert read_by("operator") == {"kubetron_trainingjobs", "kubetron_restarts_total", "kubetron_attempts_total",
-                                   "kubetron_reconcile_duration_seconds_bucket", "kubetron_api_errors_total"}
+                                   "kubetron_reconcile_duration_seconds_bucket", "kubetron_api_errors_total",
+                                   "kubetron_goodput_ratio", "kubetron_goodput_seconds"}
     assert {"kubetron_trainer_iteration", "kubetron_trainer_tokens_per_second", "kubetron_trainer_loss",
             "kubetron_trainer_checkpoint_save_seconds"} <= read_by("trainer")
     for name, expr in queries().items():  # every name read is one of ours: nothing the parse missed
@@ -97,3 +99,13 @@ def test_the_pod_monitor_scrapes_rank_0_of_every_job_and_names_the_job():
     assert {"name": "status", "containerPort": 8080} in chosen[0]["spec"]["containers"][0]["ports"]
     namespaced = render({"metrics": {"podMonitor": {"enabled": True}}, "watchNamespaces": ["team-a"]})
     assert of_kind(namespaced, "PodMonitor")[0]["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+
+
+def test_the_labels_a_query_reads_are_found_so_a_mislabelled_panel_is_caught():
+    assert labels_read('sum by (bucket) (g{namespace=~"$ns", name=~"a{b}"})') == {"bucket", "namespace", "name"}
+    assert labels_read("histogram_quantile(0.5, sum by (le) (rate(x_bucket[5m])))") == {"le"}
+    text = 'kubetron_goodput_ratio{namespace="a",name="b"} 0.5\n'
+    mislabelled = {"panels": [{"title": "Goodput", "targets": [
+        {"refId": "A", "expr": 'max by (namespace, trainingjob) (kubetron_goodput_ratio{trainingjob=~".*"})'}]}]}
+    assert unserved_labels("operator", text, mislabelled) == {("Goodput / A", "trainingjob")}
+    assert not unserved_labels("operator", text)  # the shipped dashboard's goodput panels

@@ -65,6 +65,8 @@ def test_operator_metrics(kube, kube_ns):
         assert m[("kubetron_goodput_ratio", job)] == pytest.approx(ledger["ratio"])
         # Every operator metric a dashboard query reads is served (each has samples by now).
         assert dashboard.read_by("operator") and dashboard.missing("operator", scrape_text(port)) == set()
+        # ... with the labels its panel filters and groups by (the goodput gauges say name=, not trainingjob=)
+        assert dashboard.unserved_labels("operator", scrape_text(port)) == set()
 
         api.delete(f"{kube.jobs(ns)}/nopc")
         kube.wait_for("the deleted job no longer counted", lambda: scrape(port).get(
