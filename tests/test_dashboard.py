@@ -48,7 +48,7 @@ def test_every_query_and_alert_parses_with_promtool(tmp_path):
     assert f"SUCCESS: {len(rules)} rules found" in checked.stdout
     (rule,) = of_kind(render({"metrics": {"prometheusRule": {"enabled": True}}}), "PrometheusRule")
     checked = promtool_check_rules(tmp_path, rule["spec"]["groups"])
-    assert checked.returncode == 0 and "SUCCESS: 4 rules found" in checked.stdout, checked.stdout + checked.stderr
+    assert checked.returncode == 0 and "SUCCESS: 6 rules found" in checked.stdout, checked.stdout + checked.stderr
     # ... and promtool refuses what is not PromQL, so the checks above can fail
     assert promtool_check_rules(tmp_path, [{"name": "x", "rules": [{"record": "x:y", "expr": "sum by (a"}]}]).returncode
 
@@ -109,3 +109,43 @@ def test_the_labels_a_query_reads_are_found_so_a_mislabelled_panel_is_caught():
         {"refId": "A", "expr": 'max by (namespace, trainingjob) (kubetron_goodput_ratio{trainingjob=~".*"})'}]}]}
     assert unserved_labels("operator", text, mislabelled) == {("Goodput / A", "trainingjob")}
     assert not unserved_labels("operator", text)  # the shipped dashboard's goodput panels
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
+def test_the_hung_and_goodput_alerts_fire_on_the_operators_series(tmp_path):
+    """promtool's rule unit tests: the operator's own series (as it exports them) over time fire the alerts."""
+    values = {"metrics": {"prometheusRule": {"enabled": True, "goodputBelow": 0.6, "goodputFor": "30m"}}}
+    (rule,) = of_kind(render(values), "PrometheusRule")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    low = 'kubetron_goodput_ratio{namespace="team-a",name="gpt"}'
+    fine = 'kubetron_goodput_ratio{namespace="team-a",name="ok"}'
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": low, "values": "0.5x60"}, {"series": fine, "values": "0.9x60"},
+                         {"series": 'kubetron_restarts_total{reason="hangs"}', "values": "0 0 1 1 1"}],
+        "alert_rule_test": [
+            {"alertname": "KubetronGoodputLow", "eval_time": "20m", "exp_alerts": []},  # not for 30m yet
+            {"alertname": "KubetronGoodputLow", "eval_time": "45m", "exp_alerts": [{
+                "exp_labels": {"severity": "info", "namespace": "team-a", "name": "gpt"},
+                "exp_annotations": {
+                    "summary": "TrainingJob team-a/gpt spends under 0.6 of its rank-seconds training",
+                    "description": rule_annotation(rule, "KubetronGoodputLow", "description")}}]},
+            {"alertname": "KubetronJobHung", "eval_time": "4m", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "reason": "hangs"},
+                "exp_annotations": {k: rule_annotation(rule, "KubetronJobHung", k)
+                                    for k in ("summary", "description")}}]},
+        ]}]}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    ran = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    # ... and the same test fails when the threshold does not hold: the check can fail
+    (rule,) = of_kind(render({"metrics": {"prometheusRule": {"enabled": True, "goodputBelow": 0.4}}}), "PrometheusRule")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    assert subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True,
+                          timeout=60).returncode
+
+
+def rule_annotation(rule: dict, alert: str, key: str) -> str:
+    (found,) = [r for g in rule["spec"]["groups"] for r in g["rules"] if r.get("alert") == alert]
+    return found["annotations"][key]

@@ -2,7 +2,8 @@
 
     kubetron_trainingjobs{phase}                    jobs this operator reconciles, by status.phase
     kubetron_attempts_total                         attempts created (pods of a new attempt)
-    kubetron_restarts_total{reason}                 restarted attempts: preemptions | failures | neverStarted
+    kubetron_restarts_total{reason}                 restarted attempts: preemptions | failures | neverStarted, and
+                                                    hangs (gangs that hung: status.restarts.hangs, docs/recovery.md)
     kubetron_reconcile_duration_seconds             one reconcile of one job (read, decide, apply)
     kubetron_api_errors_total{code}                 Kubernetes API calls answered with an error, by HTTP status
                                                     (a 403 is also logged at warning level, naming the call)
@@ -26,7 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kubetron_operator.job_status import PHASES
 
-RESTART_KINDS = ("preemptions", "failures", "neverStarted")
+RESTART_KINDS = ("preemptions", "failures", "neverStarted", "hangs")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 ATTEMPTS = Counter("kubetron_attempts", "Attempts created.", registry=REGISTRY)
