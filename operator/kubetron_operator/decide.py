@@ -27,8 +27,9 @@ from kubetron_operator.policy.attempt_end import attempt_end
 from kubetron_operator.policy.goodput import with_goodput
 from kubetron_operator.policy.kueue import released
 from kubetron_operator.policy.nodes import with_node_strikes
-from kubetron_operator.policy.status import in_place_news, known_checkpoint, phase_status, progress_fields
+from kubetron_operator.policy.status import in_place_news, phase_status, progress_fields
 from kubetron_operator.policy.store import store_condition
+from kubetron_operator.trainer_reports.merge import known_checkpoint
 
 
 def decide(job: Job | None, obs: Observed) -> Action:

@@ -23,7 +23,7 @@ preemption. Status is patched only when a field changed, and a change of live pr
 
 What a job's pods and store serve is read outside the reconcile pool (`gather`: rank 0's status endpoint,
 the S3 progress log), in a pool of its own with at most IO_PER_NAMESPACE reads of one namespace at a time,
-each bounded in time and size (live.py, progress_io.py): a tenant whose endpoints are slow delays only its
+each bounded in time and size (trainer_reports/): a tenant whose endpoints are slow delays only its
 own jobs. A read that failed is not tried again for RETRY_AFTER seconds. /healthz fails while work has
 waited more than STARVED_AFTER seconds for a thread of either pool (PoolWatch). A payload refused as
 hostile (a termination message nested too deep, a number beyond int64) is a Warning event, once; text
@@ -52,7 +52,7 @@ from kubetron.contract.progress import ProgressSummary
 from kubetron.contract.resource import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
 from kubetron.contract.times import parse_stamp, stamp
 
-from kubetron_operator import live, metrics
+from kubetron_operator import metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
 from kubetron_operator.build import (
     attempt_objects,
@@ -83,7 +83,8 @@ from kubetron_operator.policy.start import (
     create_failed,
     service_failed,
 )
-from kubetron_operator.progress_io import ProgressRead, read_s3_progress
+from kubetron_operator.trainer_reports import status_endpoint as live
+from kubetron_operator.trainer_reports.store_log import ProgressRead, read_s3_progress
 from kubetron_operator.untrusted import clean, clean_all
 
 PROGRESS_REFRESH = 30.0  # seconds between progress-log reads while an attempt runs quietly

@@ -14,7 +14,7 @@ from kubetron.contract.errors import ConfigError
 from kubetron_operator import handlers
 from kubetron_operator.api_calls import Kube, kubernetes_stream, kubernetes_transport
 from kubetron_operator.pod_cache import WATCH_SECONDS
-from kubetron_operator.progress_io import read_s3_progress
+from kubetron_operator.trainer_reports.store_log import read_s3_progress
 from kubetron_operator.untrusted import clean
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"

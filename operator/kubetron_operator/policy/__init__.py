@@ -1,7 +1,7 @@
 """The operator's policy, one file per concern (as JobSet keeps one per policy); decide.py dispatches to them.
 
     action.py       Action and Event: what decide() asks the kopf layer to do
-    status.py       the status patch: phase and conditions, progress fields, restart counters, checkpoints
+    status.py       the status patch: phase and conditions, progress fields, restart counters
     start.py        starting an attempt: creating it, waiting for its gang, start-up trouble and timeout
     attempt_end.py  how an attempt ended: completed, config error, failures, preemptions, rejections
     restart.py      restarting after an attempt ended: counters, backoff, backoffLimit, NoProgress
@@ -12,6 +12,9 @@
     hang.py         hangs: counting them (restarts.hangs), naming the rank, its pod and node (lastHang, Hung)
     nodes.py        nodes that keep failing a job: failingNodes, avoidNodes
     goodput.py      the goodput ledger: every rank-second since the job was created, by bucket
+
+The newest checkpoint and iteration any source reports (status, the progress log, rank 0's endpoint, the
+termination messages) are merged in kubetron_operator.trainer_reports.merge.
 
 Every function here is pure: what it needs comes in through kubetron_operator.observe.Observed (the
 clock too), what it must remember goes into the status patch.

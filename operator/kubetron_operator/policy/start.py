@@ -25,14 +25,8 @@ from kubetron_operator.policy.elastic import attempt_size, resize, shrink_after,
 from kubetron_operator.policy.lifecycle import fail, overdue
 from kubetron_operator.policy.nodes import avoided
 from kubetron_operator.policy.restart import restart
-from kubetron_operator.policy.status import (
-    ckpt_iteration,
-    known_checkpoint,
-    percent,
-    phase_status,
-    progress_fields,
-    restart_counts,
-)
+from kubetron_operator.policy.status import percent, phase_status, progress_fields, restart_counts
+from kubetron_operator.trainer_reports.merge import ckpt_iteration, known_checkpoint
 
 ENDING_PHASES = frozenset({"Restarting", "Succeeded", "Failed", "Suspended"})
 """Phases an action moves to when the current attempt ends."""
