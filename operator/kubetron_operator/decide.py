@@ -1,10 +1,10 @@
 """decide(job, observed) -> Action: the operator's whole policy as one pure function.
 
-The kopf layer (handlers.py) gathers observations (kubetron_operator.observe: the job's status, its pods,
-the nodes they run on, the progress log, rank 0's live numbers) and applies the returned action (delete
-pods, create an attempt, patch status, post events). Everything decide needs is in `observed`, the clock
-too; everything it must remember goes into the status patch (counters, `nextAttemptTime`, `avoidNodes`),
-so a restarted operator carries on exactly where the last one stopped.
+The kopf layer (handlers.py) gathers observations (gather.py into kubetron_operator.observe's views: the
+job's status, its pods, the nodes they run on, the progress log, rank 0's live numbers) and applies the
+returned action (apply.py: delete pods, create an attempt, patch status, post events). Everything decide
+needs is in `observed`, the clock too; everything it must remember goes into the status patch (counters,
+`nextAttemptTime`, `avoidNodes`), so a restarted operator carries on exactly where the last one stopped.
 
 This module only dispatches; each concern has its own module under policy/ (see policy/__init__.py):
 what decides a restart is policy/restart.py, how an attempt ended policy/attempt_end.py, start-up

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
-from kubetron_operator import handlers
+from kubetron_operator import events
 from kubetron_operator.api_calls import (
     ALL_CALLS,
     Call,
@@ -20,7 +20,7 @@ from kubetron_operator.api_calls import (
     UndeclaredCall,
     cluster_role_rules,
 )
-from kubetron_operator.handlers import Activity, EventPoster
+from kubetron_operator.events import Activity, EventPoster
 from kubetron_operator.model import Job
 from kubetron_operator.observe import PodView
 from kubetron_operator.trainer_reports import status_endpoint
@@ -93,7 +93,7 @@ def test_events_wait_for_a_quiet_moment_at_most_event_hold(monkeypatch):
     while not posted and time.monotonic() < until:
         time.sleep(0.01)
     assert [r for r, _ in posted] == ["AttemptCreated"] and posted[0][1] >= released
-    monkeypatch.setattr(handlers, "EVENT_HOLD", 0.3)
+    monkeypatch.setattr(events, "EVENT_HOLD", 0.3)
     with activity.acting():  # busy for good: the event goes out after EVENT_HOLD anyway
         poster.post(body, "Warning", "Unschedulable", "m", "2026-01-01T00:00:01Z", logger)
         time.sleep(1.0)
@@ -208,7 +208,7 @@ def test_transient_creation_errors_back_off_exponentially_to_a_cap():
     from datetime import UTC, datetime
 
     from kubetron_operator.observe import Observed
-    from kubetron_operator.policy.start import create_failed
+    from kubetron_operator.policy.create_retry import create_failed
 
     now = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
     delays, status = [], {}

@@ -33,6 +33,7 @@ from kubetron_operator import handlers
 from kubetron_operator.api_calls import InvalidName, Kube, api_path
 from kubetron_operator.build import build_pod, trainer_args
 from kubetron_operator.decide import decide
+from kubetron_operator.deps import Deps
 from kubetron_operator.main import OneLineFormatter
 from kubetron_operator.model import ATTEMPT_LIMIT, NAME_PATTERN, Job, SpecError
 from kubetron_operator.observe import Observed, PodView
@@ -303,7 +304,7 @@ def test_the_store_is_read_by_its_tail_within_a_deadline(monkeypatch):
 
 def test_liveness_fails_while_work_waits_for_a_thread(monkeypatch):
     monkeypatch.setattr(handlers, "STARVED_AFTER", 0.3)
-    deps = handlers.Deps(kube=Kube(lambda *a: (200, b"{}")), executor=ThreadPoolExecutor(1))
+    deps = Deps(kube=Kube(lambda *a: (200, b"{}")), executor=ThreadPoolExecutor(1))
     memo = kopf.Memo(deps=deps)
     release = threading.Event()
 

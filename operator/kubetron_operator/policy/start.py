@@ -6,16 +6,15 @@ admitted by Kueue): unschedulable, image pull errors, a missing Secret key, a sc
 -> restart after a backoff; counts toward maxNeverStartedAttempts (policy/restart.py).
 The next attempt waits for no pod but the last one's to go: it expects the newest checkpoint the operator
 knows of, and its rank 0 reports the one it resumed from (an S3 store's log is read by the operator itself).
-Children that could not be created (the handler tore down what it had made): create_failed.
+Children that could not be created (the handler tore down what it had made): policy/create_retry.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import timedelta
 
 from kubetron.contract.progress import CheckpointRef
-from kubetron.contract.times import format_duration, parse_stamp, stamp
+from kubetron.contract.times import parse_stamp, stamp
 
 from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job
@@ -32,7 +31,6 @@ ENDING_PHASES = frozenset({"Restarting", "Succeeded", "Failed", "Suspended"})
 """Phases an action moves to when the current attempt ends."""
 STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
 NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
-CREATE_BACKOFF = (10.0, 300.0)  # seconds: the first retry's delay, doubling up to the cap (as Kubernetes Job)
 
 
 def next_attempt(job: Job, obs: Observed) -> Action:
@@ -169,14 +167,7 @@ def service_failed(obs: Observed, action: Action, reason: str, message: str, tra
     return replace(action, events=(*action.events, Event("Warning", reason, message)))
 
 
-def create_failed(obs: Observed, reason: str, message: str, transient: bool) -> Action:
-    """A transient API error (quota exceeded, throttled, server error) retries with exponential backoff,
-    shown in status (createFailures, nextCreateTime); anything else fails the job with `reason`."""
-    if not transient:
-        return fail(obs, reason, message)
-    failures = (obs.status.get("createFailures") or 0) + 1
-    delay = min(CREATE_BACKOFF[1], CREATE_BACKOFF[0] * 2 ** (failures - 1))
-    phase = "Restarting" if obs.status.get("attempt") else "Pending"
-    status = phase_status(obs, phase, reason, f"{message}; retry {failures} in {format_duration(delay)}")
-    status.update(createFailures=failures, nextCreateTime=stamp(obs.now + timedelta(seconds=delay)))
-    return Action("wait", status=status, events=(Event("Warning", reason, status["message"]),))
+def attempt_ended(obs: Observed, action: Action) -> bool:
+    """`action` ends the running attempt (restart, success, failure, suspension)."""
+    return (int(obs.status.get("attempt") or 0) > 0 and obs.status.get("phase") in ("Pending", "Running")
+            and action.phase in ENDING_PHASES)
