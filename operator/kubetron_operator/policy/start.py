@@ -160,7 +160,7 @@ def needs_service(obs: Observed, action: Action) -> bool:
 
 
 def service_failed(obs: Observed, action: Action, reason: str, message: str, transient: bool) -> Action:
-    """The Service could not be created (create_children's verdict): a transient error is tried again
+    """The Service could not be created (apply.create_children's verdict): a transient error is tried again
     (an event says so, the rest of `action` goes on); anything else fails the job, as at creation."""
     if not transient:
         return fail(obs, reason, message)
