@@ -1,10 +1,10 @@
 """decide(job, observed) -> Action: the operator's whole policy as one pure function.
 
-The kopf layer (handlers.py) gathers observations (kubetron_operator.observe: the job's status, its pods,
-the nodes they run on, the progress log, rank 0's live numbers) and applies the returned action (delete
-pods, create an attempt, patch status, post events). Everything decide needs is in `observed`, the clock
-too; everything it must remember goes into the status patch (counters, `nextAttemptTime`, `avoidNodes`),
-so a restarted operator carries on exactly where the last one stopped.
+The kopf layer (handlers.py) gathers observations (gather.py into kubetron_operator.observe's views: the
+job's status, its pods, the nodes they run on, the progress log, rank 0's live numbers) and applies the
+returned action (apply.py: delete pods, create an attempt, patch status, post events). Everything decide
+needs is in `observed`, the clock too; everything it must remember goes into the status patch (counters,
+`nextAttemptTime`, `avoidNodes`), so a restarted operator carries on exactly where the last one stopped.
 
 This module only dispatches; each concern has its own module under policy/ (see policy/__init__.py):
 what decides a restart is policy/restart.py, how an attempt ended policy/attempt_end.py, start-up
@@ -27,8 +27,9 @@ from kubetron_operator.policy.attempt_end import attempt_end
 from kubetron_operator.policy.goodput import with_goodput
 from kubetron_operator.policy.kueue import released
 from kubetron_operator.policy.nodes import with_node_strikes
-from kubetron_operator.policy.status import in_place_news, known_checkpoint, phase_status, progress_fields
+from kubetron_operator.policy.status import in_place_news, phase_status, progress_fields
 from kubetron_operator.policy.store import store_condition
+from kubetron_operator.trainer_reports.merge import known_checkpoint
 
 
 def decide(job: Job | None, obs: Observed) -> Action:

@@ -11,10 +11,10 @@ from typing import Any
 import kopf
 from kubetron.contract.errors import ConfigError
 
-from kubetron_operator import handlers
+from kubetron_operator import compat_kopf, deps, handlers
 from kubetron_operator.api_calls import Kube, kubernetes_stream, kubernetes_transport
 from kubetron_operator.pod_cache import WATCH_SECONDS
-from kubetron_operator.progress_io import read_s3_progress
+from kubetron_operator.trainer_reports.store_log import read_s3_progress
 from kubetron_operator.untrusted import clean
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -55,7 +55,6 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
     s.persistence.finalizer = handlers.FINALIZER
     s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubetron.dev")
-    s.persistence.diffbase_storage = handlers.NoDiffBase()  # no annotation patch per new or edited job
     s.posting.level = logging.WARNING  # our own events are posted explicitly; kopf's only on trouble
     s.peering.standalone = not peering
     if peering:
@@ -76,11 +75,6 @@ class OneLineFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         record.message = clean(record.message, limit=None)
         return super().formatMessage(record)
-
-
-def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
-    """Drop kopf's "Handler 'job_event' succeeded." lines: one per watch event, thousands a minute."""
-    return not (record.levelno <= logging.INFO and record.getMessage().startswith("Handler 'job_event'"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,20 +98,22 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.setFormatter(OneLineFormatter(LOG_FORMAT))
-    logging.getLogger("kopf.objects").addFilter(_quiet_watch_handlers)
+    # A plain registry: kopf's implicit login handlers went away with SmartOperatorRegistry, so say
+    # how to log in (the same credentials our own calls use), below. kopf is checked and adapted first: a
+    # job's daemon asks for no finalizer, no diff base is kept, job_event's thousands of "succeeded" lines
+    # a minute are not logged.
+    registry, kopf_settings = handlers.register(kopf.OperatorRegistry()), settings(peering)
+    compat_kopf.install(registry, kopf_settings, daemons=[handlers.reconcile_daemon], quiet=[handlers.job_event])
     configuration = client_configuration()
     metrics_port = int(getattr(args, "metrics_port", 0) or 0)
     if metrics_port:
         from kubetron_operator import metrics
 
         metrics.serve(metrics_port)
-    # A plain registry: kopf's implicit login handlers went away with SmartOperatorRegistry, so say
-    # how to log in (the same credentials our own calls use).
-    registry = handlers.register(kopf.OperatorRegistry())
     kopf.on.login(registry=registry)(lambda **_: connection_info(configuration))
     # A connection per reconcile and read thread, one for the event poster and one per pod watch (an extra one
     # would be a new TLS handshake per request, its connection discarded after).
-    configuration.connection_pool_maxsize = (handlers.RECONCILE_THREADS + handlers.IO_THREADS + 1
+    configuration.connection_pool_maxsize = (deps.RECONCILE_THREADS + deps.IO_THREADS + 1
                                              + max(1, len(namespaces)))
     gang = getattr(args, "gang_schedulers", None)
     api_client = client.ApiClient(configuration)
@@ -125,12 +121,12 @@ def run(args: argparse.Namespace) -> int:
                 taint_nodes=bool(getattr(args, "taint_failing_nodes", False)),
                 **({} if gang is None else {"gang_schedulers": gang}))
     own_buckets = tuple(getattr(args, "s3_operator_buckets", None) or ())
-    deps = handlers.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces),
-                         read_progress=functools.partial(read_s3_progress, own_buckets=own_buckets))
+    used = deps.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces),
+                     read_progress=functools.partial(read_s3_progress, own_buckets=own_buckets))
     kopf.run(
         registry=registry,
-        settings=settings(peering),
-        memo=kopf.Memo(deps=deps),
+        settings=kopf_settings,
+        memo=kopf.Memo(deps=used),
         standalone=not peering,
         peering_name=peering,
         liveness_endpoint=liveness or None,

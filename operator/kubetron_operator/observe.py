@@ -5,8 +5,9 @@ A pod's outcome is its trainer container's, found by name (PodView.from_pod): a 
 container terminated, whatever sidecars still run or how they exited.
 
 What a pod says is hostile input (kubetron_operator.untrusted): the trainer's termination message is read
-bounded and range-checked (a refused one is PodView.refused, and the pod is judged by its exit code), and
-every text taken from a pod has its control characters escaped before decide() sees it.
+bounded and range-checked (trainer_reports/termination.py; a refused one is PodView.refused, and the pod is
+judged by its exit code), and every text taken from a pod has its control characters escaped before decide()
+sees it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any, cast
 from kubetron.contract.live import LiveStatus, new_live_status
 from kubetron.contract.progress import ProgressSummary, summarize_events
 from kubetron.contract.resource import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, TRAINER
-from kubetron.contract.termination import MESSAGE_LIMIT, TerminationMessage
+from kubetron.contract.termination import TerminationMessage
 from kubetron.contract.times import age_seconds
 
 from kubetron_operator.job_status import JobStatus
 from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION
-from kubetron_operator.untrusted import Untrusted, clean, count, load_json
+from kubetron_operator.trainer_reports.termination import trainer_message
+from kubetron_operator.untrusted import clean
 
 ADMISSION_POD_REASONS = frozenset({"UnexpectedAdmissionError", "NodeAffinity", "NodeSelectorMismatching",
                                    "NodePorts", "InvalidNodeInfo", "UnknownNode"})
@@ -186,37 +188,6 @@ class PodView:
         )
 
 
-def trainer_message(text: str) -> tuple[TerminationMessage | None, str]:
-    """The trainer's one-line JSON in a termination message (the last line that is one), checked: (the
-    message, "") or, when it is refused, (None, why). (None, "") when there is none."""
-    for line in reversed((text or "").strip().splitlines()):
-        if not line.lstrip().startswith("{"):
-            continue
-        try:
-            data = load_json(line, MESSAGE_LIMIT)
-            if isinstance(data, dict) and isinstance(data.get("exitCode"), int):
-                return _checked_termination(data), ""
-        except Untrusted as exc:
-            return None, f"its termination message was ignored: {exc}"
-        except ValueError:
-            continue  # a log line that starts with a brace
-    return None, ""
-
-
-def _checked_termination(data: Mapping[str, Any]) -> TerminationMessage:
-    """The keys decide() reads, each checked (Untrusted when one is out of range); text made safe."""
-    code = data["exitCode"]
-    if isinstance(code, bool) or not 0 <= code <= 255:
-        raise Untrusted("exitCode is not an exit code")
-    out = TerminationMessage(exitCode=code)
-    for key in ("iteration", "trainIters", "lastCheckpoint"):
-        out[key] = count(data.get(key), key)
-    for key in ("reason", "message"):
-        if isinstance(data.get(key), str):
-            out[key] = clean(data[key])  # type: ignore[literal-required]
-    return out
-
-
 def _main_phase(pod_phase: str, terminated: Mapping[str, Any] | None) -> str:
     """The pod's phase as its main container (the trainer) sees it: once that container terminated, the
     attempt's rank has ended with its exit code, whatever sidecars still run or how they exited. A pod
@@ -255,7 +226,7 @@ class Observed:
     status: JobStatus = field(default_factory=lambda: JobStatus())  # the job's current .status
     pods: tuple[PodView, ...] = ()  # every pod labelled with the job
     progress: ProgressSummary | None = None  # summarize_events() of the store's log; None if unread
-    live: LiveStatus | None = None  # rank 0's GET /status (live.read_live); None if unread
+    live: LiveStatus | None = None  # rank 0's GET /status (status_endpoint.read_live); None if unread
     spec_error: str = ""
     node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
     service: bool = False  # the job's headless Service is known to exist (this operator created or found it)

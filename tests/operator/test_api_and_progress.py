@@ -10,7 +10,7 @@ import time
 
 import pytest
 from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
-from kubetron_operator import handlers, live
+from kubetron_operator import events
 from kubetron_operator.api_calls import (
     ALL_CALLS,
     Call,
@@ -20,10 +20,11 @@ from kubetron_operator.api_calls import (
     UndeclaredCall,
     cluster_role_rules,
 )
-from kubetron_operator.handlers import Activity, EventPoster
+from kubetron_operator.events import Activity, EventPoster
 from kubetron_operator.model import Job
 from kubetron_operator.observe import PodView
-from kubetron_operator.progress_io import read_s3_progress, s3_key
+from kubetron_operator.trainer_reports import status_endpoint
+from kubetron_operator.trainer_reports.store_log import read_s3_progress, s3_key
 
 from tests.operator.jobs import S3_JOB, job_body
 
@@ -92,7 +93,7 @@ def test_events_wait_for_a_quiet_moment_at_most_event_hold(monkeypatch):
     while not posted and time.monotonic() < until:
         time.sleep(0.01)
     assert [r for r, _ in posted] == ["AttemptCreated"] and posted[0][1] >= released
-    monkeypatch.setattr(handlers, "EVENT_HOLD", 0.3)
+    monkeypatch.setattr(events, "EVENT_HOLD", 0.3)
     with activity.acting():  # busy for good: the event goes out after EVENT_HOLD anyway
         poster.post(body, "Warning", "Unschedulable", "m", "2026-01-01T00:00:01Z", logger)
         time.sleep(1.0)
@@ -190,23 +191,24 @@ def test_live_status_from_rank0_only():
         seen.append(url)
         return {"iteration": 5}
 
-    status = live.read_live(pods, 2, 8080, fetch).status
+    status = status_endpoint.read_live(pods, 2, 8080, fetch).status
     assert status is not None and status["iteration"] == 5
     assert status["lastCheckpoint"] is None and status["inPlaceRestarts"] == 0  # not said: unknown
     assert seen == ["http://10.0.0.1:8080/status"]
-    assert live.read_live(pods, 2, 0, fetch) == live.LiveRead()  # endpoint off
+    assert status_endpoint.read_live(pods, 2, 0, fetch) == status_endpoint.LiveRead()  # endpoint off
 
     def refused(url):
         raise OSError("connection refused")
 
-    assert live.read_live(pods, 2, 8080, refused) == live.LiveRead()  # not listening yet: nothing to say
+    not_yet = status_endpoint.read_live(pods, 2, 8080, refused)
+    assert not_yet == status_endpoint.LiveRead()  # not listening yet: nothing to say
 
 
 def test_transient_creation_errors_back_off_exponentially_to_a_cap():
     from datetime import UTC, datetime
 
     from kubetron_operator.observe import Observed
-    from kubetron_operator.policy.start import create_failed
+    from kubetron_operator.policy.create_retry import create_failed
 
     now = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
     delays, status = [], {}
@@ -229,7 +231,7 @@ def test_live_status_reads_what_rank_0_serves():
                       loss=2.31, learningRate=3e-4, tflopsPerGpu=float("nan"),
                       lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
         pod = PodView(name="gpt-1-0", attempt=1, rank=0, phase="Running", ip="127.0.0.1")
-        assert live.read_live([pod], 1, server.port).status == server.snapshot()
+        assert status_endpoint.read_live([pod], 1, server.port).status == server.snapshot()
         assert server.snapshot()["tflopsPerGpu"] is None and server.snapshot()["loss"] == 2.31
 
 
@@ -237,8 +239,8 @@ def test_live_status_of_the_wrong_type_reads_as_unknown():
     odd = {"iteration": "12", "trainIters": 40.0, "loss": True, "etaSeconds": "soon", "inPlaceRestarts": None,
            "lastCheckpoint": {"iteration": "x", "time": "2026-11-22T12:00:09Z"}, "futureKey": 1}
     pod = PodView(name="gpt-1-0", attempt=1, rank=0, phase="Running", ip="10.0.0.1")
-    status = live.read_live([pod], 1, 8080, lambda url: odd).status
+    status = status_endpoint.read_live([pod], 1, 8080, lambda url: odd).status
     assert status is not None and "futureKey" not in status
     assert (status["iteration"], status["trainIters"], status["loss"], status["etaSeconds"]) == (None, 40, None, None)
     assert status["lastCheckpoint"] is None and status["inPlaceRestarts"] == 0
-    assert live.read_live([pod], 1, 8080, lambda url: [1, 2]).status is None  # not an object
+    assert status_endpoint.read_live([pod], 1, 8080, lambda url: [1, 2]).status is None  # not an object

@@ -12,9 +12,9 @@ import yaml
 from kubetron.contract.resource import LABEL_ROLE
 from kubetron_operator.build import build, build_probe_pod
 from kubetron_operator.decide import decide
-from kubetron_operator.handlers import next_due
 from kubetron_operator.model import KUEUE_COUNT_ANNOTATION, KUEUE_GROUP_LABEL, Job, SpecError
 from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.policy.wake import next_due
 
 from tests.operator.jobs import S3_JOB, job_body
 
@@ -119,7 +119,7 @@ def test_a_startup_timeout_shorter_than_the_shrink_wait_shrinks_instead_of_endin
     assert action.status.get("restarts", RESTARTS) == RESTARTS  # not a never-started attempt
     assert "Unschedulable for more than startupTimeoutSeconds (20s)" in action.events[0].message
     due = next_due(job, Observed(now=NOW, status=starting(age=15), pods=tuple(
-        PodView(**{**vars(p), "scheduler_seen": True}) for p in pods)), interval=5.0)
+        PodView(**{**vars(p), "scheduler_seen": True}) for p in pods)), interval=5.0, jitter=0.5)
     assert 5 < due < 6.1  # the operator wakes for it
     placed = [pod(0, node="a"), pod(1, node="b", phase="Pending")]  # nothing to shrink for: StartupTimeout
     assert run(job, starting(age=21), placed).status["reason"] == "StartupTimeout"
@@ -128,10 +128,10 @@ def test_a_startup_timeout_shorter_than_the_shrink_wait_shrinks_instead_of_endin
 def test_the_operator_wakes_when_the_shrink_is_due():
     job, placed = elastic(), pod(0, node="a", scheduler_seen=True)
     stuck = PodView(**{**vars(unplaced(1)), "scheduler_seen": True})
-    due = next_due(job, Observed(now=NOW, status=starting(age=15), pods=(placed, stuck)), interval=5.0)
+    due = next_due(job, Observed(now=NOW, status=starting(age=15), pods=(placed, stuck)), interval=5.0, jitter=0.5)
     assert 15 < due < 16.6  # shrinkAfterSeconds 30, 15 s gone; not the 600 s startup timeout
     both = (placed, pod(1, node="b", scheduler_seen=True))
-    assert next_due(job, Observed(now=NOW, status=starting(age=15), pods=both), interval=5.0) > 300
+    assert next_due(job, Observed(now=NOW, status=starting(age=15), pods=both), interval=5.0, jitter=0.5) > 300
 
 
 def test_shrink_picks_the_largest_working_size_at_most_the_placed_pods():

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubetron_operator.api_calls import Conflict, Kube, kubernetes_transport
+from kubetron_operator.apply import apply
 from kubetron_operator.decide import decide
-from kubetron_operator.handlers import Deps, apply, observe
+from kubetron_operator.deps import Deps
+from kubetron_operator.gather import observe
 
 from tests.kube.cluster import set_exited, set_running
 from tests.operator.jobs import tj

@@ -109,7 +109,7 @@ def test_stuck_pods_are_surfaced_and_startup_times_out(kube, s3_server, policy):
     st = kube.wait_status(ns, "nosched", "NotScheduled", lambda s: s.get("reason") == "NotScheduled", timeout=60)
     assert "nobody-scheduler" in st["message"]
 
-    # Events go out once the operator is quiet (handlers.EventPoster): the last may follow its status.
+    # Events go out once the operator is quiet (events.EventPoster): the last may follow its status.
     kube.wait_for("the NotScheduled event", lambda: warnings(kube, ns, "nosched"))
     pull = warnings(kube, ns, "pull")
     assert pull.count("CreateContainerConfigError") == pull.count("ImagePullBackOff") == 1, [

@@ -1,8 +1,8 @@
 """Issue 5's story with a real trainer: a pod's exact command run as a local process.
 
 One tiny CPU TrainingJob on a PVC-like directory. The operator's own pure pieces drive it: `decide()`
-says what to do, `build()`/`rank_command()` say what each pod runs, `live.read_live()` fetches rank 0's status
-endpoint. The test plays the kubelet: it runs the pod's command as a local process, SIGTERMs it mid-run (what a
+says what to do, `build()`/`rank_command()` say what each pod runs, `status_endpoint.read_live()` fetches rank 0's
+status endpoint. The test plays the kubelet: it runs the pod's command as a local process, SIGTERMs it mid-run (what a
 preempted pod's container gets), and presents the outcome as the kubelet would
 (`status.containerStatuses[].state.terminated` with exitCode/reason and the termination message).
 
@@ -36,7 +36,6 @@ import pytest
 import yaml
 from kubetron.contract import exitcodes
 from kubetron.progress_io import summarize
-from kubetron_operator import live
 from kubetron_operator.build import (
     CONFIG_PATH,
     PYTHON,
@@ -49,6 +48,7 @@ from kubetron_operator.decide import decide
 from kubetron_operator.model import RESERVED_ENV, Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action
+from kubetron_operator.trainer_reports import status_endpoint
 
 from tests import dashboard
 from tests.operator.jobs import PVC_JOB, kubectl_get
@@ -225,7 +225,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
             continue
         iteration = int(m.group(1))
         # the operator's own fetch: rank 0 found through the pod's IP and the spec's statusPort
-        got = live.read_live([view(running(c1))], 1, job.spec.status_port).status
+        got = status_endpoint.read_live([view(running(c1))], 1, job.spec.status_port).status
         if got is not None:
             samples.append((time.monotonic(), got))
         if not checked_live and got is not None and (got.get("iteration") or 0) >= 3:

@@ -29,13 +29,15 @@ from kubetron.contract.progress import (
     starting_job_line,
     summarize_events,
 )
-from kubetron_operator import handlers, http_get, live, progress_io
+from kubetron_operator import handlers
 from kubetron_operator.api_calls import InvalidName, Kube, api_path
 from kubetron_operator.build import build_pod, trainer_args
 from kubetron_operator.decide import decide
+from kubetron_operator.deps import Deps
 from kubetron_operator.main import OneLineFormatter
 from kubetron_operator.model import ATTEMPT_LIMIT, NAME_PATTERN, Job, SpecError
 from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.trainer_reports import http_get, status_endpoint, store_log
 from kubetron_operator.untrusted import Untrusted, clean, load_json
 
 from tests.operator.endpoints import Endpoint
@@ -218,25 +220,26 @@ def rank0(port_ip: str = "127.0.0.1") -> list[PodView]:
 
 
 def test_rank0s_endpoint_is_read_bounded(monkeypatch):
-    monkeypatch.setattr(live, "LIVE_DEADLINE", 0.6)  # the real 2 s: test_tenancy_on_kube.py
+    monkeypatch.setattr(status_endpoint, "LIVE_DEADLINE", 0.6)  # the real 2 s: test_tenancy_on_kube.py
     target = Endpoint.serve(b'{"iteration": 999}')
     hops = Endpoint.redirect(f"{target.url}/status")
     drip = Endpoint.drip(every=0.2)
     big = Endpoint.serve(b'{"loss": 1.0, "pad": "' + b"x" * 100_000 + b'"}')
     deep = Endpoint.serve(b'{"iteration": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
     try:
-        read = live.read_live(rank0(), 1, hops.port)
+        read = status_endpoint.read_live(rank0(), 1, hops.port)
         assert read.status is None and "a redirect, not followed" in read.problem and target.requests == []
         t0 = time.monotonic()
-        read = live.read_live(rank0(), 1, drip.port)
+        read = status_endpoint.read_live(rank0(), 1, drip.port)
         assert time.monotonic() - t0 < 1.0 and "no answer within 0.6s" in read.problem
-        assert "longer than 65536 bytes" in live.read_live(rank0(), 1, big.port).problem
-        assert "nested more than" in live.read_live(rank0(), 1, deep.port).problem
-        assert live.read_live(rank0("node-1.example"), 1, target.port) == live.LiveRead()  # only the pod's IP
-        assert live.read_live(rank0(), 1, target.port).status["iteration"] == 999
-        huge = live.read_live(rank0(), 1, 8080, lambda url: {"iteration": 10**30})
+        assert "longer than 65536 bytes" in status_endpoint.read_live(rank0(), 1, big.port).problem
+        assert "nested more than" in status_endpoint.read_live(rank0(), 1, deep.port).problem
+        only_ip = status_endpoint.read_live(rank0("node-1.example"), 1, target.port)
+        assert only_ip == status_endpoint.LiveRead()  # only the pod's IP
+        assert status_endpoint.read_live(rank0(), 1, target.port).status["iteration"] == 999
+        huge = status_endpoint.read_live(rank0(), 1, 8080, lambda url: {"iteration": 10**30})
         assert huge.status is None and "iteration is not a count" in huge.problem
-        huge = live.read_live(rank0(), 1, 8080, lambda url: {"loss": 10**400})
+        huge = status_endpoint.read_live(rank0(), 1, 8080, lambda url: {"loss": 10**400})
         assert huge.status is None and "beyond the range of a double" in huge.problem
     finally:
         for e in (target, hops, drip, big, deep):
@@ -262,9 +265,9 @@ def long_log(attempts: int = 80, saves: int = 60) -> str:
 def test_the_tail_of_a_long_log_says_what_the_whole_log_says():
     """What the operator takes from the summary is the same from the 256 KiB tail as from the whole log."""
     text = long_log()
-    assert len(text) > 3 * progress_io.TAIL_BYTES
+    assert len(text) > 3 * store_log.TAIL_BYTES
     whole = summarize_events(parse_progress(text))
-    tail = text[-progress_io.TAIL_BYTES:].partition("\n")[2]
+    tail = text[-store_log.TAIL_BYTES:].partition("\n")[2]
     part = summarize_events(parse_progress(tail))
     for key in ("lastCheckpoint", "trainIters", "iteration", "completed", "inPlaceRestarts"):
         assert part[key] == whole[key], key
@@ -272,25 +275,25 @@ def test_the_tail_of_a_long_log_says_what_the_whole_log_says():
 
 
 def test_the_store_is_read_by_its_tail_within_a_deadline(monkeypatch):
-    monkeypatch.setattr(progress_io, "READ_DEADLINE", 0.6)  # the real 3 s: test_tenancy_on_kube.py
+    monkeypatch.setattr(store_log, "READ_DEADLINE", 0.6)  # the real 3 s: test_tenancy_on_kube.py
     text = long_log().encode()
     store = Endpoint.objects({"/bkt/runs/ml/gpt/progress.txt": text})
     drip = Endpoint.drip(every=0.2)
     whole = Endpoint.serve(text)  # a store that ignores Range
     keys = ("AKID", "SECRET", None)
     try:
-        tail = progress_io.read_tail(progress_io.presign(store.url, "", "bkt", "runs/ml/gpt/progress.txt", keys), "s")
-        assert store.requests[0]["headers"]["Range"] == f"bytes=-{progress_io.TAIL_BYTES}"
-        assert len(tail) < progress_io.TAIL_BYTES and tail.startswith("20")  # the cut first line dropped
+        tail = store_log.read_tail(store_log.presign(store.url, "", "bkt", "runs/ml/gpt/progress.txt", keys), "s")
+        assert store.requests[0]["headers"]["Range"] == f"bytes=-{store_log.TAIL_BYTES}"
+        assert len(tail) < store_log.TAIL_BYTES and tail.startswith("20")  # the cut first line dropped
         assert "X-Amz-Credential=AKID%2F" in store.requests[0]["path"]
         t0 = time.monotonic()
-        with pytest.raises(progress_io.Unread) as slow:
-            progress_io.read_tail(f"{drip.url}/bkt/key", "slow")
+        with pytest.raises(store_log.Unread) as slow:
+            store_log.read_tail(f"{drip.url}/bkt/key", "slow")
         assert slow.value.reason == "StoreTimeout" and time.monotonic() - t0 < 1.0
-        with pytest.raises(progress_io.Unread) as large:
-            progress_io.read_tail(f"{whole.url}/bkt/key", "whole")
+        with pytest.raises(store_log.Unread) as large:
+            store_log.read_tail(f"{whole.url}/bkt/key", "whole")
         assert large.value.reason == "StoreTooLarge"
-        assert progress_io.read_tail(f"{store.url}/bkt/none", "s") == ""  # no log yet
+        assert store_log.read_tail(f"{store.url}/bkt/none", "s") == ""  # no log yet
     finally:
         for e in (store, drip, whole):
             e.close()
@@ -301,7 +304,7 @@ def test_the_store_is_read_by_its_tail_within_a_deadline(monkeypatch):
 
 def test_liveness_fails_while_work_waits_for_a_thread(monkeypatch):
     monkeypatch.setattr(handlers, "STARVED_AFTER", 0.3)
-    deps = handlers.Deps(kube=Kube(lambda *a: (200, b"{}")), executor=ThreadPoolExecutor(1))
+    deps = Deps(kube=Kube(lambda *a: (200, b"{}")), executor=ThreadPoolExecutor(1))
     memo = kopf.Memo(deps=deps)
     release = threading.Event()
 

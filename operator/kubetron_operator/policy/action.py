@@ -34,3 +34,10 @@ class Action:
     @property
     def phase(self) -> str | None:
         return self.status.get("phase")
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to apply: no status patch, no pod or object to create or delete, no event."""
+        return not (self.status or self.delete_pods or self.force_delete_pods or self.events or self.release_pods
+                    or self.create_attempt is not None or self.delete_job
+                    or self.create_probes or self.create_service or self.taint_nodes)

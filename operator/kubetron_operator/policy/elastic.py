@@ -21,7 +21,8 @@ from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.lifecycle import overdue
-from kubetron_operator.policy.status import in_place_news, phase_status, progress_fields, reached_iteration
+from kubetron_operator.policy.status import in_place_news, phase_status, progress_fields
+from kubetron_operator.trainer_reports.merge import reached_iteration
 
 
 def attempt_size(job: Job, status: JobStatus) -> int:

@@ -15,7 +15,8 @@ from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed
 from kubetron_operator.policy.action import Action, Event
-from kubetron_operator.policy.status import phase_status, reached_iteration
+from kubetron_operator.policy.status import phase_status
+from kubetron_operator.trainer_reports.merge import reached_iteration
 
 FORCE_DELETE_AFTER = 60.0  # seconds past a pod's grace period before it is force-deleted (node lost)
 

@@ -32,14 +32,8 @@ from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.hang import carry_hang
 from kubetron_operator.policy.lifecycle import fail, overdue
 from kubetron_operator.policy.nodes import avoid
-from kubetron_operator.policy.status import (
-    ckpt_iteration,
-    in_place_news,
-    phase_status,
-    progress_fields,
-    reached_iteration,
-    restart_counts,
-)
+from kubetron_operator.policy.status import in_place_news, phase_status, progress_fields, restart_counts
+from kubetron_operator.trainer_reports.merge import ckpt_iteration, reached_iteration
 
 BACKOFF_BASE, BACKOFF_CAP, BACKOFF_JITTER = 10.0, 360.0, 0.2  # seconds, seconds, fraction (as Kubernetes Job)
 MAX_PREEMPTIONS_WITHOUT_PROGRESS = 10  # free restarts of running attempts in a row that saved nothing new -> NoProgress

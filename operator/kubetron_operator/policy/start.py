@@ -6,16 +6,15 @@ admitted by Kueue): unschedulable, image pull errors, a missing Secret key, a sc
 -> restart after a backoff; counts toward maxNeverStartedAttempts (policy/restart.py).
 The next attempt waits for no pod but the last one's to go: it expects the newest checkpoint the operator
 knows of, and its rank 0 reports the one it resumed from (an S3 store's log is read by the operator itself).
-Children that could not be created (the handler tore down what it had made): create_failed.
+Children that could not be created (the handler tore down what it had made): policy/create_retry.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import timedelta
 
 from kubetron.contract.progress import CheckpointRef
-from kubetron.contract.times import format_duration, parse_stamp, stamp
+from kubetron.contract.times import parse_stamp, stamp
 
 from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job
@@ -25,20 +24,13 @@ from kubetron_operator.policy.elastic import attempt_size, resize, shrink_after,
 from kubetron_operator.policy.lifecycle import fail, overdue
 from kubetron_operator.policy.nodes import avoided
 from kubetron_operator.policy.restart import restart
-from kubetron_operator.policy.status import (
-    ckpt_iteration,
-    known_checkpoint,
-    percent,
-    phase_status,
-    progress_fields,
-    restart_counts,
-)
+from kubetron_operator.policy.status import percent, phase_status, progress_fields, restart_counts
+from kubetron_operator.trainer_reports.merge import ckpt_iteration, known_checkpoint
 
 ENDING_PHASES = frozenset({"Restarting", "Succeeded", "Failed", "Suspended"})
 """Phases an action moves to when the current attempt ends."""
 STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
 NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
-CREATE_BACKOFF = (10.0, 300.0)  # seconds: the first retry's delay, doubling up to the cap (as Kubernetes Job)
 
 
 def next_attempt(job: Job, obs: Observed) -> Action:
@@ -168,21 +160,14 @@ def needs_service(obs: Observed, action: Action) -> bool:
 
 
 def service_failed(obs: Observed, action: Action, reason: str, message: str, transient: bool) -> Action:
-    """The Service could not be created (create_children's verdict): a transient error is tried again
+    """The Service could not be created (apply.create_children's verdict): a transient error is tried again
     (an event says so, the rest of `action` goes on); anything else fails the job, as at creation."""
     if not transient:
         return fail(obs, reason, message)
     return replace(action, events=(*action.events, Event("Warning", reason, message)))
 
 
-def create_failed(obs: Observed, reason: str, message: str, transient: bool) -> Action:
-    """A transient API error (quota exceeded, throttled, server error) retries with exponential backoff,
-    shown in status (createFailures, nextCreateTime); anything else fails the job with `reason`."""
-    if not transient:
-        return fail(obs, reason, message)
-    failures = (obs.status.get("createFailures") or 0) + 1
-    delay = min(CREATE_BACKOFF[1], CREATE_BACKOFF[0] * 2 ** (failures - 1))
-    phase = "Restarting" if obs.status.get("attempt") else "Pending"
-    status = phase_status(obs, phase, reason, f"{message}; retry {failures} in {format_duration(delay)}")
-    status.update(createFailures=failures, nextCreateTime=stamp(obs.now + timedelta(seconds=delay)))
-    return Action("wait", status=status, events=(Event("Warning", reason, status["message"]),))
+def attempt_ended(obs: Observed, action: Action) -> bool:
+    """`action` ends the running attempt (restart, success, failure, suspension)."""
+    return (int(obs.status.get("attempt") or 0) > 0 and obs.status.get("phase") in ("Pending", "Running")
+            and action.phase in ENDING_PHASES)

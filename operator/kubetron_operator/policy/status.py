@@ -1,5 +1,6 @@
 """Writing the status patch: phase and conditions, the progress fields `kubectl get` shows, the restart
-counters and the newest known checkpoint (kubetron_operator.job_status types the fields).
+counters (kubetron_operator.job_status types the fields); the newest known checkpoint and iteration come from
+kubetron_operator.trainer_reports.merge.
 
 status.iteration follows the current attempt (from the checkpoint it resumed from, forward);
 lostIterations adds, once per ended attempt, the last iteration that attempt reached minus the
@@ -13,13 +14,14 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from kubetron.contract.progress import CheckpointRef, ProgressSummary
+from kubetron.contract.progress import CheckpointRef
 from kubetron.contract.times import format_duration, stamp
 
 from kubetron_operator.job_status import PHASES, Condition, JobStatus, Restarts, StatusPatch
-from kubetron_operator.observe import NO_LIVE, NO_PROGRESS, Observed, PodView, to_int
+from kubetron_operator.observe import NO_LIVE, NO_PROGRESS, Observed
 from kubetron_operator.policy.action import Event
 from kubetron_operator.policy.hang import hang_news
+from kubetron_operator.trainer_reports.merge import ckpt_iteration, log_iteration
 
 
 def phase_status(obs: Observed, phase: str, reason: str, message: str) -> StatusPatch:
@@ -58,7 +60,7 @@ def progress_fields(obs: Observed, ckpt: CheckpointRef | None, live: bool = True
     current attempt."""
     st, log, now_live = obs.status, obs.progress or NO_PROGRESS, (obs.live or NO_LIVE) if live else NO_LIVE
     attempt = st.get("attempt") or 0
-    iteration = max(now_live.get("iteration") or 0, _log_iteration(log, attempt),
+    iteration = max(now_live.get("iteration") or 0, log_iteration(log, attempt),
                     st.get("iteration") or 0, ckpt_iteration(ckpt))
     train_iters = now_live.get("trainIters") or log.get("trainIters") or st.get("trainIters")
     out: StatusPatch = {"iteration": iteration, "lastCheckpoint": ckpt}
@@ -112,47 +114,3 @@ def in_place_news(obs: Observed, attempt: int) -> tuple[StatusPatch, tuple[Event
         news = {"restarts": restarts, "attemptInPlaceRestarts": now}
     hangs, hung = hang_news(obs, attempt, restarts)  # some of them after the gang hung (policy/hang.py)
     return {**news, **hangs}, events + hung
-
-
-def known_checkpoint(obs: Observed, attempt: int) -> CheckpointRef | None:
-    """The newest durable checkpoint any source reports (status, log, live endpoint, termination messages)."""
-    best = newer_checkpoint(None, obs.status.get("lastCheckpoint"))
-    best = newer_checkpoint(best, (obs.progress or NO_PROGRESS).get("lastCheckpoint"))
-    best = newer_checkpoint(best, (obs.live or NO_LIVE).get("lastCheckpoint"))
-    for p in obs.pods:
-        term_ckpt = (p.termination or {}).get("lastCheckpoint")
-        if isinstance(term_ckpt, int) and p.attempt <= attempt:
-            best = newer_checkpoint(best, {"iteration": term_ckpt, "time": stamp(obs.now)})
-    return best
-
-
-def newer_checkpoint(a: CheckpointRef | None, b: Any) -> CheckpointRef | None:
-    """The newer of checkpoint `a` and `b` (a copy); `b` may be anything (the trainer's JSON included)."""
-    if not isinstance(b, Mapping) or not isinstance(b.get("iteration"), int):
-        return a.copy() if a else None
-    if a is None or b["iteration"] > a["iteration"]:
-        return {"iteration": b["iteration"], "time": b.get("time")}
-    return a.copy()
-
-
-def _log_iteration(log: ProgressSummary, attempt: int) -> int:
-    """The last iteration the progress log mentions for `attempt` (its lines carry job id ns/name/attempt).
-
-    Not the log's overall latest: until the new attempt writes its first line, that is the old attempt's.
-    A summary without jobIterations (an older reader image) gives its latest iteration.
-    """
-    by_job = log.get("jobIterations")
-    if not isinstance(by_job, Mapping):
-        return log.get("iteration") or 0
-    return max([it for job_id, it in by_job.items() if str(job_id).endswith(f"/{attempt}")] or [0])
-
-
-def reached_iteration(obs: Observed, attempt: int, current: list[PodView]) -> int:
-    """The last iteration the current attempt reached (status.iteration follows the current attempt)."""
-    terms = [to_int((p.termination or {}).get("iteration")) for p in current]
-    return max([obs.status.get("iteration") or 0, _log_iteration(obs.progress or NO_PROGRESS, attempt), *terms])
-
-
-def ckpt_iteration(ckpt: CheckpointRef | None) -> int:
-    """The checkpoint's iteration; 0 when there is none (the attempt starts from scratch)."""
-    return int(ckpt["iteration"]) if ckpt else 0

@@ -1,5 +1,5 @@
-"""One bounded HTTP GET for what tenants serve: rank 0's status endpoint (live.py) and the job's S3
-endpoint (progress_io.py), both chosen by whoever wrote the TrainingJob.
+"""One bounded HTTP GET for what tenants serve: rank 0's status endpoint (status_endpoint.py) and the job's S3
+endpoint (store_log.py), both chosen by whoever wrote the TrainingJob.
 
 - a total deadline over everything (name lookup, connect, TLS, headers, body): a server that sends a
   byte every 2 s is cut off at the deadline, never held on to;

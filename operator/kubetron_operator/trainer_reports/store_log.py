@@ -43,9 +43,9 @@ from kubetron.contract.progress import (
     summarize_events,
 )
 
-from kubetron_operator import http_get
 from kubetron_operator.api_calls import ApiError, Kube
 from kubetron_operator.model import S3_SECRET_KEYS, Job, S3Storage
+from kubetron_operator.trainer_reports import http_get
 from kubetron_operator.untrusted import INT64_MAX, clean
 
 log = logging.getLogger(__name__)

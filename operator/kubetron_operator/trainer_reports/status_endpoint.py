@@ -18,8 +18,8 @@ from typing import Any
 from kubetron.contract.live import LiveStatus, parse_live_status
 from kubetron.contract.progress import CheckpointRef
 
-from kubetron_operator import http_get
 from kubetron_operator.observe import PodView
+from kubetron_operator.trainer_reports import http_get
 from kubetron_operator.untrusted import Untrusted, clean, count, load_json
 
 Fetch = Callable[[str], dict[str, Any]]

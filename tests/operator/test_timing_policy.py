@@ -1,0 +1,174 @@
+"""The operator's time policy as tables, without a cluster: when a job's daemon looks again (policy/wake.py),
+how a failed creation backs off and what its retry waits for (policy/create_retry.py), when the store's
+progress log is read again (policy/reads.py), and which status patches are held back (policy/throttle.py).
+Each row is inputs -> the expected answer; the clock and the jitter are inputs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from kubetron_operator.model import Job
+from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.policy.action import Action
+from kubetron_operator.policy.create_retry import CREATE_BACKOFF, backing_off, create_failed, leftovers, retriable
+from kubetron_operator.policy.lifecycle import FORCE_DELETE_AFTER
+from kubetron_operator.policy.reads import PROGRESS_REFRESH, RETRY_AFTER, log_read_due
+from kubetron_operator.policy.start import NOT_SCHEDULED_AFTER
+from kubetron_operator.policy.throttle import PROGRESS_KEYS, hold_until, throttle
+from kubetron_operator.policy.wake import PAST_DUE, RESYNC, at_most, next_due
+
+from tests.operator.jobs import PVC_JOB, job_body
+
+NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
+INTERVAL = 5.0
+
+
+def ago(seconds: float) -> str:
+    return (NOW - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def job(**spec) -> Job:
+    return Job.from_body(job_body(PVC_JOB, **spec))
+
+
+def worker(rank=0, attempt=1, phase="Running", **kw) -> PodView:
+    kw.setdefault("scheduler_seen", True)
+    return PodView(name=f"gpt-{attempt}-{rank}", attempt=attempt, rank=rank, phase=phase, **kw)
+
+
+RUNNING = {"phase": "Running", "attempt": 1, "startTime": ago(100), "attemptStartTime": ago(100)}
+PENDING = {"phase": "Pending", "attempt": 1, "startTime": ago(100), "attemptStartTime": ago(100)}
+
+# (what, spec, status, pods, the soonest wait before jitter; None: never)
+WAKE = [
+    ("a spec that does not parse", None, {}, (), None),
+    ("finished, no TTL", {}, {"phase": "Succeeded", "completionTime": ago(10)}, (), None),
+    ("finished, TTL 60 s, 10 s ago", {"ttlSecondsAfterFinished": 60},
+     {"phase": "Succeeded", "completionTime": ago(10)}, (), 50.0),
+    ("finished, TTL passed", {"ttlSecondsAfterFinished": 5}, {"phase": "Failed", "completionTime": ago(10)}, (), None),
+    ("suspended, nothing deleting", {"suspend": True}, {"phase": "Suspended"}, (), None),
+    ("suspended, a pod deleting for 20 s", {"suspend": True}, {"phase": "Suspended"},
+     (worker(deleting_for=20.0),), FORCE_DELETE_AFTER - 20.0),
+    ("new job: the resync", {}, {}, (), RESYNC),
+    ("running: every interval (live progress)", {}, RUNNING, (worker(), worker(1)), INTERVAL),
+    ("restart backoff", {}, {**RUNNING, "phase": "Restarting", "nextAttemptTime": ago(-42)}, (), 42.0),
+    ("creation retry", {}, {"phase": "Pending", "nextCreateTime": ago(-7)}, (), 7.0),
+    ("active deadline", {"activeDeadlineSeconds": 130}, {**PENDING, "attemptStartTime": None}, (), 30.0),
+    ("start-up timeout", {"startupTimeoutSeconds": 120}, PENDING, (worker(phase="Pending"),), 20.0),
+    ("start-up timeout from Kueue's admission", {"startupTimeoutSeconds": 120},
+     {**PENDING, "admittedTime": ago(60)}, (worker(phase="Pending"),), 60.0),
+    ("a pod no scheduler looked at", {}, PENDING,
+     (worker(phase="Pending", scheduler_seen=False, created_for=5.0),), NOT_SCHEDULED_AFTER - 5.0),
+    ("a pod whose deletion is overdue", {}, RUNNING, (worker(deleting_for=FORCE_DELETE_AFTER + 1),), INTERVAL),
+    ("moments past count for nothing", {"activeDeadlineSeconds": 50}, {"phase": "Restarting", "startTime": ago(100),
+                                                                "nextAttemptTime": ago(1)}, (), RESYNC),
+]
+
+
+@pytest.mark.parametrize(("spec", "status", "pods", "soonest"), [row[1:] for row in WAKE], ids=[r[0] for r in WAKE])
+def test_the_daemon_wakes_when_time_itself_matters(spec, status, pods, soonest):
+    parsed = None if spec is None else job(**spec)
+    obs = Observed(now=NOW, status=status, pods=pods)
+    if soonest is None:
+        assert next_due(parsed, obs, INTERVAL, 0.5) is None
+        return
+    assert next_due(parsed, obs, INTERVAL, 0.0) == pytest.approx(soonest + PAST_DUE)
+    # the jitter spreads jobs applied together: 10% of the wait, at most a second
+    assert next_due(parsed, obs, INTERVAL, 1.0) == pytest.approx(soonest + PAST_DUE + min(1.0, 0.1 * soonest))
+
+
+@pytest.mark.parametrize(("due", "limit", "expected"), [(None, 10.0, 10.0), (3.0, 10.0, 3.0), (30.0, 10.0, 10.0)])
+def test_at_most(due, limit, expected):
+    assert at_most(due, limit) == expected
+
+
+# (failures so far, the delay of the next retry): doubling from 10 s up to 5 minutes, as Kubernetes Job
+BACKOFF = [(0, 10.0), (1, 20.0), (2, 40.0), (4, 160.0), (5, 300.0), (9, 300.0)]
+
+
+@pytest.mark.parametrize(("failures", "delay"), BACKOFF)
+def test_a_transient_creation_failure_backs_off_exponentially(failures, delay):
+    obs = Observed(now=NOW, status={"phase": "Pending", "createFailures": failures or None})
+    action = create_failed(obs, "CreateRetrying", "cannot create Pod ml/gpt-1-0: HTTP 500", True)
+    assert action.kind == "wait" and action.status["createFailures"] == failures + 1
+    assert action.status["nextCreateTime"] == ago(-delay)
+    assert delay <= CREATE_BACKOFF[1]
+
+
+def test_a_creation_failure_that_is_not_transient_fails_the_job():
+    action = create_failed(Observed(now=NOW, status={"attempt": 1}), "CreateFailed", "HTTP 422: bad", False)
+    assert action.status["phase"] == "Failed" and action.status["reason"] == "CreateFailed"
+
+
+@pytest.mark.parametrize(("status", "message", "expected"), [
+    (429, "too many requests", True),
+    (500, "internal error", True),
+    (503, "unavailable", True),
+    (403, 'pods "gpt-1-0" is forbidden: exceeded quota: compute', True),
+    (403, "forbidden: User cannot create pods", False),
+    (422, "invalid", False),
+    (409, "already exists", False),
+    (404, "namespace not found", False),
+])
+def test_which_api_errors_are_retried(status, message, expected):
+    assert retriable(status, message) is expected
+
+
+CREATE_2 = Action("create", create_attempt=2)
+# (status, pods, pods of the retry left over, still backing off)
+RETRY = [
+    ({"attempt": 1}, (worker(attempt=2),), [], False),  # no creation failed: nothing is a leftover
+    ({"attempt": 1, "nextCreateTime": ago(-5)}, (), [], True),
+    ({"attempt": 1, "nextCreateTime": ago(5)}, (), [], False),
+    ({"attempt": 1, "nextCreateTime": ago(5)}, (worker(attempt=1), worker(attempt=2)), ["gpt-2-0"], False),
+]
+
+
+@pytest.mark.parametrize(("status", "pods", "left", "waiting"), RETRY)
+def test_a_creation_retry_waits_for_the_failed_trys_pods_and_its_backoff(status, pods, left, waiting):
+    obs = Observed(now=NOW, status=status, pods=pods)
+    assert [p.name for p in leftovers(obs, CREATE_2)] == left
+    assert backing_off(obs) is waiting
+
+
+# (what, status, pods, seconds since the last read (None: never), that read failed, read now)
+READS = [
+    ("never read", RUNNING, (worker(), worker(1)), None, False, True),
+    ("running quietly, read 10 s ago", RUNNING, (worker(), worker(1)), 10.0, False, False),
+    ("running quietly, refresh due", RUNNING, (worker(), worker(1)), PROGRESS_REFRESH, False, True),
+    ("a rank ended", RUNNING, (worker(), worker(1, phase="Failed")), 1.0, False, True),
+    ("a pod is being deleted", RUNNING, (worker(), worker(1, deleting_for=1.0)), 1.0, False, True),
+    ("a node is lost", RUNNING, (worker(), worker(1, phase="Unknown")), 1.0, False, True),
+    ("the gang is short of a pod", PENDING, (worker(phase="Pending"),), 1.0, False, True),
+    ("pending, whole gang, no refresh", PENDING, (worker(phase="Pending"), worker(1, phase="Pending")),
+     PROGRESS_REFRESH + 1, False, False),
+    ("restarting", {**RUNNING, "phase": "Restarting"}, (), 1.0, False, True),
+    ("new job", {}, (), 1.0, False, True),
+    ("the last read failed, 10 s ago", {}, (), 10.0, True, False),
+    ("the last read failed, retry due", {}, (), RETRY_AFTER, True, True),
+]
+
+
+@pytest.mark.parametrize(("status", "pods", "age", "unread", "due"), [r[1:] for r in READS], ids=[r[0] for r in READS])
+def test_the_progress_log_is_read_when_an_attempt_starts_or_ends_and_every_refresh(status, pods, age, unread, due):
+    assert log_read_due(job(), status, pods, age, unread) is due
+
+
+PROGRESS = {"iteration": 12, "progress": "30%", "eta": "5m"}
+# (status patch, seconds since the last patch, the patch goes out)
+THROTTLE = [
+    (PROGRESS, 1.0, False),
+    (PROGRESS, 2 * INTERVAL, True),
+    (PROGRESS, float("inf"), True),  # never patched by this operator
+    ({**PROGRESS, "phase": "Running"}, 1.0, True),  # more than progress: never held
+    ({}, 1.0, True),
+]
+
+
+@pytest.mark.parametrize(("status", "since", "goes_out"), THROTTLE)
+def test_a_patch_that_only_moves_progress_goes_out_at_most_every_two_intervals(status, since, goes_out):
+    action = Action("wait", status=status)
+    applied, held = throttle(action, since, INTERVAL)
+    assert (applied, held) == ((action, False) if goes_out else (Action("wait"), True))
+    assert set(PROGRESS) <= PROGRESS_KEYS and hold_until(INTERVAL) == 2 * INTERVAL
