@@ -65,6 +65,9 @@ class PeakRSS:
 
 
 def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None = None, extra=()):
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before anything imports megatron-core
     from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.config import ConfigContainer
     from kubetron.training.entry import initialize_distributed, set_seeds

@@ -82,6 +82,9 @@ def worker(args) -> int:
     import warnings
 
     import torch
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before anything imports megatron-core
     from megatron.core import parallel_state
 
     warnings.filterwarnings("ignore")

@@ -356,6 +356,9 @@ def parity_worker(steps: int) -> None:
     import logging
 
     sys.path.insert(0, str(ROOT / "trainer"))
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before anything imports megatron-core
     from kubetron.config import ConfigContainer
     from kubetron.training import entry
     from kubetron.training.gpt_step import forward_step

@@ -133,6 +133,9 @@ def main(argv=None) -> int:
     if not cuda and not args.tiny:
         print("gpu_step: no CUDA device here; run it on a GPU machine (or --tiny for a CPU smoke run)")
         return 0
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before anything imports megatron-core
     from kubetron.config import ConfigContainer
     from kubetron.training.utils import MEMORY_KEYS, num_floating_point_operations, report_memory
 

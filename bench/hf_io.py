@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # command in-process, then report the resident set after the imports and the peak since.
 CHILD = """
 import json, sys
-import torch, safetensors.torch, kubetron.training, kubetron.hf.io
+import torch, safetensors.torch, kubetron.compat.megatron_core, kubetron.hf.io
+kubetron.compat.megatron_core.install()
 import kubetron.checkpoint.format_sharded, kubetron.checkpoint.format_kubetron, kubetron.checkpoint.canonical
 def status(key):
     with open("/proc/self/status") as f:

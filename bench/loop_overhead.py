@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before anything imports megatron-core
     from kubetron.training.gpt_step import forward_step
     from kubetron.training.train import train
 

@@ -36,8 +36,9 @@ Elastic (spec.minNodes, docs/elastic.md): a `nodes: 2, minNodes: 1` job on two N
 pod each; one Node is drained (cordoned, its pod evicted): seconds to the first step at 1 node; then
 it is uncordoned: seconds to the first step at 2 nodes.
 
-`--imports N`: the import of megatron-core as it is, vs as kubetron.training imports it before this
-change (wandb run at import) and now, N alternating fresh processes each (median seconds).
+`--imports N`: the import of megatron-core as it is, vs as the run's setup imports it
+(kubetron.compat.megatron_core.install) with wandb run at import (as before lazy wandb) and now, N
+alternating fresh processes each (median seconds).
 """
 
 from __future__ import annotations
@@ -310,12 +311,13 @@ def parse_iso(text: str | None) -> float:
     return when.timestamp() if when else 0.0
 
 
-# -- imports: megatron-core as it is vs as kubetron.training imports it ----------------------------------
+# -- imports: megatron-core as it is vs as kubetron's setup imports it -------------------------------------
 
+INSTALL = "kubetron.compat.megatron_core as c; c.install()"
 IMPORTS = {
     "megatron-core as it is": "import torch, megatron.core",
-    "kubetron.training, wandb run at import (before)": "import torch, wandb, kubetron.training",
-    "kubetron.training (now)": "import torch, kubetron.training",
+    "kubetron's install, wandb run at import (before)": f"import torch, wandb, {INSTALL}",
+    "kubetron's install (now)": f"import torch, {INSTALL}",
 }
 
 

@@ -63,6 +63,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before anything imports megatron-core
     from kubetron.data.finetuning import FinetuningDataset
     from kubetron.data.tokenizer import ByteTokenizer
     from kubetron.training.model import build_model

@@ -1,8 +1,8 @@
 """The import graph and module-level constants of the two packages, read from source (AST), not by importing.
 
 Used by tests/test_static_checks.py: import cycles (at module and function level: an import inside a
-function is an edge too), uses of another module's `_private` names, and module constants that define the
-same string twice.
+function is an edge too), uses of another module's `_private` names, module constants that define the
+same string twice, and assignments into other libraries (monkeypatches).
 """
 
 from __future__ import annotations
@@ -107,6 +107,54 @@ def build(packages: Iterable[Path] = PACKAGES) -> Graph:
                     and aliases.get(node.value.id) not in (None, module)):
                 graph.private_uses.add((module, aliases[node.value.id], node.attr))
     return graph
+
+
+def library_patches(graph: Graph) -> list[str]:
+    """`module:line: target` for each assignment into another library: `sys.modules[...] =`, `x.__class__ =`,
+    and an attribute set (`=`, `+=`, `setattr`) on a name imported from outside the packages or below it
+    (`mappings._fn =`, `torch.compile =`, `SomeClass.attr =`)."""
+    found = []
+    for module, path in graph.files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        outside = _outside_names(graph, module, tree)
+        for node in ast.walk(tree):
+            found += [f"{module}:{node.lineno}: {ast.unparse(t)}" for t in _assigned(node) if _patches(t, outside)]
+    return found
+
+
+def _outside_names(graph: Graph, module: str, tree: ast.Module) -> set[str]:
+    """The local names `module`'s imports (at any level) bind to modules or objects of other libraries."""
+    return {alias for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+            and not node_is_relative(node) for target, _, alias in _targets(graph, module, node)
+            if graph.module_of(target) is None}
+
+
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets `node` assigns to (tuples unpacked); `setattr(obj, ...)` as `obj.<attr>`."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+        targets = [node.target]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:
+        targets = [ast.Attribute(value=node.args[0], attr="<attr>", ctx=ast.Store())]
+    else:
+        return []
+    while any(isinstance(t, ast.Tuple | ast.List) for t in targets):
+        targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple | ast.List) else [t])]
+    return targets
+
+
+def _patches(target: ast.expr, outside: set[str]) -> bool:
+    if isinstance(target, ast.Subscript):
+        return ast.unparse(target.value) == "sys.modules"
+    if not isinstance(target, ast.Attribute):
+        return False
+    if target.attr == "__class__":
+        return True
+    root = target.value
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    return isinstance(root, ast.Name) and root.id in outside
 
 
 def cycles(graph: Graph) -> list[list[str]]:

@@ -2,3 +2,10 @@
 
 from tests.kube.fixtures import kube, kube_ns  # noqa: F401 - the real-API-server fixtures (tests/kube)
 from tests.s3server import s3_server  # noqa: F401 - a pytest fixture, re-exported
+
+
+def pytest_configure(config):
+    """As `kubetron train` does first: megatron-core imported the trainer's way before a test module imports it."""
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()

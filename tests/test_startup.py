@@ -1,5 +1,5 @@
-"""Process start-up is part of in-place recovery time (docs/recovery.md): importing the trainer defers
-megatron-core's import-time `torch.compile` of its fusion kernels to their first call and its import of
+"""Process start-up is part of in-place recovery time (docs/recovery.md): the run's setup (kubetron.compat)
+defers megatron-core's import-time `torch.compile` of its fusion kernels to their first call and its import of
 wandb to wandb's first use; the trainer measures its start-up by phase (kubetron.startup)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 from kubetron import startup
-from kubetron.training import compile_on_first_call
+from kubetron.compat.torch import compile_on_first_call
 
 
 def test_compile_on_first_call_compiles_once_with_the_same_options():
@@ -36,8 +36,23 @@ def test_compile_on_first_call_compiles_once_with_the_same_options():
     assert compiled == [("add", {}), ("neg", {"dynamic": True})]  # once each, options kept
 
 
-def test_importing_the_trainer_imports_neither_dynamo_nor_wandb():
-    code = ("import sys, torch, kubetron.training, megatron.core.jit as jit\n"
+def test_importing_the_trainer_changes_no_library():
+    code = ("import sys, types, torch, kubetron.training.entry, kubetron.training.model, kubetron.training.pipeline\n"
+            "from megatron.core.tensor_parallel import mappings, random\n"
+            "from megatron.core.transformer.moe import moe_utils, token_dispatcher\n"
+            "print(torch.compile.__module__, type(sys.modules['wandb']) is types.ModuleType,"
+            " hasattr(moe_utils, 'te_general_gemm'), token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream,"
+            " mappings._gather_along_first_dim.__module__, random._get_cuda_rng_state.__module__)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["torch", "True", "False", "None", "megatron.core.tensor_parallel.mappings",
+                                  "megatron.core.tensor_parallel.random"], out
+
+
+def test_the_runs_setup_imports_megatron_core_without_dynamo_or_wandb():
+    code = ("import sys, torch, kubetron.training\n"
+            "from kubetron.compat import megatron_core\n"
+            "megatron_core.install()\n"
+            "import megatron.core.jit as jit\n"
             "print('torch._dynamo' in sys.modules, jit.jit_fuser is torch.compile, torch.compile.__module__,"
             " 'wandb.sdk' in sys.modules)\n"
             "import wandb, megatron.core.timers as timers\n"  # megatron's own `wandb` is the same module, usable

@@ -1,7 +1,8 @@
 """Checks that read the code without running it: mypy over the operator and the trainer's torch-free
 contract modules (the files and settings of pyproject.toml's [tool.mypy]; a cold run takes about 11 s of
 CPU), test modules that share code only through helper modules, and the shape of the two packages
-(tests/code_graph.py): no import cycle, no use of another module's private names, no constant defined twice."""
+(tests/code_graph.py): no import cycle, no use of another module's private names, no constant defined twice,
+no patch of another library outside kubetron/compat."""
 
 from __future__ import annotations
 
@@ -65,6 +66,13 @@ def test_no_string_constant_is_defined_twice():
     assert twice == {}
 
 
+def test_only_the_compat_package_patches_other_libraries():
+    """Third-party internals behind one seam (kubetron/compat): no other module assigns into a library."""
+    patches = code_graph.library_patches(code_graph.build())
+    assert [p for p in patches if not p.startswith("kubetron.compat")] == []
+    assert any(p.startswith("kubetron.compat.megatron_core.portable:") for p in patches)  # the check reads them
+
+
 # What the operator's decisions may import: the standard library's pure parts, yaml (the job's config text),
 # pydantic (the config schema) and the contract. No clock, no randomness, no network, no kopf, no logging.
 PURE_IMPORTS = {"__future__", "collections", "dataclasses", "datetime", "typing", "math", "json", "hashlib",
@@ -104,3 +112,21 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert code_graph.string_constants(graph)["metadata.json"] == ["pkg.a.MARKER", "pkg.b.NAME"]
     assert graph.reachable("pkg.c") == {"pkg.a", "pkg.b", "pkg.c"}
     assert graph.external["pkg.c"] == {"time"} and "time.monotonic" in graph.calls["pkg.c"]
+
+
+def test_the_patch_check_finds_each_kind_of_patch(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "own.py").write_text("import torch\n\nclass Box:\n    pass\n\nBox.size = torch.Size\nx = torch.ones(1)\n")
+    (pkg / "patch.py").write_text(
+        "import sys\nimport torch\nfrom megatron.core.tensor_parallel import mappings as m\nfrom pkg import own\n\n"
+        "def install(model):\n    from megatron.core.transformer.moe.router import TopKRouter\n"
+        "    own.Box.size = 1\n"  # its own package's: allowed
+        "    torch.compile, m._gather = None, None\n    torch.backends.cudnn.benchmark = True\n"
+        "    sys.modules['wandb'] = object()\n    model.rope.__class__ = object\n"
+        "    setattr(TopKRouter, 'gating', None)\n    TopKRouter.count += 1\n")
+    assert set(code_graph.library_patches(code_graph.build([pkg]))) == {
+        "pkg.patch:9: torch.compile", "pkg.patch:9: m._gather", "pkg.patch:10: torch.backends.cudnn.benchmark",
+        "pkg.patch:11: sys.modules['wandb']", "pkg.patch:12: model.rope.__class__", "pkg.patch:13: TopKRouter.<attr>",
+        "pkg.patch:14: TopKRouter.count"}  # not own.py's, nor patch.py's own.Box.size

@@ -18,6 +18,9 @@ import yaml
 
 
 def main(ckpt: str, hf_dir: str, out: str, split: str = "tp") -> int:
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before the trainer imports megatron-core
     from kubetron.checkpoint import format_sharded
     from kubetron.hf.io import load_hf_into_model
     from kubetron.storage import open_store

@@ -16,6 +16,9 @@ from pathlib import Path
 
 
 def _slow_forward_step(delay: float):
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # as `kubetron train` does, before the trainer imports megatron-core
     from kubetron.training import gpt_step
 
     original = gpt_step.forward_step

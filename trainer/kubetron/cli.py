@@ -94,6 +94,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from kubetron.startup import CLOCK
 
     CLOCK.mark("python + config")
+    from kubetron.compat import megatron_core
+
+    megatron_core.install()  # before anything imports megatron-core
     from kubetron.training.entry import run_from_cli
 
     # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.

@@ -38,6 +38,7 @@ from kubetron.checkpoint.layout import (
     safe_load,
     to_bytes,
 )
+from kubetron.compat import megatron_core
 from kubetron.contract.errors import CheckpointError, ConfigError
 from kubetron.contract.times import stamp
 from kubetron.data.tokenizer import CHAT_TEMPLATE_DIR  # transformers' named templates: <name>.jinja
@@ -147,7 +148,7 @@ def hf_tokenizer_files(hf_dir: str) -> list[str]:
 
 
 def _write_import(hf_dir: str, out: str, m: dict, source: weights.Source, progress: Progress | None) -> None:
-    import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without its TE/Apex notices)
+    megatron_core.install()  # megatron-core imported the trainer's way (without its TE/Apex notices)
     from kubetron.checkpoint import format_sharded
     from kubetron.contract.config import GPTModelConfig
     from kubetron.storage import open_store
@@ -194,7 +195,7 @@ def _resolve(location: str) -> tuple[object, str]:
 def open_checkpoint(location: str) -> tuple[dict, weights.Source, object, str]:
     """(model keys, its canonical tensors read on access, store, iter dir) of a kubetron checkpoint (newest
     iteration): the `sharded` format one tensor at a time, the `kubetron` format's model.pt whole."""
-    import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without its TE/Apex notices)
+    megatron_core.install()  # megatron-core imported the trainer's way (without its TE/Apex notices)
     from kubetron.checkpoint import format_kubetron
 
     store, name = _resolve(location)

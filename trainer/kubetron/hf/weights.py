@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from kubetron.compat import megatron_core
 from kubetron.contract.errors import ConfigError
 from kubetron.hf import convert
 from kubetron.hf.safetensors_io import DTYPES, SafetensorsFile
@@ -193,7 +194,7 @@ class Sharded(Source):
     kept there as (2, ffn, ...) = [gate, up]; here it is canonical [gate; up]."""
 
     def __init__(self, store, name: str, num_shards: int):
-        import kubetron.training  # noqa: F401 - megatron-core imported the trainer's way (without TE/Apex notices)
+        megatron_core.install()  # megatron-core imported the trainer's way (without its TE/Apex notices)
         from kubetron.checkpoint.format_sharded import ShardReader, shard_key
 
         self.store, self.dir, self.shard_key = store, name, shard_key

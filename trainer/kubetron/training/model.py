@@ -1,9 +1,9 @@
 """The GPT model on megatron-core, with a layer spec that runs on CPU and is fast on GPU without TE.
 
-megatron-core's local spec allocates its attention buffer on CUDA and its RoPE moves `inv_freq` to
-CUDA (NOTES-megatron-core.md). Our spec swaps in two small pieces:
-- `SDPACoreAttention`: core attention on `F.scaled_dot_product_attention` (flash/cuDNN on GPU),
-- `PortableRotaryEmbedding`: mcore's RoPE, computed on whatever device `inv_freq` lives on.
+megatron-core's local spec allocates its attention buffer on CUDA (NOTES-megatron-core.md). Our spec
+swaps in `SDPACoreAttention`: core attention on `F.scaled_dot_product_attention` (flash/cuDNN on GPU).
+The other CUDA-only pieces (RoPE, MoE dispatch, recompute's RNG) are adapted by
+kubetron.compat.megatron_core.portable.
 TransformerEngine's spec is used when TE is importable and `model.transformer_impl` allows it.
 """
 
@@ -14,7 +14,6 @@ import logging
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.common.embeddings import rotary_pos_embedding as mcore_rope
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
@@ -23,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from kubetron.compat.megatron_core import portable
 from kubetron.contract.errors import ConfigError
 from kubetron.training import moe
 
@@ -72,23 +72,6 @@ def _causal_window(s: int, window: int, device) -> torch.Tensor:
     i = torch.arange(s, device=device)
     dist = i[:, None] - i[None, :]
     return (dist >= 0) & (dist <= window)
-
-
-class PortableRotaryEmbedding(mcore_rope.RotaryEmbedding):
-    """mcore's RoPE without the hard-coded move of `inv_freq` to CUDA (the model moves it)."""
-
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # (s, dim/2)
-        if self.rotary_interleaved:
-            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :]  # (s, 1, 1, dim)
-
-    def _apply(self, fn, *args, **kwargs):
-        # inv_freq is a plain attribute in mcore, not a buffer: move it with the module.
-        self.inv_freq = fn(self.inv_freq)
-        return super()._apply(fn, *args, **kwargs)
 
 
 def moe_config(m) -> dict:
@@ -162,17 +145,13 @@ def transformer_config(cfg, use_gpu: bool) -> TransformerConfig:
     )
 
 
-def _portable_recompute_rng():
-    """On CPU: megatron's recompute (tensor_parallel.checkpoint) saves and restores the CUDA RNG state
-    around the recomputed forward; without CUDA there is none, so only the CPU and tracker states are."""
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
-    mcore_random._set_cuda_rng_state = _no_cuda_rng_state
-
-
-def _no_cuda_rng_state(*args, **kwargs):
-    return None
+def rope_scaling(m) -> dict | None:
+    """mcore's llama3 RoPE scaling, with all four of the HF config's parameters; None without scaling."""
+    if not m.rope_scaling:
+        return None
+    return dict(factor=m.rope_scaling_factor, low_freq_factor=m.rope_scaling_low_freq_factor,
+                high_freq_factor=m.rope_scaling_high_freq_factor,
+                original_max_position_embeddings=m.rope_scaling_original_max_position_embeddings)
 
 
 def use_te_spec(cfg) -> bool:
@@ -223,10 +202,12 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
     use_gpu = device.type == "cuda"
     config = transformer_config(cfg, use_gpu)
     if not use_gpu and not torch.cuda.is_available() and cfg.model.recompute_granularity is not None:
-        _portable_recompute_rng()
+        portable.recompute_rng_on_host()
+    if cfg.model.num_moe_experts is not None:
+        portable.router_gemm_without_te()
     host_moe = cfg.model.num_moe_experts is not None and not torch.cuda.is_available()
     if host_moe:
-        moe.before_build_without_cuda()
+        portable.moe_on_host()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg, config),
@@ -239,15 +220,8 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
         rotary_base=cfg.model.rotary_base,
     )
     if host_moe:
-        moe.without_cuda(model)
-    if getattr(model, "rotary_pos_emb", None) is not None:
-        model.rotary_pos_emb.__class__ = PortableRotaryEmbedding
-        if cfg.model.rope_scaling:  # mcore's llama3 scaling, with all four of the HF config's parameters
-            model.rotary_pos_emb.inv_freq = model.rotary_pos_emb._apply_scaling(
-                model.rotary_pos_emb.inv_freq, factor=cfg.model.rope_scaling_factor,
-                low_freq_factor=cfg.model.rope_scaling_low_freq_factor,
-                high_freq_factor=cfg.model.rope_scaling_high_freq_factor,
-                original_max_position_embeddings=cfg.model.rope_scaling_original_max_position_embeddings)
+        portable.dispatch_on_host(model)
+    portable.rope(model, rope_scaling(cfg.model))
     if getattr(model, "output_layer", None) is not None:
         mask_vocab_padding(model.output_layer, cfg)
     mark_qk_layernorm(model)

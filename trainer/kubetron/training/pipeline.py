@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kubetron.compat.megatron_core import portable
 from kubetron.training import moe
 from kubetron.training.grads import shared_embedding_weight
 from kubetron.training.utils import unpack_loss
@@ -61,14 +62,8 @@ def _skip_cuda_embedding_sync(device: torch.device):
     if device.type == "cuda" or pp_size() == 1:
         yield
         return
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
-    original = LanguageModule._is_in_embd_group
-    LanguageModule._is_in_embd_group = lambda self: False
-    try:
+    with portable.embedding_sync_skipped():
         yield
-    finally:
-        LanguageModule._is_in_embd_group = original
 
 
 def sync_shared_embeddings(model: list[torch.nn.Module]):

@@ -1,0 +1,39 @@
+"""kubetron/compat: each adaptation of another library states the versions it was checked against; the
+installed ones must be inside (a pin bumped past a range fails here, so the adaptations get re-checked),
+and installing on any other version refuses in one line."""
+
+from __future__ import annotations
+
+import pytest
+from kubetron import compat
+from kubetron.compat import megatron_core
+from kubetron.compat import torch as torch_compat
+
+CHECKED = {"megatron-core": megatron_core.CHECKED, "torch": torch_compat.CHECKED}
+
+
+@pytest.mark.parametrize("distribution", sorted(CHECKED))
+def test_the_installed_version_is_one_the_adaptations_were_checked_against(distribution):
+    compat.require_checked(distribution, CHECKED[distribution])
+
+
+@pytest.mark.parametrize(("version", "checked"), [("2.11.0a0+git3f5e2b1", True), ("2.13.0+cpu", True),
+                                                  ("2.10.1", False), ("2.14.0", False)])
+def test_a_pre_release_or_local_build_counts_as_its_release(monkeypatch, version, checked):
+    monkeypatch.setattr(compat, "installed_version", lambda distribution: version)
+    if checked:
+        compat.require_checked("torch", torch_compat.CHECKED)
+    else:
+        with pytest.raises(compat.UncheckedVersionError):
+            compat.require_checked("torch", torch_compat.CHECKED)
+
+
+@pytest.mark.parametrize(("distribution", "install"), [("megatron-core", megatron_core.install),
+                                                       ("torch", lambda: torch_compat.compile_deferred().__enter__())])
+def test_installing_on_an_unchecked_version_refuses_in_one_line(monkeypatch, distribution, install):
+    monkeypatch.setattr(compat, "installed_version", lambda d: "99.0.0" if d == distribution else "0.16.1")
+    with pytest.raises(compat.UncheckedVersionError) as refused:
+        install()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{distribution} 99.0.0 is installed;") and CHECKED[distribution] in message
