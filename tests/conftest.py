@@ -5,7 +5,11 @@ from tests.s3server import s3_server  # noqa: F401 - a pytest fixture, re-export
 
 
 def pytest_configure(config):
-    """As `kubetron train` does first: megatron-core imported the trainer's way before a test module imports it."""
-    from kubetron.compat import megatron_core
+    """As `kubetron train` does first: megatron-core imported the trainer's way before a test module imports it
+    (where it is installed: the operator's tests run without the trainer's extras too)."""
+    import importlib.util
 
-    megatron_core.install()
+    if importlib.util.find_spec("megatron") is not None:
+        from kubetron.compat import megatron_core
+
+        megatron_core.install()

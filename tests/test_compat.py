@@ -36,4 +36,13 @@ def test_installing_on_an_unchecked_version_refuses_in_one_line(monkeypatch, dis
         install()
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith(f"{distribution} 99.0.0 is installed;") and CHECKED[distribution] in message
+    assert message.startswith(f"{distribution}: 99.0.0 is installed;") and CHECKED[distribution] in message
+
+
+def test_the_torchrun_launcher_refuses_an_unchecked_torch_in_one_line(monkeypatch, capsys):
+    from kubetron import torchrun
+
+    monkeypatch.setattr(compat, "installed_version", lambda d: "2.20.0")
+    assert torchrun.main(["--nproc-per-node", "1", "-m", "kubetron", "--help"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kubetron.torchrun: torch: 2.20.0 is installed;") and torch_compat.CHECKED in line

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,21 @@ def test_every_operator_and_core_requirement_is_pinned():
 def test_kopf_has_an_upper_bound():
     (kopf,) = [r for r in requirements() if r.name == "kopf"]
     assert any(s.operator == "<" for s in kopf.specifier), "kopf needs an upper bound (a major release may break us)"
+
+
+def test_the_ranges_of_adapted_libraries_are_the_ones_their_adaptations_were_checked_against():
+    """pip installs only versions whose internals kubetron's adaptations were read against (else the trainer
+    or the operator refuses to start on what pip chose)."""
+    from kubetron.compat import megatron_core
+    from kubetron.compat import torch as torch_compat
+    from kubetron_operator import compat_kopf
+
+    checked = {"kopf": compat_kopf.CHECKED_TEXT, "megatron-core": megatron_core.CHECKED, "torch": torch_compat.CHECKED}
+    ranges: dict[str, set[str]] = {}
+    for r in requirements():
+        if r.name in checked:
+            ranges.setdefault(r.name, set()).add(str(r.specifier))
+    assert {name: {str(SpecifierSet(spec))} for name, spec in checked.items()} == ranges
 
 
 def test_this_venv_runs_the_pinned_operator_stack():

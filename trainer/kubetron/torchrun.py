@@ -17,6 +17,11 @@ SIGTERM saved, ...) is not restarted, and the pod ends as without restarts; its 
 rendezvous, so the other pods' agents, restarting after the peer failure their ranks saw, end too (one
 line, exit 1; the launcher then exits with their ranks' PeerFailure). Each restart is appended, one
 JSON line, to `RESTARTS_FILE` in the launcher's messages directory.
+
+What this changes in torch's elastic agent and rendezvous (the `_`-functions below, installed by `main`,
+never at import) was read against the torch versions `kubetron.compat.torch.CHECKED` names; on any other
+torch, `main` refuses in one line (exit 2) before adapting anything. (They stay here, beside the recovery
+rules they serve, rather than in kubetron/compat: a move left for later, issue 35.)
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from kubetron.compat import require_checked
 from kubetron.contract import exitcodes
+from kubetron.contract.errors import ConfigError
 from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause
 from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.progress import JOB_ID_ENV
@@ -251,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    from kubetron.compat.torch import CHECKED as TORCH_CHECKED
+
+    try:  # the agent's internals below were read against these torch versions only
+        require_checked("torch", TORCH_CHECKED)
+    except ConfigError as exc:
+        print(f"kubetron.torchrun: {exc}", file=sys.stderr, flush=True)
+        return exitcodes.CONFIG_ERROR
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     dog = _watchdog(args.training_script_args)
     if dog is not None:

@@ -14,9 +14,12 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from kubetron.contract.errors import ConfigError
 
-class UncheckedVersionError(RuntimeError):
-    """An installed library's version is outside the range a compat module was checked against."""
+
+class UncheckedVersionError(ConfigError):
+    """An installed library's version is outside the range a compat module was checked against (the CLI
+    prints it as one line, `<library>: <version> is installed; ...`, and exits 2)."""
 
 
 def installed_version(distribution: str) -> str:
@@ -28,6 +31,6 @@ def require_checked(distribution: str, checked: str) -> None:
     pre-release or local build (NGC's `2.11.0a0+git...`) counts as its release."""
     version = installed_version(distribution)
     if Version(Version(version).base_version) not in SpecifierSet(checked):
-        raise UncheckedVersionError(f"{distribution} {version} is installed; kubetron's adaptations of it were "
-                                    f"checked against {checked} only (kubetron/compat): re-check them, then widen "
-                                    "the range")
+        raise UncheckedVersionError(distribution, f"{version} is installed; kubetron's adaptations of it were "
+                                                  f"checked against {checked} only (kubetron/compat): re-check "
+                                                  "them, then widen the range")
