@@ -479,7 +479,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _tokenizer_from_args(args: argparse.Namespace):
-    from kubetron.config import TokenizerConfig
+    from kubetron.contract.config import TokenizerConfig
 
     section = TokenizerConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                               vocab_file=args.vocab_file, merge_file=args.merge_file)

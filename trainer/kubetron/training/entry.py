@@ -103,16 +103,11 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
          signal_handler: SignalHandler | None = None, **non_loss):
     from megatron.core import parallel_state
 
-    from kubetron.checkpoint.manager import (
-        CheckpointManager,
-        adopt_checkpoint_tokenizer,
-        check_before_build,
-        open_save_store,
-    )
+    from kubetron.checkpoint.manager import CheckpointManager, adopt_checkpoint_tokenizer, open_save_store
     from kubetron.data import build_train_valid_test_data_iterators
     from kubetron.data.datasets import check_data_tokenizer
     from kubetron.data.loader import build_tokenizer_from_config
-    from kubetron.training import pipeline
+    from kubetron.training import first_weights, pipeline
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
     from kubetron.training.optim import LRScheduler, build_optimizer
@@ -143,7 +138,7 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
         state.signal_handler = signal_handler or SignalHandler(exit_signals(cfg))
 
     from_pretrained = mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)
-    check_before_build(cfg, finetune=from_pretrained)  # what needs no model fails before it is built
+    first_weights.check_before_build(cfg, finetune=from_pretrained)  # what needs no model fails before it is built
     if not cfg.finetuning.data_path:  # indexed data: made by this run's tokenizer?
         check_data_tokenizer(cfg.dataset, build_tokenizer_from_config(cfg))
     model = pipeline.build(cfg, device, build_model)  # build_model + PP shared-embedding setup on CPU
@@ -160,7 +155,8 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     CLOCK.mark("model + data")
     ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
                              train_state=state.train_state, data=(train_it, valid_it), run_id=run_id,
-                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
+                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time,
+                             load_hf=first_weights.load_hf)
     state.ckpt = ckpt
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
     ckpt.load(finetune=from_pretrained)
