@@ -93,7 +93,7 @@ class Snapshot:
     run_config: str | None
     progress_fields: dict | None
     tokenizer: dict | None = None  # {file name: bytes} of a file-based tokenizer (rank 0 only)
-    copied: object = None  # CUDA: an event after the device→host copies (the buffers are valid once it is)
+    copied: torch.cuda.Event | None = None  # CUDA: an event after the device→host copies (then the buffers are valid)
 
 
 LoadHF = Callable[[list, Any, str, Callable[[str], bool] | None], dict | None]
@@ -283,12 +283,13 @@ class CheckpointManager:
         self.finalize(blocking=True)  # one save in flight at a time
         snap = self.snapshot(step)
         name = (f"{NON_PERSISTENT}/" if non_persistent else "") + iter_dir(step)
-        use_async = self.async_saver is not None and not (blocking or False)
-        holder = {}  # the transaction is opened in write(): on S3 that is a few requests, off the loop
+        saver = None if blocking else self.async_saver
+        use_async = saver is not None
+        holder: dict[str, Any] = {}  # the transaction is opened in write(): on S3 that is a few requests, off the loop
         write = lambda: self._write(name, snap, holder)  # noqa: E731
         finalize = lambda: self._commit(name, snap, holder, non_persistent, use_async, t0)  # noqa: E731
-        if use_async:
-            self.async_saver.schedule(write, finalize)
+        if saver is not None:
+            saver.schedule(write, finalize)
             blocked = time.perf_counter() - t0
             if not non_persistent:
                 self._blocked[step] = blocked
@@ -330,6 +331,7 @@ class CheckpointManager:
                 torch.save(snap.common, f)
             wrote()
             _chaos("after-common", it)
+            assert snap.run_config is not None  # (rank 0's snapshot, like common)
             txn.write_bytes(RUN_CONFIG, snap.run_config.encode())
             for file_name, data in (snap.tokenizer or {}).items():  # a checkpoint is self-contained
                 txn.write_bytes(f"{TOKENIZER_DIR}/{file_name}", data)
@@ -344,6 +346,7 @@ class CheckpointManager:
             holder["txn"].commit(json.dumps(marker).encode())
             _chaos("after-commit", snap.iteration)
             if not non_persistent:
+                assert snap.common is not None and snap.progress_fields is not None  # (rank 0's snapshot)
                 tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
                            "time": marker["time"]}
                 self.save_store.replace_tracker(TRACKER, to_bytes(tracker))

@@ -77,6 +77,8 @@ def _causal_window(s: int, window: int, device) -> torch.Tensor:
 class PortableRotaryEmbedding(mcore_rope.RotaryEmbedding):
     """mcore's RoPE without the hard-coded move of `inv_freq` to CUDA (the model moves it)."""
 
+    inv_freq: torch.Tensor
+
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # (s, dim/2)
         if self.rotary_interleaved:
@@ -270,7 +272,7 @@ def mark_qk_layernorm(model: torch.nn.Module):
     grad sync, grads.summed_over_tp, by this mark)."""
     for name, p in model.named_parameters():
         if ".q_layernorm." in name or ".k_layernorm." in name:
-            p.qk_layernorm = True
+            p.qk_layernorm = True  # type: ignore[attr-defined]  # a parameter attribute, as megatron's (no stub)
 
 
 def mask_vocab_padding(output_layer: torch.nn.Module, cfg):

@@ -44,8 +44,8 @@ log = logging.getLogger("kubetron")
 class LoRAAdapter(torch.nn.Module):
     """B(A(x)) * alpha/dim for one parallel linear; `row` selects the row-parallel layout."""
 
-    def __init__(self, base: torch.nn.Module, row: bool, dim: int, alpha: float, dropout: float,
-                 dropout_position: str, seed: int):
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, row: bool, dim: int, alpha: float,
+                 dropout: float, dropout_position: str, seed: int):
         super().__init__()
         tp, r = (parallel_state.get_tensor_model_parallel_world_size(),
                  parallel_state.get_tensor_model_parallel_rank())
@@ -62,11 +62,13 @@ class LoRAAdapter(torch.nn.Module):
             self.linear_in.weight.copy_(a_full.chunk(tp, dim=1)[r] if row else a_full)
             self.linear_out.weight.zero_()
         split = self.linear_in.weight if row else self.linear_out.weight
-        split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, 1 if row else 0, 1
+        # megatron-core's parameter attributes (torch's stubs have no place for them)
+        split.tensor_model_parallel, split.partition_dim, split.partition_stride = (  # type: ignore[attr-defined]
+            True, 1 if row else 0, 1)
         expert_parallel = not getattr(base.weight, "allreduce", True)  # an MoE expert's linear under EP
         for p in self.parameters():
-            p.is_adapter = True
-            p.allreduce = not expert_parallel  # its gradient is reduced over the experts' DP group, like the base's
+            p.is_adapter = True  # type: ignore[attr-defined]  # (a parameter attribute, as megatron's)
+            p.allreduce = not expert_parallel  # type: ignore[attr-defined]  # reduced over the experts' DP group, like the base's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout_position == "pre":
