@@ -1,8 +1,8 @@
 """Checks that read the code without running it: mypy over the operator, the trainer's contract and its
 data, checkpoint, hf and training packages (the files and settings of pyproject.toml's [tool.mypy]; a cold
 run takes about 50 s of CPU, torch's stubs most of it), test modules that share code only through helper
-modules, and the shape of the two packages (tests/code_graph.py): no import cycle, no import against the trainer's package order, no use of another
-module's private names, no constant defined twice."""
+modules, and the shape of the two packages (tests/code_graph.py): no import cycle, no import against the
+trainer's package order, no use of another module's private names, no constant defined twice."""
 
 from __future__ import annotations
 
