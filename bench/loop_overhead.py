@@ -58,7 +58,7 @@ def parse_args(argv=None):
 
 
 def build(args):
-    """Config, state and training objects, as kubetron.training.entry._run builds them."""
+    """Config, state and training objects, as kubetron.training.run.build_run builds them."""
     from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.config import ConfigContainer
     from kubetron.data import build_data_iterators

@@ -109,6 +109,7 @@ def write_bridge(model, root: Path, iteration: int):
 def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     """What `kubetron train` builds before it loads: the model, optimizer, scheduler, state, CheckpointManager."""
     from kubetron.checkpoint.manager import CheckpointManager, open_save_store
+    from kubetron.training import first_weights
     from kubetron.training.model import build_model
     from kubetron.training.optim import LRScheduler, build_optimizer
     from kubetron.training.state import GlobalState
@@ -120,5 +121,5 @@ def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     scheduler = LRScheduler(optimizer, cfg)
     state = GlobalState(cfg=cfg)
     ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
-                             train_state=state.train_state, run_id="interop")
+                             train_state=state.train_state, run_id="interop", load_hf=first_weights.load_hf)
     return model, ckpt

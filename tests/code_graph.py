@@ -1,8 +1,9 @@
 """The import graph and module-level constants of the two packages, read from source (AST), not by importing.
 
 Used by tests/test_static_checks.py: import cycles (at module and function level: an import inside a
-function is an edge too), uses of another module's `_private` names, module constants that define the
-same string twice, and assignments into other libraries (monkeypatches).
+function is an edge too), imports against the trainer's package order (TRAINER_ORDER), uses of another
+module's `_private` names, module constants that define the same string twice, and assignments into other
+libraries (monkeypatches).
 """
 
 from __future__ import annotations
@@ -14,6 +15,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = (REPO / "trainer" / "kubetron", REPO / "operator" / "kubetron_operator")
+
+TRAINER_ORDER = (
+    "__init__",  # kubetron/__init__.py: the version
+    "contract",  # the typed, torch-free, I/O-free half the operator shares (docs/CONTRACT.md)
+    "compat",  # megatron-core/torch adaptations: imports nothing of kubetron but the contract
+    "storage",  # a directory or s3://, transactions that commit with a marker
+    "termination_log", "startup", "heartbeat", "progress_io", "watchdog",  # small I/O leaves of the process
+    "data",  # tokenizers, datasets, loaders, preprocessing
+    "config",  # the contract's config, resolved where the trainer runs (reads the tokenizer's files)
+    "checkpoint",  # the on-store format, the formats, the manager: handed what it loads, never the trainer's
+    "hf",  # Hugging Face import/export: reads and writes checkpoints, converts weights
+    "training",  # model, loop, evaluation, and the run built from everything below
+    "plan", "torchrun", "launch",  # what starts the training processes
+    "client", "client_cli", "cli", "__main__",  # the commands
+)
+"""The trainer's packages (`kubetron.<first component>`), lowest first: a module imports only from its own
+package and the packages before it. A lower package is handed what it needs (a loader, a filter) instead."""
 
 
 def _private(name: str) -> bool:
@@ -197,6 +215,25 @@ def cycles(graph: Graph) -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def package_of(module: str) -> str:
+    """The package of TRAINER_ORDER (or of any order over one root) that `module` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def unplaced(graph: Graph, order: tuple[str, ...] = TRAINER_ORDER, root: str = "kubetron") -> set[str]:
+    """The packages under `root` that `order` does not name."""
+    return {package_of(m) for m in graph.files if m.split(".")[0] == root} - set(order)
+
+
+def back_arrows(graph: Graph, order: tuple[str, ...] = TRAINER_ORDER, root: str = "kubetron") -> set[tuple[str, str]]:
+    """(importer, imported) module pairs under `root` where a package imports one that `order` puts after it."""
+    rank = {name: i for i, name in enumerate(order)}
+    return {(module, target) for module, targets in graph.edges.items() if module.split(".")[0] == root
+            for target in targets if target.split(".")[0] == root
+            and rank[package_of(target)] > rank[package_of(module)]}
 
 
 def string_constants(graph: Graph) -> dict[str, list[str]]:

@@ -124,9 +124,9 @@ def test_resume_names_settings_changed_since_the_checkpoint(saved, caplog):
 
 def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp_path):
     """A job at 2 GPUs did 1e15 FLOPs; this job (1 GPU) adds 3e12 in ~1 s: ~3 TFLOP/s, not ~1000."""
+    from kubetron.checkpoint.progress_log import ProgressLog
     from kubetron.contract import progress
     from kubetron.storage import open_store
-    from kubetron.training.progress_log import ProgressLog
     from kubetron.training.state import GlobalState
 
     store = open_store(str(tmp_path))

@@ -62,7 +62,7 @@ def test_megatron_configs_follow_kubetron_sections():
 # --- collectives on the backend's device -------------------------------------------------------------
 
 def test_collective_device_follows_the_backend(monkeypatch):
-    from kubetron.training import comm
+    from kubetron.checkpoint import comm
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -75,7 +75,7 @@ def test_collective_device_follows_the_backend(monkeypatch):
 def test_any_rank_reduces_on_the_collective_device(monkeypatch):
     """comm.any_rank (the checkpoint manager's signal and exit flags, the straggler's) puts its tensor where the
     group's backend wants it: asked of collective_device, not a bare CPU tensor."""
-    from kubetron.training import comm
+    from kubetron.checkpoint import comm
 
     asked, seen = [], []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

@@ -139,9 +139,9 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     computes what kubetron's base + adapters compute; --adapter-only is one line, exit 2, nothing written
     (PEFT has no by-name form for transformers' fused expert parameters)."""
     from kubetron.checkpoint import canonical
+    from kubetron.checkpoint.adapters import is_adapter_name, is_base_name
     from kubetron.cli import main
     from kubetron.hf.io import import_hf, read_checkpoint
-    from kubetron.training import peft
     from kubetron.training.model import build_model
 
     hf = make_tiny_mixtral(tmp_path / "hf")
@@ -164,8 +164,8 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     cfg = config_for(keys, *lora[:3], f"checkpoint.pretrained_checkpoint={tmp_path / 'ckpt'}")
     model = build_model(cfg, torch.device("cpu"))
     base = imported_tensors(tmp_path / "ckpt")
-    canonical.load_model_state(model, base, keep=peft.is_base_name)
-    canonical.load_model_state(model, adapters, keep=peft.is_adapter_name)
+    canonical.load_model_state(model, base, keep=is_base_name)
+    canonical.load_model_state(model, adapters, keep=is_adapter_name)
     merged = hf_logits(tmp_path / "merged")
     diff = (kubetron_logits(model[0]) - merged).abs().max().item()
     print(f"Mixtral, LoRA on experts: kubetron base + adapters vs transformers on the merged export {diff:.3g}")

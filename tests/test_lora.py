@@ -142,8 +142,8 @@ def test_two_ranks_equal_one_rank(base, reference, tmp_path, layout):
 
 def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_path):
     from kubetron.checkpoint import canonical
+    from kubetron.checkpoint.adapters import is_adapter_name, is_base_name
     from kubetron.hf.io import export_hf, load_hf_canonical, read_checkpoint
-    from kubetron.training import peft
     from kubetron.training.model import build_model
     from safetensors.torch import load_file
 
@@ -152,8 +152,8 @@ def test_merged_export_equals_base_plus_adapter_forward(base, reference, tmp_pat
     ensure_world_of_one()
     cfg = config_for(base.keys, *LORA, f"checkpoint.pretrained_checkpoint={base.hf}")
     model = build_model(cfg, torch.device("cpu"))
-    canonical.load_model_state(model, load_hf_canonical(str(base.hf))[1], keep=peft.is_base_name)
-    canonical.load_model_state(model, read_checkpoint(str(reference.store))[1], keep=peft.is_adapter_name)
+    canonical.load_model_state(model, load_hf_canonical(str(base.hf))[1], keep=is_base_name)
+    canonical.load_model_state(model, read_checkpoint(str(reference.store))[1], keep=is_adapter_name)
     adapted = kubetron_logits(model[0])
     merged = hf_logits(tmp_path / "merged")
     diff = (adapted - merged).abs().max().item()
@@ -213,15 +213,15 @@ def test_adapter_checkpoint_without_its_peft_section_is_exit_2(base, reference, 
     p = run(args, tmp_path)
     assert p.returncode == exitcodes.CONFIG_ERROR, p.stderr[-3000:]
     assert p.stderr.strip().count("\n") == 0 and "peft.scheme" in p.stderr and "adapters only" in p.stderr
+    from kubetron.checkpoint import adapters
     from kubetron.contract.errors import ConfigError
-    from kubetron.training import peft
 
     cfg = config_for(base.keys, *LORA, f"checkpoint.pretrained_checkpoint={base.hf}", "peft.dim=8")
     saved = {"dim": DIM, "target_modules": list(cfg.peft.target_modules), "pretrained_checkpoint": str(base.hf)}
     with pytest.raises(ConfigError, match="peft.dim"):
-        peft.load_filter(saved, cfg, "iter_0000020", as_pretrained=False)
+        adapters.load_filter(saved, cfg, "iter_0000020", as_pretrained=False)
     with pytest.raises(ConfigError, match="checkpoint.pretrained_checkpoint"):
-        peft.load_filter(saved, cfg, "iter_0000020", as_pretrained=True)
+        adapters.load_filter(saved, cfg, "iter_0000020", as_pretrained=True)
 
 
 @pytest.mark.parametrize("position", ["pre", "post"])

@@ -345,7 +345,8 @@ def test_status_endpoint_is_refreshed_between_distant_log_intervals(monkeypatch)
         logger=SimpleNamespace(tensorboard_dir=None, throughput_window_size=100, log_interval=1000),
         train=SimpleNamespace(train_iters=500, global_batch_size=8), model=SimpleNamespace(seq_length=64))
     state = SimpleNamespace(train_state=SimpleNamespace(step=100, consumed_train_samples=800),
-                            ckpt=SimpleNamespace(last_durable=100, last_durable_time="t100"), world_size=1)
+                            ckpt=SimpleNamespace(last_durable=100, last_durable_time="t100", last_save_seconds=None,
+                                                 last_blocked_seconds=None), world_size=1)
     updates: list[tuple[float, dict[str, Any]]] = []
     status = SimpleNamespace(update=lambda **f: updates.append((clock[0], f)))
     logger = metrics.MetricsLogger(cfg, state, writes=False, status=status)

@@ -31,7 +31,9 @@ parameter; anything else (`step`) is copied.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,7 +124,7 @@ def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     params = dict(chunk.named_parameters())
     out = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()
            if tp_split(params.get(k)) is None}
-    split = [k for k in tensors if tp_split(params.get(k)) is not None]
+    split = {k: dim for k in tensors if (dim := tp_split(params.get(k))) is not None}  # name -> split dim
     if not split:
         return out
     if tp == 1:
@@ -138,7 +140,7 @@ def _gather_tp(chunk, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         n = t.numel()
         shards = [p[pos:pos + n].view(t.shape).to(t.dtype) for p in parts]
         pos += n
-        dim = tp_split(params[k])
+        dim = split[k]
         if is_gated_fc1(chunk, k):
             halves = [s.chunk(2, dim=0) for s in shards]
             out[k] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -183,9 +185,9 @@ def _gather_pp(obj: dict) -> dict:
     group = parallel_state.get_pipeline_model_parallel_group()
     dst = parallel_state.get_pipeline_model_parallel_first_rank()
     is_dst = dist.get_rank() == dst
-    gathered = [None] * pp if is_dst else None
+    gathered: list[Any] | None = [None] * pp if is_dst else None
     dist.gather_object(obj, gathered, dst=dst, group=group)
-    if not is_dst:
+    if gathered is None:  # (not the destination)
         return {}
     merged: dict = {}
     for part in gathered:
@@ -241,7 +243,7 @@ def _held_elsewhere(chunk, name: str, pp: int) -> bool:
     return pp > 1
 
 
-def load_model_state(model: list[torch.nn.Module], full: dict[str, torch.Tensor], keep=None):
+def load_model_state(model: list[torch.nn.Module], full: Mapping[str, torch.Tensor], keep=None):
     """Copy this rank's part of the canonical tensors into its parameters (`keep(name)`: only some)."""
     chunk = model[0]
     pp = _sizes()[1]

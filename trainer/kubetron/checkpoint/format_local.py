@@ -9,11 +9,11 @@ import json
 import torch
 import torch.distributed as dist
 
+from kubetron.checkpoint import comm
 from kubetron.checkpoint.layout import TENSOR_DTYPES, brief, committed_iterations, iter_dir, safe_load
 from kubetron.contract.errors import CheckpointError
 from kubetron.contract.times import stamp
 from kubetron.storage import open_store
-from kubetron.training import comm
 
 STATE = "state.pt"
 

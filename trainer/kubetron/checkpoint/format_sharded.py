@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import torch
 from megatron.core import parallel_state
@@ -59,6 +61,16 @@ class Piece:
     global_shape: tuple[int, ...]
     box: list[tuple[int, int]]
     data: torch.Tensor
+
+
+class ShardLike(Protocol):
+    """What `write` streams: pieces (a RankShard's, or made as they are written) and non-tensor values."""
+
+    @property
+    def pieces(self) -> Iterable[Piece]: ...
+
+    @property
+    def values(self) -> dict[str, object]: ...
 
 
 @dataclass
@@ -310,13 +322,13 @@ def _shifted(box, start) -> list[tuple[int, int]]:
     return [(s + x, s + y) for s, (x, y) in zip(start, box, strict=True)]
 
 
-def write(txn, rank: int, shard: RankShard, after_data=None) -> int:
+def write(txn, rank: int, shard: ShardLike, after_data=None) -> int:
     """Stream this rank's pieces into the transaction (no pickle, no staging); returns bytes written."""
     entries, offset = [], 0
     with txn.open_write(shard_key(rank)) as f:
         for p in shard.pieces:
             raw = p.data.contiguous().view(-1).view(torch.uint8).numpy()
-            f.write(memoryview(raw))
+            f.write(memoryview(raw))  # type: ignore[arg-type]  # (numpy's stubs: an ndarray is no Buffer)
             entries.append({"name": p.name, "dtype": str(p.data.dtype).removeprefix("torch."),
                             "global_shape": list(p.global_shape), "box": [list(b) for b in p.box],
                             "offset": offset, "nbytes": raw.nbytes})
@@ -397,7 +409,7 @@ class ShardReader:
     allocates is bounded by its model and by the shard files' real sizes (the store checks each byte range
     against its file before reading)."""
 
-    def __init__(self, store, name: str, num_shards: int):
+    def __init__(self, store, name: str, num_shards: object):  # (common.pt's entry: checked here)
         self.store, self.name = store, name
         self.pieces: dict[str, list[dict]] = {}
         self.values: dict[str, object] = {}
@@ -410,8 +422,8 @@ class ShardReader:
             except FileNotFoundError as e:
                 raise CheckpointError(f"cannot read {key}: {e}") from None
             pieces, values = check_index(index, key)
-            for e in pieces:
-                self.pieces.setdefault(e["name"], []).append({**e, "rank": r})
+            for entry in pieces:
+                self.pieces.setdefault(entry["name"], []).append({**entry, "rank": r})
             self.values.update(values)
         for n, entries in self.pieces.items():
             _check_consistent(n, entries, name)
@@ -571,7 +583,9 @@ def _read_ranges(model, reader: ShardReader, ranges, require: bool = False) -> l
     params = dict(chunk.named_parameters())
     names = {p: k for k, p in params.items()}
     saved_any = require and any(n.startswith("optim/") for n in [*reader.pieces, *reader.values])
-    out, slots, wants = [], [], []
+    out: list[tuple[torch.nn.Parameter, int, int, dict]] = []
+    slots: list[tuple[dict, str, int]] = []  # (state, key, boxes): where each read lands
+    wants: list[tuple[str, list]] = []  # (piece name, box) to read
     for p, lo, hi in ranges:
         k = names[p]
         src = canonical.source_name(chunk, k, offsets)
@@ -611,7 +625,8 @@ def read_canonical(store, name: str) -> tuple[dict[str, torch.Tensor], dict[str,
     reader = ShardReader(store, name, common.get("num_shards") if isinstance(common, dict) else None)
     names = sorted(reader.pieces)
     full = reader.read_many([(n, [(0, g) for g in reader.global_shape(n)]) for n in names])
-    model, optim = {}, {}
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict] = {}
     for n, t in zip(names, full, strict=True):
         kind, rest = n.split("/", 1)
         if kind == "model":

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 try:  # the compiled snapshot copy (setup.py); absent where the install had no C compiler
-    from kubetron.checkpoint import _hostcopy
+    from kubetron.checkpoint import _hostcopy  # type: ignore[attr-defined]  # a C extension: no stub
 except ImportError:  # tests set it to None to run the fallback
     _hostcopy = None
 
@@ -58,7 +58,8 @@ class HostBuffers:
         all run, back to back, when the block ends (none if it raises). Python work between copies of MBs
         runs on caches those copies just flushed: ~12 us a piece, 2.5 ms of a 15 ms snapshot of 200
         pieces (bench/checkpoint.py)."""
-        self._queued = queued = []
+        queued: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        self._queued = queued
         try:
             yield
         finally:

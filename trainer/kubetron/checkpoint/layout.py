@@ -26,6 +26,7 @@ import pickle
 import re
 import reprlib
 import zipfile
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -144,7 +145,7 @@ def check_torch_zip(f, what: str, start: int = 0, length: int | None = None):
                                   "outside the file (torch.save writes neither)")
 
 
-def safe_load(data: bytes | io.IOBase, what: str):
+def safe_load(data: bytes | IO[bytes], what: str):
     """torch.load that refuses anything but tensors and plain containers (no code from a store), of a zip
     archive check_torch_zip accepts (memory within the file's size)."""
     f = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
@@ -211,7 +212,7 @@ def tracked_iteration(store) -> int | None:
     Bridge's (its TrainState, {"step": ...}) or Megatron-LM's `latest_checkpointed_iteration.txt`."""
     if store.exists(TRACKER):
         tracker = safe_load(store.read_bytes(TRACKER, limit=MAX_SMALL), TRACKER)
-        value = tracker.get("iteration", tracker.get("step")) if isinstance(tracker, dict) else None
+        value: Any = tracker.get("iteration", tracker.get("step")) if isinstance(tracker, dict) else None
     elif store.exists(MEGATRON_LM_TRACKER):
         value = store.read_bytes(MEGATRON_LM_TRACKER, limit=MAX_SMALL).decode(errors="replace").strip()
     else:

@@ -9,18 +9,21 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kubetron import heartbeat
-from kubetron.checkpoint import format_kubetron, format_local, format_sharded, format_torch_dist
+from kubetron.checkpoint import adapters, comm, format_kubetron, format_local, format_sharded, format_torch_dist
 from kubetron.checkpoint.canonical import (
     load_optimizer_state_by_name,
     load_owned_optimizer_state,
     optimizer_state_by_name,
 )
+from kubetron.checkpoint.comm import any_rank
 from kubetron.checkpoint.hostcopy import HostBuffers
 from kubetron.checkpoint.layout import (
     CHECKPOINT_VERSION,
@@ -47,15 +50,13 @@ from kubetron.checkpoint.layout import (
     to_bytes,
     tokenizer_vocab,
 )
+from kubetron.checkpoint.progress_log import ProgressLog
 from kubetron.checkpoint.rng import get_rng_state, set_rng_state
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.contract.hang import CHECKPOINT
 from kubetron.contract.times import stamp
 from kubetron.storage import open_store
-from kubetron.training import comm, peft
-from kubetron.training.comm import any_rank
-from kubetron.training.progress_log import ProgressLog
 
 log = logging.getLogger("kubetron")
 
@@ -92,7 +93,13 @@ class Snapshot:
     run_config: str | None
     progress_fields: dict | None
     tokenizer: dict | None = None  # {file name: bytes} of a file-based tokenizer (rank 0 only)
-    copied: object = None  # CUDA: an event after the device→host copies (the buffers are valid once it is)
+    copied: torch.cuda.Event | None = None  # CUDA: an event after the device→host copies (then the buffers are valid)
+
+
+LoadHF = Callable[[list, Any, str, Callable[[str], bool] | None], dict | None]
+"""(model, cfg, path, keep) -> the HF base's record, once the weights of the Hugging Face model directory
+`path` are in the model chunks (only the tensors whose names `keep` accepts; None: all); None when `path`
+is not a Hugging Face model directory."""
 
 
 def time_limit_reached(cfg, start_time: float) -> bool:
@@ -119,7 +126,8 @@ class CheckpointManager:
     """
 
     def __init__(self, cfg, store, *, model, optimizer, scheduler, train_state, data=(None, None), run_id: str,
-                 world_size: int | None = None, signal_handler=None, start_time: float | None = None):
+                 world_size: int | None = None, signal_handler=None, start_time: float | None = None,
+                 load_hf: LoadHF | None = None):
         self.cfg, self.save_store = cfg, store
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.train_state = train_state
@@ -128,6 +136,7 @@ class CheckpointManager:
         self.run_id = run_id  # same on all ranks: names the save transaction
         self.signal_handler = signal_handler  # SIGTERM/SIGINT: save and stop (train.exit_signal_handler)
         self.start_time = time.time() if start_time is None else start_time  # train.exit_duration_in_mins
+        self.load_hf = load_hf  # pretrained_checkpoint as a Hugging Face directory (kubetron.training.first_weights)
         self.progress = ProgressLog(cfg, store, train_state, self.world_size)
         self.buffers = HostBuffers()
         self._plan: dict = {}  # format_sharded.snapshot's cuts, worked out at the first save (the layout is fixed)
@@ -233,9 +242,9 @@ class CheckpointManager:
         by_name = optimizer_state_by_name(self.model, self.optimizer, with_state=owned is None) \
             if ck.save_optim and fmt != "torch_dist" else None
         if fmt == "sharded":
+            keep = adapters.is_adapter_name if adapters.enabled(self.cfg) else None
             shard = format_sharded.snapshot(self.model, by_name["state"] if by_name else None,
-                                     self.buffers, keep=peft.is_adapter_name if peft.enabled(self.cfg) else None,
-                                     owned=owned, plan=self._plan)
+                                            self.buffers, keep=keep, owned=owned, plan=self._plan)
         elif fmt == "kubetron":  # (torch_dist: every rank writes in write())
             model_sd, optim_sd = format_kubetron.snapshot(self.model, by_name, self.buffers)
         rank0 = _rank() == 0
@@ -274,12 +283,13 @@ class CheckpointManager:
         self.finalize(blocking=True)  # one save in flight at a time
         snap = self.snapshot(step)
         name = (f"{NON_PERSISTENT}/" if non_persistent else "") + iter_dir(step)
-        use_async = self.async_saver is not None and not (blocking or False)
-        holder = {}  # the transaction is opened in write(): on S3 that is a few requests, off the loop
+        saver = None if blocking else self.async_saver
+        use_async = saver is not None
+        holder: dict[str, Any] = {}  # the transaction is opened in write(): on S3 that is a few requests, off the loop
         write = lambda: self._write(name, snap, holder)  # noqa: E731
         finalize = lambda: self._commit(name, snap, holder, non_persistent, use_async, t0)  # noqa: E731
-        if use_async:
-            self.async_saver.schedule(write, finalize)
+        if saver is not None:
+            saver.schedule(write, finalize)
             blocked = time.perf_counter() - t0
             if not non_persistent:
                 self._blocked[step] = blocked
@@ -321,6 +331,7 @@ class CheckpointManager:
                 torch.save(snap.common, f)
             wrote()
             _chaos("after-common", it)
+            assert snap.run_config is not None  # (rank 0's snapshot, like common)
             txn.write_bytes(RUN_CONFIG, snap.run_config.encode())
             for file_name, data in (snap.tokenizer or {}).items():  # a checkpoint is self-contained
                 txn.write_bytes(f"{TOKENIZER_DIR}/{file_name}", data)
@@ -335,6 +346,7 @@ class CheckpointManager:
             holder["txn"].commit(json.dumps(marker).encode())
             _chaos("after-commit", snap.iteration)
             if not non_persistent:
+                assert snap.common is not None and snap.progress_fields is not None  # (rank 0's snapshot)
                 tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
                            "time": marker["time"]}
                 self.save_store.replace_tracker(TRACKER, to_bytes(tracker))
@@ -387,8 +399,8 @@ class CheckpointManager:
                          "pp": self.cfg.model.pipeline_model_parallel_size, "dp": self.cfg.data_parallel_size},
             "ckpt_format": fmt,
         }
-        if peft.enabled(self.cfg):  # adapter-only: the base is the pretrained checkpoint's
-            common["peft"] = peft.checkpoint_info(self.cfg)
+        if adapters.enabled(self.cfg):  # adapter-only: the base is the pretrained checkpoint's
+            common["peft"] = adapters.checkpoint_info(self.cfg)
         if self.hf_record:  # carried from the pretrained checkpoint to export-hf
             common["hf"] = self.hf_record
         if self.optimizer.loss_scaler is not None:  # fp16: a resume continues with the same scale
@@ -479,13 +491,14 @@ class CheckpointManager:
                 f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")
         if found is not None:
             return self._resume(*found, expected=expected)
-        if ck.exit_on_missing_checkpoint and ck.load and not (finetune or peft.enabled(self.cfg)):
+        if ck.exit_on_missing_checkpoint and ck.load and not (finetune or adapters.enabled(self.cfg)):
             raise CheckpointError(f"checkpoint.load={ck.load} holds no complete checkpoint "
                                   "(exit_on_missing_checkpoint is set)")
         if ck.load:
             log.info("checkpoint.load=%s holds no checkpoint: starting at iteration 0 from %s", ck.load,
-                     "the pretrained weights" if finetune or peft.enabled(self.cfg) else "freshly initialized weights")
-        if finetune or peft.enabled(self.cfg):
+                     "the pretrained weights" if finetune or adapters.enabled(self.cfg)
+                     else "freshly initialized weights")
+        if finetune or adapters.enabled(self.cfg):
             self._load_pretrained()
         return 0
 
@@ -505,15 +518,10 @@ class CheckpointManager:
         ck = self.cfg.checkpoint
         if not ck.pretrained_checkpoint:
             raise ConfigError("checkpoint.pretrained_checkpoint", "finetune needs a pretrained checkpoint")
-        from kubetron.hf import is_hf_dir
-
-        if is_hf_dir(ck.pretrained_checkpoint):  # a Hugging Face model directory: converted on load
-            from kubetron.hf.generation import record_of_hf_dir
-            from kubetron.hf.io import load_hf_into_model
-
-            self.hf_record = record_of_hf_dir(ck.pretrained_checkpoint)
-            load_hf_into_model(self.model, self.cfg, ck.pretrained_checkpoint,
-                               keep=peft.is_base_name if peft.enabled(self.cfg) else None)
+        keep = adapters.is_base_name if adapters.enabled(self.cfg) else None
+        hf_record = self.load_hf(self.model, self.cfg, ck.pretrained_checkpoint, keep) if self.load_hf else None
+        if hf_record is not None:  # a Hugging Face model directory: converted on load
+            self.hf_record = hf_record
             self.optimizer.reload_model_params()
             log.info("finetuning from the Hugging Face model in %s", ck.pretrained_checkpoint)
             return
@@ -530,7 +538,7 @@ class CheckpointManager:
         log.info("finetuning from weights of %s/%s (iteration %d); training starts at 0", store.url, name, iteration)
 
     def _load_megatron(self, store, name: str, backend: str):
-        if backend != "torch_dist" or peft.enabled(self.cfg):
+        if backend != "torch_dist" or adapters.enabled(self.cfg):
             raise ConfigError("checkpoint.pretrained_checkpoint",
                               f"{store.url}/{name} is a megatron-core {backend} checkpoint: kubetron reads megatron's "
                               "torch_dist format" + (", and not as a LoRA base" if backend == "torch_dist" else ""))
@@ -558,8 +566,8 @@ class CheckpointManager:
         device = next(model[0].parameters()).device
         with_optim = full and ck.load_optim
         optim_state = owned = None
-        keep = peft.load_filter(common.get("peft"), self.cfg, name, as_pretrained=not full)
-        if keep is peft.is_adapter_name:  # an adapter-only checkpoint: first the frozen base
+        keep = adapters.load_filter(common.get("peft"), self.cfg, name, as_pretrained=not full)
+        if keep is adapters.is_adapter_name:  # an adapter-only checkpoint: first the frozen base
             self._load_pretrained()
         if keep is not None and fmt == "torch_dist":
             raise ConfigError("checkpoint.pretrained_checkpoint", f"{name}: LoRA reads its base from a sharded "
@@ -595,32 +603,6 @@ class CheckpointManager:
             rng = safe_load(store.read_bytes(rng_key, limit=MAX_SMALL), rng_key)
             if rng:  # empty: saved with checkpoint.save_rng false by an older kubetron
                 set_rng_state(rng, rng_key)
-
-
-def check_before_build(cfg, *, finetune: bool) -> None:
-    """What `CheckpointManager.load` will check that needs no model, before the model is built: the
-    architecture of the checkpoint it will resume (checkpoint.load) or start from (pretrained_checkpoint: a
-    kubetron or megatron checkpoint, or an HF directory's config.json) against `model:`. A mismatch is the
-    same config error (exit 2) from every kind of checkpoint."""
-    ck = cfg.checkpoint
-    found = resolve_checkpoint(ck.load, ck.ckpt_step, cfg) if ck.load else None
-    if found is None and (finetune or peft.enabled(cfg)) and ck.pretrained_checkpoint:
-        from kubetron.hf import is_hf_dir
-
-        if is_hf_dir(ck.pretrained_checkpoint):
-            from kubetron.hf.io import check_hf_dir
-
-            return check_hf_dir(cfg, ck.pretrained_checkpoint)
-        found = resolve_checkpoint(ck.pretrained_checkpoint, None, cfg, non_persistent=False)
-    if found is None:
-        return None
-    store, name, _ = found
-    if format_torch_dist.megatron_backend(store, name) is not None:
-        return check_architecture(bridge_heads(store, name), cfg, name)
-    common = safe_load(store.read_bytes(f"{name}/{COMMON}"), f"{name}/{COMMON}")
-    sharded = common.get("ckpt_format") == "sharded"
-    return check_architecture(common.get("model_config", {}), cfg, name,
-                              saved_tokenizer_vocab=common.get("tokenizer_vocab_size") if sharded else None)
 
 
 def adopt_checkpoint_tokenizer(cfg) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ from kubetron.contract.errors import CheckpointError
 def get_rng_state() -> dict:
     """python, numpy, torch (and CUDA) generator states, in weights_only-loadable types."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state())  # the global MT19937's: a tuple (numpy's stubs: or a dict)
     state = {
         "random": [py[0], list(py[1]), py[2]],
         "np": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),

@@ -43,8 +43,8 @@ def compile_deferred() -> Iterator[None]:
     runs is the same; the real one is back on the way out."""
     require_checked("torch", CHECKED)
     real = torch.compile
-    torch.compile = compile_on_first_call(real)  # type: ignore[assignment]
+    torch.compile = compile_on_first_call(real)
     try:
         yield
     finally:
-        torch.compile = real  # type: ignore[assignment]
+        torch.compile = real

@@ -135,7 +135,7 @@ def idle_past_base(beat: Beat, override: float | None, now: float) -> bool:
 STOPPED, UNRESPONSIVE, ELSEWHERE, COLLECTIVE = "stopped", "unresponsive", "elsewhere", "collective"
 STATES = (STOPPED, UNRESPONSIVE, ELSEWHERE, COLLECTIVE)
 """How a stalled rank was found, in the order a hung gang's rank is named by (the first one found)."""
-_WAITING_ON_PEERS = ("/torch/distributed/", "/kubetron/training/comm.py")
+_WAITING_ON_PEERS = ("/torch/distributed/", "/kubetron/checkpoint/comm.py")
 
 
 def thread_blocks(dump: str) -> list[list[str]]:

@@ -477,7 +477,7 @@ def build_gpt_datasets(
         config.split_matrix = [m if w else None for m, w in zip(config.split_matrix, wanted)]
     _quiet_index_cache_notices()
     built = BlendedMegatronDatasetBuilder(_gpt_dataset_class(), list(sizes), lambda: True, config).build()
-    out = {name: (EndlessDataset(ds, name) if ds is not None and len(ds) > 0 else None)
+    out: dict[str, object | None] = {name: (EndlessDataset(ds, name) if ds is not None and len(ds) > 0 else None)
            for name, ds in zip(SPLIT_NAMES, built)}
     if out["train"] is None:
         raise ConfigError("dataset.data_path", f"the train split holds no sample of {seq_length + 1} tokens")

@@ -155,8 +155,9 @@ class FinetuningDataset:
 
     def sequence(self, group) -> dict[str, np.ndarray]:
         T = self.seq_length
-        out = {"tokens": np.full(T, self.pad, np.int64), "labels": np.full(T, self.pad, np.int64),
-               "loss_mask": np.zeros(T, np.float32), "position_ids": np.arange(T, dtype=np.int64)}
+        out: dict[str, np.ndarray] = {
+            "tokens": np.full(T, self.pad, np.int64), "labels": np.full(T, self.pad, np.int64),
+            "loss_mask": np.zeros(T, np.float32), "position_ids": np.arange(T, dtype=np.int64)}
         if self.packing:
             out["segment_ids"] = np.zeros(T, np.int64)
         pos = 0

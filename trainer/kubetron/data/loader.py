@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +75,7 @@ def _producer(
     """Thread body. Holds no reference to the DataIterator, so an unused iterator can be collected."""
     pos = start
     while not stop.is_set():
+        item: tuple[int, Any, BaseException | None]  # (position, batch, what making it raised)
         try:
             item = (pos, _make_batch(dataset, pos, mbs, dp_rank, dp_size, pin), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
@@ -173,14 +175,13 @@ class DataIterator:
                 self.pin_memory,
             )
         else:
-            if self._thread is None:
-                self._start_thread()
+            thread, q = self._prefetching()
             while True:
                 try:
-                    pos, batch, exc = self._queue.get(timeout=1.0)
+                    pos, batch, exc = q.get(timeout=1.0)
                     break
                 except queue.Empty:
-                    if not self._thread.is_alive():
+                    if not thread.is_alive():
                         raise RuntimeError(f"{self.name} data prefetch thread died") from None
             if exc is not None:
                 self._stop_thread()
@@ -190,15 +191,18 @@ class DataIterator:
         self._consumed += self.step
         return batch
 
-    def _start_thread(self) -> None:
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
+    def _prefetching(self) -> tuple[threading.Thread, queue.Queue]:
+        """The prefetch thread and its queue, started first when none runs."""
+        if self._thread is not None and self._queue is not None:
+            return self._thread, self._queue
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        thread = threading.Thread(
             target=_producer,
             args=(
                 self.dataset,
-                self._queue,
-                self._stop,
+                q,
+                stop,
                 self._consumed,
                 self.step,
                 self.micro_batch_size,
@@ -209,12 +213,14 @@ class DataIterator:
             name=f"kubetron-{self.name}-prefetch",
             daemon=True,
         )
-        self._thread.start()
+        self._thread, self._queue, self._stop = thread, q, stop
+        thread.start()
+        return thread, q
 
     def _stop_thread(self) -> None:
         thread, q, stop = self._thread, self._queue, self._stop
         self._thread = self._queue = self._stop = None
-        if thread is None:
+        if thread is None or q is None or stop is None:  # (none runs: the three are set together)
             return
         stop.set()
         while thread.is_alive():
@@ -287,7 +293,7 @@ def build_data_iterators(
     dp_size: int,
     train_consumed_samples: int = 0,
     valid_consumed_samples: int = 0,
-) -> tuple[DataIterator, DataIterator | None]:
+) -> tuple[DataIterator | None, DataIterator | None]:
     """Train and validation iterators for this data-parallel rank (see build_train_valid_test_data_iterators)."""
     train, valid, test = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size, train_consumed_samples,
                                                                valid_consumed_samples)
@@ -302,7 +308,7 @@ def build_train_valid_test_data_iterators(
     dp_size: int,
     train_consumed_samples: int = 0,
     valid_consumed_samples: int = 0,
-) -> tuple[DataIterator, DataIterator | None, DataIterator | None]:
+) -> tuple[DataIterator | None, DataIterator | None, DataIterator | None]:
     """Train, validation and test iterators for this data-parallel rank (the reference's name).
 
     Validation and test are None when their split holds no data or ``validation.eval_iters`` is 0; the

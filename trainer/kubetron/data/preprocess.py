@@ -358,7 +358,11 @@ class _Outputs:
                     os.remove(p)
 
 
-def _results(chunks: Iterator[tuple], workers: int, init_args: tuple):
+InitArgs = tuple[str, dict[str, bytes], tuple[str, ...], bool]
+"""_init_worker's arguments: tokenizer type, its files, the JSON keys, append_eod."""
+
+
+def _results(chunks: Iterator[tuple], workers: int, init_args: InitArgs):
     """Encoded chunks in input order: in this process, or from a pool of ``workers`` processes."""
     if workers <= 1:
         _init_worker(*init_args, pool=False)  # tokenizers' own batch encoder may use its threads
@@ -479,7 +483,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _tokenizer_from_args(args: argparse.Namespace):
-    from kubetron.config import TokenizerConfig
+    from kubetron.contract.config import TokenizerConfig
 
     section = TokenizerConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                               vocab_file=args.vocab_file, merge_file=args.merge_file)

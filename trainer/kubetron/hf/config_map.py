@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from kubetron.contract.errors import ConfigError
 
@@ -127,7 +128,7 @@ def model_section(hf: dict) -> dict:
     if theta != int(theta):
         raise ConfigError("config.json: rope_theta", f"{theta} is not a whole number (model.rotary_base is)")
     max_pos = int(_require(hf, "max_position_embeddings"))
-    m = {
+    m: dict[str, Any] = {
         "num_layers": int(_require(hf, "num_hidden_layers")),
         "hidden_size": hidden,
         "num_attention_heads": heads,

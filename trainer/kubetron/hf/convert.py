@@ -72,7 +72,7 @@ def _attention_units(m: dict, i: int) -> list[Unit]:
     return [*out, Unit(f"{pre}.linear_proj.weight", (f"{hf}.o_proj.weight",))]
 
 
-def _mlp_units(m: dict, i: int, moe: bool) -> list[Unit]:
+def _mlp_units(m: dict, i: int, moe: int) -> list[Unit]:  # moe: 1 for an MoE layer (moe_layer_pattern)
     """Layer i's MLP: a dense SwiGLU, or an MoE block's router and experts."""
     hf, pre = f"model.layers.{i}", f"decoder.layers.{i}.mlp"
     if not moe:
@@ -134,7 +134,10 @@ def hf_shapes(m: dict) -> dict[str, tuple[int, ...]]:
 def to_canonical(u: Unit, parts: list[torch.Tensor], m: dict) -> torch.Tensor:
     if u.kind == "same":
         return parts[0]
-    return torch.cat(parts, dim=0) if u.kind == "cat" else _fuse_qkv(*parts, m)
+    if u.kind == "cat":
+        return torch.cat(parts, dim=0)
+    q, k, v = parts
+    return _fuse_qkv(q, k, v, m)
 
 
 def to_hf(u: Unit, t: torch.Tensor, m: dict) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import yaml
@@ -44,6 +44,9 @@ from kubetron.contract.times import stamp
 from kubetron.data.tokenizer import CHAT_TEMPLATE_DIR  # transformers' named templates: <name>.jinja
 from kubetron.hf import config_map, convert, generation, weights
 from kubetron.hf.safetensors_io import write_file, write_files
+
+if TYPE_CHECKING:
+    from kubetron.storage import Store
 
 # HF tokenizer files carried along (import: into the checkpoint; export: back out of it), as transformers
 # writes them: the chat template in chat_template.jinja (transformers >= 4.43) or chat_template.json, or
@@ -177,7 +180,7 @@ def _write_import(hf_dir: str, out: str, m: dict, source: weights.Source, progre
     assert store.exists(f"{name}/{MARKER}")
 
 
-def _resolve(location: str) -> tuple[object, str]:
+def _resolve(location: str) -> tuple[Store, str]:
     """(store, iter dir) of the newest complete checkpoint at `location`."""
     from types import SimpleNamespace
 
@@ -192,7 +195,7 @@ def _resolve(location: str) -> tuple[object, str]:
     return found[0], found[1]
 
 
-def open_checkpoint(location: str) -> tuple[dict, weights.Source, object, str]:
+def open_checkpoint(location: str) -> tuple[dict, weights.Source, Store, str]:
     """(model keys, its canonical tensors read on access, store, iter dir) of a kubetron checkpoint (newest
     iteration): the `sharded` format one tensor at a time, the `kubetron` format's model.pt whole."""
     megatron_core.install()  # megatron-core imported the trainer's way (without its TE/Apex notices)
@@ -343,7 +346,7 @@ def write_weights(out: str, source: weights.Source, m: dict, max_shard_size: int
         [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0
     for i, (file, group) in enumerate(zip(names, groups, strict=True)):
-        tensors = {}
+        tensors: dict[str, torch.Tensor] = {}
         for u in (units[j] for j in group):
             tensors.update(zip(u.hf, convert.to_hf(u, source[u.canonical], m), strict=True))
         size = write_file(os.path.join(out, file), tensors)

@@ -50,6 +50,7 @@ def peft_tensors(pairs: dict, m: dict) -> dict[str, torch.Tensor]:
             raise ConfigError("CKPT", f"adapter on {linear}: not a layer linear export-hf knows")
         i, block, kind = mt.groups()
         prefix = f"base_model.model.model.layers.{i}.{'self_attn' if block == 'self_attention' else 'mlp'}"
+        parts: tuple[torch.Tensor, ...]
         if kind == "linear_qkv":
             parts = convert.split_qkv(b, m)
         elif kind == "linear_fc1":

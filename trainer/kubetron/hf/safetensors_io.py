@@ -136,7 +136,8 @@ def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, 
     with open(path + ".tmp", "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for t in tensors.values():
-            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(memoryview(raw))  # type: ignore[arg-type]  # (numpy's stubs: an ndarray is no Buffer)
     os.replace(path + ".tmp", path)
     return 8 + len(text) + offset
 

@@ -144,12 +144,12 @@ class HFWeights(Source):
     def _check(self, f: SafetensorsFile, expected: dict, weight_map: dict[str, str] | None) -> None:
         """Every entry of `f` is a tensor the model has (name, shape, a floating-point dtype), in no other file."""
         for name, e in f.entries.items():
-            shape = expected.get(name)
-            if shape is None and not convert.is_tolerated_extra(name, self.m):
-                raise ConfigError("HF weights", f"{f.path}: tensor {name} is not one this model has "
-                                                "(config.json describes another architecture or size)")
             if convert.is_tolerated_extra(name, self.m):
                 continue
+            shape = expected.get(name)
+            if shape is None:
+                raise ConfigError("HF weights", f"{f.path}: tensor {name} is not one this model has "
+                                                "(config.json describes another architecture or size)")
             if e.shape != shape:
                 raise ConfigError("HF weights", f"{f.path}: tensor {name} has shape {list(e.shape)}, config.json "
                                                 f"gives {list(shape)}")

@@ -39,6 +39,7 @@ Distributed optimizer (`DistributedOptimizer`, `ddp.use_distributed_optimizer`, 
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -89,8 +90,8 @@ class _Bucket:
     def __init__(self, params, start, end, grad, param_data, full):
         self.params, self.start, self.end = params, start, end
         self.grad, self.param_data, self.full = grad, param_data, full
-        self.work = None  # the pending async reduction
-        self.gather_work = None  # the pending async param all-gather
+        self.work: dist.Work | None = None  # the pending async reduction
+        self.gather_work: dist.Work | None = None  # the pending async param all-gather
         self.ready = 0  # parameters whose last micro-batch's gradient arrived
 
     def wait_gather(self):
@@ -179,7 +180,7 @@ class GradBuffers:
     # -- backward ------------------------------------------------------------------------------------
     @torch.no_grad()
     def _on_grad(self, p: torch.nn.Parameter):
-        self.buffer_of[p].grad_view(p).add_(p.grad)
+        self.buffer_of[p].grad_view(p).add_(cast(torch.Tensor, p.grad))  # (a grad hook: the grad is there)
         p.grad = None
         self._counts[p] += 1
         if self.overlap and self._counts[p] == self.num_microbatches:
@@ -218,7 +219,7 @@ class GradBuffers:
             for b in self.buffers:
                 for bk in b.buckets:
                     self._start(bk)
-                    if self.overlap:
+                    if self.overlap and bk.work is not None:
                         bk.work.wait()
                     if self.shard and not bk.full:
                         bk.shard(bk.grad, self.rank, self.dp).div_(self.dp)
@@ -251,6 +252,8 @@ class _Fragment:
 
 class DistributedOptimizer(OptimizerOverCopies):
     """ZeRO-1 over the data-parallel group; see the module docstring (optimizer_base's interface)."""
+
+    grad_sync: GradBuffers  # the buffers it shards over DP
 
     def __init__(self, model: list[torch.nn.Module], groups: list[dict], make_optimizer, grads: GradBuffers,
                  overlap_param_gather: bool):
@@ -313,10 +316,12 @@ class DistributedOptimizer(OptimizerOverCopies):
     @torch.no_grad()
     def step(self):
         self.finish_param_sync()
+        main_grads = []
         for f in self.fragments:
             g = self._grad_of(f)
-            f.main.grad = g if g.dtype == torch.float32 else g.float()
-        self._apply_grad_scale([f.main.grad for f in self.fragments])
+            f.main.grad = main = g if g.dtype == torch.float32 else g.float()
+            main_grads.append(main)
+        self._apply_grad_scale(main_grads)
         self.inner.step()
         for f in self.fragments:
             f.param.detach().view(-1)[f.lo:f.hi].copy_(f.main)  # into the parameter buffer, rounded
@@ -363,7 +368,7 @@ class DistributedOptimizer(OptimizerOverCopies):
                         if torch.is_tensor(v) and v.ndim > 0})
         if self.grad_sync.dp == 1:
             return local
-        everyone = [None] * self.grad_sync.dp
+        everyone: list[Any] = [None] * self.grad_sync.dp  # each rank's keys
         dist.all_gather_object(everyone, local, group=self.grad_sync.group)
         return sorted({k for keys in everyone for k in keys})
 
@@ -384,7 +389,7 @@ class DistributedOptimizer(OptimizerOverCopies):
         self.finish_param_sync()
         gs = self.grad_sync
         keys = self._state_keys()
-        full: dict[str, dict] = {}
+        full: dict[torch.nn.Parameter, dict] = {}
         for key in [*keys, "main_param"]:
             for buf in gs.buffers:
                 flat = torch.zeros(buf.grad.numel(), dtype=torch.float32, device=buf.grad.device)

@@ -11,10 +11,9 @@ import os
 import random
 import socket
 import sys
-import time
 import traceback
 from datetime import timedelta
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -23,10 +22,13 @@ import torch.distributed as dist
 from kubetron import heartbeat
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
-from kubetron.contract.hang import DATA, TEARDOWN
+from kubetron.contract.hang import TEARDOWN
 from kubetron.startup import CLOCK
 from kubetron.termination_log import write_termination_message
 from kubetron.training.state import GlobalState, SignalHandler, Timers
+
+if TYPE_CHECKING:
+    from kubetron.training.run import Run
 
 log = logging.getLogger("kubetron")
 
@@ -92,33 +94,14 @@ def set_seeds(cfg):
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
-def _broadcast_str(value: str) -> str:
-    objs = [value]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(objs, src=0)
-    return objs[0]
-
-
-def _run(config, forward_step_func, mode: str, holder: dict | None = None,
-         signal_handler: SignalHandler | None = None, **non_loss):
+def _start(cfg, holder: dict | None, signal_handler: SignalHandler | None) -> GlobalState:
+    """This process's part of the job: the process groups, the model-parallel groups, the seeds, and the
+    state the loop and the forward step share (in `holder["state"]` at once: the caller reports progress
+    even if the setup fails later)."""
     from megatron.core import parallel_state
 
-    from kubetron.checkpoint.manager import (
-        CheckpointManager,
-        adopt_checkpoint_tokenizer,
-        check_before_build,
-        open_save_store,
-    )
-    from kubetron.data import build_train_valid_test_data_iterators
-    from kubetron.data.datasets import check_data_tokenizer
-    from kubetron.data.loader import build_tokenizer_from_config
-    from kubetron.training import pipeline
-    from kubetron.training.metrics import MetricsLogger
-    from kubetron.training.model import build_model, num_parameters
-    from kubetron.training.optim import LRScheduler, build_optimizer
+    from kubetron.checkpoint.manager import adopt_checkpoint_tokenizer
 
-    CLOCK.mark("imports")
-    cfg = config
     rank, world, device = initialize_distributed(cfg)
     if cfg.tokenizer.assets() is None and adopt_checkpoint_tokenizer(cfg) and rank == 0:
         log.info("tokenizer: %s from the checkpoint being resumed", cfg.tokenizer.tokenizer_type)
@@ -137,90 +120,63 @@ def _run(config, forward_step_func, mode: str, holder: dict | None = None,
     state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device,
                         timers=Timers(cfg.logger.timing_log_level))
     if holder is not None:
-        holder["state"] = state  # so the caller can report progress even if setup fails later
-    own_handler = signal_handler is None  # the caller's handler is the caller's to release
+        holder["state"] = state
     if cfg.train.exit_signal_handler:
         state.signal_handler = signal_handler or SignalHandler(exit_signals(cfg))
+    return state
 
-    from_pretrained = mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint)
-    check_before_build(cfg, finetune=from_pretrained)  # what needs no model fails before it is built
-    if not cfg.finetuning.data_path:  # indexed data: made by this run's tokenizer?
-        check_data_tokenizer(cfg.dataset, build_tokenizer_from_config(cfg))
-    model = pipeline.build(cfg, device, build_model)  # build_model + PP shared-embedding setup on CPU
-    optimizer = build_optimizer(cfg, model)
-    scheduler = LRScheduler(optimizer, cfg)
-    if rank == 0:
-        log.info("model: %.2fM parameters on %s (world size %d, dp %d)", num_parameters(model) / 1e6,
-                 device, world, cfg.data_parallel_size)
-    state.ckpt = None
-    run_id = _broadcast_str(f"{int(time.time())}-{os.getpid()}")
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    with heartbeat.current().during(DATA):  # the hang watchdog leaves the data build alone (docs/recovery.md)
-        train_it, valid_it, test_it = build_train_valid_test_data_iterators(cfg, dp_rank, dp_size)
-    CLOCK.mark("model + data")
-    ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
-                             train_state=state.train_state, data=(train_it, valid_it), run_id=run_id,
-                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
-    state.ckpt = ckpt
-    # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
-    ckpt.load(finetune=from_pretrained)
-    heartbeat.current().resumed(state.train_state.step)
-    CLOCK.mark("checkpoint load")
 
-    status = None
-    if rank == 0:
-        from kubetron.training.status_server import StatusServer
+def _run(config, forward_step_func, mode: str, holder: dict | None = None,
+         signal_handler: SignalHandler | None = None, **non_loss):
+    from kubetron.training.run import build_run
 
-        if cfg.train.status_port:  # finalize() resolved it from KUBETRON_STATUS_PORT when unset
-            status = StatusServer(cfg.train.status_port, trainer_time=heartbeat.current().trainer_time)
-    state.metrics = MetricsLogger(cfg, state, writes=(rank == world - 1), status=status)
-    # this run's splits (the flags a loaded checkpoint carries are its run's)
-    state.train_state.do_valid, state.train_state.do_test = valid_it is not None, test_it is not None
-    progress = None if cfg.validation.skip_train else ckpt.progress  # evaluation only: the log is left alone
+    CLOCK.mark("imports")
+    cfg = config
+    state = _start(cfg, holder, signal_handler)
+    own_handler = signal_handler is None  # the caller's handler is the caller's to release
+    run = build_run(state, from_pretrained=mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint))
+    progress = None if cfg.validation.skip_train else run.ckpt.progress  # evaluation only: the log is left alone
     if progress is not None:
         progress.start()
     code = exitcodes.ERROR
-    profiler = make_profiler(cfg, rank, state.train_state.step)
+    profiler = make_profiler(cfg, state.rank, state.train_state.step)
     try:
         if profiler is not None:
             profiler.start()
-        code = _train_then_evaluate(forward_step_func, model, optimizer, scheduler, (train_it, valid_it, test_it),
-                                    state, ckpt, profiler, non_loss)
+        code = _train_then_evaluate(forward_step_func, run, profiler, non_loss)
     except Exception as e:  # the progress log says how the job ended (as the exit code will)
         if progress is not None:
             progress.exit(exitcodes.NAMES[ending_of(e, state.signal_handler).code])
         raise
     finally:
-        if state.signal_handler is not None and own_handler:
-            state.signal_handler.release()
-        elif state.signal_handler is not None:  # the caller's: kept, but the loop is over, a signal changes nothing
-            state.signal_handler.settle()
+        _let_go_of(state.signal_handler, own_handler)
         import gc
 
         gc.enable()  # train.manual_gc disables it for the loop
         if profiler is not None:
             profiler.stop()
-        state.metrics.close()
-        ckpt.close()  # pending async saves are finalized before exit
-        for it in (train_it, valid_it, test_it):
-            if it is not None:
-                it.close()
-        if status is not None:
-            status.close()
+        run.close()  # pending async saves are finalized before exit
     state.exit_code = code
     if progress is not None:
         progress.exit(exitcodes.NAMES[code])
     return code, state
 
 
-def _train_then_evaluate(forward_step_func, model, optimizer, scheduler, iterators, state, ckpt, profiler,
-                         non_loss) -> int:
+def _let_go_of(handler: SignalHandler | None, own: bool) -> None:
+    """After the loop: our own handler is released; the caller's is kept, but a signal changes nothing now."""
+    if handler is not None and own:
+        handler.release()
+    elif handler is not None:
+        handler.settle()
+
+
+def _train_then_evaluate(forward_step_func, run: Run, profiler, non_loss) -> int:
     """train() (unless validation.skip_train), then, when training completed, the reference's evaluation
     after training on the validation and test splits. Returns the exit code."""
     from kubetron.training.eval import final_evaluation
     from kubetron.training.train import train
 
-    train_it, valid_it, test_it = iterators
+    state, model, train_it, valid_it, test_it = run.state, run.model, run.train_it, run.valid_it, run.test_it
     if state.cfg.validation.skip_train:
         log.info("skipping training (validation.skip_train): evaluating the model of iteration %d",
                  state.train_state.step)
@@ -228,7 +184,7 @@ def _train_then_evaluate(forward_step_func, model, optimizer, scheduler, iterato
             valid_it.load_state_dict({"consumed_samples": 0})  # as the reference: from the split's start
         code = exitcodes.COMPLETED
     else:
-        code = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, ckpt,
+        code = train(forward_step_func, model, run.optimizer, run.scheduler, train_it, valid_it, state, run.ckpt,
                      profiler=profiler, **non_loss)
     heartbeat.current().enter(TEARDOWN)  # judged again only in a final evaluation
     if code == exitcodes.COMPLETED:
@@ -373,14 +329,14 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
 def _run_and_report(cfg, mode: str, handler: SignalHandler | None) -> int:
     from kubetron.training.gpt_step import forward_step
 
-    holder: dict = {}
+    holder: dict[str, GlobalState] = {}
     try:
-        code, _ = _run(cfg, forward_step, mode, holder, handler)
+        code, state = _run(cfg, forward_step, mode, holder, handler)
         msg = {exitcodes.COMPLETED: "evaluation completed (validation.skip_train)" if cfg.validation.skip_train
                else "training completed",
                exitcodes.SAVED_ON_SIGNAL: "stopped by signal; checkpoint saved",
                exitcodes.EXIT_CONDITION: "exit condition reached; checkpoint saved",
-               exitcodes.STRAGGLER: getattr(getattr(holder.get("state"), "straggler", None), "message", None)
+               exitcodes.STRAGGLER: (state.straggler.message if state.straggler is not None else None)
                or "straggler detected; checkpoint saved"}.get(code, "")
     except ConfigError:
         raise  # the CLI prints one line and exits 2
@@ -396,7 +352,7 @@ def _report_end(cfg, code: int, msg: str, state) -> int:
     if code not in (exitcodes.COMPLETED,):
         print(f"kubetron: {exitcodes.NAMES[code]}: {msg}", file=sys.stderr, flush=True)
     ts = state.train_state if state is not None else None
-    ckpt = getattr(state, "ckpt", None) if state is not None else None
+    ckpt = state.ckpt if state is not None else None
     write_termination_message({
         "exitCode": code, "reason": exitcodes.NAMES[code],
         "iteration": ts.step if ts else None,

@@ -6,9 +6,14 @@ Leaf module (torch + parallel_state only): ddp.py and optim.py both build on it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+if TYPE_CHECKING:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
@@ -25,7 +30,7 @@ def counts_toward_norms(param: torch.nn.Parameter) -> bool:
     return param_is_not_shared(param) and _is_replica_on_this_tp_rank(param)
 
 
-def shared_embedding_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
+def shared_embedding_weight(chunk: LanguageModule) -> torch.nn.Parameter | None:
     """The word-embedding weight this stage shares with the other end of the pipeline, if any."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return None
@@ -97,14 +102,15 @@ def allreduce_gradients(model: list[torch.nn.Module], grad_reduce_in_fp32: bool 
        and its copy on the last stage (`output_layer.weight`) over the embedding group, so the two
        copies get the same update.
     """
-    params = [p for chunk in model for p in chunk.parameters() if p.grad is not None]
+    with_grad = [(p, p.grad) for chunk in model for p in chunk.parameters() if p.grad is not None]
+    params = [p for p, _ in with_grad]
     dp = parallel_state.get_data_parallel_world_size()
     if dp > 1:
-        _allreduce_flat([p.grad for p in params if not is_expert_parallel(p)],
+        _allreduce_flat([g for p, g in with_grad if not is_expert_parallel(p)],
                         parallel_state.get_data_parallel_group(), dp, fp32=grad_reduce_in_fp32)
         # experts: summed over the ranks holding the same experts, divided by the whole DP size (each
         # already holds the gradient of the tokens the EP group routed to it; megatron's DDP the same)
-        _allreduce_flat([p.grad for p in params if is_expert_parallel(p)],
+        _allreduce_flat([g for p, g in with_grad if is_expert_parallel(p)],
                         parallel_state.get_expert_data_parallel_group(), dp, fp32=grad_reduce_in_fp32)
     model_parallel_grad_sums(params, lambda p: p.grad, embedding_group_weight(model))
 

@@ -29,6 +29,8 @@ distributed optimizer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -71,7 +73,7 @@ def optimizer_config(cfg) -> OptimizerConfig:
 def build_megatron_optimizer(cfg, model: list[torch.nn.Module]) -> MegatronOptimizer:
     """Wrap each chunk in megatron's DDP (as Megatron-LM: bucketing only for the first chunk), build
     megatron's optimizer over the wrapped chunks, and point the schedules' no_sync at the wrappers."""
-    config = model[0].config
+    config: Any = model[0].config  # megatron's TransformerConfig
     ddp_cfg = ddp_config(cfg)
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=chunk, disable_bucketing=i > 0)
               for i, chunk in enumerate(model)]
@@ -91,6 +93,8 @@ def _parts(inner) -> list:
 
 class MegatronOptimizer(TrainingOptimizer):
     """megatron-core's DDP + optimizer behind optimizer_base's interface; see the module docstring."""
+
+    inner: Any  # megatron-core's optimizer (a ChainedOptimizer or one of its parts)
 
     def __init__(self, inner, chunks, model, *, overlap_param_gather: bool):
         self.inner, self.chunks = inner, chunks
@@ -177,7 +181,7 @@ class MegatronOptimizer(TrainingOptimizer):
 
     def _gather_full(self, p, entry: dict, rng) -> dict:
         keys = sorted(k for k in entry if entry[k] is not None)
-        everyone = [None] * dist.get_world_size(self.dp_group)
+        everyone: list[Any] = [None] * dist.get_world_size(self.dp_group)  # each rank's keys
         dist.all_gather_object(everyone, keys, group=self.dp_group)
         full = {}
         for k in sorted({k for ks in everyone for k in ks}):

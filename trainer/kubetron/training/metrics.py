@@ -49,10 +49,10 @@ class MetricsLogger:
         self._job_start_iter: int | None = None
         self._last_status = time.perf_counter()
         if status is not None:  # before the first step: what the endpoint can already tell
-            ts = getattr(state, "train_state", None)
-            status.update(trainIters=cfg.train.train_iters, iteration=getattr(ts, "step", None),
-                          resumedFrom=getattr(ts, "step", None),  # this process's start: the goodput ledger's
-                          consumedSamples=getattr(ts, "consumed_train_samples", None),
+            ts = state.train_state
+            status.update(trainIters=cfg.train.train_iters, iteration=ts.step,
+                          resumedFrom=ts.step,  # this process's start: the goodput ledger's
+                          consumedSamples=ts.consumed_train_samples,
                           lastCheckpoint=self._last_checkpoint())
 
     # -- per iteration (cheap, no sync) ----------------------------------------------------------
@@ -217,17 +217,16 @@ class MetricsLogger:
 
     def _last_checkpoint(self) -> dict | None:
         """{iteration, time} of the newest durable checkpoint this run knows of (None before any)."""
-        ckpt = getattr(self.state, "ckpt", None)
-        iteration = getattr(ckpt, "last_durable", None)
-        if iteration is None:
+        ckpt = self.state.ckpt
+        if ckpt is None or ckpt.last_durable is None:
             return None
-        return {"iteration": int(iteration), "time": getattr(ckpt, "last_durable_time", None)}
+        return {"iteration": int(ckpt.last_durable), "time": ckpt.last_durable_time}
 
     def _save_seconds(self) -> dict[str, float | None]:
         """How long the newest durable checkpoint took, and how long of that the loop waited (None before any)."""
-        ckpt = getattr(self.state, "ckpt", None)
-        return {"checkpointSaveSeconds": getattr(ckpt, "last_save_seconds", None),
-                "checkpointBlockedSeconds": getattr(ckpt, "last_blocked_seconds", None)}
+        ckpt = self.state.ckpt
+        return {"checkpointSaveSeconds": ckpt.last_save_seconds if ckpt is not None else None,
+                "checkpointBlockedSeconds": ckpt.last_blocked_seconds if ckpt is not None else None}
 
     # -- estimates ----------------------------------------------------------------------------------
     def _throughput(self, tokens_per_iter: int) -> tuple[float, float]:

@@ -244,7 +244,7 @@ def mark_qk_layernorm(model: torch.nn.Module):
     grad sync, grads.summed_over_tp, by this mark)."""
     for name, p in model.named_parameters():
         if ".q_layernorm." in name or ".k_layernorm." in name:
-            p.qk_layernorm = True
+            p.qk_layernorm = True  # type: ignore[attr-defined]  # a parameter attribute, as megatron's (no stub)
 
 
 def mask_vocab_padding(output_layer: torch.nn.Module, cfg):

@@ -22,7 +22,7 @@ from kubetron.contract.errors import ConfigError
 from kubetron.training.ddp import DistributedOptimizer, GradBuffers, broadcast_params
 from kubetron.training.grads import FlatGradSync, model_parallel_sum, norm_squared
 from kubetron.training.mixed_precision import LossScaler, MainParamsOptimizer
-from kubetron.training.optimizer_base import PlainOptimizer, TrainingOptimizer
+from kubetron.training.optimizer_base import GradSync, OptimizerOverCopies, PlainOptimizer, TrainingOptimizer
 
 
 def resolve_ddp_impl(cfg, device: torch.device) -> str:
@@ -39,7 +39,8 @@ def resolve_ddp_impl(cfg, device: torch.device) -> str:
 
 def param_groups(model: list[torch.nn.Module], weight_decay: float) -> list[dict]:
     """Decoupled weight decay on matrices; none on biases and norms (as megatron)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for chunk in model:
         for name, p in chunk.named_parameters():
             if not p.requires_grad:
@@ -69,21 +70,25 @@ def build_optimizer(cfg, model: list[torch.nn.Module], device: torch.device | No
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                                  fused=fused or None)
 
+    grad_sync: GradSync
     if d.use_distributed_optimizer or d.overlap_grad_reduce:
         grad_sync = GradBuffers(model, grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap=d.overlap_grad_reduce,
                                 num_microbatches=cfg.train.num_microbatches, bucket_size=d.bucket_size,
                                 shard=d.use_distributed_optimizer)
     else:
         grad_sync = FlatGradSync(model, d.grad_reduce_in_fp32)
+    opt: OptimizerOverCopies
     if d.use_distributed_optimizer:
+        assert isinstance(grad_sync, GradBuffers)  # use_distributed_optimizer picked them above
         opt = DistributedOptimizer(model, groups, make, grad_sync, overlap_param_gather=d.overlap_param_gather)
     elif any(p.dtype != torch.float32 for g in groups for p in g["params"]):
         opt = MainParamsOptimizer(groups, make, grad_sync)
     else:
         return PlainOptimizer(make(groups), grad_sync)
     opt.loss_scaler = LossScaler.from_config(cfg)  # fp16 only
-    if opt.loss_scaler is not None and hasattr(model[0], "config"):  # megatron's schedule (GPU, PP > 1)
-        model[0].config.grad_scale_func = lambda loss: loss * opt.loss_scale
+    config = getattr(model[0], "config", None)  # megatron's TransformerConfig
+    if opt.loss_scaler is not None and config is not None:  # megatron's schedule (GPU, PP > 1)
+        config.grad_scale_func = lambda loss: loss * opt.loss_scale
     return opt
 
 
@@ -97,7 +102,7 @@ def finalize_model_grads(optimizer: TrainingOptimizer, cfg) -> torch.Tensor:
 class LRScheduler:
     """Megatron's OptimizerParamScheduler, counted in iterations: warmup then constant/linear/cosine/..."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg):
+    def __init__(self, optimizer: TrainingOptimizer, cfg):
         s = cfg.scheduler
         self.optimizer = optimizer
         self.max_lr = cfg.optimizer.lr

@@ -26,9 +26,31 @@ reduced is a separate small object, `grad_sync` (grads.FlatGradSync or ddp.GradB
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from kubetron.training.grads import model_parallel_sum, norm_squared
+
+
+class GradSync(Protocol):
+    """How the gradients of an iteration are reduced (grads.FlatGradSync, ddp.GradBuffers)."""
+
+    def zero(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class LossScale(Protocol):
+    """fp16's loss scale (mixed_precision.LossScaler), as the optimizers and the checkpointer use it."""
+
+    scale: float
+
+    def update(self, found_inf: bool) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
 
 
 class TrainingOptimizer:
@@ -36,9 +58,9 @@ class TrainingOptimizer:
     inner torch optimizer `self.inner` steps the parameters (subclasses change what differs)."""
 
     inner: torch.optim.Optimizer
-    grad_sync = None  # .zero() / .finish(); None: the gradients need no reduction
+    grad_sync: GradSync | None = None  # None: the gradients need no reduction
     params: list[torch.nn.Parameter]
-    loss_scaler = None  # mixed_precision.LossScaler with fp16 (the optimizers over fp32 copies); else None
+    loss_scaler: LossScale | None = None  # mixed_precision.LossScaler with fp16 (the optimizers over fp32 copies)
 
     @property
     def loss_scale(self) -> float:

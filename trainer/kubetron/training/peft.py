@@ -37,30 +37,15 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from kubetron.contract.errors import ConfigError
+from kubetron.checkpoint.adapters import enabled, is_adapter_name
 
 log = logging.getLogger("kubetron")
-
-ADAPTER = ".adapter."
-
-
-def enabled(cfg) -> bool:
-    return getattr(getattr(cfg, "peft", None), "scheme", None) == "lora"
-
-
-def is_adapter_name(name: str) -> bool:
-    return ADAPTER in f".{name}"
-
-
-def is_base_name(name: str) -> bool:
-    return not is_adapter_name(name)
-
 
 class LoRAAdapter(torch.nn.Module):
     """B(A(x)) * alpha/dim for one parallel linear; `row` selects the row-parallel layout."""
 
-    def __init__(self, base: torch.nn.Module, row: bool, dim: int, alpha: float, dropout: float,
-                 dropout_position: str, seed: int):
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, row: bool, dim: int, alpha: float,
+                 dropout: float, dropout_position: str, seed: int):
         super().__init__()
         tp, r = (parallel_state.get_tensor_model_parallel_world_size(),
                  parallel_state.get_tensor_model_parallel_rank())
@@ -77,11 +62,13 @@ class LoRAAdapter(torch.nn.Module):
             self.linear_in.weight.copy_(a_full.chunk(tp, dim=1)[r] if row else a_full)
             self.linear_out.weight.zero_()
         split = self.linear_in.weight if row else self.linear_out.weight
-        split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, 1 if row else 0, 1
+        # megatron-core's parameter attributes (torch's stubs have no place for them)
+        split.tensor_model_parallel, split.partition_dim, split.partition_stride = (  # type: ignore[attr-defined]
+            True, 1 if row else 0, 1)
         expert_parallel = not getattr(base.weight, "allreduce", True)  # an MoE expert's linear under EP
         for p in self.parameters():
-            p.is_adapter = True
-            p.allreduce = not expert_parallel  # its gradient is reduced over the experts' DP group, like the base's
+            p.is_adapter = True  # type: ignore[attr-defined]  # (a parameter attribute, as megatron's)
+            p.allreduce = not expert_parallel  # type: ignore[attr-defined]  # reduced over the experts' DP group, like the base's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout_position == "pre":
@@ -143,38 +130,3 @@ def summary(model: list[torch.nn.Module], cfg) -> str:
     return (f"peft lora (dim {cfg.peft.dim}, alpha {cfg.peft.alpha:g}, {', '.join(cfg.peft.target_modules)}): "
             f"trainable parameters {trainable} of {total} ({100.0 * trainable / max(total, 1):.2f}%); "
             f"optimizer state {trainable * per} bytes (full fine-tune: {total * per} bytes)")
-
-
-# --- checkpoints ------------------------------------------------------------------------------------
-
-def checkpoint_info(cfg) -> dict | None:
-    """What common.pt records of an adapter-only checkpoint (None: a full one)."""
-    if not enabled(cfg):
-        return None
-    p = cfg.peft
-    return {"scheme": p.scheme, "dim": p.dim, "alpha": p.alpha, "target_modules": list(p.target_modules),
-            "dropout": p.dropout, "dropout_position": p.dropout_position,
-            "pretrained_checkpoint": cfg.checkpoint.pretrained_checkpoint}
-
-
-def load_filter(saved: dict | None, cfg, name: str, *, as_pretrained: bool):
-    """Which of this model's tensors a checkpoint (common.pt's `peft` entry: `saved`) fills: an
-    adapter-only one the adapters (the base comes from pretrained_checkpoint), a full one into a LoRA
-    model the base (adapters keep their initialisation); None: all. A mismatch is a config error (exit 2):
-    no retry fixes it."""
-    if saved is None:
-        return is_base_name if enabled(cfg) else None
-    only = f"{name} holds LoRA adapters only (base: {saved.get('pretrained_checkpoint')})"
-    if as_pretrained:
-        raise ConfigError("checkpoint.pretrained_checkpoint", f"{only}: merge them with `kubetron export-hf` "
-                                                              "to fine-tune from them")
-    if not enabled(cfg):
-        raise ConfigError("peft.scheme", f"{only}: resume it with the peft section it was trained with")
-    p = cfg.peft
-    for key, mine in (("dim", p.dim), ("target_modules", list(p.target_modules))):
-        if saved.get(key) != mine:
-            raise ConfigError(f"peft.{key}", f"{name} holds adapters with {key} {saved.get(key)}, this run {mine}")
-    if saved.get("pretrained_checkpoint") != cfg.checkpoint.pretrained_checkpoint:
-        log.warning("%s was trained on base %s; this run loads the base from %s", name,
-                    saved.get("pretrained_checkpoint"), cfg.checkpoint.pretrained_checkpoint)
-    return is_adapter_name

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -170,7 +171,9 @@ def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_on
 
     if not forward_only:
         moe.scale_aux_loss(model, loss_scale, num_microbatches)
-    inputs, outputs, reports = [], [], []
+    inputs: list[torch.Tensor | None] = []  # None on the first stage (it reads the data itself)
+    outputs: list[torch.Tensor] = []
+    reports: list = []
     for _ in range(num_microbatches):
         input_tensor = None
         if not first:
@@ -202,8 +205,8 @@ def _gpipe(forward_step_func, data_iterator, model, num_microbatches, forward_on
             grad = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(grad, src=next_rank, group=group)
             torch.autograd.backward(output, grad_tensors=grad.to(output.dtype))
-        if not first:
-            dist.send(input_tensor.grad.to(dtype).contiguous(), dst=prev_rank, group=group)
+        if input_tensor is not None:  # (not the first stage) the gradient of what the previous stage sent
+            dist.send(cast(torch.Tensor, input_tensor.grad).to(dtype).contiguous(), dst=prev_rank, group=group)
     return reports
 
 
@@ -230,8 +233,9 @@ def broadcast_reports(reports: list[dict], device: torch.device) -> list[dict]:
         box = [_REPORT_KEYS]
         dist.broadcast_object_list(box, src=src, group=group, device=device)
         _REPORT_KEYS = box[0]
+    layout = _REPORT_KEYS or []  # set by now on every stage (a first call broadcasts it)
     if last:
-        flat = torch.stack([torch.cat([r[k].detach().float().reshape(-1) for k, _ in _REPORT_KEYS])
+        flat = torch.stack([torch.cat([r[k].detach().float().reshape(-1) for k, _ in layout])
                             for r in reports]) if reports else torch.zeros(0, 0, device=device)
         flat = flat.to(device)
     else:
@@ -243,7 +247,7 @@ def broadcast_reports(reports: list[dict], device: torch.device) -> list[dict]:
     out = []
     for row in flat:
         d, pos = {}, 0
-        for k, n in _REPORT_KEYS:
+        for k, n in layout:
             d[k] = row[pos:pos + n] if n > 1 else row[pos].reshape(())
             pos += n
         out.append(d)

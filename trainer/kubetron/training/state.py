@@ -8,7 +8,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from kubetron.checkpoint.manager import CheckpointManager
+    from kubetron.config import ConfigContainer
+    from kubetron.training.straggler import StragglerDetector
 
 
 @dataclass
@@ -116,7 +126,7 @@ class StragglerTimer:
     def __enter__(self) -> StragglerTimer:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> Literal[False]:
         return False
 
 
@@ -130,21 +140,23 @@ class GlobalState:
     metrics go through the same writer and run.
     """
 
-    cfg: Any
+    cfg: ConfigContainer
     train_state: TrainState = field(default_factory=TrainState)
     timers: Timers = field(default_factory=Timers)
     signal_handler: SignalHandler | None = None
-    metrics: Any = None  # kubetron.training.metrics.MetricsLogger
+    # kubetron.training.metrics.MetricsLogger once built (kubetron.training.run); not named here: metrics
+    # imports training.utils, which imports this module
+    metrics: Any = None
     start_time: float = field(default_factory=time.time)  # this process's start (seconds)
     rank: int = 0
     world_size: int = 1
-    device: Any = None  # torch.device
-    ckpt: Any = None  # kubetron.checkpoint.manager.CheckpointManager, once built
-    straggler: Any = None  # kubetron.training.straggler.StragglerDetector while train() runs (None: off)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # this rank's (entry: its GPU)
+    ckpt: CheckpointManager | None = None  # once built (kubetron.training.run)
+    straggler: StragglerDetector | None = None  # while train() runs (None: off)
     exit_code: int | None = None  # how the run ended (kubetron.contract.exitcodes), once it has
-    _tokenizer: Any = field(default=None, init=False, repr=False)
-    _tensorboard_logger: Any = field(default=None, init=False, repr=False)
-    _wandb_logger: Any = field(default=None, init=False, repr=False)
+    _tokenizer: Any = field(default=None, init=False, repr=False)  # kubetron.data.tokenizer's (several kinds)
+    _tensorboard_logger: SummaryWriter | None = field(default=None, init=False, repr=False)
+    _wandb_logger: ModuleType | None = field(default=None, init=False, repr=False)  # `wandb`, its run started
 
     @property
     def tokenizer(self):

@@ -109,5 +109,5 @@ class StragglerDetector:
 
 def compute_timer(global_state):
     """Context manager timing the compute of one step when straggler detection is on (else a no-op)."""
-    detector = getattr(global_state, "straggler", None)
+    detector = global_state.straggler
     return detector.time_compute() if detector is not None else contextlib.nullcontext()

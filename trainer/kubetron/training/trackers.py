@@ -45,7 +45,8 @@ class MlflowTracker:
 
 def build_trackers(cfg, state) -> list:
     """The trackers the logger section names (on the rank that writes metrics, the last)."""
-    lg, out = cfg.logger, []
+    lg = cfg.logger
+    out: list[WandbTracker | MlflowTracker] = []
     if lg.wandb_project:
         out.append(WandbTracker(state.wandb_logger))
     if lg.mlflow_experiment:

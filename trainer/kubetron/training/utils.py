@@ -28,9 +28,10 @@ MEMORY_KEYS: dict[str, str] = {
 
 # --- the forward-step contract -------------------------------------------------------------------
 
-def _signature(fn: Callable) -> inspect.Signature:
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) or isinstance(fn, partial) else fn.__call__
-    return inspect.signature(target)
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    if inspect.isfunction(fn) or inspect.ismethod(fn) or isinstance(fn, partial):
+        return inspect.signature(fn)
+    return inspect.signature(fn.__call__)  # type: ignore[operator]  # (mypy reads a Callable's __call__ as not one)
 
 
 def needs_global_state_injection(forward_step_func: Callable) -> bool:

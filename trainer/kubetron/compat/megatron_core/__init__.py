@@ -48,8 +48,10 @@ class _LazyModule(types.ModuleType):
     custom-op registration scans every module's `__file__` at import time (inspect.getmodule)."""
 
     def __getattr__(self, attr: str) -> Any:
-        self.__class__ = types.ModuleType
-        self.__spec__.loader.exec_module(self)
+        self.__class__ = types.ModuleType  # type: ignore[assignment]  # a module stops being lazy once run
+        spec = self.__spec__
+        assert spec is not None and spec.loader is not None  # import_lazily binds only modules with a loader
+        spec.loader.exec_module(self)
         return getattr(self, attr)
 
 

@@ -33,6 +33,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 class PortableRotaryEmbedding(mcore_rope.RotaryEmbedding):
     """mcore's RoPE without the hard-coded move of `inv_freq` to CUDA (the model moves it)."""
 
+    inv_freq: torch.Tensor
+
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # (s, dim/2)
         if self.rotary_interleaved:

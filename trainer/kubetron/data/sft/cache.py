@@ -61,7 +61,8 @@ def is_builder(shared: bool, env=os.environ) -> bool:
 def to_bytes(arrays: dict[str, np.ndarray], key: str, meta: dict) -> bytes:
     buf = io.BytesIO()
     blob = np.frombuffer(json.dumps({**meta, "key": key, "version": CACHE_VERSION}).encode(), dtype=np.uint8)
-    np.savez(buf, **{k: np.asarray(v, dtype=ARRAYS[k]) for k, v in arrays.items()}, meta=blob)
+    np.savez(buf, **{k: np.asarray(v, dtype=ARRAYS[k]) for k, v in arrays.items()},  # type: ignore[arg-type]
+             meta=blob)  # (numpy's stubs: **arrays could name allow_pickle)
     return buf.getvalue()
 
 

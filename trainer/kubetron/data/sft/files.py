@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kubetron.contract.errors import ConfigError
 
@@ -127,7 +128,7 @@ def _dir_data_names(path: str, names: list[str], read: Callable[[str], bytes | N
                                  f"one split's directory (e.g. {example})")
     if "state.json" in names:
         state = _json(read("state.json"), f"{path}/state.json", field)
-        files = [d.get("filename") for d in state.get("_data_files") or [] if isinstance(d, dict)]
+        files: list[Any] = [d.get("filename") for d in state.get("_data_files") or [] if isinstance(d, dict)]
         if not files or not all(isinstance(f, str) and f in names for f in files):
             raise ConfigError(field, f"{path}/state.json: lists no Arrow files of this directory")
         return files
