@@ -1,4 +1,4 @@
-"""A checkpoint is data, never code, and a store's links are never followed (issue 31, items 9 and 10).
+"""A checkpoint is data, never code, and a store's links are never followed, whoever wrote it (docs/security.md).
 
 Every format kubetron reads gets crafted files: a pickle whose unpickling creates a marker file, a torch DCP
 entry recorded as bytes with a forged size (DCP would torch.load it with weights_only=False), bytes placed

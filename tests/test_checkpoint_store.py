@@ -1,4 +1,4 @@
-"""Issue 3 end to end: checkpoints on a path and on a real S3 server, through the real `kubetron`.
+"""Checkpoints end to end, on a path and on a real S3 server, through the real `kubetron`.
 
 SIGKILL at several points of a save (KUBETRON_CHAOS_KILL_AT), a fault-injecting proxy in front of
 S3, async saves, non-persistent checkpoints, resume from s3:// — each time the run that follows must

@@ -1,4 +1,4 @@
-"""Config keys that were accepted and then did nothing (or crashed a resume), issue 14 point 3.
+"""Config keys that were accepted and then did nothing (or crashed a resume): each now acts or is refused.
 
 Most checks run `pretrain()` in this process on one small saved run (module fixture); the exit code
 of a spec error is checked once through the real `kubetron train` command.

@@ -1,4 +1,4 @@
-"""Hang detection (issue 33 item 1, docs/recovery.md): the rules (kubetron.contract.hang), the heartbeat a rank
+"""Hang detection (docs/recovery.md): the rules (kubetron.contract.hang), the heartbeat a rank
 publishes (kubetron.heartbeat), the watchdog that reads it from outside the rank (kubetron.watchdog, with real
 processes and a stand-in for the rendezvous store), and two pods' real launchers and torchrun on CPU:
 

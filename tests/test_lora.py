@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (issue 14, point 1), through the real `kubetron finetune`: adapters on a tiny Llama
+"""LoRA fine-tuning, through the real `kubetron finetune`: adapters on a tiny Llama
 read from a Hugging Face directory (SwiGLU fc1, grouped-query attention, untied output), base frozen,
 adapter-only checkpoints, SIGTERM + exact resume, TP=2 against TP=1, merge-on-export."""
 

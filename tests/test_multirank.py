@@ -1,4 +1,4 @@
-"""Multi-rank training through the real CLI under `torchrun --nproc-per-node 2` (CPU, gloo): issue 4.
+"""Multi-rank training through the real CLI under `torchrun --nproc-per-node 2` (CPU, gloo).
 
 Tolerances (lm loss is about 5-6 here, fp32 throughout):
 - DP=2 vs DP=1 with the same global batch: |diff| <= 1e-5 per iteration (same samples, same

@@ -1,4 +1,4 @@
-"""Fine-tuning data is tokenized and packed once (issue 32, item 9, and item 3's checkpoint side): rank 0 builds it
+"""Fine-tuning data is tokenized and packed once (its tokenizer travels with the checkpoint): rank 0 builds it
 and stores it in the job's store, every other rank and every restart loads it; a changed input is another key, a
 damaged cache is rebuilt (and never unpickled); long work logs progress with an ETA; a run through the CLI keeps the
 tokenizer's files, chat templates included, verbatim in every checkpoint."""

@@ -1,4 +1,4 @@
-"""Chat fine-tuning trains on what transformers would (issue 32, items 1-3): for tokenizers built like Llama 3's,
+"""Chat fine-tuning trains on what transformers would (exact tokens and masks): for tokenizers built like Llama 3's,
 Qwen3's and Mistral v0.3's and saved by `save_pretrained`, the ids of every example equal
 `apply_chat_template(messages, tokenize=True)`, the loss covers exactly the assistant turns with their end-of-turn
 token, single- and multi-turn; prompt/answer rows get one BOS; templates are read wherever transformers reads them."""

@@ -1,4 +1,4 @@
-"""The fine-tuning data users have (issue 32, items 4 and 5): every row format (OpenAI messages, with text parts,
+"""The fine-tuning data users have (docs/config-reference.md): every row format (OpenAI messages, with text parts,
 TRL prompt/completion standard and conversational, ShareGPT, input/output under configured keys) and every file
 type (JSONL, .jsonl.gz, .jsonl.zst, Parquet, Arrow, a datasets save_to_disk directory, a directory or glob of
 shards, a list of paths, s3:// on a real S3 server) trains from the same content to the same samples; a row or

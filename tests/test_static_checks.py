@@ -154,3 +154,13 @@ def test_the_patch_check_finds_each_kind_of_patch(tmp_path):
         "pkg.patch:9: torch.compile", "pkg.patch:9: m._gather", "pkg.patch:10: torch.backends.cudnn.benchmark",
         "pkg.patch:11: sys.modules['wandb']", "pkg.patch:12: model.rope.__class__", "pkg.patch:13: TopKRouter.<attr>",
         "pkg.patch:14: TopKRouter.count"}  # not own.py's, nor patch.py's own.Box.size
+
+
+def test_test_modules_say_what_they_check_not_which_issue_asked():
+    """A test module's name and docstrings describe behaviour; an issue number means nothing to a reader later."""
+    cited = []
+    for path in sorted((code_graph.REPO / "tests").rglob("*.py")):
+        text = path.read_text()
+        if re.search(r"issue_?\d", path.stem) or re.search(r"\b[Ii]ssues? \d+", text):
+            cited.append(str(path.relative_to(code_graph.REPO)))
+    assert cited == []

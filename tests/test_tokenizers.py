@@ -1,4 +1,4 @@
-"""Issue 13, the data side: real tokenizers, `kubetron preprocess`, megatron-core's datasets, tokenizer files in
+"""Real tokenizers, `kubetron preprocess`, megatron-core's datasets, tokenizer files in
 checkpoints. Through what users run (the CLI, the trainer) where it matters."""
 
 from __future__ import annotations

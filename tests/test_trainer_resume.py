@@ -1,4 +1,4 @@
-"""The trainer core end to end, through the real `kubetron` command (issue 2's "done when")."""
+"""The trainer core end to end, through the real `kubetron` command: train, stop, resume, finish."""
 
 from __future__ import annotations
 

@@ -274,7 +274,7 @@ def test_pods_of_older_attempts_are_cleaned_up_while_running():
     assert action.kind == "wait" and action.delete_pods == ("gpt-1-1",)
 
 
-# -- PVC: the next attempt waits for no pod but the last one's (issue 33 item 5) -----------------------
+# -- PVC: the next attempt waits for no pod but the last one's ------------------------------------------
 
 PVC = Job.from_body(PVC_JOB)
 RESTARTING_PVC = {**RUNNING, "phase": "Restarting", "lastCheckpoint": {"iteration": 10, "time": "t"}}
@@ -381,7 +381,7 @@ def test_termination_message_parsing_and_durations():
     assert [format_duration(s) for s in (5, 200, 3700, 90000)] == ["5s", "3m20s", "1h1m", "1d1h"]
 
 
-# -- issue 11: pods stuck before starting (2), restart pacing (3), preemptions vs NoProgress (4) ---------
+# -- pods stuck before starting (2), restart pacing (3), preemptions vs NoProgress (4) ---------
 
 PENDING = {**RUNNING, "phase": "Pending", "reason": "AttemptCreated", "attemptStartTime": "2026-11-22T11:59:00Z"}
 
@@ -575,7 +575,7 @@ def test_cleared_trouble_is_no_longer_shown():
     assert action.status["reason"] == "Starting" and action.events == ()
 
 
-# -- issue 21: sidecars, evictions the job caused, bounded free restarts, Kueue pod groups ----------------
+# -- sidecars, evictions the job caused, bounded free restarts, Kueue pod groups ----------------
 
 
 def raw_pod(phase: str, *containers: tuple[str, dict], **status: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""Issue 24's elastic "done when", on the real API server, kube-scheduler and operator: a `nodes: 2,
+"""An elastic job on the real API server, kube-scheduler and operator: a `nodes: 2,
 minNodes: 1` job on a pool of one Node with room for one pod trains at 1 node instead of waiting, grows to 2
 when a second Node joins the pool, and ends Succeeded at train_iters with its losses continuous. Its
-startupTimeoutSeconds is shorter than shrinkAfterSeconds: it shrinks at the start-up timeout (issue 33 item 4).
+startupTimeoutSeconds is shorter than shrinkAfterSeconds: it shrinks at the start-up timeout.
 
 The test plays the kubelet of its two Nodes (tests/operator/local_pods.py): a bound pod's exact command
 runs as a local process (workers and progress readers; a probe pod only reports Running, its command is a
@@ -135,7 +135,7 @@ def test_elastic_job_shrinks_runs_grows_and_succeeds(kube, kube_ns, tmp_path):
     pvc(kube, ns, store)
     config = tiny_config(ITERS, tensorboard_dir=str(store / "tb"))
     # startupTimeoutSeconds below the default shrinkAfterSeconds (60): the pod the scheduler cannot place
-    # shrinks the job at the start-up timeout (issue 33 item 4), it does not end the attempt as StartupTimeout.
+    # shrinks the job at the start-up timeout, it does not end the attempt as StartupTimeout.
     body = job_body(PVC_JOB, nodes=2, minNodes=1, startupTimeoutSeconds=STARTUP_TIMEOUT, config=config,
                     storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=free_port(), masterPort=free_port(), terminationGracePeriodSeconds=int(GRACE),

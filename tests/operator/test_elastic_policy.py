@@ -108,7 +108,7 @@ def test_unschedulable_past_the_wait_shrinks_to_what_the_scheduler_placed():
 
 
 def test_a_startup_timeout_shorter_than_the_shrink_wait_shrinks_instead_of_ending_the_attempt():
-    """Issue 33 item 4: startupTimeoutSeconds 20 < shrinkAfterSeconds 60 used to end every attempt at full size
+    """startupTimeoutSeconds 20 < shrinkAfterSeconds 60 used to end every attempt at full size
     as StartupTimeout (never started 1/5, 2/5, ...). Pods the elastic rule waits on shrink the job at whichever
     timeout is shorter."""
     job = Job.from_body(job_body(S3_JOB, nodes=2, minNodes=1, startupTimeoutSeconds=20))  # shrinkAfterSeconds 60

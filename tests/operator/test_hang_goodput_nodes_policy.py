@@ -1,4 +1,4 @@
-"""Issue 33's decisions as tables, no cluster (policy/hang.py, policy/nodes.py, policy/goodput.py): what a hang
+"""Hangs, failing nodes and goodput decided as tables, no cluster (policy/hang.py, nodes.py, goodput.py): what a hang
 writes into status, which nodes are left out, and where every rank-second of a job goes."""
 
 from __future__ import annotations

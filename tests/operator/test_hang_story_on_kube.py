@@ -1,6 +1,6 @@
-"""Issue 33's "done when" in one story, on the real API server, kube-scheduler and operator, with real trainers
-(the tests' kubelet runs every pod the scheduler binds to the story's three Nodes as local processes; each Node
-has room for one pod): one 2-pod job of the tiny GPT on a PVC store
+"""A hung rank found and recovered from, in one story, on the real API server, kube-scheduler and operator, with real
+trainers (the tests' kubelet runs every pod the scheduler binds to the story's three Nodes as local processes; each
+Node has room for one pod): one 2-pod job of the tiny GPT on a PVC store
 
 1. hangs: rank 1's trainer is SIGSTOPped mid-interval. Its pods' watchdogs name it, its stacks and the others'
    go to the store, the gang restarts in place (status Hung naming its pod and node, restarts.hangs, an event)

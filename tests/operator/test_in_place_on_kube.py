@@ -1,4 +1,4 @@
-"""Issue 24's "done when", on the real API server with the real operator: a 2-pod job whose pods' exact
+"""In-place recovery on the real API server with the real operator: a 2-pod job whose pods' exact
 commands run as local processes (the test plays the kubelet, as in test_real_trainer_story.py: only the
 interpreter, the mounted config, the termination log and MASTER_ADDR are rewritten). One trainer
 process is SIGKILLed mid-run: the gang restarts inside the same pods, rank 0's status endpoint says so,
@@ -46,7 +46,7 @@ def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path)
             st = kube.wait_status(ns, "gpt", "restarts.inPlace == 1",
                                   lambda s: (s.get("restarts") or {}).get("inPlace") == 1, timeout=300)
             assert st["phase"] == "Running" and st["attempt"] == 1 and st["restarts"]["total"] == 0
-            # The crash is held against rank 1's node (issue 33: a second one would keep later attempts off it).
+            # The crash is held against rank 1's node (a second one would keep later attempts off it).
             (failing,) = st["failingNodes"]
             assert failing["node"] == kube.pods(ns)["gpt-1-1"]["spec"]["nodeName"] and failing["failures"] == 1, failing
             assert "in-place restart 1: rank 1 (pod gpt-1-1) was killed by SIGKILL" in failing["evidence"][0]

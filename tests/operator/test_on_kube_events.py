@@ -1,4 +1,4 @@
-"""The operator is event-driven (issue 12): a job whose pods wait costs no API request, and a pod's
+"""The operator is event-driven: a job whose pods wait costs no API request, and a pod's
 failure reaches the job's status at once, not at the next `--interval`. The API server counts the
 operator's requests (a FlowSchema matching only its ServiceAccount; /metrics)."""
 

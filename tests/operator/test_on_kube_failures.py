@@ -1,4 +1,4 @@
-"""Failure modes of issue 11 that only a real API server shows (quota, admission, missing CRDs, name
+"""Failure modes that only a real API server shows (quota, admission, missing CRDs, name
 clashes, optimistic concurrency), with the real `kubetron operator` process (tests/kube)."""
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def pvc_job(kube, ns: str) -> dict[str, Any]:
 
 
 def test_a_pvc_restart_creates_the_next_attempt_at_once_with_no_extra_pod(kube, kube_ns):
-    """Issue 33 item 5: a whole-gang restart on a PVC store needs no pod but the next gang's. The operator
+    """A whole-gang restart on a PVC store needs no pod but the next gang's. The operator
     used to create a progress-reader pod between attempts and wait up to 180 s for it (a full cluster after a
     preemption could not place it); now attempt 2 is created at once, expecting the newest checkpoint the
     ranks reported (their termination messages), and its own rank 0 resumes from the store's newest."""

@@ -1,4 +1,4 @@
-"""What a pod's status means, on a real API server with the real operator (issue 21 parts 3-4): the trainer
+"""What a pod's status means, on a real API server with the real operator: the trainer
 container is read by name whatever sidecars run beside it, an attempt ends when every trainer has ended
 (a sidecar that still runs is stopped, not waited for), and a kubelet eviction for exceeding the pod's own
 limits counts as a failure. The test plays the kubelet, writing what it would write."""

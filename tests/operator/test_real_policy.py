@@ -1,4 +1,5 @@
-"""The operator's policy on a real API server (issue 11, failure modes 2, 3, 4, 5, 7, 8, 10, 13): one real
+"""The operator's policy on a real API server (stuck pods, admission refusals, preemptions while loading,
+suspension, peer failures): one real
 `kubetron operator` process for the whole module, a namespace per test, the real scheduler binding pods
 (or saying why it cannot), and the test playing the kubelet (pod phases, waiting reasons, admission
 rejections, node readiness).

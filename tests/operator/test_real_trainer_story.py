@@ -1,4 +1,4 @@
-"""Issue 5's story with a real trainer: a pod's exact command run as a local process.
+"""A job's whole life with a real trainer: a pod's exact command run as a local process.
 
 One tiny CPU TrainingJob on a PVC-like directory. The operator's own pure pieces drive it: `decide()`
 says what to do, `build()`/`rank_command()` say what each pod runs, `status_endpoint.read_live()` fetches rank 0's

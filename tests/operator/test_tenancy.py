@@ -1,4 +1,4 @@
-"""Tenant safety without a cluster (issue 31; the same on a real API server: test_tenancy_on_kube.py).
+"""Tenant safety without a cluster (the same on a real API server: test_tenancy_on_kube.py; docs/security.md).
 
 A TrainingJob is written by a tenant: every name it carries is a Kubernetes name (the CRD's schema and the
 operator's admission), request paths refuse anything else, what one job makes the operator create is

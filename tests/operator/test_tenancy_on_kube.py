@@ -1,4 +1,4 @@
-"""Tenant safety on the real API server (issue 31; the pure parts: test_tenancy.py).
+"""Tenant safety on the real API server (the pure parts: test_tenancy.py; docs/security.md).
 
 A tenant is a ServiceAccount allowed only TrainingJobs in its own namespace (KubeEnv.tenant). The real
 `kubetron operator` runs under the chart's RBAC, watching the tenant's namespace and a victim's, with AWS
