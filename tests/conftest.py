@@ -1,5 +1,10 @@
 """Shared fixtures and hooks. The S3 server fixture lives in tests/s3server.py (importable by scripts too)."""
 
+import re
+
+import pytest
+from kubetron.watchdog import HANGS_DIR  # where a pod's watchdog puts a hung gang's stacks
+
 from tests.kube.fixtures import kube, kube_ns  # noqa: F401 - the real-API-server fixtures (tests/kube)
 from tests.s3server import s3_server  # noqa: F401 - a pytest fixture, re-exported
 from tests.typecheck import CHECK, STARTED, Run
@@ -27,3 +32,17 @@ def pytest_sessionfinish(session):
     run = session.config.stash.get(STARTED, None)
     if run is not None and run.proc.poll() is None:
         run.proc.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_hang_but_on_purpose(request, tmp_path_factory):
+    """After the session: no watchdog reported a hang (its stacks in a store under the session's temporary
+    directory, local stores and the S3 server's alike) but in the tests marked hangs_on_purpose. A slow
+    store, a long save or a loaded machine must never look like a hang."""
+    yield
+    on_purpose = {re.sub(r"\W", "_", item.name)[:30] for item in request.session.items
+                  if item.get_closest_marker("hangs_on_purpose")}
+    base = tmp_path_factory.getbasetemp()
+    reported = [p.relative_to(base) for p in base.rglob(HANGS_DIR) if p.is_dir() and any(p.iterdir())]
+    unexpected = [str(p) for p in reported if not any(p.parts[0].startswith(name) for name in on_purpose)]
+    assert not unexpected, f"hangs reported outside the tests that hang on purpose: {unexpected}"

@@ -61,6 +61,7 @@ def goodput(kube, ns: str) -> dict[str, Any]:
     return ((kube.job(ns, "gpt") or {}).get("status") or {}).get("goodput") or {}
 
 
+@pytest.mark.hangs_on_purpose
 def test_a_hang_a_crash_and_a_preemption_each_land_where_they_belong(kube, kube_ns, tmp_path):
     ns, api = kube_ns, kube.admin
     store = tmp_path / "pvc"

@@ -24,6 +24,7 @@ SAVE_INTERVAL = 4  # the bench's default
 DETECTED, STOPPED = "hang detected (no progress past the timeout)", "pods agree, gang stopped, restart"
 
 
+@pytest.mark.hangs_on_purpose
 def test_recovery_bench_quick(tmp_path):
     try:
         find_binaries()
