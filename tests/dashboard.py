@@ -16,6 +16,7 @@ TRAINER_PREFIX = "kubetron_trainer_"  # rank 0's status endpoint; every other ku
 # What Grafana replaces before a query reaches Prometheus, with values of the same kind.
 GRAFANA_VARIABLES = {"$__rate_interval": "2m", "$__interval": "30s", "$__range": "6h", "$namespace": ".*",
                      "$trainingjob": ".*"}
+STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a PromQL string literal
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "and", "or",
             "unless", "inf", "nan"}
 
@@ -39,7 +40,7 @@ def queries(board: dict[str, Any] | None = None) -> dict[str, str]:
 def metric_names(expr: str) -> set[str]:
     """The metric names a PromQL expression reads: what is left once strings, label matchers, range and
     offset durations, grouping clauses, function calls, keywords and numbers are taken out."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # string literals
+    expr = STRING.sub("", expr)  # string literals
     expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
     expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
@@ -72,7 +73,7 @@ def missing(exporter: str, text: str) -> set[str]:
 
 def labels_read(expr: str) -> set[str]:
     """The label names a PromQL expression matches on (`{name=~"..."}`) or groups by (`by (a, b)`)."""
-    matched = {m for body in re.findall(r"\{([^}]*)\}", re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr))
+    matched = {m for body in re.findall(r"\{([^}]*)\}", STRING.sub('""', expr))
                for m in re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", body)}
     grouped = {g.strip() for clause in re.findall(r"\bby\s*\(([^)]*)\)", expr) for g in clause.split(",")}
     return matched | (grouped - {""})
