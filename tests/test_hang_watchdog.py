@@ -285,7 +285,10 @@ def test_a_stopped_rank_is_named_its_stacks_stored_and_the_gang_restarted_in_pla
     assert (report["rank"], report["nodeRank"], report["state"], report["restart"]) == (1, 1, hang.STOPPED, 1)
     assert report["stacks"] == f"{store}/hangs/{folder.name}/"
     rank0 = (folder / "rank-0.txt").read_text()
-    assert hang.classify(rank0) == hang.COLLECTIVE and "train_step" in rank0  # waiting for rank 1
+    # waiting for rank 1 in the training loop: in a step's collectives, or a checkpoint save's when rank 1
+    # was stopped just before an iteration that saves (where it stops depends on the machine's load)
+    assert hang.classify(rank0) == hang.COLLECTIVE, rank0
+    assert any("/kubetron/training/train.py" in frame for frame in hang.main_thread(rank0)), rank0
     assert "no stack" in (folder / "rank-1.txt").read_text()
     progress = (store / "progress.txt").read_text()
     assert f"Hang detected\tIteration: {report['iteration']}\tRank: 1\tPod rank: 1\tPhase: train" in progress

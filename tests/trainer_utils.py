@@ -96,13 +96,19 @@ def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=sign
     p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
 
+    sent = []
+
     def send():
         if delay:
             time.sleep(delay)
         p.send_signal(sig)
+        sent.append(sig)
 
     out = run_until_iteration(p, k, send, timeout)
-    return p.returncode, out, p.stderr.read(), read_termination(e["KUBETRON_TERMINATION_LOG"])
+    err = p.stderr.read()
+    # A run that ended before iteration k (a crash, or a signal from elsewhere) says so, with what it printed.
+    assert sent, f"the trainer ended ({p.returncode}) before iteration {k}:\n{out[-2000:]}\n{err[-2000:]}"
+    return p.returncode, out, err, read_termination(e["KUBETRON_TERMINATION_LOG"])
 
 
 def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:
