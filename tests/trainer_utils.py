@@ -67,7 +67,8 @@ def read_termination(path: str) -> dict | None:
 def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> str:
     """Read `p`'s stdout; once it logs iteration >= k call `action()` once; wait for the end.
 
-    Returns the stdout. On a timeout (or any error) the whole process group is SIGKILLed.
+    Returns the stdout. On a timeout (or any error) the whole process group is SIGKILLed. A run that ended
+    before iteration k (a crash, or a signal from elsewhere) fails with what it printed.
     """
     out_lines = []
     deadline = time.monotonic() + timeout
@@ -86,7 +87,11 @@ def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> 
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    return "".join(out_lines)
+    out = "".join(out_lines)
+    if not acted:
+        err = p.stderr.read() if p.stderr else ""
+        raise AssertionError(f"the run ended ({p.returncode}) before iteration {k}:\n{out[-2000:]}\n{err[-2000:]}")
+    return out
 
 
 def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=signal.SIGTERM,
@@ -96,19 +101,13 @@ def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=sign
     p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
 
-    sent = []
-
     def send():
         if delay:
             time.sleep(delay)
         p.send_signal(sig)
-        sent.append(sig)
 
     out = run_until_iteration(p, k, send, timeout)
-    err = p.stderr.read()
-    # A run that ended before iteration k (a crash, or a signal from elsewhere) says so, with what it printed.
-    assert sent, f"the trainer ended ({p.returncode}) before iteration {k}:\n{out[-2000:]}\n{err[-2000:]}"
-    return p.returncode, out, err, read_termination(e["KUBETRON_TERMINATION_LOG"])
+    return p.returncode, out, p.stderr.read(), read_termination(e["KUBETRON_TERMINATION_LOG"])
 
 
 def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:
