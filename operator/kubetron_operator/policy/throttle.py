@@ -17,7 +17,7 @@ def throttle(action: Action, since_patch: float, interval: float) -> tuple[Actio
     was held back."""
     if not action.status or not set(action.status) <= PROGRESS_KEYS:
         return action, False
-    if since_patch >= 2 * interval:
+    if since_patch >= hold_until(interval):
         return action, False
     return dataclasses.replace(action, status={}), True
 
