@@ -240,7 +240,9 @@ def test_a_pod_waits_for_every_pod_and_withdraws_when_a_rank_moves_again(tmp_pat
 
 # -- two pods' launchers and torchrun ---------------------------------------------------------------------
 
-ARGS = ["train", "--config", TINY, *QUICK, "train.train_iters=60", "scheduler.lr_warmup_iters=1",
+# 300 iterations of about 10 ms: a rank stopped at iteration 15 is stopped in the training loop even when the
+# test reads the pods' output late (with 60 the stop could land after the loop, where no hang is judged).
+ARGS = ["train", "--config", TINY, *QUICK, "train.train_iters=300", "scheduler.lr_warmup_iters=1",
         "checkpoint.save_interval=10"]
 TIMEOUT = "8"  # KUBETRON_HANG_TIMEOUT_SECONDS (spec.hangTimeoutSeconds), short for the test
 
