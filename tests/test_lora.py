@@ -96,10 +96,11 @@ def test_lora_trains_only_adapters_and_saves_them_alone(base, reference):
 
 def test_sigterm_then_resume_is_bit_exact(base, reference, tmp_path):
     store = tmp_path / "run"
-    code, out, err, term = run_until_iteration_then_signal(finetune_args(base, store, *LORA), tmp_path, 7)
+    # at 3, so that more iterations are left than the page of output tests/trainer_utils lets a run get ahead
+    code, out, err, term = run_until_iteration_then_signal(finetune_args(base, store, *LORA), tmp_path, 3)
     assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
     saved = term["lastCheckpoint"]
-    assert 7 <= saved < ITERS and (store / f"iter_{saved:07d}" / "metadata.json").is_file()
+    assert 3 <= saved < ITERS and (store / f"iter_{saved:07d}" / "metadata.json").is_file()
     p = run(finetune_args(base, store, *LORA), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     log = p.stdout + p.stderr

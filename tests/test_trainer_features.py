@@ -255,7 +255,7 @@ def _adam_step(ckpt: Path) -> int:
 def test_finetune_from_parent_dir_then_resume_from_its_own_checkpoint(pretrained, tmp_path):
     ft = tmp_path / "ft"
     args = ["finetune", "--config", TINY, f"checkpoint.pretrained_checkpoint={pretrained.ckpt}",
-            f"checkpoint.save={ft}", f"checkpoint.load={ft}", "checkpoint.save_interval=100", "train.train_iters=8",
+            f"checkpoint.save={ft}", f"checkpoint.load={ft}", "checkpoint.save_interval=100", "train.train_iters=24",
             "scheduler.lr_warmup_iters=2",
             "logger.log_interval=1", f"logger.tensorboard_dir={ft}/tb", "validation.eval_interval=null"]
     code, out, err, term = run_until_iteration_then_signal(args, tmp_path, 3)
@@ -274,7 +274,7 @@ def test_finetune_from_parent_dir_then_resume_from_its_own_checkpoint(pretrained
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.search(rf"resumed from \S+ft/iter_{saved:07d} at iteration {saved}", p.stdout)
     assert "finetuning from weights" not in p.stdout
-    assert _adam_step(ft / "iter_0000008") == 8
+    assert _adam_step(ft / "iter_0000024") == 24
 
 
 def test_finetune_from_an_iter_dir(pretrained, tmp_path):

@@ -64,9 +64,38 @@ def read_termination(path: str) -> dict | None:
         return None
 
 
+HELD_PIPE_BYTES = 4096  # a page: the smallest pipe Linux makes
+
+
+def hold_on_a_short_leash(p: subprocess.Popen) -> None:
+    """Shrink `p`'s stdout pipe to one page, so a run whose reader is not scheduled (a loaded CI machine) is
+    stopped by its own next write about a dozen iteration lines later, instead of finishing the whole run
+    before the reader sees iteration k and signals it. Best effort: a pipe that already holds more fails."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(p.stdout.fileno(), fcntl.F_SETPIPE_SZ, HELD_PIPE_BYTES)
+    except OSError:
+        pass
+
+
+def _lines_one_byte_at_a_time(fd: int):
+    """The lines on `fd`, read without reading ahead: the pipe keeps holding (and so blocking) the writer."""
+    line = bytearray()
+    while chunk := os.read(fd, 1):
+        line += chunk
+        if chunk == b"\n":
+            yield line.decode(errors="replace")
+            line.clear()
+    if line:
+        yield line.decode(errors="replace")
+
+
 def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> str:
     """Read `p`'s stdout; once it logs iteration >= k call `action()` once; wait for the end.
 
+    Until then stdout is read a byte at a time from a one-page pipe (`hold_on_a_short_leash`): however late
+    this reader runs, the run cannot get more than a page of output past iteration k before `action()`.
     Returns the stdout. On a timeout (or any error) the whole process group is SIGKILLed. A run that ended
     before iteration k (a crash, or a signal from elsewhere) fails with what it printed.
     """
@@ -74,14 +103,16 @@ def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> 
     deadline = time.monotonic() + timeout
     acted = False
     try:
-        for line in p.stdout:
+        for line in _lines_one_byte_at_a_time(p.stdout.fileno()):
             out_lines.append(line)
             m = ITER_RE.search(line)
-            if not acted and m and int(m.group(1)) >= k:
+            if m and int(m.group(1)) >= k:
                 action()
                 acted = True
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError("trainer did not finish in time")
+        out_lines.append(p.stdout.read())  # nothing was read ahead through the text wrapper: the rest, in order
         p.wait(timeout=max(deadline - time.monotonic(), 1))
     finally:
         if p.poll() is None:
@@ -100,6 +131,7 @@ def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=sign
     e = env_for(tmp, **env)
     p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
+    hold_on_a_short_leash(p)
 
     def send():
         if delay:
