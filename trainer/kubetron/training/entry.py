@@ -296,7 +296,7 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
     The signal handler (train.exit_signal_handler) is installed before the slow setup and stays
     through teardown: a SIGTERM after the loop ended leaves the exit code as decided (0 for a
     completed run). `keep_signal_handler`: this process is the command (it exits with the code), so
-    the handler stays until the process exits; otherwise it is released on return.
+    the signals are ignored from the return until the process exits; otherwise the handler is released.
     """
     import warnings
 
@@ -322,7 +322,9 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
     try:
         return _run_and_report(cfg, mode, handler)
     finally:
-        if handler is not None and not keep_signal_handler:
+        if handler is not None and keep_signal_handler:
+            handler.ignore_until_exit()
+        elif handler is not None:
             handler.release()
 
 

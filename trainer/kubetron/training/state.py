@@ -54,8 +54,8 @@ class SignalHandler:
     """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step).
 
     Once the loop has ended (`settle()`), a signal changes nothing: the run's exit code is decided, and
-    the process goes on to exit with it. `kubetron train` keeps the handler until the process exits, so
-    a SIGTERM during teardown cannot turn a completed run into a killed one (143).
+    the process goes on to exit with it. `kubetron train` then ignores the signals until the process exits
+    (`ignore_until_exit()`), so a SIGTERM during teardown cannot turn a completed run into a killed one (143).
     """
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
@@ -77,6 +77,17 @@ class SignalHandler:
     @property
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received else ""
+
+    def ignore_until_exit(self):
+        """The process is about to exit with its decided code: the signals are ignored from here on.
+
+        Not left to this handler: Python's finalization puts a signal whose handler is a Python function back
+        to the default (terminate) before torch's own teardown runs, and a SIGTERM in those few hundred
+        milliseconds killed a completed run (-15). An ignored signal stays ignored through finalization.
+        """
+        self.settle()
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
 
     def release(self):
         for sig, prev in self._previous.items():
