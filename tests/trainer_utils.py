@@ -67,10 +67,11 @@ def read_termination(path: str) -> dict | None:
 HELD_PIPE_BYTES = 4096  # a page: the smallest pipe Linux makes
 
 
-def hold_on_a_short_leash(p: subprocess.Popen) -> None:
+def _hold_on_a_short_leash(p: subprocess.Popen) -> None:
     """Shrink `p`'s stdout pipe to one page, so a run whose reader is not scheduled (a loaded CI machine) is
     stopped by its own next write about a dozen iteration lines later, instead of finishing the whole run
-    before the reader sees iteration k and signals it. Best effort: a pipe that already holds more fails."""
+    before the reader sees iteration k and signals it. Best effort: a pipe that already holds more fails,
+    so it is done as soon as the process is started."""
     import fcntl
 
     try:
@@ -92,9 +93,10 @@ def _lines_one_byte_at_a_time(fd: int):
 
 
 def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> str:
-    """Read `p`'s stdout; once it logs iteration >= k call `action()` once; wait for the end.
+    """Read `p`'s stdout; once it logs iteration >= k call `action()` once; wait for the end. Call it right
+    after starting `p`.
 
-    Until then stdout is read a byte at a time from a one-page pipe (`hold_on_a_short_leash`): however late
+    Until then stdout is read a byte at a time from a one-page pipe (`_hold_on_a_short_leash`): however late
     this reader runs, the run cannot get more than a page of output past iteration k before `action()`.
     Returns the stdout. On a timeout (or any error) the whole process group is SIGKILLed. A run that ended
     before iteration k (a crash, or a signal from elsewhere) fails with what it printed.
@@ -102,6 +104,7 @@ def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> 
     out_lines = []
     deadline = time.monotonic() + timeout
     acted = False
+    _hold_on_a_short_leash(p)
     try:
         for line in _lines_one_byte_at_a_time(p.stdout.fileno()):
             out_lines.append(line)
@@ -131,7 +134,6 @@ def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=sign
     e = env_for(tmp, **env)
     p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
-    hold_on_a_short_leash(p)
 
     def send():
         if delay:

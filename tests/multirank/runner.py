@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kubetron.contract import exitcodes
 
-from tests.trainer_utils import TINY, free_port, hold_on_a_short_leash, run_until_iteration
+from tests.trainer_utils import TINY, free_port, run_until_iteration
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -93,12 +93,12 @@ def launch_and_signal(args: list[str], rank_dir: Path, at_iteration: int, ranks:
     rank_dir.mkdir(parents=True, exist_ok=True)
     p = subprocess.Popen(command(args, nproc), env=environment(rank_dir, **env), cwd=REPO, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    hold_on_a_short_leash(p)  # the ranks share torchrun's stdout: a blocked write holds the gang
 
     def signal_ranks():
         for r in ranks:
             os.kill(int((rank_dir / f"pid-{r}").read_text()), sig)
 
+    # the ranks share torchrun's stdout: a write blocked on the held pipe holds the gang
     out = run_until_iteration(p, at_iteration, signal_ranks, timeout)
     codes, terms = _collect(rank_dir, nproc)
     return Result(p.returncode, out, p.stderr.read(), rank_dir, codes, terms)
