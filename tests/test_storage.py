@@ -414,6 +414,7 @@ for it in range(int(sys.argv[2]), 10_000):
             for off in range(0, n, 1 << 20):
                 f.write(data[off : off + (1 << 20)])
                 print(f"write {it} {j} {off}", flush=True)
+                sys.stdin.readline()  # the test's go-ahead: it kills here instead when this is its point
         digests[f"f{j}.bin"] = hashlib.sha256(data).hexdigest()
     print(f"commit {it}", flush=True)
     txn.commit(json.dumps(digests).encode())
@@ -423,9 +424,12 @@ for it in range(int(sys.argv[2]), 10_000):
 
 
 def _run_and_kill(url: str, env: dict, start: int, kill_at: str) -> None:
+    """Run CHILD and SIGKILL it at the line `kill_at`. After each `write` line the child waits for a go-ahead,
+    so a kill at a write lands exactly there however late this reader runs (a loaded machine once let the
+    child commit the save it was to be killed in); `commit` lines do not wait: that point is racy on purpose."""
     p = subprocess.Popen(
         [sys.executable, "-c", CHILD, url, str(start)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -433,14 +437,17 @@ def _run_and_kill(url: str, env: dict, start: int, kill_at: str) -> None:
             if line.startswith(kill_at):
                 os.kill(p.pid, signal.SIGKILL)
                 break
+            if line.startswith("write "):
+                p.stdin.write("\n")
+                p.stdin.flush()
             assert time.monotonic() < deadline
         else:
             pytest.fail(f"child ended before {kill_at!r}: {p.stderr.read()[-2000:]}")
     finally:
         p.kill()
         p.wait()
-        p.stdout.close()
-        p.stderr.close()
+        for f in (p.stdin, p.stdout, p.stderr):
+            f.close()
 
 
 @pytest.mark.parametrize("backend", ["fs", "s3"])
