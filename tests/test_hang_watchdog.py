@@ -28,7 +28,7 @@ from kubetron.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
 from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
-from tests.trainer_utils import QUICK, TINY
+from tests.trainer_utils import QUICK, TINY, iteration_at_least
 
 # -- the rules --------------------------------------------------------------------------------------------
 
@@ -247,13 +247,18 @@ ARGS = ["train", "--config", TINY, *QUICK, "train.train_iters=300", "scheduler.l
 TIMEOUT = "8"  # KUBETRON_HANG_TIMEOUT_SECONDS (spec.hangTimeoutSeconds), short for the test
 
 
-def stop_rank_1_at(pods, outs, iteration: int) -> float:
-    deadline = time.monotonic() + 300
-    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) >= iteration for line in list(outs[-1])):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(sum(outs, []))[-4000:]
-        time.sleep(0.02)
+def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], list, float]:
+    """Collect the pods' output; SIGSTOP rank 1's trainer once it logs `iteration`, with its pod's reader held
+    there (`HeldReader`): it gets at most a page of output further, however late this test runs. Returns
+    (the pods' lines, their readers, when rank 1 was stopped)."""
+    outs: list[list[str]] = [[] for _ in pods]
+    readers = [collect(pod, out, hold_at=iteration_at_least(iteration, LOSS_RE) if pod is pods[-1] else None)
+               for pod, out in zip(pods, outs, strict=True)]
+    readers[-1].wait_held(300, explain=lambda: "".join(sum(outs, []))[-4000:])
     os.kill(trainer_pid(pods, 1), signal.SIGSTOP)
-    return time.monotonic()
+    stopped = time.monotonic()
+    readers[-1].release()
+    return outs, readers, stopped
 
 
 @pytest.mark.slow
@@ -263,16 +268,14 @@ def test_a_stopped_rank_is_named_its_stacks_stored_and_the_gang_restarted_in_pla
     store = tmp_path / "ckpt"
     pods = start_pods(tmp_path, [*ARGS, f"checkpoint.save={store}", f"checkpoint.load={store}"],
                       KUBETRON_HANG_TIMEOUT_SECONDS=TIMEOUT)
-    outs: list[list[str]] = [[] for _ in pods]
-    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
-    stopped = stop_rank_1_at(pods, outs, 15)
+    outs, readers, stopped = collect_and_stop_rank_1_at(pods, 15)
     while not any("the gang hung" in line for line in outs[0]):
         assert time.monotonic() - stopped < 60, "".join(sum(outs, []))[-4000:]
         time.sleep(0.1)
     detected = time.monotonic() - stopped
     codes = finish(pods, timeout=300)
-    for t in threads:
-        t.join(timeout=10)
+    for r in readers:
+        r.join(timeout=10)
     log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
     assert codes == [0, 0], log[-6000:]
     assert float(TIMEOUT) < detected < float(TIMEOUT) + 10, detected
@@ -304,12 +307,10 @@ def test_with_no_in_place_restart_left_the_pods_end_hung(tmp_path):
     store = tmp_path / "ckpt"
     pods = start_pods(tmp_path, [*ARGS, f"checkpoint.save={store}", f"checkpoint.load={store}"], max_restarts=0,
                       KUBETRON_HANG_TIMEOUT_SECONDS=TIMEOUT)
-    outs: list[list[str]] = [[] for _ in pods]
-    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
-    stop_rank_1_at(pods, outs, 15)
+    outs, readers, _ = collect_and_stop_rank_1_at(pods, 15)
     codes = finish(pods, timeout=120)
-    for t in threads:
-        t.join(timeout=10)
+    for r in readers:
+        r.join(timeout=10)
     log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
     assert codes == [exitcodes.HUNG] * 2, log[-6000:]
     for rank in (0, 1):

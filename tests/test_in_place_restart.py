@@ -21,12 +21,17 @@ from kubetron.contract import exitcodes
 from kubetron.contract import progress as progress_log
 
 from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
-from tests.trainer_utils import QUICK, TINY
+from tests.trainer_utils import QUICK, TINY, iteration_at_least
 
 REPO = Path(__file__).resolve().parent.parent
 
 def losses(lines: list[str]) -> list[tuple[int, str]]:
-    return [(int(m.group(1)), m.group(2)) for m in map(LOSS_RE.search, lines) if m]
+    return [(int(m.group(1)), m.group(2)) for m in map(LOSS_RE.search, list(lines)) if m]
+
+
+def repeated(seen: list[tuple[int, str]]) -> list[int]:
+    """Where the logged iterations go back (a resume): the indexes into `seen` of each first step again."""
+    return [i for i, (it, _) in enumerate(seen) if i and it <= seen[i - 1][0]]
 
 
 @pytest.mark.slow
@@ -39,24 +44,25 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
                       nodes=nodes, nproc=nproc)
     launchers = [p.pid for p in pods]
     outs: list[list[str]] = [[] for _ in pods]
-    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
     out_last = outs[-1]  # the last rank logs the iterations
-    deadline = time.monotonic() + 300
-    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) >= 15 for line in list(out_last)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(sum(outs, []))[-4000:]
-        time.sleep(0.02)
+    # the last pod's reader holds at iteration 15: its rank cannot get more than a page of output further (below
+    # iteration 30 of 100) before the kill, however late this test runs (CI once read it at 100, run over)
+    readers = [collect(pod, out, hold_at=iteration_at_least(15, LOSS_RE) if pod is pods[-1] else None)
+               for pod, out in zip(pods, outs, strict=True)]
+    readers[-1].wait_held(300, explain=lambda: "".join(sum(outs, []))[-4000:])
     killed = trainer_pid(pods, 0)  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
     os.kill(killed, signal.SIGKILL)
-    killed_at, seen_before = time.monotonic(), len(out_last)
-    while not any((m := LOSS_RE.search(line)) and int(m.group(1)) <= 11 for line in out_last[seen_before:]):
+    killed_at = time.monotonic()
+    readers[-1].release()
+    while not repeated(losses(out_last)):  # the first step after the restart: an iteration logged again
         assert time.monotonic() - killed_at < 120 and all(p.poll() is None for p in pods), "".join(
             sum(outs, []))[-4000:]
         time.sleep(0.05)
     print(f"recovery: {time.monotonic() - killed_at:.1f} s from the kill to the first step after the restart")
 
     codes = finish(pods, timeout=120)
-    for t in threads:
-        t.join(timeout=10)
+    for r in readers:
+        r.join(timeout=10)
     log = "\n----- next pod -----\n".join("".join(out) for out in outs)
     assert codes == [0] * nodes, log[-6000:]
     assert [p.pid for p in pods] == launchers  # the same "pods": no launcher was replaced
@@ -66,7 +72,7 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     # Resumed from the newest checkpoint before the kill: the iterations after it ran twice, to the same losses
     # (the last rank logs them).
     seen = losses(out_last)
-    again = [i for i, (it, _) in enumerate(seen) if i and it <= seen[i - 1][0]]
+    again = repeated(seen)
     assert len(again) == 1, seen
     resumed_at = seen[again[0]][0]
     assert resumed_at % 10 == 1 and resumed_at > 10, seen

@@ -37,8 +37,8 @@ from tests.multirank.runner import (
     ok,
     start_plain_ranks,
     tb_scalars,
-    wait_for_iteration,
 )
+from tests.trainer_utils import iteration_at_least
 
 # For the DP/TP runs: SwiGLU (gated fc1 re-interleaving), grouped-query attention, untied output layer
 # (vocab-parallel along dim 0, padded to 384 rows at TP=1 and 512 at TP=2).
@@ -202,10 +202,11 @@ def test_sigkill_one_rank_during_sharded_saves(dp_runs, tmp_path, s3_server, bac
 
 
 def _run_plain_and_stop_rank1(tmp_path, a, sig, at_iteration: int, wait: float):
-    procs = start_plain_ranks(a, tmp_path / "ranks")
-    try:
-        wait_for_iteration(tmp_path / "ranks", 1, at_iteration)
+    procs, last = start_plain_ranks(a, tmp_path / "ranks", hold_last_at=iteration_at_least(at_iteration))
+    try:  # rank 1 is held at the line until signalled: it gets at most a page of output further
+        last.wait_held(300, explain=lambda: (tmp_path / "ranks" / "out-1").read_text()[-2000:])
         procs[1].send_signal(sig)
+        last.release()
         t0 = time.monotonic()
         procs[0].wait(timeout=wait)
         elapsed = time.monotonic() - t0

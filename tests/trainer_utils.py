@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +69,7 @@ def read_termination(path: str) -> dict | None:
 HELD_PIPE_BYTES = 4096  # a page: the smallest pipe Linux makes
 
 
-def _hold_on_a_short_leash(p: subprocess.Popen) -> None:
+def hold_on_a_short_leash(p: subprocess.Popen) -> None:
     """Shrink `p`'s stdout pipe to one page, so a run whose reader is not scheduled (a loaded CI machine) is
     stopped by its own next write about a dozen iteration lines later, instead of finishing the whole run
     before the reader sees iteration k and signals it. Best effort: a pipe that already holds more fails,
@@ -80,7 +82,7 @@ def _hold_on_a_short_leash(p: subprocess.Popen) -> None:
         pass
 
 
-def _lines_one_byte_at_a_time(fd: int):
+def lines_one_byte_at_a_time(fd: int):
     """The lines on `fd`, read without reading ahead: the pipe keeps holding (and so blocking) the writer."""
     line = bytearray()
     while chunk := os.read(fd, 1):
@@ -96,7 +98,7 @@ def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> 
     """Read `p`'s stdout; once it logs iteration >= k call `action()` once; wait for the end. Call it right
     after starting `p`.
 
-    Until then stdout is read a byte at a time from a one-page pipe (`_hold_on_a_short_leash`): however late
+    Until then stdout is read a byte at a time from a one-page pipe (`hold_on_a_short_leash`): however late
     this reader runs, the run cannot get more than a page of output past iteration k before `action()`.
     Returns the stdout. On a timeout (or any error) the whole process group is SIGKILLed. A run that ended
     before iteration k (a crash, or a signal from elsewhere) fails with what it printed.
@@ -104,9 +106,9 @@ def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> 
     out_lines = []
     deadline = time.monotonic() + timeout
     acted = False
-    _hold_on_a_short_leash(p)
+    hold_on_a_short_leash(p)
     try:
-        for line in _lines_one_byte_at_a_time(p.stdout.fileno()):
+        for line in lines_one_byte_at_a_time(p.stdout.fileno()):
             out_lines.append(line)
             m = ITER_RE.search(line)
             if m and int(m.group(1)) >= k:
@@ -126,6 +128,61 @@ def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> 
         err = p.stderr.read() if p.stderr else ""
         raise AssertionError(f"the run ended ({p.returncode}) before iteration {k}:\n{out[-2000:]}\n{err[-2000:]}")
     return out
+
+
+class HeldReader:
+    """`proc`'s stdout, line by line, passed to `sink` from a thread of its own. With `hold_at` (a test on a line)
+    the pipe is held on a short leash (`hold_on_a_short_leash`) and read a byte at a time up to the first line
+    that passes the test; there the reader stops until `release()`. However late the test gets to act on that
+    line (`wait_held`, then a kill or a SIGSTOP), the process cannot get more than a page of output past it: a
+    kill meant for iteration 15 of 100 lands before iteration 30, not after the run ended (seen in CI, where the
+    test polled a list that a free-running reader filled). After the line, or without `hold_at`, the rest is
+    read as it comes."""
+
+    def __init__(self, proc: subprocess.Popen, sink: Callable[[str], object],
+                 hold_at: Callable[[str], bool] | None = None):
+        self.proc, self._sink, self._hold_at = proc, sink, hold_at
+        self.held_line: str | None = None
+        self._held, self._go = threading.Event(), threading.Event()
+        if hold_at is not None:
+            hold_on_a_short_leash(proc)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            if self._hold_at is not None:
+                for line in lines_one_byte_at_a_time(self.proc.stdout.fileno()):
+                    self._sink(line)
+                    if self._hold_at(line):
+                        self.held_line = line
+                        self._held.set()
+                        self._go.wait()
+                        break
+        finally:
+            self._held.set()  # also when the output ended before any line passed: held_line stays None
+        for line in self.proc.stdout:  # nothing was read ahead through the text wrapper: the rest, in order
+            self._sink(line)
+
+    def wait_held(self, timeout: float, explain: Callable[[], str] = lambda: "") -> str:
+        """Block until the reader holds at its line; return that line. Fails, with `explain()`, when the output
+        ended first or nothing passed within `timeout` seconds."""
+        if not self._held.wait(timeout):
+            raise AssertionError(f"no line to hold at within {timeout:.0f} s:\n{explain()}")
+        if self.held_line is None:
+            raise AssertionError(f"the output ended (exit {self.proc.poll()}) before the line to hold at:\n{explain()}")
+        return self.held_line
+
+    def release(self) -> None:
+        self._go.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def iteration_at_least(k: int, pattern: re.Pattern = ITER_RE) -> Callable[[str], bool]:
+    """A `hold_at` test: the line logs iteration k or later."""
+    return lambda line: bool((m := pattern.search(line)) and int(m.group(1)) >= k)
 
 
 def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=signal.SIGTERM,

@@ -9,15 +9,15 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 from kubetron import launch
 
 from tests.multirank.runner import free_port
-from tests.trainer_utils import pod_env
+from tests.trainer_utils import HeldReader, pod_env
 
 REPO = Path(__file__).resolve().parents[2]
 LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
@@ -47,10 +47,10 @@ def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:
     raise AssertionError(f"no trainer process of rank {rank}")
 
 
-def collect(pod: subprocess.Popen, lines: list[str]) -> threading.Thread:
-    thread = threading.Thread(target=lambda: lines.extend(pod.stdout), daemon=True)
-    thread.start()
-    return thread
+def collect(pod: subprocess.Popen, lines: list[str], hold_at: Callable[[str], bool] | None = None) -> HeldReader:
+    """The pod's output lines appended to `lines` as they come; with `hold_at`, held at the first line that
+    passes it until the test releases it (`HeldReader`): act on the pods there, then `release()`."""
+    return HeldReader(pod, lines.append, hold_at)
 
 
 def finish(pods: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -69,10 +69,10 @@ def finish(pods: list[subprocess.Popen], timeout: float) -> list[int | None]:
 def run_to_end(pods: list[subprocess.Popen], timeout: float) -> tuple[list[int | None], list[list[str]], str]:
     """Collect two pods' output until they end (`finish`): their codes, their lines, and one log of both."""
     outs: list[list[str]] = [[] for _ in pods]
-    threads = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    readers = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
     codes = finish(pods, timeout=timeout)
-    for t in threads:
-        t.join(timeout=10)
+    for r in readers:
+        r.join(timeout=10)
     return codes, outs, "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
 
 

@@ -8,13 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubetron.contract import exitcodes
 
-from tests.trainer_utils import TINY, free_port, run_until_iteration
+from tests.trainer_utils import TINY, HeldReader, free_port, run_until_iteration
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -104,8 +104,11 @@ def launch_and_signal(args: list[str], rank_dir: Path, at_iteration: int, ranks:
     return Result(p.returncode, out, p.stderr.read(), rank_dir, codes, terms)
 
 
-def start_plain_ranks(args: list[str], rank_dir: Path, world: int = 2) -> list[subprocess.Popen]:
-    """The operator's launch without torchrun: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK per process."""
+def start_plain_ranks(args: list[str], rank_dir: Path, hold_last_at: Callable[[str], bool],
+                      world: int = 2) -> tuple[list[subprocess.Popen], HeldReader]:
+    """The operator's launch without torchrun: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK per process, each
+    rank's output in rank_dir/out-<rank>. The last rank (it logs the iterations) writes through a
+    `HeldReader` held at the first line that passes `hold_last_at`: act on the ranks there, then release it."""
     rank_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -113,21 +116,14 @@ def start_plain_ranks(args: list[str], rank_dir: Path, world: int = 2) -> list[s
         env = environment(rank_dir, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=world, RANK=r,
                           LOCAL_RANK=r)
         with open(rank_dir / f"out-{r}", "w") as out:
-            procs.append(subprocess.Popen(command(args, 1), env=env, cwd=REPO, stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-    return procs
+            procs.append(subprocess.Popen(command(args, 1), env=env, cwd=REPO, start_new_session=True,
+                                          stdout=out if r < world - 1 else subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
 
-
-def wait_for_iteration(rank_dir: Path, rank: int, iteration: int, timeout: float = 300):
-    """Block until rank `rank` (the last one prints the iteration lines) logged `iteration`."""
-    deadline = time.monotonic() + timeout
-    path = rank_dir / f"out-{rank}"
-    while time.monotonic() < deadline:
-        text = path.read_text() if path.exists() else ""
-        if any(int(m.group(1)) >= iteration for m in ITER_RE.finditer(text)):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"rank {rank} did not reach iteration {iteration}: {text[-2000:]}")
+    def append_to_last(line: str) -> None:
+        with open(rank_dir / f"out-{world - 1}", "a") as out:
+            out.write(line)
+    return procs, HeldReader(procs[-1], append_to_last, hold_last_at)
 
 
 def collect(rank_dir: Path, nproc: int):

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,7 @@ from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
 
 from tests.kube.cluster import Api, ApiError, pod_path, set_exited, set_running
-from tests.trainer_utils import TINY
-
-ITER_RE = re.compile(r"iteration\s+(\d+)/")
+from tests.trainer_utils import ITER_RE, TINY, HeldReader
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -86,7 +85,8 @@ class Container:
     """A pod's main container as a local process: the pod's command and env from the API server. Its
     output is collected line by line with the time each line arrived (`stamped`)."""
 
-    def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path):
+    def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path,
+                 hold_at: Callable[[str], bool] | None = None):
         workdir.mkdir(parents=True)
         self.name = pod["metadata"]["name"]  # the pod's
         container = pod["spec"]["containers"][0]
@@ -108,11 +108,8 @@ class Container:
         self.proc = subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.stamped: list[tuple[float, str]] = []  # (time.time() it arrived, line)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.stamped.append((time.time(), line))
+        # with `hold_at`, held at the first line that passes it until the test releases it (`HeldReader`)
+        self.reader = HeldReader(self.proc, lambda line: self.stamped.append((time.time(), line)), hold_at)
 
     @property
     def lines(self) -> list[str]:

@@ -17,6 +17,7 @@ import pytest
 from tests.kube.cluster import free_port, set_exited, set_running
 from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import Container, pvc, tiny_config
+from tests.trainer_utils import iteration_at_least
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,12 +37,14 @@ def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path)
         pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
         uids = {name: pod["metadata"]["uid"] for name, pod in pods.items()}
         try:
-            for rank in (0, 1):
-                containers.append(Container(pods[f"gpt-1-{rank}"], config, tmp_path / f"pod-{rank}"))
+            for rank in (0, 1):  # rank 1 logs the iterations: held at 15 of 100 until killed (`HeldReader`)
+                containers.append(Container(pods[f"gpt-1-{rank}"], config, tmp_path / f"pod-{rank}",
+                                            hold_at=iteration_at_least(15) if rank == 1 else None))
                 set_running(api, ns, f"gpt-1-{rank}")
-            kube.wait_for("iteration 15", lambda: containers[1].last_iteration() >= 15, 300,
-                          explain=lambda: "".join(containers[0].lines[-20:] + containers[1].lines[-20:]))
+            containers[1].reader.wait_held(300, explain=lambda: "".join(containers[0].lines[-20:]
+                                                                        + containers[1].lines[-20:]))
             os.kill(containers[1].trainer_pid(), signal.SIGKILL)  # rank 1's trainer, not its pod's PID 1
+            containers[1].reader.release()
 
             st = kube.wait_status(ns, "gpt", "restarts.inPlace == 1",
                                   lambda s: (s.get("restarts") or {}).get("inPlace") == 1, timeout=300)

@@ -53,7 +53,7 @@ from kubetron_operator.trainer_reports import status_endpoint
 from tests import dashboard
 from tests.operator.jobs import PVC_JOB, kubectl_get
 from tests.operator.local_pods import config_yaml
-from tests.trainer_utils import ITER_RE, TINY, tb_scalars
+from tests.trainer_utils import ITER_RE, TINY, hold_on_a_short_leash, lines_one_byte_at_a_time, tb_scalars
 
 ITERS = 40
 SAVE_INTERVAL = 10
@@ -218,7 +218,10 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     samples: list[tuple[float, dict[str, Any]]] = []
     checked_live = False
     metrics = ""  # rank 0's GET /metrics once a checkpoint is durable
-    for line in c1.proc.stdout:
+    # read a byte at a time from a one-page pipe until the SIGTERM: however slowly this loop runs (a status
+    # fetch and an operator round per line), the trainer gets at most a page past iteration SIGTERM_AFTER
+    hold_on_a_short_leash(c1.proc)
+    for line in lines_one_byte_at_a_time(c1.proc.stdout.fileno()):
         c1.lines.append(line)
         m = ITER_RE.search(line)
         if not m:
@@ -242,7 +245,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
         if iteration >= SIGTERM_AFTER and c1.proc.poll() is None:
             c1.proc.send_signal(signal.SIGTERM)  # the kubelet stopping the container: PID 1 gets it
             break
-    for line in c1.proc.stdout:  # the trainer finishes its step, saves, exits
+    for line in c1.proc.stdout:  # the trainer finishes its step, saves, exits (nothing was read ahead)
         c1.lines.append(line)
     exited = finish(c1)
     out = "".join(c1.lines)
