@@ -231,7 +231,8 @@ def test_rank0s_endpoint_is_read_bounded(monkeypatch):
         assert read.status is None and "a redirect, not followed" in read.problem and target.requests == []
         t0 = time.monotonic()
         read = status_endpoint.read_live(rank0(), 1, drip.port)
-        assert time.monotonic() - t0 < 1.0 and "no answer within 0.6s" in read.problem
+        # a byte every 0.2 s for hours: only the 0.6 s deadline ends it (the bound leaves a loaded machine room)
+        assert time.monotonic() - t0 < 3.0 and "no answer within 0.6s" in read.problem
         assert "longer than 65536 bytes" in status_endpoint.read_live(rank0(), 1, big.port).problem
         assert "nested more than" in status_endpoint.read_live(rank0(), 1, deep.port).problem
         only_ip = status_endpoint.read_live(rank0("node-1.example"), 1, target.port)
@@ -289,7 +290,7 @@ def test_the_store_is_read_by_its_tail_within_a_deadline(monkeypatch):
         t0 = time.monotonic()
         with pytest.raises(store_log.Unread) as slow:
             store_log.read_tail(f"{drip.url}/bkt/key", "slow")
-        assert slow.value.reason == "StoreTimeout" and time.monotonic() - t0 < 1.0
+        assert slow.value.reason == "StoreTimeout" and time.monotonic() - t0 < 3.0  # a byte every 0.2 s for hours
         with pytest.raises(store_log.Unread) as large:
             store_log.read_tail(f"{whole.url}/bkt/key", "whole")
         assert large.value.reason == "StoreTooLarge"
