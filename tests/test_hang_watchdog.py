@@ -254,10 +254,9 @@ def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], l
     outs: list[list[str]] = [[] for _ in pods]
     readers = [collect(pod, out, hold_at=iteration_at_least(iteration, LOSS_RE) if pod is pods[-1] else None)
                for pod, out in zip(pods, outs, strict=True)]
-    readers[-1].wait_held(300, explain=lambda: "".join(sum(outs, []))[-4000:])
-    os.kill(trainer_pid(pods, 1), signal.SIGSTOP)
-    stopped = time.monotonic()
-    readers[-1].release()
+    with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
+        os.kill(trainer_pid(pods, 1), signal.SIGSTOP)
+        stopped = time.monotonic()
     return outs, readers, stopped
 
 

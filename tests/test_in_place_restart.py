@@ -49,11 +49,10 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     # iteration 30 of 100) before the kill, however late this test runs (CI once read it at 100, run over)
     readers = [collect(pod, out, hold_at=iteration_at_least(15, LOSS_RE) if pod is pods[-1] else None)
                for pod, out in zip(pods, outs, strict=True)]
-    readers[-1].wait_held(300, explain=lambda: "".join(sum(outs, []))[-4000:])
-    killed = trainer_pid(pods, 0)  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
-    os.kill(killed, signal.SIGKILL)
-    killed_at = time.monotonic()
-    readers[-1].release()
+    with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
+        killed = trainer_pid(pods, 0)  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
+        os.kill(killed, signal.SIGKILL)
+        killed_at = time.monotonic()
     while not repeated(losses(out_last)):  # the first step after the restart: an iteration logged again
         assert time.monotonic() - killed_at < 120 and all(p.poll() is None for p in pods), "".join(
             sum(outs, []))[-4000:]

@@ -204,9 +204,8 @@ def test_sigkill_one_rank_during_sharded_saves(dp_runs, tmp_path, s3_server, bac
 def _run_plain_and_stop_rank1(tmp_path, a, sig, at_iteration: int, wait: float):
     procs, last = start_plain_ranks(a, tmp_path / "ranks", hold_last_at=iteration_at_least(at_iteration))
     try:  # rank 1 is held at the line until signalled: it gets at most a page of output further
-        last.wait_held(300, explain=lambda: (tmp_path / "ranks" / "out-1").read_text()[-2000:])
-        procs[1].send_signal(sig)
-        last.release()
+        with last.held(300, explain=lambda: (tmp_path / "ranks" / "out-1").read_text()[-2000:]):
+            procs[1].send_signal(sig)
         t0 = time.monotonic()
         procs[0].wait(timeout=wait)
         elapsed = time.monotonic() - t0

@@ -134,11 +134,11 @@ def test_a_held_reader_holds_the_writer_until_released(tmp_path):
                              stdout=subprocess.PIPE, stderr=written, text=True, start_new_session=True)
     lines: list[str] = []
     reader = HeldReader(p, lines.append, iteration_at_least(3))
-    assert ITER_RE.search(reader.wait_held(60)).group(1) == "3"
-    time.sleep(2)
-    last = int((tmp_path / "written").read_text().split()[-1])
-    assert p.poll() is None and len(lines) == 3 and 3 <= last < 20, (len(lines), last)
-    reader.release()
+    with reader.held(60) as line:  # released after the block
+        assert ITER_RE.search(line).group(1) == "3"
+        time.sleep(2)
+        last = int((tmp_path / "written").read_text().split()[-1])
+        assert p.poll() is None and len(lines) == 3 and 3 <= last < 20, (len(lines), last)
     assert p.wait(timeout=60) == 0
     reader.join(timeout=10)
     assert [int(m.group(1)) for m in map(ITER_RE.search, lines)] == list(range(1, 2001))

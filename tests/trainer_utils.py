@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -134,7 +135,7 @@ class HeldReader:
     """`proc`'s stdout, line by line, passed to `sink` from a thread of its own. With `hold_at` (a test on a line)
     the pipe is held on a short leash (`hold_on_a_short_leash`) and read a byte at a time up to the first line
     that passes the test; there the reader stops until `release()`. However late the test gets to act on that
-    line (`wait_held`, then a kill or a SIGSTOP), the process cannot get more than a page of output past it: a
+    line (`with reader.held(...)`: a kill or a SIGSTOP), the process cannot get more than a page of output past it: a
     kill meant for iteration 15 of 100 lands before iteration 30, not after the run ended (seen in CI, where the
     test polled a list that a free-running reader filled). After the line, or without `hold_at`, the rest is
     read as it comes."""
@@ -175,6 +176,14 @@ class HeldReader:
 
     def release(self) -> None:
         self._go.set()
+
+    @contextlib.contextmanager
+    def held(self, timeout: float, explain: Callable[[], str] = lambda: ""):
+        """`wait_held`, the block (act on the process there), then `release()`, also when the block fails."""
+        try:
+            yield self.wait_held(timeout, explain)
+        finally:
+            self.release()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)

@@ -49,7 +49,7 @@ def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:
 
 def collect(pod: subprocess.Popen, lines: list[str], hold_at: Callable[[str], bool] | None = None) -> HeldReader:
     """The pod's output lines appended to `lines` as they come; with `hold_at`, held at the first line that
-    passes it until the test releases it (`HeldReader`): act on the pods there, then `release()`."""
+    passes it until the test releases it: act on the pods in `with reader.held(...)` (`HeldReader`)."""
     return HeldReader(pod, lines.append, hold_at)
 
 

@@ -108,7 +108,7 @@ def start_plain_ranks(args: list[str], rank_dir: Path, hold_last_at: Callable[[s
                       world: int = 2) -> tuple[list[subprocess.Popen], HeldReader]:
     """The operator's launch without torchrun: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK per process, each
     rank's output in rank_dir/out-<rank>. The last rank (it logs the iterations) writes through a
-    `HeldReader` held at the first line that passes `hold_last_at`: act on the ranks there, then release it."""
+    `HeldReader` held at the first line that passes `hold_last_at`: act on the ranks in `with reader.held(...)`."""
     rank_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []

@@ -41,10 +41,9 @@ def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path)
                 containers.append(Container(pods[f"gpt-1-{rank}"], config, tmp_path / f"pod-{rank}",
                                             hold_at=iteration_at_least(15) if rank == 1 else None))
                 set_running(api, ns, f"gpt-1-{rank}")
-            containers[1].reader.wait_held(300, explain=lambda: "".join(containers[0].lines[-20:]
-                                                                        + containers[1].lines[-20:]))
-            os.kill(containers[1].trainer_pid(), signal.SIGKILL)  # rank 1's trainer, not its pod's PID 1
-            containers[1].reader.release()
+            with containers[1].reader.held(300, explain=lambda: "".join(containers[0].lines[-20:]
+                                                                        + containers[1].lines[-20:])):
+                os.kill(containers[1].trainer_pid(), signal.SIGKILL)  # rank 1's trainer, not its pod's PID 1
 
             st = kube.wait_status(ns, "gpt", "restarts.inPlace == 1",
                                   lambda s: (s.get("restarts") or {}).get("inPlace") == 1, timeout=300)
