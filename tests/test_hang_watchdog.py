@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from kubetron import heartbeat, watchdog
+from kubetron import heartbeat, launch, watchdog
 from kubetron.contract import exitcodes, hang
 from kubetron.contract.hang import CHECKPOINT, EVALUATION, STARTUP, TRAIN, Beat
 from kubetron.heartbeat import Heartbeat
@@ -250,14 +251,24 @@ TIMEOUT = "8"  # KUBETRON_HANG_TIMEOUT_SECONDS (spec.hangTimeoutSeconds), short 
 def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], list, float]:
     """Collect the pods' output; SIGSTOP rank 1's trainer once it logs `iteration`, with its pod's reader held
     there (`HeldReader`): it gets at most a page of output further, however late this test runs. Returns
-    (the pods' lines, their readers, when rank 1 was stopped)."""
+    (the pods' lines, their readers, rank 1's last progress as its heartbeat has it, on time.monotonic()'s
+    clock). Not the time of the SIGSTOP: a rank held on its pipe before it made no progress either, and the
+    watchdog counts from the last progress."""
     outs: list[list[str]] = [[] for _ in pods]
     readers = [collect(pod, out, hold_at=iteration_at_least(iteration, LOSS_RE) if pod is pods[-1] else None)
                for pod, out in zip(pods, outs, strict=True)]
     with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
-        os.kill(trainer_pid(pods, 1), signal.SIGSTOP)
+        pid = trainer_pid(pods, 1)
+        os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-    return outs, readers, stopped
+        env = psutil.Process(pid).environ()  # the launcher's messages directory, as torchrun gave it the rank
+        path = watchdog.heartbeat_path(env[launch.MESSAGES_DIR_ENV], env["LOCAL_RANK"])
+        with open(path, "rb") as fh:
+            beat = hang.decode_beat(fh.read(hang.RECORD_SIZE))
+    # None: the SIGSTOP landed inside the record's write (microseconds); then the SIGSTOP's own time
+    progress = stopped if beat is None else beat.progress_at
+    assert progress <= stopped, (beat, stopped)
+    return outs, readers, progress
 
 
 @pytest.mark.slow
