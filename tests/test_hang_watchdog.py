@@ -262,10 +262,8 @@ def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], l
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         env = psutil.Process(pid).environ()  # the launcher's messages directory, as torchrun gave it the rank
-        path = watchdog.heartbeat_path(env[launch.MESSAGES_DIR_ENV], env["LOCAL_RANK"])
-        with open(path, "rb") as fh:
-            beat = hang.decode_beat(fh.read(hang.RECORD_SIZE))
-    # None: the SIGSTOP landed inside the record's write (microseconds); then the SIGSTOP's own time
+        beat = watchdog.read_beat(watchdog.heartbeat_path(env[launch.MESSAGES_DIR_ENV], env["LOCAL_RANK"]))
+    # None: no record could be read (a SIGSTOP inside its write leaves it torn); then the SIGSTOP's own time
     progress = stopped if beat is None else beat.progress_at
     assert progress <= stopped, (beat, stopped)
     return outs, readers, progress

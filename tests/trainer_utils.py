@@ -107,12 +107,12 @@ def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> 
     out_lines = []
     deadline = time.monotonic() + timeout
     acted = False
+    at_k = iteration_at_least(k)
     hold_on_a_short_leash(p)
     try:
         for line in lines_one_byte_at_a_time(p.stdout.fileno()):
             out_lines.append(line)
-            m = ITER_RE.search(line)
-            if m and int(m.group(1)) >= k:
+            if at_k(line):
                 action()
                 acted = True
                 break
