@@ -19,6 +19,8 @@ from kubetron import heartbeat, watchdog
 from kubetron.contract import hang
 from kubetron.contract.hang import CHECKPOINT, STATE_BYTES, TRAIN, parse_states
 
+from tests.rendezvous_store import Store
+
 
 def state(**kw):
     return {"rank": 0, "nodeRank": 0, "localRank": 0, "phase": TRAIN, "iteration": 30, "idleSeconds": 50.0,
@@ -55,25 +57,6 @@ def test_a_peers_key_is_read_only_when_it_is_a_state_of_that_peer(case, values, 
 def test_a_peers_strings_are_cut_short():
     (rank,) = parse_states([json.dumps([state(where="w" * 60_000)])], 1)
     assert len(rank["where"]) == hang.WHERE_CHARS
-
-
-class Store:
-    """The rendezvous store's calls the watchdog makes, on a dict."""
-
-    def __init__(self):
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def multi_get(self, keys):
-        return [self.data[k] for k in keys]
-
-    def delete_key(self, key):
-        return self.data.pop(key, None) is not None
 
 
 SAVING = '''
