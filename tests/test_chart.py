@@ -394,7 +394,7 @@ def test_metrics_port_service_and_optional_service_monitor():
 
 
 def test_only_the_monitoring_namespace_reaches_the_operators_metrics():
-    """/metrics names every watched namespace's jobs (issue 41): the chart's NetworkPolicy lets only
+    """/metrics names every watched namespace's jobs: the chart's NetworkPolicy lets only
     metrics.networkPolicy.from reach its port; the health port stays open to the kubelet's probes."""
     (policy,) = of_kind(render({}), "NetworkPolicy")
     pod_labels = of_kind(render({}), "Deployment")[0]["spec"]["template"]["metadata"]["labels"]

@@ -155,7 +155,7 @@ def operator_job(values: dict) -> str:
 
 @pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
 def test_series_a_trainer_serves_under_the_operators_names_fire_no_alert(tmp_path):
-    """Issue 41: a tenant's rank 0 serves /metrics, and the PodMonitor scrapes it. Had it kept a series named like
+    """A tenant's rank 0 serves /metrics, and the PodMonitor scrapes it. Had it kept a series named like
     the operator's, `kubetron_restarts_total{reason="hangs"}` from a trainer would fire KubetronJobHung: the alerts
     read only the operator's own scrape job, and the PodMonitor keeps only kubetron_trainer_* series."""
     values = {"metrics": {"prometheusRule": {"enabled": True}}}

@@ -1,4 +1,4 @@
-"""What a peer's key in the job's rendezvous store can make a pod's hang watchdog do (issue 41; docs/security.md,
+"""What a peer's key in the job's rendezvous store can make a pod's hang watchdog do (docs/security.md,
 "The rendezvous store"). torch's c10d store has no authentication: a key there may come from a peer or from
 anyone who reaches the master port. The watchdog reads its peers' `kubetron/hang/<n>` keys bounded and checked
 (contract.hang.parse_states); what it can still be made to do is restart its own gang in place, and only while

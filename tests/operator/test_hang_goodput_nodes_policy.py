@@ -94,7 +94,7 @@ def test_a_hang_with_no_in_place_restart_left_ends_the_attempt_as_hung():
 
 
 def test_counts_a_trainer_reports_are_believed_only_up_to_what_the_spec_allows():
-    """Issue 41, item 2: one status read saying 300 in-place restarts made 300 Events; 10^9 an OOM loop. Counted
+    """One status read saying 300 in-place restarts made 300 Events; 10^9 an OOM loop. Counted
     up to maxInPlaceRestarts (3), hangs up to the in-place restarts, one event for the lot."""
     pods = [pod(0), pod(1)]
     action = run(RUNNING, pods, live=live(inPlaceRestarts=300, hangs=2**63 - 1, lastHang=report()))
@@ -262,7 +262,7 @@ def avoiding(*names, minutes=10):
 POOL = {"key": "pool", "value": "a", "effect": "NoSchedule"}
 # (the job, the cluster, the nodes avoided oldest first) -> (avoided by the next attempt, yielded)
 PLANS = [
-    ("two nodes, both avoided: the soak of issue 41", gpu_job(), [node("a"), node("b")], ("a", "b"), ((), ("a", "b"))),
+    ("two nodes, both avoided (four OOM kills in a soak)", gpu_job(), [node("a"), node("b")], ("a", "b"), ((), ("a", "b"))),
     ("room left after avoiding", gpu_job(), [node("a"), node("b"), node("c")], ("a",), (("a",), ())),
     ("the oldest yields first", gpu_job(), [node("a"), node("b"), node("c")], ("a", "b"), (("b",), ("a",))),
     ("a node of 16 GPUs holds two pods", gpu_job(), [node("a", gpus=16), node("b")], ("b",), (("b",), ())),
@@ -295,7 +295,7 @@ def test_an_attempt_avoids_no_more_nodes_than_leave_it_room(case, job, cluster, 
 
 
 def test_the_next_attempt_yields_and_says_so():
-    """Issue 41, item 6: on a 2-node cluster both nodes avoided, the next attempt still gets created without
+    """On a 2-node cluster both nodes avoided, the next attempt still gets created without
     a node affinity that nothing can meet, and the condition NodesAvoided says which avoidance yielded."""
     job = gpu_job()
     action = decide(job, Observed(now=T0, status=avoiding("a", "b"), nodes=(node("a"), node("b"))))
@@ -442,7 +442,7 @@ def test_an_idle_job_writes_no_ledger_a_running_one_does_and_a_finished_one_is_l
 
 
 def test_the_ledger_never_goes_negative_nor_past_one():
-    """Issue 41, item 4: `steps: -1, train: 1e308` (the status endpoint refuses it: test_tenancy.py) or a ledger
+    """`steps: -1, train: 1e308` (the status endpoint refuses it: test_tenancy.py) or a ledger
     already off: every bucket finite and not negative, the ratio within [0, 1], the status patch JSON."""
     status = {**RUNNING, "nodes": 2, "iteration": 16, "goodput": {
         "asOf": stamp(T0), "waiting": False, "stepSeconds": -5.0, "seconds": {"productive": 1e308, "other": -4.0}}}

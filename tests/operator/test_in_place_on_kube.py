@@ -48,7 +48,7 @@ def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path)
             st = kube.wait_status(ns, "gpt", "restarts.inPlace == 1",
                                   lambda s: (s.get("restarts") or {}).get("inPlace") == 1, timeout=300)
             assert st["phase"] == "Running" and st["attempt"] == 1 and st["restarts"]["total"] == 0
-            # A crash (what an OOM kill looks like) points at no node: nothing is held against rank 1's (issue 41).
+            # A crash (what an OOM kill looks like) points at no node: nothing is held against rank 1's.
             assert "failingNodes" not in st and "avoidNodes" not in st, st
             kube.wait_for("a RestartedInPlace event", lambda: any(
                 e["reason"] == "RestartedInPlace" for e in kube.events(ns)))

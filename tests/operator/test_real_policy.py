@@ -140,8 +140,8 @@ def test_admission_rejection_backs_off_counts_apart_and_avoids_the_node(kube, s3
     assert "enough resource: nvidia.com/gpu" in st["avoidNodes"][0]["evidence"] and st["nextAttemptTime"]
 
     # The next attempt waits out the backoff (10 s + jitter). It would keep off the node that rejected it, but
-    # that is the only node its nodeSelector allows: avoiding it would leave it unschedulable for ever (issue 41,
-    # item 6), so the avoidance yields, and the condition NodesAvoided says so.
+    # that is the only node its nodeSelector allows: avoiding it would leave it unschedulable for ever, so the
+    # avoidance yields, and the condition NodesAvoided says so.
     pods = kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"}, timeout=40)
     assert time.time() - ended >= 8, "the next attempt did not wait for its backoff"
     assert "affinity" not in pods["gpt-2-0"]["spec"]

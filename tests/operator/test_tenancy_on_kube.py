@@ -17,7 +17,7 @@ S3 server. The module runs one operator for all its tests (they build on each ot
 5. a pod of the tenant's naming the victim's job as its controller does not end the victim's attempt;
 6. hostile termination messages are ignored with a warning, the job still decided, no control character
    reaching status, Events or the operator's log;
-7. (issue 41) a tenant that picks a node and controls its pods' output cannot get it tainted, nor flood Events,
+7. a tenant that picks a node and controls its pods' output cannot get it tainted, nor flood Events,
    nor break status; a node is tainted only on evidence no tenant controls, carries the namespace, is never a
    control-plane node, one per namespace at a time, and the operator removes the taint; a job's avoidance yields
    rather than leave it no node; the shipped admission policy bounds spec.scheduling. Deleted jobs' series
@@ -336,7 +336,7 @@ def test_slow_endpoints_of_a_tenant_delay_another_namespace_by_less_than_10s(wor
         assert delay < 10.0 and w.op.healthy()
         st = w.status("slow-0", "StoreTimeout", lambda s: condition(s, "StoreReadable"))
         assert condition(st, "StoreReadable")["reason"] == "StoreTimeout"
-        # Deleted while their reads are under way: their series leave /metrics (issue 41 found 6 of 16 left).
+        # Deleted while their reads are under way: their series leave /metrics (6 of 16 were left once).
         assert series(w.ns, names)
         for name in names:
             w.tenant.delete(f"{w.kube.jobs(w.ns)}/{name}")
@@ -451,7 +451,7 @@ def test_hostile_trainer_output_is_ignored_and_the_job_still_decided(world):
     assert f"boom\\n{FORGED}\\x1b[2K" in w.op.log()  # logged, on one line
 
 
-# -- 7. nodes, counts, times and metrics a tenant's pods cannot turn against others (issue 41) ------------
+# -- 7. nodes, counts, times and metrics a tenant's pods cannot turn against others -----------------------
 
 
 SICK = {"type": "GpuXidError", "status": "True", "reason": "Xid79", "message": "GPU has fallen off the bus"}
