@@ -84,7 +84,7 @@ def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = h
         return LiveRead()
     try:
         data = fetch(url)
-        trainer_time(data.get("trainerTime"), now)
+        trainer_time(data.get("trainerTime") if isinstance(data, Mapping) else None, now)
         return LiveRead(status=checked(parse_live_status(data), max_in_place))
     except OverflowError:  # a number beyond a double (from a fetch that did not bound it)
         return LiveRead(problem=f"rank 0's status endpoint ({url}): a number beyond the range of a double")
