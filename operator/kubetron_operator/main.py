@@ -126,7 +126,10 @@ def run(args: argparse.Namespace) -> int:
     used = deps.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces),
                      read_progress=functools.partial(read_s3_progress, own_buckets=own_buckets))
     if kube.taint_nodes:  # its taints go once due, also those an earlier run of it left
-        used.taints = Taints(kube, float(getattr(args, "taint_seconds", None) or 3600), used.clock)
+        seconds = int(getattr(args, "taint_seconds", None) or 3600)
+        if seconds < 1:
+            raise ConfigError("--taint-seconds", f"{seconds}: a taint must last at least 1 second")
+        used.taints = Taints(kube, float(seconds), used.clock)
         used.taints.start()
     kopf.run(
         registry=registry,

@@ -147,7 +147,7 @@ class Taints:
             self._wake.clear()  # before the sweep: a taint made during it wakes the next one
             try:
                 due = self.sweep()
-            except (ApiError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the sweeper outlives any one bad round
                 log.warning("cannot sweep the failing-node taints (again in %.0fs): %s", RETRY_SECONDS, exc)
                 due = RETRY_SECONDS
             self._wake.wait(timeout=None if due is None else max(0.5, due))

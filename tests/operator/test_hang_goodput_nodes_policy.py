@@ -11,8 +11,10 @@ from decimal import Decimal
 import pytest
 from kubetron.contract import exitcodes, hang
 from kubetron.contract.times import stamp
+from kubetron_operator.api_calls import Kube, TaintNotGranted
 from kubetron_operator.decide import decide
 from kubetron_operator.model import Job
+from kubetron_operator.node_taints import Taints
 from kubetron_operator.node_view import NodeView, quantity
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.nodes import TAINT_KEY, avoiders, plan_avoidance, taint_verdict
@@ -331,6 +333,59 @@ VERDICTS = [
 def test_a_node_is_tainted_only_on_evidence_no_single_tenant_controls(case, n, namespace, who, live_taints, tainted):
     ok, why = taint_verdict(n, namespace, who, live_taints)
     assert ok is tainted and why
+
+
+class Nodes:
+    """The API server's nodes, as the operator's Kube sends requests to it (list, get, merge patch)."""
+
+    def __init__(self, *nodes):
+        self.nodes = {n["metadata"]["name"]: n for n in nodes}
+        self.sent = []
+
+    def __call__(self, method, path, query, body, content_type):
+        self.sent.append((method, path))
+        name = path.rsplit("/", 1)[-1]
+        if method == "GET" and name == "nodes":
+            return 200, json.dumps({"items": list(self.nodes.values())}).encode()
+        node = self.nodes[name]
+        if method == "PATCH":
+            meta = body.pop("metadata")
+            notes = {**node["metadata"].get("annotations", {}), **meta.get("annotations", {})}
+            node["metadata"]["annotations"] = {k: v for k, v in notes.items() if v is not None}
+            node["spec"].update(body["spec"])
+        return 200, json.dumps(node).encode()
+
+
+def node_body(name, taint=None, until=None, **labels):
+    notes = {TAINT_KEY: json.dumps({"namespace": "team-a", "until": stamp(until)})} if until else {}
+    return {"metadata": {"name": name, "labels": labels, "annotations": notes, "resourceVersion": "7"},
+            "spec": {"taints": [{"key": "x", "effect": "NoExecute"}] + ([taint] if taint else [])},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}, SICK_CONDITION]}}
+
+
+SICK_CONDITION = {"type": "GpuXidError", "status": "True", "reason": "Xid79"}
+OURS = {"key": TAINT_KEY, "value": "team-a", "effect": "NoSchedule"}
+
+
+def test_the_operator_taints_on_the_verdict_and_takes_its_taints_off_when_due():
+    api = Nodes(node_body("sick"), node_body("cp", **{"node-role.kubernetes.io/control-plane": ""}),
+                node_body("old", OURS), node_body("due", OURS, until=T0 - timedelta(seconds=1)),
+                node_body("live", {**OURS, "value": "team-b"}, until=T0 + timedelta(seconds=90)))
+    with pytest.raises(TaintNotGranted, match="failingNodes.taint=true"):
+        Kube(api).edit_node("sick", lambda node: {})
+    assert api.sent == []  # nothing sent without the role
+    taints = Taints(Kube(api, taint_nodes=True), 600.0, lambda: T0)
+    assert taints.taint(["sick", "cp"], "team-c", "gpt", [], T0) == ["sick"]  # never the control plane's
+    assert api.nodes["sick"]["spec"]["taints"][-1] == {"key": TAINT_KEY, "value": "team-c", "effect": "NoSchedule"}
+    note = json.loads(api.nodes["sick"]["metadata"]["annotations"][TAINT_KEY])
+    assert (note["job"], note["until"]) == ("team-c/gpt", stamp(T0 + timedelta(seconds=600)))
+    assert "reports condition GpuXidError=True" in note["evidence"]
+    assert taints.taint(["cp", "sick"], "team-c", "other", [], T0) == []  # one per namespace at a time
+    assert taints.sweep() == 90.0  # the one an earlier operator left (no end) and the due one go; "live" stays
+    assert [t["key"] for t in api.nodes["old"]["spec"]["taints"]] == ["x"] == [
+        t["key"] for t in api.nodes["due"]["spec"]["taints"]]
+    assert TAINT_KEY not in api.nodes["due"]["metadata"]["annotations"]
+    assert api.nodes["live"]["spec"]["taints"][-1]["value"] == "team-b"
 
 
 def test_what_a_node_says_about_itself():
