@@ -150,11 +150,10 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     assert "failingNodes" not in kube.job(ns, "gpt")["status"]  # a hang is the job's: no evidence against a node
 
     # 2. a crash on the same Node, which reports a GPU problem: no in-place restart left; the Node is avoided
-    node = kube.admin.get(f"/api/v1/nodes/{hung_node}")
+    held = kube.admin.get(f"/api/v1/nodes/{hung_node}")["status"]["conditions"]
     kube.admin.patch(f"/api/v1/nodes/{hung_node}/status", {"status": {"conditions": [
-        *node["status"]["conditions"], {"type": "GpuXidError", "status": "True", "reason": "Xid79",
-                                        "message": "GPU has fallen off the bus",
-                                        "lastTransitionTime": node["status"]["conditions"][0]["lastTransitionTime"]}]}})
+        *held, {"type": "GpuXidError", "status": "True", "reason": "Xid79", "message": "GPU has fallen off the bus",
+                "lastTransitionTime": held[0]["lastTransitionTime"]}]}})
     resumed = max(iterations_after(rank1, line))
     kube.wait_for("mid-interval again", lambda: rank1.last_iteration() % SAVE_INTERVAL in (3, 4, 5)
                   and rank1.last_iteration() > resumed + 2, 120, explain)
