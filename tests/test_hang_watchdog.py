@@ -29,6 +29,7 @@ from kubetron.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
 from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
+from tests.rendezvous_store import Store
 from tests.trainer_utils import QUICK, TINY, iteration_at_least
 
 # -- the rules --------------------------------------------------------------------------------------------
@@ -145,25 +146,6 @@ def test_the_heartbeat_is_what_the_loop_did_and_its_time_by_phase(tmp_path):
 
 
 # -- the watchdog, with real processes --------------------------------------------------------------------
-
-
-class Store:
-    """The rendezvous store's calls the watchdog makes (torch's TCPStore has them), on a dict."""
-
-    def __init__(self):
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def multi_get(self, keys):
-        return [self.data[k] for k in keys]
-
-    def delete_key(self, key):
-        return self.data.pop(key, None) is not None
 
 
 RANK = '''

@@ -388,19 +388,20 @@ class Kube:
         data = self._request(Call("", "nodes", "list"), "GET", api_path("", "v1", "nodes", None))
         return (data or {}).get("items") or []
 
-    def taint_node(self, name: str, key: str, value: str, effect: str = "NoSchedule") -> bool:
-        """Add the taint `key=value:effect` to node `name` unless it has one with `key` (True when added). The
-        taint list is replaced as read, at the read's resourceVersion: a concurrent change is read again."""
+    def edit_node(self, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
+        """Read node `name` and merge-patch it with what `change(node)` returns (None: nothing), at the read's
+        resourceVersion, so a concurrent change is read again; True when patched. For a taint (its list is
+        replaced as read) and its annotation."""
         if not is_name(name):  # a node's name from a pod's spec.nodeName: still checked before it is a path
             raise InvalidName("node name", name)
         path = f"{api_path('', 'v1', 'nodes', None)}/{name}"
         for _ in range(3):
-            node = self._request(Call("", "nodes", "get"), "GET", path) or {}
-            taints = list((node.get("spec") or {}).get("taints") or [])
-            if any(t.get("key") == key for t in taints):
+            node = self._request(Call("", "nodes", "get"), "GET", path, ok=(404,))
+            patch = change(node) if node else None
+            if patch is None:
                 return False
-            patch = {"metadata": {"resourceVersion": (node.get("metadata") or {}).get("resourceVersion")},
-                     "spec": {"taints": [*taints, {"key": key, "value": value, "effect": effect}]}}
+            patch["metadata"] = {**patch.get("metadata", {}),
+                                 "resourceVersion": (node.get("metadata") or {}).get("resourceVersion")}
             if self._request(Call("", "nodes", "patch"), "PATCH", path, body=patch, ok=(409,),
                              content_type="application/merge-patch+json", answer=False):
                 return True

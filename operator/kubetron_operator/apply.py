@@ -27,9 +27,8 @@ from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.create_retry import backing_off, create_failed, leftovers, retriable
 from kubetron_operator.policy.elastic import attempt_size
-from kubetron_operator.policy.nodes import TAINT_KEY
 from kubetron_operator.policy.start import attempt_ended, service_failed
-from kubetron_operator.untrusted import clean_all
+from kubetron_operator.untrusted import STATUS_TEXT_LIMIT, clean_all
 
 
 def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
@@ -53,7 +52,8 @@ def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action
         # round decides again from the newer version (read by _patch_status, or the watch's).
         logger.info("%s/%s changed while reconciling; deciding again", namespace, name)
         return None
-    metrics.record(namespace, name, obs.status or {}, action.status, action.create_attempt is not None)
+    metrics.record(namespace, name, obs.status or {}, action.status, action.create_attempt is not None,
+                   uid=body["metadata"].get("uid") or "")
     return action
 
 
@@ -98,7 +98,8 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             delete_attempt_children(kube, job, int(obs.status["attempt"]), job.spec.scheduling.gang, logger)
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
-    taint_nodes(kube, action.taint_nodes, name, logger)
+    if deps.taints is not None and action.taint_nodes:  # policy/nodes.py says when; node_taints.py does it
+        deps.taints.taint(action.taint_nodes, namespace, name, deps.view.statuses(), obs.now)
     if action.create_probes and job is not None:
         probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
                   for rank in action.create_probes]
@@ -120,7 +121,7 @@ def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], reso
     server returns is the freshest known version (View.saw); a stale one is replaced by a fresh read."""
     if not status:
         return
-    status = clean_all(status)  # what pods said reaches status only with its control characters escaped
+    status = clean_all(status, STATUS_TEXT_LIMIT)  # what pods said: control characters escaped, cut short
     meta = body["metadata"]
     namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid") or ""
     try:
@@ -183,17 +184,6 @@ def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logge
         kube.delete_owned(api_version, "PodGroup", job.namespace, pod_group_name(job, attempt), job.uid)
     except ApiError as exc:  # not granted (any more): the garbage collector deletes it with the job
         logger.warning("cannot delete PodGroup %s/%s: %s", job.namespace, pod_group_name(job, attempt), exc)
-
-
-def taint_nodes(kube: Kube, nodes: Iterable[str], job: str, logger: kopf.Logger) -> None:
-    """Nodes the job just left out (policy/nodes.py), tainted cluster-wide when the chart allows it
-    (`--taint-failing-nodes`); best effort: the job's own avoid list holds either way."""
-    for node in nodes if kube.taint_nodes else ():
-        try:
-            if kube.taint_node(node, TAINT_KEY, job):
-                logger.warning("tainted node %s %s=%s:NoSchedule (it failed job %s twice)", node, TAINT_KEY, job, job)
-        except ApiError as exc:
-            logger.warning("cannot taint node %s: %s", node, exc)
 
 
 def delete_children(kube: Kube, name: str, namespace: str, uid: str, spec: Mapping[str, Any] | None,

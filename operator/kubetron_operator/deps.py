@@ -16,6 +16,7 @@ from typing import Any
 from kubetron_operator.api_calls import Kube
 from kubetron_operator.events import Activity, EventPoster
 from kubetron_operator.model import Job
+from kubetron_operator.node_taints import Taints
 from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.trainer_reports import status_endpoint
 from kubetron_operator.trainer_reports.store_log import ProgressRead, read_s3_progress
@@ -79,6 +80,7 @@ class Deps:
     poster: EventPoster = dataclasses.field(init=False)  # the jobs' Events, through `kube`
     namespaces: tuple[str, ...] = ()  # the watched namespaces (empty: the whole cluster)
     pods: PodCache | None = None  # the jobs' pods, once listed (start_pod_cache)
+    taints: Taints | None = None  # with --taint-failing-nodes: the nodes' taints (node_taints.py)
 
     def __post_init__(self) -> None:
         self.poster = EventPoster(self.kube, self.activity)

@@ -22,7 +22,9 @@ from kubetron_operator.api_calls import Kube, controller_uid
 from kubetron_operator.deps import Deps
 from kubetron_operator.job_status import JobStatus
 from kubetron_operator.model import Job, S3Storage
+from kubetron_operator.node_view import NodeView
 from kubetron_operator.observe import Observed, PodView, job_status, node_trouble
+from kubetron_operator.policy.nodes import placing_due
 from kubetron_operator.policy.reads import RETRY_AFTER, log_read_due
 from kubetron_operator.trainer_reports.status_endpoint import LiveRead, read_live
 from kubetron_operator.trainer_reports.store_log import ProgressRead
@@ -49,8 +51,8 @@ def gather(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]]) -> R
     pods = [PodView.from_pod(p, now) for p in owned(meta, pods_in)]
     attempt = int(status.get("attempt") or 0)
     quiet_until = deps.live_quiet.get(job.uid, 0.0)
-    got = read_live(pods, attempt, job.spec.status_port, deps.fetch_live) if time.monotonic() >= quiet_until \
-        else LiveRead()
+    got = read_live(pods, attempt, job.spec.status_port, deps.fetch_live, max_in_place=job.spec.max_in_place_restarts,
+                    now=now) if time.monotonic() >= quiet_until else LiveRead()
     if got.problem:
         deps.live_quiet[job.uid] = time.monotonic() + RETRY_AFTER
     read = _progress(deps, job, status, pods, now) if isinstance(job.spec.storage, S3Storage) else ProgressRead()
@@ -83,21 +85,33 @@ def observe(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]] | No
     if pods_in is None:
         pods_in = kube.list_pods(namespace, {LABEL_JOB: name})
     pods = [PodView.from_pod(p, now) for p in owned(meta, pods_in)]
-    trouble = _node_trouble(kube, status, pods)
+    trouble, problems, nodes = _nodes(kube, status, pods, now)
     reads = reads or Reads()
     return Observed(now=now, status=status, pods=tuple(pods), progress=reads.progress, live=reads.live,
-                    spec_error=error, node_trouble=trouble, service=meta.get("uid") in deps.view.services,
+                    spec_error=error, node_trouble=trouble, node_problems=problems, nodes=nodes,
+                    service=meta.get("uid") in deps.view.services,
                     store_unread=reads.store_unread, created=parse_stamp(meta.get("creationTimestamp"))), job
 
 
-def _node_trouble(kube: Kube, status: JobStatus, pods: list[PodView]) -> dict[str, str]:
-    """Nodes under the current attempt that are not Ready or gone; only asked for once a pod has failed
-    (decide then tells a dead node from a trainer error), so a healthy job never lists nodes."""
+def _nodes(kube: Kube, status: JobStatus, pods: list[PodView], now: datetime) -> tuple[
+        dict[str, str], dict[str, str], tuple[NodeView, ...] | None]:
+    """The nodes, listed only when decide asks: once a pod of the current attempt has failed (which of its
+    nodes are not Ready or gone, which report a problem of their own: a dead node is a preemption, a sick one
+    evidence), and before an attempt that would avoid nodes (policy.nodes.plan_avoidance). A healthy job
+    never lists nodes."""
     attempt = int(status.get("attempt") or 0)
     current = [p for p in pods if p.role == "worker" and p.attempt == attempt]
-    if status.get("phase") in FINISHED or not any(p.phase == "Failed" for p in current):
-        return {}
-    return node_trouble(kube.list_nodes(), {p.node for p in current if p.node})
+    failed = status.get("phase") not in FINISHED and any(p.phase == "Failed" for p in current)
+    placing = placing_due(status, now) and not any(p.attempt <= attempt for p in pods)
+    if not failed and not placing:
+        return {}, {}, None
+    listed = kube.list_nodes()
+    views = tuple(NodeView.from_node(n) for n in listed)
+    if not failed:
+        return {}, {}, views
+    wanted = {p.node for p in current if p.node}
+    problems = {v.name: "; ".join(v.problems) for v in views if v.name in wanted and v.problems}
+    return node_trouble(listed, wanted), problems, None
 
 
 def owned(meta: Mapping[str, Any], pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

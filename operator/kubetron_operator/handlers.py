@@ -129,7 +129,8 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
                 due = deps.interval
             await _sleep(wake, stopped, due)
             await asyncio.sleep(DEBOUNCE)
-    finally:
+    finally:  # the job is gone (or the operator stops): after its last act, so no series of it comes back
+        metrics.forget(namespace, name, uid)
         view.forget(uid)
         deps.last_progress.pop(f"{namespace}/{name}", None)
         deps.live_quiet.pop(uid, None)

@@ -55,10 +55,10 @@ class LastHang(TypedDict, total=False):
 
 
 class AvoidedNode(TypedDict):
-    """A node later attempts are kept off (policy/nodes.py): why, and the evidence."""
+    """A node later attempts are kept off (policy/nodes.py) until policy.nodes.AVOID_SECONDS after `time`."""
 
     node: str
-    reason: str  # AdmissionRejected | Hung | HardwareError | StragglerDetected
+    reason: str  # NodeProblem | AdmissionRejected | HardwareError | StragglerDetected
     evidence: str
     time: str
 
@@ -69,6 +69,7 @@ class FailingNode(TypedDict):
     node: str
     failures: int
     evidence: list[str]  # the newest few
+    time: str  # the newest; the strikes expire policy.nodes.AVOID_SECONDS after it
 
 
 class Condition(TypedDict, total=False):
@@ -111,7 +112,7 @@ class JobStatus(TypedDict, total=False):
     noProgressAttempts: int
     preemptionsWithoutProgress: int
     attemptStartCheckpoint: int
-    avoidNodes: list[AvoidedNode]  # (an older operator wrote names: policy.nodes reads both)
+    avoidNodes: list[AvoidedNode]  # (an older operator's bare names read as expired)
     failingNodes: list[FailingNode]
     startTime: str  # timestamps: kubetron.contract.times.stamp
     attemptStartTime: str

@@ -15,7 +15,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from kubetron_operator.job_status import JobStatus
 from kubetron_operator.model import Job, SpecError
+from kubetron_operator.observe import job_status
 
 UNSEEN_FOR = 60.0  # seconds a pod we created may stay unseen by the watch before we stop vouching for it
 
@@ -49,6 +51,11 @@ class View:
             held = self.bodies.get(uid)
             if held is None or not _older(body, held):
                 self.bodies[uid] = body
+
+    def statuses(self) -> list[tuple[str, JobStatus]]:
+        """(namespace, status) of every job known (policy.nodes.avoiders reads which nodes they avoid)."""
+        with self._lock:
+            return [((b.get("metadata") or {}).get("namespace") or "", job_status(b)) for b in self.bodies.values()]
 
     def drop(self, uid: str) -> None:
         with self._lock:

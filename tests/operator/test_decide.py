@@ -704,14 +704,16 @@ def _log_with_restarts(*lines: tuple[int, int]) -> dict:
     return summary
 
 
-def test_in_place_restarts_are_counted_apart_with_an_event_each():
-    """The log shows two restarts inside the pods of attempt 1: inPlace 2, two events; `total` (attempts) stays."""
+def test_in_place_restarts_are_counted_apart_with_one_event():
+    """The log shows two restarts inside the pods of attempt 1: inPlace 2, one event saying both; `total`
+    (attempts) stays."""
     action = run(pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)))
     assert action.kind == "wait" and not action.delete_pods
     assert action.status["restarts"] == {**RUNNING["restarts"], "inPlace": 2}
     assert action.status["attemptInPlaceRestarts"] == 2
-    assert [e.reason for e in action.events] == ["RestartedInPlace"] * 2
-    assert "(2 in this attempt, 2 in all)" in action.events[-1].message
+    (event,) = action.events
+    assert event.reason == "RestartedInPlace" and "restarted 2 times" in event.message
+    assert "(1-2 of this attempt, 2 in all)" in event.message
 
 
 def test_in_place_restarts_from_rank_0s_status_endpoint():

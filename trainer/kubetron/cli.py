@@ -350,9 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
     p.add_argument("--taint-failing-nodes", action="store_true",
-                   help="taint a node a job left out for failing it twice (kubetron.dev/failing-node=<job>:NoSchedule, "
-                        "cluster-wide); the operator's role must allow get and patch on nodes (the chart's "
-                        "failingNodes.taint)")
+                   help="taint a node cluster-wide (kubetron.dev/failing-node=<namespace>:NoSchedule) when a job "
+                        "failed on it while it reported a problem itself, or jobs of two namespaces avoid it; never a "
+                        "control-plane node, one taint per namespace at a time, removed after --taint-seconds; the "
+                        "operator's role must allow get and patch on nodes (the chart's failingNodes.taint)")
+    p.add_argument("--taint-seconds", type=int, default=3600, metavar="SECONDS",
+                   help="how long a taint of --taint-failing-nodes stays before the operator removes it "
+                        "(default: %(default)s)")
     p.add_argument("--gang-schedulers", default=",".join(GANG_SCHEDULERS), metavar="LIST",
                    help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
                    "comma-separated volcano, coscheduling, kubernetes, or 'none'; a job asking for another fails with "

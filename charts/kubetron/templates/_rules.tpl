@@ -23,7 +23,8 @@ required rules from that registry for every values combination and fails on anyt
   resources: [nodes]
   verbs: [list]
 {{- if .Values.failingNodes.taint }}
-# A node that failed a job twice: tainted kubetron.dev/failing-node=<job>:NoSchedule (read, then patched).
+# A node that fails jobs (policy/nodes.py): tainted kubetron.dev/failing-node=<namespace>:NoSchedule and annotated
+# (read, then patched), the taint removed after failingNodes.taintSeconds.
 - apiGroups: [""]
   resources: [nodes]
   verbs: [get, patch]

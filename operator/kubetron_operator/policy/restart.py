@@ -44,7 +44,7 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
     """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
     st = obs.status
     attempt = st.get("attempt") or 0
-    in_place, _ = in_place_news(obs, attempt)
+    in_place, _ = in_place_news(obs, attempt, job.spec.max_in_place_restarts)
     restarts: Restarts = in_place.get("restarts") or restart_counts(st)
     restarts[kind] += 1
     restarts["total"] = restarts["preemptions"] + restarts["failures"] + restarts["neverStarted"]
@@ -59,7 +59,7 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
                            "preemptionsWithoutProgress": free_streak,
                            "lastAttemptIteration": reached_iteration(obs, attempt, current)}
     if bad_nodes:  # a kubelet's rejection: avoided at once (policy/nodes.py)
-        common["avoidNodes"] = avoid(st, bad_nodes, reason, message, stamp(obs.now))
+        common["avoidNodes"] = avoid(st, bad_nodes, reason, message, obs.now)
     limit = _limit_reached(job, restarts, kind, no_progress, free_streak, ckpt)
     if limit is not None:
         action = fail(obs, limit[0], f"{limit[1]}; last: {message}")

@@ -22,7 +22,7 @@ from kubetron_operator.observe import STUCK_WAITING, Observed, PodView
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.elastic import attempt_size, resize, shrink_after, shrink_due, shrink_to
 from kubetron_operator.policy.lifecycle import fail, overdue
-from kubetron_operator.policy.nodes import avoided
+from kubetron_operator.policy.nodes import AVOIDED, avoidance_condition, live_avoidance, plan_avoidance
 from kubetron_operator.policy.restart import restart
 from kubetron_operator.policy.status import percent, phase_status, progress_fields, restart_counts
 from kubetron_operator.trainer_reports.merge import ckpt_iteration, known_checkpoint
@@ -57,8 +57,16 @@ def next_attempt(job: Job, obs: Observed) -> Action:
     size = st.get("resizeTo") or job.spec.nodes  # after a preemption or failure: try the full size
     status = _attempt_status(job, obs, ckpt, nxt, size)
     resume = f", resuming from iteration {ckpt_iteration(ckpt)}" if ckpt_iteration(ckpt) else ""
-    avoid = avoided(st)
+    avoid, yielded, why = plan_avoidance(job, st, obs.nodes, size, obs.now)
     avoiding = f", avoiding node(s) {', '.join(avoid)}" if avoid else ""
+    avoiding += f"; yielding: {why}" if yielded else ""
+    conditions = avoidance_condition(obs, nxt, avoid, yielded, why)
+    if conditions is not None:  # phase_status kept the other conditions as they were
+        (mine,) = [c for c in conditions if c["type"] == AVOIDED]
+        held = [c for c in status["conditions"] if c["type"] != AVOIDED]
+        status["conditions"] = held + [mine]
+    if st.get("avoidNodes"):  # the expired ones go
+        status["avoidNodes"] = live_avoidance(st, obs.now)
     event = Event("Normal", "AttemptCreated", f"creating attempt {nxt} ({size} pods){resume}{avoiding}")
     return Action("create", status=status, create_attempt=nxt, expected_iteration=ckpt_iteration(ckpt),
                   avoid_nodes=avoid, events=(event,), nodes=size)
@@ -77,6 +85,7 @@ def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: in
         "lastCheckpoint": ckpt,
         "restarts": restart_counts(st),
         "attemptInPlaceRestarts": 0,
+        "attemptHangs": 0,
         "lostIterations": lost,
         "lastAttemptIteration": None,
         "nextAttemptTime": None,
