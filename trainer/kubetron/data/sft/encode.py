@@ -1,11 +1,15 @@
 """Rows to token ids and answer flags, in batches, with progress lines on long work.
 
-* A prompt/answer pair: ``leading + prompt + answer (+ eod)`` where ``leading`` is what the tokenizer's
-  post-processor puts before a text (Llama 3's ``<|begin_of_text|>``; nothing for most), prompt and answer encoded
-  without it: one BOS, at the start only. The flags are 1 on the answer (and eod).
+* A prompt/answer pair, as TRL's SFTTrainer encodes a prompt/completion row: ``prompt + answer`` encoded as one text
+  (with the post-processor's special tokens: one BOS, at the start), then eod when ``add_eod`` and the text does not
+  end with it; the flags are 1 from where the ids of the prompt alone stop matching (TRL's
+  ``common_prefix_length``): no token is invented at the boundary ("A:" + "Paris" is "A:Paris", never "A: Paris").
 * A chat: its rendering by the chat template, encoded without the post-processor's special tokens (the template
   writes them), so the ids equal transformers' ``apply_chat_template(messages, tokenize=True)``; the flags are 1
   on the assistant turns (:mod:`kubetron.data.sft.chat`).
+
+An example is cut at ``seq_length + 1`` ids; one with no trained token left (its answer past the cut, or no answer)
+is dropped and counted.
 
 The chat template is compiled once per process; the examples go ``BATCH`` at a time to processes on all cores
 (each renders its batch and encodes it in one call to the Rust tokenizer); a little data stays in this process.
@@ -77,15 +81,25 @@ class Encoded:
     ids: list[np.ndarray] = field(default_factory=list)
     flags: list[np.ndarray] = field(default_factory=list)
     lengths: list[np.ndarray] = field(default_factory=list)
-    cut: int = 0
-    short: int = 0
+    cut: int = 0  # kept, cut at seq_length + 1
+    dropped_cut: int = 0  # nothing left to train after the cut
+    dropped_empty: int = 0  # nothing to train at all (an empty answer without eod, under two tokens)
+    no_system: int = 0  # chats whose system message the template does not write
+    kept_rows: list[int] = field(default_factory=list)  # which items of the batch were kept, in order
 
-    def extend(self, other: Encoded) -> None:
+    def extend(self, other: Encoded, offset: int = 0) -> None:
         self.ids += other.ids
         self.flags += other.flags
         self.lengths += other.lengths
         self.cut += other.cut
-        self.short += other.short
+        self.dropped_cut += other.dropped_cut
+        self.dropped_empty += other.dropped_empty
+        self.no_system += other.no_system
+        self.kept_rows += [offset + i for i in other.kept_rows]
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_cut + self.dropped_empty
 
     def arrays(self) -> dict[str, np.ndarray]:
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
@@ -100,7 +114,6 @@ class Encoder:
     def __init__(self, tokenizer, seq_length: int, add_eod: bool, template_name: str | None, field: str):
         self.tok, self.limit, self.add_eod, self.field = tokenizer, seq_length + 1, add_eod, field
         self.template_name = template_name
-        self.leading = list(getattr(tokenizer, "leading_special_ids", ()))
         self._templates: dict[str, ChatTemplate] = {}
 
     def template(self, chat: Chat, where: str) -> ChatTemplate:
@@ -118,41 +131,69 @@ class Encoder:
         return self._templates[name]
 
     def encode(self, batch: list[tuple[str, Pair | Chat]]) -> Encoded:
-        """One batch: render its chats, encode every text in one call to the tokenizer, cut at seq_length + 1."""
+        """One batch: render its chats, encode every text in one call to the tokenizer, cut at seq_length + 1,
+        drop what has nothing to train."""
         prepared = [self._render(where, ex) if isinstance(ex, Chat) else ex for where, ex in batch]
         chats = [p for p in prepared if not isinstance(p, Pair)]
         pairs = [p for p in prepared if isinstance(p, Pair)]
         chat_enc = iter(self.tok.encode_offsets([text for text, _ in chats]) if chats else [])
-        plain = iter(self.tok.encode_plain([t for p in pairs for t in (p.prompt, p.answer)]) if pairs else [])
+        plain = iter(self.tok.encode_batch([t for p in pairs for t in (p.prompt, p.prompt + p.answer)])
+                     if pairs else [])
         out = Encoded()
         kept: list[tuple[list[int], list[int]]] = []
-        for p in prepared:
+        for n, (p, (_, ex)) in enumerate(zip(prepared, batch, strict=True)):
             if isinstance(p, Pair):
-                prompt, answer = next(plain), next(plain)
-                ids = self.leading + prompt + answer + ([self.tok.eod] if self.add_eod else [])
-                flags = [0] * (len(self.leading) + len(prompt)) + [1] * (len(ids) - len(self.leading) - len(prompt))
+                ids, flags = self._pair(next(plain), next(plain))
             else:
                 enc = next(chat_enc)
                 ids, flags = list(enc.ids), token_mask(enc, p[1])
-            out.cut += len(ids) > self.limit
-            if min(len(ids), self.limit) < 2:
-                out.short += 1  # nothing to predict
+                out.no_system += _drops_system(ex, p[0])
+            if not any(flags[1:]):  # the first id is never a target
+                out.dropped_empty += 1
                 continue
-            kept.append((ids[:self.limit], flags[:self.limit]))
+            if len(ids) > self.limit:
+                ids, flags = ids[:self.limit], flags[:self.limit]
+                if not any(flags[1:]):
+                    out.dropped_cut += 1
+                    continue
+                out.cut += 1
+            kept.append((ids, flags))
+            out.kept_rows.append(n)
         lengths = [len(ids) for ids, _ in kept]
         out.ids = [np.fromiter(chain.from_iterable(ids for ids, _ in kept), np.int32, sum(lengths))]
         out.flags = [np.fromiter(chain.from_iterable(flags for _, flags in kept), np.uint8, sum(lengths))]
         out.lengths = [np.asarray(lengths, dtype=np.int64)]
         return out
 
+    def _pair(self, prompt: list[int], whole: list[int]) -> tuple[list[int], list[int]]:
+        """TRL's prompt/completion ids: the whole text's, eod added; trained from where the prompt's ids stop."""
+        ids = list(whole)
+        if self.add_eod and (not ids or ids[-1] != self.tok.eod):
+            ids.append(self.tok.eod)
+        start = next((i for i, (a, b) in enumerate(zip(prompt, ids)) if a != b), min(len(prompt), len(ids)))
+        return ids, [0] * start + [1] * (len(ids) - start)
+
     def _render(self, where: str, chat: Chat):
         template = self.template(chat, where)
         try:
             return template.spans(list(chat.messages), chat.trained, chat.tools)
-        except jinja2.TemplateError as e:
-            raise ConfigError(self.field, f"{where}: the chat template failed: {e}") from None
-        except ValueError as e:
+        except ValueError as e:  # cannot be traced (chat.py words it)
             raise ConfigError(self.field, f"{where}: {e}") from None
+        except jinja2.TemplateError as e:  # raise_exception(...), a bound passed, an undefined name
+            raise ConfigError(self.field, f"{where}: the chat template failed: {_one_line(e)}") from None
+        except Exception as e:  # the template's Python: 'a' + None, a dict where a string goes
+            raise ConfigError(self.field, f"{where}: the chat template failed: {type(e).__name__}: "
+                                          f"{_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _drops_system(chat: Chat, text: str) -> int:
+    """1 when the chat has a system message with text that the rendering does not hold."""
+    system = next((m.get("content") for m in chat.messages if m.get("role") == "system"), None)
+    return int(isinstance(system, str) and bool(system.strip()) and system.strip() not in text)
 
 
 def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]], progress: Progress | None = None,
@@ -165,8 +206,8 @@ def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]],
     out = Encoded()
     if workers > 1 and tokenizer.tokenizer_type in FILE_TOKENIZERS + ("byte",):
         try:
-            for result in _in_workers(tokenizer, settings, batches, workers):
-                out.extend(result)
+            for n, result in enumerate(_in_workers(tokenizer, settings, batches, workers)):
+                out.extend(result, n * BATCH)
                 if progress:
                     progress(min(len(out.lengths) * BATCH, len(items)))
             return out
@@ -175,7 +216,7 @@ def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]],
             out = Encoded()
     encoder = Encoder(tokenizer, *settings)
     for n, batch in enumerate(batches, 1):
-        out.extend(encoder.encode(batch))
+        out.extend(encoder.encode(batch), (n - 1) * BATCH)
         if progress:
             progress(min(n * BATCH, len(items)))
     return out
