@@ -9,11 +9,11 @@
 * ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system" | ..., "value": ...}]}``.
 * ``{"input": str, "output": str}`` with the keys ``finetuning.input_key`` / ``output_key``.
 
-Messages are passed to the template as transformers passes them (a null ``content`` stays null: DeepSeek's template
-tests ``content is none``), with a reasoning under ``reasoning_content``, ``thinking`` or ``reasoning`` given under the
-first two as well. Rows of Parquet and Arrow files hold structs, which give every row every key any row has (null
-where it had none): there, null entries are dropped (but a message's content), also inside tool calls and tools, so a
-tool call's arguments are the row's own (:func:`without_nulls`).
+Messages are passed to the template as transformers' ``apply_chat_template`` passes them: keys whose value is null
+are dropped (OpenAI's ``content: null`` beside ``tool_calls``), and a reasoning under ``reasoning_content``,
+``thinking`` or ``reasoning`` is given under the first two as well. Rows of Parquet and Arrow files hold structs,
+which give every row every key any row has (null where it had none): there, null entries are dropped at any depth,
+inside tool calls and tool specs too, so a tool call's arguments are the row's own (:func:`without_nulls`).
 """
 
 from __future__ import annotations
@@ -78,9 +78,8 @@ def _strip_nested(value):
 
 
 def _strip_message(m: dict) -> dict:
-    """A table row's message: its null keys dropped but content (a struct gives every message a `tool_calls`,
-    which DeepSeek's template reads as present), nulls inside tool calls and tool specs dropped."""
-    return {k: without_nulls(v) for k, v in m.items() if v is not None or k == "content"}
+    """A table row's message with the nulls its struct added dropped, inside tool calls and tool specs too."""
+    return without_nulls(m)
 
 
 class RowError(ValueError):
@@ -154,8 +153,8 @@ def _messages(value, key: str) -> list[dict]:
 def _message(m, key: str, n: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise RowError(f"{key!r} message {n} is not a {{role, content}} object")
-    out = dict(m)
-    if out.get("content") is not None:
+    out = {k: v for k, v in m.items() if v is not None}
+    if "content" in out:
         out["content"] = _content(out["content"], key, n)
     calls = out.get("tool_calls")
     if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
