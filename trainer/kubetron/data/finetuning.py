@@ -72,6 +72,7 @@ class SftSettings:
     add_eod: bool = True
     keys: RowKeys = RowKeys()
     chat_template: str | None = None
+    max_expansion: int = files.DEFAULT_EXPANSION  # a bound on reading, not a shape of the samples: not in the key
 
     def key_part(self) -> dict:
         return {"seq_length": self.seq_length, "packing": self.packing, "add_eod": self.add_eod,
@@ -92,7 +93,7 @@ def build(paths, tokenizer, s: SftSettings, field: str) -> Built:
     """Read, tokenize, drop what has nothing to train, pack."""
     found = files.resolve(paths, field)
     total = sum(f.size for f in found)
-    rows = files.read_rows(found, field, Progress(f"{field}: reading", total, "bytes"))
+    rows = files.read_rows(found, field, Progress(f"{field}: reading", total, "bytes"), s.max_expansion)
     items = parse_all(rows, lambda row: parse_row(row, s.keys), field)
     if not items:
         raise ConfigError(field, f"{_name(paths)}: holds no examples")
@@ -159,12 +160,13 @@ class FinetuningDataset:
     def __init__(self, path, tokenizer, seq_length: int, *, packing: bool, seed: int, shuffle: bool = True,
                  add_eod: bool = True, input_key: str = "input", output_key: str = "output",
                  messages_key: str = "messages", chat_template: str | None = None,
-                 field: str = "finetuning.data_path", cache_at: cache.CachePlace | None = None):
+                 max_expansion: int = files.DEFAULT_EXPANSION, field: str = "finetuning.data_path",
+                 cache_at: cache.CachePlace | None = None):
         self.seq_length, self.packing, self.seed, self.shuffle = seq_length, packing, seed, shuffle
         pad = getattr(tokenizer, "pad", None)  # tokenizers without a pad token pad with eod (no loss there)
         self.pad = int(tokenizer.eod if pad is None else pad)
         keys = RowKeys(input_key, output_key, messages_key)
-        settings = SftSettings(seq_length, packing, add_eod, keys, chat_template)
+        settings = SftSettings(seq_length, packing, add_eod, keys, chat_template, max_expansion)
         t0 = time.monotonic()
 
         def make():
@@ -229,12 +231,21 @@ class FinetuningDataset:
         return self.sequence(self.group(int(self._order(epoch)[i])))
 
 
+def settings_of(cfg) -> SftSettings:
+    """The settings of a run config's `finetuning` section (and model.seq_length)."""
+    ft = cfg.finetuning
+    return SftSettings(cfg.model.seq_length, ft.packing, ft.add_eod, RowKeys(ft.input_key, ft.output_key,
+                                                                              ft.messages_key),
+                       ft.chat_template, ft.max_expansion)
+
+
 def build_finetuning_datasets(cfg, tokenizer) -> dict:
     """``{"train", "valid", "test"}`` for the `finetuning` section (test: None)."""
     ft = cfg.finetuning
     common = dict(packing=ft.packing, seed=cfg.rng.seed, shuffle=ft.shuffle, add_eod=ft.add_eod,
                   input_key=ft.input_key, output_key=ft.output_key, messages_key=ft.messages_key,
-                  chat_template=ft.chat_template, cache_at=cache.cache_location(ft.cache_dir, cfg.checkpoint.save))
+                  chat_template=ft.chat_template, max_expansion=ft.max_expansion,
+                  cache_at=cache.cache_location(ft.cache_dir, cfg.checkpoint.save))
     train = FinetuningDataset(ft.data_path, tokenizer, cfg.model.seq_length, **common)
     valid = None
     if ft.valid_data_path:

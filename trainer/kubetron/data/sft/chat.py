@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import jinja2
 
 from kubetron.contract.errors import ConfigError
-from kubetron.data.sft.sandbox import compile_template, generation_blocks, render_bounded
+from kubetron.data.sft.sandbox import TemplateLimit, compile_template, generation_blocks, render_bounded
 
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"  # noncharacters: not text, and no string filter of a template touches them
 _TAG0 = 0xE000  # private-use characters after _OPEN name the message: 2k its text, 2k + 1 its tool calls
@@ -83,6 +83,8 @@ class ChatTemplate:
     def _try(self, messages: list[dict], generation_prompt: bool = False) -> str | None:
         try:
             return self.render(messages, generation_prompt=generation_prompt)
+        except TemplateLimit:  # a template past its bounds is refused at once, not probed again
+            raise
         except Exception:  # a probe the template does not accept (a system role, tool turns): nothing learnt
             return None
 

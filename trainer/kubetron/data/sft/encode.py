@@ -13,17 +13,20 @@ is dropped and counted.
 
 The chat template is compiled once per process; the examples go ``BATCH`` at a time to processes on all cores
 (each renders its batch and encodes it in one call to the Rust tokenizer); a little data stays in this process.
+The workers are this module's own processes (``python -m kubetron.data.sft.worker``), talking over their pipes.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -174,9 +177,8 @@ class Encoder:
         return ids, [0] * start + [1] * (len(ids) - start)
 
     def _render(self, where: str, chat: Chat):
-        template = self.template(chat, where)
         try:
-            return template.spans(list(chat.messages), chat.trained, chat.tools)
+            return self.template(chat, where).spans(list(chat.messages), chat.trained, chat.tools)
         except ValueError as e:  # cannot be traced (chat.py words it)
             raise ConfigError(self.field, f"{where}: {e}") from None
         except jinja2.TemplateError as e:  # raise_exception(...), a bound passed, an undefined name
@@ -198,9 +200,10 @@ def _drops_system(chat: Chat, text: str) -> int:
 
 def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]], progress: Progress | None = None,
                workers: int | None = None) -> Encoded:
-    """Every item, BATCH at a time: in this process for little data, else on all cores (processes started
-    fresh - spawn - each with its own copy of the tokenizer, rendering and encoding whole batches). Should the
-    workers not start (a program that cannot be re-imported), it goes on in this process, with a warning."""
+    """Every item, BATCH at a time: in this process for little data, else on all cores (worker processes started as
+    ``python -m kubetron.data.sft.worker``, each with its own copy of the tokenizer, rendering and encoding whole
+    batches; started fresh, they never import the calling program, so a script without a main guard works). Should
+    the workers fail, it goes on in this process, with a warning."""
     batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
     workers = min(workers or available_cpus(), MAX_WORKERS, len(batches))
     out = Encoded()
@@ -211,7 +214,7 @@ def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]],
                 if progress:
                     progress(min(len(out.lengths) * BATCH, len(items)))
             return out
-        except BrokenProcessPool as e:
+        except WorkerFailed as e:
             log.warning("tokenizing in %d processes failed (%s); going on in this one", workers, e)
             out = Encoded()
     encoder = Encoder(tokenizer, *settings)
@@ -222,14 +225,70 @@ def encode_all(tokenizer, settings: tuple, items: list[tuple[str, Pair | Chat]],
     return out
 
 
+class WorkerFailed(RuntimeError):
+    """A worker process ended or answered out of turn."""
+
+
 def _in_workers(tokenizer, settings: tuple, batches: list, workers: int):
+    """Batch i goes to worker i % workers (a thread per worker feeds it, so no pipe fills up while the results are
+    read in order); the results come back in order."""
     init = (tokenizer.tokenizer_type, tokenizer.assets(), settings)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-                             initargs=init) as pool:
-        for result in pool.map(_encode_batch, batches):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",  # one process per core already
+           "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    procs = [subprocess.Popen([sys.executable, "-m", "kubetron.data.sft.worker"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env=env) for _ in range(workers)]
+    feeders = [threading.Thread(target=_feed, args=(p, init, batches[w::workers]), daemon=True)
+               for w, p in enumerate(procs)]
+    try:
+        for t in feeders:
+            t.start()
+        for n in range(len(batches)):
+            result = _receive(procs[n % workers])
             if isinstance(result, tuple):  # a ConfigError, sent back as (field, message)
                 raise ConfigError(*result)
             yield result
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            for pipe in (p.stdin, p.stdout):
+                assert pipe is not None
+                pipe.close()
+
+
+def _feed(proc, init: tuple, batches: list) -> None:
+    try:
+        for message in (init, *batches):
+            _send(proc.stdin, message)
+        proc.stdin.close()
+    except (BrokenPipeError, OSError, ValueError):  # the worker ended (its reader says why)
+        pass
+
+
+def _send(pipe, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    pipe.write(struct.pack("<Q", len(data)) + data)
+    pipe.flush()
+
+
+def _read_message(pipe):
+    """A message from our own parent or worker process (the pipe is ours: it carries our objects)."""
+    head = pipe.read(8)
+    if len(head) < 8:
+        return None
+    size = struct.unpack("<Q", head)[0]
+    data = pipe.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def _receive(proc) -> Encoded | tuple[str, str]:
+    message = _read_message(proc.stdout)
+    if message is None:
+        raise WorkerFailed(f"a worker process ended (exit code {proc.poll()})")
+    return message
 
 
 def available_cpus() -> int:
@@ -239,22 +298,20 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-_WORKER: Encoder | None = None
-
-
-def _start_worker(tokenizer_type: str, assets: dict[str, bytes], settings: tuple) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    global _WORKER
+def serve(stdin, stdout) -> None:
+    """A worker: the tokenizer and settings, then batches, each answered with its Encoded (or (field, message))."""
+    init = _read_message(stdin)
+    if init is None:
+        return
+    tokenizer_type, assets, settings = init
     tok = build_tokenizer(tokenizer_type) if tokenizer_type == "byte" else tokenizer_from_assets(tokenizer_type, assets)
-    _WORKER = Encoder(tok, *settings)
-
-
-def _encode_batch(batch) -> Encoded | tuple[str, str]:
-    assert _WORKER is not None
-    try:
-        return _WORKER.encode(batch)
-    except ConfigError as e:
-        return e.field, e.message
+    encoder = Encoder(tok, *settings)
+    while (batch := _read_message(stdin)) is not None:
+        try:
+            result: Encoded | tuple[str, str] = encoder.encode(batch)
+        except ConfigError as e:
+            result = (e.field, e.message)
+        _send(stdout, result)
 
 
 def choose_template(templates: dict[str, str], name: str | None, has_tools: bool) -> str:

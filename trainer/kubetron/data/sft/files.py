@@ -333,8 +333,23 @@ def _text_rows(url: str, stream: io.BufferedReader, field: str, budget: Budget) 
         yield from _json_lines(url, stream, field, budget)
 
 
+def _lines(stream, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The lines of a byte stream (a line of any length in linear time: io's readline is not, on one that long)."""
+    buf = bytearray()
+    while data := stream.read(chunk):
+        start = len(buf)
+        buf += data
+        cut = buf.rfind(b"\n", start)
+        if cut < 0:
+            continue
+        yield from bytes(buf[:cut + 1]).splitlines(keepends=True)
+        del buf[:cut + 1]
+    if buf:
+        yield bytes(buf)
+
+
 def _json_lines(url: str, stream, field: str, budget: Budget) -> Iterator[tuple[str, object]]:
-    for lineno, line in enumerate(stream, 1):
+    for lineno, line in enumerate(_lines(stream), 1):
         if not line.strip():
             continue
         where = f"{url}:{lineno}"
@@ -386,12 +401,24 @@ def _table_rows(url: str, raw, kind: str, field: str, budget: Budget) -> Iterato
     try:
         n = 0
         for batch in _batches(raw, kind, budget):
+            batch = _decoded(batch)
             budget.take(batch.nbytes, batch.num_rows)
             for row in batch.to_pylist():
                 n += 1
                 yield f"{url} row {n}", TableRow(row)
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(field, f"{url}: not a readable {kind.split('-')[0]} file ({e})") from None
+
+
+def _decoded(batch):
+    """The batch with its dictionary-encoded columns decoded: what its rows are once they are Python values (a
+    dictionary holds a value once however many rows repeat it: counted as stored, it would hide a bomb)."""
+    import pyarrow as pa
+
+    if not any(pa.types.is_dictionary(t) for t in batch.schema.types):
+        return batch
+    columns = [c.dictionary_decode() if pa.types.is_dictionary(c.type) else c for c in batch.columns]
+    return pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
 
 
 def _batches(raw, kind: str, budget: Budget):
@@ -420,7 +447,7 @@ def _sized(batches_of: Callable[[int], Iterator]):
     if first is None:
         return
     yield first
-    per_row = max(first.nbytes // max(first.num_rows, 1), 1)
+    per_row = max(_decoded(first).nbytes // max(first.num_rows, 1), 1)
     size = max(1, min(_TABLE_BATCH, _BATCH_BYTES // per_row))
     for n, batch in enumerate(batches_of(size)):
         if n * size >= first.num_rows:

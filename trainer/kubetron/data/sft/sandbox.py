@@ -78,7 +78,7 @@ def _printf_size(fmt: str, args: Any) -> None:
     for m in _WIDTH.finditer(fmt):
         for part in m.groups():
             if part == "*" and any(abs(v) > MAX_CHARS for v in stars):
-                raise TemplateLimit("a '%*' width over the bound")
+                raise TemplateLimit(f"it makes a '%*' field wider than {MAX_CHARS} characters")
             if part and part != "*":
                 _too_big(int(part), "a formatted field")
     _too_big(len(fmt) + sum(_size(str(v)) if isinstance(v, (int, float)) else _size(v) for v in values), "a string")
