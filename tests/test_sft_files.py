@@ -186,12 +186,12 @@ def test_paths_that_hold_no_data_are_named(tok, tmp_path):
     with pytest.raises(ConfigError, match=r"missing.jsonl: no such file or directory"):
         samples(str(tmp_path / "missing.jsonl"), tok)
     one = datasets.Dataset.from_list(messages_rows())
-    datasets.DatasetDict({"train": one, "test": one}).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(ConfigError, match=r"dd: a datasets DatasetDict with splits train, test; give one split's "
-                                          r"directory \(e.g. .*dd/train\)"):
+    datasets.DatasetDict({"eval": one, "test": one}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match=r"dd: a datasets DatasetDict with splits eval, test and none named train; "
+                                          r"give one split's directory \(e.g. .*dd/eval\)"):
         samples(str(tmp_path / "dd"), tok)
-    assert_same(samples(str(tmp_path / "dd" / "train"), tok), samples(str(write_jsonl(tmp_path / "r.jsonl",
-                                                                                       messages_rows())), tok))
+    assert_same(samples(str(tmp_path / "dd" / "eval"), tok), samples(str(write_jsonl(tmp_path / "r.jsonl",
+                                                                                      messages_rows())), tok))
     (tmp_path / "blank.jsonl").write_text("\n\n")
     with pytest.raises(ConfigError, match=r"blank.jsonl: holds no examples"):
         samples(str(tmp_path / "blank.jsonl"), tok)
