@@ -198,16 +198,23 @@ def _sentencepiece_like(specials: list[str], prepend: str = "first"):
     return tok
 
 
+def _bos_first(tok, bos: str):
+    """A post-processor that puts `bos` before every text (SentencePiece models as transformers runs them)."""
+    from tokenizers import processors
+
+    return processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+
+
 def phi3_tokenizer(out: Path, template: str | dict | None = None) -> Path:
     """Phi-3's shape: Llama 2's SentencePiece BPE ("<s> $A"), chat tokens added with rstrip (so "<|assistant|>"
     takes the newline after it, as in Phi-3-mini's tokenizer.json); bos <s>, eos <|endoftext|>."""
-    from tokenizers import AddedToken, processors
+    from tokenizers import AddedToken
 
     tok = _sentencepiece_like(["<unk>", "<s>", "</s>"])
     tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)] + [
         AddedToken(t, special=True, rstrip=True, normalized=False)
         for t in ("<|assistant|>", "<|end|>", "<|user|>", "<|system|>")])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = _bos_first(tok, "<s>")
     return _save(tok, out, template or trl_template("phi3"), False, bos_token="<s>", eos_token="<|endoftext|>",
                  unk_token="<unk>")
 
@@ -215,11 +222,9 @@ def phi3_tokenizer(out: Path, template: str | dict | None = None) -> Path:
 def gemma2_tokenizer(out: Path, template: str | dict | None = None) -> Path:
     """Gemma 2's shape: a SentencePiece BPE without a prefix space, "<bos> $A", <start_of_turn>/<end_of_turn>;
     eos <eos>."""
-    from tokenizers import processors
 
     tok = _sentencepiece_like(["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "never")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
-                                                       special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
+    tok.post_processor = _bos_first(tok, "<bos>")
     return _save(tok, out, template or trl_template("gemma"), False, bos_token="<bos>", eos_token="<eos>",
                  pad_token="<pad>", unk_token="<unk>")
 
@@ -230,10 +235,9 @@ MISTRAL_TOOL_SPECIALS = ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS
 
 def mistral_tools_tokenizer(out: Path, template: str | dict | None = None) -> Path:
     """Mistral v0.3's shape with its tool control tokens ([TOOL_CALLS], [TOOL_RESULTS] ...)."""
-    from tokenizers import processors
 
     tok = _sentencepiece_like(["<unk>", "<s>", "</s>", "[INST]", "[/INST]", *MISTRAL_TOOL_SPECIALS])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = _bos_first(tok, "<s>")
     return _save(tok, out, template or MISTRAL_V3_TEMPLATE, False, bos_token="<s>", eos_token="</s>",
                  unk_token="<unk>")
 

@@ -261,7 +261,8 @@ def test_the_finetuning_keys_reach_the_data(tok_dir, tmp_path, caplog):
     assert len(list((tmp_path / "store" / "sft_cache").glob("*.sftcache"))) == 1
     assert by_default.offsets.size - 1 == 2 * len(ROWS)  # both paths of the list were read
     chosen = datasets(cache_dir=str(tmp_path / "elsewhere"))["train"]
-    assert len(list((tmp_path / "elsewhere").glob("*.sftcache"))) == 1 and sample_digest(chosen) == sample_digest(by_default)
+    assert len(list((tmp_path / "elsewhere").glob("*.sftcache"))) == 1
+    assert sample_digest(chosen) == sample_digest(by_default)
     with pytest.raises(ConfigError, match=r"finetuning.chat_template: 'chatml': the tokenizer has no chat template"):
         datasets(chat_template="chatml")
     with pytest.raises(ConfigError, match=r"finetuning.data_path: .*missing.jsonl: no such file or directory"):

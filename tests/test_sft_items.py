@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from kubetron.contract.errors import ConfigError
 from kubetron.data.finetuning import FinetuningDataset
 from kubetron.data.sft.encode import Encoder
 from kubetron.data.sft.rows import RowKeys, parse_row

@@ -70,8 +70,8 @@ SHAPES = {
     "tool-call-content-null": {"messages": _tool_chat(None), "tools": [WEATHER]},
     "tool-call-content-empty": {"messages": _tool_chat(""), "tools": [WEATHER]},
     "tool-call-with-text": {"messages": _tool_chat("Let me check the weather."), "tools": [WEATHER]},
-    "parallel-calls": {"messages": _tool_chat(None, [_call("get_weather", "Paris", 1), _call("get_weather", "Tokyo", 2)]),
-                       "tools": [WEATHER]},
+    "parallel-calls": {"messages": _tool_chat(None, [_call("get_weather", "Paris", 1),
+                                                     _call("get_weather", "Tokyo", 2)]), "tools": [WEATHER]},
     "sequential-calls": {"messages": [
         ASK, {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", "Paris", 1)]},
         _result('{"error": "try the city code"}', 1),
@@ -166,7 +166,8 @@ def compare_masks(hf, ids: list[int], mine: list[int], theirs: list[int], header
         blank = hf.decode([ids[j]]).strip() == ""
         after = j > 0 and (mine[j - 1] or theirs[j - 1])
         before = next((mine[k] for k in range(j + 1, n) if not (theirs[k] and not mine[k])), 0)
-        if not a and b and ((after and (blank or ids[j] == hf.eos_token_id)) or (before and (blank or ids[j] in header))):
+        trailing = after and (blank or ids[j] == hf.eos_token_id)
+        if not a and b and (trailing or (before and (blank or ids[j] in header))):
             edge += 1
         else:
             other.append(j)
@@ -224,7 +225,7 @@ def test_no_template_trains_its_header(families):
     """The generation prompt (<|assistant|> and the newline Phi-3's token takes with it, <|im_start|>assistant,
     <|start_header_id|>assistant<|end_header_id|>, <start_of_turn>model, <｜Assistant｜>) is never a target: the
     model does not write it."""
-    for family, (path, tok, hf, _) in families.items():
+    for family, (_, tok, hf, _) in families.items():
         specials = header_ids(tok, hf)
         if family != "mistral-v0.3":  # the one template without a generation prompt
             assert specials, family

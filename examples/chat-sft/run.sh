@@ -9,7 +9,7 @@ PY=${PY:-python}
 ITERS=${ITERS:-120}
 rm -rf "$W" && mkdir -p "$W"
 paths=(tokenizer.tokenizer_model="$W/hf" checkpoint.pretrained_checkpoint="$W/imported" checkpoint.save="$W/run"
-       train.train_iters="$ITERS" checkpoint.save_interval="$ITERS")
+       train.train_iters="$ITERS" checkpoint.save_interval="$ITERS" scheduler.lr_warmup_iters=$((ITERS / 10)))
 $PY examples/chat-sft/make_model.py "$W/hf"
 $PY -m kubetron import-hf "$W/hf" "$W/imported" > /dev/null   # prints the model section (sft.yaml has it)
 $PY -m kubetron inspect-data --config examples/chat-sft/sft.yaml "${paths[@]}" --limit 2

@@ -102,10 +102,11 @@ class ChatTemplate:
     def _probe_closers(self) -> tuple[str, ...]:
         """The special tokens that end a user turn and a tool's turn (where an assistant's turn starts when the
         template has no generation prompt, or writes none before an answer to a tool)."""
-        found = []
-        for chat in ([_mark_text(_PROBE_USER, "user")],
-                     [_PROBE_USER, _PROBE_CALL, _mark_text({"role": "tool", "content": "x", "tool_call_id": _PROBE_ID},
-                                                           "tool")]):
+        found: list[str] = []
+        probes: tuple[list[dict], ...] = ([_mark_text(_PROBE_USER, "user")],
+                                          [_PROBE_USER, _PROBE_CALL, _mark_text(
+                                              {"role": "tool", "content": "x", "tool_call_id": _PROBE_ID}, "tool")])
+        for chat in probes:
             text = self._try(chat)
             if text is not None and _CLOSE in text:
                 closer = self._first_special(text[text.rfind(_CLOSE) + 1:])

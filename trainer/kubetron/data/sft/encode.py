@@ -150,6 +150,7 @@ class Encoder:
             else:
                 enc = next(chat_enc)
                 ids, flags = list(enc.ids), token_mask(enc, p[1])
+                assert isinstance(ex, Chat)
                 out.no_system += _drops_system(ex, p[0])
             if not any(flags[1:]):  # the first id is never a target
                 out.dropped_empty += 1

@@ -36,7 +36,6 @@ import io
 import json
 import logging
 import os
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
