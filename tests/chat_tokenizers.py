@@ -148,7 +148,8 @@ def sample_digest(ds) -> str:
 # The template families of the SFT oracle suite (tests/test_sft_oracle.py): each a tokenizer built like the model's
 # with the model's published chat template, as TRL ships them (trl/chat_templates/*.jinja, the published texts), and
 # the template transformers computes the assistant mask with: TRL's training variant (the same text with
-# {% generation %} blocks) where TRL has one, else one written here the same way (tests/chat_templates/*-training).
+# {% generation %} blocks) where TRL has one that renders the published text, else one written here the same way
+# (tests/chat_templates/*-training.jinja: TRL's Qwen3 variant keeps every turn's <think> block).
 
 def trl_template(name: str) -> str:
     import trl
@@ -281,7 +282,7 @@ TOOL_CORPUS = ['{"name": "get_weather", "arguments": {"city": "Paris"}} The weat
 FAMILIES = {
     "llama3.1": (llama31_tokenizer, lambda: (TEMPLATES / "llama3.1-training.jinja").read_text()),
     "qwen2.5": (qwen25_tokenizer, lambda: trl_template("qwen2_5_training")),
-    "qwen3": (qwen3_tokenizer, lambda: trl_template("qwen3_training")),
+    "qwen3": (qwen3_tokenizer, lambda: (TEMPLATES / "qwen3-training.jinja").read_text()),
     "mistral-v0.3": (mistral_tools_tokenizer, lambda: (TEMPLATES / "mistral-v0.3-training.jinja").read_text()),
     "gemma2": (gemma2_tokenizer, lambda: trl_template("gemma_training")),
     "phi3": (phi3_tokenizer, lambda: trl_template("phi3_training")),

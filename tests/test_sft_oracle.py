@@ -11,7 +11,7 @@ forms, ShareGPT):
   kubetron refuses the row in one line naming it; where the published template does not write tool calls at all
   (Gemma, Phi-3), kubetron refuses the row rather than train on a turn without its calls;
 * masks: transformers' `return_assistant_tokens_mask` under the family's training template (TRL's, the same text
-  with {% generation %} blocks; for Llama 3.1 and Mistral, written the same way in tests/chat_templates/), and
+  with {% generation %} blocks; for Llama 3.1, Mistral and Qwen3, written the same way in tests/chat_templates/), and
   TRL's completion mask for prompt/completion rows. They agree token for token, except that TRL also trains what a
   template writes after the end-of-turn token (Qwen's "\\n" after <|im_end|>, Phi-3's final <|endoftext|>):
   kubetron stops at the end of turn. The table printed at the end counts both.
