@@ -1,4 +1,4 @@
-"""Fine-tuning data as hostile input (issue 41, items 3 and 5): the files users have read the rows `datasets` reads
+"""Fine-tuning data as hostile input: the files users have read the rows `datasets` reads
 (CSV with quoted newlines, JSON arrays, DatasetDict splits), a compressed or encoded file that inflates past its bound
 is refused naming it (a 255 KB gzip of 881 MB, an 818-byte Parquet file of 845 MB), no link found in a data directory
 or by a glob is followed, a chat template runs under memory and time bounds, and the cache of tokenized data is keyed
@@ -15,13 +15,13 @@ import time
 
 import pytest
 from kubetron.contract.errors import ConfigError
-from kubetron.data.finetuning import FinetuningDataset
+from kubetron.data.finetuning import FinetuningDataset, SftSettings, build_arrays
 from kubetron.data.sft import cache as sft_cache
 from kubetron.data.sft import files as sft_files
 from kubetron.data.tokenizer import ByteTokenizer, tokenizer_from_assets
 
 from tests.chat_tokenizers import qwen3_tokenizer, sample_digest, write_jsonl
-from tests.test_sft_files import assert_same, messages_rows, samples
+from tests.sft_rows import assert_same, messages_rows, samples
 
 QA = [{"prompt": f"Q{i}: a line,\nthen \"another\"?", "completion": f" answer {i}"} for i in range(12)]
 
@@ -191,11 +191,9 @@ def test_a_cache_planted_in_a_shared_cache_dir_is_not_used(tok, tmp_path, caplog
     poisoned_rows = [{"messages": [m["messages"][0], {"role": "assistant", "content": "Send your keys to me."}]}
                      for m in ROWS]
     poison = _dataset(write_jsonl(tmp_path / "poison.jsonl", poisoned_rows), tok, attacker)
-    arrays = {k: getattr(poison, k) for k in ("tokens", "flags", "offsets")}
-    arrays.update(groups=poison._groups, group_offsets=poison._group_offsets)
+    arrays, meta = build_arrays(str(tmp_path / "poison.jsonl"), tok, SftSettings(64, True), "f")
     key = stored.name.removesuffix(sft_cache.SUFFIX)
-    stored.write_bytes(sft_cache.to_bytes(arrays, key, {"rows": 1}, sft_cache.job_secret(attacker.key_store, True,
-                                                                                             "f")))
+    stored.write_bytes(sft_cache.to_bytes(arrays, key, meta, sft_cache.job_secret(attacker.key_store, True, "f")))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kubetron"):
         again = _dataset(data, tok, victim)

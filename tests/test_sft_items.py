@@ -1,5 +1,5 @@
-"""Fine-tuning data, the smaller findings of issue 44 each with its test, what is dropped at seq_length, and
-`kubetron inspect-data` as a user runs it."""
+"""Fine-tuning data: templates, files and scripts that were refused, mis-rendered or hung, each with its test; what
+is dropped at seq_length; and `kubetron inspect-data` as a user runs it."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.chat_tokenizers import (
     write_jsonl,
 )
 from tests.hf_utils import REPO
-from tests.test_sft_oracle import SHAPES, kubetron_example
+from tests.sft_rows import SHAPES, kubetron_example
 
 
 def _trained(hf, ids, mask) -> list[str]:

@@ -1,4 +1,4 @@
-"""kubetron's fine-tuning ids and loss masks, judged against transformers and TRL (issue 44).
+"""kubetron's fine-tuning ids and loss masks, judged against transformers and TRL.
 
 For eight template families - tokenizers built here like Llama 3.1's, Qwen2.5's, Qwen3's, Mistral v0.3's, Gemma 2's,
 Phi-3's, a ChatML model's and DeepSeek V3's, each with the model's published chat template (TRL ships them) - and
@@ -26,68 +26,10 @@ import json
 
 import pytest
 from kubetron.contract.errors import ConfigError
-from kubetron.data.sft.encode import Encoder
-from kubetron.data.sft.rows import RowKeys, parse_row
 from kubetron.data.tokenizer import tokenizer_from_assets
 
-from tests.chat_tokenizers import CHATS, FAMILIES
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-def _call(name: str, city: str, n: int, as_dict: bool = False) -> dict:
-    args = {"city": city}
-    return {"id": f"call0000{n}", "type": "function",
-            "function": {"name": name, "arguments": args if as_dict else json.dumps(args)}}
-
-
-def _result(text: str, n: int) -> dict:
-    return {"role": "tool", "content": text, "tool_call_id": f"call0000{n}"}
-
-
-ASK = {"role": "user", "content": "What is the weather in Paris?"}
-SUNNY = {"role": "assistant", "content": "The weather in Paris is sunny, 21 C."}
-
-
-def _tool_chat(content, calls=None, as_dict=False) -> list[dict]:
-    calls = calls or [_call("get_weather", "Paris", 1, as_dict)]
-    return [ASK, {"role": "assistant", "content": content, "tool_calls": calls},
-            *[_result('{"weather": "sunny", "celsius": 21}', n) for n in range(1, len(calls) + 1)], SUNNY]
-
-
-SHAPES = {
-    "one-turn": {"messages": CHATS[0]},
-    "system-two-turns": {"messages": CHATS[1]},
-    "three-turns": {"messages": CHATS[2]},
-    "reasoning-in-content": {"messages": [
-        {"role": "user", "content": "7+3?"}, {"role": "assistant", "content": "<think>\nSmall sums.\n</think>\n\n10"},
-        {"role": "user", "content": "12*12?"},
-        {"role": "assistant", "content": "<think>\nLet me think step by step.\n</think>\n\n144"}]},
-    "reasoning-field": {"messages": [{"role": "user", "content": "Is snow white?"},
-                                     {"role": "assistant", "content": "Yes.", "reasoning_content": "Snow is white."}]},
-    "tool-call-content-null": {"messages": _tool_chat(None), "tools": [WEATHER]},
-    "tool-call-content-empty": {"messages": _tool_chat(""), "tools": [WEATHER]},
-    "tool-call-with-text": {"messages": _tool_chat("Let me check the weather."), "tools": [WEATHER]},
-    "parallel-calls": {"messages": _tool_chat(None, [_call("get_weather", "Paris", 1),
-                                                     _call("get_weather", "Tokyo", 2)]), "tools": [WEATHER]},
-    "sequential-calls": {"messages": [
-        ASK, {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", "Paris", 1)]},
-        _result('{"error": "try the city code"}', 1),
-        {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", "PAR", 2)]},
-        _result('{"weather": "sunny", "celsius": 21}', 2), SUNNY], "tools": [WEATHER]},
-    "tools-as-json-string": {"messages": _tool_chat(None), "tools": json.dumps([WEATHER])},
-    "arguments-as-dict": {"messages": _tool_chat(None, as_dict=True), "tools": [WEATHER]},
-    "content-parts": {"messages": [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CHATS[0]]},
-    "trl-prompt-completion-chat": {"prompt": CHATS[1][1:4], "completion": CHATS[1][4:]},
-    "trl-prompt-completion-tool-call": {
-        "prompt": [ASK], "completion": [{"role": "assistant", "content": None,
-                                         "tool_calls": [_call("get_weather", "Paris", 1)]}], "tools": [WEATHER]},
-    "sharegpt": {"conversations": [{"from": "human", "value": "What color is snow?"},
-                                   {"from": "gpt", "value": "Snow is white."}]},
-    "prompt-completion-text": {"prompt": "What is the capital of France? A:", "completion": " Paris."},
-}
+from tests.chat_tokenizers import FAMILIES
+from tests.sft_rows import SHAPES, kubetron_example
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +44,6 @@ def families(tmp_path_factory):
         out[name] = (path, tokenizer_from_assets("HuggingFaceTokenizer", str(path)),
                      AutoTokenizer.from_pretrained(path), training())
     return out
-
-
-def kubetron_example(tok, row: dict) -> tuple[list[int], list[int]]:
-    """ids and mask (1 where the id is a trained target) as the trainer's build makes them."""
-    example = parse_row(copy.deepcopy(row), RowKeys())
-    encoded = Encoder(tok, 4096, True, None, "finetuning.data_path").encode([("rows.jsonl:1", example)])
-    ids, flags = encoded.ids[0].tolist(), encoded.flags[0].tolist()
-    return ids, [0] + flags[1:]
 
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
