@@ -24,5 +24,5 @@ def test_the_chat_example_runs_end_to_end(tmp_path):
     tuned = tmp_path / "w" / "hf-tuned"
     assert (tuned / "chat_template.jinja").read_text() == (REPO / "examples" / "chat-sft" /
                                                            "chat_template.jinja").read_text()
-    replies = [line for line in out.stdout.splitlines() if " -> " in line]
+    replies = [line for line in out.stdout.splitlines() if line.startswith("'") and " -> " in line]
     assert [r.split(" -> ")[0] for r in replies] == ["'What is the weather in Oslo?'"] * 2 + ["'What color is grass?'"]
