@@ -209,7 +209,7 @@ def test_finetune_on_chats_keeps_the_templates_in_every_checkpoint_and_restarts_
     first = finetune(2)
     assert first.returncode == 0, first.stderr[-3000:]
     log = first.stdout + first.stderr
-    assert "examples in" in log and f"stored in {store}/sft_cache/" in log
+    assert "trained tokens; in " in log and f"stored in {store}/sft_cache/" in log
     saved = store / "iter_0000002" / "tokenizer"
     assert {p.relative_to(saved).as_posix(): p.read_bytes() for p in saved.rglob("*") if p.is_file()} == source
     second = finetune(4)
