@@ -8,6 +8,9 @@
                        parameters and per-GPU memory estimate; exit 1 when it does not fit (--search: the
                        smallest layout on up to N nodes that fits)
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
+    kubetron inspect-data --config FILE [overrides ...] [--limit N] [--json]
+                                                       the fine-tuning examples a run trains on: text with the
+                                                       trained spans marked, or ids and loss masks as JSON
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
     kubetron export-hf CKPT OUT [--adapter-only] [--max-shard-size 5GB]
                                                        kubetron checkpoint -> HF config.json + safetensors
@@ -179,6 +182,14 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect_data(args: argparse.Namespace) -> int:
+    from kubetron.data.inspect import run
+
+    if args.limit < 0:
+        raise ConfigError("--limit", f"must be >= 0, got {args.limit}")
+    return run(_load_config(args), args.limit, args.json)
+
+
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -313,6 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=cmd_preprocess)
 
+    p = sub.add_parser("inspect-data", help="show the fine-tuning examples a config trains on (tokens, loss mask)",
+                       description="Build the finetuning section's training data as the trainer would (template, "
+                                   "truncation, packing), in memory, and print the data line and the first examples "
+                                   "with their trained spans between ⟦ and ⟧; --json: one object per example with "
+                                   "\"ids\" and \"loss_mask\" (1 where the id is a trained target). No GPU, nothing "
+                                   "written.")
+    _add_config_args(p)
+    p.add_argument("--limit", type=int, default=5, metavar="N", help="examples to show (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object per example (the data line to stderr)")
+    p.set_defaults(func=cmd_inspect_data)
+
     p = sub.add_parser("import-hf", help="convert a Hugging Face Llama-family model into a kubetron checkpoint",
                        description="Convert HF_DIR (config.json + model.safetensors, or the shards "
                                    "model.safetensors.index.json lists, of a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE "
@@ -411,7 +433,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args, extras = parser.parse_known_args(argv)
         args.own_process = own_process
         if extras:
-            if args.command not in ("train", "finetune", "config", "plan"):
+            if args.command not in ("train", "finetune", "config", "plan", "inspect-data"):
                 parser.error(f"unrecognized arguments: {' '.join(extras)}")
             # Overrides may come before and after options: `train a.b=1 --config f c.d=2`.
             args.overrides = list(args.overrides) + extras

@@ -480,7 +480,13 @@ class FinetuningDatasetConfig(_Section):
     shuffle: bool = _f(True, "Shuffle the sequences every epoch (seeded by rng.seed; resume stays exact).")
     cache_dir: str | None = _f(
         None, "Where the tokenized and packed data is stored once and reused by every rank and restart (local "
-              "or s3://; None: <checkpoint.save>/sft_cache, or $TMPDIR/kubetron-sft-cache without checkpoint.save).")
+              "or s3://; None: <checkpoint.save>/sft_cache, or $TMPDIR/kubetron-sft-cache without checkpoint.save). "
+              "Caches are signed with a key kept in the job's store (<checkpoint.save>/sft_cache.key): one another "
+              "job or anyone else wrote is rebuilt.")
+    max_expansion: int = _f(
+        100, "The most bytes of rows one data file may give per byte stored, once decompressed or decoded (and as "
+             "many rows); 256 MiB is always allowed. A file past it is refused naming it (a compression bomb).",
+        ge=1)
 
     def check(self) -> None:
         for name in ("data_path", "valid_data_path"):
