@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from kubetron.watchdog import HANGS_DIR  # where a pod's watchdog puts a hung gang's stacks
+from kubetron.supervisor.watchdog import HANGS_DIR  # where a pod's watchdog puts a hung gang's stacks
 
 from tests.kube.fixtures import kube, kube_ns  # noqa: F401 - the real-API-server fixtures (tests/kube)
 from tests.s3server import s3_server  # noqa: F401 - a pytest fixture, re-exported

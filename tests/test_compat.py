@@ -40,7 +40,7 @@ def test_installing_on_an_unchecked_version_refuses_in_one_line(monkeypatch, dis
 
 
 def test_the_torchrun_launcher_refuses_an_unchecked_torch_in_one_line(monkeypatch, capsys):
-    from kubetron import torchrun
+    from kubetron.supervisor import torchrun
 
     monkeypatch.setattr(compat, "installed_version", lambda d: "2.20.0")
     assert torchrun.main(["--nproc-per-node", "1", "-m", "kubetron", "--help"]) == 2

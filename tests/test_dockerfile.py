@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import launch
 from kubetron.contract import exitcodes
+from kubetron.supervisor import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -240,7 +240,7 @@ def test_torchrun_argv_multi_node(node_rank, host_args):
     env = {"NNODES": "2", "NODE_RANK": node_rank, "NPROC_PER_NODE": "8", "MASTER_ADDR": "job-1-0.job.ns.svc",
            "MASTER_PORT": "29500", "KUBETRON_JOB_ID": "ns/job/1", launch.MAX_IN_PLACE_RESTARTS_ENV: "3"}
     argv = launch.torchrun_argv(env, ["train", "--config", "/etc/kubetron/config.yaml"], python="py")
-    assert argv[:3] == ["py", "-m", "kubetron.torchrun"]  # torchrun's run(), its failure report left out
+    assert argv[:3] == ["py", "-m", "kubetron.supervisor.torchrun"]  # torchrun's run(), its failure report left out
     assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=job-1-0.job.ns.svc:29500",
             "--rdzv-id=ns-job-1", "--max-restarts=3", *host_args} <= set(argv)
     assert not any(a.startswith("--local-addr") for a in argv) or node_rank == "0"

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kubetron import heartbeat, launch, watchdog
 from kubetron.contract import exitcodes, hang
 from kubetron.contract.hang import CHECKPOINT, EVALUATION, STARTUP, TRAIN, Beat
-from kubetron.heartbeat import Heartbeat
+from kubetron.supervisor import heartbeat, launch, watchdog
+from kubetron.supervisor.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
 from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
@@ -168,7 +168,7 @@ class Store:
 
 RANK = '''
 import sys, time
-from kubetron import heartbeat
+from kubetron.supervisor import heartbeat
 from kubetron.contract.hang import TRAIN
 b = heartbeat.current()
 b.enter(TRAIN)

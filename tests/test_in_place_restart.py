@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import launch
 from kubetron.contract import exitcodes
 from kubetron.contract import progress as progress_log
+from kubetron.supervisor import launch
 
 from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
 from tests.trainer_utils import QUICK, TINY, iteration_at_least
@@ -99,7 +99,7 @@ def test_a_config_error_is_not_restarted_in_place(tmp_path):
 ENDS_FOR_GOOD = """
 import datetime, sys
 import torch.distributed as dist
-from kubetron.termination_log import write_termination_message
+from kubetron.supervisor.termination_log import write_termination_message
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 if dist.get_rank() == 1:  # a rank-specific end no restart cures
@@ -146,7 +146,7 @@ def test_a_rank_that_ends_for_good_ends_the_other_pods_too(tmp_path):
     ([-9, exitcodes.CONFIG_ERROR], False),  # any end a restart cannot cure stops the restarts
 ])
 def test_which_ends_are_restarted_in_place(ends, expected):
-    from kubetron import torchrun
+    from kubetron.supervisor import torchrun
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import launch
 from kubetron.contract import exitcodes
+from kubetron.supervisor import launch
 
 from tests.trainer_utils import ITER_RE, QUICK, TINY, pod_env
 

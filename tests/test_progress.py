@@ -12,7 +12,6 @@ import urllib.request
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from kubetron import progress_io
 from kubetron.contract.progress import (
     PROGRESS_FILE,
     ProgressEvent,
@@ -26,7 +25,8 @@ from kubetron.contract.progress import (
     summarize_events,
 )
 from kubetron.contract.termination import MESSAGE_LIMIT
-from kubetron.progress_io import read_progress_text, summarize
+from kubetron.supervisor import progress_io
+from kubetron.supervisor.progress_io import read_progress_text, summarize
 from kubetron.training.status_server import StatusServer, status_server_from_env
 
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)

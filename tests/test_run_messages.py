@@ -172,7 +172,7 @@ def test_a_start_from_an_empty_load_says_so_and_the_console_is_quiet(tmp_path):
 def test_no_termination_message_outside_a_pod_unless_asked(tmp_path, monkeypatch):
     """/dev/termination-log (here a writable stand-in) is written only inside a pod (KUBERNETES_SERVICE_HOST);
     train.termination_log or KUBETRON_TERMINATION_LOG still name a file anywhere."""
-    import kubetron.termination_log as tl
+    import kubetron.supervisor.termination_log as tl
 
     dev = tmp_path / "termination-log"
     dev.write_text("")

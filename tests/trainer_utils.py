@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def pod_env(tmp_path: Path, nproc: int, **extra: str) -> dict:
     """What the operator puts in a one-node pod's environment (docs/CONTRACT.md)."""
-    from kubetron import launch
+    from kubetron.supervisor import launch
 
     inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.MESSAGES_DIR_ENV)
     env = {k: v for k, v in os.environ.items() if k not in inherited}

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from kubetron import launch
+from kubetron.supervisor import launch
 
 from tests.multirank.runner import free_port
 from tests.trainer_utils import HeldReader, pod_env

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import yaml
 from kubetron.contract import exitcodes
-from kubetron.progress_io import summarize
+from kubetron.supervisor.progress_io import summarize
 from kubetron_operator.build import (
     CONFIG_PATH,
     PYTHON,

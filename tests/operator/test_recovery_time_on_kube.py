@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kubetron import startup
+from kubetron.supervisor import startup
 
 from tests.kube.cluster import NoBinaries, find_binaries
 

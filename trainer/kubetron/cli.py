@@ -69,7 +69,7 @@ def _report(field_and_message: str, termination_log: str | None = None) -> int:
     # pod log must not interleave as "...reference`)kubetron: error: ...".
     sys.stderr.write(f"{PROG}: error: {line}\n")
     sys.stderr.flush()
-    from kubetron.termination_log import write_termination_message
+    from kubetron.supervisor.termination_log import write_termination_message
 
     write_termination_message({"exitCode": exitcodes.CONFIG_ERROR, "reason": exitcodes.NAMES[exitcodes.CONFIG_ERROR],
                                "message": line}, termination_log)
@@ -91,7 +91,7 @@ def _load_config(args: argparse.Namespace, check_paths: bool = True):
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
-    from kubetron.startup import CLOCK
+    from kubetron.supervisor.startup import CLOCK
 
     CLOCK.mark("python + config")
     from kubetron.compat import megatron_core
@@ -126,7 +126,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_progress(args: argparse.Namespace) -> int:
-    from kubetron.progress_io import format_summary, summarize
+    from kubetron.supervisor.progress_io import format_summary, summarize
 
     summary = summarize(args.store)
     if args.json:

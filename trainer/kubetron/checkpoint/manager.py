@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kubetron import heartbeat
 from kubetron.checkpoint import adapters, comm, format_kubetron, format_local, format_sharded, format_torch_dist
 from kubetron.checkpoint.canonical import (
     load_optimizer_state_by_name,
@@ -57,6 +56,7 @@ from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatc
 from kubetron.contract.hang import CHECKPOINT
 from kubetron.contract.times import stamp
 from kubetron.storage import open_store
+from kubetron.supervisor import heartbeat
 
 log = logging.getLogger("kubetron")
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from kubetron.contract import progress as progress_log
 from kubetron.contract.progress import PROGRESS_FILE
-from kubetron.progress_io import hangs, in_place_restarts, job_id
+from kubetron.supervisor.progress_io import hangs, in_place_restarts, job_id
 
 
 class ProgressLog:

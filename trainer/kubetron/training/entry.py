@@ -19,12 +19,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kubetron import heartbeat
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.contract.hang import TEARDOWN
-from kubetron.startup import CLOCK
-from kubetron.termination_log import write_termination_message
+from kubetron.supervisor import heartbeat
+from kubetron.supervisor.startup import CLOCK
+from kubetron.supervisor.termination_log import write_termination_message
 from kubetron.training.state import GlobalState, SignalHandler, Timers
 
 if TYPE_CHECKING:

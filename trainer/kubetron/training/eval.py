@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from kubetron import heartbeat
 from kubetron.checkpoint.manager import time_limit_reached
 from kubetron.contract.hang import EVALUATION
+from kubetron.supervisor import heartbeat
 from kubetron.training.schedule import forward_backward
 from kubetron.training.utils import prepare_forward_step_func, reduce_losses
 

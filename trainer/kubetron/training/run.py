@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from kubetron import heartbeat
 from kubetron.checkpoint.manager import CheckpointManager, open_save_store
 from kubetron.contract.hang import DATA
 from kubetron.data import build_train_valid_test_data_iterators
 from kubetron.data.datasets import check_data_tokenizer
 from kubetron.data.loader import DataIterator, build_tokenizer_from_config
-from kubetron.startup import CLOCK
+from kubetron.supervisor import heartbeat
+from kubetron.supervisor.startup import CLOCK
 from kubetron.training import first_weights, pipeline
 from kubetron.training.metrics import MetricsLogger
 from kubetron.training.model import build_model, num_parameters

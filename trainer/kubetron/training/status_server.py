@@ -23,7 +23,7 @@ from typing import Any, Self
 from kubetron.contract.goodput import TrainerTime
 from kubetron.contract.live import LiveStatus, jsonable, new_live_status
 from kubetron.contract.times import parse_stamp
-from kubetron.progress_io import hangs, in_place_restarts, restart_cause
+from kubetron.supervisor.progress_io import hangs, in_place_restarts, restart_cause
 
 logger = logging.getLogger(__name__)
 

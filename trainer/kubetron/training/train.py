@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kubetron import heartbeat
 from kubetron.contract.hang import TRAIN
-from kubetron.startup import CLOCK
+from kubetron.supervisor import heartbeat
+from kubetron.supervisor.startup import CLOCK
 from kubetron.training import moe, straggler
 from kubetron.training.eval import evaluate_and_print_results
 from kubetron.training.optim import finalize_model_grads, params_l2_norm

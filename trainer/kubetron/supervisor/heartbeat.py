@@ -29,7 +29,7 @@ from typing import IO
 from kubetron.contract.goodput import TrainerTime
 from kubetron.contract.hang import CHECKPOINT, EVALUATION, RECORD_SIZE, STARTUP, Beat, encode_beat
 from kubetron.contract.times import stamp
-from kubetron.startup import CLOCK
+from kubetron.supervisor.startup import CLOCK
 
 HEARTBEAT_ENV = "KUBETRON_HEARTBEAT"  # set by the launcher for each local rank
 STACKS_ENV = "KUBETRON_STACKS"  # ditto: where this rank's stacks go on DUMP_SIGNAL
