@@ -19,6 +19,7 @@ PACKAGES = (REPO / "trainer" / "kubetron", REPO / "operator" / "kubetron_operato
 TRAINER_ORDER = (
     "__init__",  # kubetron/__init__.py: the version
     "contract",  # the typed, torch-free, I/O-free half the operator shares (docs/CONTRACT.md)
+    "events",  # a run's life as typed events, and the listeners' protocol (imports nothing of kubetron)
     "compat",  # megatron-core/torch adaptations: imports nothing of kubetron but the contract
     "storage",  # a directory or s3://, transactions that commit with a marker
     "supervisor",  # the pod's supervisor: launcher, torchrun, hang watchdog, heartbeat, progress log, termination log

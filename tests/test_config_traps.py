@@ -124,10 +124,10 @@ def test_resume_names_settings_changed_since_the_checkpoint(saved, caplog):
 
 def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp_path):
     """A job at 2 GPUs did 1e15 FLOPs; this job (1 GPU) adds 3e12 in ~1 s: ~3 TFLOP/s, not ~1000."""
-    from kubetron.checkpoint.progress_log import ProgressLog
+    from kubetron.checkpoint.progress_log import PodFacts, ProgressLog
     from kubetron.contract import progress
+    from kubetron.events import Checkpoint, CheckpointDurable, Started
     from kubetron.storage import open_store
-    from kubetron.training.state import GlobalState
 
     store = open_store(str(tmp_path))
     store.append_line("progress.txt", progress.starting_job_line(iteration=0, train_iters=10, num_gpus=2, job_id=""))
@@ -135,13 +135,11 @@ def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp
         iteration=5, job_throughput_tflops=1.0, cumulative_throughput_tflops=1.0, flops_so_far=1e15,
         tokens_so_far=100, train_iters=10, num_gpus=2, async_save=False, job_id=""))
     cfg = in_process_config()
-    state = GlobalState(cfg=cfg, world_size=1)
-    state.train_state.floating_point_operations_so_far = 1e15
-    log = ProgressLog(cfg, store, state.train_state, state.world_size)
-    log.start()
-    state.train_state.floating_point_operations_so_far += 3e12
+    log = ProgressLog(cfg, store, 1, PodFacts(job_id=""))
+    log(Started(5, 10, 40, 1e15, None))
     start, _ = progress.get_start_time_from_progress_log(store.read_bytes("progress.txt").decode(), 1)
-    before = time.time()
-    tflops = log.fields(6)["cumulative_throughput_tflops"]
-    after = time.time()
-    assert 3.0 / (after - start.timestamp()) <= tflops <= 3.0 / (before - start.timestamp())
+    taken = time.time()
+    durable = CheckpointDurable(Checkpoint(6, None), taken, {"floating_point_operations_so_far": 1e15 + 3e12,
+                                                              "consumed_train_samples": 48}, 1.0, 1.0, False)
+    tflops = log.fields(durable)["cumulative_throughput_tflops"]
+    assert tflops == pytest.approx(3.0 / (taken - start.timestamp()))

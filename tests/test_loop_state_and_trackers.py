@@ -28,10 +28,11 @@ def test_global_state_has_no_ad_hoc_attributes():
     from kubetron.training.state import GlobalState
 
     state = GlobalState(cfg=None)
-    state.ckpt = state.straggler = None  # declared fields
-    state.exit_code = 0
+    state.train_state = state.train_state  # declared fields
     with pytest.raises(AttributeError):
         state.loss_window = []  # what the loop used to attach at run time
+    with pytest.raises(AttributeError):
+        state.ckpt = None  # the run's parts are the composition root's (training.run.Run), not the façade's
 
 
 def test_a_resume_restores_the_train_state_the_loop_holds_in_place(tmp_path, monkeypatch):

@@ -35,8 +35,9 @@ import argparse
 import io
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kubetron import __version__
 from kubetron.client_cli import add_commands
@@ -101,7 +102,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.
     return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain",
-                            keep_signal_handler=args.own_process))
+                            keep_signal_handler=args.own_process, faults=chaos_from_env(os.environ)))
+
+
+CHAOS_KILL_AT_ENV = "KUBETRON_CHAOS_KILL_AT"
+CHAOS_RANK_ENV = "KUBETRON_CHAOS_RANK"
+
+
+def chaos_from_env(environ) -> Callable[[str, int], None] | None:
+    """Fault injection for the store's guarantees, only when asked: KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>]
+    SIGKILLs this process at that point of a save (kubetron.checkpoint.manager.SAVE_POINTS: after-shard,
+    after-model, after-payload, after-commit, after-tracker, ...); with KUBETRON_CHAOS_RANK=<r> only global rank r
+    (env RANK) dies. None when unset: the checkpoint manager gets no fault hook."""
+    spec = environ.get(CHAOS_KILL_AT_ENV)
+    if not spec:
+        return None
+    only = environ.get(CHAOS_RANK_ENV)
+    if only and int(only) != int(environ.get("RANK", "0") or 0):
+        return None
+
+    def kill(point: str, iteration: int) -> None:
+        if spec in (point, f"{point}@{iteration}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 def cmd_config(args: argparse.Namespace) -> int:
