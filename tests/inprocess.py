@@ -11,9 +11,12 @@ code, the one line, the termination message) in this process, with megatron impo
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,9 +140,10 @@ class Outcome:
 
 
 def drive(tmp_path: Path, *overrides: str, driver: Driver | None = None, mode: str = "pretrain",
-          forward_step_func=None, config: str = TINY) -> Outcome:
+          forward_step_func=None, config: str = TINY, listeners: Sequence[Callable] = ()) -> Outcome:
     """`kubetron train --config CONFIG OVERRIDES` (or finetune) in this process, acted on by `driver`: the same
-    path as the command (`run_from_cli`), with a signal handler the driver delivers to instead of the OS's."""
+    path as the command (`run_from_cli`), with a signal handler the driver delivers to instead of the OS's.
+    `listeners`: more of the run's listeners, after the driver."""
     import torch.distributed as dist
     from kubetron.config import ConfigContainer
     from kubetron.training import entry
@@ -155,11 +159,48 @@ def drive(tmp_path: Path, *overrides: str, driver: Driver | None = None, mode: s
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     try:
-        code = entry.run_from_cli(cfg, mode, signals=driver.signals, faults=driver.faults, listeners=[driver],
+        code = entry.run_from_cli(cfg, mode, signals=driver.signals, faults=driver.faults,
+                                  listeners=[driver, *listeners],
                                   forward_step_func=driver.forward_step(forward_step_func or forward_step))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()  # the command's own, when a SaveStopped cut it short
-        ensure_world_of_one()
+        _restore_world()  # (the command's own process group is gone, or left behind by a SaveStopped)
     termination = json.loads(term.read_text()) if term.exists() else None
     return Outcome(code, termination, driver)
+
+
+def _restore_world():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ensure_world_of_one()
+
+
+def command(capsys, *argv: str) -> tuple[int, str, str]:
+    """`kubetron ARGV` in this process (kubetron.cli.main, as the console script calls it): exit code, stdout,
+    stderr. A training command runs `run_from_cli` with the signal handler installed and released again."""
+    from kubetron import cli
+
+    capsys.readouterr()
+    try:
+        code = cli.main(list(argv))
+    finally:
+        _restore_world()
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@contextlib.contextmanager
+def console() -> Iterator[io.StringIO]:
+    """What a run prints and logs, as `kubetron train` shows it on its console (for fixtures, which cannot take
+    capsys): stdout and the `kubetron` logger's records, in order, into the yielded buffer."""
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(logging.Formatter("[kubetron] %(message)s"))
+    logger = logging.getLogger("kubetron")
+    logger.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield buffer
+    finally:
+        logger.removeHandler(handler)
