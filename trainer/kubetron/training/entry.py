@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kubetron.compat import megatron_core
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.events import Ended, Events, Listener, Stopping
@@ -297,15 +298,18 @@ def pretrain(config, forward_step_func, *, process_non_loss_data_func=None, non_
     As Megatron's pretrain(): `non_loss_data_func(model)`, or else one forward-only pass with
     `collect_non_loss_data=True` (`loss_func(output, non_loss_data=True)` returns anything), feeds
     `process_non_loss_data_func(data, iteration, tensorboard_writer)` at every evaluation, on the rank
-    that writes TensorBoard (not called without logger.tensorboard_dir).
+    that writes TensorBoard (not called without logger.tensorboard_dir). Refuses, in one ConfigError, a
+    megatron-core or torch outside the versions kubetron's adaptations were checked against.
     """
+    megatron_core.install()
     return _run(config, forward_step_func, "pretrain", process_non_loss_data_func=process_non_loss_data_func,
                 non_loss_data_func=non_loss_data_func)
 
 
 def finetune(config, forward_step_func, *, process_non_loss_data_func=None, non_loss_data_func=None) -> int:
     """Resume from checkpoint.load if it has a checkpoint; else start from pretrained weights at 0.
-    The non-loss data functions: see pretrain()."""
+    The non-loss data functions and the version check: see pretrain()."""
+    megatron_core.install()
     return _run(config, forward_step_func, "finetune", process_non_loss_data_func=process_non_loss_data_func,
                 non_loss_data_func=non_loss_data_func)
 
