@@ -29,7 +29,7 @@ from kubetron.supervisor import heartbeat, launch, watchdog
 from kubetron.supervisor.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
-from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
+from tests.multirank.launchers import collect, finish, run_to_end, start_pods, trainer_pid
 from tests.trainer_utils import QUICK, TINY, iteration_at_least
 
 # -- the rules --------------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], l
     clock). Not the time of the SIGSTOP: a rank held on its pipe before it made no progress either, and the
     watchdog counts from the last progress."""
     outs: list[list[str]] = [[] for _ in pods]
-    readers = [collect(pod, out, hold_at=iteration_at_least(iteration, LOSS_RE) if pod is pods[-1] else None)
+    readers = [collect(pod, out, hold_at=iteration_at_least(iteration) if pod is pods[-1] else None)
                for pod, out in zip(pods, outs, strict=True)]
     with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
         pid = trainer_pid(pods, 1)
