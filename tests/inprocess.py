@@ -139,8 +139,19 @@ class Outcome:
     driver: Driver
 
 
+def drive_argv(tmp_path: Path, argv: Sequence[str], *, driver: Driver | None = None) -> Outcome:
+    """`kubetron train|finetune [--config FILE] OVERRIDES...`, as `drive` runs it."""
+    mode = {"train": "pretrain", "finetune": "finetune"}[argv[0]]
+    rest, config = list(argv[1:]), None
+    if "--config" in rest:
+        at = rest.index("--config")
+        config = rest[at + 1]
+        del rest[at:at + 2]
+    return drive(tmp_path, *rest, driver=driver, mode=mode, config=config)
+
+
 def drive(tmp_path: Path, *overrides: str, driver: Driver | None = None, mode: str = "pretrain",
-          forward_step_func=None, config: str = TINY, listeners: Sequence[Callable] = ()) -> Outcome:
+          forward_step_func=None, config: str | None = TINY, listeners: Sequence[Callable] = ()) -> Outcome:
     """`kubetron train --config CONFIG OVERRIDES` (or finetune) in this process, acted on by `driver`: the same
     path as the command (`run_from_cli`), with a signal handler the driver delivers to instead of the OS's.
     `listeners`: more of the run's listeners, after the driver."""

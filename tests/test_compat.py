@@ -9,6 +9,8 @@ from kubetron import compat
 from kubetron.compat import megatron_core
 from kubetron.compat import torch as torch_compat
 
+pytestmark = pytest.mark.unit
+
 CHECKED = {"megatron-core": megatron_core.CHECKED, "torch": torch_compat.CHECKED}
 
 
@@ -49,6 +51,7 @@ def test_the_torchrun_launcher_refuses_an_unchecked_torch_in_one_line(monkeypatc
 
 
 @pytest.mark.parametrize("distribution", sorted(CHECKED))
+@pytest.mark.trainer
 def test_the_library_entry_refuses_an_unchecked_version_before_it_runs(monkeypatch, distribution):
     """`pretrain()` / `finetune()` called from a script (not `kubetron train`) check the versions too."""
     from kubetron.training import entry

@@ -21,6 +21,8 @@ from kubetron.contract.errors import ConfigError
 from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import TINY, run, tb_scalars
 
+pytestmark = pytest.mark.process
+
 SMALL = ["model.seq_length=32", "scheduler.lr_warmup_iters=0", "train.micro_batch_size=2", "train.global_batch_size=4",
          "logger.log_interval=1"]
 

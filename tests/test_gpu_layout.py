@@ -41,7 +41,7 @@ IMAGE_PACKAGES = ("numpy", "psutil", "tensorboard", "pyyaml", "typing_extensions
                   "fsspec", "networkx")
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def _pip(python: str | Path, *args: str) -> None:

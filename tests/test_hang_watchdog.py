@@ -32,6 +32,8 @@ from tests.faultproxy import FaultProxy
 from tests.multirank.launchers import collect, finish, run_to_end, start_pods, trainer_pid
 from tests.trainer_utils import QUICK, TINY, iteration_at_least
 
+pytestmark = pytest.mark.process
+
 # -- the rules --------------------------------------------------------------------------------------------
 
 

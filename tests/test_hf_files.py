@@ -29,6 +29,8 @@ from tests.hf_utils import (
     run_cli,
 )
 
+pytestmark = pytest.mark.process
+
 pytest.importorskip("transformers")
 
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

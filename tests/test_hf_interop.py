@@ -31,6 +31,8 @@ from tests.hf_utils import (
 )
 from tests.inprocess import ensure_world_of_one
 
+pytestmark = pytest.mark.process
+
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # fp32; measured: 0.0 (the same operations in the same order)
@@ -548,27 +550,29 @@ def _losses(stdout: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)", stdout)}
 
 
-SIGNALLED_ITERS = 24
-"""A run signalled at iteration 3 still has this many to go: more than the page of output the signalling
-test lets it run ahead (tests/trainer_utils.hold_on_a_short_leash), so the signal lands inside the loop."""
+SIGNALLED_ITERS = 12
 
 
 def test_packed_sft_resumes_after_sigterm_with_the_same_losses(imported, tmp_path):
     """The fine-tuning data position is restored exactly: a run stopped by SIGTERM and resumed logs the
     losses of an uninterrupted run (packing on, several epochs of a small JSONL, shuffled per epoch)."""
-    from tests.trainer_utils import run_until_iteration_then_signal
+    from tests.inprocess import Driver, console, drive_argv
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
     keys = imported_model_keys(imported)
-    straight = run_cli(finetune_args(tmp_path / "a", data, imported, keys, SIGNALLED_ITERS), tmp_path)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    args = finetune_args(tmp_path / "b", data, imported, keys, SIGNALLED_ITERS) + [
-        "train.exit_signal_handler=true", f"checkpoint.load={tmp_path / 'b' / 'run'}"]
-    code, out, err, _ = run_until_iteration_then_signal(args, tmp_path, 3)
-    assert code == 75, err[-2000:]
-    resumed = run_cli(args, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    first, second, want = _losses(out), _losses(resumed.stdout), _losses(straight.stdout)
+    printed = {}
+    for name, args, driver in (
+            ("straight", finetune_args(tmp_path / "a", data, imported, keys, SIGNALLED_ITERS), None),
+            ("signalled", [*finetune_args(tmp_path / "b", data, imported, keys, SIGNALLED_ITERS),
+                           "train.exit_signal_handler=true", f"checkpoint.load={tmp_path / 'b' / 'run'}"],
+             Driver().signal_at(3)),
+            ("resumed", [*finetune_args(tmp_path / "b", data, imported, keys, SIGNALLED_ITERS),
+                         "train.exit_signal_handler=true", f"checkpoint.load={tmp_path / 'b' / 'run'}"], None)):
+        with console() as out:
+            code = drive_argv(tmp_path, args, driver=driver).code
+        assert code == (75 if driver else 0), name
+        printed[name] = out.getvalue()
+    first, second, want = _losses(printed["signalled"]), _losses(printed["resumed"]), _losses(printed["straight"])
     assert min(second) == max(first) + 1 and sorted({**first, **second}) == list(range(1, SIGNALLED_ITERS + 1))
     assert {**first, **second} == want

@@ -29,6 +29,8 @@ from tests.hf_utils import (
 )
 from tests.inprocess import ensure_world_of_one
 
+pytestmark = pytest.mark.process
+
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent
 # fp32, the bound. Measured 1.6e-6 (Qwen3-MoE) and 1.2e-6 (Mixtral): megatron takes the top-k logits

@@ -23,6 +23,8 @@ from kubetron.supervisor import launch
 from tests.multirank.launchers import collect, finish, run_to_end, start_pods, trainer_pid
 from tests.trainer_utils import LOSS_RE, QUICK, TINY, iteration_at_least
 
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parent.parent
 
 def losses(lines: list[str]) -> list[tuple[int, str]]:

@@ -26,7 +26,7 @@ from tests.trainer_utils import QUICK, TINY, HeldReader, iteration_at_least, pod
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def start_pod(tmp_path: Path, args: list[str], nproc: int = 1, **extra: str) -> subprocess.Popen:

@@ -10,6 +10,8 @@ import pytest
 
 from tests.trainer_utils import ITER_RE, HeldReader, iteration_at_least
 
+pytestmark = pytest.mark.process
+
 
 def test_a_held_reader_holds_the_writer_until_released(tmp_path):
     """The multi-process tests act (kill, SIGSTOP) on ranks at iteration k from a test thread that may run late.

@@ -29,6 +29,8 @@ from kubetron.supervisor import progress_io
 from kubetron.supervisor.progress_io import read_progress_text, summarize
 from kubetron.training.status_server import StatusServer, status_server_from_env
 
+pytestmark = pytest.mark.unit
+
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 
 
@@ -543,6 +545,7 @@ def test_status_server_says_how_often_the_gang_restarted_in_place(monkeypatch):
         assert json.loads(get(f"http://127.0.0.1:{server.port}/status")[1])["inPlaceRestarts"] == 2
 
 
+@pytest.mark.process
 def test_progress_command_prints_a_short_summary_and_the_json_with_flag(tmp_path):
     """`kubetron progress STORE`: a few lines a person reads (iteration/train iters, last checkpoint, the last job's
     tokens/s and ETA from its last two checkpoints, restarts); `--json` the summary the operator reads."""

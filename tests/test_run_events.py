@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from kubetron.contract import exitcodes
 from kubetron.contract.hang import CHECKPOINT, TRAIN
 from kubetron.events import (
     CheckpointDurable,
     Ended,
+    Evaluated,
     Events,
     Logged,
     PhaseEntered,
@@ -21,6 +23,8 @@ from kubetron.events import (
 
 from tests.inprocess import PEER_FAILURE, Driver, drive
 from tests.trainer_utils import QUICK
+
+pytestmark = pytest.mark.trainer
 
 
 def test_a_listener_that_raises_is_reported_once_and_dropped_and_the_others_still_hear(caplog):
@@ -48,14 +52,18 @@ def test_a_run_tells_its_life_in_order_and_a_failing_listener_changes_nothing(tm
 
     driver = Driver()
     with caplog.at_level(logging.WARNING, logger="kubetron"):
-        out = drive(tmp_path, *QUICK, "train.train_iters=6", "logger.log_interval=2", "checkpoint.save_interval=4",
+        out = drive(tmp_path, *QUICK, "train.train_iters=6", "scheduler.lr_warmup_iters=1", "logger.log_interval=2",
+                    "checkpoint.save_interval=4",
                     f"checkpoint.save={tmp_path / 'ckpt'}", driver=driver, listeners=[fails_at_step_3])
     assert out.code == exitcodes.COMPLETED and out.termination["reason"] == "Completed"
     warnings = [r.getMessage() for r in caplog.records if "fails_at_step_3" in r.getMessage()]
     assert len(warnings) == 1 and "StepDone" in warnings[0] and "a dashboard that went away" in warnings[0]
 
     kinds = [type(e).__name__ for e in driver.events]
-    assert kinds.index("Started") < kinds.index("StepDone") and kinds[-2:] == ["Stopping", "Ended"]
+    assert kinds.index("Started") < kinds.index("StepDone") and kinds[-1] == "Ended" and kinds.count("Ended") == 1
+    stopping = kinds.index("Stopping")  # the loop's end: then the evaluations after training, then teardown
+    assert stopping > max(i for i, k in enumerate(kinds) if k == "StepDone")
+    assert [e.label for e in driver.events[stopping:] if isinstance(e, Evaluated)] == ["validation", "test"]
     steps = driver.of(StepDone)
     assert [s.iteration for s in steps] == [1, 2, 3, 4, 5, 6]
     assert [s.consumed_samples for s in steps] == [8 * i for i in range(1, 7)]
@@ -81,5 +89,5 @@ def test_a_peer_that_fails_mid_run_ends_it_as_a_peer_failure(tmp_path):
     term = out.termination
     assert term["reason"] == "PeerFailure" and PEER_FAILURE in term["message"]
     assert term["iteration"] == 5 and term["lastCheckpoint"] == 4
-    assert [type(e).__name__ for e in out.driver.events[-2:]] == ["Stopping", "Ended"]
+    assert [type(e).__name__ for e in out.driver.events[-2:]] == ["Stopping", "Ended"]  # no evaluation after a failure
     assert "Exiting job\tIteration: 5" in (d / "progress.txt").read_text()

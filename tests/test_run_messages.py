@@ -14,6 +14,8 @@ import pytest
 
 from tests.trainer_utils import TINY, run
 
+pytestmark = pytest.mark.process
+
 SHORT = ["train.train_iters=2", "logger.log_interval=1", "validation.eval_interval=null", "validation.eval_iters=1",
          "scheduler.lr_warmup_iters=0", "checkpoint.save=null"]
 

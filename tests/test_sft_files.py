@@ -17,6 +17,8 @@ from kubetron.data.tokenizer import tokenizer_from_assets
 
 from tests.chat_tokenizers import qwen3_tokenizer, write_jsonl
 
+pytestmark = pytest.mark.unit
+
 QA = [("What color is snow?", "Snow is white."), ("What is the capital of France?", "Paris."),
       ("Is the sky blue?", "Yes, the sky is blue."), ("And 7+3?", "7+3=10."), ("12*12?", "144"),
       ("Grass?", "Grass is green."), ("Answer briefly.", "Please think step by step."), ("Hi", "Hello!")] * 3

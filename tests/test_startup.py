@@ -12,6 +12,8 @@ import pytest
 from kubetron.compat.torch import compile_on_first_call
 from kubetron.supervisor import startup
 
+pytestmark = pytest.mark.process
+
 
 def test_compile_on_first_call_compiles_once_with_the_same_options():
     compiled: list[tuple[str, dict]] = []

@@ -12,7 +12,11 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from tests import code_graph, typecheck
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -209,3 +213,25 @@ def test_the_checkpoint_package_reads_no_environment():
              if (lines := _reads_environment(ast.parse(p.read_text())))}
     assert found == {}
     assert _reads_environment(ast.parse("import os\nx = os.environ.get('A')\nfrom os import getenv\n")) == [2, 3]
+
+
+def _module_tier(path: Path) -> str | None:
+    """The tier a test module's `pytestmark = pytest.mark.<tier>` sets (tests/conftest.py TIERS), else None."""
+    from tests.conftest import TIERS
+
+    assigned = [node for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
+    if not assigned:
+        return None
+    tiers = [m for m in re.findall(r"pytest\.mark\.(\w+)", ast.unparse(assigned[-1].value)) if m in TIERS]
+    return tiers[0] if len(tiers) == 1 else None  # the last assignment is the one pytest reads
+
+
+def test_every_test_module_has_a_tier():
+    """`make test-fast` runs the unit tier, `make test` every tier: a module without a tier would run in none of
+    the tiers but the whole suite. Set `pytestmark = pytest.mark.<tier>` (unit, trainer, process, cluster; the
+    markers in pyproject.toml say what each holds), and mark a costlier test of a cheaper module by itself."""
+    modules = sorted((code_graph.REPO / "tests").rglob("test_*.py"))
+    assert len(modules) > 50
+    assert [str(p.relative_to(code_graph.REPO)) for p in modules if _module_tier(p) is None] == []
+    assert _module_tier(Path(__file__)) == "unit"

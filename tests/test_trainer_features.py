@@ -26,6 +26,8 @@ from kubetron.training.state import GlobalState, TrainState
 from tests.inprocess import Driver, command, console, drive, in_process_config, run_pretrain
 from tests.trainer_utils import TINY, tb_scalars
 
+pytestmark = pytest.mark.trainer
+
 PRE_ITERS = 40
 
 

@@ -15,6 +15,8 @@ from kubetron.events import Evaluated, Started
 from tests.inprocess import Driver, drive
 from tests.trainer_utils import tb_scalars
 
+pytestmark = pytest.mark.trainer
+
 ITERS = 40
 COMMON = [f"train.train_iters={ITERS}", "checkpoint.save_interval=10", "logger.log_interval=1",
           "validation.eval_interval=10"]

@@ -55,6 +55,8 @@ from tests.operator.jobs import PVC_JOB, kubectl_get
 from tests.operator.local_pods import config_yaml
 from tests.trainer_utils import ITER_RE, TINY, hold_on_a_short_leash, lines_one_byte_at_a_time, tb_scalars
 
+pytestmark = pytest.mark.cluster
+
 ITERS = 40
 SAVE_INTERVAL = 10
 SIGTERM_AFTER = 15  # the iteration whose log line triggers the SIGTERM: between two checkpoints

@@ -39,7 +39,7 @@ from tests.kube.fixtures import KubeEnv, Operator
 from tests.operator.endpoints import Endpoint
 from tests.operator.jobs import tj
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 OPERATOR_KEY, TENANT_KEY, VICTIM_KEY = "OPERATORENVKEY01", "TENANTKEY0000001", "VICTIMKEY0000001"
 OWN_BUCKET, STORE_BUCKET = "operator-readable", "tenant-bkt"
