@@ -26,6 +26,7 @@ from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError
 
 from tests.ckpt_utils import MODEL, Payload, kubetron_parts, megatron_gpt, write_megatron_lm
+from tests.inprocess import in_process_config
 from tests.trainer_utils import TINY, run
 
 pytestmark = pytest.mark.unit
@@ -146,6 +147,7 @@ def test_torch_dist_crafted_metadata_is_refused(tmp_path, how, craft):
     assert expect in line, line
 
 
+@pytest.mark.trainer
 def test_torch_dist_state_keys_are_checked_before_anything_is_allocated(tmp_path):
     """kubetron's common.pt names the optimizer states to read; one it never writes is refused (a list of a
     million names would allocate a million copies of the model)."""
@@ -303,9 +305,13 @@ def test_the_progress_log_is_never_appended_through_a_link(tmp_path):
     precious = tmp_path / "precious.txt"
     precious.write_text("not the trainer's\n")
     (store / "progress.txt").symlink_to(precious)
-    _, ckpt = kubetron_parts(f"checkpoint.save={store}")
+    from kubetron.checkpoint.progress_log import PodFacts, ProgressLog
+    from kubetron.events import Started
+    from kubetron.storage import open_store
+
+    log = ProgressLog(in_process_config(f"checkpoint.save={store}"), open_store(str(store)), 1, PodFacts(job_id=""))
     with pytest.raises(CheckpointError) as e:
-        ckpt.progress.start()
+        log(Started(0, 10, 0, 0.0, None))  # (in a run, the listener is then dropped with a warning)
     assert "progress.txt is a symbolic link" in str(e.value)
     assert precious.read_text() == "not the trainer's\n"
 

@@ -288,6 +288,7 @@ def test_a_pod_stopped_after_its_ranks_completed_exits_0():
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_launcher_exits_with_the_root_cause_through_real_torchrun(tmp_path, monkeypatch):
     """Two ranks under real torchrun, each writing its message the way the trainer does (replacing
     the file): rank 1 diverged (3), rank 0 saw its peer go (5). The pod must exit 3 and say why,
