@@ -1,7 +1,7 @@
 """Config keys that were accepted and then did nothing (or crashed a resume): each now acts or is refused.
 
-Most checks run `pretrain()` in this process on one small saved run (module fixture); the exit code
-of a spec error is checked once through the real `kubetron train` command.
+The checks run `pretrain()` in this process on one small saved run (module fixture); the exit code and the one
+line of a spec error are checked once through `kubetron train`'s own path (tests/inprocess.command).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import ConfigError
 
-from tests.inprocess import in_process_config, run_pretrain
-from tests.trainer_utils import TINY, run, tb_scalars
+from tests.inprocess import command, in_process_config, run_pretrain
+from tests.trainer_utils import TINY, tb_scalars
 
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.trainer
 
 SMALL = ["model.seq_length=32", "scheduler.lr_warmup_iters=0", "train.micro_batch_size=2", "train.global_batch_size=4",
          "logger.log_interval=1"]
@@ -108,11 +108,11 @@ def test_spec_errors_on_resume_are_config_errors(saved, tmp_path):
         run_pretrain(in_process_config(*SMALL, f"checkpoint.load={newer}", "train.train_iters=9"), _forward_step())
 
 
-def test_missing_ckpt_step_exits_2_with_one_line(saved, tmp_path):
-    p = run(["train", "--config", TINY, *SMALL, f"checkpoint.load={saved.ckpt}", "checkpoint.ckpt_step=7",
-             "checkpoint.save=null", "train.train_iters=9"], tmp_path)
-    assert p.returncode == 2, p.stderr
-    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [
+def test_missing_ckpt_step_exits_2_with_one_line(saved, capsys):
+    code, _, err = command(capsys, "train", "--config", TINY, *SMALL, f"checkpoint.load={saved.ckpt}",
+                           "checkpoint.ckpt_step=7", "checkpoint.save=null", "train.train_iters=9")
+    assert code == 2, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
         f"kubetron: error: checkpoint.ckpt_step: 7: {saved.ckpt} has no complete iter_0000007 (complete: [2, 3])"]
 
 
