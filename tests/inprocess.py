@@ -215,3 +215,36 @@ def console() -> Iterator[io.StringIO]:
             yield buffer
     finally:
         logger.removeHandler(handler)
+
+
+@dataclass
+class Ran:
+    """What `run_command` gives back, as subprocess.run's CompletedProcess would."""
+
+    returncode: int
+    stdout: str  # what the command printed, and the `kubetron` logger's records (its console in a process)
+    stderr: str
+
+
+def run_command(argv: Sequence[str], tmp: Path) -> Ran:
+    """`kubetron ARGV` in this process, as a user runs it (kubetron.cli.main), with its own termination log under
+    `tmp` (KUBETRON_TERMINATION_LOG): exit code, console, stderr. For tests that check what a command does, not
+    what only a process shows (its exit status as the OS reports it, its interpreter's teardown)."""
+    import os
+    import time
+
+    from kubetron import cli
+
+    err = io.StringIO()
+    saved = os.environ.get("KUBETRON_TERMINATION_LOG")
+    os.environ["KUBETRON_TERMINATION_LOG"] = str(tmp / f"termination-{time.monotonic_ns()}.log")
+    try:
+        with console() as out, contextlib.redirect_stderr(err):
+            code = cli.main(list(argv))
+    finally:
+        _restore_world()
+        if saved is None:
+            os.environ.pop("KUBETRON_TERMINATION_LOG", None)
+        else:
+            os.environ["KUBETRON_TERMINATION_LOG"] = saved
+    return Ran(code, out.getvalue(), err.getvalue())

@@ -42,10 +42,21 @@ def test_a_listener_that_raises_is_reported_once_and_dropped_and_the_others_stil
     assert len(reports) == 1 and "broken" in reports[0] and "Stopping" in reports[0] and "listener bug" in reports[0]
 
 
-def test_a_run_tells_its_life_in_order_and_a_failing_listener_changes_nothing(tmp_path, caplog):
+def test_a_run_tells_its_life_in_order_and_a_failing_listener_changes_nothing(tmp_path, caplog, monkeypatch):
     """Started, then per step a StepDone with its figures (a Logged at each log interval), a checkpoint's save
     between CHECKPOINT phase events and its CheckpointDurable, then Stopping and Ended: to every listener, also
-    when one of them raises (it is reported in one warning and dropped; the run completes as without it)."""
+    when one of them raises (it is reported in one warning and dropped; the run completes as without it). The
+    config is finalized once and the device and backend chosen once."""
+    from kubetron.config import ConfigContainer
+    from kubetron.contract.config import DistributedInitConfig
+
+    calls = {"finalize": 0, "resolve_device": 0}
+    for cls, name in ((ConfigContainer, "finalize"), (DistributedInitConfig, "resolve_device")):
+        def counted(self, *args, _real=getattr(cls, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, counted)
+
     def fails_at_step_3(event):
         if isinstance(event, StepDone) and event.iteration == 3:
             raise RuntimeError("a dashboard that went away")
@@ -77,6 +88,7 @@ def test_a_run_tells_its_life_in_order_and_a_failing_listener_changes_nothing(tm
     assert driver.of(Started)[0].iteration == 0 and driver.of(Started)[0].checkpoint is None
     assert driver.of(Stopping)[0].code == driver.of(Ended)[0].code == exitcodes.COMPLETED
     assert driver.of(Ended)[0].iteration == 6
+    assert calls == {"finalize": 1, "resolve_device": 1}
 
 
 def test_a_peer_that_fails_mid_run_ends_it_as_a_peer_failure(tmp_path):
