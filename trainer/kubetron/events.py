@@ -6,8 +6,8 @@ termination message) and what tests act on (tests/inprocess.py: "at step k, do X
 
 The composition root (kubetron.training.run) builds the listeners and hands the emitters one `Events`. A listener is
 a callable taking one event; it runs in the emitter's thread (a save's `Progress` comes from an async save's writer
-thread, everything else from the loop's). A listener that raises is reported in one log line, with the event, and
-dropped: it never ends the run nor keeps the others from hearing.
+thread, everything else from the loop's). A listener that raises is reported (a warning naming it, the event and
+the error, with its traceback) and dropped: it never ends the run nor keeps the others from hearing.
 """
 
 from __future__ import annotations
