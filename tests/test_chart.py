@@ -12,6 +12,8 @@ import pytest
 
 from tests.chart_values import VALUE_SETS
 
+pytestmark = pytest.mark.unit
+
 helm = pytest.importorskip("kubetron_operator.helm")
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
 kv = pytest.importorskip("kubernetes_validate.utils")

@@ -18,6 +18,8 @@ from kubetron_operator.model import Job
 from tests.dashboard import DASHBOARD, ROOT, dashboard, labels_read, metric_names, queries, read_by, unserved_labels
 from tests.operator.jobs import PVC_JOB
 
+pytestmark = pytest.mark.unit
+
 helm = pytest.importorskip("kubetron_operator.helm")
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
 
@@ -41,6 +43,7 @@ def promtool_check_rules(tmp_path, groups: list[dict]) -> subprocess.CompletedPr
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
+@pytest.mark.process
 def test_every_query_and_alert_parses_with_promtool(tmp_path):
     rules = [{"record": f"kubetron:panel_{i}", "expr": expr} for i, expr in enumerate(queries().values())]
     checked = promtool_check_rules(tmp_path, [{"name": "dashboard", "rules": rules}])
@@ -112,6 +115,7 @@ def test_the_labels_a_query_reads_are_found_so_a_mislabelled_panel_is_caught():
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
+@pytest.mark.process
 def test_the_hung_and_goodput_alerts_fire_on_the_operators_series(tmp_path):
     """promtool's rule unit tests: the operator's own series (as it exports them) over time fire the alerts."""
     values = {"metrics": {"prometheusRule": {"enabled": True, "goodputBelow": 0.6, "goodputFor": "30m"}}}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from kubetron.cli import main
 
+pytestmark = pytest.mark.unit
+
 MOE = "train: {train_iters: 5}\nmodel: {num_layers: 2, num_moe_experts: 4, add_bias_linear: false}\n"
 
 # (id, yaml, world size, field the one-line error names)

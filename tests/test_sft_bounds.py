@@ -23,6 +23,8 @@ from kubetron.data.tokenizer import ByteTokenizer, tokenizer_from_assets
 from tests.chat_tokenizers import qwen3_tokenizer, sample_digest, write_jsonl
 from tests.sft_rows import assert_same, messages_rows, samples
 
+pytestmark = pytest.mark.unit
+
 QA = [{"prompt": f"Q{i}: a line,\nthen \"another\"?", "completion": f" answer {i}"} for i in range(12)]
 
 

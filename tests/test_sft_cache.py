@@ -33,6 +33,8 @@ from tests.chat_tokenizers import (
 )
 from tests.hf_utils import REPO, imported_model_keys, make_tiny_llama, run_cli
 
+pytestmark = pytest.mark.process
+
 ROWS = [{"messages": c} for c in CHATS] * 20
 
 

@@ -14,6 +14,8 @@ from kubetron.data.tokenizer import tokenizer_from_assets
 
 from tests.chat_tokenizers import BUILDERS, CHATS, QWEN3_TEMPLATE, hf_chat_ids, write_jsonl
 
+pytestmark = pytest.mark.unit
+
 REASONING = [  # Qwen3: reasoning in the content (last turn: kept in <think>; earlier turns: dropped by the template)
     [{"role": "user", "content": "7+3?"}, {"role": "assistant", "content": "<think>\nSmall sums.\n</think>\n\n10"},
      {"role": "user", "content": "12*12?"},

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+
+import pytest
 import sys
 
 from tests.hf_utils import REPO
+
+pytestmark = pytest.mark.process
 
 
 def test_the_chat_example_runs_end_to_end(tmp_path):

@@ -16,6 +16,8 @@ from kubetron.data.tokenizer import tokenizer_from_assets
 from tests.chat_tokenizers import qwen3_tokenizer, write_jsonl
 from tests.sft_rows import QA, assert_same, messages_rows, samples
 
+pytestmark = pytest.mark.unit
+
 CHAT_FORMATS = {
     "messages": messages_rows,
     "content-parts": lambda: [{"messages": [{**m, "content": [{"type": "text", "text": m["content"]}]}

@@ -26,6 +26,8 @@ from tests.chat_tokenizers import (
 from tests.hf_utils import REPO
 from tests.sft_rows import SHAPES, kubetron_example
 
+pytestmark = pytest.mark.unit
+
 
 def _trained(hf, ids, mask) -> list[str]:
     runs, start = [], None
@@ -81,6 +83,7 @@ print("BUILT", counts["rows"])
 """
 
 
+@pytest.mark.process
 def test_a_script_without_a_main_guard_builds_on_all_cores(tmp_path):
     """build_arrays called at a script's top level with more than one batch of rows: the workers are kubetron's own
     processes, which never import the script, so it builds on all cores once (was: a hang, or the script run again
@@ -138,6 +141,7 @@ finetuning: {data_path: DATA, packing: true}
 """
 
 
+@pytest.mark.process
 def test_inspect_data_shows_the_ids_and_masks_the_trainer_trains_on(tmp_path):
     """`kubetron inspect-data --config FILE [overrides] --json`: one object per example with the ids and loss mask the
     build makes (tool calls included), the data line on stderr; the text form marks the trained spans; an

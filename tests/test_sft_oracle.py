@@ -31,6 +31,8 @@ from kubetron.data.tokenizer import tokenizer_from_assets
 from tests.chat_tokenizers import FAMILIES
 from tests.sft_rows import SHAPES, kubetron_example
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import heartbeat, watchdog
+from kubetron.supervisor import heartbeat, watchdog
 from kubetron.contract import hang
 from kubetron.contract.hang import CHECKPOINT, STATE_BYTES, TRAIN, parse_states
 
 from tests.rendezvous_store import Store
+
+pytestmark = pytest.mark.unit
 
 
 def state(**kw):
@@ -61,18 +63,19 @@ def test_a_peers_strings_are_cut_short():
 
 SAVING = '''
 import time
-from kubetron import heartbeat
+from kubetron.supervisor import heartbeat
 from kubetron.contract.hang import CHECKPOINT, TRAIN
-b = heartbeat.current()
+b = heartbeat.Heartbeat.from_env()
 b.enter(TRAIN)
 for it in range(1, 4):
-    b.step_started(); b.step_done(it)
+    b.step_done(it, 0.001)
 b.enter(CHECKPOINT)
 print("saving", flush=True)
 time.sleep(120)
 '''
 
 
+@pytest.mark.process
 @pytest.mark.hangs_on_purpose
 def test_a_forged_peer_key_makes_no_verdict_and_a_well_formed_one_only_restarts_an_idle_gang(tmp_path: Path):
     """Pod 1's rank saves a checkpoint (its allowance: 10 x the 1 s timeout). A garbled key of pod 0 draws no

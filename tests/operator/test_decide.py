@@ -18,6 +18,8 @@ from kubetron_operator.policy.start import service_failed
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 
+pytestmark = pytest.mark.unit
+
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 JOB = Job.from_body(S3_JOB)  # 2 nodes, backoffLimit 2
 RUNNING = {"phase": "Running", "attempt": 1, "startTime": "2026-11-22T11:00:00Z", "attemptStartCheckpoint": 0,

@@ -17,7 +17,7 @@ import pytest
 from tests.kube.cluster import GANG_API, Api, Kubelet, set_running
 from tests.operator.jobs import s3_job
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 POOL = "kubetron.dev/test-pool"
 PODGROUPS = f"/apis/{GANG_API}/namespaces/{{ns}}/podgroups"
 

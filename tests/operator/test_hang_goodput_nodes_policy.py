@@ -21,6 +21,8 @@ from kubetron_operator.policy.nodes import TAINT_KEY, avoiders, plan_avoidance, 
 
 from tests.operator.jobs import S3_JOB, job_body
 
+pytestmark = pytest.mark.unit
+
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 JOB = Job.from_body(S3_JOB)  # 2 nodes, CPU: 2 ranks, backoffLimit 2
 RESTARTS = {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0, "hangs": 0}

@@ -32,7 +32,7 @@ from tests.operator.cli import kubetron
 from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import ITER_RE, Container, ProcessKubelet, pvc, tiny_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 POOL = "kubetron.dev/hang-story"
 SAVE_INTERVAL = 10
 HANG_TIMEOUT = 10  # spec.hangTimeoutSeconds: short for the test (default max(45 s, 5 x the slowest iteration))

@@ -19,7 +19,7 @@ from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import Container, pvc, tiny_config
 from tests.trainer_utils import iteration_at_least
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path):

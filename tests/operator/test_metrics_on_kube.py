@@ -14,7 +14,7 @@ from tests import dashboard
 from tests.kube.cluster import free_port, set_exited, set_running
 from tests.operator.jobs import tj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 def scrape_text(port: int) -> str:

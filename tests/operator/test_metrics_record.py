@@ -3,7 +3,10 @@ as Prometheus would scrape it; the real operator's /metrics on a real API server
 
 from __future__ import annotations
 
+import pytest
 from kubetron_operator import metrics
+
+pytestmark = pytest.mark.unit
 
 
 def restarts(reason: str) -> float:

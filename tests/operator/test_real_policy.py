@@ -18,7 +18,7 @@ from tests.kube.cluster import ApiError, Kubelet, set_exited, set_pod_status, se
 from tests.operator.jobs import S3_JOB
 from tests.operator.status_endpoint import StatusEndpoint
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 TESTS = ("stuck", "admission", "loading", "suspend", "node", "cel", "config", "iter")
 

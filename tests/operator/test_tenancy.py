@@ -47,6 +47,8 @@ from tests.operator.endpoints import Endpoint
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 from tests.operator.local_pods import expand
 
+pytestmark = pytest.mark.cluster
+
 CRD = pathlib.Path(__file__).parents[2] / "crds" / "trainingjob.yaml"
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 TRAVERSAL = "../../other-ns/secrets/their-creds"

@@ -48,7 +48,7 @@ from tests.operator.endpoints import Endpoint
 from tests.operator.jobs import tj
 from tests.operator.status_endpoint import StatusEndpoint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 OPERATOR_KEY, TENANT_KEY, VICTIM_KEY = "OPERATORENVKEY01", "TENANTKEY0000001", "VICTIMKEY0000001"
 OWN_BUCKET, STORE_BUCKET = "operator-readable", "tenant-bkt"

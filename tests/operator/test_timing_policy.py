@@ -20,6 +20,8 @@ from kubetron_operator.policy.wake import PAST_DUE, RESYNC, at_most, next_due
 
 from tests.operator.jobs import PVC_JOB, job_body
 
+pytestmark = pytest.mark.unit
+
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 INTERVAL = 5.0
 

@@ -38,8 +38,9 @@ import argparse
 import io
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kubetron import __version__
 from kubetron.client_cli import add_commands
@@ -72,7 +73,7 @@ def _report(field_and_message: str, termination_log: str | None = None) -> int:
     # pod log must not interleave as "...reference`)kubetron: error: ...".
     sys.stderr.write(f"{PROG}: error: {line}\n")
     sys.stderr.flush()
-    from kubetron.termination_log import write_termination_message
+    from kubetron.supervisor.termination_log import write_termination_message
 
     write_termination_message({"exitCode": exitcodes.CONFIG_ERROR, "reason": exitcodes.NAMES[exitcodes.CONFIG_ERROR],
                                "message": line}, termination_log)
@@ -94,7 +95,7 @@ def _load_config(args: argparse.Namespace, check_paths: bool = True):
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
-    from kubetron.startup import CLOCK
+    from kubetron.supervisor.startup import CLOCK
 
     CLOCK.mark("python + config")
     from kubetron.compat import megatron_core
@@ -104,7 +105,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.
     return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain",
-                            keep_signal_handler=args.own_process))
+                            keep_signal_handler=args.own_process, faults=chaos_from_env(os.environ)))
+
+
+CHAOS_KILL_AT_ENV = "KUBETRON_CHAOS_KILL_AT"
+CHAOS_RANK_ENV = "KUBETRON_CHAOS_RANK"
+
+
+def chaos_from_env(environ) -> Callable[[str, int], None] | None:
+    """Fault injection for the store's guarantees, only when asked: KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>]
+    SIGKILLs this process at that point of a save (kubetron.checkpoint.manager.SAVE_POINTS: after-shard,
+    after-model, after-payload, after-commit, after-tracker, ...); with KUBETRON_CHAOS_RANK=<r> only global rank r
+    (env RANK) dies. None when unset: the checkpoint manager gets no fault hook."""
+    spec = environ.get(CHAOS_KILL_AT_ENV)
+    if not spec:
+        return None
+    only = environ.get(CHAOS_RANK_ENV)
+    if only and int(only) != int(environ.get("RANK", "0") or 0):
+        return None
+
+    def kill(point: str, iteration: int) -> None:
+        if spec in (point, f"{point}@{iteration}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -129,7 +153,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_progress(args: argparse.Namespace) -> int:
-    from kubetron.progress_io import format_summary, summarize
+    from kubetron.supervisor.progress_io import format_summary, summarize
 
     summary = summarize(args.store)
     if args.json:

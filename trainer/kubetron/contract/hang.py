@@ -1,11 +1,11 @@
 """Hangs (docs/recovery.md): the heartbeat each rank publishes, when a rank counts as hung, which rank of a
 hung gang is named, and the report that names it.
 
-Each rank's training loop publishes a heartbeat record (kubetron.heartbeat writes it into a small shared
+Each rank's training loop publishes a heartbeat record (kubetron.supervisor.heartbeat writes it into a small shared
 file): the iteration it completed last, its phase, when that phase began, when it last made progress (an
 iteration, an evaluation batch, a checkpoint file), the slowest of its recent iterations and how many it
 completed in this process. The pod's torchrun agent reads the records from outside the training thread
-(kubetron.watchdog) and judges them by `hang_timeout`:
+(kubetron.supervisor.watchdog) and judges them by `hang_timeout`:
 
 - `train`: `spec.hangTimeoutSeconds` (KUBETRON_HANG_TIMEOUT_SECONDS), else max(FLOOR_SECONDS,
   STEP_FACTOR x the slowest recent iteration);
@@ -254,7 +254,7 @@ def gang_hung(ranks: Sequence[RankState]) -> bool:
 
 
 class HangReport(TypedDict):
-    """A hung gang: the rank named, with where the stacks are. The agents agree on it (kubetron.watchdog);
+    """A hung gang: the rank named, with where the stacks are. The agents agree on it (kubetron.supervisor.watchdog);
     the status endpoint (`lastHang`), the progress log ("Hang detected"), the termination message (`hang`)
     and the operator's status.lastHang carry it."""
 

@@ -24,7 +24,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from kubetron.compat.megatron_core import portable
 from kubetron.contract.errors import ConfigError
-from kubetron.training import moe
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +186,7 @@ def _portable_layer(cfg, spec: ModuleSpec, te: bool) -> None:
     """Swap the CUDA-only pieces of a local layer spec for ours; an MoE layer's router on either spec."""
     mlp = spec.submodules.mlp
     if mlp.module is MoELayer:
-        mlp.submodules.router = moe.PortableTopKRouter
+        mlp.submodules.router = portable.PortableTopKRouter
     if te:
         return
     if cfg.model.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm:  # megatron asserts
