@@ -65,9 +65,7 @@ class Deps:
     read_progress: Callable[[Job, Kube], ProgressRead] = read_s3_progress
     fetch_live: status_endpoint.Fetch = status_endpoint.http_fetch
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
-    last_progress: dict[str, tuple[datetime, ProgressRead]] = dataclasses.field(default_factory=dict)
-    live_quiet: dict[str, float] = dataclasses.field(default_factory=dict)  # job UID -> no live read before
-    view: View = dataclasses.field(default_factory=View)
+    view: View = dataclasses.field(default_factory=View)  # what the operator holds per job (JobMemory)
     # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
     executor: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile"))

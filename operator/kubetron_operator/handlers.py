@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from typing import Any
 
 import kopf
@@ -96,30 +95,29 @@ async def stop_pod_cache(memo: Any, **_: Any) -> None:
 
 async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
     view: View = memo.deps.view
-    uid = (body.get("metadata") or {}).get("uid")
+    meta = body.get("metadata") or {}
+    uid = meta.get("uid")
     if not uid:
         return
-    if type == "DELETED":
-        view.drop(uid)
-        view.gone.add(uid)  # no finalizer held it: its daemon stops by itself
-        meta = body.get("metadata") or {}
-        metrics.forget(meta.get("namespace") or "default", meta.get("name") or "")
+    if type == "DELETED":  # its daemon stops by itself (kopf stops it only through a finalizer), its memory with it
+        view.deleted(uid, meta.get("namespace") or "default", meta.get("name") or "",
+                     daemon_may_start=not meta.get("deletionTimestamp"))
     else:
         view.saw(uid, json_copy(body))
-    view.wake(uid)
+        view.wake(uid)
 
 
 async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped,
                            memo: Any, logger: kopf.Logger, **_: Any) -> None:
-    """Decide whenever the job or one of its pods changes, or when the next deadline is due."""
+    """Decide whenever the job or one of its pods changes, or when the next deadline is due. What the operator
+    holds for the job (view.JobMemory) lives as long as this daemon."""
     deps: Deps = memo.deps
     view = deps.view
-    wake = view.wakes.setdefault(uid, asyncio.Event())
-    view.namespaces[uid] = namespace
+    memory = view.enter(uid, namespace, name)
     try:
-        while not stopped and uid not in view.gone:
-            wake.clear()
-            current = view.bodies.get(uid) or json_copy(body)
+        while not stopped and not memory.gone:
+            memory.wake.clear()
+            current = memory.body or json_copy(body)
             pods = view.pods(uid, deps.pods.pods(namespace, uid) if deps.pods is not None else ())
             try:
                 reads = await _gather_outside(deps, namespace, current, pods)
@@ -127,12 +125,10 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
             except Exception:  # one bad round must not kill the job's reconciler
                 logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
                 due = deps.interval
-            await _sleep(wake, stopped, due)
+            await _sleep(memory.wake, stopped, due)
             await asyncio.sleep(DEBOUNCE)
     finally:
-        view.forget(uid)
-        deps.last_progress.pop(f"{namespace}/{name}", None)
-        deps.live_quiet.pop(uid, None)
+        view.leave(uid)
 
 
 async def _gather_outside(deps: Deps, namespace: str, body: dict[str, Any], pods: list[dict[str, Any]]) -> Reads:
@@ -142,7 +138,7 @@ async def _gather_outside(deps: Deps, namespace: str, body: dict[str, Any], pods
         return Reads()
     slot = deps.io_slots.setdefault(namespace, asyncio.Semaphore(IO_PER_NAMESPACE))
     async with slot:
-        if (body.get("metadata") or {}).get("uid") in deps.view.gone:  # deleted while it waited for its turn
+        if deps.view.gone((body.get("metadata") or {}).get("uid")):  # deleted while it waited for its turn
             return Reads()
         reads: Reads = await deps.pools.run(deps.io_executor, gather, deps, body, pods)
         return reads
@@ -172,15 +168,16 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
     obs, job = observe(deps, body, pods, reads)
     _warn_once(deps, body, obs, reads, logger)
     action = decide(job, obs)
-    since_patch = time.monotonic() - deps.view.patched.get(meta.get("uid") or "", float("-inf"))
-    action, held = throttle(action, since_patch, deps.interval)
+    action, held = throttle(action, deps.view.since_patch(meta.get("uid") or ""), deps.interval)
     if not action.idle:
         with metrics.RECONCILE.time(), deps.activity.acting():
             act(deps, body, job, obs, action, logger)
+    if action.why:
+        logger.debug("waiting: %s", action.why)
     due = next_due(job, obs, deps.interval, random.random())
     if held:  # a progress patch was held back: look again when it may go out
         due = at_most(due, hold_until(deps.interval))
-    if action.create_service and meta.get("uid") not in deps.view.services:  # a transient error: try again
+    if action.create_service and not deps.view.has_service(meta.get("uid")):  # a transient error: try again
         due = at_most(due, SERVICE_RETRY)
     return due
 
@@ -190,7 +187,8 @@ def _warn_once(deps: Deps, body: dict[str, Any], obs: Observed, reads: Reads | N
     message, rank 0's status endpoint, lines of the progress log."""
     uid = body["metadata"].get("uid") or ""
     found = [*(reads.warnings if reads else ()), *(f"pod {p.name}: {p.refused}" for p in obs.pods if p.refused)]
-    posted = deps.view.warned.setdefault(uid, set())
+    memory = deps.view.get(uid)
+    posted = memory.warned if memory is not None else set()
     for message in (m for m in found if m not in posted):
         posted.add(message)
         logger.warning("TrainerOutputIgnored: %s", message)

@@ -45,6 +45,13 @@ KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 """Set to "false" on an ended attempt's pods: Kueue then finishes the group's Workload (its quota is freed)."""
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+POD_GROUP_APIS: dict[str, tuple[str, ...]] = {
+    "volcano": ("scheduling.volcano.sh/v1beta1",), "coscheduling": ("scheduling.x-k8s.io/v1alpha1",),
+    "kubernetes": ("scheduling.k8s.io/v1beta1", "scheduling.k8s.io/v1alpha2")}
+"""spec.scheduling.gang -> the PodGroup apiVersions it may use, preferred first: one is the scheduler's CRD, asked
+for as it is; of several, the first the API server serves (api_calls.Kube.pod_group_api; docs/gang.md)."""
+RESIZABLE_POD_GROUP_APIS = frozenset({"scheduling.k8s.io/v1beta1"})
+"""PodGroup versions whose minCount may change: one PodGroup per job, resized to each attempt (build.py)."""
 
 RESERVED_LABEL_PREFIXES = ("kubetron.dev/",)
 RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by", COSCHEDULING_GROUP_LABEL, QUEUE_LABEL, KUEUE_GROUP_LABEL})

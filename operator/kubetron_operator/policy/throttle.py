@@ -1,14 +1,15 @@
-"""Holding back status patches that only move live progress (iteration, ETA, tokens/s, goodput): at most one
-every `2 * interval` seconds, so a running job costs the API server little. Pure: the time since the last
-patch comes in as an argument."""
+"""Holding back status patches that only move live progress (policy.status.LIVE_FIELDS: iteration, progress, ETA,
+tokens/s, loss, learning rate; and goodput): at most one every `2 * interval` seconds, so a running job costs the
+API server little. Pure: the time since the last patch comes in as an argument."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from kubetron_operator.policy.action import Action
+from kubetron_operator.policy.status import LIVE_FIELDS
 
-PROGRESS_KEYS = frozenset({"iteration", "progress", "eta", "tokensPerSecond", "goodput"})  # throttled status fields
+PROGRESS_KEYS = frozenset({*LIVE_FIELDS, "goodput"})  # throttled status fields
 
 
 def throttle(action: Action, since_patch: float, interval: float) -> tuple[Action, bool]:
