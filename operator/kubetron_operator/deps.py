@@ -74,6 +74,7 @@ class Deps:
     io_slots: dict[str, asyncio.Semaphore] = dataclasses.field(default_factory=dict)  # namespace -> its reads
     pools: PoolWatch = dataclasses.field(default_factory=PoolWatch)
     activity: Activity = dataclasses.field(default_factory=Activity)  # actions in flight
+    creating: Activity = dataclasses.field(default_factory=Activity)  # those that create an attempt
     poster: EventPoster = dataclasses.field(init=False)  # the jobs' Events, through `kube`
     namespaces: tuple[str, ...] = ()  # the watched namespaces (empty: the whole cluster)
     pods: PodCache | None = None  # the jobs' pods, once listed (start_pod_cache)

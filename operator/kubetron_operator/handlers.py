@@ -20,7 +20,9 @@ replacements); such a job is acted on only once the finalizer is on it (acting b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import time
 from typing import Any
 
 import kopf
@@ -34,8 +36,9 @@ from kubetron_operator.deps import Deps
 from kubetron_operator.gather import Reads, gather, observe
 from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.pod_cache import PodCache
+from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.kueue import queued
-from kubetron_operator.policy.throttle import hold_until, throttle
+from kubetron_operator.policy.throttle import hold_news, hold_until, throttle
 from kubetron_operator.policy.wake import SERVICE_RETRY, at_most, next_due
 from kubetron_operator.view import View
 
@@ -69,8 +72,9 @@ async def start_pod_cache(memo: Any, **_: Any) -> None:
     deps: Deps = memo.deps
     loop = asyncio.get_running_loop()
 
-    def wake(namespace: str, uid: str) -> None:
-        loop.call_soon_threadsafe(deps.view.wake, uid, namespace)
+    def wake(namespace: str, uid: str, pod: dict[str, Any] | None) -> None:
+        if pod is None or not deps.view.as_created(uid, pod):  # our own new pod, as we made it: nothing new
+            loop.call_soon_threadsafe(deps.view.wake, uid, namespace)
 
     cache = PodCache(deps.kube, deps.namespaces, LABEL_JOB, wake)
     try:
@@ -169,17 +173,31 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
     _warn_once(deps, body, obs, reads, logger)
     action = decide(job, obs)
     action, held = throttle(action, deps.view.since_patch(meta.get("uid") or ""), deps.interval)
+    action, news_due = _hold_news(deps, meta.get("uid") or "", action)
     if not action.idle:
-        with metrics.RECONCILE.time(), deps.activity.acting():
+        creating = deps.creating.acting() if action.create_attempt is not None else contextlib.nullcontext()
+        with metrics.RECONCILE.time(), deps.activity.acting(), creating:
             act(deps, body, job, obs, action, logger)
     if action.why:
         logger.debug("waiting: %s", action.why)
     due = next_due(job, obs, deps.interval, random.random())
     if held:  # a progress patch was held back: look again when it may go out
         due = at_most(due, hold_until(deps.interval))
+    if news_due is not None:  # so were a starting attempt's news
+        due = at_most(due, news_due)
     if action.create_service and not deps.view.has_service(meta.get("uid")):  # a transient error: try again
         due = at_most(due, SERVICE_RETRY)
     return due
+
+
+def _hold_news(deps: Deps, uid: str, action: Action) -> tuple[Action, float | None]:
+    """throttle.hold_news, with when the job's news were first held (JobMemory.news_held)."""
+    memory = deps.view.get(uid)
+    since = memory.news_held if memory is not None else None
+    action, due = hold_news(action, deps.creating.busy(), None if since is None else time.monotonic() - since)
+    if memory is not None:
+        memory.news_held = (since or time.monotonic()) if due is not None else None
+    return action, due
 
 
 def _warn_once(deps: Deps, body: dict[str, Any], obs: Observed, reads: Reads | None, logger: kopf.Logger) -> None:

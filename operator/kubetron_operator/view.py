@@ -15,7 +15,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -42,6 +42,7 @@ class JobMemory:
     warned: set[str] = dataclasses.field(default_factory=set)  # ignored-payload warnings already posted
     progress: tuple[datetime, ProgressRead] | None = None  # the store's progress log as last read, and when
     live_quiet_until: float = 0.0  # time.monotonic() before which rank 0's endpoint is not read (it failed)
+    news_held: float | None = None  # time.monotonic() since when a starting attempt's news wait (throttle.hold_news)
 
 
 class View:
@@ -131,6 +132,18 @@ class View:
             for m in manifests:
                 if m["kind"] == "Pod":
                     memory.created[m["metadata"]["name"]] = (time.monotonic(), m)
+
+    def as_created(self, uid: str, pod: Mapping[str, Any]) -> bool:
+        """Whether the watch shows `pod` as this operator just created it (it vouches for it until the watch
+        shows it: View.pods): not scheduled, not being deleted, nothing reported. decide() would answer as
+        before, so the job need not wake for it (a job start's pods would wake it once more each)."""
+        meta, spec, status = (pod.get(k) or {} for k in ("metadata", "spec", "status"))
+        if meta.get("deletionTimestamp") or spec.get("nodeName") or status.get("conditions") \
+                or status.get("containerStatuses") or status.get("phase") not in (None, "Pending"):
+            return False
+        with self._lock:
+            memory = self.jobs.get(uid)
+            return memory is not None and meta.get("name") in memory.created
 
     def pods(self, uid: str, watched: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The watched pods of a job plus the ones we created and the watch has not shown yet."""

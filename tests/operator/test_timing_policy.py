@@ -14,11 +14,11 @@ from kubetron.contract.live import new_live_status
 from kubetron_operator.decide import decide
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
-from kubetron_operator.policy.action import Action
+from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.create_retry import CREATE_BACKOFF, create_failed, retriable
 from kubetron_operator.policy.deadlines import FORCE_DELETE_AFTER, NOT_SCHEDULED_AFTER
 from kubetron_operator.policy.reads import PROGRESS_REFRESH, RETRY_AFTER, log_read_due
-from kubetron_operator.policy.throttle import PROGRESS_KEYS, hold_until, throttle
+from kubetron_operator.policy.throttle import NEWS_HOLD, PROGRESS_KEYS, hold_news, hold_until, throttle
 from kubetron_operator.policy.wake import PAST_DUE, RESYNC, at_most, next_due
 
 from tests.operator.jobs import PVC_JOB, job_body
@@ -192,6 +192,36 @@ def test_a_patch_that_only_moves_progress_goes_out_at_most_every_two_intervals(s
     applied, held = throttle(action, since, INTERVAL)
     assert (applied, held) == ((action, False) if goes_out else (Action("wait"), True))
     assert set(PROGRESS) <= PROGRESS_KEYS and hold_until(INTERVAL) == 2 * INTERVAL
+
+
+UNSCHEDULABLE = {"reason": "Unschedulable", "message": "pod gpt-1-1: 0/3 nodes are available",
+                 "conditions": [{"type": "Pending", "status": "True", "reason": "Unschedulable"}]}
+NEWS = Action("wait", status=UNSCHEDULABLE, events=(Event("Warning", "Unschedulable", UNSCHEDULABLE["message"]),))
+# (what, action, other attempts being created, seconds the news were held so far (None: not held), held now)
+HOLD_NEWS = [
+    ("a starting attempt's news during a burst of creations", NEWS, True, None, True),
+    ("still held after 4 s", NEWS, True, 4.0, True),
+    ("out after NEWS_HOLD", NEWS, True, NEWS_HOLD, False),
+    ("nothing being created: at once", NEWS, False, None, False),
+    ("a phase change is never held", Action("wait", status={**UNSCHEDULABLE, "phase": "Running"}), True, None, False),
+    ("nor news with a pod to delete", dataclasses.replace(NEWS, delete_pods=("gpt-0-0",)), True, None, False),
+    ("nor the admission time (the start-up clock)", Action("wait", status={**UNSCHEDULABLE, "admittedTime": ago(0)}),
+     True, None, False),
+    ("nor a creation", Action("create", status=UNSCHEDULABLE, create_attempt=2), True, None, False),
+]
+
+
+@pytest.mark.parametrize(("action", "creating", "held_for", "held"), [r[1:] for r in HOLD_NEWS],
+                         ids=[r[0] for r in HOLD_NEWS])
+def test_a_starting_attempts_news_wait_while_other_attempts_are_created(action, creating, held_for, held):
+    """Pods first: in a burst of new jobs the status patch and event saying why a new attempt's pods wait go out
+    once the creations are done, at most NEWS_HOLD seconds later."""
+    applied, due = hold_news(action, creating, held_for)
+    if held:
+        assert applied.idle and due == pytest.approx(NEWS_HOLD - (held_for or 0.0))
+        assert "Unschedulable held back" in applied.why
+    else:
+        assert (applied, due) == (action, None)
 
 
 def test_a_running_jobs_live_numbers_are_patched_at_most_every_two_intervals():
