@@ -72,9 +72,8 @@ async def start_pod_cache(memo: Any, **_: Any) -> None:
     deps: Deps = memo.deps
     loop = asyncio.get_running_loop()
 
-    def wake(namespace: str, uid: str, pod: dict[str, Any] | None) -> None:
-        if pod is None or not deps.view.as_created(uid, pod):  # our own new pod, as we made it: nothing new
-            loop.call_soon_threadsafe(deps.view.wake, uid, namespace)
+    def wake(namespace: str, uid: str) -> None:
+        loop.call_soon_threadsafe(deps.view.wake, uid, namespace)
 
     cache = PodCache(deps.kube, deps.namespaces, LABEL_JOB, wake)
     try:

@@ -9,8 +9,7 @@ seen by the scheduler, bound). Here one thread per scope (each watched namespace
 LISTs the pods carrying the job label, then WATCHes from that list's resourceVersion (bookmarks keep it
 fresh): a stream the server ends is watched again from the last version seen; one it refuses as too old
 (410 Gone), or an error, is listed anew (after a backoff on errors). Every change wakes the pod's job
-(`wake(namespace, owner_uid, pod)`, which must be thread-safe; `pod`: what the watch showed, None for a deletion
-or a listing); a new listing wakes every job whose pods it changed.
+(`wake(namespace, owner_uid)`, which must be thread-safe); a new listing wakes every job whose pods it changed.
 
 start() returns once every scope holds its first listing, so no job is ever decided from a half-filled
 view of its pods (which would look like pods that vanished): the operator calls it before kopf starts
@@ -45,8 +44,7 @@ class PodCache:
     """Pods by (namespace, controller owner UID), kept current by list + watch threads (see the module
     docstring). `namespaces`: the scopes (empty: the whole cluster); `selector`: the label selector of our pods."""
 
-    def __init__(self, kube: Kube, namespaces: Iterable[str], selector: str,
-                 wake: Callable[[str, str, dict[str, Any] | None], None]):
+    def __init__(self, kube: Kube, namespaces: Iterable[str], selector: str, wake: Callable[[str, str], None]):
         self.kube, self.selector, self.wake = kube, selector, wake
         self.scopes: list[str | None] = list(namespaces) or [None]
         self._lock = threading.Lock()
@@ -129,7 +127,7 @@ class PodCache:
         changed |= {self._put(scope, pod, wake=False) for pod in fresh.values()}
         for owner in changed:
             if owner is not None:
-                self.wake(*owner, None)
+                self.wake(*owner)
         return version
 
     def _put(self, scope: str | None, pod: dict[str, Any], wake: bool = True) -> Owner | None:
@@ -146,7 +144,7 @@ class PodCache:
             self._pods.setdefault(owner, {})[uid] = view
             self._owner[uid], self._scope_of[uid] = owner, scope
         if wake:
-            self.wake(*owner, view)
+            self.wake(*owner)
         return owner
 
     def _drop(self, uid: str, wake: bool = True) -> Owner | None:
@@ -160,6 +158,6 @@ class PodCache:
             if not mine:
                 self._pods.pop(owner, None)
         if wake:
-            self.wake(*owner, None)
+            self.wake(*owner)
         return owner
 

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -132,18 +132,6 @@ class View:
             for m in manifests:
                 if m["kind"] == "Pod":
                     memory.created[m["metadata"]["name"]] = (time.monotonic(), m)
-
-    def as_created(self, uid: str, pod: Mapping[str, Any]) -> bool:
-        """Whether the watch shows `pod` as this operator just created it (it vouches for it until the watch
-        shows it: View.pods): not scheduled, not being deleted, nothing reported. decide() would answer as
-        before, so the job need not wake for it (a job start's pods would wake it once more each)."""
-        meta, spec, status = (pod.get(k) or {} for k in ("metadata", "spec", "status"))
-        if meta.get("deletionTimestamp") or spec.get("nodeName") or status.get("conditions") \
-                or status.get("containerStatuses") or status.get("phase") not in (None, "Pending"):
-            return False
-        with self._lock:
-            memory = self.jobs.get(uid)
-            return memory is not None and meta.get("name") in memory.created
 
     def pods(self, uid: str, watched: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The watched pods of a job plus the ones we created and the watch has not shown yet."""

@@ -52,7 +52,7 @@ class Woken:
         self.uids: list[str] = []
         self.lock = threading.Lock()
 
-    def __call__(self, namespace: str, uid: str, pod: dict | None) -> None:
+    def __call__(self, namespace: str, uid: str) -> None:
         with self.lock:
             self.uids.append(uid if namespace == "ml" else f"{namespace}/{uid}")
 
