@@ -102,17 +102,15 @@ class View:
             if memory is not None and not memory.gone and (memory.body is None or not _older(body, memory.body)):
                 memory.body = body
 
-    def body(self, uid: str) -> dict[str, Any] | None:
-        memory = self.get(uid)
-        return memory.body if memory is not None else None
-
     def job(self, body: dict[str, Any]) -> tuple[Job | None, str]:
         """Job.from_body (or its SpecError's message), kept per job until its name, labels or spec
         change: parsing checks the trainer config (milliseconds), and a job wakes many times unchanged."""
         meta = body.get("metadata") or {}
         memory = self.get(meta.get("uid"))
-        key = json.dumps([meta.get("name"), meta.get("namespace"), meta.get("labels"), body.get("spec")],
-                         sort_keys=True)
+        # The API server counts spec changes in metadata.generation: no need to compare the spec (the config
+        # text is up to 192 KiB) but for a body without one.
+        spec = meta.get("generation") or body.get("spec")
+        key = json.dumps([meta.get("name"), meta.get("namespace"), meta.get("labels"), spec], sort_keys=True)
         held = memory.parsed if memory is not None else None
         if held is not None and held[0] == key:
             return held[1], held[2]

@@ -3,7 +3,7 @@ policy/wake.py how long until it does (so the daemon wakes exactly when decide w
 
 Each function gives the seconds from obs.now until its moment (<= 0: it has passed), or None when the job has
 no such moment. The conditions around them (only while Pending, not while suspended) stay with the policy that
-uses them.
+uses them; so does an elastic job's shrink (policy.elastic.shrink_due, the same form).
 """
 
 from __future__ import annotations

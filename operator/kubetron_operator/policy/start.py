@@ -131,7 +131,7 @@ def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt
     began = deadlines.attempt_began(obs)
     timeout = job.spec.startup_timeout_seconds
     shrink_in = None if admitted else shrink_due(job, obs, current, began)
-    if shrink_in is not None and shrink_in < 0:
+    if deadlines.passed(shrink_in):
         size = attempt_size(job, st)
         stuck = [p for p in sorted(current, key=lambda p: p.rank) if p.unschedulable]
         seconds, setting = shrink_after(job)
