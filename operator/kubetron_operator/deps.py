@@ -75,6 +75,7 @@ class Deps:
     pools: PoolWatch = dataclasses.field(default_factory=PoolWatch)
     activity: Activity = dataclasses.field(default_factory=Activity)  # actions in flight
     creating: Activity = dataclasses.field(default_factory=Activity)  # those that create an attempt
+    news_waker: asyncio.Future[None] | None = None  # wakes the jobs whose news wait, once no attempt is created
     poster: EventPoster = dataclasses.field(init=False)  # the jobs' Events, through `kube`
     namespaces: tuple[str, ...] = ()  # the watched namespaces (empty: the whole cluster)
     pods: PodCache | None = None  # the jobs' pods, once listed (start_pod_cache)

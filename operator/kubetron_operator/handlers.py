@@ -33,6 +33,7 @@ from kubetron_operator import metrics
 from kubetron_operator.apply import act, delete_children
 from kubetron_operator.decide import decide
 from kubetron_operator.deps import Deps
+from kubetron_operator.events import EVENT_QUIET
 from kubetron_operator.gather import Reads, gather, observe
 from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.pod_cache import PodCache
@@ -128,6 +129,8 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
             except Exception:  # one bad round must not kill the job's reconciler
                 logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
                 due = deps.interval
+            if memory.news_held is not None:  # its news wait for the creations to end (throttle.hold_news)
+                _release_news_when_quiet(deps)
             await _sleep(memory.wake, stopped, due)
             await asyncio.sleep(DEBOUNCE)
     finally:
@@ -187,6 +190,21 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
     if action.create_service and not deps.view.has_service(meta.get("uid")):  # a transient error: try again
         due = at_most(due, SERVICE_RETRY)
     return due
+
+
+def _release_news_when_quiet(deps: Deps) -> None:
+    """Wake every job whose news wait (JobMemory.news_held) once no attempt has been created for EVENT_QUIET
+    seconds (one task for all of them; NEWS_HOLD bounds the wait anyway)."""
+
+    async def wake_when_quiet() -> None:
+        while deps.creating.busy():
+            await asyncio.sleep(EVENT_QUIET)
+        for memory in list(deps.view.jobs.values()):
+            if memory.news_held is not None:
+                memory.wake.set()
+
+    if deps.news_waker is None or deps.news_waker.done():
+        deps.news_waker = asyncio.ensure_future(wake_when_quiet())
 
 
 def _hold_news(deps: Deps, uid: str, action: Action) -> tuple[Action, float | None]:

@@ -30,8 +30,10 @@ def merge(into: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
 class ApiStandIn:
     """`served`: the scheduling.k8s.io versions whose podgroups discovery lists (and whose paths answer)."""
 
-    def __init__(self, served: tuple[str, ...] = ("v1beta1",), on_request: Callable[[str, str], None] | None = None):
+    def __init__(self, served: tuple[str, ...] = ("v1beta1",), on_request: Callable[[str, str], None] | None = None,
+                 created: str = "2026-11-22T12:00:00Z"):
         self.served = set(served)
+        self.created = created  # the creationTimestamp of what it creates
         self.objects: dict[str, dict[str, Any]] = {}  # object path -> object
         self.requests: list[tuple[str, str]] = []
         self.on_request = on_request
@@ -89,7 +91,7 @@ class ApiStandIn:
         self._version += 1
         obj = copy.deepcopy(body)
         obj["metadata"].update(uid=f"uid-{name}-{self._version}", resourceVersion=str(self._version),
-                               creationTimestamp="2026-11-22T12:00:00Z")
+                               creationTimestamp=self.created)
         self.objects[f"{path}/{name}"] = obj
         return 201, obj
 

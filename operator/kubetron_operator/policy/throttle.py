@@ -1,8 +1,10 @@
 """Holding back status patches that only move live progress (policy.status.LIVE_FIELDS: iteration, progress, ETA,
 tokens/s, loss, learning rate; and goodput): at most one every `2 * interval` seconds, so a running job costs the
 API server little. And a starting attempt's news (why its pods wait: status.reason and message, and its Warning
-event) while the operator is creating other attempts' pods, at most NEWS_HOLD seconds: pods first in a burst of
-new jobs (the news are a status patch, the dearest write, and an event each). Pure: the times come in as arguments."""
+event) while the operator is creating other attempts' pods: pods first in a burst of new jobs (the news are a
+status patch, the dearest write, and an event each). They go out once no attempt has been created for
+events.EVENT_QUIET seconds (handlers wakes the jobs that hold some), at most NEWS_HOLD seconds late. Pure: the
+times come in as arguments."""
 
 from __future__ import annotations
 

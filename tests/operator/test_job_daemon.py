@@ -1,7 +1,8 @@
-"""What the operator holds per job (view.JobMemory), in-process: one record per job, made when its daemon starts
-(or when its deletion comes first) and dropped when the daemon ends; a deleted job leaves nothing behind, in
-any order of its DELETED event and its daemon; and one wake-up parses each of its pods once. The daemon
-(handlers.reconcile_daemon) runs in this process against a stand-in API (tests/operator/api_standin.py)."""
+"""A job's daemon (handlers.reconcile_daemon) in this process, against a stand-in API (tests/operator/api_standin.py):
+what the operator holds per job (view.JobMemory) is one record, made when its daemon starts (or when its deletion
+comes first) and dropped when the daemon ends, so a deleted job leaves nothing behind, in any order of its DELETED
+event and its daemon; one wake-up parses each of its pods once; a starting attempt's news wait while other
+attempts are being created and go out once they are."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import copy
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from kubetron.contract.resource import GROUP, PLURAL, VERSION
+from kubetron.contract.times import stamp
 from kubetron_operator import handlers, metrics
 from kubetron_operator.api_calls import Kube, api_path
 from kubetron_operator.deps import Deps
@@ -54,7 +57,7 @@ class Memo:
 
 @pytest.fixture
 def cluster() -> Iterator[tuple[ApiStandIn, Deps]]:
-    api = ApiStandIn()
+    api = ApiStandIn(created=stamp(datetime.now(UTC)))  # the daemon's clock is the real one
     api.add(JOB_PATH, new_job())
     deps = Deps(kube=Kube(api), read_progress=lambda job, kube: ProgressRead(), interval=60.0,
                 executor=ThreadPoolExecutor(2), io_executor=ThreadPoolExecutor(2))
@@ -152,3 +155,50 @@ def test_a_wake_up_parses_each_pod_once(cluster, monkeypatch):
     monkeypatch.setattr(PodView, "from_pod", classmethod(counting))
     handlers.react(deps, body, pods, LOG, gather(deps, body, pods))  # one wake-up: gather, observe, decide, act
     assert sorted(parsed) == ["gpt-1-0", "gpt-1-1"]
+
+
+class Pods:
+    """deps.pods as the pod watch would hold them: the stand-in's."""
+
+    def __init__(self, api: ApiStandIn) -> None:
+        self.api = api
+
+    def pods(self, namespace: str, uid: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(p) for p in self.api.of_kind("Pod").values()]
+
+
+def test_a_starting_attempts_news_wait_while_other_attempts_are_created(cluster, monkeypatch):
+    """Pods first: the status patch and the event that say why a new attempt's pods wait (Unschedulable) are held
+    while other jobs' attempts are being created, and go out as soon as those are done."""
+    api, deps = cluster
+    deps.pods = Pods(api)  # type: ignore[assignment]
+
+    async def life() -> None:
+        loop, memo, stop = asyncio.get_running_loop(), Memo(deps), Stop()
+        patched, held, mark, hold = asyncio.Event(), asyncio.Event(), deps.view.patched, handlers.hold_news
+        deps.view.patched = lambda uid: (mark(uid), loop.call_soon_threadsafe(patched.set))  # type: ignore
+
+        def hold_news(*args: Any) -> Any:
+            got = hold(*args)
+            if got[1] is not None:  # held
+                loop.call_soon_threadsafe(held.set)
+            return got
+
+        monkeypatch.setattr(handlers, "hold_news", hold_news)
+        daemon = asyncio.ensure_future(handlers.reconcile_daemon(
+            name="gpt", namespace="ml", uid="uid-123", body=copy.deepcopy(api.objects[JOB_PATH]), stopped=stop,
+            memo=memo, logger=LOG))
+        await asyncio.wait_for(patched.wait(), 30)  # attempt 1 created
+        patched.clear()
+        with deps.creating.acting():  # another job's attempt is being created
+            api.objects["/api/v1/namespaces/ml/pods/gpt-1-1"]["status"] = {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/1 nodes"}]}
+            deps.view.wake("uid-123")
+            await asyncio.wait_for(held.wait(), 30)
+            assert api.objects[JOB_PATH]["status"]["reason"] == "AttemptCreated"
+        await asyncio.wait_for(patched.wait(), 5)  # out once no creation is in flight (not NEWS_HOLD later)
+        assert api.objects[JOB_PATH]["status"]["reason"] == "Unschedulable"
+        await handlers.job_event(body=deleted_event(api.objects[JOB_PATH]), type="DELETED", memo=memo)
+        await asyncio.wait_for(daemon, 30)
+
+    asyncio.run(life())
