@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
-import sys
 
 from tests.hf_utils import REPO
 

@@ -102,7 +102,7 @@ def test_only_the_compat_package_patches_other_libraries():
 # What the operator's decisions may import: the standard library's pure parts, yaml (the job's config text),
 # pydantic (the config schema) and the contract. No clock, no randomness, no network, no kopf, no logging.
 PURE_IMPORTS = {"__future__", "collections", "dataclasses", "datetime", "typing", "math", "json", "hashlib",
-                "functools", "re", "enum", "types", "difflib", "decimal", "yaml", "pydantic", "annotated_types"}
+                "functools", "re", "enum", "types", "difflib", "decimal", "copy", "yaml", "pydantic", "annotated_types"}
 PURE_OPERATOR = ("kubetron_operator.decide", "kubetron_operator.observe", "kubetron_operator.job_status",
                  "kubetron_operator.policy")
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron.supervisor import heartbeat, watchdog
 from kubetron.contract import hang
 from kubetron.contract.hang import CHECKPOINT, STATE_BYTES, TRAIN, parse_states
+from kubetron.supervisor import heartbeat, watchdog
 
 from tests.rendezvous_store import Store
 

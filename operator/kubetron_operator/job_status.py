@@ -54,6 +54,21 @@ class LastHang(TypedDict, total=False):
     restartedInPlace: bool
 
 
+class Backoff(TypedDict):
+    """The wait before the next attempt after the last restart (policy/restart.py)."""
+
+    attempts: int  # failed or never-started attempts in a row since an attempt saved a new checkpoint
+    seconds: float  # the wait (0 after a preemption); status.nextAttemptTime is when it ends
+    reason: str  # why that long
+
+
+class PodGroupRef(TypedDict):
+    """The gang's PodGroup of the current attempt (spec.scheduling.gang): its apiVersion and name."""
+
+    apiVersion: str
+    name: str
+
+
 class AvoidedNode(TypedDict):
     """A node later attempts are kept off (policy/nodes.py) until policy.nodes.AVOID_SECONDS after `time`."""
 
@@ -110,6 +125,8 @@ class JobStatus(TypedDict, total=False):
     lostIterations: int
     lastAttemptIteration: int | None
     noProgressAttempts: int
+    backoff: Backoff
+    podGroup: PodGroupRef | None
     preemptionsWithoutProgress: int
     attemptStartCheckpoint: int
     avoidNodes: list[AvoidedNode]  # (an older operator's bare names read as expired)

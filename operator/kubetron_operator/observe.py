@@ -235,6 +235,7 @@ class Observed:
     service: bool = False  # the job's headless Service is known to exist (this operator created or found it)
     created: datetime | None = None  # the job's metadata.creationTimestamp (the goodput ledger starts there)
     store_unread: tuple[str, str] | None = None  # (reason, message): why the S3 progress log could not be read
+    pod_group_api: str | None = None  # the PodGroup apiVersion the API server serves for the job's gang (None: none)
 
 
 NO_PROGRESS: ProgressSummary = summarize_events([])

@@ -55,6 +55,10 @@ def _conditions(old: list[Condition], phase: str, reason: str, message: str, now
     return out
 
 
+LIVE_FIELDS = ("iteration", "progress", "eta", "tokensPerSecond", "loss", "learningRate")
+"""The fields progress_fields() moves with every read of rank 0's endpoint (policy/throttle.py holds them back)."""
+
+
 def progress_fields(obs: Observed, ckpt: CheckpointRef | None, live: bool = True) -> StatusPatch:
     """iteration / trainIters / progress / eta / tokensPerSecond / loss / learningRate for `kubectl get`, for the
     current attempt."""
