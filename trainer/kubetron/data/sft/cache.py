@@ -153,8 +153,9 @@ def load_or_build(place: CachePlace, key: str, vocab_size: int,
     builder = is_builder(place.shared)
     if not builder:
         _wait_for(store, name, what)
-    job_key = job_secret(place.key_store, builder, what)
+    job_key = None  # made only when there is a cache to check or to sign: a run refused first leaves no key behind
     if store.exists(name):
+        job_key = job_secret(place.key_store, builder, what)
         try:
             arrays, meta = from_bytes(store.read_bytes(name), key, vocab_size, job_key)
             return arrays, meta, f"loaded from {store.url}/{name}"
@@ -163,7 +164,7 @@ def load_or_build(place: CachePlace, key: str, vocab_size: int,
     arrays, meta = build()
     if not builder:
         return arrays, meta, "built here (the stored copy could not be used)"
-    store.write_bytes(name, to_bytes(arrays, key, meta, job_key))
+    store.write_bytes(name, to_bytes(arrays, key, meta, job_key or job_secret(place.key_store, builder, what)))
     return arrays, meta, f"stored in {store.url}/{name}"
 
 
