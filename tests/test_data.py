@@ -516,3 +516,24 @@ def test_s3_prefix_gives_the_samples_of_the_local_copy(tmp_path, s3_server, monk
     with pytest.raises(ConfigError) as e:
         build_gpt_datasets(SimpleNamespace(data_path=[f"s3://{bucket}/nope"], split="1"), 16, 3, tok, [10, 0, 0])
     assert e.value.field == "dataset.data_path" and f"s3://{bucket}/nope" in str(e.value)
+
+
+def test_preprocess_refuses_a_gz_that_decompresses_past_its_bound_in_one_line(tmp_path, monkeypatch, capsys):
+    """A compression bomb: the .gz gives more than max(floor, --max-expansion x its size); the floor is lowered
+    here from 256 MiB so that the bomb is small."""
+    from kubetron.data.sft import files
+
+    monkeypatch.setattr(files, "MIN_BUDGET", 1 << 20)
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wt") as f:
+        for _ in range(4096):
+            f.write(json.dumps({"text": "a" * 1024}) + "\n")  # 4 MiB of lines from a few KiB
+    assert bomb.stat().st_size < 64 << 10
+    code = preprocess_main(["--input", str(bomb), "--output-prefix", str(tmp_path / "out" / "c")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --input:") and str(bomb) in err[0]
+    assert "--max-expansion" in err[0] and "compression bomb" in err[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # the same file with a larger bound is read
+    assert preprocess_main(["--input", str(bomb), "--output-prefix", str(tmp_path / "ok"),
+                            "--max-expansion", "10000"]) == 0

@@ -1,6 +1,7 @@
 """``kubetron preprocess``: text -> Megatron indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``).
 
-Inputs, by file name (a trailing ``.gz`` is read through gzip):
+Inputs, by file name (a trailing ``.gz`` is read through gzip, and may give at most
+max(256 MiB, ``--max-expansion`` x its size) once decompressed: a compression bomb is refused in one line):
 
 * ``*.jsonl`` / ``*.json``: one JSON object per line; each document is the string under each of
   ``--json-keys`` (default ``text``). Blank lines are skipped.
@@ -45,6 +46,7 @@ from collections.abc import Callable, Iterator
 
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import ConfigError
+from kubetron.data.sft.files import DEFAULT_EXPANSION, Budget, Counted
 from kubetron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, tokenizer_from_assets
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -107,11 +109,14 @@ class _Input:
     """An input file read as text lines, with the raw byte position (for progress through .gz too); a
     columnar file (``table``) is read by column instead."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, expansion: int = DEFAULT_EXPANSION):
         self.path = path
         self.table = table_kind(path)
         self.raw = open(path, "rb")
-        stream = gzip.open(self.raw) if path.endswith(".gz") else self.raw
+        stream = self.raw
+        if path.endswith(".gz"):  # what it gives is bounded: a compression bomb is refused, naming the file
+            budget = Budget(path, os.fstat(self.raw.fileno()).st_size, expansion, "--input", "--max-expansion")
+            stream = io.BufferedReader(Counted(gzip.GzipFile(fileobj=self.raw), budget))
         self.text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
 
     def position(self) -> int:
@@ -386,6 +391,7 @@ def preprocess(
     log: Callable[[str], None] | None = None,
     log_interval: float = 10.0,
     tty: bool | None = None,
+    max_expansion: int = DEFAULT_EXPANSION,
 ) -> dict:
     """Tokenize ``inputs`` into ``output_prefix.bin/.idx`` (one dataset per JSON key); returns counts.
 
@@ -405,6 +411,8 @@ def preprocess(
         raise ConfigError("--json-keys", f"need distinct keys, got {list(json_keys)}")
     if workers < 1:
         raise ConfigError("--workers", f"must be >= 1, got {workers}")
+    if max_expansion < 1:
+        raise ConfigError("--max-expansion", f"must be >= 1, got {max_expansion}")
     _check_inputs(inputs)
     tok = tokenizer or build_tokenizer("byte")
     prefixes = _output_prefixes(output_prefix, json_keys)
@@ -416,7 +424,7 @@ def preprocess(
     committed = False
     try:
         for path in inputs:
-            inp = _Input(path)
+            inp = _Input(path, max_expansion)
             try:
                 for result in _results(_chunks(inp, json_keys), workers, init_args):
                     if result[0] == "error":
@@ -479,6 +487,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default: 1)")
     parser.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
                         help="seconds between progress lines when stderr is not a terminal (default: 10)")
+    parser.add_argument("--max-expansion", type=int, default=DEFAULT_EXPANSION, metavar="N",
+                        help="a .gz input may give at most max(256 MiB, N x its size) once decompressed; more is "
+                             f"refused as a compression bomb (default: {DEFAULT_EXPANSION})")
     return parser
 
 
@@ -500,7 +511,7 @@ def run(args: argparse.Namespace) -> dict:
     _check_inputs(args.input)
     result = preprocess(args.input, args.output_prefix, tokenizer=_tokenizer_from_args(args),
                         append_eod=args.append_eod, json_keys=args.json_keys, workers=args.workers,
-                        log_interval=args.log_interval)
+                        log_interval=args.log_interval, max_expansion=args.max_expansion)
     print(json.dumps(result))
     return result
 

@@ -264,8 +264,8 @@ def read_rows(files: list[DataFile], field: str, progress: Callable[[int], None]
 class Budget:
     """What one file may give: max(MIN_BUDGET, expansion x its stored size) bytes of rows, and as many rows."""
 
-    def __init__(self, url: str, stored: int, expansion: int, field: str):
-        self.url, self.stored, self.expansion, self.field = url, stored, expansion, field
+    def __init__(self, url: str, stored: int, expansion: int, field: str, knob: str = "finetuning.max_expansion"):
+        self.url, self.stored, self.expansion, self.field, self.knob = url, stored, expansion, field, knob
         self.limit = max(MIN_BUDGET, expansion * stored)
         self.bytes = self.rows = 0
 
@@ -279,10 +279,10 @@ class Budget:
     def error(self, what: str) -> ConfigError:
         return ConfigError(self.field, f"{self.url}: gives more than {what} once decompressed, over the bound of "
                                        f"{self.limit} (max(256 MiB, {self.expansion} x its {self.stored} stored bytes;"
-                                       " finetuning.max_expansion)): a compression bomb, or a file to split")
+                                       f" {self.knob})): a compression bomb, or a file to split")
 
 
-class _Counted(io.RawIOBase):
+class Counted(io.RawIOBase):
     """A decompressed stream whose bytes are taken from a Budget as they are read."""
 
     def __init__(self, inner, budget: Budget):
@@ -307,14 +307,14 @@ def _rows_of(url: str, raw, field: str, budget: Budget) -> Iterator[tuple[str, o
     elif head.startswith(b"\xff\xff\xff\xff"):
         yield from _table_rows(url, raw, "arrow-stream", field, budget)
     elif head.startswith(b"\x1f\x8b"):
-        yield from _text_rows(url, io.BufferedReader(_Counted(gzip.GzipFile(fileobj=raw), budget)), field, budget)
+        yield from _text_rows(url, io.BufferedReader(Counted(gzip.GzipFile(fileobj=raw), budget)), field, budget)
     elif head.startswith(b"\x28\xb5\x2f\xfd"):
         import zstandard
 
         stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        yield from _text_rows(url, io.BufferedReader(_Counted(stream, budget)), field, budget)
+        yield from _text_rows(url, io.BufferedReader(Counted(stream, budget)), field, budget)
     else:
-        yield from _text_rows(url, io.BufferedReader(_Counted(raw, budget)), field, budget)
+        yield from _text_rows(url, io.BufferedReader(Counted(raw, budget)), field, budget)
 
 
 def _text_rows(url: str, stream: io.BufferedReader, field: str, budget: Budget) -> Iterator[tuple[str, object]]:
