@@ -143,6 +143,7 @@ def test_a_second_moe_model_in_the_process_with_more_layers_trains():
     deeper model built next (another run in a notebook, the next test) indexed past it (IndexError)."""
     import torch
     from kubetron.training.model import build_model
+
     from tests.inprocess import ensure_world_of_one, in_process_config
 
     ensure_world_of_one()
