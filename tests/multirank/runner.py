@@ -75,10 +75,14 @@ def environment(rank_dir: Path, **extra) -> dict:
 def launch(args: list[str], rank_dir: Path, nproc: int = 2, timeout: float = 400, **env) -> Result:
     """Run to the end; per-rank exit codes and termination messages come from the worker's files."""
     rank_dir.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run(command(args, nproc), check=False, env=environment(rank_dir, **env), cwd=REPO,
-                       capture_output=True,
-                       text=True, timeout=timeout, start_new_session=True)
-    codes, terms = _collect(rank_dir, nproc)
+    for _ in range(3):
+        p = subprocess.run(command(args, nproc), check=False, env=environment(rank_dir, **env), cwd=REPO,
+                           capture_output=True, text=True, timeout=timeout, start_new_session=True)
+        codes, terms = _collect(rank_dir, nproc)
+        # torchrun could not listen on the free port it was given (another process took it meanwhile: a
+        # loaded machine running other suites); no rank started, so launching again changes nothing else
+        if codes or "EADDRINUSE" not in p.stderr:
+            break
     return Result(p.returncode, p.stdout, p.stderr, rank_dir, codes, terms)
 
 
