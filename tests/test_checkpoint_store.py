@@ -136,8 +136,12 @@ def test_resume_takes_the_newest_of_persistent_and_non_persistent(reference, tmp
         extra.append(f"checkpoint.non_persistent_local_ckpt_dir={tmp_path / 'local'}")
     p = run(args_for(str(store), tmp_path / "tb", *extra), tmp_path, KUBETRON_CHAOS_KILL_AT="after-payload@20")
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
-    np_dir = store / "non_persistent" if kind == "global" else tmp_path / "local" / "rank_00000"
-    assert sorted(d.name for d in np_dir.iterdir() if d.name.startswith("iter_")) == ["iter_0000015"]
+    if kind == "global":
+        assert sorted(d.name for d in (store / "non_persistent").iterdir() if d.name.startswith("iter_")) == [
+            "iter_0000015"]
+    else:  # snapshots in memory: at most two, the newest two (docs/recovery.md)
+        snaps = tmp_path / "local" / "own" / "rank_00000"
+        assert sorted(d.name for d in snaps.iterdir()) == ["snap_0000010", "snap_0000015"]
     p = run(args_for(str(store), tmp_path / "tb", *extra), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "at iteration 15" in p.stdout, p.stdout[-2000:]

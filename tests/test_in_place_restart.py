@@ -35,13 +35,17 @@ def repeated(seen: list[tuple[int, str]]) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, nproc", [(2, 1), (1, 2)], ids=["2 pods x 1 rank", "1 pod x 2 ranks"])
-def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path, nodes, nproc):
+@pytest.mark.parametrize("nodes, nproc, memory", [(2, 1, True), (1, 2, False)],
+                         ids=["2 pods x 1 rank, snapshots in memory", "1 pod x 2 ranks, the store"])
+def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path, nodes, nproc, memory):
+    """With a memory volume per pod (docs/recovery.md) the gang resumes from the newest snapshot there (every
+    3 iterations), newer than the store's (every 10); without, from the store."""
     store = tmp_path / "ckpt"
+    snapshots = ["checkpoint.non_persistent_save_interval=3"] if memory else []
     pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=100",
-                                 "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10",
+                                 "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10", *snapshots,
                                  f"checkpoint.save={store}", f"checkpoint.load={store}"],  # as the operator sets them
-                      nodes=nodes, nproc=nproc)
+                      nodes=nodes, nproc=nproc, memory=memory)
     launchers = [p.pid for p in pods]
     outs: list[list[str]] = [[] for _ in pods]
     out_last = outs[-1]  # the last rank logs the iterations
@@ -74,7 +78,11 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     again = repeated(seen)
     assert len(again) == 1, seen
     resumed_at = seen[again[0]][0]
-    assert resumed_at % 10 == 1 and resumed_at > 10, seen
+    if memory:  # a snapshot (every 3), no older than the store's newest checkpoint (every 10; the kill is at 15+)
+        assert (resumed_at - 1) % 3 == 0 and resumed_at > 10, seen
+        assert f"resumed from the memory snapshot at iteration {resumed_at - 1} (every rank from its own pod" in log
+    else:
+        assert resumed_at % 10 == 1 and resumed_at > 10, seen
     first, second = dict(seen[:again[0]]), dict(seen[again[0]:])
     assert {it: first[it] for it in second if it in first} == {it: second[it] for it in second if it in first}, seen
     assert max(second) == 100

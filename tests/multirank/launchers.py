@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 from kubetron import launch
+from kubetron.contract.recovery import SNAPSHOT_DIR_ENV
 
 from tests.multirank.runner import free_port
 from tests.trainer_utils import HeldReader, pod_env
@@ -24,14 +25,16 @@ LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
 
 def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,
-               nproc: int = 1, **extra: str) -> list[subprocess.Popen]:
+               nproc: int = 1, memory: bool = False, **extra: str) -> list[subprocess.Popen]:
+    """`memory`: each pod gets a memory volume of its own, `pod<N>/memory` (KUBETRON_SNAPSHOT_DIR)."""
     port = str(free_port())
     pods = []
     for rank in range(nodes):
         (tmp_path / f"pod{rank}").mkdir()
+        volume = {SNAPSHOT_DIR_ENV: str(tmp_path / f"pod{rank}" / "memory")} if memory else {}
         env = {**pod_env(tmp_path / f"pod{rank}", nproc), "NNODES": str(nodes), "NODE_RANK": str(rank),
                "MASTER_PORT": port, "KUBETRON_JOB_ID": "default/tiny/0",
-               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts), **extra}
+               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts), **volume, **extra}
         pods.append(subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True))
