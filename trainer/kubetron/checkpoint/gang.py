@@ -17,6 +17,7 @@ can load from the pods' memory, and loads it as the durable store's sharded chec
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -113,7 +114,7 @@ def agree(reports: list[list[tuple[int, int]]], world_size: int) -> Agreement | 
 
 def why_not(reports: list[list[tuple[int, int]]], world_size: int) -> str:
     """Why `agree` found nothing, in a few words."""
-    newest = {}
+    newest: dict[int, int] = {}
     for entries in reports:
         for r, it in entries:
             newest[r] = max(newest.get(r, -1), it)
@@ -192,7 +193,7 @@ class GangStore(Store):
         for wanted in table:  # what every rank asked of the ranks this one serves, in its order
             parts = [(r, s, n) for r, s, n in wanted if sources[r] == self.rank]
             buf = torch.empty(sum(n for _, _, n in parts), dtype=torch.uint8)
-            view, at = memoryview(buf.numpy()), 0
+            view, at = memoryview(buf.numpy()), 0  # type: ignore[arg-type]  # (numpy's stubs: no Buffer)
             for r, s, n in parts:
                 view[at:at + n] = self.served[r].read(shard_key(r), s, n)
                 at += n
@@ -218,10 +219,10 @@ class GangStore(Store):
     def open_read(self, key: str):
         raise CheckpointError(f"{self.url}: read through read_ranges")
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         return sorted(k for k in self.small if k.startswith(prefix))
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         return [self.name] if not prefix else []
 
     def delete_prefix(self, prefix: str) -> None:
@@ -233,7 +234,7 @@ class GangStore(Store):
     def begin_dir(self, name: str, *, txn_id: str | None = None, primary: bool | None = None):
         raise CheckpointError(f"{self.url} is read-only")
 
-    def cleanup_partial(self, *, min_age_s: float = 0.0) -> list[str]:
+    def cleanup_partial(self, *, min_age_s: float = 0.0) -> builtins.list[str]:
         return []
 
 

@@ -145,7 +145,7 @@ class CheckpointManager:
         # non-persistent "local": snapshots in the pod's memory (checkpoint/snapshot.py, docs/recovery.md)
         self.memory: MemorySnapshots | None = open_snapshots(cfg, _rank(), self.world_size)
         self.recovery: gang.Recovery | None = None  # how load() resumed (status.lastRecovery)
-        self._newest: Snapshot | None = None  # the newest durable save's host copy (a snapshot at its iteration reuses it)
+        self._newest: Snapshot | None = None  # the newest durable save's host copy (a snapshot of its step reuses it)
         self.async_saver = None
         if ck.async_save and store is not None:
             from kubetron.storage import AsyncSaver

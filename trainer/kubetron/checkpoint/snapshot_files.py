@@ -129,7 +129,8 @@ class _HashingFile:
     """A file being written whose CHUNK-sized pieces are hashed as they pass."""
 
     def __init__(self, f: BinaryIO):
-        self.f, self.size, self.digests = f, 0, []  # type: list[str]
+        self.f, self.size = f, 0
+        self.digests: list[str] = []
         self._h = hashlib.sha256()
         self._in_chunk = 0
 
@@ -264,9 +265,10 @@ class OpenSnapshot:
             if rank is not None and m.rank != rank:
                 raise CheckpointError(f"{what} holds rank {m.rank}'s snapshot, not rank {rank}'s")
             if world_size is not None and m.world_size != world_size:
-                raise CheckpointError(f"{what} was written by a gang of {m.world_size} ranks, this one has {world_size}")
+                raise CheckpointError(f"{what} was written by a gang of {m.world_size} ranks, this one has "
+                                      f"{world_size}")
             for rel, (size, _) in m.files.items():
-                fd = self._fds[rel] = os.open(self.dir / rel, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+                fd = self._fds[rel] = os.open(self.dir / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 actual = os.fstat(fd).st_size
                 if actual != size:
                     raise CheckpointError(f"{what}/{rel} holds {actual} bytes, its manifest says {size}: a torn write")

@@ -87,8 +87,9 @@ def parse_trainer_recovery(data: Any) -> TrainerRecovery | None:
     if not isinstance(data, Mapping) or data.get("loadedFrom") not in LOADED_FROM:
         return None
     iteration, restart, seconds = data.get("iteration"), data.get("restart"), data.get("seconds")
-    if not (_count(iteration) and _count(restart) and isinstance(seconds, (int, float))
-            and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds >= 0):
+    if not (isinstance(iteration, int) and isinstance(restart, int) and _count(iteration) and _count(restart)
+            and isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+            and seconds >= 0):
         return None
     reason = data.get("reason")
     return TrainerRecovery(loadedFrom=data["loadedFrom"], iteration=iteration, seconds=float(seconds),
