@@ -20,7 +20,16 @@ from kubetron import launch
 from kubetron.contract import exitcodes
 from kubetron.contract import progress as progress_log
 
-from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
+from tests.multirank.launchers import (
+    LOSS_RE,
+    collect,
+    finish,
+    kill_pod,
+    run_to_end,
+    start_pod,
+    start_pods,
+    trainer_pid,
+)
 from tests.trainer_utils import QUICK, TINY, iteration_at_least
 
 REPO = Path(__file__).resolve().parent.parent
@@ -160,3 +169,51 @@ def test_which_ends_are_restarted_in_place(ends, expected):
     failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
                 for rank, code in enumerate(ends)}
     assert torchrun.restartable(failures) is expected
+
+
+@pytest.mark.slow
+def test_a_lost_pods_replacement_resumes_from_its_peers_copy(tmp_path):
+    """Two pods with memory volumes: pod 1 is lost whole (every process SIGKILLed, its volume gone) after its
+    agent sent its newest snapshot to pod 0's. A new pod 1 joins pod 0's next rendezvous round; the gang
+    resumes from that snapshot, rank 1's from pod 0's copy (docs/recovery.md), to the same losses."""
+    from kubetron.checkpoint import snapshot_files as sf
+
+    store = tmp_path / "ckpt"
+    args = ["train", "--config", TINY, *QUICK, "train.train_iters=100", "scheduler.lr_warmup_iters=1",
+            "checkpoint.save_interval=50", "checkpoint.non_persistent_save_interval=3",
+            f"checkpoint.save={store}", f"checkpoint.load={store}"]
+    pods = start_pods(tmp_path, args, memory=True)
+    port = _env_of(pods[0])["MASTER_PORT"]
+    outs: list[list[str]] = [[], []]
+    readers = [collect(pod, out, hold_at=iteration_at_least(15, LOSS_RE) if pod is pods[1] else None)
+               for pod, out in zip(pods, outs, strict=True)]
+    copies = sf.peer_dir(tmp_path / "pod0" / "memory", 1)
+    with readers[1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
+        deadline = time.monotonic() + 60
+        while not [it for it in sf.iterations(copies) if it >= 12]:  # pod 0 holds pod 1's snapshot of 12 or later
+            assert time.monotonic() < deadline, "".join(sum(outs, []))[-4000:]
+            time.sleep(0.05)
+        kill_pod(pods[1])
+    readers[1].join(timeout=10)
+    lost = tmp_path / "pod1"
+    lost.rename(tmp_path / "lost-pod1")  # its memory volume goes with it
+    pods[1] = start_pod(lost, args, 1, port, memory=True)
+    new_out: list[str] = []
+    readers.append(collect(pods[1], new_out))
+    codes = finish(pods, timeout=300)
+    for r in readers:
+        r.join(timeout=10)
+    log = "".join(outs[0]) + "\n----- new pod 1 -----\n" + "".join(new_out)
+    assert codes == [0, 0], log[-6000:]
+    assert "from copies on other pods" in log and "ranks 1 from copies" in log, log[-6000:]
+    before, after = dict(losses(outs[1])), dict(losses(new_out))
+    resumed_at = min(after)
+    assert resumed_at > 12 and (resumed_at - 1) % 3 == 0 and max(after) == 100, sorted(after)
+    assert {it: after[it] for it in before if it in after} == {it: before[it] for it in before if it in after}
+    assert set(before) & set(after), (sorted(before), sorted(after))  # some iterations ran on both sides of the loss
+
+
+def _env_of(pod) -> dict:
+    import psutil
+
+    return psutil.Process(pod.pid).environ()

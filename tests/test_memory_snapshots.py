@@ -13,15 +13,7 @@ from kubetron.checkpoint import snapshot_files as sf
 from kubetron.contract import recovery
 from kubetron.contract.errors import CheckpointError
 
-
-def write(parent, iteration: int, rank: int = 0, world: int = 2, payload: bytes = b"x" * 1000):
-    def files(w):
-        w.write_bytes(f"shards/rank_{rank:05d}.bin", payload)
-        w.write_bytes(f"shards/rank_{rank:05d}.json", b'{"pieces": [], "values": {}}')
-        w.write_bytes(sf.COMMON_FILE, b"common")
-        w.write_bytes(sf.RNG_FILE, b"rng")
-
-    return sf.write_snapshot(parent, lambda written: sf.Manifest(iteration, rank, world, written), files, iteration)
+from tests.ckpt_utils import write_snapshot as write
 
 
 def test_a_snapshot_is_read_only_when_whole_and_unchanged(tmp_path):
