@@ -27,7 +27,7 @@ TRAINER_ORDER = (
     "checkpoint",  # the on-store format, the formats, the manager: handed what it loads, never the trainer's
     "hf",  # Hugging Face import/export: reads and writes checkpoints, converts weights
     "training",  # model, loop, evaluation, and the run built from everything below
-    "plan", "peers", "torchrun", "launch",  # what starts the training processes (peers: the agents' snapshot copies)
+    "peers", "torchrun", "launch",  # what starts the training processes (peers: the agents' snapshot copies)
     "client", "client_cli", "cli", "__main__",  # the commands
 )
 """The trainer's packages (`kubetron.<first component>`), lowest first: a module imports only from its own

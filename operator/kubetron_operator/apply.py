@@ -20,14 +20,22 @@ from kubetron.contract.times import stamp
 
 from kubetron_operator import metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
-from kubetron_operator.build import attempt_objects, build_probe_pod, build_service, pod_group_name, service_name
+from kubetron_operator.build import (
+    attempt_objects,
+    build_pod,
+    build_probe_pod,
+    build_service,
+    pod_group_name,
+    service_name,
+    with_token,
+)
 from kubetron_operator.deps import Deps
 from kubetron_operator.model import KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, Job
 from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.create_retry import backing_off, create_failed, leftovers, retriable
 from kubetron_operator.policy.elastic import attempt_size
-from kubetron_operator.policy.nodes import TAINT_KEY
+from kubetron_operator.policy.nodes import TAINT_KEY, avoided
 from kubetron_operator.policy.start import attempt_ended, service_failed
 from kubetron_operator.untrusted import clean_all
 
@@ -77,7 +85,8 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        manifests = attempt_objects(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes)
+        manifests = [with_token(m) for m in
+                     attempt_objects(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes)]
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
@@ -99,6 +108,13 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
     taint_nodes(kube, action.taint_nodes, name, logger)
+    if action.replace_ranks and job is not None:  # a lost pod of the running attempt, again (policy/recovery.py)
+        attempt_now = int(obs.status["attempt"])
+        again = [build_pod(job, attempt_now, rank, obs.status.get("attemptStartCheckpoint") or 0,
+                           avoided(obs.status), attempt_size(job, obs.status)) for rank in action.replace_ranks]
+        for manifest in again:
+            kube.create(manifest)
+        deps.view.created(job.uid, again)
     if action.create_probes and job is not None:
         probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
                   for rank in action.create_probes]

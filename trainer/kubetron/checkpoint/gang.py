@@ -43,11 +43,11 @@ from kubetron.checkpoint.snapshot_files import (
     snap_name,
 )
 from kubetron.contract.errors import CheckpointError
+from kubetron.contract.recovery import MEMORY, PEER, TrainerRecovery
 from kubetron.storage.base import Store
 
 log = logging.getLogger("kubetron")
 
-MEMORY, PEER, STORE = "memory", "peer", "store"  # where a recovery loaded from (status.lastRecovery.loadedFrom)
 MAX_HOLDINGS = 1024  # (rank, iteration) entries one rank reports
 
 
@@ -263,6 +263,14 @@ class Recovery:
     seconds: float
     reason: str
     failed: bool
+
+    def report(self, restart: int) -> TrainerRecovery | None:
+        """As rank 0's status endpoint serves it (`restart`: the in-place restart it followed); None before a
+        resume."""
+        if self.iteration is None:
+            return None
+        return TrainerRecovery(loadedFrom=self.loaded_from, iteration=self.iteration, seconds=round(self.seconds, 3),
+                               reason=self.reason, failed=self.failed, restart=restart)
 
 
 def open_gang(root: str | Path, rank: int, world_size: int, newer_than: int | None) -> Recovered:

@@ -56,6 +56,7 @@ from kubetron.checkpoint.snapshot import MemorySnapshots, open_snapshots
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.contract.hang import CHECKPOINT
+from kubetron.contract.recovery import MEMORY, STORE
 from kubetron.contract.times import stamp
 from kubetron.storage import open_store
 
@@ -442,7 +443,7 @@ class CheckpointManager:
         floor = max(found[2] if found else 0, expected or 0)
         got = gang.open_gang(self.memory.root, _rank(), self.world_size, newer_than=floor or None)
         if got.store is None:
-            self.recovery = gang.Recovery(gang.STORE, None, 0.0, got.reason, got.failed)
+            self.recovery = gang.Recovery(STORE, None, 0.0, got.reason, got.failed)
             log.info("resuming from the store, not from memory: %s", got.reason)
             return None
         with got.store:
@@ -450,7 +451,7 @@ class CheckpointManager:
         iteration, seconds = got.store.agreement.iteration, time.perf_counter() - t0
         self.recovery = gang.Recovery(got.store.agreement.loaded_from, iteration, seconds, "", False)
         log.info("resumed from the memory snapshot at iteration %d (%s, %.2fs)", iteration,
-                 "every rank from its own pod" if self.recovery.loaded_from == gang.MEMORY
+                 "every rank from its own pod" if self.recovery.loaded_from == MEMORY
                  else "ranks " + ", ".join(str(r) for r, q in enumerate(got.store.agreement.sources) if q != r)
                  + " from copies on other pods", seconds)
         return iteration
@@ -490,10 +491,10 @@ class CheckpointManager:
         for finetune, weights from pretrained_checkpoint. Returns the iteration it resumed from (0: none)."""
         t0 = time.perf_counter()
         iteration = self._load(finetune)
-        if iteration and (self.recovery is None or self.recovery.loaded_from == gang.STORE):
+        if iteration and (self.recovery is None or self.recovery.loaded_from == STORE):
             reason = self.recovery.reason if self.recovery else "memory snapshots are off"
             failed = bool(self.recovery and self.recovery.failed)
-            self.recovery = gang.Recovery(gang.STORE, iteration, time.perf_counter() - t0, reason, failed)
+            self.recovery = gang.Recovery(STORE, iteration, time.perf_counter() - t0, reason, failed)
         if self.memory is not None:
             self.memory.resumed(iteration)
         return iteration

@@ -24,6 +24,11 @@ REPLICATION_FACTOR_ENV = "KUBETRON_REPLICATION_FACTOR"  # pods holding each pod'
 REPLICATION_JUMP_ENV = "KUBETRON_REPLICATION_JUMP"  # the spacing of those pods
 SNAPSHOT_LIMIT_ENV = "KUBETRON_SNAPSHOT_LIMIT_BYTES"  # the memory volume's size: what the copies there may take
 POD_IP_ENV = "KUBETRON_POD_IP"  # where the other pods reach this pod's agent (the downward API's status.podIP)
+POD_ENV = (SNAPSHOT_DIR_ENV, PEER_TOKEN_ENV, REPLICATION_FACTOR_ENV, REPLICATION_JUMP_ENV, SNAPSHOT_LIMIT_ENV,
+           POD_IP_ENV)
+"""What the operator sets on every pod for the snapshots (a spec.env entry may not override them)."""
+SNAPSHOT_MOUNT = "/var/run/kubetron/snapshots"  # where the pods mount their memory volume
+PEER_TOKEN_KEY = "token"  # the key of the job's peer Secret (<job>-peers) that holds the token
 
 MEMORY, PEER, STORE = "memory", "peer", "store"
 LOADED_FROM = (MEMORY, PEER, STORE)
@@ -57,6 +62,29 @@ def volume_bytes(snapshot_bytes: float, ranks_per_pod: int, pods: int, factor: i
     of the ranks of every pod it holds copies of, with some headroom; at least VOLUME_FLOOR."""
     copies = 1 + max((len(held_by(p, pods, factor, jump)) for p in range(pods)), default=0)
     return max(VOLUME_FLOOR, math.ceil(KEEP * copies * ranks_per_pod * snapshot_bytes * VOLUME_HEADROOM))
+
+
+_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "": 1}
+
+
+def parse_quantity(text: Any) -> int | None:
+    """A Kubernetes memory quantity ("64Gi", "500M", "1e9", 1024) in bytes, rounded up; None when it is none."""
+    value = str(text).strip()
+    number = value.rstrip("KMGTPEik")
+    suffix = value[len(number):]
+    if suffix not in _SUFFIXES:
+        return None
+    try:
+        amount = float(number)
+    except ValueError:
+        return None
+    return math.ceil(amount * _SUFFIXES[suffix]) if math.isfinite(amount) and amount >= 0 else None
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes as a person reads them (GiB/MiB, one decimal)."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 class TrainerRecovery(TypedDict):

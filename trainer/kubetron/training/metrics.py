@@ -20,6 +20,7 @@ from datetime import datetime
 
 import torch
 
+from kubetron.progress_io import in_place_restarts
 from kubetron.training.trackers import build_trackers
 from kubetron.training.utils import report_memory
 
@@ -50,10 +51,12 @@ class MetricsLogger:
         self._last_status = time.perf_counter()
         if status is not None:  # before the first step: what the endpoint can already tell
             ts = state.train_state
+            recovery = state.ckpt.recovery if state.ckpt is not None else None
             status.update(trainIters=cfg.train.train_iters, iteration=ts.step,
                           resumedFrom=ts.step,  # this process's start: the goodput ledger's
                           consumedSamples=ts.consumed_train_samples,
-                          lastCheckpoint=self._last_checkpoint())
+                          lastCheckpoint=self._last_checkpoint(),
+                          recovery=recovery.report(in_place_restarts()) if recovery is not None else None)
 
     # -- per iteration (cheap, no sync) ----------------------------------------------------------
     def record_step(self, iteration: int, loss_dict: dict, lr: float, grad_norm, skipped: int,
