@@ -203,3 +203,21 @@ def test_one_rank_opens_its_agreed_snapshot_as_a_store_or_says_why_not(tmp_path)
     bin_file.write_bytes(b"\xff" + payload[1:])
     got = gang.open_gang(tmp_path, 0, 1, newer_than=None)
     assert got.store is None and got.failed and "do not match their checksum" in got.reason
+
+
+def test_snapshots_wait_for_their_copies_on_peers(tmp_path, monkeypatch):
+    """Where the pod's agent copies them, the next snapshot waits until the last one is on every holder (the
+    agent's mark), or COPY_PATIENCE has passed: copies never fall more than one snapshot behind."""
+    monotonic = [0.0]
+    monkeypatch.setattr(snapshot.time, "monotonic", lambda: monotonic[0])
+    snaps = snapshot.MemorySnapshots(tmp_path, 0, 1, interval=2, count_background=False, paced=True)
+    snaps.resumed(0)
+    assert snaps.due(2)
+    snaps.written, snaps._written_at = 2, 0.0  # (what a write of iteration 2 leaves)
+    assert not snaps.due(4)  # not copied yet
+    sf.mark_copied(snaps.dir, 2)
+    assert sf.copied(snaps.dir) == 2 and snaps.due(6)
+    snaps.written = 6
+    monotonic[0] = snapshot.COPY_PATIENCE + 1  # a holder that never answers: not waited for forever
+    assert snaps.due(8)
+    snaps.close()

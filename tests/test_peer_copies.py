@@ -106,6 +106,7 @@ def test_the_agent_sends_each_new_snapshot_once_to_the_pods_that_hold_its_copies
     write(sf.own_dir(tmp_path / "pod0", 0), 20)
     agent.poll()
     assert sf.iterations(sf.peer_dir(tmp_path / "pod1", 0)) == [20] and agent.sent == {(0, 1): 20}
+    assert sf.copied(sf.own_dir(tmp_path / "pod0", 0)) == 20  # the rank may take its next snapshot
     (sf.peer_dir(tmp_path / "pod1", 0) / "snap_0000020" / "rng.pt").write_bytes(b"gone")
     agent.poll()  # nothing new: not sent again
     assert (sf.peer_dir(tmp_path / "pod1", 0) / "snap_0000020" / "rng.pt").read_bytes() == b"gone"

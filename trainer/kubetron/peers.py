@@ -43,7 +43,9 @@ from kubetron.checkpoint.snapshot_files import (
     Manifest,
     OpenSnapshot,
     SnapshotWriter,
+    copied,
     iterations,
+    mark_copied,
     own_dir,
     parse_manifest,
     parse_rank_dir,
@@ -378,10 +380,14 @@ class Peers:
         node = self.node
         if node is None:
             return
+        holders = recovery.holders(node.node_rank, node.nnodes, self.factor, self.jump)
         for rank in node.ranks:
             newest = iterations(own_dir(self.root, rank))[-1:]
-            for pod, address in list(self.addresses.items()):
-                if not newest or self.sent.get((rank, pod), -1) >= newest[0]:
+            if not newest:
+                continue
+            for pod in holders:
+                address = self.addresses.get(pod)
+                if address is None or self.sent.get((rank, pod), -1) >= newest[0]:
                     continue
                 try:
                     with OpenSnapshot(own_dir(self.root, rank) / snap_name(newest[0]), rank=rank) as snap:
@@ -389,6 +395,9 @@ class Peers:
                     self.sent[(rank, pod)] = newest[0]
                 except (OSError, CheckpointError) as e:
                     self.say(f"copy of rank {rank}'s snapshot {newest[0]} to pod {pod} failed: {e}"[:300])
+            done = all(self.sent.get((rank, pod), -1) >= newest[0] for pod in holders)
+            if done and (copied(own_dir(self.root, rank)) or -1) < newest[0]:
+                mark_copied(own_dir(self.root, rank), newest[0])  # the rank's next snapshot may be taken
 
     def stop(self) -> None:
         self._stop.set()
@@ -408,5 +417,9 @@ def from_env(env: dict[str, str] | os._Environ, nnodes: int) -> Peers | None:
     if factor < 2:
         return None
     host = env.get(recovery.POD_IP_ENV) or socket.gethostbyname(socket.gethostname())
+    env[recovery.COPIES_ENV] = "1"  # its ranks pace their snapshots to the copies (checkpoint/snapshot.py)
     server = PeerServer(root, token, limit).start()
-    return Peers(Path(root), token, server, host, factor, jump)
+    peers = Peers(Path(root), token, server, host, factor, jump)
+    peers.say(f"serving this pod's snapshots to the job's other pods on {host}:{server.port} (replication "
+              f"factor {factor}, jump {jump})")
+    return peers

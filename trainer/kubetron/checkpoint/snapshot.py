@@ -12,12 +12,16 @@ BUDGET of the step time: after each snapshot the next is due after ceil(cost / (
 iterations, where cost is the loop's blocked time (plus, on CPU where the background write competes for
 the same cores, the write's own time), the largest over the ranks. All ranks snapshot at the same
 iterations (a collective decides at each due step); a write still running on any rank postpones the next.
+So does a snapshot not yet sent to the pods that hold its copies (where the pod's agent copies them,
+KUBETRON_PEER_COPIES; for at most COPY_PATIENCE): a pod keeps only KEEP snapshots of a rank, and the gang can
+load only an iteration every rank has, its own or a copy, so the copies must not fall behind.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -35,17 +39,20 @@ from kubetron.checkpoint.snapshot_files import (
     RNG_FILE,
     Manifest,
     SnapshotWriter,
+    copied,
     drop_newer,
     own_dir,
     remove_partial,
     snap_name,
     write_snapshot,
 )
+from kubetron.contract.recovery import COPIES_ENV
 
 log = logging.getLogger("kubetron")
 
 BUDGET = 0.02  # of the step time, what the default interval lets snapshots cost
 FIRST_AFTER = 2  # iterations after the start before the first snapshot (the step time is known by then)
+COPY_PATIENCE = 60.0  # seconds a snapshot waits for its copies before the next is taken regardless
 
 
 class MemorySnapshots:
@@ -53,10 +60,12 @@ class MemorySnapshots:
     CheckpointManager, which hands it the host copy (`take`)."""
 
     def __init__(self, root: str | Path, rank: int, world_size: int, interval: int | None,
-                 count_background: bool):
+                 count_background: bool, paced: bool = False):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.interval = interval  # None: the time-based default
         self.count_background = count_background  # the write competes with training (CPU): it is a cost too
+        self.paced = paced  # the next snapshot waits for the copies of the last (the pod's agent marks them)
+        self._written_at = 0.0  # time.monotonic() of the newest write's end
         self.dir = own_dir(root, rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         remove_partial(self.dir)  # what a killed writer left (this rank is its directory's only writer)
@@ -88,7 +97,7 @@ class MemorySnapshots:
         candidate = step % self.interval == 0 if self.interval else self._next is not None and step >= self._next
         if not candidate:
             return False
-        busy = self._pending is not None and not self._pending.done()
+        busy = self._pending is not None and not self._pending.done() or self._copies_lag()
         step_time = statistics.median(self._step_times) if self._step_times else 0.0
         cost = self.blocked + (self.write_seconds if self.count_background else 0.0)
         busy_any, cost, step_time = _max_over_ranks([float(busy), cost, step_time])
@@ -99,6 +108,12 @@ class MemorySnapshots:
             every = max(1, math.ceil(cost / (BUDGET * step_time))) if cost and step_time else 1
             self._next = step + every
         return True
+
+    def _copies_lag(self) -> bool:
+        """The newest snapshot written is not yet on the pods that hold its copies (and not for long)."""
+        if not self.paced or self.written is None or time.monotonic() - self._written_at > COPY_PATIENCE:
+            return False
+        return (copied(self.dir) or -1) < self.written
 
     # -- writing --------------------------------------------------------------------------------------
     def take(self, iteration: int, shard: format_sharded.RankShard, common: bytes, rng: bytes,
@@ -122,7 +137,7 @@ class MemorySnapshots:
 
         write_snapshot(self.dir, lambda written: Manifest(iteration, self.rank, self.world_size, written),
                        files, iteration)
-        self.written = iteration
+        self.written, self._written_at = iteration, time.monotonic()
         self.write_seconds = time.perf_counter() - t0
         log.debug("snapshot %s written to %s (%.3fs)", snap_name(iteration), self.dir, self.write_seconds)
         if on_written is not None:
@@ -161,4 +176,4 @@ def open_snapshots(cfg, rank: int, world_size: int) -> MemorySnapshots | None:
         return None
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     return MemorySnapshots(ck.non_persistent_local_ckpt_dir, rank, world_size, ck.non_persistent_save_interval,
-                           count_background=not on_gpu)
+                           count_background=not on_gpu, paced=os.environ.get(COPIES_ENV) == "1")

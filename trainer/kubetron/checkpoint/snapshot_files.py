@@ -37,6 +37,7 @@ from kubetron.contract.recovery import KEEP
 
 OWN, PEERS = "own", "peers"
 MANIFEST = "manifest.json"
+COPIED = "copied"  # in a rank's own directory: the newest iteration its pod's agent sent to every holder
 COMMON_FILE, RNG_FILE = "common.pt", "rng.pt"
 CHUNK = 64 << 20  # bytes per digest: a file's chunks are checked in parallel
 MAX_MANIFEST = 1 << 20  # bytes
@@ -214,6 +215,23 @@ def prune(parent: str | Path, keep: int) -> None:
     """Remove all but the newest `keep` complete snapshots of `parent`."""
     for it in _iterations(Path(parent))[:-keep] if keep else _iterations(Path(parent)):
         _remove(Path(parent, snap_name(it)))
+
+
+def mark_copied(parent: str | Path, iteration: int) -> None:
+    """Record that the snapshot of `iteration` in `parent` went to every pod that holds its copies (written
+    beside, then renamed: a reader sees the old mark or the new)."""
+    tmp = Path(parent, f"{_TEMP_PREFIX}{COPIED}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(str(iteration))
+    os.replace(tmp, Path(parent, COPIED))
+
+
+def copied(parent: str | Path) -> int | None:
+    """The iteration `mark_copied` recorded last in `parent` (None: none, or not a number)."""
+    try:
+        text = Path(parent, COPIED).read_text()[:20]
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def drop_newer(parent: str | Path, iteration: int) -> None:

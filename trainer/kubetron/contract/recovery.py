@@ -24,6 +24,7 @@ REPLICATION_FACTOR_ENV = "KUBETRON_REPLICATION_FACTOR"  # pods holding each pod'
 REPLICATION_JUMP_ENV = "KUBETRON_REPLICATION_JUMP"  # the spacing of those pods
 SNAPSHOT_LIMIT_ENV = "KUBETRON_SNAPSHOT_LIMIT_BYTES"  # the memory volume's size: what the copies there may take
 POD_IP_ENV = "KUBETRON_POD_IP"  # where the other pods reach this pod's agent (the downward API's status.podIP)
+COPIES_ENV = "KUBETRON_PEER_COPIES"  # the agent's, for its ranks: "1" when it copies their snapshots to peers
 POD_ENV = (SNAPSHOT_DIR_ENV, PEER_TOKEN_ENV, REPLICATION_FACTOR_ENV, REPLICATION_JUMP_ENV, SNAPSHOT_LIMIT_ENV,
            POD_IP_ENV)
 """What the operator sets on every pod for the snapshots (a spec.env entry may not override them)."""
