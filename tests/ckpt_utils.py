@@ -128,7 +128,7 @@ def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
 def write_snapshot(parent, iteration: int, rank: int = 0, world: int = 2, payload: bytes = b"x" * 1000):
     """A snapshot of rank `rank` of a gang of `world` in `parent` whose files hold `payload` and a few bytes
     (tests/test_memory_snapshots.py, tests/test_peer_copies.py)."""
-    from kubetron.checkpoint import snapshot_files as sf
+    from kubetron.storage import snapshot_files as sf
 
     def files(w):
         w.write_bytes(f"shards/rank_{rank:05d}.bin", payload)

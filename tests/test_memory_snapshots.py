@@ -9,11 +9,13 @@ import os
 
 import pytest
 from kubetron.checkpoint import gang, snapshot
-from kubetron.checkpoint import snapshot_files as sf
 from kubetron.contract import recovery
 from kubetron.contract.errors import CheckpointError
+from kubetron.storage import snapshot_files as sf
 
 from tests.ckpt_utils import write_snapshot as write
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_snapshot_is_read_only_when_whole_and_unchanged(tmp_path):

@@ -1,4 +1,4 @@
-"""Copies of memory snapshots on peer pods (kubetron.peers, docs/recovery.md), in process: two pods' agents'
+"""Copies of memory snapshots on peer pods (kubetron.supervisor.peers, docs/recovery.md), in process: two pods' agents'
 servers on localhost. A copy arrives whole and checked or not at all; only the job's token reads or writes;
 a pod takes copies only of the ranks it holds copies of, and never more than its memory volume holds."""
 
@@ -9,11 +9,13 @@ import json
 import os
 
 import pytest
-from kubetron import peers
-from kubetron.checkpoint import snapshot_files as sf
 from kubetron.contract.errors import CheckpointError
+from kubetron.storage import snapshot_files as sf
+from kubetron.supervisor import peers
 
 from tests.ckpt_utils import write_snapshot as write
+
+pytestmark = pytest.mark.unit
 
 TOKEN = "job-a-token"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,14 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from kubetron import launch
 from kubetron.contract.recovery import PEER_TOKEN_ENV, POD_IP_ENV, SNAPSHOT_DIR_ENV
+from kubetron.supervisor import launch
 
 from tests.multirank.runner import free_port
 from tests.trainer_utils import HeldReader, pod_env
 
 REPO = Path(__file__).resolve().parents[2]
-LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
 
 def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,

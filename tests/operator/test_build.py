@@ -12,11 +12,14 @@ import jsonschema
 import pytest
 import yaml
 from kubetron.contract import recovery
-from kubetron_operator.build import CONFIG_PATH, build, build_probe_pod, master_addr, rank_command, with_token
+from kubetron_operator.apply import with_token
+from kubetron_operator.build import CONFIG_PATH, build, build_probe_pod, master_addr, rank_command
 from kubetron_operator.model import Job, SpecError
 from kubetron_operator.render import render_file
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
+
+pytestmark = pytest.mark.process
 
 CRD = pathlib.Path(__file__).parents[2] / "crds" / "trainingjob.yaml"
 

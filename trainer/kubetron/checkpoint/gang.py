@@ -2,7 +2,7 @@
 can load from the pods' memory, and loads it as the durable store's sharded checkpoints are loaded.
 
 1. Every rank lists what its pod's memory volume holds that it can serve: its own snapshots, and the copies
-   its pod holds of other pods' ranks (kubetron.peers), each only when its manifest names that rank and this
+   its pod holds of other pods' ranks (kubetron.supervisor.peers), each only when its manifest names that rank and this
    gang's world size. The lists are all-gathered, so every rank computes the same `agree()`: the newest
    iteration for which every rank of the gang has a source, its own snapshot first, else the lowest rank
    whose pod holds a copy. None, or one older than the durable store's newest checkpoint: the store, and
@@ -29,7 +29,10 @@ import torch
 from kubetron.checkpoint import comm
 from kubetron.checkpoint.format_sharded import index_key, shard_key
 from kubetron.checkpoint.layout import COMMON, MAX_INDEX, MAX_SMALL, iter_dir, rng_file
-from kubetron.checkpoint.snapshot_files import (
+from kubetron.contract.errors import CheckpointError
+from kubetron.contract.recovery import MEMORY, PEER, TrainerRecovery
+from kubetron.storage.base import Store
+from kubetron.storage.snapshot_files import (
     COMMON_FILE,
     MANIFEST,
     PEERS,
@@ -42,9 +45,6 @@ from kubetron.checkpoint.snapshot_files import (
     peer_dir,
     snap_name,
 )
-from kubetron.contract.errors import CheckpointError
-from kubetron.contract.recovery import MEMORY, PEER, TrainerRecovery
-from kubetron.storage.base import Store
 
 log = logging.getLogger("kubetron")
 

@@ -3,9 +3,9 @@ state into the pod's memory volume (`checkpoint.non_persistent_ckpt_type: local`
 
 What a rank writes is exactly its part of a sharded checkpoint (format_sharded's pieces: 1/world of the
 replicated tensors, its own ranges of a distributed optimizer) plus the counters, scheduler, data position
-and param groups (`common.pt`) and its RNG states, as snapshot_files lays them out. The loop blocks only for
-the copy into host buffers, the copy an async durable save makes: when a durable save is taken at the same
-iteration, the snapshot is written from that very copy (kubetron.checkpoint.manager).
+and param groups (`common.pt`) and its RNG states, as kubetron.storage.snapshot_files lays them out. The loop
+blocks only for the copy into host buffers, the copy an async durable save makes: when a durable save is taken at
+the same iteration, the snapshot is written from that very copy (kubetron.checkpoint.manager).
 
 When: every `checkpoint.non_persistent_save_interval` iterations, or by default as often as costs at most
 BUDGET of the step time: after each snapshot the next is due after ceil(cost / (BUDGET x step time))
@@ -13,7 +13,7 @@ iterations, where cost is the loop's blocked time (plus, on CPU where the backgr
 the same cores, the write's own time), the largest over the ranks. All ranks snapshot at the same
 iterations (a collective decides at each due step); a write still running on any rank postpones the next.
 So does a snapshot not yet sent to the pods that hold its copies (where the pod's agent copies them,
-KUBETRON_PEER_COPIES; for at most COPY_PATIENCE): a pod keeps only KEEP snapshots of a rank, and the gang can
+`paced`; for at most COPY_PATIENCE): a pod keeps only KEEP snapshots of a rank, and the gang can
 load only an iteration every rank has, its own or a copy, so the copies must not fall behind.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from kubetron.checkpoint import comm, format_sharded
 from kubetron.checkpoint.hostcopy import HostBuffers
-from kubetron.checkpoint.snapshot_files import (
+from kubetron.storage.snapshot_files import (
     COMMON_FILE,
     RNG_FILE,
     Manifest,
@@ -46,7 +45,6 @@ from kubetron.checkpoint.snapshot_files import (
     snap_name,
     write_snapshot,
 )
-from kubetron.contract.recovery import COPIES_ENV
 
 log = logging.getLogger("kubetron")
 
@@ -168,12 +166,13 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
-def open_snapshots(cfg, rank: int, world_size: int) -> MemorySnapshots | None:
+def open_snapshots(cfg, rank: int, world_size: int, paced: bool = False) -> MemorySnapshots | None:
     """This rank's MemorySnapshots when the run takes them (checkpoint.non_persistent_ckpt_type local, and its
-    directory: the config's, else the pod's memory volume, which resolve() fills in), else None."""
+    directory: the config's, else the pod's memory volume, which resolve() fills in), else None. `paced`: each
+    waits for the copies of the last (the pod's agent copies them)."""
     ck = cfg.checkpoint
     if ck.non_persistent_ckpt_type != "local" or not ck.non_persistent_local_ckpt_dir:
         return None
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     return MemorySnapshots(ck.non_persistent_local_ckpt_dir, rank, world_size, ck.non_persistent_save_interval,
-                           count_background=not on_gpu, paced=os.environ.get(COPIES_ENV) == "1")
+                           count_background=not on_gpu, paced=paced)

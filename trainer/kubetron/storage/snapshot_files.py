@@ -1,6 +1,6 @@
 """Memory snapshots as files (docs/recovery.md): where they live, their manifest, how one is made visible whole,
 and how one is opened and checked before anything of it is read. Torch-free: the pod's agent
-(kubetron.peers) lists, checks and copies them without importing torch.
+(kubetron.supervisor.peers) lists, checks and copies them without importing torch.
 
     <root>/own/rank_00003/snap_0000020/       rank 3 of this pod, iteration 20 (<root>: the pod's memory volume)
         shards/rank_00003.bin  .json          its pieces of the sharded checkpoint (format_sharded's files)

@@ -37,11 +37,11 @@ from kubetron.contract.errors import ConfigError
 from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause
 from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.progress import JOB_ID_ENV
-from kubetron.watchdog import Rank, Watchdog, override_from_env, store_from_args
+from kubetron.supervisor.watchdog import Rank, Watchdog, override_from_env, store_from_args
 
 if TYPE_CHECKING:
     from kubetron.compat.torch.elastic import Round
-    from kubetron.peers import Peers
+    from kubetron.supervisor.peers import Peers
 
 FAILURES_FILE = "torchrun-failures.json"  # in the launcher's messages directory (KUBETRON_LAUNCH_MESSAGES)
 NODE_RANK_ENV = "KUBETRON_RDZV_NODE_RANK"  # set by the launcher with a c10d rendezvous: this node's group rank
@@ -97,7 +97,7 @@ class Recovery:
 
     def __init__(self, dog: Watchdog | None = None, peers: Peers | None = None) -> None:
         self.dog = dog
-        self.peers = peers  # the memory snapshots' copies on other pods (kubetron.peers)
+        self.peers = peers  # the memory snapshots' copies on other pods (kubetron.supervisor.peers)
 
     def before_start(self, local_ranks: list[int]) -> None:
         if self.dog is None:
@@ -181,8 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    from kubetron import peers
     from kubetron.compat.torch import elastic
+    from kubetron.supervisor import peers
 
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     copies = peers.from_env(os.environ, int(str(args.nnodes).rpartition(":")[2]))

@@ -38,7 +38,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kubetron.checkpoint.snapshot_files import (
+from kubetron.contract import recovery
+from kubetron.contract.errors import CheckpointError
+from kubetron.storage.snapshot_files import (
     MAX_MANIFEST,
     Manifest,
     OpenSnapshot,
@@ -53,8 +55,6 @@ from kubetron.checkpoint.snapshot_files import (
     snap_name,
     write_snapshot,
 )
-from kubetron.contract import recovery
-from kubetron.contract.errors import CheckpointError
 
 log = logging.getLogger("kubetron.peers")
 
