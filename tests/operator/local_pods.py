@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,43 @@ from kubetron.contract import recovery
 from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
 
-from tests.kube.cluster import Api, ApiError, pod_path, set_exited, set_running
+from tests.kube.cluster import Api, ApiError, Kubelet, pod_path, set_exited, set_running, wait_for
 from tests.trainer_utils import ITER_RE, TINY, HeldReader
+
+POOL = "kubetron.dev/test-pool"  # the label of the Nodes a job's pods are pinned to (one pod each)
+
+
+@contextlib.contextmanager
+def pool(api: Api, ns: str, size: int, timeout: float = 300.0) -> Iterator[tuple[str, ...]]:
+    """`size` Nodes with room for one pod (1 CPU) each, labelled and tainted for `ns`'s pods alone (`pinned`);
+    yields their names once they are schedulable."""
+    names = tuple(f"{ns}-{chr(ord('a') + i)}" for i in range(size))
+    nodes = [Kubelet(api, name=name, cpu="1", gpus=0) for name in names]
+    try:
+        for node in nodes:
+            node.finish_deletions = False  # the ProcessKubelet's, once the containers stopped
+            node.start()
+            api.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}, "spec": {
+                "taints": [{"key": POOL, "value": ns, "effect": "NoSchedule"}]}})  # no other job's pods
+        # A new Node may carry the node controller's not-ready taint for a few seconds (longer on a loaded
+        # machine): a pod the scheduler finds no room for in that time would shrink an elastic job at its start.
+        wait_for("the Nodes schedulable", lambda: all(only_pool_taint(api, name) for name in names), timeout)
+        yield names
+    finally:
+        for node in nodes:
+            node.stop()
+            api.delete(f"/api/v1/nodes/{node.name}", ok=(404,))
+
+
+def pinned(ns: str) -> dict[str, Any]:
+    """The spec that puts a job's pods on the Nodes of `pool(api, ns, ...)`, one pod per Node."""
+    return {"resources": {"requests": {"cpu": "1"}},
+            "scheduling": {"nodeSelector": {POOL: ns}, "tolerations": [{"key": POOL, "operator": "Exists"}]}}
+
+
+def only_pool_taint(api: Api, node: str) -> bool:
+    spec = api.get(f"/api/v1/nodes/{node}").get("spec", {})
+    return not spec.get("unschedulable") and [t["key"] for t in spec.get("taints") or []] == [POOL]
 
 
 def expand(text: str, env: dict[str, str]) -> str:

@@ -13,7 +13,6 @@ uninterrupted run's). The store's checkpoints are far apart (every 500): only me
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -21,13 +20,12 @@ import time
 import pytest
 from kubetron.storage import snapshot_files as sf
 
-from tests.kube.cluster import Kubelet, free_port, pod_path
+from tests.kube.cluster import free_port, pod_path
 from tests.operator.jobs import PVC_JOB, job_body
-from tests.operator.local_pods import ProcessKubelet, pvc, tiny_config
+from tests.operator.local_pods import ProcessKubelet, pinned, pool, pvc, tiny_config
 from tests.trainer_utils import ITER_RE, LOSS_RE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
-POOL = "kubetron.dev/test-pool"
 RANK1 = "gpt-1-1"  # attempt 1's pod 1
 
 
@@ -52,24 +50,6 @@ def ran_again_the_same(lines: list[str], resumed: int, reached: int) -> None:
     assert set(range(resumed + 1, reached + 1)) <= again, (resumed, reached, sorted(again))
 
 
-@contextlib.contextmanager
-def nodes(kube, ns: str):
-    """Two Nodes with room for one pod each (1 CPU), labelled and tainted for `ns`'s pods alone."""
-    names = (f"{ns}-a", f"{ns}-b")
-    kubelets = [Kubelet(kube.admin, name=name, cpu="1", gpus=0) for name in names]
-    try:
-        for k in kubelets:
-            k.finish_deletions = False  # the ProcessKubelet's, once the containers stopped
-            k.start()
-            kube.admin.patch(f"/api/v1/nodes/{k.name}", {"metadata": {"labels": {POOL: ns}}, "spec": {
-                "taints": [{"key": POOL, "value": ns, "effect": "NoSchedule"}]}})
-        yield names
-    finally:
-        for k in kubelets:
-            k.stop()
-            kube.admin.delete(f"/api/v1/nodes/{k.name}", ok=(404,))
-
-
 def test_a_killed_rank_resumes_from_memory_and_a_lost_pod_from_its_peers_copy(kube, kube_ns, tmp_path):
     ns, api = kube_ns, kube.admin
     store = tmp_path / "pvc"
@@ -78,12 +58,10 @@ def test_a_killed_rank_resumes_from_memory_and_a_lost_pod_from_its_peers_copy(ku
     body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=500),
                     storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=free_port(), masterPort=free_port(), maxInPlaceRestarts=3,
-                    overrides=["checkpoint.non_persistent_save_interval=3"],
-                    resources={"requests": {"cpu": "1"}, "limits": {"memory": "8Gi"}},
-                    scheduling={"nodeSelector": {POOL: ns}, "tolerations": [{"key": POOL, "operator": "Exists"}]})
+                    overrides=["checkpoint.non_persistent_save_interval=3"], **pinned(ns))
     body["metadata"] = {"name": "gpt"}
     t_start = time.monotonic()
-    with nodes(kube, ns) as names, kube.operator(ns), ProcessKubelet(api, ns, tmp_path / "pods", nodes=names) as pods:
+    with pool(api, ns, 2) as names, kube.operator(ns), ProcessKubelet(api, ns, tmp_path / "pods", nodes=names) as pods:
         api.create(kube.jobs(ns), body)
 
         def logged(name: str) -> list[str]:
