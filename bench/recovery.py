@@ -40,9 +40,9 @@ it is uncordoned: seconds to the first step at 2 nodes.
 model widened so that a rank's state is about MB megabytes (kubetron plan's estimate): rank 1's trainer
 SIGKILLed, then (another job) pod 1 deleted at once (grace 0, as a lost node leaves it), each with
 spec.memorySnapshots on (in place from memory; the pod replaced in its attempt, from pod 0's copy) and off
-(in place from the store; a new attempt from the store). Per run: seconds from the kill (deletion) to the next
-iteration rank 1 logs, status.lastRecovery's loadedFrom, and the iterations lost (reached at the kill less
-the one resumed from).
+(in place from the store; a new attempt from the store). Per run: seconds from the kill (deletion) to rank 1's
+line of the first iteration after the one resumed from, status.lastRecovery's loadedFrom, and the iterations
+lost (reached at the kill less the one resumed from). Snapshots off means no non-persistent checkpoints at all.
 
 `--imports N`: the import of megatron-core as it is, vs as the run's setup imports it
 (kubetron.compat.megatron_core.install) with wandb run at import (as before lazy wandb) and now, N
@@ -374,7 +374,7 @@ MEMORY_SAVE_INTERVAL, SNAPSHOT_INTERVAL = 20, 3  # the store's checkpoints; snap
 class FromWhere:
     scenario: str  # "a rank SIGKILLed" | "a pod deleted"
     snapshots: bool  # spec.memorySnapshots.enabled
-    seconds: float  # kill (deletion) -> the next iteration rank 1 logs
+    seconds: float  # kill (deletion) -> rank 1's line of the first iteration after the one resumed from
     loaded_from: str  # status.lastRecovery.loadedFrom
     kind: str  # status.lastRecovery.kind
     lost: int  # iterations run again: rank 1's newest at the kill less the one resumed from
@@ -404,7 +404,8 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
     body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=MEMORY_SAVE_INTERVAL),
                     storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=cluster.free_port(), masterPort=cluster.free_port(), maxInPlaceRestarts=3,
-                    overrides=[*overrides, f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"],
+                    overrides=[*overrides, *([f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"]
+                                             if snapshots else [])],  # off: no non-persistent checkpoints at all
                     memorySnapshots={"enabled": snapshots}, **pinned(ns))
     body["metadata"] = {"name": "gpt"}
     with pool(env.admin, ns, 2) as names, env.operator(ns), \
@@ -421,13 +422,17 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
         else:
             env.admin.request("DELETE", cluster.pod_path(ns, "gpt-1-1"), {"gracePeriodSeconds": 0}, ok=(200, 404))
 
-        def next_iteration() -> float | None:
-            return min((t for c in list(node.containers.values()) for t, line in list(c.stamped)
-                        if t > killed and ITER_RE.search(line)), default=None)
-
-        arrived = wait("rank 1's next iteration", next_iteration, node)
         last = wait("status.lastRecovery", lambda: ((env.job(ns, "gpt") or {}).get("status") or {}).get(
             "lastRecovery"), node)
+
+        def next_iteration() -> float | None:
+            """When rank 1's line of the iteration after the one resumed from arrived (lines the killed process
+            logged before the kill may arrive after it: they are not this one)."""
+            return min((t for c in list(node.containers.values()) for t, line in list(c.stamped)
+                        if t > killed and (m := ITER_RE.search(line)) and int(m.group(1)) == last["iteration"] + 1),
+                       default=None)
+
+        arrived = wait("rank 1's first iteration after the recovery", next_iteration, node)
     return FromWhere(scenario, snapshots, arrived - killed, last["loadedFrom"], last["kind"],
                      reached - last["iteration"])
 
