@@ -36,6 +36,14 @@ Elastic (spec.minNodes, docs/elastic.md): a `nodes: 2, minNodes: 1` job on two N
 pod each; one Node is drained (cordoned, its pod evicted): seconds to the first step at 1 node; then
 it is uncordoned: seconds to the first step at 2 nodes.
 
+`--memory MB`: instead, memory snapshots (docs/recovery.md) against the store, side by side in one run, the
+model widened so that a rank's state is about MB megabytes (kubetron plan's estimate): rank 1's trainer
+SIGKILLed, then (another job) pod 1 deleted at once (grace 0, as a lost node leaves it), each with
+spec.memorySnapshots on (in place from memory; the pod replaced in its attempt, from pod 0's copy) and off
+(in place from the store; a new attempt from the store). Per run: seconds from the kill (deletion) to rank 1's
+line of the first iteration after the one resumed from, status.lastRecovery's loadedFrom, and the iterations
+lost (reached at the kill less the one resumed from). Snapshots off means no non-persistent checkpoints at all.
+
 `--imports N`: the import of megatron-core as it is, vs as the run's setup imports it
 (kubetron.compat.megatron_core.install) with wandb run at import (as before lazy wandb) and now, N
 alternating fresh processes each (median seconds).
@@ -58,6 +66,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -66,10 +76,10 @@ from kubetron.supervisor import startup  # noqa: E402
 from kubetron.supervisor.progress_io import summarize  # noqa: E402
 
 from tests.kube import cluster  # noqa: E402
-from tests.kube.cluster import Kubelet  # noqa: E402
 from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
 from tests.operator.jobs import PVC_JOB, job_body  # noqa: E402
-from tests.operator.local_pods import Container, ProcessKubelet, pvc, tiny_config  # noqa: E402
+from tests.operator.local_pods import Container, ProcessKubelet, pinned, pool, pvc, tiny_config  # noqa: E402
+from tests.trainer_utils import ITER_RE  # noqa: E402
 
 IN_PLACE, RECREATE, HANG = "in place", "recreate", "hang"
 MODES = (IN_PLACE, RECREATE, HANG)
@@ -82,7 +92,6 @@ OUTSIDE = ("detect", DETECTED, STOPPED, "operator deletes the gang", "old pods g
            "new pods created + bound", "to trainer process start")
 PHASES = OUTSIDE + startup.PHASES
 TIMEOUT = 300.0
-POOL = "kubetron.dev/recovery-pool"  # the label of the Nodes a run's pods are pinned to (one pod each)
 
 
 @dataclass
@@ -125,7 +134,7 @@ def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int, hang_tim
                     maxInPlaceRestarts=0 if mode == RECREATE else 3, terminationGracePeriodSeconds=30,
                     **pinned(ns), **spec)
     body["metadata"] = {"name": "gpt"}
-    with pool(env, ns, 2) as names, env.operator(ns), BackoffWatch(env, ns) as backoff, \
+    with pool(env.admin, ns, 2) as names, env.operator(ns), BackoffWatch(env, ns) as backoff, \
             ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as node:
         env.admin.create(env.jobs(ns), body)
         rank1 = wait("rank 1 mid-interval after a durable checkpoint",
@@ -143,34 +152,6 @@ def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int, hang_tim
             outside = in_place_phases(node, killed, arrived - total, hung=mode == HANG)
         lines = [f"--- {name}\n" + "".join(c.lines) for name, c in node.containers.items()]
     return Recovery(mode, {**outside, **trainer}, arrived - killed, first, reached, durable, lines)
-
-
-def pinned(ns: str) -> dict:
-    """The spec that puts a job's pods on the Nodes of `pool(env, ns, ...)`, one pod per Node."""
-    return {"resources": {"requests": {"cpu": "1"}},
-            "scheduling": {"nodeSelector": {POOL: ns}, "tolerations": [{"key": POOL, "operator": "Exists"}]}}
-
-
-@contextlib.contextmanager
-def pool(env: KubeEnv, ns: str, size: int):
-    """`size` Nodes with room for one pod (1 CPU) each, labelled and tainted for `ns`'s pods alone; yields
-    their names."""
-    names = tuple(f"{ns}-{chr(ord('a') + i)}" for i in range(size))
-    nodes = [Kubelet(env.admin, name=name, cpu="1", gpus=0) for name in names]
-    try:
-        for node in nodes:
-            node.finish_deletions = False  # the ProcessKubelet's, once the containers stopped
-            node.start()
-            env.admin.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}, "spec": {
-                "taints": [{"key": POOL, "value": ns, "effect": "NoSchedule"}]}})  # no other job's pods
-        # A new Node may carry the node controller's not-ready taint for a few seconds (longer on a loaded
-        # machine): a pod the scheduler finds no room for in that time would shrink an elastic job at its start.
-        cluster.wait_for("the Nodes schedulable", lambda: all(only_pool_taint(env, name) for name in names), TIMEOUT)
-        yield names
-    finally:
-        for node in nodes:
-            node.stop()
-            env.admin.delete(f"/api/v1/nodes/{node.name}", ok=(404,))
 
 
 def last_checkpoint(store: Path) -> int:
@@ -267,7 +248,8 @@ def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str
                     statusPort=cluster.free_port(), masterPort=cluster.free_port(), terminationGracePeriodSeconds=30,
                     **pinned(ns))
     body["metadata"] = {"name": "gpt"}
-    with pool(env, ns, 2) as names, env.operator(ns), ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
+    with pool(env.admin, ns, 2) as names, env.operator(ns), \
+            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
         env.admin.create(env.jobs(ns), body)
         wait("rank 1 mid-interval after a durable checkpoint",
              lambda: mid_interval(newest_rank_1(pods), store / "gpt", save_interval), pods)
@@ -279,11 +261,6 @@ def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str
         grown = training_at(env, ns, pods, 2, back)
     return {"capacity gone -> training at 1 of 2 nodes": shrunk - gone,
             "capacity back -> training at 2 nodes": grown - back}
-
-
-def only_pool_taint(env: KubeEnv, node: str) -> bool:
-    spec = env.admin.get(f"/api/v1/nodes/{node}").get("spec", {})
-    return not spec.get("unschedulable") and [t["key"] for t in spec.get("taints") or []] == [POOL]
 
 
 def drain(env: KubeEnv, ns: str, node: str) -> None:
@@ -390,6 +367,102 @@ def side_by_side(env: KubeEnv, workdir: Path, save_interval: int, repeats: int,
         return [m.result() for m in modes], elastic.result()
 
 
+MEMORY_SAVE_INTERVAL, SNAPSHOT_INTERVAL = 20, 3  # the store's checkpoints; snapshots (non_persistent_save_interval)
+
+
+@dataclass
+class FromWhere:
+    scenario: str  # "a rank SIGKILLed" | "a pod deleted"
+    snapshots: bool  # spec.memorySnapshots.enabled
+    seconds: float  # kill (deletion) -> rank 1's line of the first iteration after the one resumed from
+    loaded_from: str  # status.lastRecovery.loadedFrom
+    kind: str  # status.lastRecovery.kind
+    lost: int  # iterations run again: rank 1's newest at the kill less the one resumed from
+
+
+def widened(mb: float) -> tuple[list[str], float]:
+    """Overrides of tiny_config's model giving about `mb` MB of state per rank at 2 ranks, and the bytes
+    (kubetron plan's estimate, the operator's for the memory volume)."""
+    from kubetron.config import ConfigContainer
+    from kubetron.contract.config import apply_overrides
+    from kubetron.contract.plan import snapshot_bytes
+
+    base = yaml.safe_load(tiny_config())
+    for hidden in range(32, 4097, 32):
+        overrides = [f"model.hidden_size={hidden}", "model.num_layers=2", "model.num_attention_heads=4"]
+        got = snapshot_bytes(ConfigContainer.from_dict(apply_overrides(base, overrides)), 2)
+        if got >= mb * 1e6:
+            return overrides, got
+    raise SystemExit(f"--memory {mb}: wider than this bench goes")
+
+
+def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, overrides: list[str]) -> FromWhere:
+    ns = env.namespace("memory")
+    store = workdir / ns / "pvc"
+    store.mkdir(parents=True)
+    pvc(env, ns, store)
+    body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=MEMORY_SAVE_INTERVAL),
+                    storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
+                    statusPort=cluster.free_port(), masterPort=cluster.free_port(), maxInPlaceRestarts=3,
+                    overrides=[*overrides, *([f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"]
+                                             if snapshots else [])],  # off: no non-persistent checkpoints at all
+                    memorySnapshots={"enabled": snapshots}, **pinned(ns))
+    body["metadata"] = {"name": "gpt"}
+    with pool(env.admin, ns, 2) as names, env.operator(ns), \
+            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as node:
+        env.admin.create(env.jobs(ns), body)
+        rank1 = wait("rank 1 mid-interval after a durable checkpoint", lambda: mid_interval(
+            node.containers.get("gpt-1-1"), store / "gpt", MEMORY_SAVE_INTERVAL), node)
+        if snapshots:
+            wait("a copy of rank 1's snapshot on pod 0", lambda: list((node.containers["gpt-1-0"].memory / "peers")
+                                                                       .glob("rank_00001/snap_*")), node)
+        reached, killed = rank1.last_iteration(), time.time()
+        if scenario == "a rank SIGKILLed":
+            os.kill(rank1.trainer_pid(), signal.SIGKILL)
+        else:
+            env.admin.request("DELETE", cluster.pod_path(ns, "gpt-1-1"), {"gracePeriodSeconds": 0}, ok=(200, 404))
+
+        last = wait("status.lastRecovery", lambda: ((env.job(ns, "gpt") or {}).get("status") or {}).get(
+            "lastRecovery"), node)
+
+        def next_iteration() -> float | None:
+            """When rank 1's line of the iteration after the one resumed from arrived (lines the killed process
+            logged before the kill may arrive after it: they are not this one)."""
+            return min((t for c in list(node.containers.values()) for t, line in list(c.stamped)
+                        if t > killed and (m := ITER_RE.search(line)) and int(m.group(1)) == last["iteration"] + 1),
+                       default=None)
+
+        arrived = wait("rank 1's first iteration after the recovery", next_iteration, node)
+    return FromWhere(scenario, snapshots, arrived - killed, last["loadedFrom"], last["kind"],
+                     reached - last["iteration"])
+
+
+def memory_vs_store(env: KubeEnv, workdir: Path, mb: float) -> tuple[list[FromWhere], float]:
+    overrides, state = widened(mb)
+    runs = []
+    for scenario in ("a rank SIGKILLed", "a pod deleted"):
+        for snapshots in (True, False):
+            runs.append(from_where(env, workdir, scenario, snapshots, overrides))
+            r = runs[-1]
+            print(f"{r.scenario}, snapshots {'on' if r.snapshots else 'off'}: {r.seconds:.2f} s, {r.kind} from "
+                  f"{r.loaded_from}, {r.lost} iterations lost", flush=True)
+    return runs, state
+
+
+def memory_table(runs: list[FromWhere], state: float) -> str:
+    rows = [f"state per rank {state / 1e6:.1f} MB (kubetron plan's estimate), 2 pods x 1 rank on CPU, store: a "
+            f"PVC directory, checkpoint every {MEMORY_SAVE_INTERVAL}, snapshot every {SNAPSHOT_INTERVAL}, rank 1 "
+            f"killed {MEMORY_SAVE_INTERVAL // 2} past a checkpoint; load average {os.getloadavg()[0]:.1f} on "
+            f"{os.cpu_count()} cores",
+            "| scenario | from memory / peer | from the store (snapshots off) |", "|---|---|---|"]
+    for scenario in ("a rank SIGKILLed", "a pod deleted"):
+        on, off = ([r for r in runs if r.scenario == scenario and r.snapshots is s][0] for s in (True, False))
+        rows.append(f"| {scenario} -> next iteration | {on.seconds:.1f} s ({on.loaded_from}) | {off.seconds:.1f} s "
+                    f"({off.loaded_from}, {off.kind}) |")
+        rows.append(f"| {scenario}: iterations lost | {on.lost} | {off.lost} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
@@ -400,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-interval", type=int, default=4, help="iterations between checkpoints (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="also write the runs and the table here")
     p.add_argument("--logs", type=Path, default=None, help="write each run's pod logs into this directory")
+    p.add_argument("--memory", type=float, default=None, metavar="MB",
+                   help="only memory snapshots against the store, a rank's state about MB megabytes")
     p.add_argument("--hang-timeout", type=int, default=None,
                    help="spec.hangTimeoutSeconds of the hang run (default: unset, the trainer's own rule, 45 s for "
                         "the tiny GPT; --quick: 10)")
@@ -407,6 +482,20 @@ def main(argv: list[str] | None = None) -> int:
     hang_timeout = args.hang_timeout if args.hang_timeout is not None or not args.quick else 10
     repeats = 1 if args.quick else args.repeats
     rounds = args.imports if args.imports is not None else 1 if args.quick else 5
+
+    if args.memory is not None:
+        with tempfile.TemporaryDirectory(prefix="kubetron-recovery-", ignore_cleanup_errors=True) as tmp:
+            cp, env, kubelet = start_env(Path(tmp) / "kube")
+            kubelet.finish_deletions = False
+            try:
+                memory_runs, state = memory_vs_store(env, Path(tmp), args.memory)
+            finally:
+                kubelet.stop()
+                cp.stop()
+        print("\n" + memory_table(memory_runs, state))
+        if args.json:
+            args.json.write_text(json.dumps({"memory": [asdict(r) for r in memory_runs], "state": state}, indent=1))
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="kubetron-recovery-", ignore_cleanup_errors=True) as tmp:
         workdir = Path(tmp)

@@ -123,3 +123,17 @@ def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
                              train_state=state.train_state, run_id="interop", load_hf=first_weights.load_hf)
     return model, ckpt
+
+
+def write_snapshot(parent, iteration: int, rank: int = 0, world: int = 2, payload: bytes = b"x" * 1000):
+    """A snapshot of rank `rank` of a gang of `world` in `parent` whose files hold `payload` and a few bytes
+    (tests/test_memory_snapshots.py, tests/test_peer_copies.py)."""
+    from kubetron.storage import snapshot_files as sf
+
+    def files(w):
+        w.write_bytes(f"shards/rank_{rank:05d}.bin", payload)
+        w.write_bytes(f"shards/rank_{rank:05d}.json", b'{"pieces": [], "values": {}}')
+        w.write_bytes(sf.COMMON_FILE, b"common")
+        w.write_bytes(sf.RNG_FILE, b"rng")
+
+    return sf.write_snapshot(parent, lambda written: sf.Manifest(iteration, rank, world, written), files, iteration)

@@ -28,7 +28,6 @@ TRAINER_ORDER = (
     "checkpoint",  # the on-store format, the formats, the manager: handed what it loads, never the trainer's
     "hf",  # Hugging Face import/export: reads and writes checkpoints, converts weights
     "training",  # model, loop, evaluation, and the run built from everything below
-    "plan",  # the memory estimate and layout search
     "launch",  # `python -m kubetron.launch`, the pod's command (the launcher is supervisor's)
     "client", "client_cli", "cli", "__main__",  # the commands
 )

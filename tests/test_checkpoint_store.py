@@ -168,8 +168,13 @@ def test_resume_takes_the_newest_of_persistent_and_non_persistent(reference, tmp
     with pytest.raises(SaveStopped):
         drive(tmp_path, *overrides(str(store), tmp_path / "tb", *extra),
               driver=Driver().stop_save_at("after-payload", 20))
-    np_dir = store / "non_persistent" if kind == "global" else tmp_path / "local" / "rank_00000"
-    assert sorted(d.name for d in np_dir.iterdir() if d.name.startswith("iter_")) == ["iter_0000015"]
+    if kind == "global":
+        np_dir = store / "non_persistent"
+        assert sorted(d.name for d in np_dir.iterdir() if d.name.startswith("iter_")) == ["iter_0000015"]
+    else:  # snapshots in memory: at most two, the newest two (docs/recovery.md)
+        snaps = tmp_path / "local" / "own" / "rank_00000"
+        assert sorted(d.name for d in snaps.iterdir() if d.name.startswith("snap_")) == ["snap_0000010",
+                                                                                          "snap_0000015"]
     resume(tmp_path, str(store), reference, 15, *extra)
 
 

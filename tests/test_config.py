@@ -289,6 +289,21 @@ def test_non_persistent_defaults():
     cfg = make(checkpoint={"save": "x", "non_persistent_save_interval": 5})
     cfg.finalize(environ={}, check_paths=False)
     assert cfg.checkpoint.non_persistent_ckpt_type == "global"
+    # in a pod with a memory volume: snapshots there, at the interval given or by the default schedule
+    for checkpoint in ({"save": "x", "non_persistent_save_interval": 5}, {"save": "x"}):
+        cfg = make(checkpoint=checkpoint)
+        cfg.finalize(environ={"KUBETRON_SNAPSHOT_DIR": "/mem"}, check_paths=False)
+        assert (cfg.checkpoint.non_persistent_ckpt_type, cfg.checkpoint.non_persistent_local_ckpt_dir) == (
+            "local", "/mem")
+    # not where the user chose otherwise, nor where snapshots cannot be made (they hold the sharded pieces)
+    for checkpoint in ({"save": "x", "non_persistent_ckpt_type": "global", "non_persistent_save_interval": 5},
+                       {"save": "x", "ckpt_format": "kubetron"}):
+        cfg = make(checkpoint=checkpoint)
+        cfg.finalize(environ={"KUBETRON_SNAPSHOT_DIR": "/mem"}, check_paths=False)
+        assert cfg.checkpoint.non_persistent_local_ckpt_dir is None
+    with pytest.raises(ConfigError, match="checkpoint.non_persistent_ckpt_type: local snapshots hold the sharded"):
+        make(checkpoint={"non_persistent_ckpt_type": "local", "non_persistent_local_ckpt_dir": "/m",
+                         "ckpt_format": "kubetron"}).finalize(environ={}, check_paths=False)
 
 
 def test_profiling_output_dir():

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from kubetron.contract import exitcodes
 from kubetron.contract import progress as progress_log
+from kubetron.contract.recovery import REPLICATION_FACTOR_ENV
 from kubetron.supervisor import launch
 
-from tests.multirank.launchers import collect, finish, run_to_end, start_pods, trainer_pid
+from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods, trainer_pid
 from tests.trainer_utils import LOSS_RE, QUICK, TINY, iteration_at_least
 
 pytestmark = pytest.mark.process
@@ -37,13 +38,19 @@ def repeated(seen: list[tuple[int, str]]) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, nproc", [(2, 1), (1, 2)], ids=["2 pods x 1 rank", "1 pod x 2 ranks"])
-def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path, nodes, nproc):
+@pytest.mark.parametrize("nodes, nproc, memory", [(2, 1, True), (1, 2, False)],
+                         ids=["2 pods x 1 rank, snapshots in memory", "1 pod x 2 ranks, the store"])
+def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_path, nodes, nproc, memory):
+    """With a memory volume per pod (docs/recovery.md) the gang resumes from the newest snapshot there (every
+    3 iterations), newer than the store's (every 10); without, from the store. The pods keep their snapshots to
+    themselves (replication factor 1): a restart in place needs no copy, and copies pace the snapshots (a loaded
+    machine's slow copies would leave none between the store's 10 and the kill)."""
     store = tmp_path / "ckpt"
+    snapshots = ["checkpoint.non_persistent_save_interval=3"] if memory else []
     pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=100",
-                                 "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10",
+                                 "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10", *snapshots,
                                  f"checkpoint.save={store}", f"checkpoint.load={store}"],  # as the operator sets them
-                      nodes=nodes, nproc=nproc)
+                      nodes=nodes, nproc=nproc, memory=memory, **{REPLICATION_FACTOR_ENV: "1"})
     launchers = [p.pid for p in pods]
     outs: list[list[str]] = [[] for _ in pods]
     out_last = outs[-1]  # the last rank logs the iterations
@@ -76,7 +83,11 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     again = repeated(seen)
     assert len(again) == 1, seen
     resumed_at = seen[again[0]][0]
-    assert resumed_at % 10 == 1 and resumed_at > 10, seen
+    if memory:  # a snapshot (every 3), no older than the store's newest checkpoint (every 10; the kill is at 15+)
+        assert (resumed_at - 1) % 3 == 0 and resumed_at > 10, seen
+        assert f"resumed from the memory snapshot at iteration {resumed_at - 1} (every rank from its own pod" in log
+    else:
+        assert resumed_at % 10 == 1 and resumed_at > 10, seen
     first, second = dict(seen[:again[0]]), dict(seen[again[0]:])
     assert {it: first[it] for it in second if it in first} == {it: second[it] for it in second if it in first}, seen
     assert max(second) == 100
@@ -154,3 +165,53 @@ def test_which_ends_are_restarted_in_place(ends, expected):
     failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
                 for rank, code in enumerate(ends)}
     assert torchrun.restartable(failures) is expected
+
+
+@pytest.mark.slow
+def test_a_lost_pods_replacement_resumes_from_its_peers_copy(tmp_path):
+    """Two pods with memory volumes: pod 1 is lost whole (every process SIGKILLed, its volume gone) after its
+    agent sent its newest snapshot to pod 0's. A new pod 1 joins pod 0's next rendezvous round; the gang
+    resumes from that snapshot, rank 1's from pod 0's copy (docs/recovery.md), to the same losses."""
+    from kubetron.storage import snapshot_files as sf
+
+    store = tmp_path / "ckpt"
+    args = ["train", "--config", TINY, *QUICK, "train.train_iters=100", "scheduler.lr_warmup_iters=1",
+            "checkpoint.save_interval=50", "checkpoint.non_persistent_save_interval=3",
+            f"checkpoint.save={store}", f"checkpoint.load={store}"]
+    pods = start_pods(tmp_path, args, memory=True)
+    port = _env_of(pods[0])["MASTER_PORT"]
+    outs: list[list[str]] = [[], []]
+    readers = [collect(pod, out, hold_at=iteration_at_least(15, LOSS_RE) if pod is pods[1] else None)
+               for pod, out in zip(pods, outs, strict=True)]
+    copies = sf.peer_dir(tmp_path / "pod0" / "memory", 1)
+    with readers[1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
+        deadline = time.monotonic() + 60
+        while not sf.iterations(copies):  # pod 0 holds a copy of pod 1's snapshot (paced to the copies: one of 3+)
+            assert time.monotonic() < deadline, "".join(sum(outs, []))[-4000:]
+            time.sleep(0.05)
+        held = sf.iterations(copies)[-1]
+        kill_pod(pods[1])
+    readers[1].join(timeout=10)
+    lost = tmp_path / "pod1"
+    lost.rename(tmp_path / "lost-pod1")  # its memory volume goes with it
+    pods[1] = start_pod(lost, args, 1, port, memory=True)
+    new_out: list[str] = []
+    readers.append(collect(pods[1], new_out))
+    codes = finish(pods, timeout=300)
+    for r in readers:
+        r.join(timeout=10)
+    log = "".join(outs[0]) + "\n----- new pod 1 -----\n" + "".join(new_out)
+    assert codes == [0, 0], log[-6000:]
+    assert "from copies on other pods" in log and "ranks 1 from copies" in log, log[-6000:]
+    before, after = dict(losses(outs[1])), dict(losses(new_out))
+    resumed_at = min(after)
+    # a snapshot (every 3, the store has nothing before 50), no older than the copy pod 0 held at the kill
+    assert resumed_at - 1 >= held and (resumed_at - 1) % 3 == 0 and max(after) == 100, sorted(after)
+    assert {it: after[it] for it in before if it in after} == {it: before[it] for it in before if it in after}
+    assert set(before) & set(after), (sorted(before), sorted(after))  # some iterations ran on both sides of the loss
+
+
+def _env_of(pod) -> dict:
+    import psutil
+
+    return psutil.Process(pod.pid).environ()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kubetron.contract.config import GPTModelConfig
 from kubetron.contract.errors import ConfigError
-from kubetron.plan import GIB, Shape, make_plan, parse_memory
+from kubetron.contract.plan import GIB, Shape, make_plan, parse_memory
 
 from tests.inprocess import ensure_world_of_one, in_process_config
 
@@ -208,9 +208,9 @@ def test_moe_estimate_matches_the_bytes_measured_on_cpu(moe, extra):
 def test_dropout_masks_are_counted(shape, monkeypatch):
     """Hidden dropout keeps a mask per dropout (embedding, after attention, after the MLP). CUDA keeps it as
     bool (plan's 1 byte), torch on CPU in the compute dtype: the measurement here counts 4 bytes."""
-    import kubetron.plan
+    import kubetron.contract.plan
 
-    monkeypatch.setattr(kubetron.plan, "DROPOUT_MASK_BYTES", 4)
+    monkeypatch.setattr(kubetron.contract.plan, "DROPOUT_MASK_BYTES", 4)
     without, cfg = measure(*SHAPES[shape])
     estimate_without = make_plan(cfg, world_size=1).stage.activations
     with_dropout, cfg = measure(*SHAPES[shape], "model.hidden_dropout=0.1")
@@ -287,7 +287,7 @@ def test_qwen3_recipes_count_the_published_parameters():
 
     import yaml
     from kubetron.config import ConfigContainer
-    from kubetron.plan import Shape, total_params
+    from kubetron.contract.plan import Shape, total_params
 
     for model in ("qwen3-8b", "qwen3-32b"):
         data = yaml.safe_load((REPO / "recipes" / f"{model}-pretrain.yaml").read_text())
@@ -444,7 +444,7 @@ def test_plan_search_prints_the_smallest_layout_that_fits():
     which the estimate fits; every smaller GPU count has no layout that fits, and the layout printed is what
     `plan` itself says fits."""
     from kubetron.config import ConfigContainer
-    from kubetron.plan import gpu_counts, search
+    from kubetron.contract.plan import gpu_counts, search
 
     path = str(REPO / "recipes" / "llama3.1-70b-pretrain.yaml")
     out = _plan(path, "--nodes", "8", "--gpus-per-node", "8", "--search")

@@ -454,6 +454,7 @@ def test_status_server_serves_updates():
             "trainerTime": None,  # a server without the trainer's clock
             "checkpointSaveSeconds": None,
             "checkpointBlockedSeconds": None,
+            "recovery": None,  # how the run resumed (memory, peer, store): not yet
         }
         server.update(iteration=12, trainIters=40, consumedSamples=96, tokensPerSecond=1234.5)
         server.update(etaSeconds=30.2, lastCheckpoint={"iteration": 10, "time": "2026-11-22T12:00:09Z"})
@@ -477,6 +478,7 @@ def test_status_server_serves_updates():
             "trainerTime": None,
             "checkpointSaveSeconds": None,
             "checkpointBlockedSeconds": None,
+            "recovery": None,
         }
         server.update(iteration=13, etaSeconds=float("nan"))
         status = json.loads(get(base + "/status?x=1")[1])

@@ -62,7 +62,8 @@ def _calls(group: str, resource: str, *verbs: str) -> set[Call]:
 OPERATOR_CALLS: frozenset[Call] = frozenset(
     _calls("", "pods", "create", "get", "list", "watch", "delete", "patch")  # watch: pod_cache; patch: Kueue's
     | _calls("", "services", "create", "get", "delete")  # get: whose is an existing one (409)?
-    | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log
+    | _calls("", "secrets", "get")  # the S3 credentials of a job, to read its progress log; whose is a peer token
+    | _calls("", "secrets", "create")  # a job's peer token (build.build_peer_secret, docs/recovery.md)
     | _calls("", "events", "create")
     | _calls("", "nodes", "list")  # is a pod's node still Ready (node trouble is a preemption, not a failure)
     | _calls("", "nodes", "get", "patch")  # taint a node that keeps failing jobs (chart failingNodes.taint only)
@@ -95,6 +96,7 @@ GANG_GROUPS: dict[str, str] = {gang: versions[0].partition("/")[0] for gang, ver
 KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("v1", "Pod"): ("", "v1", "pods"),
     ("v1", "Service"): ("", "v1", "services"),
+    ("v1", "Secret"): ("", "v1", "secrets"),
     ("v1", "Event"): ("", "v1", "events"),
     **{(av, "PodGroup"): (av.partition("/")[0], av.partition("/")[2], "podgroups")
        for versions in POD_GROUP_APIS.values() for av in versions},

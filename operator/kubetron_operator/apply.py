@@ -10,10 +10,12 @@ what it created (a partial gang must not hold GPUs) and is retried as policy/cre
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
+from kubetron.contract import recovery
 from kubetron.contract.resource import FINISHED, LABEL_JOB
 from kubetron.contract.times import stamp
 
@@ -21,6 +23,7 @@ from kubetron_operator import metrics
 from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid
 from kubetron_operator.build import (
     attempt_objects,
+    build_pod,
     build_probe_pod,
     build_service,
     pod_group_name,
@@ -40,8 +43,17 @@ from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.create_retry import create_failed, retriable
 from kubetron_operator.policy.elastic import attempt_size
+from kubetron_operator.policy.nodes import avoided
 from kubetron_operator.policy.start import attempt_ended, service_failed
 from kubetron_operator.untrusted import STATUS_TEXT_LIMIT, clean_all
+
+
+def with_token(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with a fresh random token when it is build.build_peer_secret's (the builders stay deterministic
+    and pure: the token is drawn only where the Secret is created)."""
+    if manifest["kind"] != "Secret" or "stringData" in manifest:
+        return manifest
+    return {**manifest, "stringData": {recovery.PEER_TOKEN_KEY: secrets.token_urlsafe(32)}}
 
 
 def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
@@ -81,8 +93,8 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        manifests = attempt_objects(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes,
-                                    obs.pod_group_api)
+        manifests = [with_token(m) for m in attempt_objects(job, attempt, action.expected_iteration,
+                                                            action.avoid_nodes, action.nodes, obs.pod_group_api)]
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
@@ -107,6 +119,14 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         kube.delete_pod(namespace, pod, force=True)
     if deps.taints is not None and action.taint_nodes:  # policy/nodes.py says when; node_taints.py does it
         deps.taints.taint(action.taint_nodes, namespace, name, deps.view.statuses(), obs.now)
+    if action.replace_ranks and job is not None:  # a lost pod of the running attempt, again (policy/recovery.py)
+        attempt_now = int(obs.status["attempt"])
+        again = [build_pod(job, attempt_now, rank, obs.status.get("attemptStartCheckpoint") or 0,
+                           avoided(obs.status, obs.now), attempt_size(job, obs.status), obs.pod_group_api)
+                 for rank in action.replace_ranks]
+        for manifest in again:
+            kube.create(manifest)
+        deps.view.created(job.uid, again)
     if action.create_probes and job is not None:
         probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
                   for rank in action.create_probes]
@@ -150,8 +170,8 @@ def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], reso
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
                     logger: kopf.Logger) -> tuple[str, str, bool] | None:
     """Create an attempt's objects in order (a resizable PodGroup that exists gets the attempt's minCount). On an
-    API error delete what this call created (a partial gang must not hold GPUs) and return (reason, message,
-    transient) for policy.create_retry.create_failed."""
+    API error delete what this call created but the job's peer token (a partial gang must not hold GPUs) and return
+    (reason, message, transient) for policy.create_retry.create_failed."""
     created: list[dict[str, Any]] = []
     for manifest in manifests:
         try:
@@ -160,7 +180,8 @@ def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
                 created.append(manifest)
         except ApiError as exc:
             for done in reversed(created):
-                kube.delete(done["apiVersion"], done["kind"], job.namespace, done["metadata"]["name"])
+                if done["kind"] != "Secret":  # the job's peer token serves every attempt (deleted with the job)
+                    kube.delete(done["apiVersion"], done["kind"], job.namespace, done["metadata"]["name"])
             what = f"{manifest['kind']} {job.namespace}/{manifest['metadata']['name']}"
             logger.warning("cannot create %s: %s", what, exc)
             if isinstance(exc, NameConflict):

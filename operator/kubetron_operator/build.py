@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubetron.contract import recovery
 from kubetron.contract.hang import TIMEOUT_ENV as HANG_TIMEOUT_ENV
 from kubetron.contract.resource import API_VERSION, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, LABEL_ROLE, TRAINER
 from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
@@ -67,6 +68,11 @@ def gang_api(job: Job, served: str | None = None) -> str:
     return served or POD_GROUP_APIS[job.spec.scheduling.gang][-1]
 
 
+def peer_secret_name(job: Job) -> str:
+    """The job's token for the copies of its snapshots on its pods (docs/recovery.md)."""
+    return f"{job.name}-peers"
+
+
 def probe_pod_name(job: Job, attempt: int, rank: int) -> str:
     """A placeholder for the missing rank `rank` while attempt `attempt` runs on fewer nodes (docs/elastic.md)."""
     return f"{job.name}-{attempt}-probe-{rank}"
@@ -99,7 +105,7 @@ def attempt_objects(job: Job, attempt: int, expected_iteration: int = 0,
     `pod_group_api`: the PodGroup version the cluster serves for the job's gang (gang_api()).
     """
     nodes = nodes or job.spec.nodes
-    manifests: list[dict[str, Any]] = []
+    manifests: list[dict[str, Any]] = [build_peer_secret(job)] if job.spec.peer_copies else []
     if job.spec.scheduling.gang != "none":
         manifests.append(build_pod_group(job, attempt, nodes, pod_group_api))
     manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes, nodes, pod_group_api)
@@ -135,6 +141,13 @@ def build_service(job: Job) -> dict[str, Any]:
             "ports": [{"name": "rendezvous", "port": job.spec.master_port, "targetPort": job.spec.master_port}],
         },
     }
+
+
+def build_peer_secret(job: Job) -> dict[str, Any]:
+    """The Secret of the job's token, which its pods' agents require of each other for every copy
+    (kubetron.supervisor.peers); its value is drawn when it is created (apply.with_token), once: an existing Secret of
+    this job is kept. Never logged, never in status."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _metadata(job, peer_secret_name(job))}
 
 
 def build_pod_group(job: Job, attempt: int, nodes: int = 0, served: str | None = None) -> dict[str, Any]:
@@ -184,8 +197,13 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nod
     }
     if spec.hang_timeout_seconds is not None:  # else the trainer's default rule (docs/recovery.md)
         plain[HANG_TIMEOUT_ENV] = str(spec.hang_timeout_seconds)
+    plain.update(_snapshot_env(job))
     env: list[dict[str, Any]] = [dict(var) for var in spec.env]  # user's first; ours cannot be overridden
     env += [{"name": k, "value": v} for k, v in plain.items()]
+    if spec.peer_copies:  # the agents' address and the job's token (docs/recovery.md)
+        env += [{"name": recovery.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": recovery.PEER_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+                    "name": peer_secret_name(job), "key": recovery.PEER_TOKEN_KEY}}}]
     storage = spec.storage
     if isinstance(storage, S3Storage):
         # Without a secretRef the pods' ServiceAccount gives them credentials (IRSA, workload identity).
@@ -196,6 +214,24 @@ def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nod
         if storage.region:
             env.append({"name": "AWS_REGION", "value": storage.region})
     return env
+
+
+def _snapshot_env(job: Job) -> dict[str, str]:
+    """The memory volume the trainer snapshots into and its agent's copies go to (none when snapshots are off)."""
+    spec = job.spec
+    if not spec.snapshot_volume:
+        return {}
+    return {recovery.SNAPSHOT_DIR_ENV: recovery.SNAPSHOT_MOUNT, recovery.SNAPSHOT_LIMIT_ENV: str(spec.snapshot_volume),
+            recovery.REPLICATION_FACTOR_ENV: str(spec.memory_snapshots.factor),
+            recovery.REPLICATION_JUMP_ENV: str(spec.memory_snapshots.jump)}
+
+
+def _snapshot_volume(job: Job) -> tuple[list[dict], list[dict]]:
+    """A memory-backed emptyDir of kubetron plan's size for the snapshots (its use counts in the pod's memory)."""
+    if not job.spec.snapshot_volume:
+        return [], []
+    return ([{"name": "snapshots", "emptyDir": {"medium": "Memory", "sizeLimit": str(job.spec.snapshot_volume)}}],
+            [{"name": "snapshots", "mountPath": recovery.SNAPSHOT_MOUNT}])
 
 
 def trainer_args(job: Job) -> list[str]:
@@ -293,6 +329,8 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
               avoid_nodes: tuple[str, ...] = (), nodes: int = 0, pod_group_api: str | None = None) -> dict[str, Any]:
     spec = job.spec
     volumes, mounts = _storage_volume(job)
+    memory_volumes, memory_mounts = _snapshot_volume(job)
+    volumes, mounts = volumes + memory_volumes, mounts + memory_mounts
     config_file = {"path": "config.yaml", "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}
     volumes += [{"name": "config", "downwardAPI": {"items": [config_file]}},
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}}]

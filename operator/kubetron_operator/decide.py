@@ -27,6 +27,7 @@ from kubetron_operator.policy.attempt_end import attempt_end
 from kubetron_operator.policy.goodput import with_goodput
 from kubetron_operator.policy.kueue import released
 from kubetron_operator.policy.nodes import with_node_strikes
+from kubetron_operator.policy.recovery import recovery_news, replace_lost
 from kubetron_operator.policy.status import in_place_news, phase_status, progress_fields
 from kubetron_operator.policy.store import store_condition
 from kubetron_operator.trainer_reports.merge import known_checkpoint
@@ -67,6 +68,9 @@ def _running(job: Job, obs: Observed, attempt: int) -> Action:
     stale = tuple(p.name for p in obs.pods if p.attempt != attempt and p.deleting_for is None
                   and (p.role == "worker" or p.attempt < attempt))
     ckpt = known_checkpoint(obs, attempt)
+    replaced = replace_lost(job, obs, attempt, current)  # a vanished pod created again (policy/recovery.py)
+    if replaced is not None:
+        return replaced
     ended = attempt_end(job, current, obs, ckpt)
     if ended is not None:
         return ended
@@ -86,5 +90,7 @@ def _running(job: Job, obs: Observed, attempt: int) -> Action:
     events = (Event("Normal", "Running", f"attempt {attempt}: all {size} pods running"),) if (
         "phase" in status) else ()
     restarts, in_place = in_place_news(obs, attempt, job.spec.max_in_place_restarts)
-    action = Action("wait", status={**status, **restarts}, delete_pods=stale, events=events + in_place)
+    recovered, recovery_events = recovery_news(obs, attempt)
+    action = Action("wait", status={**status, **restarts, **recovered}, delete_pods=stale,
+                    events=events + in_place + recovery_events)
     return elastic.keep_probes(job, obs, attempt, size, action) if size < job.spec.nodes else action

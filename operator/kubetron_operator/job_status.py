@@ -11,6 +11,7 @@ from typing import Any, Literal, TypedDict
 
 from kubetron.contract.goodput import Goodput
 from kubetron.contract.progress import CheckpointRef
+from kubetron.contract.recovery import LastRecovery
 from kubetron.contract.resource import FINISHED
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", *FINISHED)
@@ -28,6 +29,7 @@ class Restarts(TypedDict, total=False):
     neverStarted: int
     total: int
     inPlace: int
+    podsReplaced: int
     hangs: int  # gangs that hung (restarted in place, or as a new attempt); not in total
 
 
@@ -112,6 +114,8 @@ class JobStatus(TypedDict, total=False):
     restarts: Restarts
     attemptInPlaceRestarts: int
     attemptHangs: int  # hangs of the current attempt already counted in restarts.hangs
+    attemptPodReplacements: int  # pods of the current attempt created again (policy/recovery.py)
+    lastRecovery: LastRecovery  # how the trainers resumed, the newest time (policy/recovery.py)
     lastHang: LastHang
     goodput: Goodput  # where every rank-second went (policy/goodput.py)
     iteration: int

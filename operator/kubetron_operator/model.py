@@ -15,8 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
+from kubetron.contract import recovery
 from kubetron.contract.config import ConfigContainer, apply_overrides
 from kubetron.contract.errors import ConfigError
+from kubetron.contract.plan import snapshot_bytes
 from kubetron.contract.resource import TRAINER
 
 MAX_NAME = 45
@@ -26,7 +28,7 @@ RESERVED_ENV = frozenset({
     "KUBETRON_JOB_ID", "KUBETRON_EXPECTED_ITERATION", "KUBETRON_TERMINATION_LOG", "KUBETRON_STATUS_PORT",
     "KUBETRON_CONFIG", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NNODES", "NODE_RANK",
     "NPROC_PER_NODE", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
-    "KUBETRON_MAX_IN_PLACE_RESTARTS",
+    "KUBETRON_MAX_IN_PLACE_RESTARTS", *recovery.POD_ENV,
 })
 """Variables the operator sets itself (docs/CONTRACT.md); a spec.env entry may not override them."""
 
@@ -146,6 +148,16 @@ class PodTemplate:
 
 
 @dataclass(frozen=True)
+class MemorySnapshots:
+    """spec.memorySnapshots (docs/recovery.md): every rank's newest state in a memory volume of its pod, and a copy
+    on `factor` - 1 other pods (`jump` apart)."""
+
+    enabled: bool = True
+    factor: int = recovery.DEFAULT_FACTOR
+    jump: int = recovery.DEFAULT_JUMP
+
+
+@dataclass(frozen=True)
 class JobSpec:
     image: str
     nodes: int
@@ -178,6 +190,21 @@ class JobSpec:
     service_account_name: str = ""
     queue_name: str = ""  # Kueue LocalQueue (spec.queueName or the job's kueue.x-k8s.io/queue-name label)
     pod_template: PodTemplate = field(default_factory=PodTemplate)
+    memory_snapshots: MemorySnapshots = field(default_factory=MemorySnapshots)
+    snapshot_bytes: float = 0.0  # one rank's snapshot, by kubetron plan's estimate (admission fills it)
+
+    @property
+    def snapshot_volume(self) -> int:
+        """Bytes of each pod's memory volume for the snapshots and their copies (0: snapshots off)."""
+        m = self.memory_snapshots
+        if not m.enabled:
+            return 0
+        return recovery.volume_bytes(self.snapshot_bytes, self.nproc_per_node, self.nodes, m.factor, m.jump)
+
+    @property
+    def peer_copies(self) -> bool:
+        """Pods hold copies of each other's snapshots (snapshots on, a copy asked for, more than one pod)."""
+        return self.snapshot_volume > 0 and self.memory_snapshots.factor > 1 and self.nodes > 1
 
     @property
     def nproc_per_node(self) -> int:
@@ -228,7 +255,39 @@ class Job:
         check_trainer_config(spec.config, spec.overrides, job.store, spec.nodes * spec.nproc_per_node,
                              spec.gpus_per_node > 0)
         sizes, note = elastic_sizes(spec, job.store)
-        return replace(job, spec=replace(spec, sizes=sizes, min_nodes_note=note))
+        spec = replace(spec, sizes=sizes, min_nodes_note=note, snapshot_bytes=_snapshot_bytes(
+            spec.config, spec.overrides, job.store, spec.nodes * spec.nproc_per_node, spec.gpus_per_node > 0))
+        check_snapshot_memory(spec)
+        return replace(job, spec=spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _snapshot_bytes(config: str, overrides: tuple[str, ...], store: str, world_size: int, gpus: bool) -> float:
+    """kubetron plan's estimate of one rank's memory snapshot (cached: the job is parsed on every reconcile)."""
+    cfg = ConfigContainer.from_dict(trainer_config(config, overrides, store))
+    cfg.derive(world_size=world_size, cuda_available=gpus)
+    return snapshot_bytes(cfg, world_size)
+
+
+def check_snapshot_memory(spec: JobSpec) -> None:
+    """A pod's memory limit must hold its snapshots (the volume, and the host copy each rank writes them from;
+    on CPU pods also the model's own memory, kubetron plan's estimate): else SpecError, before any pod
+    exists, rather than pods killed for their memory again and again."""
+    limit = recovery.parse_quantity((spec.resources.get("limits") or {}).get("memory"))
+    volume = spec.snapshot_volume
+    if not volume or limit is None:
+        return
+    host_copies = spec.snapshot_bytes * spec.nproc_per_node
+    needed = volume + host_copies
+    if needed > limit:
+        raise SpecError("spec.memorySnapshots", (
+            f"the pods' memory limit ({spec.resources['limits']['memory']}) cannot hold their snapshots in memory: "
+            f"{recovery.format_bytes(volume)} for the memory volume (kubetron plan's estimate: "
+            f"{recovery.format_bytes(spec.snapshot_bytes)} per rank, {recovery.KEEP} of each of "
+            f"{spec.nproc_per_node} rank(s), their copies of another pod's) and "
+            f"{recovery.format_bytes(host_copies)} of host copies; raise spec.resources.limits.memory to at least "
+            f"{recovery.format_bytes(needed)} plus what the trainer itself needs, or set "
+            f"spec.memorySnapshots.enabled: false (docs/recovery.md)"))
 
 
 def elastic_sizes(spec: JobSpec, store: str) -> tuple[tuple[int, ...], str]:
@@ -319,7 +378,21 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         service_account_name=_name(spec.get("serviceAccountName"), "spec.serviceAccountName", optional=True),
         queue_name=_name(spec.get("queueName"), "spec.queueName", optional=True, max_length=63),
         pod_template=parse_pod_template(spec.get("podTemplate") or {}, spec),
+        memory_snapshots=_parse_memory_snapshots(spec.get("memorySnapshots") or {}),
     )
+
+
+def _parse_memory_snapshots(value: Any) -> MemorySnapshots:
+    if not isinstance(value, Mapping):
+        raise SpecError("spec.memorySnapshots", "must be an object")
+    counts = {}
+    for key, default in (("replicationFactor", recovery.DEFAULT_FACTOR), ("replicationJump", recovery.DEFAULT_JUMP)):
+        n = value.get(key, default)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SpecError(f"spec.memorySnapshots.{key}", f"must be an integer >= 1, got {shown(n)}")
+        counts[key] = n
+    return MemorySnapshots(enabled=value.get("enabled", True) is not False, factor=counts["replicationFactor"],
+                           jump=counts["replicationJump"])
 
 
 def is_name(value: Any, max_length: int = NAME_MAX) -> bool:

@@ -4,6 +4,7 @@ NNODES/NODE_RANK/MASTER_PORT as the operator sets them, real torchrun with gloo,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from kubetron.contract.recovery import PEER_TOKEN_ENV, POD_IP_ENV, SNAPSHOT_DIR_ENV
 from kubetron.supervisor import launch
 
 from tests.multirank.runner import free_port
@@ -22,18 +24,35 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,
-               nproc: int = 1, **extra: str) -> list[subprocess.Popen]:
+               nproc: int = 1, memory: bool = False, **extra: str) -> list[subprocess.Popen]:
+    """`memory`: each pod gets a memory volume of its own, `pod<N>/memory` (KUBETRON_SNAPSHOT_DIR), and the
+    job's token for the copies on peers (docs/recovery.md)."""
     port = str(free_port())
-    pods = []
-    for rank in range(nodes):
-        (tmp_path / f"pod{rank}").mkdir()
-        env = {**pod_env(tmp_path / f"pod{rank}", nproc), "NNODES": str(nodes), "NODE_RANK": str(rank),
-               "MASTER_PORT": port, "KUBETRON_JOB_ID": "default/tiny/0",
-               launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts), **extra}
-        pods.append(subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True))
-    return pods
+    return [start_pod(tmp_path / f"pod{rank}", args, rank, port, max_restarts, nodes, nproc, memory, **extra)
+            for rank in range(nodes)]
+
+
+def start_pod(directory: Path, args: list[str], rank: int, port: str, max_restarts: int = 3, nodes: int = 2,
+              nproc: int = 1, memory: bool = False, **extra: str) -> subprocess.Popen:
+    """One pod's launcher (NODE_RANK `rank`, the rendezvous at `port`), its files in `directory`."""
+    directory.mkdir()
+    volume = {SNAPSHOT_DIR_ENV: str(directory / "memory"), PEER_TOKEN_ENV: "the-jobs-token",
+              POD_IP_ENV: "127.0.0.1"} if memory else {}
+    env = {**pod_env(directory, nproc), "NNODES": str(nodes), "NODE_RANK": str(rank),
+           "MASTER_PORT": port, "KUBETRON_JOB_ID": "default/tiny/0",
+           launch.MAX_IN_PLACE_RESTARTS_ENV: str(max_restarts), **volume, **extra}
+    return subprocess.Popen([sys.executable, "-m", "kubetron.launch", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def kill_pod(pod: subprocess.Popen) -> None:
+    """SIGKILL a pod's every process, as a lost node does (torchrun starts each rank in a session of its own)."""
+    processes = psutil.Process(pod.pid).children(recursive=True)
+    os.killpg(pod.pid, signal.SIGKILL)
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    pod.wait()
 
 
 def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:

@@ -2,7 +2,9 @@
 test_elastic_on_kube.py, bench/recovery.py): a pod's exact command and env from the API server, with only
 the laptop differences rewritten (the interpreter, the mounted config, the termination log,
 MASTER_ADDR), and `$(VAR)` in the command and args expanded from the container's env as the kubelet does
-(`expand`). A PVC's mountPath is a local directory already (`pvc` makes its hostPath the mountPath).
+(`expand`). A PVC's mountPath is a local directory already (`pvc` makes its hostPath the mountPath). A memory
+volume for the snapshots (docs/recovery.md) is the container's `memory` directory: it outlives the pod's
+processes (their restarts in place) and goes with the pod.
 
 `ProcessKubelet` does for every pod of a namespace bound to its Nodes what a kubelet does: a bound pod's
 container is started and the pod reported Running; a container that ends is reported with its exit code
@@ -12,25 +14,63 @@ period), its end reported, and its deletion finished. It records when it saw eac
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import yaml
+from kubetron.contract import recovery
 from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
 
-from tests.kube.cluster import Api, ApiError, pod_path, set_exited, set_running
+from tests.kube.cluster import Api, ApiError, Kubelet, pod_path, set_exited, set_running, wait_for
 from tests.trainer_utils import ITER_RE, TINY, HeldReader
+
+POOL = "kubetron.dev/test-pool"  # the label of the Nodes a job's pods are pinned to (one pod each)
+
+
+@contextlib.contextmanager
+def pool(api: Api, ns: str, size: int, timeout: float = 300.0) -> Iterator[tuple[str, ...]]:
+    """`size` Nodes with room for one pod (1 CPU) each, labelled and tainted for `ns`'s pods alone (`pinned`);
+    yields their names once they are schedulable."""
+    names = tuple(f"{ns}-{chr(ord('a') + i)}" for i in range(size))
+    nodes = [Kubelet(api, name=name, cpu="1", gpus=0) for name in names]
+    try:
+        for node in nodes:
+            node.finish_deletions = False  # the ProcessKubelet's, once the containers stopped
+            node.start()
+            api.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": {POOL: ns}}, "spec": {
+                "taints": [{"key": POOL, "value": ns, "effect": "NoSchedule"}]}})  # no other job's pods
+        # A new Node may carry the node controller's not-ready taint for a few seconds (longer on a loaded
+        # machine): a pod the scheduler finds no room for in that time would shrink an elastic job at its start.
+        wait_for("the Nodes schedulable", lambda: all(only_pool_taint(api, name) for name in names), timeout)
+        yield names
+    finally:
+        for node in nodes:
+            node.stop()
+            api.delete(f"/api/v1/nodes/{node.name}", ok=(404,))
+
+
+def pinned(ns: str) -> dict[str, Any]:
+    """The spec that puts a job's pods on the Nodes of `pool(api, ns, ...)`, one pod per Node."""
+    return {"resources": {"requests": {"cpu": "1"}},
+            "scheduling": {"nodeSelector": {POOL: ns}, "tolerations": [{"key": POOL, "operator": "Exists"}]}}
+
+
+def only_pool_taint(api: Api, node: str) -> bool:
+    spec = api.get(f"/api/v1/nodes/{node}").get("spec", {})
+    return not spec.get("unschedulable") and [t["key"] for t in spec.get("taints") or []] == [POOL]
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -86,7 +126,7 @@ class Container:
     output is collected line by line with the time each line arrived (`stamped`)."""
 
     def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path,
-                 hold_at: Callable[[str], bool] | None = None):
+                 hold_at: Callable[[str], bool] | None = None, peer_token: str = ""):
         workdir.mkdir(parents=True)
         self.name = pod["metadata"]["name"]  # the pod's
         container = pod["spec"]["containers"][0]
@@ -101,6 +141,13 @@ class Container:
             env.update(KUBETRON_CONFIG=str(config), KUBETRON_TERMINATION_LOG=str(self.termination_log),
                        MASTER_ADDR="127.0.0.1")
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir))
+        # The memory volume (docs/recovery.md): a directory of the pod's, kept across its processes' restarts,
+        # removed with the pod (ProcessKubelet); the downward API's pod IP; the job's token from its Secret.
+        self.memory = workdir / "memory" if recovery.SNAPSHOT_DIR_ENV in env else None
+        if self.memory is not None:
+            env[recovery.SNAPSHOT_DIR_ENV] = str(self.memory)
+            env.update({recovery.POD_IP_ENV: "127.0.0.1", **({recovery.PEER_TOKEN_ENV: peer_token} if peer_token
+                                                            else {})})
         local = {PYTHON: sys.executable, CONFIG_PATH: str(config), TERMINATION_LOG: str(self.termination_log)}
         argv = [local.get(a, a) for a in (expand(a, env) for a in container["command"] + container.get("args", []))]
         base = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
@@ -202,6 +249,8 @@ class ProcessKubelet:
             c = self._by_uid.pop(uid)
             self.seen.setdefault((c.name, "gone"), now)
             c.kill()
+            if c.memory is not None:  # an emptyDir goes with its pod
+                shutil.rmtree(c.memory, ignore_errors=True)
         for uid, pod in pods.items():
             name = pod["metadata"]["name"]
             if pod["spec"].get("nodeName") not in self.nodes:
@@ -218,12 +267,21 @@ class ProcessKubelet:
 
     def _start(self, pod: dict[str, Any]) -> None:
         name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
-        c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}")
+        c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", peer_token=self._peer_token(pod))
         self.containers[name] = self._by_uid[uid] = c
         for key in ("exited", "deleting", "gone"):
             self.seen.pop((name, key), None)
         self.seen[(name, "started")] = c.started
         set_running(self.api, self.ns, name, container=c.container)
+
+    def _peer_token(self, pod: dict[str, Any]) -> str:
+        """The job's token, where the pod takes it from a Secret (a kubelet resolves secretKeyRef)."""
+        for var in pod["spec"]["containers"][0].get("env") or ():
+            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+            if var["name"] == recovery.PEER_TOKEN_ENV and ref:
+                data = self.api.get(f"/api/v1/namespaces/{self.ns}/secrets/{ref['name']}")["data"]
+                return base64.b64decode(data[ref["key"]]).decode()
+        return ""
 
     def _report_exit(self, pod: dict[str, Any], c: Container) -> None:
         self.seen[(c.name, "exited")] = time.time()

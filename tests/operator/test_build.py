@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import sys
 import jsonschema
 import pytest
 import yaml
+from kubetron.contract import recovery
+from kubetron_operator.apply import with_token
 from kubetron_operator.build import CONFIG_PATH, build, build_probe_pod, master_addr, rank_command
 from kubetron_operator.model import Job, SpecError
 from kubetron_operator.render import render_file
@@ -31,7 +34,7 @@ def env_of(pod):
 
 def test_attempt_objects_names_and_owner():
     manifests = build(Job.from_body(PVC_JOB), 3, expected_iteration=20)
-    assert [m["kind"] for m in manifests] == ["Service", "Pod", "Pod"]
+    assert [m["kind"] for m in manifests] == ["Service", "Secret", "Pod", "Pod"]  # the Secret: the pods' token
     assert [m["metadata"]["name"] for m in by_kind(manifests, "Pod")] == ["gpt-3-0", "gpt-3-1"]
     for m in manifests:
         assert m["metadata"]["namespace"] == "ml"
@@ -53,7 +56,7 @@ def test_attempt_objects_names_and_owner():
 
 def test_headless_service_resolves_rank0():
     job = Job.from_body(PVC_JOB)
-    svc, pod0, _ = build(job, 1)
+    svc, _, pod0, _ = build(job, 1)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert pod0["spec"]["hostname"] == "gpt-1-0" and pod0["spec"]["subdomain"] == svc["metadata"]["name"]
     assert master_addr(job, 1) == "gpt-1-0.gpt.ml.svc"
@@ -285,8 +288,8 @@ def test_render_file(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(S3_JOB))
     docs = [d for d in yaml.safe_load_all(render_file(str(path))) if d]
-    assert [d["kind"] for d in docs] == ["Service", "Pod", "Pod"]
-    assert docs[1]["metadata"]["name"] == "gpt-1-0"
+    assert [d["kind"] for d in docs] == ["Service", "Secret", "Pod", "Pod"]
+    assert docs[2]["metadata"]["name"] == "gpt-1-0" and "stringData" not in docs[1]  # no token: drawn at creation
 
 
 def test_render_names_the_field_of_a_bad_spec(tmp_path):
@@ -296,3 +299,57 @@ def test_render_names_the_field_of_a_bad_spec(tmp_path):
     path.write_text(yaml.safe_dump(job_body(S3_JOB, config="train:\n  train_iters: -5\n")))
     with pytest.raises(ConfigError, match=r"job.yaml: spec.config: train.train_iters: must be >= 1"):
         render_file(str(path))
+
+
+def test_pods_snapshot_into_a_memory_volume_of_kubetron_plans_size_and_copy_to_peers_with_the_jobs_token():
+    """docs/recovery.md: a memory-backed emptyDir sized from the plan's estimate (2 snapshots of the rank and
+    2 of the previous pod's rank, 10 % headroom, at least 64 MiB), its path, size and the replication in the
+    environment; the agents' address (downward API) and the token from the job's Secret, never a literal."""
+    job = Job.from_body(job_body(PVC_JOB, nodes=3, memorySnapshots={"replicationFactor": 3, "replicationJump": 1}))
+    manifests = build(job, 1)
+    (secret,) = by_kind(manifests, "Secret")
+    assert secret["metadata"]["name"] == "gpt-peers" and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-123"
+    token = with_token(secret)["stringData"]["token"]
+    assert len(token) >= 40 and with_token(secret)["stringData"]["token"] != token  # drawn at creation, random
+    pod = by_kind(manifests, "Pod")[1]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "snapshots"]
+    per_rank = job.spec.snapshot_bytes
+    assert per_rank > 0 and volume["emptyDir"] == {
+        "medium": "Memory", "sizeLimit": str(max(64 << 20, math.ceil(2 * 3 * per_rank * 1.1)))}
+    (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "snapshots"]
+    env = env_of(pod)
+    assert env["KUBETRON_SNAPSHOT_DIR"]["value"] == mount["mountPath"]
+    assert env["KUBETRON_SNAPSHOT_LIMIT_BYTES"]["value"] == volume["emptyDir"]["sizeLimit"]
+    assert (env["KUBETRON_REPLICATION_FACTOR"]["value"], env["KUBETRON_REPLICATION_JUMP"]["value"]) == ("3", "1")
+    assert env["KUBETRON_POD_IP"] == {"name": "KUBETRON_POD_IP",
+                                      "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert env["KUBETRON_PEER_TOKEN"] == {"name": "KUBETRON_PEER_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "gpt-peers", "key": "token"}}}
+    # off: no volume, no Secret, no variables; one pod: its own snapshots, no copies (no token, no address)
+    off = build(Job.from_body(job_body(PVC_JOB, memorySnapshots={"enabled": False})), 1)
+    assert not by_kind(off, "Secret") and not any(v["name"] == "snapshots" for v in by_kind(off, "Pod")[0]["spec"][
+        "volumes"]) and not [k for k in env_of(by_kind(off, "Pod")[0]) if "SNAPSHOT" in k or "PEER" in k]
+    single = build(Job.from_body(job_body(PVC_JOB, nodes=1)), 1)
+    assert not by_kind(single, "Secret") and "KUBETRON_SNAPSHOT_DIR" in env_of(by_kind(single, "Pod")[0])
+    assert "KUBETRON_PEER_TOKEN" not in env_of(by_kind(single, "Pod")[0])
+
+
+@pytest.mark.parametrize("limit, refused", [("1Gi", False), ("20Mi", True), (None, False)])
+def test_a_pod_too_small_for_its_snapshots_is_refused_before_it_starts(limit, refused):
+    """The plan's estimate against the pod's memory limit (docs/recovery.md): a job whose pods cannot hold the
+    volume and the host copies is Failed (InsufficientMemory) at admission, never created to be OOM-killed."""
+    body = job_body(PVC_JOB, resources={"limits": {"memory": limit}} if limit else {})
+    if not refused:
+        Job.from_body(body)
+        return
+    with pytest.raises(SpecError, match=r"spec.memorySnapshots: the pods' memory limit \(20Mi\) cannot hold their "
+                                        r"snapshots in memory: 64.0 MiB for the memory volume .* or set "
+                                        r"spec.memorySnapshots.enabled: false"):
+        Job.from_body(body)
+    Job.from_body(job_body(body, memorySnapshots={"enabled": False}))  # off: nothing to hold
+
+
+@pytest.mark.parametrize("text, expected", [("1Gi", 1 << 30), ("500M", 500_000_000), ("1e9", 10**9), (1024, 1024),
+                                            ("0.5Ki", 512), ("12x", None), ("-1", None), ("", None)])
+def test_memory_quantities_read_as_kubernetes_writes_them(text, expected):
+    assert recovery.parse_quantity(text) == expected

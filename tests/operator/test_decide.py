@@ -64,10 +64,31 @@ def test_preemption_restarts_free(case, rank1):
     assert action.events and action.events[0].type == "Warning"
 
 
-def test_missing_pod_is_a_preemption():
-    action = run(pods=[pod(0)])
+@pytest.mark.parametrize("job, present", [
+    (Job.from_body(job_body(S3_JOB, memorySnapshots={"enabled": False})), [pod(0)]),  # no copies to resume from
+    (JOB, [pod(1)]),  # rank 0's pod hosts the rendezvous
+    (Job.from_body(job_body(S3_JOB, maxInPlaceRestarts=0)), [pod(0)]),  # the other pods cannot restart in place
+], ids=["snapshots off", "rank 0's pod", "no in-place restarts"])
+def test_missing_pod_is_a_preemption(job, present):
+    action = run(pods=present, job=job)
+    gone = ({0, 1} - {p.rank for p in present}).pop()
     assert action.kind == "restart" and action.status["restarts"]["preemptions"] == 1
-    assert "gpt-1-1 disappeared" in action.status["message"]
+    assert f"gpt-1-{gone} disappeared" in action.status["message"]
+
+
+def test_a_pod_that_vanished_is_created_again_in_its_attempt_while_the_others_run():
+    """docs/recovery.md: the gang resumes from the pods' memory, the new pod's ranks from their copies on peers;
+    at most maxInPlaceRestarts times an attempt (in-place restarts and replacements together)."""
+    action = run(pods=[pod(0)])
+    assert action.kind == "wait" and action.replace_ranks == (1,) and action.create_attempt is None
+    assert action.status["attemptPodReplacements"] == 1 and action.status["restarts"]["podsReplaced"] == 1
+    assert action.status["attemptStartTime"] == NOW.isoformat().replace("+00:00", "Z")  # its own startup timeout
+    (event,) = [e for e in action.events if e.reason == "PodReplaced"]
+    assert "pod gpt-1-1 vanished while the others ran: created again" in event.message
+    spent = run(status={**RUNNING, "attemptInPlaceRestarts": 2, "attemptPodReplacements": 1}, pods=[pod(0)])
+    assert spent.kind == "restart" and not spent.replace_ranks  # 3 = maxInPlaceRestarts: the attempt ends
+    ended = run(pods=[pod(0, phase="Failed", exit_code=5)])  # the rest did not keep running
+    assert ended.kind == "restart" and not ended.replace_ranks
 
 
 FAILURES = [

@@ -166,7 +166,7 @@ def cmd_progress(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Parameters and per-GPU memory estimate of CONFIG on nodes x gpus_per_node; exit 1 when it does not fit."""
     from kubetron.config import ConfigContainer
-    from kubetron.plan import format_plan, make_plan, parse_memory
+    from kubetron.contract.plan import format_plan, make_plan, parse_memory
 
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) < 1:
@@ -185,7 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_search(args: argparse.Namespace) -> int:
     """`plan --search`: the smallest layout (GPUs, TP/PP/DP, recompute) on up to --nodes nodes that fits."""
     from kubetron.config import ConfigContainer
-    from kubetron.plan import format_found, gpu_counts, parse_memory, search
+    from kubetron.contract.plan import format_found, gpu_counts, parse_memory, search
 
     memory = parse_memory(args.gpu_memory)
     found = search(lambda extra: ConfigContainer.from_yaml(args.config, [*args.overrides, *extra], check_paths=False),
@@ -228,8 +228,8 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
+    from kubetron.contract.plan import parse_size
     from kubetron.hf.io import export_hf
-    from kubetron.plan import parse_size
 
     limit = parse_size(args.max_shard_size, "--max-shard-size", bare_unit=1)
     cfg = export_hf(args.ckpt, args.out, adapter_only=args.adapter_only, max_shard_size=limit, progress=_to_stderr)

@@ -15,6 +15,7 @@ the schema only, and runs `derive` at admission.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Mapping
 from typing import Self
@@ -25,6 +26,9 @@ from pydantic import Field
 from kubetron.contract import config as schema
 from kubetron.contract.config import apply_overrides, is_remote, parse_data_path
 from kubetron.contract.errors import ConfigError
+from kubetron.contract.recovery import SNAPSHOT_DIR_ENV
+
+log = logging.getLogger("kubetron")
 
 
 class TokenizerConfig(schema.TokenizerConfig):
@@ -104,6 +108,20 @@ class ConfigContainer(schema.ConfigContainer):
             from kubetron.supervisor.termination_log import termination_log_path
 
             t.termination_log = termination_log_path(None, env)
+        self._resolve_snapshots(env.get(SNAPSHOT_DIR_ENV, "").strip())
+
+    def _resolve_snapshots(self, volume: str) -> None:
+        """Non-persistent checkpoints of an unset kind: local snapshots when there is a directory for them (the
+        config's, else the pod's memory volume) and the run can take them, else global with an interval."""
+        c = self.checkpoint
+        if c.non_persistent_ckpt_type is None and (c.non_persistent_local_ckpt_dir or volume):
+            if c.ckpt_format == "sharded" and self.peft.scheme != "lora":  # what snapshots are made of
+                c.non_persistent_ckpt_type = "local"
+                c.non_persistent_local_ckpt_dir = c.non_persistent_local_ckpt_dir or volume
+            elif c.non_persistent_local_ckpt_dir is None:
+                log.info("no memory snapshots: they need ckpt_format sharded and no peft")
+        if c.non_persistent_ckpt_type is None and c.non_persistent_save_interval is not None:
+            c.non_persistent_ckpt_type = "global"
 
     def check_paths(self) -> None:
         """Inputs on the local filesystem exist: dataset prefixes, pretrained checkpoint, required load."""

@@ -68,10 +68,11 @@ required rules from that registry for every values combination and fails on anyt
 - apiGroups: [""]
   resources: [services]
   verbs: [create, get, delete]
-# The S3 credentials a job's storage.s3.secretRef names, to read its progress log.
+# The S3 credentials a job's storage.s3.secretRef names, to read its progress log. create: a job's peer token,
+# <job>-peers, which its pods' agents require of each other (docs/recovery.md); get: whose is an existing one.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [create, get]
 # An event per status change (the operator's own and kopf's handler events).
 - apiGroups: [""]
   resources: [events]

@@ -31,7 +31,8 @@ def finished(job: Job | None, obs: Observed) -> Action:
 def invalid_spec(obs: Observed) -> Action:
     """The spec does not parse (obs.spec_error says why): Failed, ConfigError when the trainer config is at fault."""
     error = obs.spec_error or "invalid spec"
-    reason = "ConfigError" if error.startswith(("spec.config", "spec.overrides")) else "InvalidSpec"
+    reason = "ConfigError" if error.startswith(("spec.config", "spec.overrides")) else (
+        "InsufficientMemory" if error.startswith("spec.memorySnapshots: the pods' memory limit") else "InvalidSpec")
     return fail(obs, reason, error)
 
 

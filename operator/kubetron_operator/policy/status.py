@@ -94,8 +94,23 @@ def restart_counts(st: JobStatus) -> Restarts:
     """The restart counters; `inPlace` (docs/recovery.md) is not in `total`, which counts attempts."""
     r = st.get("restarts") or Restarts()
     p, f, n = r.get("preemptions") or 0, r.get("failures") or 0, r.get("neverStarted") or 0
-    return {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n, "inPlace": r.get("inPlace") or 0,
-            "hangs": r.get("hangs") or 0}
+    counts: Restarts = {"preemptions": p, "failures": f, "neverStarted": n, "total": p + f + n,
+                        "inPlace": r.get("inPlace") or 0, "hangs": r.get("hangs") or 0}
+    if r.get("podsReplaced"):  # (docs/recovery.md; absent until a pod is)
+        counts["podsReplaced"] = r["podsReplaced"]
+    return counts
+
+
+def lost_in_place(obs: Observed) -> int:
+    """Iterations a gang restarted in place discards: the iteration it reached less the one its new processes
+    resumed from (rank 0's resumedFrom: a memory snapshot, a peer's copy or the store's checkpoint; an older
+    trainer: the checkpoint it reports)."""
+    live, st = obs.live or NO_LIVE, obs.status
+    resumed = live.get("resumedFrom")
+    if resumed is None:
+        ckpt = live.get("lastCheckpoint") or st.get("lastCheckpoint")
+        resumed = ckpt.get("iteration") if isinstance(ckpt, dict) else None
+    return max(0, (st.get("iteration") or 0) - (resumed if isinstance(resumed, int) else 0))
 
 
 def in_place_news(obs: Observed, attempt: int, limit: int) -> tuple[StatusPatch, tuple[Event, ...]]:
@@ -118,6 +133,7 @@ def in_place_news(obs: Observed, attempt: int, limit: int) -> tuple[StatusPatch,
         events = (Event("Warning", "RestartedInPlace", f"attempt {attempt}: {what} inside its pods from the newest "
                         f"checkpoint ({which}, {total} in all)"),)
         restarts = {**restarts, "inPlace": total}
-        news = {"restarts": restarts, "attemptInPlaceRestarts": now}
+        news = {"restarts": restarts, "attemptInPlaceRestarts": now, "lostIterations": (
+            obs.status.get("lostIterations") or 0) + lost_in_place(obs)}
     hangs, hung = hang_news(obs, attempt, restarts, now)  # some of them after the gang hung (policy/hang.py)
     return {**news, **hangs}, events + hung

@@ -8,7 +8,9 @@
 * canonical.py - canonical tensors (the TP=1/PP=1 state dict): gather from this rank's shards, scatter back;
   optimizer state by parameter name;
 * one module per format: format_sharded.py (ckpt_format sharded), format_kubetron.py (kubetron),
-  format_torch_dist.py (torch_dist, megatron-core's), format_local.py (non-persistent "local");
+  format_torch_dist.py (torch_dist, megatron-core's);
+* snapshot.py, gang.py - non-persistent "local" checkpoints: snapshots in the pods' memory, their writing, and the
+  gang's agreement on one to load (docs/recovery.md; their files: kubetron.storage.snapshot_files);
 * rng.py - the random generators' states;
 * adapters.py - LoRA's adapter-only checkpoints: which tensors are adapters, which a checkpoint fills;
 * progress_log.py - the progress log beside the checkpoints, as this run writes it;

@@ -33,3 +33,36 @@ def any_rank(flag: bool, group=None) -> bool:
 def all_ranks(flag: bool, group=None) -> bool:
     """True on every rank of `group` only if it is True on all of them."""
     return not any_rank(not flag, group)
+
+
+def all_gather_bytes(data: bytes, group=None) -> list[bytes]:
+    """Every rank's `data` (of any length), in rank order, on every rank of `group`."""
+    world = _world(group)
+    if world == 1:
+        return [data]
+    device = collective_device(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(parts, mine.to(device), group=group)
+    return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
+
+
+def exchange_bytes(send: list[torch.Tensor], recv_sizes: list[int], group=None) -> list[torch.Tensor]:
+    """All-to-all of byte buffers: `send[j]` (a uint8 CPU tensor) goes to rank j; returns what each rank sent
+    this one, `recv_sizes[q]` bytes from rank q (both sides must agree on the sizes)."""
+    world = _world(group)
+    if world == 1:
+        return [send[0]]
+    device = collective_device(group)
+    inp = torch.cat([s.reshape(-1) for s in send]).to(device) if any(s.numel() for s in send) else \
+        torch.empty(0, dtype=torch.uint8, device=device)
+    out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, inp, output_split_sizes=list(recv_sizes),
+                           input_split_sizes=[s.numel() for s in send], group=group)
+    return list(out.cpu().split(list(recv_sizes)))

@@ -480,8 +480,9 @@ class ShardReader:
                 spans[-1][1] = max(spans[-1][1], hi)
             else:
                 spans.append([lo, hi])
-        data = {(rank, lo): memoryview(self.store.read_range(f"{self.name}/{shard_key(rank)}", lo, hi - lo))
-                for rank, spans in merged.items() for lo, hi in spans}
+        reads = [(rank, lo, hi) for rank, rank_spans in merged.items() for lo, hi in rank_spans]
+        blobs = self.store.read_ranges([(f"{self.name}/{shard_key(rank)}", lo, hi - lo) for rank, lo, hi in reads])
+        data = {(rank, lo): memoryview(blob) for (rank, lo, _), blob in zip(reads, blobs, strict=True)}
         starts = {rank: [lo for lo, _ in spans] for rank, spans in merged.items()}
 
         def get(rank, lo, hi):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kubetron.checkpoint import adapters, comm, format_kubetron, format_local, format_sharded, format_torch_dist
+from kubetron.checkpoint import adapters, comm, format_kubetron, format_sharded, format_torch_dist, gang
 from kubetron.checkpoint.canonical import (
     load_optimizer_state_by_name,
     load_owned_optimizer_state,
@@ -48,9 +48,11 @@ from kubetron.checkpoint.layout import (
     tokenizer_vocab,
 )
 from kubetron.checkpoint.rng import get_rng_state, set_rng_state
+from kubetron.checkpoint.snapshot import MemorySnapshots, open_snapshots
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.contract.hang import CHECKPOINT
+from kubetron.contract.recovery import MEMORY, STORE
 from kubetron.contract.times import stamp
 from kubetron.events import PROGRESS, Checkpoint, CheckpointDurable, Events
 from kubetron.storage import open_store
@@ -123,12 +125,14 @@ class CheckpointManager:
     snapshots are copied into, and the save/exit schedule (checkpoint.save_interval,
     non_persistent_save_interval, a signal, train.exit_duration_in_mins, train.exit_interval, a straggler).
     What it does goes to `events` (kubetron.events: a save's phase and progress, a checkpoint durable); `faults`
-    is called at each of SAVE_POINTS of a save.
+    is called at each of SAVE_POINTS of a save; `paced_snapshots`: memory snapshots wait for their copies on
+    peers (the pod's agent copies them: checkpoint/snapshot.py).
     """
 
     def __init__(self, cfg, store, *, model, optimizer, scheduler, train_state, data=(None, None), run_id: str,
                  world_size: int | None = None, signal_handler=None, start_time: float | None = None,
-                 load_hf: LoadHF | None = None, events: Events | None = None, faults: SaveFaults | None = None):
+                 load_hf: LoadHF | None = None, events: Events | None = None, faults: SaveFaults | None = None,
+                 paced_snapshots: bool = False):
         self.cfg, self.save_store = cfg, store
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.train_state = train_state
@@ -143,9 +147,11 @@ class CheckpointManager:
         self.buffers = HostBuffers()
         self._plan: dict = {}  # format_sharded.snapshot's cuts, worked out at the first save (the layout is fixed)
         ck = cfg.checkpoint
-        self.local_store = None  # non-persistent "local": this rank's own directory on node-local disk
-        if ck.non_persistent_ckpt_type == "local" and ck.non_persistent_local_ckpt_dir:
-            self.local_store = format_local.open_local_store(ck.non_persistent_local_ckpt_dir, _rank())
+        # non-persistent "local": snapshots in the pod's memory (checkpoint/snapshot.py, docs/recovery.md)
+        self.memory: MemorySnapshots | None = open_snapshots(cfg, _rank(), self.world_size,
+                                                                    paced=paced_snapshots)
+        self.recovery: gang.Recovery | None = None  # how load() resumed (status.lastRecovery)
+        self._newest: Snapshot | None = None  # the newest durable save's host copy (a snapshot of its step reuses it)
         self.async_saver = None
         if ck.async_save and store is not None:
             from kubetron.storage import AsyncSaver
@@ -193,8 +199,11 @@ class CheckpointManager:
         if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
             self.save(step)
             saved = True
-        elif cfg.checkpoint.non_persistent_save_interval and step % cfg.checkpoint.non_persistent_save_interval == 0:
+        elif cfg.checkpoint.non_persistent_save_interval and step % cfg.checkpoint.non_persistent_save_interval == 0 \
+                and self.memory is None:
             self.save(step, non_persistent=True)
+        if self.memory is not None and self.memory.due(step):
+            self._save_memory(step, shared=saved)
         if self.time_limit_reached():
             if not saved:
                 self.save(step, blocking=True)
@@ -230,14 +239,16 @@ class CheckpointManager:
         return self._tokenizer_assets
 
     # -- saving ---------------------------------------------------------------------------------------
-    def snapshot(self, iteration: int) -> Snapshot:
+    def snapshot(self, iteration: int, buffers: HostBuffers | None = None) -> Snapshot:
         """Copy what this rank saves to host memory (the only part of an async save that blocks; on CUDA
         the copies are only queued). sharded: this rank's own pieces; kubetron: full tensors gathered
-        onto rank 0. The CPU copies of the sharded pieces run last, together (HostBuffers.batch)."""
-        with self.buffers.batch():
-            return self._snapshot(iteration)
+        onto rank 0. The CPU copies of the sharded pieces run last, together (HostBuffers.batch).
+        `buffers`: where to (default: the durable saves' own)."""
+        buffers = self.buffers if buffers is None else buffers
+        with buffers.batch():
+            return self._snapshot(iteration, buffers)
 
-    def _snapshot(self, iteration: int) -> Snapshot:
+    def _snapshot(self, iteration: int, buffers: HostBuffers) -> Snapshot:
         fmt, ck = self.cfg.checkpoint.ckpt_format, self.cfg.checkpoint
         self.optimizer.finish_param_sync()  # weights still being all-gathered (ddp.overlap_param_gather)
         model_sd = optim_sd = shard = None
@@ -248,11 +259,11 @@ class CheckpointManager:
         if fmt == "sharded":
             keep = adapters.is_adapter_name if adapters.enabled(self.cfg) else None
             shard = format_sharded.snapshot(self.model, by_name["state"] if by_name else None,
-                                            self.buffers, keep=keep, owned=owned, plan=self._plan)
+                                            buffers, keep=keep, owned=owned, plan=self._plan)
         elif fmt == "kubetron":  # (torch_dist: every rank writes in write())
             model_sd, optim_sd = format_kubetron.snapshot(self.model, by_name, self.buffers)
         rank0 = _rank() == 0
-        common = self._common_state(iteration, by_name) if rank0 else None
+        common = self._common_state(iteration, by_name) if rank0 or self.memory is not None else None
         copied = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # The device→host copies are queued on the current stream (pinned buffers, non-blocking): the
@@ -276,8 +287,6 @@ class CheckpointManager:
 
     def save(self, step: int, *, non_persistent: bool = False, blocking: bool | None = None):
         """Save iteration `step` (the loop's train_state.step). Async saves return after the snapshot."""
-        if non_persistent and self.local_store is not None:
-            return self._save_local(step)
         if not self.enabled:
             return
         with self.events.phase(CHECKPOINT):  # a slow save is not a hang (docs/recovery.md)
@@ -286,7 +295,9 @@ class CheckpointManager:
     def _save(self, step: int, non_persistent: bool, blocking: bool | None):
         t0 = time.perf_counter()
         self.finalize(blocking=True)  # one save in flight at a time
-        snap = self.snapshot(step)
+        if self.memory is not None:
+            self.memory.wait()  # a snapshot written from the previous save's host copy
+        snap = self._newest = self.snapshot(step)
         name = (f"{NON_PERSISTENT}/" if non_persistent else "") + iter_dir(step)
         saver = None if blocking else self.async_saver
         use_async = saver is not None
@@ -331,7 +342,7 @@ class CheckpointManager:
                                            with_optimizer=self.cfg.checkpoint.save_optim, common=common)
             if snap.common is not None and facts:
                 snap.common["dist_optimizer"] = facts
-        if snap.common is not None:
+        if snap.common is not None and rank == 0:
             format_kubetron.write(txn, snap.model, snap.optim, after=lambda key: self._fault(f"after-{key[:-3]}", it))
             wrote()
             with txn.open_write(COMMON) as f:
@@ -390,6 +401,8 @@ class CheckpointManager:
                 saver.maybe_finalize(blocking=True)
 
     def close(self):
+        if self.memory is not None:
+            self.memory.close()
         if self.async_saver is not None:
             self.async_saver.maybe_finalize(blocking=True)
             self.async_saver.close()
@@ -422,41 +435,41 @@ class CheckpointManager:
             common["optim_param_groups"] = by_name["param_groups"] if by_name else None
         return common
 
-    # -- non-persistent "local": rank-local shards, resumable at the same layout only -------------------
-    def _save_local(self, step: int):
-        """Every rank writes its own shard (model chunk, optimizer, RNG) to its node-local directory."""
-        with self.events.phase(CHECKPOINT):
-            self._save_local_now(step)
-
-    def _save_local_now(self, step: int):
-        self.optimizer.finish_param_sync()
+    # -- non-persistent "local": snapshots in the pods' memory ------------------------------------------
+    def _save_memory(self, step: int, shared: bool):
+        """This rank's snapshot of `step`, written in the background; from the durable save's host copy when
+        one was taken at this iteration (else a copy of its own: the loop waits as long as for an async save)."""
+        assert self.memory is not None
         t0 = time.perf_counter()
-        name = iter_dir(step)
-        state = {
-            "model": format_local.model_state(self.model[0]),
-            "optim": self.optimizer.state_dict(),
-            "common": self._common_state(step, None),
-            "rng": get_rng_state(),
-        }
-        format_local.write(self.local_store, step, state, _rank())
-        _barrier()
-        log.info("saved local non-persistent checkpoint %s (%.2fs)", name, time.perf_counter() - t0)
+        snap = self._newest if shared and self._newest is not None and self._newest.iteration == step else None
+        if snap is None:
+            with self.events.phase(CHECKPOINT):
+                snap = self.snapshot(step, self.memory.buffers)
+        assert snap.shard is not None and snap.common is not None  # (sharded, memory on: every rank's)
+        self.memory.take(step, snap.shard, to_bytes(snap.common), to_bytes(snap.rng), snap.copied,
+                         blocked=time.perf_counter() - t0)
 
-    def _restore_local(self, iteration: int):
-        key, state = format_local.read(self.local_store, iteration)
-        common = state["common"]
-        check_architecture(common["model_config"], self.cfg, key)
-        if common["parallel"]["world_size"] != self.world_size:
-            raise CheckpointError(f"local checkpoint {key} was saved with world size "
-                                  f"{common['parallel']['world_size']}, this run has {self.world_size}")
-        format_local.load_model(self.model[0], state["model"], key)
-        if self.cfg.checkpoint.load_optim:
-            self.optimizer.load_state_dict(state["optim"])
-        else:
-            self.optimizer.reload_model_params()
-        self._restore_common(common)
-        if self.cfg.checkpoint.load_rng:
-            set_rng_state(state["rng"], key)
+    def _resume_from_memory(self, found, expected: int | None) -> int | None:
+        """Collective: resume from the newest snapshot every rank can load from the pods' memory (their own or
+        a peer's copy; checkpoint/gang.py), when it is not older than the store's newest checkpoint nor than
+        what the operator expects. None: the store, and the reason is logged."""
+        assert self.memory is not None
+        t0 = time.perf_counter()
+        floor = max(found[2] if found else 0, expected or 0)
+        got = gang.open_gang(self.memory.root, _rank(), self.world_size, newer_than=floor or None)
+        if got.store is None:
+            self.recovery = gang.Recovery(STORE, None, 0.0, got.reason, got.failed)
+            log.info("resuming from the store, not from memory: %s", got.reason)
+            return None
+        with got.store:
+            self._restore(got.store, got.store.name, full=True)
+        iteration, seconds = got.store.agreement.iteration, time.perf_counter() - t0
+        self.recovery = gang.Recovery(got.store.agreement.loaded_from, iteration, seconds, "", False)
+        log.info("resumed from the memory snapshot at iteration %d (%s, %.2fs)", iteration,
+                 "every rank from its own pod" if self.recovery.loaded_from == MEMORY
+                 else "ranks " + ", ".join(str(r) for r, q in enumerate(got.store.agreement.sources) if q != r)
+                 + " from copies on other pods", seconds)
+        return iteration
 
     def _restore_common(self, common):
         """Train state and data positions; the LR scheduler and fp16 loss scale only with the optimizer
@@ -489,15 +502,26 @@ class CheckpointManager:
 
     # -- loading --------------------------------------------------------------------------------------
     def load(self, *, finetune: bool = False) -> int:
-        """Restore from checkpoint.load (resume) or, for finetune, weights from pretrained_checkpoint."""
+        """Restore from checkpoint.load (resume; the pods' memory first, when it holds a snapshot no older) or,
+        for finetune, weights from pretrained_checkpoint. Returns the iteration it resumed from (0: none)."""
+        t0 = time.perf_counter()
+        iteration = self._load(finetune)
+        if iteration and (self.recovery is None or self.recovery.loaded_from == STORE):
+            reason = self.recovery.reason if self.recovery else "memory snapshots are off"
+            failed = bool(self.recovery and self.recovery.failed)
+            self.recovery = gang.Recovery(STORE, iteration, time.perf_counter() - t0, reason, failed)
+        if self.memory is not None:
+            self.memory.resumed(iteration)
+        return iteration
+
+    def _load(self, finetune: bool) -> int:
         ck = self.cfg.checkpoint
         expected = ck.expected_resume_iteration
         found = resolve_checkpoint(ck.load, ck.ckpt_step, self.cfg) if ck.load else None
-        local_it = format_local.agreed_iteration(self.local_store) if self.local_store is not None else None
-        if local_it is not None and (found is None or local_it > found[2]) and not (expected and local_it < expected):
-            self._restore_local(local_it)
-            log.info("resumed from local non-persistent checkpoint at iteration %d", local_it)
-            return local_it
+        resumed = self._resume_from_memory(found, expected) if self.memory is not None and ck.ckpt_step is None \
+            else None
+        if resumed is not None:
+            return resumed
         if found is None and expected:
             raise ResumeMismatchError(
                 f"the operator expects a checkpoint at iteration {expected} but {ck.load} holds none")

@@ -613,9 +613,13 @@ class CheckpointConfig(_Section):
     non_persistent_save_interval: int | None = _f(
         None, "Save a non-persistent checkpoint every this many iterations (iterations).", ge=1)
     non_persistent_ckpt_type: Literal["global", "local"] | None = _f(
-        None, "Non-persistent kind: global (in save/non_persistent) or local (per-node directory); "
-              "None with an interval set: global.")
-    non_persistent_local_ckpt_dir: str | None = _f(None, "Directory of local non-persistent checkpoints.")
+        None, "Non-persistent kind: global (in save/non_persistent) or local (snapshots of every rank's state in "
+              "a directory outside the process, in the background; docs/recovery.md). None: local when a "
+              "directory is given (non_persistent_local_ckpt_dir, else the pod's memory volume "
+              "KUBETRON_SNAPSHOT_DIR), else global when an interval is set.")
+    non_persistent_local_ckpt_dir: str | None = _f(
+        None, "Directory of local snapshots (None: the pod's memory volume, env KUBETRON_SNAPSHOT_DIR). Without "
+              "non_persistent_save_interval they are taken as often as costs at most 2% of the step time.")
     exit_on_missing_checkpoint: bool = _f(False, "Fail (config error) when `load` holds no checkpoint.")
     expected_resume_iteration: int | None = _f(
         None, "Exit 4 if the store's newest checkpoint is older (iteration; None: env KUBETRON_EXPECTED_ITERATION).",
@@ -651,6 +655,9 @@ class CheckpointConfig(_Section):
             raise ConfigError("checkpoint.non_persistent_local_ckpt_dir", "must be a local directory, not s3://")
         if is_remote(self.dist_staging_dir):
             raise ConfigError("checkpoint.dist_staging_dir", "must be a local directory, not s3://")
+        if self.non_persistent_ckpt_type == "local" and self.ckpt_format != "sharded":
+            raise ConfigError("checkpoint.non_persistent_ckpt_type", "local snapshots hold the sharded format's "
+                                                                     "pieces: use ckpt_format sharded")
         if self.ckpt_format == "torch_dist" and self.async_save is True:
             raise ConfigError("checkpoint.async_save", "is not supported with ckpt_format torch_dist (its save is "
                                                        "collective over all ranks); use ckpt_format sharded")
@@ -1259,8 +1266,6 @@ class ConfigContainer(BaseModel):
 
         # checkpoint
         c = self.checkpoint
-        if c.non_persistent_save_interval is not None and c.non_persistent_ckpt_type is None:
-            c.non_persistent_ckpt_type = "global"
         if c.non_persistent_ckpt_type == "local" and not c.non_persistent_local_ckpt_dir:
             raise ConfigError("checkpoint.non_persistent_local_ckpt_dir",
                               "required when non_persistent_ckpt_type is 'local'")

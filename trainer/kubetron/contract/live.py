@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 from kubetron.contract.goodput import TrainerTime, parse_trainer_time
 from kubetron.contract.hang import HangReport, RestartCause, parse_cause, parse_report
 from kubetron.contract.progress import CheckpointRef
+from kubetron.contract.recovery import TrainerRecovery, parse_trainer_recovery
 
 
 class LiveStatus(TypedDict):
@@ -32,6 +33,7 @@ class LiveStatus(TypedDict):
     trainerTime: TrainerTime | None  # where this process's time went (docs/goodput.md), read at each request
     checkpointSaveSeconds: float | None  # the newest durable checkpoint: from its save's start until durable
     checkpointBlockedSeconds: float | None  # ... of which the training loop waited (an async save: the copy)
+    recovery: TrainerRecovery | None  # how this process resumed: memory, a peer's copy or the store (docs/recovery.md)
 
 
 STATUS_KEYS: tuple[str, ...] = tuple(LiveStatus.__annotations__)
@@ -48,7 +50,7 @@ def new_live_status(in_place_restarts: int = 0, hangs: int = 0, last_hang: HangR
     return LiveStatus(iteration=None, resumedFrom=None, trainIters=None, consumedSamples=None, tokensPerSecond=None,
                       etaSeconds=None, lastCheckpoint=None, loss=None, learningRate=None, tflopsPerGpu=None,
                       inPlaceRestarts=in_place_restarts, hangs=hangs, lastHang=last_hang, lastRestart=last_restart,
-                      trainerTime=None, checkpointSaveSeconds=None, checkpointBlockedSeconds=None)
+                      trainerTime=None, checkpointSaveSeconds=None, checkpointBlockedSeconds=None, recovery=None)
 
 
 def jsonable(value: Any) -> Any:
@@ -84,6 +86,7 @@ def parse_live_status(data: Any) -> LiveStatus | None:
         status[key] = _as_number(data.get(key))  # type: ignore[literal-required]
     status["lastCheckpoint"] = _as_checkpoint(data.get("lastCheckpoint"))
     status["trainerTime"] = parse_trainer_time(data.get("trainerTime"))
+    status["recovery"] = parse_trainer_recovery(data.get("recovery"))
     return status
 
 

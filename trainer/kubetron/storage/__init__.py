@@ -6,7 +6,8 @@
     torch.load(store.open_read("iter_0000020/model_rank0.pt"), weights_only=True)
 
 Checkpoint directories are transactions (`begin_dir` ... `commit(marker)`), see `kubetron.storage.base`.
-Async saves: `kubetron.storage.background.AsyncSaver`. Importing this package pulls in neither torch
+Async saves: `kubetron.storage.background.AsyncSaver`. Memory snapshots' files in a pod's memory volume:
+`kubetron.storage.snapshot_files`. Importing this package pulls in neither torch
 nor boto3 (boto3 only when an s3:// store is opened).
 """
 

@@ -212,6 +212,11 @@ class Store(abc.ABC):
             raise CheckpointError(f"{self.url}/{key}: expected {length} bytes at offset {start}, got {len(data)}")
         return data
 
+    def read_ranges(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        """`read_range` of each (key, start, length), in order (a sharded load's reads, all at once: a store
+        that fetches them together overrides it)."""
+        return [self.read_range(key, start, length) for key, start, length in requests]
+
     def local_path(self, key: str) -> str | None:
         """The filesystem path of `key`, or None when the store is not a filesystem."""
         return None

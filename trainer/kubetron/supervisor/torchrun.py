@@ -41,6 +41,7 @@ from kubetron.supervisor.watchdog import Rank, Watchdog, override_from_env, stor
 
 if TYPE_CHECKING:
     from kubetron.compat.torch.elastic import Round
+    from kubetron.supervisor.peers import Peers
 
 FAILURES_FILE = "torchrun-failures.json"  # in the launcher's messages directory (KUBETRON_LAUNCH_MESSAGES)
 NODE_RANK_ENV = "KUBETRON_RDZV_NODE_RANK"  # set by the launcher with a c10d rendezvous: this node's group rank
@@ -94,8 +95,9 @@ class Recovery:
     hung gang; the monitor then sees them fail), and a gang it stopped is restarted as hung (its report
     instead of the kill)."""
 
-    def __init__(self, dog: Watchdog | None = None) -> None:
+    def __init__(self, dog: Watchdog | None = None, peers: Peers | None = None) -> None:
         self.dog = dog
+        self.peers = peers  # the memory snapshots' copies on other pods (kubetron.supervisor.peers)
 
     def before_start(self, local_ranks: list[int]) -> None:
         if self.dog is None:
@@ -106,11 +108,16 @@ class Recovery:
             os.environ[CAUSE_ENV] = json.dumps(cause)  # the new ranks' (rank 0 reports it)
 
     def started(self, round_: Round) -> None:
+        if self.peers is not None:
+            self.peers.new_round(round_.store, int(os.environ.get(NODE_RANK_ENV) or 0), round_.group_world_size,
+                                 [w.global_rank for w in round_.workers], round_.group_world_size * len(round_.workers))
         if self.dog is not None:
             self.dog.new_round([Rank(w.global_rank, w.local_rank, w.pid) for w in round_.workers], round_.store,
                                round_.group_world_size, round_.restarts_done, round_.restarts_left)
 
     def healthy(self) -> None:
+        if self.peers is not None:
+            self.peers.learn_addresses()
         if self.dog is not None:
             self.dog.poll()
 
@@ -175,10 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from kubetron.compat.torch import elastic
+    from kubetron.supervisor import peers
 
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    copies = peers.from_env(os.environ, int(str(args.nnodes).rpartition(":")[2]))
     try:  # the agent's internals were read against the torch versions compat names only
-        elastic.install(LocalElasticAgent, Recovery(_watchdog(args.training_script_args)),
+        elastic.install(LocalElasticAgent, Recovery(_watchdog(args.training_script_args), copies),
                         int(os.environ.get(SHUTDOWN_TIMEOUT_ENV) or 30))
         if os.environ.get(NODE_RANK_ENV):
             from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from kubetron.checkpoint.manager import CheckpointManager, SaveFaults, open_save_store
 from kubetron.checkpoint.progress_log import PodFacts, ProgressLog
 from kubetron.contract.hang import DATA
+from kubetron.contract.recovery import COPIES_ENV
 from kubetron.data import build_train_valid_test_data_iterators
 from kubetron.data.datasets import check_data_tokenizer
 from kubetron.data.loader import DataIterator, build_tokenizer_from_config
@@ -72,8 +73,9 @@ class Run:
         checkpoint = DurableCheckpoint(ck.last_durable, ck.last_durable_time) if ck.last_durable is not None else None
         train_iters = self.state.cfg.train.train_iters
         assert train_iters is not None  # finalize() derived it
+        recovery = ck.recovery.report(progress_io.in_place_restarts()) if ck.recovery is not None else None
         return Started(ts.step, train_iters, ts.consumed_train_samples,
-                       ts.floating_point_operations_so_far, checkpoint)
+                       ts.floating_point_operations_so_far, checkpoint, dict(recovery) if recovery else None)
 
     def close(self) -> None:
         """After the loop: the loggers, pending async saves (finalized), the prefetch threads, the endpoint."""
@@ -114,7 +116,8 @@ def build_run(state: GlobalState, events: Events, *, rank: int, world_size: int,
     ckpt = CheckpointManager(cfg, store, model=model, optimizer=optimizer, scheduler=scheduler,
                              train_state=state.train_state, data=(train_it, valid_it), run_id=run_id,
                              world_size=world_size, signal_handler=signals, start_time=start_time,
-                             load_hf=first_weights.load_hf, events=events, faults=faults)
+                             load_hf=first_weights.load_hf, events=events, faults=faults,
+                             paced_snapshots=os.environ.get(COPIES_ENV) == "1")  # the pod's agent copies them
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
     ckpt.load(finetune=from_pretrained)
     CLOCK.mark("checkpoint load")

@@ -264,7 +264,8 @@ class StatusPublisher:
                 self._iteration, self._consumed = iteration, consumed
                 self.server.update(trainIters=self.train_iters, iteration=iteration,
                                    resumedFrom=iteration,  # this process's start: the goodput ledger's
-                                   consumedSamples=consumed, lastCheckpoint=_checkpoint(checkpoint))
+                                   consumedSamples=consumed, lastCheckpoint=_checkpoint(checkpoint),
+                                   recovery=event.recovery)
 
     def _publish(self, **latest: float | None) -> None:
         """`latest`: loss, learningRate and tflopsPerGpu, known at log time only."""

@@ -39,8 +39,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from kubetron.config import ConfigContainer
-from kubetron.contract.config import GPTModelConfig
+from kubetron.contract.config import ConfigContainer, GPTModelConfig
 from kubetron.contract.errors import ConfigError
 
 GIB = 1024**3
@@ -537,6 +536,22 @@ def make_plan(cfg: ConfigContainer, world_size: int, gpu_memory: int = DEFAULT_G
                  else counts["total"])
     return Plan(world_size=world_size, layout=lay, parameters=counts, trainable_parameters=trainable,
                 stage=worst, gpu_memory=gpu_memory)
+
+
+UNKNOWN_VOCAB = 131072  # rows assumed where the vocabulary is read from tokenizer files (Llama 3's 128256, up)
+
+
+def snapshot_bytes(cfg: ConfigContainer, world_size: int) -> float:
+    """Bytes of one rank's memory snapshot (docs/recovery.md): its share of a sharded checkpoint, the weights
+    of the most loaded pipeline stage and their optimizer state (fp32 main weights, moments) divided over the
+    data-parallel ranks that hold the same stage. A vocabulary the config leaves to tokenizer files counts as
+    UNKNOWN_VOCAB rows."""
+    cfg.derive(world_size)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = UNKNOWN_VOCAB
+    s, lay, prec, lora = Shape.of(cfg), Layout.of(cfg), Precision.of(cfg), Lora.of(cfg)
+    params, trainable = max((stage_params(s, lay, lora, i) for i in range(lay.pp)), key=lambda c: c[0].total)
+    return (params.total * prec.weight + trainable.total * (prec.main + prec.states)) / lay.dp
 
 
 # --------------------------------------------------------------------------------------------------
