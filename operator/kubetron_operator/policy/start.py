@@ -77,6 +77,7 @@ def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: in
         "lastCheckpoint": ckpt,
         "restarts": restart_counts(st),
         "attemptInPlaceRestarts": 0,
+        "attemptHangs": 0,  # the new rank 0 counts from 0 (as its in-place restarts)
         "lostIterations": lost,
         "lastAttemptIteration": None,
         "nextAttemptTime": None,
