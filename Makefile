@@ -8,7 +8,7 @@ TORCH  := torch==2.13.0
 # Every other package at the version CI tested (regenerate with `make constraints`).
 PINNED := -c constraints.txt
 
-.PHONY: demo test venv venv-dev lint chart images image-operator image-trainer image-test bench gpu-wheels gpu-check clean \
+.PHONY: demo test test-fast venv venv-dev lint chart images image-operator image-trainer image-test bench gpu-wheels gpu-check clean \
         constraints
 
 $(VENV)/bin/python:
@@ -33,9 +33,15 @@ demo: $(VENV)/.trainer
 	$(VENV)/bin/kubetron train --config examples/tiny-gpt.yaml \
 	    checkpoint.save=runs/demo logger.tensorboard_dir=runs/demo/tb
 
-## test: set up .venv (if missing) and run the whole suite
+## test: set up .venv (if missing) and run the whole suite (every tier)
 test: $(VENV)/.dev
 	$(VENV)/bin/python -m pytest -q tests
+
+## test-fast: the unit tier only (no model trained, no process started), a developer's inner loop; TIER=trainer
+## (or process, cluster; several: TIER="unit trainer") runs others
+TIER ?= unit
+test-fast: $(VENV)/.dev
+	$(VENV)/bin/python -m pytest -q tests $(addprefix --tier ,$(TIER))
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check trainer operator tests bench

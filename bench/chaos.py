@@ -67,8 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
-from kubetron import startup  # noqa: E402
 from kubetron.contract.resource import LABEL_JOB  # noqa: E402
+from kubetron.supervisor import startup  # noqa: E402
 
 from tests.faultproxy import FaultProxy  # noqa: E402
 from tests.kube import cluster  # noqa: E402
@@ -403,7 +403,8 @@ class Pods:
         return [c for c in self.containers(attempt) if c.exit_code() is None]
 
     def process(self, c: Container, module: str) -> psutil.Process | None:
-        """The container's `python -m <module>` process (the trainer: `kubetron`; the agent: `kubetron.torchrun`)."""
+        """The container's `python -m <module>` process (the trainer: `kubetron`; the agent:
+        `kubetron.supervisor.torchrun`)."""
         for p in pod_processes(c.uid):
             with contextlib.suppress(psutil.Error):
                 if p.cmdline()[1:3] == ["-m", module] and p.status() != psutil.STATUS_ZOMBIE:
@@ -503,10 +504,10 @@ class Injector:
         return self._signal(attempt, "kubetron", signal.SIGTERM)[0].name
 
     def agent_kill(self, attempt: int) -> str:
-        return self._signal(attempt, "kubetron.torchrun", signal.SIGKILL)[0].name
+        return self._signal(attempt, "kubetron.supervisor.torchrun", signal.SIGKILL)[0].name
 
     def agent_stop(self, attempt: int) -> str:
-        c, p = self._signal(attempt, "kubetron.torchrun", signal.SIGSTOP)
+        c, p = self._signal(attempt, "kubetron.supervisor.torchrun", signal.SIGSTOP)
         seconds = self.rng.uniform(3, 20)
 
         def go_on() -> None:

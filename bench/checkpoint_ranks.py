@@ -88,7 +88,7 @@ def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     set_seeds(cfg)
-    state = GlobalState(cfg=cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), device=torch.device("cpu"))
+    state = GlobalState(cfg=cfg)
     model = build_model(cfg, torch.device("cpu"))
     optimizer = build_optimizer(cfg, model)
     for p in model[0].parameters():  # one step, so Adam has its moments
@@ -97,7 +97,7 @@ def build(a, store_url: str | None, fmt: str, async_save: bool, load: str | None
     optimizer.step()
     scheduler = LRScheduler(optimizer, cfg)
     ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
-                             train_state=state.train_state, world_size=state.world_size, run_id=_same_id())
+                             train_state=state.train_state, world_size=dist.get_world_size(), run_id=_same_id())
     return ckpt, model, optimizer
 
 

@@ -118,7 +118,7 @@ def worker(args) -> int:
             parallel_state.initialize_model_parallel(1, 1)
         cfg.finalize(world_size=world)
         set_seeds(cfg)
-        state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device)
+        state = GlobalState(cfg=cfg)
         model = build_model(cfg, device)
         optimizer = build_optimizer(cfg, model)
         scheduler = LRScheduler(optimizer, cfg)

@@ -382,7 +382,7 @@ def parity_worker(steps: int) -> None:
             *SMALL, f"train.train_iters={steps}", "train.micro_batch_size=4", "train.global_batch_size=4",
             "checkpoint.save=null", "validation.eval_interval=null", "train.exit_signal_handler=false",
             "logger.log_interval=1000", "scheduler.lr_warmup_iters=2", *extra])
-        code, _ = entry._run(cfg, recording_step, "pretrain")
+        code = entry._run(cfg, recording_step, "pretrain")
         assert code == 0, f"{name} run exited {code}"
         out[name] = losses
     print(json.dumps(out))

@@ -107,16 +107,21 @@ def run_baseline(cfg, device, steps: int, warmup: int, compile_model: bool):
 
 
 def run_kubetron(cfg, steps: int, warmup: int):
-    """End to end through the trainer; steady-state step time from the metrics logger's window."""
+    """End to end through the trainer; steady-state step time from the run's step events (the last `steps`)."""
+    from kubetron.events import StepDone
     from kubetron.training import entry
     from kubetron.training.gpt_step import forward_step
 
     cfg.train.train_iters = warmup + steps
-    cfg.logger.throughput_window_size = steps
-    code, state = entry._run(cfg, forward_step, "pretrain")
+    done: list[tuple[int, float]] = []  # (iteration, when it was done)
+
+    def record(event):
+        if isinstance(event, StepDone):
+            done.append((event.iteration, time.perf_counter()))
+
+    code = entry._run(cfg, forward_step, "pretrain", listeners=[record])
     assert code == 0, f"trainer exited {code}"
-    wct = list(state.metrics._wct)
-    (i0, t0), (i1, t1) = wct[0], wct[-1]
+    (i0, t0), (i1, t1) = done[-steps - 1], done[-1]
     return (t1 - t0) / (i1 - i0)
 
 

@@ -12,13 +12,17 @@ each timed over blocks of `--steps` optimizer steps:
                 optimizer.step(); scheduler.step(). No logging, no checks, no checkpoints.
   * train():    kubetron.training.train.train() (forward-step contract, loss reductions, NaN check,
                 metrics, exit checks) with logger.log_interval=10, and again with log_interval=1.
+  * + listener: train() at log_interval=10 with one more listener of the run's events (kubetron.events)
+                that does nothing: the cost of one listener call per step.
 
 The variants share the model, optimizer and data, and their blocks are interleaved (the order
 rotates every repetition) so machine noise hits them alike. Reported per variant: the median wall
 ms/step (and min/max), and the median CPU ms/step of this process (`time.process_time`, which other
 processes on a shared machine do not inflate); the ratio train()/bare (target <= 1.05) with the
 per-step overhead in ms; and the cost of logging every iteration. `--check` exits 1 when the wall
-ratio is above `--target`.
+ratio is above `--target`. The listener's cost is printed twice: the paired ratio of `+ listener` to train()
+(wall; on a busy machine its noise is far larger than the cost), and one listener call timed alone (this process's
+CPU time, the fastest of several blocks of many calls) as a share of train()'s step.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def build(args):
     from kubetron.checkpoint.manager import CheckpointManager, open_save_store
     from kubetron.config import ConfigContainer
     from kubetron.data import build_data_iterators
+    from kubetron.events import Events
     from kubetron.training.entry import initialize_distributed, set_seeds
     from kubetron.training.metrics import MetricsLogger
     from kubetron.training.model import build_model, num_parameters
@@ -83,17 +88,17 @@ def build(args):
     cfg.finalize(world_size=world)
     parallel_state.initialize_model_parallel(1, 1)
     set_seeds(cfg)
-    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device)
+    state = GlobalState(cfg=cfg)
     model = build_model(cfg, device)
     optimizer = build_optimizer(cfg, model)
     scheduler = LRScheduler(optimizer, cfg)
     train_it, valid_it = build_data_iterators(cfg, 0, 1)
+    metrics = MetricsLogger(cfg, state, writes=True, world_size=world, rank=rank, start_time=time.time())
+    events = Events([metrics])  # as kubetron.training.run builds them, without the optional ones
     ckpt = CheckpointManager(cfg, open_save_store(cfg), model=model, optimizer=optimizer, scheduler=scheduler,
                              train_state=state.train_state, data=(train_it, valid_it), run_id="bench",
-                             world_size=world, signal_handler=state.signal_handler, start_time=state.start_time)
-    state.metrics = MetricsLogger(cfg, state, writes=True)
-    state.ckpt = ckpt
-    return cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, num_parameters(model)
+                             world_size=world, events=events)
+    return cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, metrics, device, num_parameters(model)
 
 
 def bare_steps(n, cfg, model, optimizer, scheduler, data_iterator, device):
@@ -117,6 +122,28 @@ def bare_steps(n, cfg, model, optimizer, scheduler, data_iterator, device):
         scheduler.step(1)
 
 
+def listener_call_seconds(blocks: int = 7, calls: int = 200_000) -> float:
+    """CPU seconds one more no-op listener adds to one `Events.emit(StepDone)`: the fastest block of `calls` emits
+    to two no-op listeners, less the fastest to one."""
+    from kubetron.events import Events, StepDone
+
+    event = StepDone(1, 0.1, 8, {}, 1e-3, None, False, None, 1.0)
+
+    def per_emit(events) -> float:
+        best = float("inf")
+        for _ in range(blocks):
+            t0 = time.process_time()
+            for _ in range(calls):
+                events.emit(event)
+            best = min(best, (time.process_time() - t0) / calls)
+        return best
+
+    def noop(event):
+        return None
+
+    return max(per_emit(Events([noop, noop])) - per_emit(Events([noop])), 0.0)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -133,18 +160,19 @@ def main(argv=None) -> int:
     from kubetron.compat import megatron_core
 
     megatron_core.install()  # as `kubetron train` does, before anything imports megatron-core
+    from kubetron.events import Events
     from kubetron.training.gpt_step import forward_step
     from kubetron.training.train import train
 
-    cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, nparams = build(args)
-    device = state.device
+    cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, metrics, device, nparams = build(args)
     sink = io.StringIO()  # console lines are produced (their cost is measured) but not shown
+    with_listener = Events([metrics, lambda event: None])  # one more listener, which does nothing
 
-    def run_train(n, log_interval):
+    def run_train(n, log_interval, events=None):
         cfg.logger.log_interval = log_interval
         cfg.train.train_iters = state.train_state.step + n
         with contextlib.redirect_stdout(sink):
-            code = train(forward_step, model, optimizer, scheduler, train_it, valid_it, state, ckpt)
+            code = train(forward_step, model, optimizer, scheduler, train_it, valid_it, state, ckpt, events=events)
         if code != 0:
             raise SystemExit(f"train() returned exit code {code}")
         sink.seek(0)
@@ -154,6 +182,7 @@ def main(argv=None) -> int:
         "bare loop": lambda n: bare_steps(n, cfg, model, optimizer, scheduler, train_it, device),
         "train(), log_interval=10": lambda n: run_train(n, 10),
         "train(), log_interval=1": lambda n: run_train(n, 1),
+        "+ listener, interval=10": lambda n: run_train(n, 10, with_listener),
     }
     names = list(variants)
     for name in names:  # warm-up: allocator, autograd graph caches, prefetch thread, first log line
@@ -199,10 +228,16 @@ def main(argv=None) -> int:
     print(f"logging every iteration vs every 10: wall {med[k1] - med[k10]:+.2f} ms/step, "
           f"cpu {cmed[k1] - cmed[k10]:+.2f} ms/step (train()/bare at log_interval=1: wall {med[k1] / bare:.3f}, "
           f"cpu {cmed[k1] / cbare:.3f})")
+    kl = "+ listener, interval=10"
+    listener = statistics.median(a / b for a, b in zip(per_step[kl], per_step[k10], strict=True))
+    call = listener_call_seconds()
+    print(f"one no-op listener call per step: {call * 1e6:.2f} us of cpu = {call * 1e3 / cmed[k10] * 100:.4f} % of "
+          f"train()'s {cmed[k10]:.2f} ms cpu step (ratio {1 + call * 1e3 / cmed[k10]:.5f}); paired wall ratio "
+          f"{listener:.3f} ({med[kl] - med[k10]:+.3f} ms/step wall, {cmed[kl] - cmed[k10]:+.3f} ms/step cpu: noise)")
     print("paired = median over repetitions of wall(variant)/wall(bare) in the same repetition; cpu = this "
           "process's CPU time (robust to other processes on a shared machine)")
     train_it.close()
-    state.metrics.close()
+    metrics.close()
     return 1 if args.check and ratio > args.target else 0
 
 

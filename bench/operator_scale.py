@@ -11,6 +11,10 @@ namespace with the real `kubetron operator --namespace NS` subprocess under the 
              run: a bare loop creating the same 2N pod manifests (build()) one after another through
              the same client (the operator's `Kube`, its identity).
              req_per_job: the operator's API requests from the first apply until all pods exist, per job.
+             cpu_ratio: the CPU-seconds of every process (etcd, the API server, controller-manager, scheduler,
+             the operator, this script with its watch and stand-in kubelet) from the first apply until all pods
+             exist, over the same during the bare loop: what a loaded machine skews least (the time ratio counts
+             the waits for cores the other jobs on the machine take).
   * idle:    API requests/s the operator makes while nothing changes (once its rate fell to <= 1/s over
              10 s, or after --settle seconds if it never does: settle_s), counted
              by the API server: a FlowSchema matching exactly the operator's ServiceAccount, read from
@@ -118,8 +122,9 @@ class PodWatch:
         return self.at
 
 
-def bare_loop(env: KubeEnv, n: int) -> float:
-    """Seconds to create the 2N pods of N jobs one by one through the operator's own client."""
+def bare_loop(env: KubeEnv, n: int) -> tuple[float, float]:
+    """Seconds to create the 2N pods of N jobs one by one through the operator's own client, and the
+    CPU-seconds every process spent meanwhile (all_cpu)."""
     from kubernetes import client, config
     from kubetron_operator.api_calls import Kube, kubernetes_transport
     from kubetron_operator.build import build
@@ -137,10 +142,10 @@ def bare_loop(env: KubeEnv, n: int) -> float:
             if m["kind"] == "Pod":
                 m["metadata"].pop("ownerReferences", None)  # no owner: the garbage collector leaves them be
                 pods.append(m)
-    t0 = time.monotonic()
+    c0, t0 = all_cpu(env), time.monotonic()
     for m in pods:
         kube.create(m)
-    return time.monotonic() - t0
+    return time.monotonic() - t0, all_cpu(env) - c0
 
 
 def job_status(env: KubeEnv, ns: str, name: str) -> dict[str, Any]:
@@ -162,6 +167,13 @@ def failure_latency(env: KubeEnv, ns: str, name: str, limit: float = 60.0) -> fl
     except AssertionError:
         return float("inf")  # not shown within `limit` seconds
     return time.monotonic() - t0
+
+
+def all_cpu(env: KubeEnv, operator_pid: int | None = None) -> float:
+    """CPU-seconds so far of the control plane's processes, this process and the operator (if running)."""
+    pids = [p.pid for p in env.cp.procs.values()] + ([operator_pid] if operator_pid else [])
+    own = os.times()
+    return sum(cpu_seconds(pid) for pid in pids) + own.user + own.system
 
 
 def cpu_seconds(pid: int) -> float:
@@ -197,7 +209,7 @@ def run_n(env: KubeEnv, n: int, args: argparse.Namespace) -> dict[str, float]:
     with env.operator(ns, interval=args.interval) as op:
         manifests = [job_manifest(ns, i) for i in range(n)]
         watch = PodWatch(env.admin, ns, 2 * n)
-        r0, t0 = operator_requests(env), time.monotonic()
+        r0, c0, t0 = operator_requests(env), all_cpu(env, op.proc.pid), time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda m: env.admin.create(env.jobs(ns), m), manifests))
         out["apply_s"] = time.monotonic() - t0
@@ -205,6 +217,7 @@ def run_n(env: KubeEnv, n: int, args: argparse.Namespace) -> dict[str, float]:
             out["pods_s"] = watch.wait(args.timeout) - t0
         except AssertionError as exc:
             raise AssertionError(f"{exc}\noperator log:\n{op.tail()}") from None
+        out["op_phase_cpu_s"] = all_cpu(env, op.proc.pid) - c0
         out["req_per_job"] = (operator_requests(env) - r0) / n
         out["op_cpu_s"] = cpu_seconds(op.proc.pid)
         out["settle_s"] = settle(env, args.settle)
@@ -215,7 +228,8 @@ def run_n(env: KubeEnv, n: int, args: argparse.Namespace) -> dict[str, float]:
         out["fail_to_status_s"] = statistics.median(latencies[: args.failures])
         out["fail_to_status_max_s"] = max(latencies[: args.failures])
         out["rss_mb"] = peak_rss_mb(op.proc.pid)
-    out["bare_s"] = bare_loop(env, n)
+    out["bare_s"], bare_cpu = bare_loop(env, n)
+    out["cpu_ratio"] = out["op_phase_cpu_s"] / bare_cpu
     out["ratio"] = out["pods_s"] / out["bare_s"]
     return out
 
@@ -234,8 +248,8 @@ def main() -> int:
         cp, env, kubelet = start_env(Path(tmp))
         try:
             count_operator_requests(env)
-            head = ("jobs", "pods", "pods_s", "op_cpu_s", "bare_s", "ratio", "req_per_job", "settle_s", "idle_rps",
-                    "fail_to_status_s", "fail_to_status_max_s", "rss_mb")
+            head = ("jobs", "pods", "pods_s", "op_cpu_s", "bare_s", "ratio", "cpu_ratio", "req_per_job", "settle_s",
+                    "idle_rps", "fail_to_status_s", "fail_to_status_max_s", "rss_mb")
             print("  ".join(f"{h:>10}" for h in head), flush=True)
             for n in args.jobs:
                 r = run_n(env, n, args)

@@ -61,9 +61,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kubetron import startup  # noqa: E402
 from kubetron.contract.times import parse_stamp  # noqa: E402
-from kubetron.progress_io import summarize  # noqa: E402
+from kubetron.supervisor import startup  # noqa: E402
+from kubetron.supervisor.progress_io import summarize  # noqa: E402
 
 from tests.kube import cluster  # noqa: E402
 from tests.kube.cluster import Kubelet  # noqa: E402

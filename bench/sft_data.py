@@ -64,11 +64,13 @@ def transformers_loop(tok_dir: Path, data: Path) -> tuple[float, list[list[int]]
 
 def kubetron_build(tok_dir: Path, data: Path, cache: Path, seq: int):
     from kubetron.data.finetuning import FinetuningDataset
+    from kubetron.data.sft.cache import CachePlace
     from kubetron.data.tokenizer import tokenizer_from_assets
 
     t0 = time.perf_counter()
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tok_dir))
-    ds = FinetuningDataset(str(data), tok, seq, packing=True, seed=0, cache_at=(str(cache), True))
+    place = CachePlace(str(cache), True, str(cache.parent / "store"))  # the job's key in a store beside the cache
+    ds = FinetuningDataset(str(data), tok, seq, packing=True, seed=0, cache_at=place)
     return time.perf_counter() - t0, ds
 
 

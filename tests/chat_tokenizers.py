@@ -142,3 +142,150 @@ def sample_digest(ds) -> str:
         for k, v in sorted(ds[i].items()):
             h.update(k.encode() + np.ascontiguousarray(v).tobytes())
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The template families of the SFT oracle suite (tests/test_sft_oracle.py): each a tokenizer built like the model's
+# with the model's published chat template, as TRL ships them (trl/chat_templates/*.jinja, the published texts), and
+# the template transformers computes the assistant mask with: TRL's training variant (the same text with
+# {% generation %} blocks) where TRL has one that renders the published text, else one written here the same way
+# (tests/chat_templates/*-training.jinja: TRL's Qwen3 variant keeps every turn's <think> block).
+
+def trl_template(name: str) -> str:
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                  "<|eom_id|>", "<|python_tag|>"]
+
+
+def llama31_tokenizer(out: Path, template: str | dict | None = None) -> Path:
+    """Llama 3.1's shape (Llama 3's, with <|eom_id|> and <|python_tag|>) and its published template."""
+    from tokenizers import processors
+
+    tok = _bpe(LLAMA3_SPLIT, LLAMA_SPECIALS)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])])
+    return _save(tok, out, template or trl_template("llama3_1"), False, bos_token="<|begin_of_text|>",
+                 eos_token="<|eot_id|>")
+
+
+def qwen25_tokenizer(out: Path, template: str | dict | None = None) -> Path:
+    """Qwen2.5's shape (Qwen3's tokenizer without <think>) and its published template (a default system prompt)."""
+    from tokenizers import AddedToken, processors
+
+    tok = _bpe(QWEN_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return _save(tok, out, template or trl_template("qwen2_5"), False, eos_token="<|im_end|>",
+                 pad_token="<|endoftext|>")
+
+
+def _sentencepiece_like(specials: list[str], prepend: str = "first"):
+    """A Metaspace BPE as SentencePiece models are run by tokenizers (Llama 2, Mistral, Phi-3)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=True)
+    chars = sorted(set("".join(CORPUS + TOOL_CORPUS) + "\n▁"))
+    tok.train_from_iterator((CORPUS + TOOL_CORPUS) * 20, trainers.BpeTrainer(
+        vocab_size=500, special_tokens=specials, initial_alphabet=chars))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    return tok
+
+
+def _bos_first(tok, bos: str):
+    """A post-processor that puts `bos` before every text (SentencePiece models as transformers runs them)."""
+    from tokenizers import processors
+
+    return processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+
+
+def phi3_tokenizer(out: Path, template: str | dict | None = None) -> Path:
+    """Phi-3's shape: Llama 2's SentencePiece BPE ("<s> $A"), chat tokens added with rstrip (so "<|assistant|>"
+    takes the newline after it, as in Phi-3-mini's tokenizer.json); bos <s>, eos <|endoftext|>."""
+    from tokenizers import AddedToken
+
+    tok = _sentencepiece_like(["<unk>", "<s>", "</s>"])
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)] + [
+        AddedToken(t, special=True, rstrip=True, normalized=False)
+        for t in ("<|assistant|>", "<|end|>", "<|user|>", "<|system|>")])
+    tok.post_processor = _bos_first(tok, "<s>")
+    return _save(tok, out, template or trl_template("phi3"), False, bos_token="<s>", eos_token="<|endoftext|>",
+                 unk_token="<unk>")
+
+
+def gemma2_tokenizer(out: Path, template: str | dict | None = None) -> Path:
+    """Gemma 2's shape: a SentencePiece BPE without a prefix space, "<bos> $A", <start_of_turn>/<end_of_turn>;
+    eos <eos>."""
+
+    tok = _sentencepiece_like(["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "never")
+    tok.post_processor = _bos_first(tok, "<bos>")
+    return _save(tok, out, template or trl_template("gemma"), False, bos_token="<bos>", eos_token="<eos>",
+                 pad_token="<pad>", unk_token="<unk>")
+
+
+MISTRAL_TOOL_SPECIALS = ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                         "[/TOOL_RESULTS]"]
+
+
+def mistral_tools_tokenizer(out: Path, template: str | dict | None = None) -> Path:
+    """Mistral v0.3's shape with its tool control tokens ([TOOL_CALLS], [TOOL_RESULTS] ...)."""
+
+    tok = _sentencepiece_like(["<unk>", "<s>", "</s>", "[INST]", "[/INST]", *MISTRAL_TOOL_SPECIALS])
+    tok.post_processor = _bos_first(tok, "<s>")
+    return _save(tok, out, template or MISTRAL_V3_TEMPLATE, False, bos_token="<s>", eos_token="</s>",
+                 unk_token="<unk>")
+
+
+CHATML_TEMPLATE = (TEMPLATES / "chatml-tools.jinja").read_text()
+
+
+def chatml_tokenizer(out: Path, template: str | dict | None = CHATML_TEMPLATE) -> Path:
+    """A ChatML model (<|im_start|>/<|im_end|>, Hermes-style <tool_call>) whose template carries {% generation %}
+    blocks: the mask is transformers' return_assistant_tokens_mask."""
+    from tokenizers import processors
+
+    tok = _bpe(QWEN_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return _save(tok, out, template, False, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                     "<｜tool▁output▁end｜>"]
+
+
+def deepseek_tokenizer(out: Path, template: str | dict | None = None) -> Path:
+    """DeepSeek V3's shape: a byte-level BPE, its chat and tool tokens special, <think>/</think> added; bos written
+    by the template; its published template (a tool call's arguments a JSON string)."""
+    from tokenizers import AddedToken, processors
+
+    tok = _bpe(QWEN_SPLIT, DEEPSEEK_SPECIALS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return _save(tok, out, template or trl_template("deepseekv3"), False, bos_token="<｜begin▁of▁sentence｜>",
+                 eos_token="<｜end▁of▁sentence｜>")
+
+
+TOOL_CORPUS = ['{"name": "get_weather", "arguments": {"city": "Paris"}} The weather in Paris is sunny, 21 C.',
+               "Calling the function get_time for Tokyo: it is 10:00. tool_call parameters"]
+
+# family: (tokenizer builder, the template transformers' assistant mask is computed with, or None: the published
+# one has {% generation %} blocks itself)
+FAMILIES = {
+    "llama3.1": (llama31_tokenizer, lambda: (TEMPLATES / "llama3.1-training.jinja").read_text()),
+    "qwen2.5": (qwen25_tokenizer, lambda: trl_template("qwen2_5_training")),
+    "qwen3": (qwen3_tokenizer, lambda: (TEMPLATES / "qwen3-training.jinja").read_text()),
+    "mistral-v0.3": (mistral_tools_tokenizer, lambda: (TEMPLATES / "mistral-v0.3-training.jinja").read_text()),
+    "gemma2": (gemma2_tokenizer, lambda: trl_template("gemma_training")),
+    "phi3": (phi3_tokenizer, lambda: trl_template("phi3_training")),
+    "chatml": (chatml_tokenizer, lambda: None),
+    "deepseek-v3": (deepseek_tokenizer, lambda: trl_template("deepseekv3_training")),
+}

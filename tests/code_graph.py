@@ -19,15 +19,17 @@ PACKAGES = (REPO / "trainer" / "kubetron", REPO / "operator" / "kubetron_operato
 TRAINER_ORDER = (
     "__init__",  # kubetron/__init__.py: the version
     "contract",  # the typed, torch-free, I/O-free half the operator shares (docs/CONTRACT.md)
+    "events",  # a run's life as typed events, and the listeners' protocol (imports nothing of kubetron)
     "compat",  # megatron-core/torch adaptations: imports nothing of kubetron but the contract
     "storage",  # a directory or s3://, transactions that commit with a marker
-    "termination_log", "startup", "heartbeat", "progress_io", "watchdog",  # small I/O leaves of the process
+    "supervisor",  # the pod's supervisor: launcher, torchrun, hang watchdog, heartbeat, progress log, termination log
     "data",  # tokenizers, datasets, loaders, preprocessing
     "config",  # the contract's config, resolved where the trainer runs (reads the tokenizer's files)
     "checkpoint",  # the on-store format, the formats, the manager: handed what it loads, never the trainer's
     "hf",  # Hugging Face import/export: reads and writes checkpoints, converts weights
     "training",  # model, loop, evaluation, and the run built from everything below
-    "plan", "torchrun", "launch",  # what starts the training processes
+    "plan",  # the memory estimate and layout search
+    "launch",  # `python -m kubetron.launch`, the pod's command (the launcher is supervisor's)
     "client", "client_cli", "cli", "__main__",  # the commands
 )
 """The trainer's packages (`kubetron.<first component>`), lowest first: a module imports only from its own

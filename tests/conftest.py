@@ -3,11 +3,36 @@
 import re
 
 import pytest
-from kubetron.watchdog import HANGS_DIR  # where a pod's watchdog puts a hung gang's stacks
+from kubetron.supervisor.watchdog import HANGS_DIR  # where a pod's watchdog puts a hung gang's stacks
 
 from tests.kube.fixtures import kube, kube_ns  # noqa: F401 - the real-API-server fixtures (tests/kube)
 from tests.s3server import s3_server  # noqa: F401 - a pytest fixture, re-exported
 from tests.typecheck import CHECK, STARTED, Run
+
+TIERS = ("unit", "trainer", "process", "cluster")
+"""The suite's tiers, cheapest first (pyproject.toml's markers say what each holds). Every test module sets its
+tier (`pytestmark`); a test that costs more than its module's tier carries its own mark, and its own wins."""
+
+
+def tier_of(item) -> str | None:
+    """The tier mark closest to the test (its own, then its class's, then its module's)."""
+    return next((mark.name for mark in item.iter_markers() if mark.name in TIERS), None)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", action="append", choices=TIERS, default=None,
+                     help="run only the tests of this tier (repeatable); `make test-fast` is --tier unit")
+
+
+def pytest_collection_modifyitems(config, items):
+    """--tier: keep the tests whose closest tier mark is one of those asked for."""
+    wanted = config.getoption("--tier")
+    if not wanted:
+        return
+    keep = [item for item in items if tier_of(item) in wanted]
+    kept = {id(item) for item in keep}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = keep
 
 
 def pytest_configure(config):

@@ -15,7 +15,8 @@ DASHBOARD = ROOT / "charts" / "kubetron" / "dashboards" / "kubetron.json"
 TRAINER_PREFIX = "kubetron_trainer_"  # rank 0's status endpoint; every other kubetron_ metric is the operator's
 # What Grafana replaces before a query reaches Prometheus, with values of the same kind.
 GRAFANA_VARIABLES = {"$__rate_interval": "2m", "$__interval": "30s", "$__range": "6h", "$namespace": ".*",
-                     "$trainingjob": ".*"}
+                     "$trainingjob": ".*", "$operator_job": "kubetron-metrics"}
+TARGET_LABELS = {"job"}  # what Prometheus adds to every series of a scrape: no exporter serves it
 STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a PromQL string literal
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "and", "or",
             "unless", "inf", "nan"}
@@ -92,5 +93,5 @@ def unserved_labels(exporter: str, text: str, board: dict[str, Any] | None = Non
     for title, expr in queries(board).items():
         names = {n for n in metric_names(expr) if n.startswith(TRAINER_PREFIX) == (exporter == "trainer")}
         if len(names) == 1 and (name := names.pop()) in carried:
-            out |= {(title, label) for label in labels_read(expr) - carried[name]}
+            out |= {(title, label) for label in labels_read(expr) - carried[name] - TARGET_LABELS}
     return out

@@ -179,13 +179,16 @@ def finetune_args(tmp: Path, data: Path, pretrained: Path, keys: dict, iters: in
 
 
 def import_finetune_export(tmp: Path, hf: Path, iters: int) -> str:
-    """import-hf HF -> finetune `iters` packed SFT iterations -> export-hf to tmp/out; import-hf's stdout."""
-    imported = run_cli(["import-hf", str(hf), str(tmp / "ckpt")], tmp)
+    """import-hf HF -> finetune `iters` packed SFT iterations -> export-hf to tmp/out, the commands in this process
+    (tests/inprocess.run_command); import-hf's console."""
+    from tests.inprocess import run_command
+
+    imported = run_command(["import-hf", str(hf), str(tmp / "ckpt")], tmp)
     assert imported.returncode == 0, imported.stderr
     data = tmp / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
-    p = run_cli(finetune_args(tmp, data, tmp / "ckpt", imported_model_keys(tmp / "ckpt"), iters), tmp)
+    p = run_command(finetune_args(tmp, data, tmp / "ckpt", imported_model_keys(tmp / "ckpt"), iters), tmp)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli(["export-hf", str(tmp / "run"), str(tmp / "out")], tmp)
+    p = run_command(["export-hf", str(tmp / "run"), str(tmp / "out")], tmp)
     assert p.returncode == 0, p.stderr
     return imported.stdout

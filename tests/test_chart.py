@@ -12,6 +12,8 @@ import pytest
 
 from tests.chart_values import VALUE_SETS
 
+pytestmark = pytest.mark.unit
+
 helm = pytest.importorskip("kubetron_operator.helm")
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
 kv = pytest.importorskip("kubernetes_validate.utils")
@@ -386,7 +388,34 @@ def test_metrics_port_service_and_optional_service_monitor():
     (monitor,) = of_kind(render(with_monitor), "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s",
+                                             "honorLabels": True}]
     off = render({"metrics": {"enabled": False}})
     assert not of_kind(off, "Service") and not any(a.startswith("--metrics-port") for a in of_kind(
         off, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_only_the_monitoring_namespace_reaches_the_operators_metrics():
+    """/metrics names every watched namespace's jobs: the chart's NetworkPolicy lets only
+    metrics.networkPolicy.from reach its port; the health port stays open to the kubelet's probes."""
+    default = render({})
+    (policy,) = of_kind(default, "NetworkPolicy")
+    pod_labels = of_kind(default, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    health, metrics = policy["spec"]["ingress"]
+    assert health == {"ports": [{"port": "health", "protocol": "TCP"}]}
+    assert metrics == {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}
+    prom = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}
+    (mine,) = of_kind(render({"metrics": {"networkPolicy": {"from": [prom]}}}), "NetworkPolicy")
+    assert mine["spec"]["ingress"][1]["from"] == [prom]
+    (closed,) = of_kind(render({"metrics": {"networkPolicy": {"from": []}}}), "NetworkPolicy")
+    assert closed["spec"]["ingress"] == [health]  # nobody reaches /metrics
+
+
+def test_failing_node_taints_last_taint_seconds():
+    args = of_kind(render({"failingNodes": {"taint": True, "taintSeconds": 600}}), "Deployment")[0]["spec"][
+        "template"]["spec"]["containers"][0]["args"]
+    assert "--taint-failing-nodes" in args and "--taint-seconds=600" in args

@@ -26,7 +26,10 @@ from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError
 
 from tests.ckpt_utils import MODEL, Payload, kubetron_parts, megatron_gpt, write_megatron_lm
+from tests.inprocess import in_process_config
 from tests.trainer_utils import TINY, run
+
+pytestmark = pytest.mark.unit
 
 pytest.importorskip("megatron.core")
 
@@ -136,6 +139,7 @@ def forge(dcp: Path, tmp_path: Path, how: str) -> tuple[str, Path]:
 
 @pytest.mark.parametrize("how", ["resume", "pretrained"])
 @pytest.mark.parametrize("craft", ["bytes-entry", "outside", "compressed", "beyond"])
+@pytest.mark.trainer
 def test_torch_dist_crafted_metadata_is_refused(tmp_path, how, craft):
     location, dcp = dist_checkpoint(tmp_path, how)
     expect, marker = forge(dcp, tmp_path, craft)
@@ -143,6 +147,7 @@ def test_torch_dist_crafted_metadata_is_refused(tmp_path, how, craft):
     assert expect in line, line
 
 
+@pytest.mark.trainer
 def test_torch_dist_state_keys_are_checked_before_anything_is_allocated(tmp_path):
     """kubetron's common.pt names the optimizer states to read; one it never writes is refused (a list of a
     million names would allocate a million copies of the model)."""
@@ -236,6 +241,7 @@ def test_run_config_yaml_is_read_as_plain_yaml(tmp_path, caplog):
 
 # -- the CLI: one line, the checkpoint error's exit code, nothing run ------------------------------------------
 
+@pytest.mark.process
 def test_cli_default_format_resume_refuses_a_forged_torch_dist_entry(tmp_path):
     """The issue's case end to end: a run with the default format resumes a torch_dist checkpoint (the
     checkpoint picks the format) whose word embedding is a forged bytes entry."""
@@ -254,6 +260,7 @@ def test_cli_default_format_resume_refuses_a_forged_torch_dist_entry(tmp_path):
     assert f"refusing to load {EMBEDDING}" in p.termination["message"]
 
 
+@pytest.mark.process
 def test_cli_pretrained_megatron_checkpoint_with_a_forged_entry_is_refused(tmp_path):
     dcp = tmp_path / "megatron" / "iter_0000010"
     write_megatron_lm(megatron_gpt(seed=1), tmp_path / "megatron", 10, tmp_path / "args-ran")
@@ -298,9 +305,13 @@ def test_the_progress_log_is_never_appended_through_a_link(tmp_path):
     precious = tmp_path / "precious.txt"
     precious.write_text("not the trainer's\n")
     (store / "progress.txt").symlink_to(precious)
-    _, ckpt = kubetron_parts(f"checkpoint.save={store}")
+    from kubetron.checkpoint.progress_log import PodFacts, ProgressLog
+    from kubetron.events import Started
+    from kubetron.storage import open_store
+
+    log = ProgressLog(in_process_config(f"checkpoint.save={store}"), open_store(str(store)), 1, PodFacts(job_id=""))
     with pytest.raises(CheckpointError) as e:
-        ckpt.progress.start()
+        log(Started(0, 10, 0, 0.0, None))  # (in a run, the listener is then dropped with a warning)
     assert "progress.txt is a symbolic link" in str(e.value)
     assert precious.read_text() == "not the trainer's\n"
 
@@ -345,6 +356,7 @@ def resume(d: Path, store: Path, args: list[str], iters: int):
 
 
 @pytest.mark.parametrize("link", ["environ", "directory"])
+@pytest.mark.process
 def test_a_link_in_the_tokenizer_dir_is_refused_and_the_secret_stays_out(tokenized_run, tmp_path, link):
     """The issue's case: iter_N/tokenizer/ holds a link to /proc/self/environ (the trainer's environment,
     with its AWS_SECRET_ACCESS_KEY) or to a directory holding a secret. The tokenizer's files are copied into
@@ -370,6 +382,7 @@ def test_a_link_in_the_tokenizer_dir_is_refused_and_the_secret_stays_out(tokeniz
     assert secret_files(store) == []
 
 
+@pytest.mark.process
 def test_a_linked_checkpoint_directory_is_ignored_and_the_secret_stays_out(tokenized_run, tmp_path):
     """iter_0000009 is a link to a complete checkpoint elsewhere (its tokenizer/ carries a secret) and the
     tracker names it: a linked directory is no checkpoint of this store, so the run resumes from its own

@@ -15,6 +15,8 @@ import textwrap
 import pytest
 from kubetron.cli import main
 
+pytestmark = pytest.mark.unit
+
 # (id, yaml text or None for no --config, extra argv, field the error must name)
 CASES = [
     ("missing-file", "@missing", [], "--config"),
@@ -215,6 +217,7 @@ def _run(args, env_extra=None, cwd=None):
 
 
 @pytest.mark.parametrize("name, text, extra, field", SUBPROCESS_CASES, ids=[c[0] for c in SUBPROCESS_CASES])
+@pytest.mark.process
 def test_subprocess(tmp_path, name, text, extra, field):
     log = tmp_path / "termination-log"
     proc = _run(_argv(tmp_path, "train", text, extra), {"KUBETRON_TERMINATION_LOG": str(log)})
@@ -225,6 +228,7 @@ def test_subprocess(tmp_path, name, text, extra, field):
                    "message": proc.stderr.strip().removeprefix("kubetron: error: ")}
 
 
+@pytest.mark.process
 def test_cli_does_not_import_torch():
     code = textwrap.dedent("""
         import sys
@@ -258,6 +262,7 @@ def _into_closed_pipe(args: list[str], cwd=None) -> subprocess.CompletedProcess:
     ["config", "--reference"],                   # tens of KB: fails mid-write
     ["config", "--config", "examples/tiny-gpt.yaml"],
 ], ids=["progress", "progress-json", "config-reference", "config"])
+@pytest.mark.process
 def test_closed_pipe_ends_quietly_with_141(tmp_path, args):
     """No traceback and no 'Exception ignored' for a reader that left; the status a shell gives a
     program killed by SIGPIPE (git, kubectl), so `set -o pipefail` still sees the output was cut."""

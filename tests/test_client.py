@@ -14,6 +14,8 @@ import pytest
 import yaml
 from kubetron.client import BadInput, JobStatus, KubetronError, job_manifest, load_job, merge_lines
 
+pytestmark = pytest.mark.unit
+
 # Blocks torch, megatron and the Kubernetes client, imports kubetron.client, reports what got loaded and what
 # Client() says without the Kubernetes client.
 PROBE = """
@@ -36,6 +38,7 @@ JOB = {"apiVersion": "kubetron.dev/v1alpha1", "kind": "TrainingJob", "metadata":
                 "storage": {"pvc": {"claimName": "ckpt"}}}}
 
 
+@pytest.mark.process
 def test_imports_without_torch_megatron_or_the_kubernetes_client():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
     report = json.loads(out.stdout.splitlines()[-1])

@@ -9,6 +9,8 @@ from kubetron import compat
 from kubetron.compat import megatron_core
 from kubetron.compat import torch as torch_compat
 
+pytestmark = pytest.mark.unit
+
 CHECKED = {"megatron-core": megatron_core.CHECKED, "torch": torch_compat.CHECKED}
 
 
@@ -40,9 +42,27 @@ def test_installing_on_an_unchecked_version_refuses_in_one_line(monkeypatch, dis
 
 
 def test_the_torchrun_launcher_refuses_an_unchecked_torch_in_one_line(monkeypatch, capsys):
-    from kubetron import torchrun
+    from kubetron.supervisor import torchrun
 
     monkeypatch.setattr(compat, "installed_version", lambda d: "2.20.0")
     assert torchrun.main(["--nproc-per-node", "1", "-m", "kubetron", "--help"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kubetron.torchrun: torch: 2.20.0 is installed;") and torch_compat.CHECKED in line
+
+
+@pytest.mark.parametrize("distribution", sorted(CHECKED))
+@pytest.mark.trainer
+def test_the_library_entry_refuses_an_unchecked_version_before_it_runs(monkeypatch, distribution):
+    """`pretrain()` / `finetune()` called from a script (not `kubetron train`) check the versions too."""
+    from kubetron.training import entry
+
+    from tests.inprocess import in_process_config
+
+    checked = {"megatron-core": "0.16.1", "torch": "2.13.0"}
+    monkeypatch.setattr(compat, "installed_version", lambda d: "99.0.0" if d == distribution else checked[d])
+    started = []
+    monkeypatch.setattr(entry, "_run", lambda *args, **kwargs: started.append(args))
+    for call in (entry.pretrain, entry.finetune):
+        with pytest.raises(compat.UncheckedVersionError, match=f"^{distribution}: 99.0.0 is installed"):
+            call(in_process_config(), lambda state, data_iterator, model: None)
+    assert started == []

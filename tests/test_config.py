@@ -18,7 +18,9 @@ from kubetron.contract.config import (
 )
 from kubetron.contract.errors import ConfigError
 from kubetron.contract.termination import encode_termination_message
-from kubetron.termination_log import write_termination_message
+from kubetron.supervisor.termination_log import write_termination_message
+
+pytestmark = pytest.mark.unit
 
 EXAMPLE = "examples/tiny-gpt.yaml"
 

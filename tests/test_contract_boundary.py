@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = ROOT / "trainer" / "kubetron" / "contract"
 OPERATOR = ROOT / "operator" / "kubetron_operator"
@@ -41,6 +45,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.process
 def test_operator_loads_only_the_contract_and_the_contract_no_torch_boto3_or_storage():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
     report = json.loads(out.stdout.splitlines()[-1])

@@ -18,6 +18,8 @@ from kubetron_operator.model import Job
 from tests.dashboard import DASHBOARD, ROOT, dashboard, labels_read, metric_names, queries, read_by, unserved_labels
 from tests.operator.jobs import PVC_JOB
 
+pytestmark = pytest.mark.unit
+
 helm = pytest.importorskip("kubetron_operator.helm")
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
 
@@ -41,6 +43,7 @@ def promtool_check_rules(tmp_path, groups: list[dict]) -> subprocess.CompletedPr
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
+@pytest.mark.process
 def test_every_query_and_alert_parses_with_promtool(tmp_path):
     rules = [{"record": f"kubetron:panel_{i}", "expr": expr} for i, expr in enumerate(queries().values())]
     checked = promtool_check_rules(tmp_path, [{"name": "dashboard", "rules": rules}])
@@ -112,17 +115,19 @@ def test_the_labels_a_query_reads_are_found_so_a_mislabelled_panel_is_caught():
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
+@pytest.mark.process
 def test_the_hung_and_goodput_alerts_fire_on_the_operators_series(tmp_path):
     """promtool's rule unit tests: the operator's own series (as it exports them) over time fire the alerts."""
     values = {"metrics": {"prometheusRule": {"enabled": True, "goodputBelow": 0.6, "goodputFor": "30m"}}}
     (rule,) = of_kind(render(values), "PrometheusRule")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
-    low = 'kubetron_goodput_ratio{namespace="team-a",name="gpt"}'
-    fine = 'kubetron_goodput_ratio{namespace="team-a",name="ok"}'
+    job = f'job="{operator_job(values)}"'  # the scrape job the ServiceMonitor names after the metrics Service
+    low = f'kubetron_goodput_ratio{{namespace="team-a",name="gpt",{job}}}'
+    fine = f'kubetron_goodput_ratio{{namespace="team-a",name="ok",{job}}}'
     tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
         "input_series": [{"series": low, "values": "0.5x60"}, {"series": fine, "values": "0.9x60"},
-                         {"series": 'kubetron_restarts_total{reason="hangs"}', "values": "0 0 1 1 1"}],
+                         {"series": f'kubetron_restarts_total{{reason="hangs",{job}}}', "values": "0 0 1 1 1"}],
         "alert_rule_test": [
             {"alertname": "KubetronGoodputLow", "eval_time": "20m", "exp_alerts": []},  # not for 30m yet
             {"alertname": "KubetronGoodputLow", "eval_time": "45m", "exp_alerts": [{
@@ -144,6 +149,60 @@ def test_the_hung_and_goodput_alerts_fire_on_the_operators_series(tmp_path):
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     assert subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True,
                           timeout=60).returncode
+
+
+def operator_job(values: dict) -> str:
+    """The `job` label of the operator's series: the name of its metrics Service (what a ServiceMonitor sets)."""
+    (svc,) = [m for m in of_kind(render(values), "Service") if m["metadata"]["name"].endswith("-metrics")]
+    return svc["metadata"]["name"]
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
+def test_series_a_trainer_serves_under_the_operators_names_fire_no_alert(tmp_path):
+    """A tenant's rank 0 serves /metrics, and the PodMonitor scrapes it. Had it kept a series named like
+    the operator's, `kubetron_restarts_total{reason="hangs"}` from a trainer would fire KubetronJobHung: the alerts
+    read only the operator's own scrape job, and the PodMonitor keeps only kubetron_trainer_* series."""
+    values = {"metrics": {"prometheusRule": {"enabled": True}}}
+    (rule,) = of_kind(render(values), "PrometheusRule")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    forged = 'job="team-a/kubetron-trainers",namespace="team-a",trainingjob="evil"'  # what the PodMonitor adds
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": f'kubetron_restarts_total{{reason="hangs",{forged}}}', "values": "0+5x120"},
+            {"series": f'kubetron_restarts_total{{reason="failures",{forged}}}', "values": "0+50x120"},
+            {"series": f'kubetron_api_errors_total{{code="403",{forged}}}', "values": "0+60x120"},
+            {"series": f'kubetron_goodput_ratio{{name="x",{forged}}}', "values": "0x120"}],
+        "alert_rule_test": [{"alertname": name, "eval_time": "90m", "exp_alerts": []} for name in (
+            "KubetronJobHung", "KubetronTrainerFailuresFrequent", "KubetronOperatorForbidden", "KubetronGoodputLow")],
+    }]}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    ran = subprocess.run([PROMTOOL, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+
+
+def test_a_tenants_series_reach_neither_the_alerts_nor_the_operators_panels():
+    """What the chart ships keeps a trainer's /metrics to its own series (rendered; the rules' behaviour:
+    test_series_a_trainer_serves_under_the_operators_names_fire_no_alert)."""
+    values = {"metrics": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
+                          "serviceMonitor": {"enabled": True}}}
+    rendered = render(values)
+    (endpoint,) = of_kind(rendered, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]
+    assert endpoint["honorLabels"] is False  # a trainer's `namespace` or `trainingjob` never replaces the target's
+    assert endpoint["metricRelabelings"] == [{"sourceLabels": ["__name__"], "regex": "kubetron_trainer_.*",
+                                              "action": "keep"}]
+    (monitor,) = of_kind(rendered, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True  # the operator's own namespace/name labels
+    job = f'job="{operator_job(values)}"'
+    for r in of_kind(rendered, "PrometheusRule")[0]["spec"]["groups"][0]["rules"]:
+        operator_series = {n for n in metric_names(r["expr"]) if not n.startswith("kubetron_trainer_")}
+        assert not operator_series or r["expr"].count(job) == len(operator_series), r["expr"]
+    for title, expr in queries().items():
+        operator_series = {n for n in metric_names(expr) if not n.startswith("kubetron_trainer_")}
+        assert not operator_series or 'job="kubetron-metrics"' in expr, title
+    (variable,) = [v for v in dashboard()["templating"]["list"] if v["name"] == "operator_job"]
+    assert variable["query"] == operator_job({})
 
 
 def rule_annotation(rule: dict, alert: str, key: str) -> str:

@@ -31,6 +31,8 @@ from kubetron.data.preprocess import iter_documents, preprocess
 from kubetron.data.preprocess import main as preprocess_main
 from kubetron.data.tokenizer import ByteTokenizer, NullTokenizer, build_tokenizer
 
+pytestmark = pytest.mark.unit
+
 
 def make_cfg(data_path=None, split="969,30,1", seq_length=32, mbs=2, gbs=8, dp=1, eval_interval=None, iters=50,
              **ds):

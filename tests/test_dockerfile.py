@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import launch
 from kubetron.contract import exitcodes
+from kubetron.supervisor import launch
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -59,6 +61,7 @@ def stages() -> dict[str, list[tuple[str, str]]]:
     return result
 
 
+@pytest.mark.process
 def test_hadolint_clean():
     run = subprocess.run([hadolint(), str(DOCKERFILE)], check=False, capture_output=True, text=True,
                          timeout=60)
@@ -174,23 +177,27 @@ def make_dry_run(tmp_path: Path, tools: dict[str, int], *args: str) -> list[str]
     ({"docker": 1, "podman": 0, "buildah": 0}, "podman"),   # a docker CLI without a daemon is passed over
     ({"docker": 1, "buildah": 0}, "buildah"),
 ])
+@pytest.mark.process
 def test_make_images_uses_whatever_the_machine_has(tmp_path, tools, chosen):
     lines = make_dry_run(tmp_path, tools)
     assert lines == [f"{chosen} build --target operator -t kubetron-operator:dev .",
                      f"{chosen} build --target trainer -t kubetron-trainer:dev ."], lines
 
 
+@pytest.mark.process
 def test_make_images_tool_and_flags_can_be_chosen(tmp_path):
     lines = make_dry_run(tmp_path, {"docker": 0}, "CONTAINER_TOOL=buildah", "IMAGE_TAG=1.0",
                          "IMAGE_BUILD_FLAGS=--build-arg BASE_IMAGE=torch:x")
     assert lines[0] == "buildah build --target operator -t kubetron-operator:1.0 --build-arg BASE_IMAGE=torch:x ."
 
 
+@pytest.mark.process
 def test_make_images_without_any_tool_says_so(tmp_path):
     lines = make_dry_run(tmp_path, {})
     assert any("no Docker daemon, podman or buildah" in ln for ln in lines), lines
 
 
+@pytest.mark.process
 def test_the_image_test_is_not_collected_by_make_test():
     """tests/images/ is `make image-test`'s (buildah, minutes): pytest must find nothing there."""
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -240,7 +247,7 @@ def test_torchrun_argv_multi_node(node_rank, host_args):
     env = {"NNODES": "2", "NODE_RANK": node_rank, "NPROC_PER_NODE": "8", "MASTER_ADDR": "job-1-0.job.ns.svc",
            "MASTER_PORT": "29500", "KUBETRON_JOB_ID": "ns/job/1", launch.MAX_IN_PLACE_RESTARTS_ENV: "3"}
     argv = launch.torchrun_argv(env, ["train", "--config", "/etc/kubetron/config.yaml"], python="py")
-    assert argv[:3] == ["py", "-m", "kubetron.torchrun"]  # torchrun's run(), its failure report left out
+    assert argv[:3] == ["py", "-m", "kubetron.supervisor.torchrun"]  # torchrun's run(), its failure report left out
     assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=job-1-0.job.ns.svc:29500",
             "--rdzv-id=ns-job-1", "--max-restarts=3", *host_args} <= set(argv)
     assert not any(a.startswith("--local-addr") for a in argv) or node_rank == "0"
@@ -281,6 +288,7 @@ def test_a_pod_stopped_after_its_ranks_completed_exits_0():
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_launcher_exits_with_the_root_cause_through_real_torchrun(tmp_path, monkeypatch):
     """Two ranks under real torchrun, each writing its message the way the trainer does (replacing
     the file): rank 1 diverged (3), rank 0 saw its peer go (5). The pod must exit 3 and say why,
@@ -309,6 +317,7 @@ def test_launcher_exits_with_the_root_cause_through_real_torchrun(tmp_path, monk
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_sigterm_to_the_pod_reaches_the_ranks_and_the_pod_exits_75(tmp_path):
     """What preemption looks like from inside the container: the kubelet SIGTERMs PID 1 (the launcher);
     the ranks must get it, save, and the container must exit 75 (SavedOnSignal), not torchrun's 1."""

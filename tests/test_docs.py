@@ -2,7 +2,10 @@
 
 from pathlib import Path
 
+import pytest
 from kubetron.contract.config import config_reference_markdown
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parent.parent
 

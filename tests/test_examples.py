@@ -13,6 +13,8 @@ import jsonschema
 import pytest
 import yaml
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "trainingjob.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("trainingjob-*.yaml"))
@@ -200,6 +202,7 @@ def _hf_finetune_configs(hf_dir: Path) -> dict[str, dict]:
             "hf-sft/sft.yaml": yaml.safe_load(local.replace("/tmp/kubetron-hf-sft/hf", str(hf_dir)))}
 
 
+@pytest.mark.process
 def test_hf_finetune_examples_use_the_models_own_tokenizer_and_shape(tmp_path):
     """make_tiny_llama.py writes a model with its tokenizer; the examples that fine-tune it read that
     tokenizer from the model's directory, and their model section is what the HF config says."""

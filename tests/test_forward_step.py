@@ -15,6 +15,8 @@ from kubetron.training.state import GlobalState
 from tests.inprocess import ensure_world_of_one, in_process_config, run_pretrain
 from tests.trainer_utils import tb_scalars
 
+pytestmark = pytest.mark.trainer
+
 # --------------------------------------------------------------------------------------------------
 # A world of one rank (gloo) with megatron's parallel_state, shared by every in-process test
 # --------------------------------------------------------------------------------------------------

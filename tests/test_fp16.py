@@ -10,12 +10,15 @@ import math
 import re
 from types import SimpleNamespace
 
+import pytest
 import torch
 from kubetron.contract import exitcodes
 from kubetron.training.mixed_precision import LossScaler
 
 from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import tb_scalars
+
+pytestmark = pytest.mark.trainer
 
 SMALL = ["model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4", "logger.log_interval=1",
          "scheduler.lr_warmup_iters=2"]

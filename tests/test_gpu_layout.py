@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.trainer_utils import ITER_RE, TINY, bench_module, free_port
+from tests.trainer_utils import TINY, HeldReader, bench_module, free_port, iteration_at_least
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_TORCH = "2.11.0"  # the GPU machine's torch, older than the project's own (2.13.0)
@@ -41,7 +41,7 @@ IMAGE_PACKAGES = ("numpy", "psutil", "tensorboard", "pyyaml", "typing_extensions
                   "fsspec", "networkx")
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def _pip(python: str | Path, *args: str) -> None:
@@ -178,20 +178,22 @@ def test_a_sigterm_save_longer_than_30_s_completes_under_torch_2_11(gpu_machine,
              "logger.log_interval=1", "validation.eval_interval=null", f"checkpoint.save={store}",
              "checkpoint.save_interval=1000"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        lines, signalled = [], None
+        out: list[str] = []
+        signalled = None
         try:
-            for line in pod.stdout:
-                lines.append(line.rstrip("\n"))
-                if signalled is None and (m := ITER_RE.search(line)) and int(m.group(1)) >= 3:
-                    pod.send_signal(signal.SIGTERM)
-                    signalled = time.monotonic()
+            reader = HeldReader(pod, out.append, iteration_at_least(3))
+            with reader.held(300, explain=lambda: "".join(out)[-3000:]):
+                pod.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
             rc = pod.wait(timeout=300)
+            reader.join(timeout=10)
         finally:
             if pod.poll() is None:
                 os.killpg(pod.pid, signal.SIGKILL)
                 pod.wait()
         took = time.monotonic() - (signalled or time.monotonic())
         delayed = px.stats["delay"]
+    lines = "".join(out).splitlines()
     assert signalled is not None, lines[-30:]
     term = json.loads((tmp_path / "termination-log").read_text())
     assert rc == 75 and term["reason"] == "SavedOnSignal", (rc, term, lines[-30:])

@@ -22,14 +22,18 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kubetron import heartbeat, launch, watchdog
 from kubetron.contract import exitcodes, hang
-from kubetron.contract.hang import CHECKPOINT, EVALUATION, STARTUP, TRAIN, Beat
-from kubetron.heartbeat import Heartbeat
+from kubetron.contract.hang import CHECKPOINT, EVALUATION, STARTUP, TEARDOWN, TRAIN, Beat
+from kubetron.events import PROGRESS, Events, PhaseEntered, Started, StepDone, Stopping
+from kubetron.supervisor import heartbeat, launch, watchdog
+from kubetron.supervisor.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
-from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
+from tests.multirank.launchers import collect, finish, run_to_end, start_pods, trainer_pid
+from tests.rendezvous_store import Store
 from tests.trainer_utils import QUICK, TINY, iteration_at_least
+
+pytestmark = pytest.mark.process
 
 # -- the rules --------------------------------------------------------------------------------------------
 
@@ -122,58 +126,43 @@ def test_a_stack_dump_says_where_the_main_thread_waits(tmp_path, path, state):
 # -- the heartbeat --------------------------------------------------------------------------------------
 
 
-def test_the_heartbeat_is_what_the_loop_did_and_its_time_by_phase(tmp_path):
+def test_the_heartbeat_is_what_the_run_s_events_say_and_its_time_by_phase(tmp_path):
+    """The heartbeat listens to the run's events (kubetron.events) and publishes what the watchdog reads."""
     path = tmp_path / "beat"
     b = Heartbeat(str(path))
     assert watchdog.read_beat(str(path)).phase == STARTUP
-    b.resumed(10)
-    b.enter(TRAIN)
-    for it in (11, 12):
-        b.step_started()
-        time.sleep(0.02)
-        b.step_done(it)
-    with b.during(CHECKPOINT):
+    events = Events([b])
+    events.emit(Started(10, 20, 80, 0.0, None))
+    events.emit(PhaseEntered(TRAIN))
+    for it, seconds in ((11, 0.02), (12, 0.05)):
+        events.emit(StepDone(it, seconds, 8 * it, {}, 1e-3, None, False, None, 1.0))
+    with events.phase(CHECKPOINT):
         seen = watchdog.read_beat(str(path))
         assert seen.phase == CHECKPOINT and seen.iteration == 12 and seen.pid == os.getpid()
         time.sleep(0.03)
-        b.progress()  # a file written
+        before = seen.progress_at
+        events.emit(PROGRESS)  # a file written
+        assert watchdog.read_beat(str(path)).progress_at > before
     after = watchdog.read_beat(str(path))
-    assert after.phase == TRAIN and after.steps == 2 and 0.02 <= after.slowest_step < 1.0
+    assert after.phase == TRAIN and after.steps == 2 and after.slowest_step == 0.05
     spent = b.trainer_time()
-    assert spent["steps"] == 2 and 0.04 <= spent["train"] < 1.0 and 0.03 <= spent["checkpoint"] < 1.0
+    assert spent["steps"] == 2 and spent["train"] == 0.07 and 0.03 <= spent["checkpoint"] < 1.0
+    events.emit(Stopping(0, "training completed"))
+    assert watchdog.read_beat(str(path)).phase == TEARDOWN
     assert Heartbeat().trainer_time()["steps"] == 0  # outside the launcher: nothing written, still counted
 
 
 # -- the watchdog, with real processes --------------------------------------------------------------------
 
 
-class Store:
-    """The rendezvous store's calls the watchdog makes (torch's TCPStore has them), on a dict."""
-
-    def __init__(self):
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def multi_get(self, keys):
-        return [self.data[k] for k in keys]
-
-    def delete_key(self, key):
-        return self.data.pop(key, None) is not None
-
-
 RANK = '''
 import sys, time
-from kubetron import heartbeat
+from kubetron.supervisor import heartbeat
 from kubetron.contract.hang import TRAIN
-b = heartbeat.current()
+b = heartbeat.Heartbeat.from_env()
 b.enter(TRAIN)
 for it in range(1, 4):
-    b.step_started(); b.step_done(it)
+    b.step_done(it, 0.001)
 b.enter(sys.argv[1])
 print("stalled", flush=True)
 time.sleep(120)
@@ -255,7 +244,7 @@ def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], l
     clock). Not the time of the SIGSTOP: a rank held on its pipe before it made no progress either, and the
     watchdog counts from the last progress."""
     outs: list[list[str]] = [[] for _ in pods]
-    readers = [collect(pod, out, hold_at=iteration_at_least(iteration, LOSS_RE) if pod is pods[-1] else None)
+    readers = [collect(pod, out, hold_at=iteration_at_least(iteration) if pod is pods[-1] else None)
                for pod, out in zip(pods, outs, strict=True)]
     with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
         pid = trainer_pid(pods, 1)

@@ -26,8 +26,10 @@ from tests.hf_utils import (
     imported_model_keys,
     imported_tensors,
     make_tiny_llama,
-    run_cli,
 )
+from tests.inprocess import run_command
+
+pytestmark = pytest.mark.trainer
 
 pytest.importorskip("transformers")
 
@@ -90,15 +92,15 @@ def chat_export(tmp_path_factory):
 
     tmp_path = tmp_path_factory.mktemp("chat")
     hf, ids = _llama3_chat_model(tmp_path)
-    p = run_cli(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    p = run_command(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
     assert p.returncode == 0, p.stderr
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 8))
     tokenizer = [*_tokenizer_args(tmp_path / "ckpt"), "optimizer.lr=1e-2", "finetuning.packing=false"]
-    p = run_cli([*finetune_args(tmp_path, data, tmp_path / "ckpt", imported_model_keys(tmp_path / "ckpt"), 60),
+    p = run_command([*finetune_args(tmp_path, data, tmp_path / "ckpt", imported_model_keys(tmp_path / "ckpt"), 60),
                  *tokenizer], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
+    p = run_command(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")], tmp_path)
     assert p.returncode == 0, p.stderr
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")  # the export's own template renders the prompt
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -143,7 +145,7 @@ def test_export_writes_every_chat_template_file_the_checkpoint_holds(tmp_path):
                                         "additional_chat_templates/plain.jinja"}
     for args in (["import-hf", str(hf), str(tmp_path / "ckpt")], ["export-hf", str(tmp_path / "ckpt"),
                                                                    str(tmp_path / "out")]):
-        p = run_cli(args, tmp_path)
+        p = run_command(args, tmp_path)
         assert p.returncode == 0, p.stderr
     assert _template_files(tmp_path / "out") == _template_files(hf)
     exported = AutoTokenizer.from_pretrained(tmp_path / "out")
@@ -161,15 +163,15 @@ def test_adapter_export_has_the_tokenizer_files_as_trl_saves_them(tmp_path):
     from transformers import AutoTokenizer
 
     hf, _ = _llama3_chat_model(tmp_path)
-    p = run_cli(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    p = run_command(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
     assert p.returncode == 0, p.stderr
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
     lora = ["peft.scheme=lora", "peft.dim=4", "peft.alpha=8.0", *_tokenizer_args(tmp_path / "ckpt")]
-    p = run_cli([*finetune_args(tmp_path, data, tmp_path / "ckpt", imported_model_keys(tmp_path / "ckpt"), 2), *lora],
-                tmp_path)
+    keys = imported_model_keys(tmp_path / "ckpt")
+    p = run_command([*finetune_args(tmp_path, data, tmp_path / "ckpt", keys, 2), *lora], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = run_cli(["export-hf", "--adapter-only", str(tmp_path / "run"), str(tmp_path / "adapter")], tmp_path)
+    p = run_command(["export-hf", "--adapter-only", str(tmp_path / "run"), str(tmp_path / "adapter")], tmp_path)
     assert p.returncode == 0, p.stderr
     names = {f.name for f in (tmp_path / "adapter").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
@@ -207,9 +209,9 @@ def test_a_mistral_repository_layout_imports_the_hf_shards(tmp_path, index):
     _mistral_consolidated(hf)
     if not index:
         (hf / "model.safetensors.index.json").unlink()
-    p = run_cli(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    p = run_command(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
     assert p.returncode == 0, p.stderr
-    p = run_cli(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")], tmp_path)
+    p = run_command(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")], tmp_path)
     assert p.returncode == 0, p.stderr
     assert (hf_logits(tmp_path / "out") - hf_logits(tmp_path / "sharded-plain")).abs().max().item() == 0
 
@@ -259,14 +261,14 @@ def test_a_safetensors_entry_that_is_not_the_models_tensor_is_one_line_naming_fi
     and the tensor; nothing is written."""
     hf = make_tiny_llama(tmp_path / "hf")
     tensor = _crafted(hf, how)
-    p = run_cli(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    p = run_command(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     line = p.stderr.strip()
     assert "\n" not in line and "model.safetensors" in line and tensor in line, line
     assert not (tmp_path / "ckpt" / "iter_0000000").exists()
     args = finetune_args(tmp_path, tmp_path / "sft.jsonl", hf, _model_keys(hf), 1)
     (tmp_path / "sft.jsonl").write_text(json.dumps(SFT_LINES[0]) + "\n")
-    p = run_cli(args, tmp_path)
+    p = run_command(args, tmp_path)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert "model.safetensors" in p.stderr and tensor in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
 
@@ -290,10 +292,10 @@ def test_pytorch_model_bin_is_never_unpickled(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     torch.save({"model.embed_tokens.weight": Payload()}, hf / "pytorch_model.bin")
-    p = run_cli(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    p = run_command(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
     assert p.returncode == 2 and "\n" not in p.stderr.strip() and "pytorch_model" in p.stderr, p.stderr[-2000:]
     (tmp_path / "sft.jsonl").write_text(json.dumps(SFT_LINES[0]) + "\n")
-    p = run_cli(finetune_args(tmp_path, tmp_path / "sft.jsonl", hf, _model_keys(hf), 1), tmp_path)
+    p = run_command(finetune_args(tmp_path, tmp_path / "sft.jsonl", hf, _model_keys(hf), 1), tmp_path)
     assert p.returncode == 2 and "pytorch_model" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
     assert not marker.exists()
 
@@ -305,9 +307,9 @@ def test_export_writes_shards_with_an_index_that_transformers_loads(tmp_path):
     save_pretrained writes them), a progress line per shard; transformers loads it with the same logits, and
     import-hf reads the sharded export back bit-exactly."""
     hf = make_tiny_llama(tmp_path / "hf")
-    p = run_cli(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
+    p = run_command(["import-hf", str(hf), str(tmp_path / "ckpt")], tmp_path)
     assert p.returncode == 0, p.stderr
-    p = run_cli(["export-hf", "--max-shard-size", "100KB", str(tmp_path / "ckpt"), str(tmp_path / "out")], tmp_path)
+    p = run_command(["export-hf", "--max-shard-size", "100KB", str(tmp_path / "ckpt"), str(tmp_path / "out")], tmp_path)
     assert p.returncode == 0, p.stderr
     shards = sorted((tmp_path / "out").glob("model-*.safetensors"))
     assert len(shards) >= 3 and not (tmp_path / "out" / "model.safetensors").exists()
@@ -318,7 +320,7 @@ def test_export_writes_shards_with_an_index_that_transformers_loads(tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {s.name for s in shards}
     assert (hf_logits(tmp_path / "out") - hf_logits(hf)).abs().max().item() == 0
-    p = run_cli(["import-hf", str(tmp_path / "out"), str(tmp_path / "again")], tmp_path)
+    p = run_command(["import-hf", str(tmp_path / "out"), str(tmp_path / "again")], tmp_path)
     assert p.returncode == 0, p.stderr
     first, again = imported_tensors(tmp_path / "ckpt"), imported_tensors(tmp_path / "again")
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)

@@ -25,9 +25,10 @@ from tests.hf_utils import (
     kubetron_logits,
     make_tiny_mixtral,
     make_tiny_qwen3_moe,
-    run_cli,
-)
-from tests.inprocess import ensure_world_of_one
+    )
+from tests.inprocess import ensure_world_of_one, run_command
+
+pytestmark = pytest.mark.trainer
 
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent
@@ -118,7 +119,7 @@ def test_qwen3_moe_import_finetune_export_through_the_cli(tmp_path, capsys):
     keys = yaml.safe_load(capsys.readouterr().out)["model"]
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
-    p = run_cli(finetune_args(tmp_path, data, tmp_path / "ckpt", keys, 2), tmp_path)
+    p = run_command(finetune_args(tmp_path, data, tmp_path / "ckpt", keys, 2), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     tuned, start = load_file(tmp_path / "out" / "model.safetensors"), load_file(hf / "model.safetensors")
@@ -149,7 +150,7 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in SFT_LINES))
     lora = ["peft.scheme=lora", "peft.dim=4", "peft.alpha=8.0", "optimizer.lr=2e-2"]
-    p = run_cli([*finetune_args(tmp_path, data, tmp_path / "ckpt", keys, 2), *lora], tmp_path)
+    p = run_command([*finetune_args(tmp_path, data, tmp_path / "ckpt", keys, 2), *lora], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     adapters = read_checkpoint(str(tmp_path / "run"))[1]
     assert any(".experts.local_experts.7.linear_fc2.adapter." in k for k in adapters)
@@ -173,6 +174,7 @@ def test_lora_on_experts_exports_merged_and_refuses_adapter_only(tmp_path, capsy
     assert (merged - hf_logits(hf)).abs().max().item() > 1e-2  # the adapters changed the model
 
 
+@pytest.mark.process
 def test_mixtral_import_at_ep2_gives_transformers_logits(tmp_path):
     """Expert parallelism: two ranks (torchrun, gloo) hold 4 of the 8 experts each, from import-hf's
     checkpoint and from the HF directory itself, and give transformers' logits."""

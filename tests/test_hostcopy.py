@@ -9,6 +9,8 @@ import pytest
 import torch
 from kubetron.checkpoint import hostcopy
 
+pytestmark = pytest.mark.unit
+
 PAGE = 4096
 # (source offset, destination offset, bytes): around the 64-byte line, the 4-page block and the memcpy
 # cut-off of the streaming loop (4 pages + the bytes up to the first destination line), and MBs

@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import launch
 from kubetron.contract import exitcodes
 from kubetron.contract import progress as progress_log
+from kubetron.supervisor import launch
 
-from tests.multirank.launchers import LOSS_RE, collect, finish, run_to_end, start_pods, trainer_pid
-from tests.trainer_utils import QUICK, TINY, iteration_at_least
+from tests.multirank.launchers import collect, finish, run_to_end, start_pods, trainer_pid
+from tests.trainer_utils import LOSS_RE, QUICK, TINY, iteration_at_least
+
+pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,7 +49,7 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     out_last = outs[-1]  # the last rank logs the iterations
     # the last pod's reader holds at iteration 15: its rank cannot get more than a page of output further (below
     # iteration 30 of 100) before the kill, however late this test runs (CI once read it at 100, run over)
-    readers = [collect(pod, out, hold_at=iteration_at_least(15, LOSS_RE) if pod is pods[-1] else None)
+    readers = [collect(pod, out, hold_at=iteration_at_least(15) if pod is pods[-1] else None)
                for pod, out in zip(pods, outs, strict=True)]
     with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
         killed = trainer_pid(pods, 0)  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
@@ -99,7 +101,7 @@ def test_a_config_error_is_not_restarted_in_place(tmp_path):
 ENDS_FOR_GOOD = """
 import datetime, sys
 import torch.distributed as dist
-from kubetron.termination_log import write_termination_message
+from kubetron.supervisor.termination_log import write_termination_message
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 if dist.get_rank() == 1:  # a rank-specific end no restart cures
@@ -146,7 +148,7 @@ def test_a_rank_that_ends_for_good_ends_the_other_pods_too(tmp_path):
     ([-9, exitcodes.CONFIG_ERROR], False),  # any end a restart cannot cure stops the restarts
 ])
 def test_which_ends_are_restarted_in_place(ends, expected):
-    from kubetron import torchrun
+    from kubetron.supervisor import torchrun
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")

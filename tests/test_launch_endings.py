@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 
 import pytest
-from kubetron import launch
 from kubetron.contract import exitcodes
+from kubetron.supervisor import launch
 
-from tests.trainer_utils import ITER_RE, QUICK, TINY, pod_env
+from tests.trainer_utils import QUICK, TINY, HeldReader, iteration_at_least, pod_env
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def start_pod(tmp_path: Path, args: list[str], nproc: int = 1, **extra: str) -> subprocess.Popen:
@@ -71,14 +71,13 @@ def test_diverged_pod_log_ends_with_the_one_line(tmp_path):
 def test_preempted_pod_log_ends_with_the_one_line(tmp_path):
     """The kubelet SIGTERMs PID 1 mid-run: the rank saves, the pod exits 75, its log ends with the line."""
     pod = start_pod(tmp_path, ["train", "--config", TINY, *QUICK, f"checkpoint.save={tmp_path / 'ckpt'}"])
-    lines = []
-    for line in pod.stdout:
-        lines.append(line.rstrip("\n"))
-        if (m := ITER_RE.search(line)) and int(m.group(1)) >= 3:
-            pod.send_signal(signal.SIGTERM)
-            break
-    rc, rest = finish(pod)
-    lines += rest
+    out: list[str] = []
+    reader = HeldReader(pod, out.append, iteration_at_least(3))
+    with reader.held(300, explain=lambda: "".join(out)[-3000:]):
+        pod.send_signal(signal.SIGTERM)
+    rc = pod.wait(timeout=300)
+    reader.join(timeout=10)
+    lines = "".join(out).rstrip("\n").splitlines()
     assert rc == exitcodes.SAVED_ON_SIGNAL, lines[-30:]
     assert lines[-1] == "kubetron: SavedOnSignal: stopped by signal; checkpoint saved", lines[-30:]
     assert termination(tmp_path)["reason"] == "SavedOnSignal"

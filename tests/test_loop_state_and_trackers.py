@@ -14,6 +14,8 @@ from kubetron.contract import exitcodes
 from tests.inprocess import in_process_config, run_pretrain
 from tests.trainer_utils import tb_scalars
 
+pytestmark = pytest.mark.unit
+
 SMALL = ["model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4", "logger.log_interval=2",
          "scheduler.lr_warmup_iters=0"]
 
@@ -28,12 +30,14 @@ def test_global_state_has_no_ad_hoc_attributes():
     from kubetron.training.state import GlobalState
 
     state = GlobalState(cfg=None)
-    state.ckpt = state.straggler = None  # declared fields
-    state.exit_code = 0
+    state.train_state = state.train_state  # declared fields
     with pytest.raises(AttributeError):
         state.loss_window = []  # what the loop used to attach at run time
+    with pytest.raises(AttributeError):
+        state.ckpt = None  # the run's parts are the composition root's (training.run.Run), not the façade's
 
 
+@pytest.mark.trainer
 def test_a_resume_restores_the_train_state_the_loop_holds_in_place(tmp_path, monkeypatch):
     """The checkpoint manager restores into the parts it was handed: the TrainState the loop (GlobalState)
     held before the load is the one that counts on from the checkpoint's iteration (never a new object)."""
@@ -60,6 +64,7 @@ def test_a_resume_restores_the_train_state_the_loop_holds_in_place(tmp_path, mon
     assert min(it for _, it in seen) == 2 and all(ts is held[0] for ts, _ in seen)  # resumed at 2
 
 
+@pytest.mark.trainer
 def test_train_step_returns_a_step_result_and_timers_are_recorded(tmp_path, monkeypatch, capsys):
     """train_step hands back a StepResult; with timing_log_level 2 every loop timer reaches the console
     and TensorBoard (seconds per iteration, Megatron's `<name>-time` names)."""
@@ -135,6 +140,7 @@ def wandb_history(path: str) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.trainer
 def test_wandb_and_mlflow_runs_hold_the_tensorboard_series(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

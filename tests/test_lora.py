@@ -5,6 +5,7 @@ adapter-only checkpoints, SIGTERM + exact resume, TP=2 against TP=1, merge-on-ex
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,11 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kubetron.contract import exitcodes
+from kubetron.events import Started
 
 from tests.hf_utils import TOKENS, config_for, hf_logits, kubetron_logits, make_tiny_llama
-from tests.inprocess import ensure_world_of_one
+from tests.inprocess import Driver, drive_argv, ensure_world_of_one
 from tests.multirank.runner import launch
-from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
+from tests.trainer_utils import TINY, run, tb_scalars
+
+pytestmark = pytest.mark.process
 
 pytest.importorskip("transformers")
 ITERS = 20
@@ -94,17 +98,17 @@ def test_lora_trains_only_adapters_and_saves_them_alone(base, reference):
     assert ratio < 0.2, ratio
 
 
-def test_sigterm_then_resume_is_bit_exact(base, reference, tmp_path):
+def test_sigterm_then_resume_is_bit_exact(base, reference, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kubetron")
     store = tmp_path / "run"
-    # at 3, so that more iterations are left than the page of output tests/trainer_utils lets a run get ahead
-    code, out, err, term = run_until_iteration_then_signal(finetune_args(base, store, *LORA), tmp_path, 3)
-    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
-    saved = term["lastCheckpoint"]
-    assert 3 <= saved < ITERS and (store / f"iter_{saved:07d}" / "metadata.json").is_file()
-    p = run(finetune_args(base, store, *LORA), tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    log = p.stdout + p.stderr
-    assert "finetuning from the Hugging Face model" in log and f"iteration {saved}" in log  # base, then adapters
+    out = drive_argv(tmp_path, finetune_args(base, store, *LORA), driver=Driver().signal_at(3))
+    assert out.code == exitcodes.SAVED_ON_SIGNAL and out.termination["lastCheckpoint"] == 3
+    saved = 3
+    assert (store / f"iter_{saved:07d}" / "metadata.json").is_file()
+    caplog.clear()
+    resumed = drive_argv(tmp_path, finetune_args(base, store, *LORA))
+    assert resumed.code == 0 and resumed.driver.of(Started)[0].iteration == saved
+    assert "finetuning from the Hugging Face model" in caplog.text  # the base, then the adapters
     loss = tb_scalars(store / "tb")
     assert {i: loss[i] for i in range(saved + 1, ITERS + 1)} == \
         {i: reference.loss[i] for i in range(saved + 1, ITERS + 1)}

@@ -11,6 +11,8 @@ from kubetron.training.state import GlobalState
 
 from tests.inprocess import in_process_config, run_pretrain
 
+pytestmark = pytest.mark.trainer
+
 
 class _SpikeAt:
     """The default GPT forward step, with the loss multiplied by `factor` at one iteration."""

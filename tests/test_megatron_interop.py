@@ -27,6 +27,8 @@ from tests.ckpt_utils import (
 )
 from tests.multirank.runner import launch
 
+pytestmark = pytest.mark.unit
+
 pytest.importorskip("megatron.core")
 
 def test_megatron_core_loads_kubetron_torch_dist_checkpoint_at_default_strictness(tmp_path):
@@ -128,6 +130,7 @@ def test_resuming_a_megatron_checkpoint_points_at_pretrained_checkpoint(tmp_path
     assert e.value.field == "checkpoint.load" and "pretrained_checkpoint" in str(e.value)
 
 
+@pytest.mark.process
 def test_cli_pp2_finetunes_from_megatron_lm_checkpoint_and_megatron_loads_the_result(tmp_path):
     """End to end under torchrun at PP=2: `kubetron train` fine-tunes from a Megatron-LM checkpoint written at
     PP=1 (each stage reads its own layers), saves torch_dist (each stage writes its own), and megatron-core

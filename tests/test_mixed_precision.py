@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from kubetron.contract import exitcodes
+from kubetron.events import Started
 from kubetron.training.mixed_precision import MainParamsOptimizer
 from kubetron.training.optim import build_optimizer
 from kubetron.training.optimizer_base import PlainOptimizer
 
-from tests.inprocess import ensure_world_of_one, in_process_config, run_pretrain
-from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
+from tests.inprocess import Driver, drive_argv, ensure_world_of_one, in_process_config, run_pretrain
+from tests.trainer_utils import TINY, tb_scalars
+
+pytestmark = pytest.mark.trainer
 
 SMALL = ["model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4"]
 
@@ -168,8 +172,7 @@ def _args(d, *extra):
 
 def test_bf16_sigterm_then_resume_is_bit_exact(tmp_path):
     ref = tmp_path / "ref"
-    p = run(_args(ref), tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert drive_argv(tmp_path, _args(ref)).code == 0
     reference = tb_scalars(ref / "tb")
     from kubetron.checkpoint.format_sharded import read_canonical
     from kubetron.storage import open_store
@@ -182,13 +185,11 @@ def test_bf16_sigterm_then_resume_is_bit_exact(tmp_path):
         assert torch.equal(model[name], s["main_param"].to(model[name].dtype))
 
     d = tmp_path / "run"
-    code, out, err, term = run_until_iteration_then_signal(_args(d), tmp_path, 3)
-    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
-    saved = term["lastCheckpoint"]
-    assert 3 <= saved < ITERS
-    p = run(_args(d), tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert f"iteration {saved}" in p.stdout
+    out = drive_argv(tmp_path, _args(d), driver=Driver().signal_at(3))
+    assert out.code == exitcodes.SAVED_ON_SIGNAL and out.termination["lastCheckpoint"] == 3
+    saved = 3
+    resumed = drive_argv(tmp_path, _args(d))
+    assert resumed.code == 0 and resumed.driver.of(Started)[0].iteration == saved
     loss = tb_scalars(d / "tb")
     assert {i: loss[i] for i in range(saved + 1, ITERS + 1)} == \
         {i: reference[i] for i in range(saved + 1, ITERS + 1)}

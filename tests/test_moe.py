@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from kubetron.cli import main
 
+pytestmark = pytest.mark.unit
+
 MOE = "train: {train_iters: 5}\nmodel: {num_layers: 2, num_moe_experts: 4, add_bias_linear: false}\n"
 
 # (id, yaml, world size, field the one-line error names)
@@ -133,3 +135,23 @@ def test_kubetron_format_optimizer_state_goes_to_the_expert_of_its_global_number
     state = canonical.scatter_optimizer_state([Chunk()], saved)["state"]
     assert sorted(state) == [key.format(0), key.format(1)]
     assert state[key.format(0)]["exp_avg"].eq(2).all() and state[key.format(1)]["exp_avg"].eq(3).all()
+
+
+@pytest.mark.trainer
+def test_a_second_moe_model_in_the_process_with_more_layers_trains():
+    """megatron keeps one load-balancing-loss tracker per process, sized by the first MoE model's layers: a
+    deeper model built next (another run in a notebook, the next test) indexed past it (IndexError)."""
+    import torch
+    from kubetron.training.model import build_model
+
+    from tests.inprocess import ensure_world_of_one, in_process_config
+
+    ensure_world_of_one()
+    for layers in (2, 4):
+        cfg = in_process_config(f"model.num_layers={layers}", "model.num_moe_experts=4", "model.add_bias_linear=false",
+                                "model.moe_aux_loss_coeff=0.01")
+        cfg.finalize(world_size=1)
+        model = build_model(cfg, torch.device("cpu"))[0]
+        tokens = torch.randint(0, 250, (2, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
+        pos = torch.arange(cfg.model.seq_length).expand(2, -1)
+        model(tokens, pos, None, labels=tokens).mean().backward()

@@ -11,9 +11,12 @@ fine-tunes with LoRA on the experts' linears at EP=2 (with the all-gather token 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.multirank.runner import REPO, launch, tb_scalars
+
+pytestmark = pytest.mark.process
 
 TINY = str(REPO / "examples" / "tiny-gpt.yaml")
 ITERS, SAVED = 8, 4

@@ -40,6 +40,8 @@ from tests.multirank.runner import (
 )
 from tests.trainer_utils import iteration_at_least
 
+pytestmark = pytest.mark.process
+
 # For the DP/TP runs: SwiGLU (gated fc1 re-interleaving), grouped-query attention, untied output layer
 # (vocab-parallel along dim 0, padded to 384 rows at TP=1 and 512 at TP=2).
 FLAVOR = ["model.activation=swiglu", "model.num_query_groups=2",

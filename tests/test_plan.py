@@ -19,6 +19,8 @@ from kubetron.plan import GIB, Shape, make_plan, parse_memory
 
 from tests.inprocess import ensure_world_of_one, in_process_config
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 PLAN_LINE = re.compile(r"^# plan: (.+)$", re.M)
@@ -152,6 +154,7 @@ RECOMPUTE = {
 
 @pytest.mark.parametrize("recompute", list(RECOMPUTE))
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.trainer
 def test_estimate_matches_the_bytes_measured_on_cpu(shape, recompute):
     measured, cfg = measure(*SHAPES[shape], *RECOMPUTE[recompute])
     _assert_estimate_matches(measured, cfg)
@@ -188,6 +191,7 @@ MOE = {
     ("every-2nd-layer-shared-expert", RECOMPUTE["full-block-1"]),  # the recomputed layer is an MoE layer
     ("top2-aux-loss", [*LORA, "peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]),
 ], ids=["top2-aux-loss", "every-2nd-layer-shared-expert-block-recompute", "lora-on-every-expert"])
+@pytest.mark.trainer
 def test_moe_estimate_matches_the_bytes_measured_on_cpu(moe, extra):
     """Parameters exact (router, E experts, shared expert, per-expert LoRA adapters); the router's and
     dispatcher's tensors and the experts' activations for top-k copies of each token, measured."""
@@ -200,6 +204,7 @@ def test_moe_estimate_matches_the_bytes_measured_on_cpu(moe, extra):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.trainer
 def test_dropout_masks_are_counted(shape, monkeypatch):
     """Hidden dropout keeps a mask per dropout (embedding, after attention, after the MLP). CUDA keeps it as
     bool (plan's 1 byte), torch on CPU in the compute dtype: the measurement here counts 4 bytes."""
@@ -214,6 +219,7 @@ def test_dropout_masks_are_counted(shape, monkeypatch):
 
 
 @pytest.mark.parametrize("targets", ["[linear_qkv,linear_proj,linear_fc1,linear_fc2]", "[linear_qkv]"])
+@pytest.mark.trainer
 def test_lora_estimate_matches_the_bytes_measured_on_cpu(targets):
     """Frozen base weights (no gradient, no optimizer state, fewer saved activations) and trained adapters."""
     measured, cfg = measure(*SHAPES["llama-gqa-swiglu"], *LORA, f"peft.target_modules={targets}")
@@ -317,6 +323,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, cwd=REPO)
 
 
+@pytest.mark.process
 def test_plan_command_prints_the_table_and_json():
     path = str(REPO / "recipes" / "llama3.1-8b-pretrain.yaml")
     out = _plan(path, *_stated(REPO / "recipes" / "llama3.1-8b-pretrain.yaml"))
@@ -340,6 +347,7 @@ def test_plan_command_prints_the_table_and_json():
     assert usage.returncode == 0 and "--gpu-memory" in usage.stdout
 
 
+@pytest.mark.process
 def test_plan_command_on_a_mixture_of_experts():
     path = REPO / "recipes" / "mixtral-8x7b-pretrain.yaml"
     out = _plan(str(path), *_stated(path))
@@ -357,6 +365,7 @@ def test_plan_command_on_a_mixture_of_experts():
     (["--nodes", "1", "--gpus-per-node", "3"], "model.tensor_model_parallel_size"),  # TP 2 does not divide 3
     (["--nodes", "1", "--gpus-per-node", "8", "model.num_layer=2"], "model.num_layer"),
 ])
+@pytest.mark.process
 def test_plan_command_errors_are_one_line(args, field):
     out = _plan(str(REPO / "recipes" / "llama3.1-8b-pretrain.yaml"), *args)
     assert out.returncode == 2 and out.stdout == ""
@@ -367,6 +376,7 @@ def test_parse_memory_units():
     assert parse_memory("80GiB") == 80 * GIB and parse_memory("141GB") == 141 * 10**9 and parse_memory("24") == 24 * GIB
 
 
+@pytest.mark.process
 def test_plan_runs_without_torch():
     """The command imports the config models only: it runs where torch is not installed (a laptop, CI)."""
     code = ("import sys; from kubetron.cli import main; "
@@ -406,6 +416,7 @@ TWO_RANKS = {
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANKS))
+@pytest.mark.process
 def test_model_parallel_estimate_matches_the_bytes_measured_on_two_ranks(layout):
     """Under torchrun (gloo), rank 0's parameters, static bytes and activations."""
     from tests.multirank.runner import free_port
@@ -427,6 +438,7 @@ if __name__ == "__main__":  # one rank of the test above: prints its measurement
         print(json.dumps(result))
 
 
+@pytest.mark.process
 def test_plan_search_prints_the_smallest_layout_that_fits():
     """`plan --search`: the fewest GPUs (then no recompute before selective before full, then fewest TP x PP) at
     which the estimate fits; every smaller GPU count has no layout that fits, and the layout printed is what

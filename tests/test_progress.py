@@ -12,7 +12,6 @@ import urllib.request
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from kubetron import progress_io
 from kubetron.contract.progress import (
     PROGRESS_FILE,
     ProgressEvent,
@@ -26,8 +25,11 @@ from kubetron.contract.progress import (
     summarize_events,
 )
 from kubetron.contract.termination import MESSAGE_LIMIT
-from kubetron.progress_io import read_progress_text, summarize
+from kubetron.supervisor import progress_io
+from kubetron.supervisor.progress_io import read_progress_text, summarize
 from kubetron.training.status_server import StatusServer, status_server_from_env
+
+pytestmark = pytest.mark.unit
 
 T0 = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 
@@ -543,6 +545,7 @@ def test_status_server_says_how_often_the_gang_restarted_in_place(monkeypatch):
         assert json.loads(get(f"http://127.0.0.1:{server.port}/status")[1])["inPlaceRestarts"] == 2
 
 
+@pytest.mark.process
 def test_progress_command_prints_a_short_summary_and_the_json_with_flag(tmp_path):
     """`kubetron progress STORE`: a few lines a person reads (iteration/train iters, last checkpoint, the last job's
     tokens/s and ETA from its last two checkpoints, restarts); `--json` the summary the operator reads."""
@@ -570,3 +573,40 @@ def test_progress_command_prints_a_short_summary_and_the_json_with_flag(tmp_path
     js = run(["progress", str(tmp_path), "--json"], tmp_path)
     summary = json.loads(js.stdout)
     assert summary == {**summarize(str(tmp_path))} and summary["lastCheckpoint"]["iteration"] == 30
+
+
+def test_status_endpoint_is_refreshed_between_distant_log_intervals():
+    """With log_interval steps minutes apart the endpoint still moves at least every STATUS_EVERY seconds
+    (so the operator's status stays well inside 60 s of the trainer), from host numbers only: the
+    per-iteration losses are never touched between log times (no device sync). A durable checkpoint shows at once."""
+    from types import SimpleNamespace
+
+    from kubetron.events import Checkpoint, CheckpointDurable, Events, Started, StepDone
+    from kubetron.training import status_server
+
+    clock = [1000.0]
+    cfg = SimpleNamespace(
+        logger=SimpleNamespace(throughput_window_size=100, log_interval=1000),
+        train=SimpleNamespace(train_iters=500, global_batch_size=8), model=SimpleNamespace(seq_length=64))
+    updates: list[tuple[float, dict]] = []
+    server = SimpleNamespace(update=lambda **f: updates.append((clock[0], f)))
+    events = Events([status_server.StatusPublisher(server, cfg, clock=lambda: clock[0])])
+    events.emit(Started(100, 500, 800, 0.0, Checkpoint(100, "t100")))
+    # before the first step: the resumed position is already known
+    assert updates[0][1]["iteration"] == 100 and updates[0][1]["trainIters"] == 500
+    assert updates[0][1]["lastCheckpoint"] == {"iteration": 100, "time": "t100"}
+    untouchable = object()  # stands for a device tensor: any host read of it would fail
+    for step in range(101, 141):
+        clock[0] += 3.0  # 3 s per step, log_interval 1000 steps: a console line every 50 minutes
+        events.emit(StepDone(step, 3.0, 8 * step, {"lm loss": untouchable}, 1e-3, untouchable, False, None, 1.0))
+        if step == 120:
+            events.emit(CheckpointDurable(Checkpoint(120, "t120"), clock[0], {}, 2.0, 0.5, True))
+            assert updates[-1] == (clock[0], {"lastCheckpoint": {"iteration": 120, "time": "t120"},
+                                              "checkpointSaveSeconds": 2.0, "checkpointBlockedSeconds": 0.5})
+    times = [t for t, f in updates if "iteration" in f]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(times) >= 10 and max(gaps) <= status_server.STATUS_EVERY + 3.0
+    last = updates[-1][1]
+    assert last["iteration"] >= 137 and last["consumedSamples"] == 8 * last["iteration"]
+    assert last["tokensPerSecond"] == pytest.approx(8 * 64 / 3.0, rel=1e-3)
+    assert last["etaSeconds"] == pytest.approx(3.0 * (500 - last["iteration"]), rel=1e-3)

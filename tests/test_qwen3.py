@@ -18,6 +18,8 @@ from tests.hf_utils import config_for
 from tests.inprocess import ensure_world_of_one
 from tests.multirank.runner import LOSS_TOL, TP2, args, close, launch, ok, tb_scalars
 
+pytestmark = pytest.mark.process
+
 ITERS = 30
 QWEN3 = ["model.normalization=RMSNorm", "model.activation=swiglu", "model.num_query_groups=2",
          "model.kv_channels=24", "model.qk_layernorm=true", "model.share_embeddings_and_output_weights=false",

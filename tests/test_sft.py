@@ -11,6 +11,8 @@ from kubetron.contract.errors import ConfigError
 from kubetron.data.finetuning import FinetuningDataset
 from kubetron.data.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.trainer
+
 EXAMPLES = [{"input": "Translate: cat", "output": " -> chat"}, {"input": "2+2=", "output": "4"},
             {"input": "Capital of France? ", "output": "Paris, of course."}]
 

@@ -1,10 +1,13 @@
 """Fine-tuning data is tokenized and packed once (its tokenizer travels with the checkpoint): rank 0 builds it
 and stores it in the job's store, every other rank and every restart loads it; a changed input is another key, a
-damaged cache is rebuilt (and never unpickled); long work logs progress with an ETA; a run through the CLI keeps the
-tokenizer's files, chat templates included, verbatim in every checkpoint."""
+damaged or unsigned cache is rebuilt (and never unpickled, even signed); long work logs progress with an ETA; a run
+through the CLI keeps the tokenizer's files, chat templates included, verbatim in every checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import io
 import json
 import logging
 import os
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 from kubetron.contract.errors import ConfigError
 from kubetron.data.finetuning import FinetuningDataset
+from kubetron.data.sft import cache as sft_cache
 from kubetron.data.tokenizer import tokenizer_from_assets
 
 from tests.chat_tokenizers import (
@@ -29,6 +33,8 @@ from tests.chat_tokenizers import (
 )
 from tests.hf_utils import REPO, imported_model_keys, make_tiny_llama, run_cli
 
+pytestmark = pytest.mark.process
+
 ROWS = [{"messages": c} for c in CHATS] * 20
 
 
@@ -41,8 +47,13 @@ def _no_tokenizing(*_a, **_k):
     raise AssertionError("tokenized although the cache holds the data")
 
 
+def _place(cache_dir) -> sft_cache.CachePlace:
+    """The cache dir, shared by the ranks, with the job's key in a store beside it."""
+    return sft_cache.CachePlace(str(cache_dir), True, str(cache_dir.parent / "store"))
+
+
 def _dataset(data, tok, cache_dir, seq=128):
-    return FinetuningDataset(str(data), tok, seq, packing=True, seed=0, cache_at=(str(cache_dir), True))
+    return FinetuningDataset(str(data), tok, seq, packing=True, seed=0, cache_at=_place(cache_dir))
 
 
 def test_built_once_then_loaded_without_tokenizing(tok_dir, tmp_path, monkeypatch, caplog):
@@ -54,7 +65,7 @@ def test_built_once_then_loaded_without_tokenizing(tok_dir, tmp_path, monkeypatc
         first = _dataset(data, tok, tmp_path / "cache")
     assert "stored in" in caplog.text
     stored = list((tmp_path / "cache").iterdir())
-    assert len(stored) == 1 and stored[0].suffix == ".npz"
+    assert len(stored) == 1 and stored[0].suffix == ".sftcache"
     assert sorted(os.listdir(tmp_path / "data")) == before  # nothing written next to the data
     caplog.clear()
     monkeypatch.setattr("kubetron.data.finetuning.encode_all", _no_tokenizing)
@@ -85,20 +96,25 @@ def test_a_damaged_or_foreign_cache_is_rebuilt_never_unpickled(tok_dir, tmp_path
     path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])  # a partial write
     with caplog.at_level(logging.WARNING, logger="kubetron"):
         assert sample_digest(_dataset(data, tok, tmp_path / "cache")) == good
-    assert "is unreadable" in caplog.text and "rebuilding it" in caplog.text
+    assert "is not written by this job" in caplog.text and "rebuilding it" in caplog.text
     caplog.clear()
+    job_key = sft_cache.job_secret(_place(tmp_path / "cache").key_store, True, "test")
+    head = len(sft_cache.MAGIC) + 32
     marker = tmp_path / "unpickled"
     payload = np.array([_Boom(str(marker))], dtype=object)
-    with open(path, "wb") as f:
-        np.savez(f, **dict.fromkeys(("tokens", "flags", "offsets", "groups", "group_offsets", "meta"), payload))
+    buf = io.BytesIO()
+    np.savez(buf, **dict.fromkeys(("tokens", "flags", "offsets", "groups", "group_offsets", "meta"), payload))
+    signed = hmac.new(job_key, buf.getvalue(), hashlib.sha256).digest()
+    path.write_bytes(sft_cache.MAGIC + signed + buf.getvalue())  # even a signed cache is never unpickled
     with caplog.at_level(logging.WARNING, logger="kubetron"):
         assert sample_digest(_dataset(data, tok, tmp_path / "cache")) == good
-    assert not marker.exists() and "rebuilding it" in caplog.text
+    assert not marker.exists() and "is unreadable" in caplog.text and "rebuilding it" in caplog.text
     caplog.clear()
-    with np.load(path, allow_pickle=False) as z:
+    with np.load(io.BytesIO(path.read_bytes()[head:]), allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     arrays["tokens"][0] = 10**6  # an id outside the vocabulary
-    np.savez(path, **arrays)
+    meta = json.loads(arrays.pop("meta").tobytes())
+    path.write_bytes(sft_cache.to_bytes(arrays, meta["key"], meta, job_key))
     with caplog.at_level(logging.WARNING, logger="kubetron"):
         assert sample_digest(_dataset(data, tok, tmp_path / "cache")) == good
     assert "token ids outside the vocabulary" in caplog.text
@@ -126,7 +142,8 @@ def no_tokenizing(*_a, **_k):
 
 finetuning.encode_all = no_tokenizing
 tok = tokenizer_from_assets("HuggingFaceTokenizer", sys.argv[1])
-ds = FinetuningDataset(sys.argv[2], tok, 128, packing=True, seed=0, cache_at=(sys.argv[3], True))
+from kubetron.data.sft.cache import CachePlace
+ds = FinetuningDataset(sys.argv[2], tok, 128, packing=True, seed=0, cache_at=CachePlace(sys.argv[3], True, sys.argv[4]))
 print("DIGEST", sample_digest(ds))
 """
 
@@ -137,7 +154,8 @@ def test_other_ranks_wait_for_rank_0_and_load_its_build(tok_dir, tmp_path, monke
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tok_dir))
     data = write_jsonl(tmp_path / "sft.jsonl", ROWS)
     env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "PYTHONPATH": str(REPO)}
-    rank1 = subprocess.Popen([sys.executable, "-c", RANK1, str(tok_dir), str(data), str(tmp_path / "cache")],
+    rank1 = subprocess.Popen([sys.executable, "-c", RANK1, str(tok_dir), str(data), str(tmp_path / "cache"),
+                              _place(tmp_path / "cache").key_store],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         monkeypatch.setenv("RANK", "0")
@@ -193,7 +211,7 @@ def test_finetune_on_chats_keeps_the_templates_in_every_checkpoint_and_restarts_
     first = finetune(2)
     assert first.returncode == 0, first.stderr[-3000:]
     log = first.stdout + first.stderr
-    assert "examples in" in log and f"stored in {store}/sft_cache/" in log
+    assert "trained tokens; in " in log and f"stored in {store}/sft_cache/" in log
     saved = store / "iter_0000002" / "tokenizer"
     assert {p.relative_to(saved).as_posix(): p.read_bytes() for p in saved.rglob("*") if p.is_file()} == source
     second = finetune(4)
@@ -242,10 +260,11 @@ def test_the_finetuning_keys_reach_the_data(tok_dir, tmp_path, caplog):
 
     with caplog.at_level(logging.INFO, logger="kubetron"):
         by_default = datasets()["train"]
-    assert len(list((tmp_path / "store" / "sft_cache").glob("*.npz"))) == 1
+    assert len(list((tmp_path / "store" / "sft_cache").glob("*.sftcache"))) == 1
     assert by_default.offsets.size - 1 == 2 * len(ROWS)  # both paths of the list were read
     chosen = datasets(cache_dir=str(tmp_path / "elsewhere"))["train"]
-    assert len(list((tmp_path / "elsewhere").glob("*.npz"))) == 1 and sample_digest(chosen) == sample_digest(by_default)
+    assert len(list((tmp_path / "elsewhere").glob("*.sftcache"))) == 1
+    assert sample_digest(chosen) == sample_digest(by_default)
     with pytest.raises(ConfigError, match=r"finetuning.chat_template: 'chatml': the tokenizer has no chat template"):
         datasets(chat_template="chatml")
     with pytest.raises(ConfigError, match=r"finetuning.data_path: .*missing.jsonl: no such file or directory"):

@@ -14,6 +14,8 @@ from kubetron.data.tokenizer import tokenizer_from_assets
 
 from tests.chat_tokenizers import BUILDERS, CHATS, QWEN3_TEMPLATE, hf_chat_ids, write_jsonl
 
+pytestmark = pytest.mark.unit
+
 REASONING = [  # Qwen3: reasoning in the content (last turn: kept in <think>; earlier turns: dropped by the template)
     [{"role": "user", "content": "7+3?"}, {"role": "assistant", "content": "<think>\nSmall sums.\n</think>\n\n10"},
      {"role": "user", "content": "12*12?"},
@@ -128,21 +130,25 @@ def test_generation_markers_give_transformers_assistant_mask(tmp_path):
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_prompt_answer_rows_get_one_bos_at_the_start(tokenizers, tmp_path, name):
-    """{"input", "output"}: BOS once when the tokenizer adds one (Llama 3, Mistral), never between prompt and
-    answer; the loss on the answer and eod only."""
+def test_prompt_answer_rows_are_encoded_as_trl_encodes_them(tokenizers, tmp_path, name):
+    """{"input", "output"} and TRL's {"prompt", "completion"}: prompt + answer encoded together (one BOS when the
+    tokenizer adds one, no token invented at the boundary: "A:" + "Paris" is "A:Paris", never "A: Paris" on a
+    SentencePiece tokenizer), eod after; the loss from where the prompt's own ids stop."""
     from transformers import AutoTokenizer
+    from trl.data_utils import common_prefix_length
 
     tok = tokenizer_from_assets("HuggingFaceTokenizer", str(tokenizers[name]))
-    ex = _example(tmp_path, tok, [{"input": "What color is snow? ", "output": "Snow is white."}])
-    ids = [int(t) for t in ex["tokens"]] + [int(ex["labels"][-1])]
     hf = AutoTokenizer.from_pretrained(tokenizers[name])
-    plain = [hf(text, add_special_tokens=False)["input_ids"] for text in ("What color is snow? ", "Snow is white.")]
-    leading = [tok.bos] if name != "qwen3" else []
-    assert ids == leading + plain[0] + plain[1] + [tok.eod]
-    assert tok.bos is None or ids.count(tok.bos) == 1
-    answer = [int(t) for t, m in zip(ex["labels"], ex["loss_mask"], strict=True) if m]
-    assert answer == plain[1] + [tok.eod]
+    for row in ({"input": "What color is snow? A:", "output": "Snow"}, {"prompt": "7+3=", "completion": "10"}):
+        prompt, answer = list(row.values())
+        ex = _example(tmp_path, tok, [row])
+        ids = [int(t) for t in ex["tokens"]] + [int(ex["labels"][-1])]
+        whole = hf(prompt + answer + hf.eos_token)["input_ids"]
+        assert ids == whole
+        assert tok.bos is None or ids.count(tok.bos) == 1
+        n = common_prefix_length(hf(prompt)["input_ids"], whole)  # TRL's rule
+        trained = [int(t) for t, m in zip(ex["labels"], ex["loss_mask"], strict=True) if m]
+        assert trained == whole[n:] and trained[-1] == tok.eod
 
 
 def test_a_model_saved_today_is_read_with_its_template(tokenizers, tmp_path):

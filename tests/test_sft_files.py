@@ -9,28 +9,14 @@ from __future__ import annotations
 import gzip
 import json
 
-import numpy as np
 import pytest
 from kubetron.contract.errors import ConfigError
-from kubetron.data.finetuning import FinetuningDataset
 from kubetron.data.tokenizer import tokenizer_from_assets
 
 from tests.chat_tokenizers import qwen3_tokenizer, write_jsonl
+from tests.sft_rows import QA, assert_same, messages_rows, samples
 
-QA = [("What color is snow?", "Snow is white."), ("What is the capital of France?", "Paris."),
-      ("Is the sky blue?", "Yes, the sky is blue."), ("And 7+3?", "7+3=10."), ("12*12?", "144"),
-      ("Grass?", "Grass is green."), ("Answer briefly.", "Please think step by step."), ("Hi", "Hello!")] * 3
-SYSTEM = "You are a helpful assistant."
-
-
-def _system(i: int) -> bool:
-    return i % 3 == 0
-
-
-def messages_rows() -> list[dict]:
-    return [{"messages": ([{"role": "system", "content": SYSTEM}] if _system(i) else [])
-             + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for i, (q, a) in enumerate(QA)]
-
+pytestmark = pytest.mark.unit
 
 CHAT_FORMATS = {
     "messages": messages_rows,
@@ -52,19 +38,6 @@ PAIR_FORMATS = {  # (rows, dataset keyword arguments)
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return tokenizer_from_assets("HuggingFaceTokenizer", str(qwen3_tokenizer(tmp_path_factory.mktemp("tok") / "q")))
-
-
-def samples(path, tok, **kw) -> list[dict[str, np.ndarray]]:
-    ds = FinetuningDataset(path, tok, 64, packing=True, seed=1, **kw)
-    return [ds[i] for i in range(len(ds))]
-
-
-def assert_same(a: list[dict], b: list[dict]) -> None:
-    assert len(a) == len(b) and len(a) > 1
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 def test_every_row_format_trains_from_the_same_content_to_the_same_samples(tok, tmp_path):
@@ -186,12 +159,12 @@ def test_paths_that_hold_no_data_are_named(tok, tmp_path):
     with pytest.raises(ConfigError, match=r"missing.jsonl: no such file or directory"):
         samples(str(tmp_path / "missing.jsonl"), tok)
     one = datasets.Dataset.from_list(messages_rows())
-    datasets.DatasetDict({"train": one, "test": one}).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(ConfigError, match=r"dd: a datasets DatasetDict with splits train, test; give one split's "
-                                          r"directory \(e.g. .*dd/train\)"):
+    datasets.DatasetDict({"eval": one, "test": one}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match=r"dd: a datasets DatasetDict with splits eval, test and none named train; "
+                                          r"give one split's directory \(e.g. .*dd/eval\)"):
         samples(str(tmp_path / "dd"), tok)
-    assert_same(samples(str(tmp_path / "dd" / "train"), tok), samples(str(write_jsonl(tmp_path / "r.jsonl",
-                                                                                       messages_rows())), tok))
+    assert_same(samples(str(tmp_path / "dd" / "eval"), tok), samples(str(write_jsonl(tmp_path / "r.jsonl",
+                                                                                      messages_rows())), tok))
     (tmp_path / "blank.jsonl").write_text("\n\n")
     with pytest.raises(ConfigError, match=r"blank.jsonl: holds no examples"):
         samples(str(tmp_path / "blank.jsonl"), tok)

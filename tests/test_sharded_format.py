@@ -14,6 +14,8 @@ from kubetron.checkpoint.format_sharded import Piece, RankShard, ShardReader, fl
 from kubetron.contract.errors import CheckpointError
 from kubetron.storage import open_store
 
+pytestmark = pytest.mark.unit
+
 WORD = "model/embedding.word_embeddings.weight"
 FC2 = "model/decoder.layers.0.mlp.linear_fc2.weight"
 

@@ -9,8 +9,10 @@ import sys
 import time
 
 import pytest
-from kubetron import startup
 from kubetron.compat.torch import compile_on_first_call
+from kubetron.supervisor import startup
+
+pytestmark = pytest.mark.process
 
 
 def test_compile_on_first_call_compiles_once_with_the_same_options():
@@ -66,7 +68,8 @@ def test_the_runs_setup_imports_megatron_core_without_dynamo_or_wandb():
 
 def test_the_startup_clock_times_each_phase_from_the_process_start(monkeypatch):
     before = time.time()
-    code = "import time; t = time.time(); from kubetron import startup; print(startup.process_start_time(), t)"
+    code = ("import time; t = time.time(); from kubetron.supervisor import startup; "
+            "print(startup.process_start_time(), t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     started, first_statement = map(float, out.split())
     assert before - 0.01 <= started <= first_statement  # the fork (10 ms ticks), before the interpreter started

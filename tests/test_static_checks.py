@@ -3,14 +3,20 @@ data, checkpoint, hf and training packages (the files and settings of pyproject.
 run takes about 50 s of CPU, torch's stubs most of it), test modules that share code only through helper
 modules, and the shape of the two packages (tests/code_graph.py): no import cycle, no import against the
 trainer's package order, no use of another module's private names, no constant defined twice, no patch of
-another library outside kubetron/compat."""
+another library outside kubetron/compat; the run's parts stay the composition root's (GlobalState is the forward
+step's façade, the heartbeat is a listener the root builds, the checkpoint package is handed what it needs)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from tests import code_graph, typecheck
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,7 +102,7 @@ def test_only_the_compat_package_patches_other_libraries():
 # What the operator's decisions may import: the standard library's pure parts, yaml (the job's config text),
 # pydantic (the config schema) and the contract. No clock, no randomness, no network, no kopf, no logging.
 PURE_IMPORTS = {"__future__", "collections", "dataclasses", "datetime", "typing", "math", "json", "hashlib",
-                "functools", "re", "enum", "types", "difflib", "yaml", "pydantic", "annotated_types"}
+                "functools", "re", "enum", "types", "difflib", "decimal", "copy", "yaml", "pydantic", "annotated_types"}
 PURE_OPERATOR = ("kubetron_operator.decide", "kubetron_operator.observe", "kubetron_operator.job_status",
                  "kubetron_operator.policy")
 
@@ -160,3 +166,72 @@ def test_test_modules_say_what_they_check_not_which_issue_asked():
         if re.search(r"issue_?\d", path.stem) or re.search(r"\b[Ii]ssues? \d+", text):
             cited.append(str(path.relative_to(code_graph.REPO)))
     assert cited == []
+
+
+# The reference's GlobalState as a forward step sees it (Megatron Bridge's forward-step contract; README "Python API").
+FACADE_FIELDS = {"cfg", "train_state", "timers"}
+FACADE_PROPERTIES = {"tokenizer", "tensorboard_logger", "wandb_logger", "straggler_timer"}
+
+
+def _class(path: Path, name: str) -> ast.ClassDef:
+    return next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_global_state_holds_only_the_forward_step_facade():
+    """GlobalState's fields are the façade's: cfg, train_state, timers, and the private ones behind the lazily built
+    tokenizer and loggers. The run's parts (the checkpoint manager, the metrics logger, the signal handler, the rank,
+    the device) are the composition root's `Run`, handed on explicitly, never reached through the state."""
+    cls = _class(code_graph.REPO / "trainer" / "kubetron" / "training" / "state.py", "GlobalState")
+    fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    properties = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)
+                  and any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+    assert {f for f in fields if not f.startswith("_")} == FACADE_FIELDS
+    assert {f.removeprefix("_") for f in fields if f.startswith("_")} <= FACADE_PROPERTIES  # only backing fields
+    assert properties == FACADE_PROPERTIES
+
+
+def test_only_the_composition_root_and_the_launcher_touch_the_heartbeat():
+    """The heartbeat is one of the run's listeners (kubetron.events): the loop and the checkpoint manager emit
+    events, the composition root builds the heartbeat that hears them, the launcher names its files."""
+    graph = code_graph.build()
+    users = {m for m, targets in graph.edges.items() if "kubetron.supervisor.heartbeat" in targets}
+    assert users == {"kubetron.training.run", "kubetron.supervisor.launch"}
+
+
+def _reads_environment(tree: ast.AST) -> list[int]:
+    return sorted(n.lineno for n in ast.walk(tree)
+            if (isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv", "environb"))
+            or (isinstance(n, ast.ImportFrom) and n.module == "os"
+                and any(a.name in ("environ", "getenv") for a in n.names)))
+
+
+def test_the_checkpoint_package_reads_no_environment():
+    """What a checkpoint does is the config's and its caller's: the save-time faults are a hook the CLI hands in
+    (KUBETRON_CHAOS_KILL_AT), the pod's job id and restarts reach the progress log from the composition root."""
+    package = code_graph.REPO / "trainer" / "kubetron" / "checkpoint"
+    found = {str(p.relative_to(package)): lines for p in sorted(package.rglob("*.py"))
+             if (lines := _reads_environment(ast.parse(p.read_text())))}
+    assert found == {}
+    assert _reads_environment(ast.parse("import os\nx = os.environ.get('A')\nfrom os import getenv\n")) == [2, 3]
+
+
+def _module_tier(path: Path) -> str | None:
+    """The tier a test module's `pytestmark = pytest.mark.<tier>` sets (tests/conftest.py TIERS), else None."""
+    from tests.conftest import TIERS
+
+    assigned = [node for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
+    if not assigned:
+        return None
+    tiers = [m for m in re.findall(r"pytest\.mark\.(\w+)", ast.unparse(assigned[-1].value)) if m in TIERS]
+    return tiers[0] if len(tiers) == 1 else None  # the last assignment is the one pytest reads
+
+
+def test_every_test_module_has_a_tier():
+    """`make test-fast` runs the unit tier, `make test` every tier: a module without a tier would run in none of
+    the tiers but the whole suite. Set `pytestmark = pytest.mark.<tier>` (unit, trainer, process, cluster; the
+    markers in pyproject.toml say what each holds), and mark a costlier test of a cheaper module by itself."""
+    modules = sorted((code_graph.REPO / "tests").rglob("test_*.py"))
+    assert len(modules) > 50
+    assert [str(p.relative_to(code_graph.REPO)) for p in modules if _module_tier(p) is None] == []
+    assert _module_tier(Path(__file__)) == "unit"

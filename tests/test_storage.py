@@ -23,6 +23,8 @@ from kubetron.storage.s3 import S3Options, S3Store
 
 from tests.faultproxy import FaultProxy
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 PART = 5 * MiB  # the smallest S3 part size: multipart paths run on a few MB
@@ -451,6 +453,7 @@ def _run_and_kill(url: str, env: dict, start: int, kill_at: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["fs", "s3"])
+@pytest.mark.process
 def test_sigkill_mid_save_never_commits_partial(backend, tmp_path, request):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["PYTHONPATH"] = str(ROOT / "trainer")

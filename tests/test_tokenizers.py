@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import logging
 import shutil
 import subprocess
 from types import SimpleNamespace
@@ -22,7 +23,10 @@ from kubetron.data.loader import build_data_iterators
 from kubetron.data.preprocess import preprocess
 from kubetron.data.tokenizer import build_tokenizer, tokenizer_assets, tokenizer_from_assets
 
-from tests.trainer_utils import TINY, kubetron_cmd, run, run_until_iteration_then_signal, tb_scalars
+from tests.inprocess import Driver, drive_argv
+from tests.trainer_utils import TINY, kubetron_cmd, run, tb_scalars
+
+pytestmark = pytest.mark.unit
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -176,6 +180,7 @@ def _kubetron(args, tmp_path):
     return subprocess.run(kubetron_cmd(*args), capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 
+@pytest.mark.process
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tok_files, tmp_path):
     good = _jsonl(tmp_path / "good.jsonl", TEXTS)
     out = tmp_path / "out"
@@ -200,7 +205,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tok_files, tmp_path):
 
 # -- training: the checkpoint holds the tokenizer, a resume uses it, megatron-core data resumes bit-exact ----------
 
-ITERS = 24  # signalled at 5: more to go than the page of output tests/trainer_utils lets a run get ahead
+ITERS = 12  # signalled at 5 (tests/inprocess.py: exactly there)
 
 
 @pytest.fixture(scope="module")
@@ -219,14 +224,15 @@ def trained(tok_files, tmp_path_factory):
     return {"dir": d, "common": common, "loss": tb_scalars(ref / "tb")}
 
 
-def test_checkpoint_holds_the_tokenizer_and_a_resume_uses_it(trained):
+@pytest.mark.process
+def test_checkpoint_holds_the_tokenizer_and_a_resume_uses_it(trained, caplog):
     d, common = trained["dir"], trained["common"]
     original = (d / "tok" / "tokenizer.json").read_bytes()
     run_dir = d / "run"
     args = [*common, f"checkpoint.save={run_dir}", f"checkpoint.load={run_dir}", f"logger.tensorboard_dir={run_dir}/tb"]
-    code, out, err, term = run_until_iteration_then_signal(args, d, 5)
-    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
-    saved = term["lastCheckpoint"]
+    out = drive_argv(d, args, driver=Driver().signal_at(5))
+    assert out.code == exitcodes.SAVED_ON_SIGNAL and out.termination["lastCheckpoint"] == 5
+    saved = 5
     assert (run_dir / f"iter_{saved:07d}" / "tokenizer" / "tokenizer.json").read_bytes() == original
     assert (run_dir / f"iter_{saved:07d}" / "tokenizer" / "tokenizer_config.json").is_file()
     # the tokenizer at the configured path changes (another vocabulary: another padded embedding size);
@@ -234,9 +240,9 @@ def test_checkpoint_holds_the_tokenizer_and_a_resume_uses_it(trained):
     other = _train_bpe(TEXTS, 600)
     assert other.get_vocab_size() > 384  # on its own it would make a 512-row embedding
     other.save(str(d / "tok" / "tokenizer.json"))
-    p = run(args, d)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "resuming with the checkpoint's" in p.stdout + p.stderr
+    caplog.set_level(logging.INFO, logger="kubetron")
+    assert drive_argv(d, args).code == 0
+    assert "resuming with the checkpoint's" in caplog.text
     run_config = yaml.safe_load((run_dir / f"iter_{ITERS:07d}" / "run_config.yaml").read_text())
     assert run_config["model"]["vocab_size"] == 384  # 320 tokens padded to a multiple of 128
     assert (run_dir / f"iter_{ITERS:07d}" / "tokenizer" / "tokenizer.json").read_bytes() == original

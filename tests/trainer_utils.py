@@ -1,4 +1,9 @@
-"""Helpers for tests that run the real `kubetron` command in a subprocess."""
+"""The process tier's harness: tests that run the real `kubetron` command (or a pod's launcher) in a process.
+
+One environment builder (`env_for`; `pod_env` and tests/multirank build on it), one reader that acts on a process
+at a line of its output (`HeldReader`, held at the first line `iteration_at_least(k)` passes), one pattern for
+Megatron's console line (`ITER_RE`, and `LOSS_RE`/`CONSUMED_RE` that read its figures). Tests that act on a run
+at a step run it in their own process instead (tests/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +22,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "tiny-gpt.yaml")
 ITER_RE = re.compile(r"iteration\s+(\d+)/")
+"""Megatron's console line of iteration N (` iteration       N/   TOTAL | ...`)."""
+LOSS_RE = re.compile(ITER_RE.pattern + r".*?lm loss: ([0-9.E+-]+)")  # ... and its lm loss
+CONSUMED_RE = re.compile(ITER_RE.pattern + r"\s*\d+ \| consumed samples:\s+(\d+)")  # ... and its consumed samples
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+             "KUBETRON_LAUNCH_MESSAGES")
+"""What a process started by a test must not inherit: a rank's place in a world (torchrun's, the launcher's)."""
 QUICK = ["train.train_iters=400", "logger.log_interval=1", "validation.eval_interval=null",
          "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32"]
 """An even smaller GPT than TINY's, for tests about how a run ends rather than what it learns."""
@@ -29,28 +39,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def env_for(tmp: Path, **extra) -> dict:
+    """The environment of a process a test starts: this one's, less a rank's variables (RANK_VARS), with
+    unbuffered output, its own termination log under `tmp`, then `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env["KUBETRON_TERMINATION_LOG"] = str(tmp / f"termination-{time.monotonic_ns()}.log")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
 def pod_env(tmp_path: Path, nproc: int, **extra: str) -> dict:
     """What the operator puts in a one-node pod's environment (docs/CONTRACT.md)."""
-    from kubetron import launch
-
-    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.MESSAGES_DIR_ENV)
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), KUBETRON_TERMINATION_LOG=str(tmp_path / "termination-log"),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **extra)
-    return env
+    return env_for(tmp_path, NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()), KUBETRON_TERMINATION_LOG=str(tmp_path / "termination-log"),
+                   OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **extra)
 
 
 def kubetron_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kubetron", *args]
-
-
-def env_for(tmp: Path, **extra) -> dict:
-    env = dict(os.environ)
-    env["KUBETRON_TERMINATION_LOG"] = str(tmp / f"termination-{time.monotonic_ns()}.log")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
 
 
 def run(args: list[str], tmp: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
@@ -93,42 +100,6 @@ def lines_one_byte_at_a_time(fd: int):
             line.clear()
     if line:
         yield line.decode(errors="replace")
-
-
-def run_until_iteration(p: subprocess.Popen, k: int, action, timeout: float) -> str:
-    """Read `p`'s stdout; once it logs iteration >= k call `action()` once; wait for the end. Call it right
-    after starting `p`.
-
-    Until then stdout is read a byte at a time from a one-page pipe (`hold_on_a_short_leash`): however late
-    this reader runs, the run cannot get more than a page of output past iteration k before `action()`.
-    Returns the stdout. On a timeout (or any error) the whole process group is SIGKILLed. A run that ended
-    before iteration k (a crash, or a signal from elsewhere) fails with what it printed.
-    """
-    out_lines = []
-    deadline = time.monotonic() + timeout
-    acted = False
-    at_k = iteration_at_least(k)
-    hold_on_a_short_leash(p)
-    try:
-        for line in lines_one_byte_at_a_time(p.stdout.fileno()):
-            out_lines.append(line)
-            if at_k(line):
-                action()
-                acted = True
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("trainer did not finish in time")
-        out_lines.append(p.stdout.read())  # nothing was read ahead through the text wrapper: the rest, in order
-        p.wait(timeout=max(deadline - time.monotonic(), 1))
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    out = "".join(out_lines)
-    if not acted:
-        err = p.stderr.read() if p.stderr else ""
-        raise AssertionError(f"the run ended ({p.returncode}) before iteration {k}:\n{out[-2000:]}\n{err[-2000:]}")
-    return out
 
 
 class HeldReader:
@@ -192,22 +163,6 @@ class HeldReader:
 def iteration_at_least(k: int, pattern: re.Pattern = ITER_RE) -> Callable[[str], bool]:
     """A `hold_at` test: the line logs iteration k or later."""
     return lambda line: bool((m := pattern.search(line)) and int(m.group(1)) >= k)
-
-
-def run_until_iteration_then_signal(args: list[str], tmp: Path, k: int, sig=signal.SIGTERM,
-                                    timeout: float = 300, delay: float = 0.0, **env):
-    """Start the trainer, send `sig` once it logs iteration k; return (returncode, stdout, stderr, term)."""
-    e = env_for(tmp, **env)
-    p = subprocess.Popen(kubetron_cmd(*args), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-
-    def send():
-        if delay:
-            time.sleep(delay)
-        p.send_signal(sig)
-
-    out = run_until_iteration(p, k, send, timeout)
-    return p.returncode, out, p.stderr.read(), read_termination(e["KUBETRON_TERMINATION_LOG"])
 
 
 def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:

@@ -5,6 +5,11 @@
 The chart's ClusterRole is derived from `ALL_CALLS` (`cluster_role_rules()`), and `Kube` refuses any
 call that is not declared, so the role and the code cannot drift apart.
 
+Which version of Kubernetes' own PodGroup API the cluster serves (scheduling.k8s.io v1beta1 from 1.37, v1alpha2
+in 1.36) is read by discovery (`Kube.pod_group_api`: GET /apis/<group>/<version>, once, cached until a PodGroup
+request answers 404). Discovery is no RBAC rule of the chart: Kubernetes' default `system:discovery`
+ClusterRole grants it to every authenticated user (kopf discovers the same way).
+
 Calls the chart grants only with some values (the PodGroups of `gangScheduling`) are made only when
 the operator is told they are granted (`Kube(gang_schedulers=...)`, `kubetron operator
 --gang-schedulers`, set by the chart): otherwise `NotGranted`, with no request sent. A call the server
@@ -28,6 +33,7 @@ import base64
 import json
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +43,7 @@ from uuid import uuid4
 from kubetron.contract.resource import GROUP, PLURAL, VERSION
 
 from kubetron_operator import metrics
-from kubetron_operator.model import is_name, shown
+from kubetron_operator.model import POD_GROUP_APIS, is_name, shown
 
 log = logging.getLogger("kubetron.api")
 
@@ -65,7 +71,7 @@ OPERATOR_CALLS: frozenset[Call] = frozenset(
     | _calls(GROUP, f"{PLURAL}/finalizers", "update")  # blockOwnerDeletion on the children
     | _calls("scheduling.volcano.sh", "podgroups", "create", "get", "delete")
     | _calls("scheduling.x-k8s.io", "podgroups", "create", "get", "delete")
-    | _calls("scheduling.k8s.io", "podgroups", "create", "get", "delete")
+    | _calls("scheduling.k8s.io", "podgroups", "create", "get", "delete", "patch")  # patch: v1beta1's minCount
 )
 
 KOPF_CALLS: frozenset[Call] = frozenset(
@@ -83,24 +89,16 @@ TAINT_CALLS: frozenset[Call] = frozenset(_calls("", "nodes", "get", "patch"))
 """Made only by an operator told its role grants them (`Kube(taint_nodes=True)`, `--taint-failing-nodes`)."""
 
 # spec.scheduling.gang -> the API group of its PodGroup (the chart's gangScheduling.schedulers).
-GANG_GROUPS: dict[str, str] = {"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io",
-                               "kubernetes": "scheduling.k8s.io"}
+GANG_GROUPS: dict[str, str] = {gang: versions[0].partition("/")[0] for gang, versions in POD_GROUP_APIS.items()}
 
 # apiVersion, kind -> (group, version, plural) for everything the operator creates or deletes.
 KINDS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("v1", "Pod"): ("", "v1", "pods"),
     ("v1", "Service"): ("", "v1", "services"),
     ("v1", "Event"): ("", "v1", "events"),
-    ("scheduling.volcano.sh/v1beta1", "PodGroup"): ("scheduling.volcano.sh", "v1beta1", "podgroups"),
-    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
-    ("scheduling.k8s.io/v1alpha2", "PodGroup"): ("scheduling.k8s.io", "v1alpha2", "podgroups"),
+    **{(av, "PodGroup"): (av.partition("/")[0], av.partition("/")[2], "podgroups")
+       for versions in POD_GROUP_APIS.values() for av in versions},
 }
-
-
-def pod_group_api_version(gang: str) -> str | None:
-    """The apiVersion of the PodGroup that spec.scheduling.gang `gang` uses (None: "none")."""
-    group = GANG_GROUPS.get(gang)
-    return next((av for (av, kind), (g, _, _) in KINDS.items() if kind == "PodGroup" and g == group), None)
 
 
 def cluster_role_rules(calls: Iterable[Call] = ALL_CALLS) -> list[dict[str, Any]]:
@@ -267,6 +265,8 @@ class Kube:
         self._send, self._stream = transport, stream
         self._not_granted = {group: gang for gang, group in GANG_GROUPS.items() if gang not in set(gang_schedulers)}
         self.taint_nodes = taint_nodes  # the role grants nodes get and patch (TAINT_CALLS)
+        self._served: dict[str, bool] = {}  # "group/version/resource" -> served (discovery, until forgotten)
+        self._served_lock = threading.Lock()
 
     # -- plumbing --------------------------------------------------------------------------------------
 
@@ -314,6 +314,23 @@ class Kube:
         owner = controller_uid(existing)
         if existing is not None and owner != controller_uid(manifest):
             raise NameConflict(manifest["kind"], ns, name, f"controlled by {owner}" if owner else "not controlled")
+        return False
+
+    def create_or_patch(self, manifest: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+        """Create `manifest`; when it exists and the same job controls it, merge `patch` into it instead
+        (unless it holds those values already): v1beta1's PodGroup keeps its name and changes minCount.
+        True when created; NameConflict when someone else's."""
+        group, version, plural = KINDS[(manifest["apiVersion"], manifest["kind"])]
+        meta = manifest["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        if self.create(manifest):
+            return True
+        existing = self.get(manifest["apiVersion"], manifest["kind"], ns, name)
+        if existing is None:  # deleted since: make it anew
+            return self.create(manifest)
+        if not _holds(existing, patch):
+            self._request(Call(group, plural, "patch"), "PATCH", self._path(group, version, plural, ns, name),
+                          body=dict(patch), content_type="application/merge-patch+json", answer=False)
         return False
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -388,19 +405,20 @@ class Kube:
         data = self._request(Call("", "nodes", "list"), "GET", api_path("", "v1", "nodes", None))
         return (data or {}).get("items") or []
 
-    def taint_node(self, name: str, key: str, value: str, effect: str = "NoSchedule") -> bool:
-        """Add the taint `key=value:effect` to node `name` unless it has one with `key` (True when added). The
-        taint list is replaced as read, at the read's resourceVersion: a concurrent change is read again."""
+    def edit_node(self, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
+        """Read node `name` and merge-patch it with what `change(node)` returns (None: nothing), at the read's
+        resourceVersion, so a concurrent change is read again; True when patched. For a taint (its list is
+        replaced as read) and its annotation."""
         if not is_name(name):  # a node's name from a pod's spec.nodeName: still checked before it is a path
             raise InvalidName("node name", name)
         path = f"{api_path('', 'v1', 'nodes', None)}/{name}"
         for _ in range(3):
-            node = self._request(Call("", "nodes", "get"), "GET", path) or {}
-            taints = list((node.get("spec") or {}).get("taints") or [])
-            if any(t.get("key") == key for t in taints):
+            node = self._request(Call("", "nodes", "get"), "GET", path, ok=(404,))
+            patch = change(node) if node else None
+            if patch is None:
                 return False
-            patch = {"metadata": {"resourceVersion": (node.get("metadata") or {}).get("resourceVersion")},
-                     "spec": {"taints": [*taints, {"key": key, "value": value, "effect": effect}]}}
+            patch["metadata"] = {**patch.get("metadata", {}),
+                                 "resourceVersion": (node.get("metadata") or {}).get("resourceVersion")}
             if self._request(Call("", "nodes", "patch"), "PATCH", path, body=patch, ok=(409,),
                              content_type="application/merge-patch+json", answer=False):
                 return True
@@ -412,6 +430,43 @@ class Kube:
         out = {k: base64.b64decode(v).decode() for k, v in ((data or {}).get("data") or {}).items()}
         out.update((data or {}).get("stringData") or {})
         return out
+
+    # -- discovery -------------------------------------------------------------------------------------
+
+    def pod_group_api(self, gang: str) -> str | None:
+        """The PodGroup apiVersion a job with spec.scheduling.gang `gang` uses: the first of POD_GROUP_APIS[gang]
+        the API server serves (discovery, cached), or the only one there is (a scheduler's CRD: asked for as
+        it is). None: "none", or the server serves none of them. A gang the role does not grant is never
+        discovered (its first version is returned: the create is then refused, NotGranted, without a request)."""
+        versions = POD_GROUP_APIS.get(gang, ())
+        if len(versions) < 2 or GANG_GROUPS[gang] in self._not_granted:
+            return versions[0] if versions else None
+        return next((av for av in versions if self._serves(*KINDS[(av, "PodGroup")])), None)
+
+    def forget_pod_group_api(self, gang: str) -> None:
+        """A PodGroup request answered 404: discover again next time (the cluster may have been upgraded)."""
+        with self._served_lock:
+            for av in POD_GROUP_APIS.get(gang, ()):
+                self._served.pop("/".join(KINDS[(av, "PodGroup")]), None)
+
+    def _serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the server serves `plural` in group/version (GET /apis/group/version, once; 404: not)."""
+        key = f"{group}/{version}/{plural}"
+        with self._served_lock:
+            if key in self._served:
+                return self._served[key]
+        path = f"/apis/{group}/{version}"  # our own constants (KINDS), never a name from a spec
+        status, data = self._send("GET", path, {}, None, "application/json")
+        if status == 404:
+            served = False
+        elif 200 <= status < 300:
+            resources = (json.loads(data) if data[:1] == b"{" else {}).get("resources") or ()
+            served = any(r.get("name") == plural for r in resources)
+        else:
+            raise _refused(Call(group, "(discovery)", "get"), path, status, data)
+        with self._served_lock:
+            self._served[key] = served
+        return served
 
     # -- the TrainingJob -------------------------------------------------------------------------------
 
@@ -458,6 +513,11 @@ class Kube:
         self._request(Call("", "events", "create"), "POST", self._path("", "v1", "events", ns), body=event)
 
 
+def _holds(obj: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+    """Whether `obj` already has every value the merge patch `patch` sets."""
+    return all(_holds(obj.get(k) or {}, v) if isinstance(v, Mapping) else obj.get(k) == v for k, v in patch.items())
+
+
 def _refused(call: Call, path: str, status: int, data: bytes) -> ApiError:
     """The error for a refused call (counted; a 403 is logged naming the call)."""
     metrics.api_error(status)
@@ -484,4 +544,4 @@ def _error_message(data: bytes) -> str:
 
 __all__ = ["ALL_CALLS", "GANG_GROUPS", "KOPF_CALLS", "OPERATOR_CALLS", "TAINT_CALLS", "ApiError", "Call", "Conflict",
            "Forbidden", "InvalidName", "Kube", "NameConflict", "NotGranted", "TaintNotGranted", "UndeclaredCall",
-           "api_path", "cluster_role_rules", "controller_uid", "kubernetes_transport", "pod_group_api_version"]
+           "api_path", "cluster_role_rules", "controller_uid", "kubernetes_transport"]

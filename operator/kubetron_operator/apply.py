@@ -10,42 +10,45 @@ what it created (a partial gang must not hold GPUs) and is retried as policy/cre
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
-from kubetron.contract.resource import LABEL_JOB
+from kubetron.contract.resource import FINISHED, LABEL_JOB
 from kubetron.contract.times import stamp
 
 from kubetron_operator import metrics
-from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid, pod_group_api_version
-from kubetron_operator.build import attempt_objects, build_probe_pod, build_service, pod_group_name, service_name
+from kubetron_operator.api_calls import ApiError, Conflict, Kube, NameConflict, controller_uid
+from kubetron_operator.build import (
+    attempt_objects,
+    build_probe_pod,
+    build_service,
+    pod_group_name,
+    pod_group_resize,
+    service_name,
+)
 from kubetron_operator.deps import Deps
-from kubetron_operator.model import KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION, Job
+from kubetron_operator.job_status import PodGroupRef
+from kubetron_operator.model import (
+    KUEUE_GROUP_LABEL,
+    KUEUE_RETRIABLE_ANNOTATION,
+    POD_GROUP_APIS,
+    RESIZABLE_POD_GROUP_APIS,
+    Job,
+)
 from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.policy.action import Action
-from kubetron_operator.policy.create_retry import backing_off, create_failed, leftovers, retriable
+from kubetron_operator.policy.create_retry import create_failed, retriable
 from kubetron_operator.policy.elastic import attempt_size
-from kubetron_operator.policy.nodes import TAINT_KEY
 from kubetron_operator.policy.start import attempt_ended, service_failed
-from kubetron_operator.untrusted import clean_all
+from kubetron_operator.untrusted import STATUS_TEXT_LIMIT, clean_all
 
 
 def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action: Action,
         logger: kopf.Logger) -> Action | None:
     """Apply `action`, decided from `body` (its resourceVersion guards every status patch): what was
-    applied, or None when it waits (creation backoff) or the job changed meanwhile (decide again)."""
+    applied, or None when the job changed meanwhile (decide again)."""
     namespace, name = body["metadata"].get("namespace") or "default", body["metadata"]["name"]
-    if action.create_attempt is not None:
-        # After a transient creation failure: the torn-down pods of that attempt go first (their names are
-        # about to be reused), and the retry waits until status.nextCreateTime.
-        left = leftovers(obs, action)
-        for pod in left:
-            if pod.deleting_for is None:
-                deps.kube.delete_pod(namespace, pod.name)
-        if left or backing_off(obs):
-            return None
     try:
         action = apply(deps, body, job, obs, action, logger)
     except Conflict:
@@ -53,7 +56,8 @@ def act(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, action
         # round decides again from the newer version (read by _patch_status, or the watch's).
         logger.info("%s/%s changed while reconciling; deciding again", namespace, name)
         return None
-    metrics.record(namespace, name, obs.status or {}, action.status, action.create_attempt is not None)
+    metrics.record(namespace, name, obs.status or {}, action.status, action.create_attempt is not None,
+                   uid=body["metadata"].get("uid") or "")
     return action
 
 
@@ -67,7 +71,7 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     if action.create_service and job is not None:
         failed = create_children(kube, job, [build_service(job)], logger)
         if failed is None:
-            deps.view.services.add(job.uid)
+            deps.view.service_made(job.uid)
         else:
             action = service_failed(obs, action, *failed)
     attempt = action.create_attempt  # `action` may be replaced by create_failed below
@@ -77,28 +81,32 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        manifests = attempt_objects(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes)
+        manifests = attempt_objects(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes,
+                                    obs.pod_group_api)
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
             _patch_status(deps, body, action.status, rv)
         else:
             deps.view.created(job.uid, manifests)  # until the watch shows them, never "vanished"
-            retry = {"createFailures": None, "nextCreateTime": None} if obs.status.get("nextCreateTime") else {}
-            _patch_status(deps, body, {**action.status, **retry}, rv)
-            if attempt > 1:
-                delete_attempt_children(kube, job, attempt - 1, job.spec.scheduling.gang, logger)
+            _patch_status(deps, body, action.status, rv)
+            old = attempt_pod_group(job, obs.status)  # the last attempt's, unless the new one is the same
+            if old is not None and old != action.status.get("podGroup"):
+                delete_pod_group(kube, job, old, logger)
     else:
         # Status first: an ended attempt is counted before its pods disappear.
         _patch_status(deps, body, action.status, rv)
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        if job is not None and attempt_ended(obs, action):
-            delete_attempt_children(kube, job, int(obs.status["attempt"]), job.spec.scheduling.gang, logger)
+        group = attempt_pod_group(job, obs.status) if job is not None and attempt_ended(obs, action) else None
+        if job is not None and group is not None and (
+                group["apiVersion"] not in RESIZABLE_POD_GROUP_APIS or action.phase in FINISHED):
+            delete_pod_group(kube, job, group, logger)  # a resizable one serves the next attempt too
     for pod in action.force_delete_pods:
         kube.delete_pod(namespace, pod, force=True)
-    taint_nodes(kube, action.taint_nodes, name, logger)
+    if deps.taints is not None and action.taint_nodes:  # policy/nodes.py says when; node_taints.py does it
+        deps.taints.taint(action.taint_nodes, namespace, name, deps.view.statuses(), obs.now)
     if action.create_probes and job is not None:
         probes = [build_probe_pod(job, int(obs.status["attempt"]), rank, attempt_size(job, obs.status))
                   for rank in action.create_probes]
@@ -120,7 +128,7 @@ def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], reso
     server returns is the freshest known version (View.saw); a stale one is replaced by a fresh read."""
     if not status:
         return
-    status = clean_all(status)  # what pods said reaches status only with its control characters escaped
+    status = clean_all(status, STATUS_TEXT_LIMIT)  # what pods said: control characters escaped, cut short
     meta = body["metadata"]
     namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid") or ""
     try:
@@ -136,17 +144,19 @@ def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], reso
         patched = deps.kube.patch_status(namespace, name, status, fresh_meta.get("resourceVersion"))
     if patched:
         deps.view.saw(uid, json_copy(patched))
-    deps.view.patched[uid] = time.monotonic()
+    deps.view.patched(uid)
 
 
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
                     logger: kopf.Logger) -> tuple[str, str, bool] | None:
-    """Create an attempt's objects in order. On an API error delete what this call created (a partial
-    gang must not hold GPUs) and return (reason, message, transient) for policy.create_retry.create_failed."""
+    """Create an attempt's objects in order (a resizable PodGroup that exists gets the attempt's minCount). On an
+    API error delete what this call created (a partial gang must not hold GPUs) and return (reason, message,
+    transient) for policy.create_retry.create_failed."""
     created: list[dict[str, Any]] = []
     for manifest in manifests:
         try:
-            if kube.create(manifest):
+            if kube.create_or_patch(manifest, pod_group_resize(manifest)) if manifest["apiVersion"] in \
+                    RESIZABLE_POD_GROUP_APIS else kube.create(manifest):
                 created.append(manifest)
         except ApiError as exc:
             for done in reversed(created):
@@ -155,9 +165,23 @@ def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
             logger.warning("cannot create %s: %s", what, exc)
             if isinstance(exc, NameConflict):
                 return "NameConflict", str(exc).removeprefix("HTTP 409: "), False
+            served = _served_now(kube, job, manifest, exc)
+            if served:  # the cluster serves another PodGroup version now (upgraded): the next try uses it
+                return "CreateRetrying", f"cannot create {what}: {exc}; the API server serves {served} now", True
             retry = retriable(exc.status, str(exc))
             return ("CreateRetrying" if retry else "CreateFailed"), f"cannot create {what}: {exc}", retry
     return None
+
+
+def _served_now(kube: Kube, job: Job, manifest: Mapping[str, Any], exc: ApiError) -> str | None:
+    """After a 404 for a PodGroup of a version found by discovery: discover again; the version served now when
+    it differs from the one asked for (else None: the 404 stands)."""
+    gang = job.spec.scheduling.gang
+    if exc.status != 404 or manifest["kind"] != "PodGroup" or len(POD_GROUP_APIS.get(gang, ())) < 2:
+        return None
+    kube.forget_pod_group_api(gang)
+    served = kube.pod_group_api(gang)
+    return served if served not in (None, manifest["apiVersion"]) else None
 
 
 def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: kopf.Logger) -> None:
@@ -171,36 +195,29 @@ def release_groups(kube: Kube, namespace: str, pods: Iterable[str], logger: kopf
             logger.warning("cannot mark pod %s/%s %s=false: %s", namespace, pod, KUEUE_RETRIABLE_ANNOTATION, exc)
 
 
-def delete_attempt_children(kube: Kube, job: Job, attempt: int, gang: str, logger: kopf.Logger) -> None:
-    """An attempt's `gang` PodGroup, if any (pods are decide's business), if this job controls it. Only
-    the PodGroup kind the job's spec.scheduling.gang names is asked for: the chart grants PodGroups only
-    with gangScheduling (one left by a since-changed spec goes with the job, by its owner reference).
-    An attempt ConfigMap left by an older operator (the config is on the pods now) goes with the job."""
-    api_version = pod_group_api_version(gang)
-    if api_version is None:
-        return
+def attempt_pod_group(job: Job, status: Mapping[str, Any]) -> PodGroupRef | None:
+    """The current attempt's PodGroup as status names it; a job an older operator started, which wrote no
+    status.podGroup: `<job>-<attempt>` in its gang's oldest version (what that operator made)."""
+    attempt, gang = int(status.get("attempt") or 0), job.spec.scheduling.gang
+    if status.get("podGroup") or attempt < 1 or gang == "none":
+        return status.get("podGroup")
+    return {"apiVersion": POD_GROUP_APIS[gang][-1], "name": pod_group_name(job, attempt)}
+
+
+def delete_pod_group(kube: Kube, job: Job, group: PodGroupRef, logger: kopf.Logger) -> None:
+    """A PodGroup of the job (pods are decide's business), if this job controls it. Only a kind the job's
+    spec.scheduling.gang names is asked for: the chart grants PodGroups only with gangScheduling (one left by a
+    since-changed spec goes with the job, by its owner reference)."""
     try:
-        kube.delete_owned(api_version, "PodGroup", job.namespace, pod_group_name(job, attempt), job.uid)
+        kube.delete_owned(group["apiVersion"], "PodGroup", job.namespace, group["name"], job.uid)
     except ApiError as exc:  # not granted (any more): the garbage collector deletes it with the job
-        logger.warning("cannot delete PodGroup %s/%s: %s", job.namespace, pod_group_name(job, attempt), exc)
-
-
-def taint_nodes(kube: Kube, nodes: Iterable[str], job: str, logger: kopf.Logger) -> None:
-    """Nodes the job just left out (policy/nodes.py), tainted cluster-wide when the chart allows it
-    (`--taint-failing-nodes`); best effort: the job's own avoid list holds either way."""
-    for node in nodes if kube.taint_nodes else ():
-        try:
-            if kube.taint_node(node, TAINT_KEY, job):
-                logger.warning("tainted node %s %s=%s:NoSchedule (it failed job %s twice)", node, TAINT_KEY, job, job)
-        except ApiError as exc:
-            logger.warning("cannot taint node %s: %s", node, exc)
+        logger.warning("cannot delete PodGroup %s/%s: %s", job.namespace, group["name"], exc)
 
 
 def delete_children(kube: Kube, name: str, namespace: str, uid: str, spec: Mapping[str, Any] | None,
                     status: Mapping[str, Any] | None, logger: kopf.Logger) -> None:
     """Delete a deleted job's children now rather than waiting for the garbage collector (owner references);
     only those it controls, never a foreign object that happens to carry a child's name or label."""
-    metrics.forget(namespace, name)
     pods = [p for p in kube.list_pods(namespace, {LABEL_JOB: name}) if controller_uid(p) == uid]
     release_groups(kube, namespace, [p["metadata"]["name"] for p in pods
                                      if (p["metadata"].get("labels") or {}).get(KUEUE_GROUP_LABEL)], logger)
@@ -208,7 +225,11 @@ def delete_children(kube: Kube, name: str, namespace: str, uid: str, spec: Mappi
         kube.delete_pod(namespace, pod["metadata"]["name"])
     fake = Job(name=name, namespace=namespace, uid=uid, spec=None)  # type: ignore[arg-type]  # names only
     gang = ((spec or {}).get("scheduling") or {}).get("gang") or "none"
-    for attempt in range(1, int((status or {}).get("attempt") or 0) + 1):
-        delete_attempt_children(kube, fake, attempt, gang, logger)
+    held = (status or {}).get("podGroup")
+    groups: list[PodGroupRef] = [held] if held else [
+        {"apiVersion": POD_GROUP_APIS[gang][-1], "name": pod_group_name(fake, attempt)}
+        for attempt in range(1, int((status or {}).get("attempt") or 0) + 1) if gang in POD_GROUP_APIS]
+    for group in groups:  # the current one (an older operator's job: every attempt's, as it named them)
+        delete_pod_group(kube, fake, group, logger)
     kube.delete_owned("v1", "Service", namespace, service_name(fake), uid)
     logger.info("deleted the children of %s", name)

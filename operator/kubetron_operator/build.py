@@ -3,7 +3,8 @@
 Per job: a headless Service (stable DNS for rank 0, the rendezvous host), created once a pod of the job
 is placed on a node (a job waiting in a queue or for room costs no Service, nor the Endpoints and
 EndpointSlice the control plane keeps for one). Per attempt: an optional
-PodGroup for gang scheduling and one pod per node named `<job>-<attempt>-<rank>`. Each pod carries the
+PodGroup for gang scheduling (Kubernetes' v1beta1 one is per job, its minCount resized: docs/gang.md) and one
+pod per node named `<job>-<attempt>-<rank>`. Each pod carries the
 trainer's config itself (an annotation the kubelet writes to /etc/kubetron/config.yaml through a
 downward API volume): a start costs no ConfigMap to create and, when the attempt ends, to delete.
 Every child carries the job's labels and a controller owner reference, so the garbage collector
@@ -23,7 +24,9 @@ from kubetron_operator.model import (
     COSCHEDULING_GROUP_LABEL,
     KUEUE_COUNT_ANNOTATION,
     KUEUE_GROUP_LABEL,
+    POD_GROUP_APIS,
     QUEUE_LABEL,
+    RESIZABLE_POD_GROUP_APIS,
     S3_SECRET_KEYS,
     VOLCANO_GROUP_ANNOTATION,
     Job,
@@ -39,7 +42,6 @@ TERMINATION_LOG = DEFAULT_TERMINATION_LOG  # the path Kubernetes reads the train
 RUN_AS_USER = 10001  # the images (Dockerfile) and the chart run as this UID
 PYTHON = "python3"  # what the trainer image's ENTRYPOINT runs; every Python image has it, not all have `python`
 DEFAULT_COSCHEDULER = "scheduler-plugins-scheduler"
-K8S_POD_GROUP_API = "scheduling.k8s.io/v1alpha2"  # Kubernetes' own gang scheduling (docs/gang.md)
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
@@ -54,8 +56,15 @@ def service_name(job: Job) -> str:
     return job.name
 
 
-def pod_group_name(job: Job, attempt: int) -> str:
-    return f"{job.name}-{attempt}"
+def pod_group_name(job: Job, attempt: int, api_version: str | None = None) -> str:
+    """`<job>-<attempt>`; the job's name for a PodGroup whose minCount is resized (RESIZABLE_POD_GROUP_APIS)."""
+    return job.name if api_version in RESIZABLE_POD_GROUP_APIS else f"{job.name}-{attempt}"
+
+
+def gang_api(job: Job, served: str | None = None) -> str:
+    """The PodGroup apiVersion of the job's gang: `served` (what the API server serves, api_calls.Kube.pod_group_api),
+    else its oldest (the scheduler's CRD's; Kubernetes' own: 1.36's v1alpha2)."""
+    return served or POD_GROUP_APIS[job.spec.scheduling.gang][-1]
 
 
 def probe_pod_name(job: Job, attempt: int, rank: int) -> str:
@@ -72,26 +81,29 @@ def master_addr(job: Job, attempt: int) -> str:
 
 
 def build(job: Job, attempt: int, expected_iteration: int = 0,
-          avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> list[dict[str, Any]]:
+          avoid_nodes: tuple[str, ...] = (), nodes: int = 0, pod_group_api: str | None = None) -> list[dict[str, Any]]:
     """All objects of attempt `attempt`: the job's Service, then attempt_objects(). The operator creates
     the Service only once a pod of the job is placed on a node (policy.start.needs_service)."""
-    return [build_service(job), *attempt_objects(job, attempt, expected_iteration, avoid_nodes, nodes)]
+    return [build_service(job), *attempt_objects(job, attempt, expected_iteration, avoid_nodes, nodes, pod_group_api)]
 
 
 def attempt_objects(job: Job, attempt: int, expected_iteration: int = 0,
-                    avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> list[dict[str, Any]]:
+                    avoid_nodes: tuple[str, ...] = (), nodes: int = 0,
+                    pod_group_api: str | None = None) -> list[dict[str, Any]]:
     """The objects of attempt `attempt` itself, in creation order (PodGroup, pods).
 
     `nodes` is the attempt's size (0: spec.nodes); an elastic job's attempt may be smaller (docs/elastic.md).
     `expected_iteration` is the last durable checkpoint the operator knows of; the pods pass it to the
     trainer (KUBETRON_EXPECTED_ITERATION), which fails loudly if the store holds less. `avoid_nodes` are
     nodes that rejected or lost an earlier attempt: the pods get a node anti-affinity to them.
+    `pod_group_api`: the PodGroup version the cluster serves for the job's gang (gang_api()).
     """
     nodes = nodes or job.spec.nodes
     manifests: list[dict[str, Any]] = []
     if job.spec.scheduling.gang != "none":
-        manifests.append(build_pod_group(job, attempt, nodes))
-    manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes, nodes) for rank in range(nodes)]
+        manifests.append(build_pod_group(job, attempt, nodes, pod_group_api))
+    manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes, nodes, pod_group_api)
+                  for rank in range(nodes)]
     return manifests
 
 
@@ -125,19 +137,29 @@ def build_service(job: Job) -> dict[str, Any]:
     }
 
 
-def build_pod_group(job: Job, attempt: int, nodes: int = 0) -> dict[str, Any]:
-    """Volcano, scheduler-plugins or Kubernetes PodGroup: schedule all the attempt's `nodes` pods or none."""
+def build_pod_group(job: Job, attempt: int, nodes: int = 0, served: str | None = None) -> dict[str, Any]:
+    """Volcano, scheduler-plugins or Kubernetes PodGroup: schedule all the attempt's `nodes` pods or none.
+    Kubernetes' own (KEP-4671): v1alpha2's minCount is immutable, so one PodGroup per attempt; v1beta1's is
+    mutable, so one per job (no attempt label), resized to each attempt (pod_group_resize), and disrupted as one
+    (disruptionMode `all`, a struct in v1beta1: the scheduler preempts the whole gang or none of it, as losing
+    one pod ends the attempt anyway)."""
+    api_version = gang_api(job, served)
+    per_attempt = api_version not in RESIZABLE_POD_GROUP_APIS
     spec: dict[str, Any] = {"minMember": nodes or job.spec.nodes}
-    if job.spec.scheduling.gang == "kubernetes":  # KEP-4671; minCount is immutable: one PodGroup per attempt
-        api_version, spec = K8S_POD_GROUP_API, {"schedulingPolicy": {"gang": {"minCount": spec["minMember"]}}}
-    elif job.spec.scheduling.gang == "volcano":
-        api_version = "scheduling.volcano.sh/v1beta1"
-        if job.spec.scheduling.priority_class_name:
-            spec["priorityClassName"] = job.spec.scheduling.priority_class_name
-    else:
-        api_version = "scheduling.x-k8s.io/v1alpha1"
+    if job.spec.scheduling.gang == "kubernetes":
+        spec = {"schedulingPolicy": {"gang": {"minCount": spec["minMember"]}}}
+        if not per_attempt:
+            spec["disruptionMode"] = {"all": {}}
+    elif job.spec.scheduling.gang == "volcano" and job.spec.scheduling.priority_class_name:
+        spec["priorityClassName"] = job.spec.scheduling.priority_class_name
     return {"apiVersion": api_version, "kind": "PodGroup",
-            "metadata": _metadata(job, pod_group_name(job, attempt), attempt), "spec": spec}
+            "metadata": _metadata(job, pod_group_name(job, attempt, api_version), attempt if per_attempt else None),
+            "spec": spec}
+
+
+def pod_group_resize(group: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch that gives an existing resizable PodGroup the minCount of `group` (build_pod_group)."""
+    return {"spec": {"schedulingPolicy": {"gang": {"minCount": group["spec"]["schedulingPolicy"]["gang"]["minCount"]}}}}
 
 
 def rank_env(job: Job, attempt: int, rank: int, expected_iteration: int = 0, nodes: int = 0) -> list[dict[str, Any]]:
@@ -245,7 +267,7 @@ def _avoid(affinity: dict[str, Any], nodes: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, Any], attempt: int,
-                      avoid_nodes: tuple[str, ...] = ()) -> None:
+                      avoid_nodes: tuple[str, ...] = (), pod_group_api: str | None = None) -> None:
     sched = job.spec.scheduling
     scheduler = sched.scheduler_name or {"volcano": "volcano", "coscheduling": DEFAULT_COSCHEDULER}.get(sched.gang)
     if scheduler:
@@ -264,11 +286,11 @@ def _apply_scheduling(job: Job, pod_spec: dict[str, Any], metadata: dict[str, An
     elif sched.gang == "coscheduling":
         metadata["labels"][COSCHEDULING_GROUP_LABEL] = pod_group_name(job, attempt)
     elif sched.gang == "kubernetes":
-        pod_spec["schedulingGroup"] = {"podGroupName": pod_group_name(job, attempt)}
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group_name(job, attempt, gang_api(job, pod_group_api))}
 
 
 def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
-              avoid_nodes: tuple[str, ...] = (), nodes: int = 0) -> dict[str, Any]:
+              avoid_nodes: tuple[str, ...] = (), nodes: int = 0, pod_group_api: str | None = None) -> dict[str, Any]:
     spec = job.spec
     volumes, mounts = _storage_volume(job)
     config_file = {"path": "config.yaml", "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}
@@ -312,7 +334,7 @@ def build_pod(job: Job, attempt: int, rank: int, expected_iteration: int = 0,
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     _apply_template(job, pod_spec, container, metadata)
     metadata.setdefault("annotations", {})[CONFIG_ANNOTATION] = spec.config
-    _apply_scheduling(job, pod_spec, metadata, attempt, avoid_nodes)
+    _apply_scheduling(job, pod_spec, metadata, attempt, avoid_nodes, pod_group_api)
     _apply_queue(job, metadata, pod_group_name(job, attempt), nodes or spec.nodes)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 

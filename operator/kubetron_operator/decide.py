@@ -85,6 +85,6 @@ def _running(job: Job, obs: Observed, attempt: int) -> Action:
     status = {k: v for k, v in status.items() if obs.status.get(k) != v}
     events = (Event("Normal", "Running", f"attempt {attempt}: all {size} pods running"),) if (
         "phase" in status) else ()
-    restarts, in_place = in_place_news(obs, attempt)
+    restarts, in_place = in_place_news(obs, attempt, job.spec.max_in_place_restarts)
     action = Action("wait", status={**status, **restarts}, delete_pods=stale, events=events + in_place)
     return elastic.keep_probes(job, obs, attempt, size, action) if size < job.spec.nodes else action

@@ -16,6 +16,7 @@ from typing import Any
 from kubetron_operator.api_calls import Kube
 from kubetron_operator.events import Activity, EventPoster
 from kubetron_operator.model import Job
+from kubetron_operator.node_taints import Taints
 from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.trainer_reports import status_endpoint
 from kubetron_operator.trainer_reports.store_log import ProgressRead, read_s3_progress
@@ -65,9 +66,7 @@ class Deps:
     read_progress: Callable[[Job, Kube], ProgressRead] = read_s3_progress
     fetch_live: status_endpoint.Fetch = status_endpoint.http_fetch
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
-    last_progress: dict[str, tuple[datetime, ProgressRead]] = dataclasses.field(default_factory=dict)
-    live_quiet: dict[str, float] = dataclasses.field(default_factory=dict)  # job UID -> no live read before
-    view: View = dataclasses.field(default_factory=View)
+    view: View = dataclasses.field(default_factory=View)  # what the operator holds per job (JobMemory)
     # Reconciles wait on the API server, not the CPU: more threads than asyncio's default (cores + 4).
     executor: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile"))
@@ -76,9 +75,12 @@ class Deps:
     io_slots: dict[str, asyncio.Semaphore] = dataclasses.field(default_factory=dict)  # namespace -> its reads
     pools: PoolWatch = dataclasses.field(default_factory=PoolWatch)
     activity: Activity = dataclasses.field(default_factory=Activity)  # actions in flight
+    creating: Activity = dataclasses.field(default_factory=Activity)  # those that create an attempt
+    news_waker: asyncio.Future[None] | None = None  # wakes the jobs whose news wait, once no attempt is created
     poster: EventPoster = dataclasses.field(init=False)  # the jobs' Events, through `kube`
     namespaces: tuple[str, ...] = ()  # the watched namespaces (empty: the whole cluster)
     pods: PodCache | None = None  # the jobs' pods, once listed (start_pod_cache)
+    taints: Taints | None = None  # with --taint-failing-nodes: the nodes' taints (node_taints.py)
 
     def __post_init__(self) -> None:
         self.poster = EventPoster(self.kube, self.activity)

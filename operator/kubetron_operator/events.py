@@ -18,6 +18,7 @@ from kubetron_operator.untrusted import clean
 
 EVENT_QUIET = 0.1  # seconds without an action in flight before a held-back Event goes out
 EVENT_HOLD = 10.0  # seconds an Event waits at most for the operator to be quiet
+QUEUED_PER_JOB = 32  # a job's Events waiting to be posted at most; beyond, its new ones are dropped (logged)
 
 
 class Activity:
@@ -59,12 +60,24 @@ class EventPoster:
             queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._waiting: dict[str | None, int] = {}  # job UID -> its events queued, not posted yet
+        self._dropping: set[str | None] = set()  # jobs whose new events are being dropped (said once)
 
     def post(self, body: Mapping[str, Any], type_: str, reason: str, message: str, now: str,
              logger: kopf.Logger) -> None:
         meta = body["metadata"]
         involved = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                     "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid")}}
+        with self._lock:  # one job's burst never queues ahead of every other job's events without bound
+            uid = meta.get("uid")
+            waiting = self._waiting.get(uid, 0)
+            if waiting >= QUEUED_PER_JOB:
+                if uid not in self._dropping:  # one line per burst, not one per event
+                    self._dropping.add(uid)
+                    logger.warning("events of %s/%s not posted from %s on: %d of its events wait already",
+                                   meta.get("namespace"), meta.get("name"), reason, waiting)
+                return
+            self._waiting[uid] = waiting + 1
         self._queue.put((time.monotonic(), (involved, type_, reason, clean(message), now, logger)))
         with self._lock:
             if self._thread is None:
@@ -80,3 +93,9 @@ class EventPoster:
                 self.kube.post_event(involved, type_, reason, message, now)
             except Exception as exc:  # noqa: BLE001 - an event is nice to have, never worth a retry
                 logger.warning("could not post event %s: %s", reason, exc)
+            with self._lock:
+                uid = involved["metadata"]["uid"]
+                self._waiting[uid] -= 1
+                if not self._waiting[uid]:
+                    del self._waiting[uid]
+                    self._dropping.discard(uid)

@@ -20,6 +20,7 @@ replacements); such a job is acted on only once the finalizer is on it (acting b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from typing import Any
@@ -32,11 +33,13 @@ from kubetron_operator import metrics
 from kubetron_operator.apply import act, delete_children
 from kubetron_operator.decide import decide
 from kubetron_operator.deps import Deps
+from kubetron_operator.events import EVENT_QUIET
 from kubetron_operator.gather import Reads, gather, observe
 from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.pod_cache import PodCache
+from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.kueue import queued
-from kubetron_operator.policy.throttle import hold_until, throttle
+from kubetron_operator.policy.throttle import hold_news, hold_until, throttle
 from kubetron_operator.policy.wake import SERVICE_RETRY, at_most, next_due
 from kubetron_operator.view import View
 
@@ -96,30 +99,29 @@ async def stop_pod_cache(memo: Any, **_: Any) -> None:
 
 async def job_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
     view: View = memo.deps.view
-    uid = (body.get("metadata") or {}).get("uid")
+    meta = body.get("metadata") or {}
+    uid = meta.get("uid")
     if not uid:
         return
-    if type == "DELETED":
-        view.drop(uid)
-        view.gone.add(uid)  # no finalizer held it: its daemon stops by itself
-        meta = body.get("metadata") or {}
-        metrics.forget(meta.get("namespace") or "default", meta.get("name") or "")
+    if type == "DELETED":  # its daemon stops by itself (kopf stops it only through a finalizer), its memory with it
+        view.deleted(uid, meta.get("namespace") or "default", meta.get("name") or "",
+                     daemon_may_start=not meta.get("deletionTimestamp"))
     else:
         view.saw(uid, json_copy(body))
-    view.wake(uid)
+        view.wake(uid)
 
 
 async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped,
                            memo: Any, logger: kopf.Logger, **_: Any) -> None:
-    """Decide whenever the job or one of its pods changes, or when the next deadline is due."""
+    """Decide whenever the job or one of its pods changes, or when the next deadline is due. What the operator
+    holds for the job (view.JobMemory) lives as long as this daemon."""
     deps: Deps = memo.deps
     view = deps.view
-    wake = view.wakes.setdefault(uid, asyncio.Event())
-    view.namespaces[uid] = namespace
+    memory = view.enter(uid, namespace, name)
     try:
-        while not stopped and uid not in view.gone:
-            wake.clear()
-            current = view.bodies.get(uid) or json_copy(body)
+        while not stopped and not memory.gone:
+            memory.wake.clear()
+            current = memory.body or json_copy(body)
             pods = view.pods(uid, deps.pods.pods(namespace, uid) if deps.pods is not None else ())
             try:
                 reads = await _gather_outside(deps, namespace, current, pods)
@@ -127,12 +129,12 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
             except Exception:  # one bad round must not kill the job's reconciler
                 logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
                 due = deps.interval
-            await _sleep(wake, stopped, due)
+            if memory.news_held is not None:  # its news wait for the creations to end (throttle.hold_news)
+                _release_news_when_quiet(deps)
+            await _sleep(memory.wake, stopped, due)
             await asyncio.sleep(DEBOUNCE)
     finally:
-        view.forget(uid)
-        deps.last_progress.pop(f"{namespace}/{name}", None)
-        deps.live_quiet.pop(uid, None)
+        view.leave(uid)
 
 
 async def _gather_outside(deps: Deps, namespace: str, body: dict[str, Any], pods: list[dict[str, Any]]) -> Reads:
@@ -142,7 +144,7 @@ async def _gather_outside(deps: Deps, namespace: str, body: dict[str, Any], pods
         return Reads()
     slot = deps.io_slots.setdefault(namespace, asyncio.Semaphore(IO_PER_NAMESPACE))
     async with slot:
-        if (body.get("metadata") or {}).get("uid") in deps.view.gone:  # deleted while it waited for its turn
+        if deps.view.gone((body.get("metadata") or {}).get("uid")):  # deleted while it waited for its turn
             return Reads()
         reads: Reads = await deps.pools.run(deps.io_executor, gather, deps, body, pods)
         return reads
@@ -172,17 +174,47 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
     obs, job = observe(deps, body, pods, reads)
     _warn_once(deps, body, obs, reads, logger)
     action = decide(job, obs)
-    since_patch = time.monotonic() - deps.view.patched.get(meta.get("uid") or "", float("-inf"))
-    action, held = throttle(action, since_patch, deps.interval)
+    action, held = throttle(action, deps.view.since_patch(meta.get("uid") or ""), deps.interval)
+    action, news_due = _hold_news(deps, meta.get("uid") or "", action)
     if not action.idle:
-        with metrics.RECONCILE.time(), deps.activity.acting():
+        creating = deps.creating.acting() if action.create_attempt is not None else contextlib.nullcontext()
+        with metrics.RECONCILE.time(), deps.activity.acting(), creating:
             act(deps, body, job, obs, action, logger)
+    if action.why:
+        logger.debug("waiting: %s", action.why)
     due = next_due(job, obs, deps.interval, random.random())
     if held:  # a progress patch was held back: look again when it may go out
         due = at_most(due, hold_until(deps.interval))
-    if action.create_service and meta.get("uid") not in deps.view.services:  # a transient error: try again
+    if news_due is not None:  # so were a starting attempt's news
+        due = at_most(due, news_due)
+    if action.create_service and not deps.view.has_service(meta.get("uid")):  # a transient error: try again
         due = at_most(due, SERVICE_RETRY)
     return due
+
+
+def _release_news_when_quiet(deps: Deps) -> None:
+    """Wake every job whose news wait (JobMemory.news_held) once no attempt has been created for EVENT_QUIET
+    seconds (one task for all of them; NEWS_HOLD bounds the wait anyway)."""
+
+    async def wake_when_quiet() -> None:
+        while deps.creating.busy():
+            await asyncio.sleep(EVENT_QUIET)
+        for memory in list(deps.view.jobs.values()):
+            if memory.news_held is not None:
+                memory.wake.set()
+
+    if deps.news_waker is None or deps.news_waker.done():
+        deps.news_waker = asyncio.ensure_future(wake_when_quiet())
+
+
+def _hold_news(deps: Deps, uid: str, action: Action) -> tuple[Action, float | None]:
+    """throttle.hold_news, with when the job's news were first held (JobMemory.news_held)."""
+    memory = deps.view.get(uid)
+    since = memory.news_held if memory is not None else None
+    action, due = hold_news(action, deps.creating.busy(), None if since is None else time.monotonic() - since)
+    if memory is not None:
+        memory.news_held = (since or time.monotonic()) if due is not None else None
+    return action, due
 
 
 def _warn_once(deps: Deps, body: dict[str, Any], obs: Observed, reads: Reads | None, logger: kopf.Logger) -> None:
@@ -190,7 +222,8 @@ def _warn_once(deps: Deps, body: dict[str, Any], obs: Observed, reads: Reads | N
     message, rank 0's status endpoint, lines of the progress log."""
     uid = body["metadata"].get("uid") or ""
     found = [*(reads.warnings if reads else ()), *(f"pod {p.name}: {p.refused}" for p in obs.pods if p.refused)]
-    posted = deps.view.warned.setdefault(uid, set())
+    memory = deps.view.get(uid)
+    posted = memory.warned if memory is not None else set()
     for message in (m for m in found if m not in posted):
         posted.add(message)
         logger.warning("TrainerOutputIgnored: %s", message)

@@ -54,11 +54,26 @@ class LastHang(TypedDict, total=False):
     restartedInPlace: bool
 
 
+class Backoff(TypedDict):
+    """The wait before the next attempt after the last restart (policy/restart.py)."""
+
+    attempts: int  # failed or never-started attempts in a row since an attempt saved a new checkpoint
+    seconds: float  # the wait (0 after a preemption); status.nextAttemptTime is when it ends
+    reason: str  # why that long
+
+
+class PodGroupRef(TypedDict):
+    """The gang's PodGroup of the current attempt (spec.scheduling.gang): its apiVersion and name."""
+
+    apiVersion: str
+    name: str
+
+
 class AvoidedNode(TypedDict):
-    """A node later attempts are kept off (policy/nodes.py): why, and the evidence."""
+    """A node later attempts are kept off (policy/nodes.py) until policy.nodes.AVOID_SECONDS after `time`."""
 
     node: str
-    reason: str  # AdmissionRejected | Hung | HardwareError | StragglerDetected
+    reason: str  # NodeProblem | AdmissionRejected | HardwareError | StragglerDetected
     evidence: str
     time: str
 
@@ -69,6 +84,7 @@ class FailingNode(TypedDict):
     node: str
     failures: int
     evidence: list[str]  # the newest few
+    time: str  # the newest; the strikes expire policy.nodes.AVOID_SECONDS after it
 
 
 class Condition(TypedDict, total=False):
@@ -109,9 +125,11 @@ class JobStatus(TypedDict, total=False):
     lostIterations: int
     lastAttemptIteration: int | None
     noProgressAttempts: int
+    backoff: Backoff
+    podGroup: PodGroupRef | None
     preemptionsWithoutProgress: int
     attemptStartCheckpoint: int
-    avoidNodes: list[AvoidedNode]  # (an older operator wrote names: policy.nodes reads both)
+    avoidNodes: list[AvoidedNode]  # (an older operator's bare names read as expired)
     failingNodes: list[FailingNode]
     startTime: str  # timestamps: kubetron.contract.times.stamp
     attemptStartTime: str

@@ -13,9 +13,10 @@ from kubetron.contract.errors import ConfigError
 
 from kubetron_operator import compat_kopf, deps, handlers
 from kubetron_operator.api_calls import Kube, kubernetes_stream, kubernetes_transport
+from kubetron_operator.node_taints import Taints
 from kubetron_operator.pod_cache import WATCH_SECONDS
 from kubetron_operator.trainer_reports.store_log import read_s3_progress
-from kubetron_operator.untrusted import clean
+from kubetron_operator.untrusted import LOG_LIMIT, clean
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -70,10 +71,10 @@ def settings(peering: str | None) -> kopf.OperatorSettings:
 class OneLineFormatter(logging.Formatter):
     """Every log record's message on one line: control characters (a newline a trainer put in its message,
     an ANSI escape) are written as escapes, so nothing a pod says can forge a line of the operator's log.
-    Tracebacks keep their lines (they are formatted after the message)."""
+    A message is cut at LOG_LIMIT characters. Tracebacks keep their lines (they are formatted after the message)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
-        record.message = clean(record.message, limit=None)
+        record.message = clean(record.message, LOG_LIMIT)
         return super().formatMessage(record)
 
 
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     (endpoint URL, "" to disable), peering (a KopfPeering name for HA, or None), interval (seconds),
     gang_schedulers (those whose PodGroups the role grants; None: all), s3_operator_buckets (buckets whose jobs
     without a secretRef the operator reads with its own identity; default none), taint_failing_nodes (the role
-    may get and patch nodes: taint the ones that keep failing jobs)."""
+    may get and patch nodes: taint the ones that keep failing jobs, node_taints.py), taint_seconds (how long
+    such a taint stays; default 3600)."""
     from kubernetes import client
 
     namespaces = list(getattr(args, "namespaces", None) or getattr(args, "namespace", None) or [])
@@ -123,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
     own_buckets = tuple(getattr(args, "s3_operator_buckets", None) or ())
     used = deps.Deps(kube=kube, interval=interval, namespaces=tuple(namespaces),
                      read_progress=functools.partial(read_s3_progress, own_buckets=own_buckets))
+    if kube.taint_nodes:  # its taints go once due, also those an earlier run of it left
+        seconds = int(getattr(args, "taint_seconds", None) or 3600)
+        if seconds < 1:
+            raise ConfigError("--taint-seconds", f"{seconds}: a taint must last at least 1 second")
+        used.taints = Taints(kube, float(seconds), used.clock)
+        used.taints.start()
     kopf.run(
         registry=registry,
         settings=kopf_settings,

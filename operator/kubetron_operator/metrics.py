@@ -41,6 +41,7 @@ API_ERRORS = Counter("kubetron_api_errors", "Kubernetes API calls that failed, b
 _lock = threading.Lock()
 _phases: dict[tuple[str, str], str] = {}
 _goodput: dict[tuple[str, str], Mapping[str, Any]] = {}  # the newest status.goodput per job
+_uids: dict[tuple[str, str], str] = {}  # whose series these are (a job deleted and made again has a new UID)
 
 
 class _Jobs:
@@ -80,12 +81,13 @@ REGISTRY.register(_Goodput())
 
 
 def record(namespace: str, name: str, old_status: Mapping[str, Any], new_status: Mapping[str, Any],
-           created_attempt: bool) -> None:
+           created_attempt: bool, uid: str = "") -> None:
     """After one reconcile: the job's phase now, and what the status patch counted anew."""
     phase = new_status.get("phase") or old_status.get("phase") or "Pending"
     ledger = new_status.get("goodput") or old_status.get("goodput")
     with _lock:
         _phases[(namespace, name)] = phase
+        _uids[(namespace, name)] = uid
         if isinstance(ledger, Mapping):
             _goodput[(namespace, name)] = ledger
     if created_attempt:
@@ -97,11 +99,13 @@ def record(namespace: str, name: str, old_status: Mapping[str, Any], new_status:
             RESTARTS.labels(reason=kind).inc(grown)
 
 
-def forget(namespace: str, name: str) -> None:
-    """The job is gone (deleted): it no longer counts in any phase."""
+def forget(namespace: str, name: str, uid: str | None = None) -> None:
+    """The job is gone (deleted): it no longer counts in any phase, and its series go. With `uid`, only when
+    the series are that job's (not those of a job made again under its name since)."""
     with _lock:
-        _phases.pop((namespace, name), None)
-        _goodput.pop((namespace, name), None)
+        if uid is None or _uids.get((namespace, name), uid) == uid:
+            for table in (_phases, _goodput, _uids):
+                table.pop((namespace, name), None)
 
 
 def api_error(status: int) -> None:

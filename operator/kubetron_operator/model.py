@@ -6,6 +6,7 @@ Defaults here match the CRD's (crds/trainingjob.yaml), so a body that skipped se
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -45,6 +46,13 @@ KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 """Set to "false" on an ended attempt's pods: Kueue then finishes the group's Workload (its quota is freed)."""
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+POD_GROUP_APIS: dict[str, tuple[str, ...]] = {
+    "volcano": ("scheduling.volcano.sh/v1beta1",), "coscheduling": ("scheduling.x-k8s.io/v1alpha1",),
+    "kubernetes": ("scheduling.k8s.io/v1beta1", "scheduling.k8s.io/v1alpha2")}
+"""spec.scheduling.gang -> the PodGroup apiVersions it may use, preferred first: one is the scheduler's CRD, asked
+for as it is; of several, the first the API server serves (api_calls.Kube.pod_group_api; docs/gang.md)."""
+RESIZABLE_POD_GROUP_APIS = frozenset({"scheduling.k8s.io/v1beta1"})
+"""PodGroup versions whose minCount may change: one PodGroup per job, resized to each attempt (build.py)."""
 
 RESERVED_LABEL_PREFIXES = ("kubetron.dev/",)
 RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by", COSCHEDULING_GROUP_LABEL, QUEUE_LABEL, KUEUE_GROUP_LABEL})
@@ -236,6 +244,8 @@ def elastic_sizes(spec: JobSpec, store: str) -> tuple[tuple[int, ...], str]:
 def _elastic_sizes(config: str, overrides: tuple[str, ...], store: str, low: int, nodes: int, nproc: int,
                    gpus: bool) -> tuple[tuple[int, ...], str]:
     # Cached: the operator parses the job on every reconcile; derive() per size is ~1 ms.
+    if low >= nodes:  # not elastic: one size, which check_trainer_config derives
+        return (nodes,), ""
     data, sizes, first_error = trainer_config(config, overrides, store), [], ""
     for n in range(low, nodes):
         try:
@@ -378,6 +388,16 @@ def check_trainer_config(config: str, overrides: tuple[str, ...], store: str, wo
 
 def trainer_config(config: str, overrides: tuple[str, ...], store: str) -> dict[str, Any]:
     """spec.config + spec.overrides + the store overrides, as the trainer's command line composes them."""
+    stores = [f"{key}={store}" for key in STORE_KEYS]
+    try:  # a copy: the parse is shared by the jobs of one config (a sweep), each job's store is its own
+        return apply_overrides(copy.deepcopy(_users_config(config, overrides)), stores)
+    except ConfigError as exc:
+        raise SpecError("spec.config", str(exc)) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _users_config(config: str, overrides: tuple[str, ...]) -> dict[str, Any]:
+    """spec.config + spec.overrides, parsed (cached: never change what it returns; a config that fails raises anew)."""
     if (size := len(config.encode())) > CONFIG_LIMIT:
         raise SpecError("spec.config", f"is {size / 1024:.0f} KiB; at most {CONFIG_LIMIT // 1024} KiB fit the pod "
                                        "annotation that carries it (keep data and tokenizer files on the volume)")
@@ -388,13 +408,9 @@ def trainer_config(config: str, overrides: tuple[str, ...], store: str) -> dict[
     if not isinstance(data, dict):
         raise SpecError("spec.config", f"expected a mapping of sections, got {type(data).__name__}")
     try:
-        data = apply_overrides(data, overrides)
+        return apply_overrides(data, overrides)
     except ConfigError as exc:
         raise SpecError("spec.overrides", str(exc)) from None
-    try:
-        return apply_overrides(data, [f"{key}={store}" for key in STORE_KEYS])
-    except ConfigError as exc:
-        raise SpecError("spec.config", str(exc)) from None
 
 
 def derive_at(data: dict[str, Any], world_size: int, gpus: bool) -> None:

@@ -26,6 +26,7 @@ from kubetron.contract.times import age_seconds
 
 from kubetron_operator.job_status import JobStatus
 from kubetron_operator.model import CONFIG_ANNOTATION, KUEUE_GROUP_LABEL, KUEUE_RETRIABLE_ANNOTATION
+from kubetron_operator.node_view import NodeView
 from kubetron_operator.trainer_reports.termination import trainer_message
 from kubetron_operator.untrusted import clean
 
@@ -229,9 +230,12 @@ class Observed:
     live: LiveStatus | None = None  # rank 0's GET /status (status_endpoint.read_live); None if unread
     spec_error: str = ""
     node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
+    node_problems: Mapping[str, str] = field(default_factory=dict)  # what those nodes say is wrong (node_view.py)
+    nodes: tuple[NodeView, ...] | None = None  # the cluster's nodes, listed before an attempt that avoids some
     service: bool = False  # the job's headless Service is known to exist (this operator created or found it)
     created: datetime | None = None  # the job's metadata.creationTimestamp (the goodput ledger starts there)
     store_unread: tuple[str, str] | None = None  # (reason, message): why the S3 progress log could not be read
+    pod_group_api: str | None = None  # the PodGroup apiVersion the API server serves for the job's gang (None: none)
 
 
 NO_PROGRESS: ProgressSummary = summarize_events([])

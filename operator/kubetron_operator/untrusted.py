@@ -20,6 +20,8 @@ from typing import Any
 MAX_DEPTH = 16  # the trainer's payloads nest 2 deep
 INT64_MAX = 2**63 - 1
 TEXT_LIMIT = 1024  # characters of one message kept (an Event's message is cut there too)
+STATUS_TEXT_LIMIT = 4096  # characters of any string of a status patch (the operator's words around a pod's)
+LOG_LIMIT = 8192  # characters of one line of the operator's log (a traceback's lines come after it)
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -89,12 +91,12 @@ def _escape(match: re.Match[str]) -> str:
     return match.group().encode("unicode_escape").decode("ascii")
 
 
-def clean_all(value: Any) -> Any:
-    """A JSON value with `clean` applied to every string in it (keys included)."""
+def clean_all(value: Any, limit: int | None = None) -> Any:
+    """A JSON value with `clean(..., limit)` applied to every string in it (keys included)."""
     if isinstance(value, str):
-        return clean(value, limit=None)
+        return clean(value, limit)
     if isinstance(value, dict):
-        return {clean_all(k): clean_all(v) for k, v in value.items()}
+        return {clean_all(k, limit): clean_all(v, limit) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [clean_all(v) for v in value]
+        return [clean_all(v, limit) for v in value]
     return value

@@ -5,7 +5,6 @@ NNODES/NODE_RANK/MASTER_PORT as the operator sets them, real torchrun with gloo,
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,13 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from kubetron import launch
+from kubetron.supervisor import launch
 
 from tests.multirank.runner import free_port
 from tests.trainer_utils import HeldReader, pod_env
 
 REPO = Path(__file__).resolve().parents[2]
-LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
 
 def start_pods(tmp_path: Path, args: list[str], max_restarts: int = 3, nodes: int = 2,

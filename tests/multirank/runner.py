@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,11 +13,10 @@ from pathlib import Path
 
 from kubetron.contract import exitcodes
 
-from tests.trainer_utils import TINY, HeldReader, free_port, run_until_iteration
+from tests.trainer_utils import CONSUMED_RE, TINY, HeldReader, env_for, free_port, iteration_at_least
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)")
 ITERS = 40
 GBS = 8
 COMMON = [f"train.train_iters={ITERS}", f"train.global_batch_size={GBS}", "logger.log_interval=1",
@@ -38,7 +36,7 @@ class Result:
     terms: dict[int, dict] = field(default_factory=dict)
 
     def consumed_at(self, iteration: int) -> int | None:
-        for m in ITER_RE.finditer(self.stdout):
+        for m in CONSUMED_RE.finditer(self.stdout):
             if int(m.group(1)) == iteration:
                 return int(m.group(2))
         return None
@@ -70,11 +68,8 @@ def command(args: list[str], nproc: int) -> list[str]:
 
 
 def environment(rank_dir: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KUBETRON_TEST_RANK_DIR=str(rank_dir))
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    """`env_for`, plus the worker's folder for each rank's pid, exit code and termination message."""
+    return env_for(rank_dir, OMP_NUM_THREADS="1", KUBETRON_TEST_RANK_DIR=str(rank_dir), **extra)
 
 
 def launch(args: list[str], rank_dir: Path, nproc: int = 2, timeout: float = 400, **env) -> Result:
@@ -89,19 +84,25 @@ def launch(args: list[str], rank_dir: Path, nproc: int = 2, timeout: float = 400
 
 def launch_and_signal(args: list[str], rank_dir: Path, at_iteration: int, ranks: list[int], nproc: int = 2,
                       sig=signal.SIGTERM, timeout: float = 400, **env) -> Result:
-    """Start, and once the last rank logs iteration >= at_iteration send `sig` to the given ranks."""
+    """Start, and once the last rank logs iteration >= at_iteration send `sig` to the given ranks (the ranks share
+    torchrun's stdout: a write blocked on the held pipe holds the gang, `HeldReader`)."""
     rank_dir.mkdir(parents=True, exist_ok=True)
     p = subprocess.Popen(command(args, nproc), env=environment(rank_dir, **env), cwd=REPO, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-
-    def signal_ranks():
-        for r in ranks:
-            os.kill(int((rank_dir / f"pid-{r}").read_text()), sig)
-
-    # the ranks share torchrun's stdout: a write blocked on the held pipe holds the gang
-    out = run_until_iteration(p, at_iteration, signal_ranks, timeout)
+    lines: list[str] = []
+    reader = HeldReader(p, lines.append, iteration_at_least(at_iteration))
+    try:
+        with reader.held(timeout, explain=lambda: "".join(lines)[-2000:]):
+            for r in ranks:
+                os.kill(int((rank_dir / f"pid-{r}").read_text()), sig)
+        p.wait(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    reader.join(timeout=10)
     codes, terms = _collect(rank_dir, nproc)
-    return Result(p.returncode, out, p.stderr.read(), rank_dir, codes, terms)
+    return Result(p.returncode, "".join(lines), p.stderr.read(), rank_dir, codes, terms)
 
 
 def start_plain_ranks(args: list[str], rank_dir: Path, hold_last_at: Callable[[str], bool],

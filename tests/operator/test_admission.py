@@ -24,6 +24,8 @@ from kubetron_operator.model import Job, SpecError
 
 from tests.operator.jobs import PVC_JOB, S3_JOB
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[2]
 _WATCHED = ("open", "os.listdir", "os.scandir", "socket.connect", "socket.getaddrinfo", "subprocess.Popen")
 _reads: list[tuple[str, tuple]] | None = None

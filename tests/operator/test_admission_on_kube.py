@@ -12,7 +12,7 @@ import pytest
 
 from tests.operator.jobs import tj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 HF_ON_THE_CLAIM = """\
 train: {train_iters: 40}

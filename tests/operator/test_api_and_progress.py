@@ -28,6 +28,8 @@ from kubetron_operator.trainer_reports.store_log import read_s3_progress, s3_key
 
 from tests.operator.jobs import S3_JOB, job_body
 
+pytestmark = pytest.mark.cluster
+
 
 class FakeApi:
     """A transport that answers from a dict of (method, path) -> (status, body) and records calls."""

@@ -16,6 +16,8 @@ from kubetron_operator.render import render_file
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 
+pytestmark = pytest.mark.process
+
 CRD = pathlib.Path(__file__).parents[2] / "crds" / "trainingjob.yaml"
 
 

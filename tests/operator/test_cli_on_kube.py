@@ -19,7 +19,7 @@ from tests.kube.cluster import set_running
 from tests.operator.cli import BIN, kubetron, user_env
 from tests.operator.jobs import tj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 def manifest(tmp_path: Path, body: dict) -> Path:

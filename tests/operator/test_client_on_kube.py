@@ -20,7 +20,7 @@ from tests.kube.cluster import set_exited, set_running
 from tests.kube.kubelet_logs import LogNode
 from tests.operator.jobs import tj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 def client_for(kube, ns: str | None) -> Client:

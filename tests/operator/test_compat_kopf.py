@@ -12,6 +12,8 @@ import pytest
 from kubetron.contract.errors import ConfigError
 from kubetron_operator import compat_kopf, handlers
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def kopf_log():

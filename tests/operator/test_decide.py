@@ -18,6 +18,8 @@ from kubetron_operator.policy.start import service_failed
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 
+pytestmark = pytest.mark.unit
+
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 JOB = Job.from_body(S3_JOB)  # 2 nodes, backoffLimit 2
 RUNNING = {"phase": "Running", "attempt": 1, "startTime": "2026-11-22T11:00:00Z", "attemptStartCheckpoint": 0,
@@ -479,19 +481,62 @@ def test_admission_rejection_backs_off_and_avoids_the_node(case, reason, msg):
     assert later.kind == "create" and later.avoid_nodes == ("gpu-7",)
 
 
-def test_backoff_doubles_to_a_cap_with_jitter():
-    def delay(failures):
-        status = {**RUNNING, "restarts": {"preemptions": 0, "failures": failures, "neverStarted": 0, "total": 0}}
-        job = Job.from_body(job_body(S3_JOB, backoffLimit=20))
-        action = run(status, pods=[pod(0), pod(1, phase="Failed", exit_code=1)], job=job)
-        return (datetime.fromisoformat(action.status["nextAttemptTime"]) - NOW).total_seconds()
+CRASHED = (pod(0), pod(1, phase="Failed", exit_code=1))
+REJECTED = (pod(0), pod(1, phase="Failed", pod_reason="OutOfcpu", started=False, node="n1"))
+EVICTED = (pod(0), pod(1, phase="Failed", pod_reason="Evicted"))
+# The restart backoff: 10 s doubling to 6 min over the failed or never-started attempts in a row since an attempt
+# saved a new checkpoint (status.backoff.attempts). (what, backoff.attempts before (None: an older operator's
+# job), checkpoint the ending attempt saved (it resumed from 10), how it ended, backoff.attempts after)
+BACKOFF_STREAK = [
+    ("the first failure", 0, 10, CRASHED, 1),
+    ("the third failure in a row without a new checkpoint", 2, 10, CRASHED, 3),
+    ("the eighth: at the cap", 7, 10, CRASHED, 8),
+    ("a failure after the attempt saved a new checkpoint starts over", 5, 20, CRASHED, 1),
+    ("never started counts too", 2, 10, REJECTED, 3),
+    ("a preemption waits for nothing and keeps the count", 2, 10, EVICTED, 2),
+    ("a preemption after a new checkpoint resets the count", 2, 20, EVICTED, 0),
+    ("a job an older operator restarted 9 times", None, 10, CRASHED, 1),
+]
 
-    delays = [delay(n) for n in range(8)]
-    for n, d in enumerate(delays):
-        base = min(360, 10 * 2 ** n)
-        assert base <= d <= base * 1.2 + 1
-    preempted = run(pods=[pod(0), pod(1, phase="Failed", pod_reason="Evicted")])
-    assert preempted.status["nextAttemptTime"] is None  # preemptions restart at once
+
+@pytest.mark.parametrize(("held", "saved", "pods", "after"), [r[1:] for r in BACKOFF_STREAK],
+                         ids=[r[0] for r in BACKOFF_STREAK])
+def test_the_restart_backoff_counts_failures_since_the_last_new_checkpoint(held, saved, pods, after):
+    status = {**RUNNING, "attemptStartCheckpoint": 10, "lastCheckpoint": {"iteration": saved, "time": "t"},
+              "restarts": {**RUNNING["restarts"], "failures": 9, "neverStarted": 2, "total": 11}}
+    if held is not None:
+        status["backoff"] = {"attempts": held, "seconds": 0.0, "reason": "r"}
+    job = Job.from_body(job_body(S3_JOB, backoffLimit=20, maxNeverStartedAttempts=20))
+    action = run(status, pods=pods, job=job)
+    backoff = action.status["backoff"]
+    assert action.kind == "restart" and backoff["attempts"] == after
+    if pods is EVICTED:  # preemptions restart at once
+        assert backoff["seconds"] == 0 and action.status["nextAttemptTime"] is None
+        assert backoff["reason"] == "preempted: restarting at once"
+        return
+    base = min(360, 10 * 2 ** (after - 1))
+    assert base <= backoff["seconds"] <= base * 1.2
+    waited = (datetime.fromisoformat(action.status["nextAttemptTime"]) - NOW).total_seconds()
+    assert abs(waited - backoff["seconds"]) <= 1  # nextAttemptTime is stamped to the second
+    assert (f"saved a new checkpoint (iteration {saved})" if saved > 10 else f"{after} attempt") in backoff["reason"]
+    assert format_duration(backoff["seconds"]) in backoff["reason"]
+
+
+def test_crashes_spread_over_a_healthy_run_each_wait_the_first_backoff():
+    """Five crashes of attempts that each trained and saved new checkpoints wait 10 s (+ jitter) each,
+    where counting every failure in the job's life made them wait 10, 20, 40, 80, 160 s."""
+    job = Job.from_body(job_body(S3_JOB, backoffLimit=10))
+    status: dict[str, Any] = dict(RUNNING)
+    waits = []
+    for attempt in range(1, 6):
+        saved = {"iteration": 100 * attempt, "time": "t"}
+        status = {**status, "phase": "Running", "attempt": attempt, "lastCheckpoint": saved,
+                  "attemptStartCheckpoint": 100 * (attempt - 1)}
+        action = run(status, pods=[pod(0, attempt=attempt), pod(1, phase="Failed", exit_code=1, attempt=attempt)],
+                     job=job)
+        waits.append(action.status["backoff"]["seconds"])
+        status = {**status, **action.status}
+    assert status["restarts"]["failures"] == 5 and all(10 <= w <= 12 for w in waits), waits
 
 
 def test_preemptions_while_loading_are_not_no_progress():
@@ -704,14 +749,16 @@ def _log_with_restarts(*lines: tuple[int, int]) -> dict:
     return summary
 
 
-def test_in_place_restarts_are_counted_apart_with_an_event_each():
-    """The log shows two restarts inside the pods of attempt 1: inPlace 2, two events; `total` (attempts) stays."""
+def test_in_place_restarts_are_counted_apart_with_one_event():
+    """The log shows two restarts inside the pods of attempt 1: inPlace 2, one event saying both; `total`
+    (attempts) stays."""
     action = run(pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)))
     assert action.kind == "wait" and not action.delete_pods
     assert action.status["restarts"] == {**RUNNING["restarts"], "inPlace": 2}
     assert action.status["attemptInPlaceRestarts"] == 2
-    assert [e.reason for e in action.events] == ["RestartedInPlace"] * 2
-    assert "(2 in this attempt, 2 in all)" in action.events[-1].message
+    (event,) = action.events
+    assert event.reason == "RestartedInPlace" and "restarted 2 times" in event.message
+    assert "(1-2 of this attempt, 2 in all)" in event.message
 
 
 def test_in_place_restarts_from_rank_0s_status_endpoint():

@@ -25,7 +25,7 @@ from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import Container, pvc, tiny_config
 from tests.trainer_utils import env_for, kubetron_cmd, tb_scalars
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 ITERS = 150  # ~30 ms each: the grow (a Node joins, the probe is bound, the trainer is stopped) takes some of them
 GROW_AFTER = 5  # iteration of the shrunk attempt after which the second Node joins
 POOL = "kubetron.dev/test-pool"

@@ -18,6 +18,8 @@ from kubetron_operator.policy.wake import next_due
 
 from tests.operator.jobs import S3_JOB, job_body
 
+pytestmark = pytest.mark.unit
+
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 RESTARTS = {"preemptions": 0, "failures": 0, "neverStarted": 0, "total": 0, "inPlace": 0, "hangs": 0}
 

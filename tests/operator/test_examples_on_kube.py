@@ -15,7 +15,7 @@ import yaml
 
 from tests.kube.cluster import collection_path, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("trainingjob-*.yaml"))
 KIND = ("kubetron.dev/v1alpha1", "TrainingJob")

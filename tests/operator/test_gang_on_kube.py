@@ -1,8 +1,9 @@
 """Kubernetes' own gang scheduling (`spec.scheduling.gang: kubernetes`, KEP-4671, docs/gang.md) on the real
 kube-scheduler: the test control plane runs with the GenericWorkload and GangScheduling gates and serves
-scheduling.k8s.io/v1alpha2 (tests/kube/cluster.py). The operator makes one PodGroup per attempt (minCount =
-the attempt's size) and links every pod to it; placement is the scheduler's own. The test plays the kubelet
-of a pool of Nodes with one CPU each, so one pod (requesting one CPU) fits per Node.
+scheduling.k8s.io/v1alpha2 (tests/kube/cluster.py), which the operator finds by discovery. It makes one PodGroup
+per attempt (minCount = the attempt's size) and links every pod to it; placement is the scheduler's own. The test
+plays the kubelet of a pool of Nodes with one CPU each, so one pod (requesting one CPU) fits per Node. What a
+1.37 server (v1beta1) gets: tests/operator/test_gang_versions.py.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from kubernetes import client
+from kubetron_operator.api_calls import Kube, kubernetes_transport
 
 from tests.kube.cluster import GANG_API, Api, Kubelet, set_running
 from tests.operator.jobs import s3_job
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 POOL = "kubetron.dev/test-pool"
 PODGROUPS = f"/apis/{GANG_API}/namespaces/{{ns}}/podgroups"
 
@@ -103,6 +106,7 @@ def test_gang_binds_no_pod_until_all_fit_and_a_deleted_job_leaves_no_pod_group(k
             assert (cond["type"], cond["status"], cond["reason"]) == ("PodGroupScheduled", "False", "Unschedulable")
             st = kube.wait_status(ns, "gpt", "Unschedulable", lambda s: s.get("reason") == "Unschedulable")
             assert st["phase"] == "Pending", st
+            assert st["podGroup"] == {"apiVersion": GANG_API, "name": "gpt-1"}  # the version the server serves
 
             t0 = time.monotonic()
             add_node(f"{ns}-b")  # now the gang fits: both pods at once
@@ -136,7 +140,9 @@ def test_elastic_job_shrinks_and_grows_with_a_pod_group_per_attempt(kube, kube_n
         add_node(f"{ns}-a")
         api.create(kube.jobs(ns), gang_job(kube, ns, s3_server, nodes=2, minNodes=1, shrinkAfterSeconds=2))
         assert min_count(kube.wait_for("PodGroup gpt-1", lambda: pod_group(kube, ns, "gpt-1"))) == 2
-        kube.wait_status(ns, "gpt", "shrunk to 1 node", lambda s: s.get("attempt") == 2 and s.get("nodes") == 1, 60)
+        st = kube.wait_status(ns, "gpt", "shrunk to 1 node", lambda s: s.get("attempt") == 2 and s.get("nodes") == 1,
+                              60)
+        assert st["podGroup"] == {"apiVersion": GANG_API, "name": "gpt-2"}  # v1alpha2: a PodGroup per attempt
         assert min_count(kube.wait_for("PodGroup gpt-2", lambda: pod_group(kube, ns, "gpt-2"))) == 1
         assert bound(kube, ns, {"gpt-2-0"}) == {"gpt-2-0": f"{ns}-a"}
         set_running(api, ns, "gpt-2-0")
@@ -156,3 +162,25 @@ def test_elastic_job_shrinks_and_grows_with_a_pod_group_per_attempt(kube, kube_n
         assert st["resizes"] == {"shrinks": 1, "grows": 1} and st["restarts"]["total"] == 0, st
         kube.wait_for("PodGroup gpt-2 deleted", lambda: pod_group(kube, ns, "gpt-2") is None)
         api.delete(f"{kube.jobs(ns)}/gpt")
+
+
+def test_the_operator_discovers_the_pod_group_version_the_real_api_server_serves(kube):
+    """With the chart's ServiceAccount token (discovery needs no rule of the chart's: system:discovery), once:
+    v1beta1 first (not served by 1.36: 404), then v1alpha2; asked again only after it is forgotten (a 404)."""
+    configuration = client.Configuration(host=kube.cp.server)
+    configuration.ssl_ca_cert = str(kube.cp.pki / "ca.crt")
+    configuration.api_key = {"BearerToken": kube.operator_token}
+    configuration.api_key_prefix = {"BearerToken": "Bearer"}
+    send = kubernetes_transport(client.ApiClient(configuration))
+    asked: list[tuple[str, int]] = []
+
+    def transport(method: str, path: str, query: Any, body: Any, content_type: str) -> tuple[int, bytes]:
+        status, data = send(method, path, query, body, content_type)
+        asked.append((path, status))
+        return status, data
+
+    operator = Kube(transport)
+    assert [operator.pod_group_api("kubernetes") for _ in range(3)] == [GANG_API] * 3
+    assert asked == [("/apis/scheduling.k8s.io/v1beta1", 404), ("/apis/scheduling.k8s.io/v1alpha2", 200)]
+    operator.forget_pod_group_api("kubernetes")
+    assert operator.pod_group_api("kubernetes") == GANG_API and len(asked) == 4

@@ -5,9 +5,10 @@ Node has room for one pod): one 2-pod job of the tiny GPT on a PVC store
 1. hangs: rank 1's trainer is SIGSTOPped mid-interval. Its pods' watchdogs name it, its stacks and the others'
    go to the store, the gang restarts in place (status Hung naming its pod and node, restarts.hangs, an event)
    and trains again, within the goal (detection <= 60 s, training <= 120 s; with hangTimeoutSeconds 10);
-2. crashes on the same Node with a hardware-looking end (SIGSEGV; its one in-place restart is spent): the
-   attempt fails, the Node has failed the job twice: the next attempt is placed on the other two, and the
-   operator (--taint-failing-nodes, the chart's failingNodes.taint) taints it;
+2. crashes (SIGSEGV; its one in-place restart is spent) on the same Node, which now reports a GPU problem
+   itself (a condition, as node-problem-detector sets one): the attempt fails, and on the node's own word (the
+   hang and the crash are the job's, no evidence against a node) the next attempt is placed on the other two,
+   and the operator (--taint-failing-nodes, the chart's failingNodes.taint) taints it for the job's namespace;
 3. is preempted (its rank 0 evicted; it saves on SIGTERM) and resumes;
 4. completes. Its goodput ledger put each of the three in recovery (the hang and the crash also in lost
    work), and its buckets sum to every rank-second since the job was created; `kubetron status` shows it.
@@ -31,7 +32,7 @@ from tests.operator.cli import kubetron
 from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import ITER_RE, Container, ProcessKubelet, pvc, tiny_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 POOL = "kubetron.dev/hang-story"
 SAVE_INTERVAL = 10
 HANG_TIMEOUT = 10  # spec.hangTimeoutSeconds: short for the test (default max(45 s, 5 x the slowest iteration))
@@ -146,7 +147,13 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     timeline["after hang"] = goodput(kube, ns)["seconds"]
     timeline["hang status"] = {k: st.get(k) for k in ("iteration", "lastCheckpoint", "lostIterations", "lastHang")}
 
-    # 2. a hardware-looking crash on the same Node: no in-place restart left; the Node is avoided
+    assert "failingNodes" not in kube.job(ns, "gpt")["status"]  # a hang is the job's: no evidence against a node
+
+    # 2. a crash on the same Node, which reports a GPU problem: no in-place restart left; the Node is avoided
+    held = kube.admin.get(f"/api/v1/nodes/{hung_node}")["status"]["conditions"]
+    kube.admin.patch(f"/api/v1/nodes/{hung_node}/status", {"status": {"conditions": [
+        *held, {"type": "GpuXidError", "status": "True", "reason": "Xid79", "message": "GPU has fallen off the bus",
+                "lastTransitionTime": held[0]["lastTransitionTime"]}]}})
     resumed = max(iterations_after(rank1, line))
     kube.wait_for("mid-interval again", lambda: rank1.last_iteration() % SAVE_INTERVAL in (3, 4, 5)
                   and rank1.last_iteration() > resumed + 2, 120, explain)
@@ -154,10 +161,10 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     os.kill(rank1.trainer_pid(), signal.SIGSEGV)
     st = kube.wait_status(ns, "gpt", "attempt 2 created", lambda s: s.get("attempt") == 2, timeout=120)
     (avoided,) = st["avoidNodes"]
-    assert avoided["node"] == hung_node and avoided["reason"] == "HardwareError", avoided
-    assert "hung" in avoided["evidence"] and "SIGSEGV" in avoided["evidence"], avoided
+    assert avoided["node"] == hung_node and avoided["reason"] == "NodeProblem", avoided
+    assert "reports condition GpuXidError=True (Xid79: GPU has fallen off the bus)" in avoided["evidence"], avoided
     kube.wait_for("the node tainted (--taint-failing-nodes)", lambda: {"key": "kubetron.dev/failing-node",
-                  "value": "gpt", "effect": "NoSchedule"} in kube.admin.get(f"/api/v1/nodes/{hung_node}")["spec"].get(
+                  "value": ns, "effect": "NoSchedule"} in kube.admin.get(f"/api/v1/nodes/{hung_node}")["spec"].get(
                   "taints", []), 30)
     pods = kube.wait_for("attempt 2 placed", lambda: (p := kube.pods(ns)) and {"gpt-2-0", "gpt-2-1"} <= set(p) and all(
         p[n]["spec"].get("nodeName") for n in ("gpt-2-0", "gpt-2-1")) and p, 120)

@@ -19,7 +19,7 @@ from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import Container, pvc, tiny_config
 from tests.trainer_utils import iteration_at_least
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path):
@@ -48,10 +48,8 @@ def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path)
             st = kube.wait_status(ns, "gpt", "restarts.inPlace == 1",
                                   lambda s: (s.get("restarts") or {}).get("inPlace") == 1, timeout=300)
             assert st["phase"] == "Running" and st["attempt"] == 1 and st["restarts"]["total"] == 0
-            # The crash is held against rank 1's node (a second one would keep later attempts off it).
-            (failing,) = st["failingNodes"]
-            assert failing["node"] == kube.pods(ns)["gpt-1-1"]["spec"]["nodeName"] and failing["failures"] == 1, failing
-            assert "in-place restart 1: rank 1 (pod gpt-1-1) was killed by SIGKILL" in failing["evidence"][0]
+            # A crash (what an OOM kill looks like) points at no node: nothing is held against rank 1's.
+            assert "failingNodes" not in st and "avoidNodes" not in st, st
             kube.wait_for("a RestartedInPlace event", lambda: any(
                 e["reason"] == "RestartedInPlace" for e in kube.events(ns)))
 

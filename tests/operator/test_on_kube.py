@@ -27,7 +27,7 @@ from tests.kube.cluster import set_exited, set_running
 from tests.operator.jobs import s3_job, tj
 from tests.operator.status_endpoint import StatusEndpoint
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

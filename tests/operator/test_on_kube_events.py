@@ -15,7 +15,7 @@ from tests.kube.fixtures import KubeEnv
 from tests.kube.request_count import count_operator_requests, operator_requests
 from tests.operator.jobs import PVC_JOB
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 def quiet(env: KubeEnv, window: float = 3.0, limit: float = 60.0) -> float:

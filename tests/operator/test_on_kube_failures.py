@@ -18,7 +18,7 @@ from kubetron_operator.gather import observe
 from tests.kube.cluster import set_exited, set_running
 from tests.operator.jobs import tj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 def needs_controller_manager(kube) -> None:

@@ -14,7 +14,7 @@ import pytest
 from tests.kube.cluster import now_iso, set_pod_status, set_running
 from tests.operator.jobs import tj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 SIDECAR = {"spec": {"containers": [{"name": "zz-exporter", "image": "busybox", "command": ["sleep", "inf"]}]}}
 DONE = {"exitCode": 0, "reason": "Completed", "iteration": 40, "trainIters": 40, "lastCheckpoint": 40}

@@ -13,6 +13,8 @@ from kubetron_operator import pod_cache
 from kubetron_operator.api_calls import ApiError
 from kubetron_operator.pod_cache import PodCache
 
+pytestmark = pytest.mark.unit
+
 
 def pod(name: str, owner: str, version: int, namespace: str = "ml", **status: str) -> dict:
     return {"metadata": {"name": name, "namespace": namespace, "uid": f"pod-{namespace}-{name}",

@@ -13,7 +13,7 @@ from kubetron_operator.model import Job, SpecError
 from tests.kube.cluster import set_running
 from tests.operator.jobs import job_body, tj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 KUEUE_FINALIZER = "kueue.x-k8s.io/managed"  # Kueue's on the pods it manages
 
 TEMPLATE = {

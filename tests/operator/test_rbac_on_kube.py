@@ -34,7 +34,7 @@ from tests.operator.jobs import S3_JOB
 helm = pytest.importorskip("kubetron_operator.helm")
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 RELEASE_NS = "kubetron-rbac"  # the release namespace: the variants' ServiceAccounts live here
 NS = "<watched>"  # stands for the test's namespace in the values below

@@ -18,7 +18,7 @@ from tests.kube.cluster import ApiError, Kubelet, set_exited, set_pod_status, se
 from tests.operator.jobs import S3_JOB
 from tests.operator.status_endpoint import StatusEndpoint
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 TESTS = ("stuck", "admission", "loading", "suspend", "node", "cel", "config", "iter")
 
@@ -124,7 +124,7 @@ def test_stuck_pods_are_surfaced_and_startup_times_out(kube, s3_server, policy):
 
 def test_admission_rejection_backs_off_counts_apart_and_avoids_the_node(kube, s3_server, policy):
     ns, api = policy[0]["admission"], kube.admin
-    create_job(kube, s3_server, ns)
+    create_job(kube, s3_server, ns, scheduling={"nodeSelector": {"kubernetes.io/hostname": "node-1"}})
     kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
     kube.wait_for("pods bound", lambda: all(p["spec"].get("nodeName") == "node-1" for p in kube.pods(ns).values()))
     set_running(api, ns, "gpt-1-0")
@@ -139,15 +139,19 @@ def test_admission_rejection_backs_off_counts_apart_and_avoids_the_node(kube, s3
     assert [(a["node"], a["reason"]) for a in st["avoidNodes"]] == [("node-1", "AdmissionRejected")]
     assert "enough resource: nvidia.com/gpu" in st["avoidNodes"][0]["evidence"] and st["nextAttemptTime"]
 
-    # The next attempt waits out the backoff (10 s + jitter), then keeps off the node that rejected it:
-    # here the only node, so the real scheduler says so.
+    # The next attempt waits out the backoff (10 s + jitter). It would keep off the node that rejected it, but
+    # that is the only node its nodeSelector allows: avoiding it would leave it unschedulable for ever, so the
+    # avoidance yields, and the condition NodesAvoided says so.
     pods = kube.wait_pods(ns, {"gpt-2-0", "gpt-2-1"}, timeout=40)
     assert time.time() - ended >= 8, "the next attempt did not wait for its backoff"
-    terms = pods["gpt-2-0"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"][0]["matchExpressions"] == [
-        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-1"]}]
-    st = kube.wait_status(ns, "gpt", "Unschedulable", lambda s: s.get("reason") == "Unschedulable")
-    assert st["attempt"] == 2 and st.get("nextAttemptTime") is None
+    assert "affinity" not in pods["gpt-2-0"]["spec"]
+    st = kube.wait_status(ns, "gpt", "attempt 2", lambda s: s.get("attempt") == 2)
+    (cond,) = [c for c in st["conditions"] if c["type"] == "NodesAvoided"]
+    assert cond["reason"] == "Yielded" and "avoiding node-1 too would leave room for 0 of the 2 pod(s)" in cond[
+        "message"], cond
+    kube.wait_for("attempt 2 bound to node-1 again", lambda: [
+        n for n in ("gpt-2-0", "gpt-2-1") if (kube.pods(ns).get(n) or {"spec": {}})["spec"].get("nodeName") == "node-1"
+    ] == ["gpt-2-0", "gpt-2-1"])
 
 
 # -- 4: preemptions while the model loads are not a crash loop -----------------------------------------

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from kubetron import startup
+from kubetron.supervisor import startup
 
 from tests.kube.cluster import NoBinaries, find_binaries
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "recovery.py"
 SAVE_INTERVAL = 4  # the bench's default
 DETECTED, STOPPED = "hang detected (no progress past the timeout)", "pods agree, gang stopped, restart"

@@ -16,7 +16,7 @@ import pathlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import jsonschema
 import kopf
@@ -24,7 +24,9 @@ import pytest
 import yaml
 from kubetron.contract.progress import (
     exiting_job_line,
+    hang_detected_line,
     parse_progress,
+    restarted_in_place_line,
     saved_checkpoint_line,
     starting_job_line,
     summarize_events,
@@ -34,15 +36,18 @@ from kubetron_operator.api_calls import InvalidName, Kube, api_path
 from kubetron_operator.build import build_pod, trainer_args
 from kubetron_operator.decide import decide
 from kubetron_operator.deps import Deps
+from kubetron_operator.events import QUEUED_PER_JOB, EventPoster
 from kubetron_operator.main import OneLineFormatter
 from kubetron_operator.model import ATTEMPT_LIMIT, NAME_PATTERN, Job, SpecError
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.trainer_reports import http_get, status_endpoint, store_log
-from kubetron_operator.untrusted import Untrusted, clean, load_json
+from kubetron_operator.untrusted import LOG_LIMIT, Untrusted, clean, load_json
 
 from tests.operator.endpoints import Endpoint
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 from tests.operator.local_pods import expand
+
+pytestmark = pytest.mark.cluster
 
 CRD = pathlib.Path(__file__).parents[2] / "crds" / "trainingjob.yaml"
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
@@ -247,6 +252,105 @@ def test_rank0s_endpoint_is_read_bounded(monkeypatch):
             e.close()
     with pytest.raises(ValueError, match="not an IP address"):
         http_get.get("http://example.com/status", limit=10, deadline=1, ip_only=True)
+
+
+def hang_report(**kw):
+    return {"rank": 1, "nodeRank": 1, "localRank": 0, "phase": "train", "iteration": 35, "idleSeconds": 47.2,
+            "timeoutSeconds": 45.0, "state": "stopped", "where": "", "ranks": 2, "stacks": "", "restart": 1, **kw}
+
+
+def started(seconds_ago: float) -> str:
+    return (NOW - timedelta(seconds=seconds_ago)).isoformat().replace("+00:00", "Z")
+
+
+SPENT = {"steps": 10, "train": 5.0, "checkpoint": 1.0, "evaluation": 0.0}
+# What rank 0's endpoint says -> why it is refused ("" for taken): counts within the spec, times a process can spend.
+LIVE = [
+    ("within the spec", {"inPlaceRestarts": 2, "hangs": 1}, ""),
+    ("restarts beyond maxInPlaceRestarts", {"inPlaceRestarts": 300}, "more than the job's maxInPlaceRestarts 3"),
+    ("a billion of them", {"inPlaceRestarts": 10**9}, "more than the job's maxInPlaceRestarts 3"),
+    ("hangs beyond the restarts", {"inPlaceRestarts": 1, "hangs": 2**63 - 1}, "hangs 9223372036854775807 is more"),
+    ("negative hangs", {"hangs": -1}, "hangs is not a count"),
+    ("a time a process spent", {"trainerTime": {"started": started(60), **SPENT}}, ""),
+    ("steps -1, train 1e308", {"trainerTime": {"started": started(60), **SPENT, "steps": -1, "train": 1e308}},
+     "trainerTime.steps is not a count"),
+    ("1e308 seconds", {"trainerTime": {"started": started(60), **SPENT, "train": 1e308}},
+     "trainerTime.train is not a number of seconds"),
+    ("more seconds than it ran", {"trainerTime": {"started": started(60), **SPENT, "train": 2000.0}},
+     "more than its process has run"),
+    ("a start in the future", {"trainerTime": {"started": started(-3600), **SPENT}}, "more than its process has run"),
+    ("negative seconds", {"trainerTime": {"started": started(60), **SPENT, "checkpoint": -1.0}},
+     "trainerTime.checkpoint is not a number of seconds"),
+    ("no start", {"trainerTime": {**SPENT, "started": "yesterday"}}, "trainerTime.started is not a timestamp"),
+]
+
+
+@pytest.mark.parametrize(("case", "said", "why"), LIVE, ids=[c[0] for c in LIVE])
+def test_rank0s_counts_and_times_are_taken_only_within_what_the_spec_and_the_clock_allow(case, said, why):
+    read = status_endpoint.read_live(rank0(), 1, 8080, lambda url: {"iteration": 5, **said}, max_in_place=3, now=NOW)
+    assert (read.status is None) == bool(why) and why in read.problem
+    if not why:
+        assert read.status["iteration"] == 5
+
+
+def test_strings_of_rank0s_hang_report_and_restart_cause_are_cut_short():
+    said = {"inPlaceRestarts": 1, "hangs": 1, "lastHang": hang_report(where="w" * 60_000, stacks="s" * 60_000),
+            "lastRestart": {"restart": 1, "rank": 1, "nodeRank": 1, "how": "h\n" * 30_000}}
+    status = status_endpoint.read_live(rank0(), 1, 8080, lambda url: said, max_in_place=3, now=NOW).status
+    assert len(status["lastHang"]["where"]) == 300 and len(status["lastHang"]["stacks"]) == 512
+    assert len(status["lastRestart"]["how"]) == 200 and "\n" not in status["lastRestart"]["how"]
+
+
+def test_a_termination_messages_hang_is_kept_its_numbers_checked():
+    kept = PodView.from_pod(worker("gpt-1-0", json.dumps({"exitCode": 7, "hang": hang_report(where="w" * 900)}), 7),
+                            NOW)
+    assert kept.termination["hang"]["rank"] == 1 and len(kept.termination["hang"]["where"]) == 300
+    refused = PodView.from_pod(worker("gpt-1-0", json.dumps({"exitCode": 7, "hang": hang_report(rank=-1)}), 7), NOW)
+    assert refused.termination is None and "hang.rank is not a count" in refused.refused
+
+
+def test_the_progress_log_counts_no_more_restarts_or_hangs_than_the_spec_allows(monkeypatch):
+    job = Job.from_body(job_body(S3_JOB, maxInPlaceRestarts=2))
+    lines = [restarted_in_place_line(10, n, 40, num_gpus=2, job_id="ml/gpt/1") for n in (1, 2, 300)]
+    lines += [hang_detected_line(hang_report(restart=0), 40, num_gpus=2, job_id="ml/gpt/1")] * 50
+    monkeypatch.setattr(store_log, "signed_url", lambda *a: "http://store/progress.txt")
+    monkeypatch.setattr(store_log, "read_tail", lambda *a: "\n".join(lines) + "\n")
+    read = store_log.read_s3_progress(job, Kube(lambda *a: (500, b"")))
+    assert read.summary["inPlaceRestarts"] == {"ml/gpt/1": 2} and read.summary["hangs"] == {"ml/gpt/1": 2}
+    assert "1 line(s) ignored" in read.warnings[0] and "more hangs than maxInPlaceRestarts 2" in read.warnings[1]
+
+
+class Blocked:
+    """A Kube whose post_event waits until `release` is set; it counts what it posted."""
+
+    def __init__(self):
+        self.release, self.posted = threading.Event(), []
+
+    def post_event(self, involved, type_, reason, message, now):
+        self.release.wait(30)
+        self.posted.append((involved["metadata"]["uid"], reason))
+
+
+def test_one_jobs_events_queue_up_to_a_bound_and_never_ahead_of_every_other_jobs(caplog):
+    kube = Blocked()
+    poster = EventPoster(kube)  # type: ignore[arg-type]
+    logger = logging.getLogger("test")
+    body = {"metadata": {"name": "gpt", "namespace": "a", "uid": "flood"}}
+    for n in range(1000):
+        poster.post(body, "Warning", "RestartedInPlace", f"restart {n}", "t", logger)
+    poster.post({"metadata": {"name": "gpt", "namespace": "b", "uid": "other"}}, "Normal", "Running", "x", "t",
+                logger)
+    kube.release.set()
+    deadline = time.monotonic() + 30
+    while len(kube.posted) < QUEUED_PER_JOB + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kube.posted.count(("flood", "RestartedInPlace")) == QUEUED_PER_JOB and ("other", "Running") in kube.posted
+    assert caplog.text.count("not posted") == 1 and "events of a/gpt not posted from RestartedInPlace on" in caplog.text
+
+
+def test_a_line_of_the_operators_log_is_cut_short():
+    record = logging.LogRecord("kubetron", logging.WARNING, __file__, 1, "pod said: %s", ("x" * 10**6,), None)
+    assert len(OneLineFormatter("%(message)s").format(record)) == LOG_LIMIT
 
 
 # -- 3. the progress log: its tail, bounded ------------------------------------------------------------

@@ -11,12 +11,17 @@ S3 server. The module runs one operator for all its tests (they build on each ot
    naming the field, with no request for the other namespace's Secret;
 2. S3 requests are signed with the job's Secret only; a Secret without a key is a status reason naming it;
    a job without a secretRef is read only in a bucket the admin listed, with the operator's identity;
-3. 16 slow jobs of the tenant delay a job of the victim by less than 10 s, and a 32 MiB progress log grows
-   the operator's peak memory by less than 64 MiB;
+3. 16 slow jobs of the tenant delay a job of the victim by less than 10 s, their series leave /metrics once
+   they are deleted mid-read, and a 32 MiB progress log grows the operator's peak memory by less than 64 MiB;
 4. rank 0's endpoint: no redirect followed, a slow one cut off;
 5. a pod of the tenant's naming the victim's job as its controller does not end the victim's attempt;
 6. hostile termination messages are ignored with a warning, the job still decided, no control character
-   reaching status, Events or the operator's log.
+   reaching status, Events or the operator's log;
+7. a tenant that picks a node and controls its pods' output cannot get it tainted, nor flood Events,
+   nor break status; a node is tainted only on evidence no tenant controls, carries the namespace, is never a
+   control-plane node, one per namespace at a time, and the operator removes the taint; a job's avoidance yields
+   rather than leave it no node; the shipped admission policy bounds spec.scheduling. Deleted jobs' series
+   leave /metrics (3.).
 """
 
 from __future__ import annotations
@@ -27,25 +32,31 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubetron.contract.progress import saved_checkpoint_line, starting_job_line
+from kubetron.contract.times import stamp
 
 from tests.faultproxy import FaultProxy
-from tests.kube.cluster import Api, ApiError, set_exited, set_running
-from tests.kube.fixtures import KubeEnv, Operator
+from tests.kube.cluster import Api, ApiError, Kubelet, free_port, set_exited, set_running
+from tests.kube.fixtures import ROOT, KubeEnv, Operator
 from tests.operator.endpoints import Endpoint
 from tests.operator.jobs import tj
+from tests.operator.status_endpoint import StatusEndpoint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 OPERATOR_KEY, TENANT_KEY, VICTIM_KEY = "OPERATORENVKEY01", "TENANTKEY0000001", "VICTIMKEY0000001"
 OWN_BUCKET, STORE_BUCKET = "operator-readable", "tenant-bkt"
 CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/trainingjobs.kubetron.dev"
 MiB = 2**20
 KEEP = "kubetron.dev/test-keep"  # a finalizer of the test's own
+TAINT_SECONDS = 15  # --taint-seconds: how long a failing node's taint stays (the chart's default is an hour)
+METRICS_PORT = free_port()
 
 
 def log_text(checkpoint: int, job_id: str) -> bytes:
@@ -115,7 +126,8 @@ def world(kube, s3_server):
     env = {"AWS_ACCESS_KEY_ID": OPERATOR_KEY, "AWS_SECRET_ACCESS_KEY": "operator-secret",
            "AWS_SESSION_TOKEN": "operator-session-token", "AWS_ENDPOINT_URL": own.url, "AWS_REGION": "us-east-1"}
     try:
-        with kube.operator(ns, f"--namespace={victim}", f"--s3-operator-buckets={OWN_BUCKET}", env=env) as op:
+        with kube.operator(ns, f"--namespace={victim}", f"--s3-operator-buckets={OWN_BUCKET}", "--taint-failing-nodes",
+                           f"--taint-seconds={TAINT_SECONDS}", f"--metrics-port={METRICS_PORT}", env=env) as op:
             yield World(kube, tenant, ns, victim, op, own, store)
     finally:
         own.close()
@@ -284,6 +296,25 @@ def settled(count: Any, quiet: float = 1.5, timeout: float = 30.0) -> int:
     raise AssertionError(f"still changing after {timeout:.0f}s: {last}")
 
 
+def scrape() -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as answer:
+        return answer.read().decode()
+
+
+def series(ns: str, jobs: list[str]) -> list[str]:
+    """The lines of the operator's /metrics naming one of `jobs` of namespace `ns`."""
+    return [line for line in scrape().splitlines() if f'namespace="{ns}"' in line
+            and any(f'name="{job}"' in line for job in jobs)]
+
+
+def jobs_counted() -> int:
+    """kubetron_trainingjobs summed over the phases: the jobs the operator's /metrics counts."""
+    return int(sum(float(line.split()[-1]) for line in scrape().splitlines()
+                   if line.startswith("kubetron_trainingjobs{")))
+
+
 def test_slow_endpoints_of_a_tenant_delay_another_namespace_by_less_than_10s(world):
     """16 jobs (as many as the operator has reconcile threads) whose store sends a byte every 2 s: once their
     reads are under way (as many as the operator lets run at once), the victim's new job still gets its pods
@@ -291,6 +322,7 @@ def test_slow_endpoints_of_a_tenant_delay_another_namespace_by_less_than_10s(wor
     w, admin = world, world.kube.admin
     drip = Endpoint.drip(every=2.0)
     names = [f"slow-{i}" for i in range(16)]
+    counted = jobs_counted()
     try:
         for name in names:
             w.create(w.s3_job(name, endpoint=drip.url))
@@ -304,6 +336,12 @@ def test_slow_endpoints_of_a_tenant_delay_another_namespace_by_less_than_10s(wor
         assert delay < 10.0 and w.op.healthy()
         st = w.status("slow-0", "StoreTimeout", lambda s: condition(s, "StoreReadable"))
         assert condition(st, "StoreReadable")["reason"] == "StoreTimeout"
+        # Deleted while their reads are under way: their series leave /metrics (6 of 16 were left once).
+        assert series(w.ns, names)
+        for name in names:
+            w.tenant.delete(f"{w.kube.jobs(w.ns)}/{name}")
+        w.kube.wait_for("the deleted jobs' series gone", lambda: not series(w.ns, names), 60)
+        assert jobs_counted() == counted + 1  # the victim's job only
     finally:
         drip.close()
         for name in names:
@@ -411,3 +449,199 @@ def test_hostile_trainer_output_is_ignored_and_the_job_still_decided(world):
     assert not [m for m in messages if "\x1b" in m or f"\n{FORGED}" in m]
     assert not [line for line in w.op.log().splitlines() if line.startswith(FORGED)], w.op.tail()
     assert f"boom\\n{FORGED}\\x1b[2K" in w.op.log()  # logged, on one line
+
+
+# -- 7. nodes, counts, times and metrics a tenant's pods cannot turn against others -----------------------
+
+
+SICK = {"type": "GpuXidError", "status": "True", "reason": "Xid79", "message": "GPU has fallen off the bus"}
+CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
+EVERYTHING = [{"operator": "Exists"}]  # a toleration of every taint: what spec.scheduling lets a tenant ask for
+
+
+def pool_nodes(w: World, pool: str) -> dict[str, Kubelet]:
+    """n1 (healthy), n2 and n4 (reporting a GPU problem, as node-problem-detector would), n3 (a control-plane
+    node with the same problem): tainted `pool` so only this test's jobs land there."""
+    out = {}
+    for short in ("n1", "n2", "n3", "n4"):
+        name = f"{w.ns}-{short}"
+        out[short] = Kubelet(w.kube.admin, name=name).start()
+        labels = {pool: "1", **({CONTROL_PLANE: ""} if short == "n3" else {})}
+        w.kube.admin.patch(f"/api/v1/nodes/{name}", {"metadata": {"labels": labels}, "spec": {
+            "taints": [{"key": pool, "value": "1", "effect": "NoSchedule"}]}})
+        if short != "n1":
+            node = w.kube.admin.get(f"/api/v1/nodes/{name}")
+            w.kube.admin.patch(f"/api/v1/nodes/{name}/status", {"status": {
+                "conditions": [*node["status"]["conditions"], {**SICK, "lastTransitionTime": node["status"][
+                    "conditions"][0]["lastTransitionTime"]}]}})
+    return out
+
+
+def pinned(w: World, name: str, node: str, tolerations: list[dict[str, Any]], ns: str | None = None,
+           **spec: Any) -> dict[str, Any]:
+    """A 1-pod job on `node` (nodeSelector by hostname), its store an S3 prefix the operator does not read."""
+    body = w.pvc_job(name, ns=ns, **spec, scheduling={"nodeSelector": {"kubernetes.io/hostname": node},
+                                                       "tolerations": tolerations})
+    body["spec"]["storage"] = {"s3": {"bucket": STORE_BUCKET, "prefix": "pinned", "endpoint": w.store.url}}
+    return body
+
+
+def taint_of(w: World, node: str) -> dict[str, Any] | None:
+    taints = w.kube.admin.get(f"/api/v1/nodes/{node}")["spec"].get("taints") or []
+    return next((t for t in taints if t["key"] == "kubetron.dev/failing-node"), None)
+
+
+def events_of(w: World, ns: str, job: str, reason: str) -> list[dict[str, Any]]:
+    return [e for e in w.kube.events(ns) if e["involvedObject"]["name"] == job and e["reason"] == reason]
+
+
+def hang_said(**kw: Any) -> dict[str, Any]:
+    return {"rank": 0, "nodeRank": 0, "localRank": 0, "phase": "train", "iteration": 3, "idleSeconds": 50.0,
+            "timeoutSeconds": 45.0, "state": "stopped", "where": "", "ranks": 1, "stacks": "", "restart": 1, **kw}
+
+
+def test_a_tenants_pods_take_no_node_flood_nothing_and_break_no_status(world):
+    """One scenario, every job pinned to a node by hostname as a tenant may pin it. In the tenant's namespace,
+    with a toleration of every taint: `e` (rank 0 says 2 in-place restarts, a hang with 56 KB of report, then
+    300 restarts, then its pod ends Hung with the hang in its termination message), `g` (a trainerTime of
+    `steps: -1, train: 1e308`, then a SIGSEGV with "CUDA error" words), `c` (fails on a control-plane node that
+    reports a GPU problem). In the victim's: `v` and `w` fail on two nodes that report a GPU problem."""
+    w, admin, victim = world, world.kube.admin, world.victim
+    pool = f"kubetron.dev/pool-{w.ns}"
+    ours = [{"key": pool, "operator": "Exists"}]
+    nodes = pool_nodes(w, pool)
+    name = {short: k.name for short, k in nodes.items()}
+    e_rank0, g_rank0 = StatusEndpoint(), StatusEndpoint()
+    try:
+        e_rank0.live = {"iteration": 3, "inPlaceRestarts": 2, "hangs": 1, "lastHang": hang_said(where="w" * 56_000),
+                        "lastRestart": {"restart": 2, "rank": 0, "nodeRank": 0, "how": "was killed by SIGSEGV"}}
+        g_rank0.live = {"iteration": 3, "trainerTime": {"started": stamp(datetime.now(UTC) - timedelta(seconds=10)),
+                                                         "steps": -1, "train": 1e308, "checkpoint": 0.0,
+                                                         "evaluation": 0.0}}
+        jobs = {(w.ns, "e"): pinned(w, "e", name["n1"], EVERYTHING, statusPort=e_rank0.port, backoffLimit=0),
+                (w.ns, "g"): pinned(w, "g", name["n1"], EVERYTHING, statusPort=g_rank0.port, backoffLimit=0),
+                (w.ns, "c"): pinned(w, "c", name["n3"], EVERYTHING, backoffLimit=0),
+                (victim, "v"): pinned(w, "v", name["n2"], ours, ns=victim),
+                (victim, "w"): pinned(w, "w", name["n4"], ours, ns=victim)}
+        for (ns, _), body in jobs.items():
+            (w.create if ns == w.ns else lambda b: admin.create(w.kube.jobs(victim), b))(body)
+        for ns in (w.ns, victim):
+            w.kube.wait_for(f"the pods of {ns} bound", lambda ns=ns: all(
+                p["spec"].get("nodeName") for job in "egcvw" if (ns, job) in jobs
+                for p in [w.kube.pods(ns).get(f"{job}-1-0") or {"spec": {}}]), 60)
+            for ns_job in [k for k in jobs if k[0] == ns]:
+                set_running(admin, ns, f"{ns_job[1]}-1-0")
+        for job in "vw":  # a crash of the victim's own on a node that reports a GPU problem
+            set_exited(admin, victim, f"{job}-1-0", 1, {"exitCode": 1, "message": "RuntimeError: boom"})
+        set_exited(admin, w.ns, "c-1-0", 1, {"exitCode": 1, "message": "RuntimeError: boom"})
+
+        # -- item 2: rank 0's counts believed up to the spec, one event, strings cut short ---------------
+        st = w.status("e", "2 in-place restarts counted", lambda s: (s.get("restarts") or {}).get("inPlace") == 2)
+        assert st["restarts"]["hangs"] == 1 and len(st["lastHang"]["where"]) <= 300
+        assert "failingNodes" not in st and "avoidNodes" not in st  # a crash and a hang are no evidence
+        once = w.kube.wait_for("e's RestartedInPlace event", lambda: events_of(w, w.ns, "e", "RestartedInPlace"))
+        assert len(once) == 1 and "restarted 2 times" in once[0]["message"]
+        e_rank0.live = {**e_rank0.live, "inPlaceRestarts": 300}
+        w.kube.wait_for("300 restarts refused", lambda: [e for e in events_of(w, w.ns, "e", "TrainerOutputIgnored")
+                                                         if "maxInPlaceRestarts 3" in e["message"]])
+        # -- item 4: a trainerTime no process can have spent is refused; status keeps being written -------
+        w.kube.wait_for("g's trainerTime refused", lambda: [e for e in events_of(w, w.ns, "g", "TrainerOutputIgnored")
+                                                            if "trainerTime.steps is not a count" in e["message"]])
+        # -- item 1: a node reporting a problem is tainted for the victim's namespace, one at a time --------
+        for job in "vw":
+            w.kube.wait_for(f"{job} keeps off its node", lambda job=job: events_of(w, victim, job, "NodeAvoided"))
+        tainted = {short: taint_of(w, name[short]) for short in ("n2", "n4")}
+        (hit,) = [short for short, t in tainted.items() if t]
+        assert tainted[hit] == {"key": "kubetron.dev/failing-node", "value": victim, "effect": "NoSchedule"}
+        note = json.loads(admin.get(f"/api/v1/nodes/{name[hit]}")["metadata"]["annotations"][
+            "kubetron.dev/failing-node"])
+        assert note["namespace"] == victim and "GpuXidError=True" in note["evidence"] and note["until"]
+        assert f"jobs of namespace {victim} triggered 1 taint(s) still in place" in w.op.log()
+        w.kube.wait_for("c keeps off its node", lambda: events_of(w, w.ns, "c", "NodeAvoided"))
+        assert taint_of(w, name["n3"]) is None and "is a control-plane node: never tainted" in w.op.log()
+
+        # -- the functional bug: a pod that ends Hung names the hang -------------------------------------
+        set_exited(admin, w.ns, "e-1-0", 7, {"exitCode": 7, "reason": "Hung", "message": "the gang hung",
+                                             "hang": hang_said(where="x" * 3000, restart=0)})
+        set_exited(admin, w.ns, "g-1-0", 139, {"exitCode": 139, "message": "CUDA error: an illegal memory access "
+                                                                           "was encountered; killed by SIGSEGV"})
+        st = w.status("e", "Failed, hung", lambda s: s.get("phase") == "Failed")
+        assert st["restarts"]["inPlace"] == 2 and st["restarts"]["hangs"] == 2, st["restarts"]
+        last = st["lastHang"]
+        assert (last["pod"], last["node"], last["restartedInPlace"], len(last["where"])) == (
+            "e-1-0", name["n1"], False, 300)
+        g = w.status("g", "Failed", lambda s: s.get("phase") == "Failed")
+        assert all(0 <= v < 1e12 for v in g["goodput"]["seconds"].values()) and 0 <= g["goodput"]["ratio"] <= 1
+        for status in (st, g):
+            assert "failingNodes" not in status and "avoidNodes" not in status
+        assert taint_of(w, name["n1"]) is None  # the node the tenant picked: no taint, whatever its pods said
+        assert not [job for job in "eg" if f"reconcile of {w.ns}/{job} failed" in w.op.log()]  # no patch refused
+
+        # -- item 6: the victim's next attempt yields the avoidance that would leave it no node ------------
+        st = w.status("v", "attempt 2", lambda s: s.get("attempt") == 2, ns=victim, timeout=60)
+        (cond,) = [c for c in st["conditions"] if c["type"] == "NodesAvoided"]
+        assert cond["reason"] == "Yielded" and f"avoiding {name['n2']} too would leave room for 0" in cond["message"]
+        pod = w.kube.wait_for("v's attempt 2", lambda: w.kube.pods(victim).get("v-2-0"))
+        assert "affinity" not in pod["spec"], pod["spec"].get("affinity")
+        w.kube.wait_for("the taint removed", lambda: taint_of(w, name[hit]) is None, TAINT_SECONDS + 30)
+        assert "kubetron.dev/failing-node" not in (admin.get(f"/api/v1/nodes/{name[hit]}")["metadata"].get(
+            "annotations") or {})
+
+        # -- item 5: a deleted job's series leave /metrics -------------------------------------------------
+        assert series(w.ns, ["e"]) and series(w.ns, ["g"])
+        for job in "egc":
+            w.tenant.delete(f"{w.kube.jobs(w.ns)}/{job}")
+        w.kube.wait_for("their series gone", lambda: not series(w.ns, list("egc")))
+    finally:
+        e_rank0.close()
+        g_rank0.close()
+        for job in ("v", "w"):
+            admin.delete(f"{w.kube.jobs(victim)}/{job}", ok=(404,))
+        for kubelet in nodes.values():
+            kubelet.stop()
+            admin.delete(f"/api/v1/nodes/{kubelet.name}", ok=(404,))
+
+
+def test_the_shipped_admission_policy_bounds_spec_scheduling(world):
+    """examples/admission/trainingjob-scheduling-policy.yaml on the real API server (admissionregistration.k8s.io/v1):
+    in a namespace labelled kubetron.dev/tenant=true a tenant's job that tolerates every taint, tolerates the
+    failing-node taint, picks a node by name or names another PriorityClass is refused at apply, naming the field."""
+    w, admin = world, world.kube.admin
+    if not w.kube.cp.serves("admissionregistration.k8s.io/v1") or admin.get(
+            "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies", ok=(404,)) is None:
+        pytest.skip("this API server does not serve ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1)")
+    ns = w.kube.namespace("vap")
+    admin.patch(f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {"kubetron.dev/tenant": "true"}}})
+    tenant = w.kube.tenant(ns)
+    policy = list(yaml.safe_load_all((ROOT / "examples/admission/trainingjob-scheduling-policy.yaml").read_text()))
+    paths = ["/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+             "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"]
+    refused = {
+        "a toleration without a key tolerates every taint": {"tolerations": EVERYTHING},
+        "may not tolerate kubetron.dev/failing-node": {"tolerations": [
+            {"key": "kubetron.dev/failing-node", "operator": "Exists"}]},
+        "may not pick a node by name": {"nodeSelector": {"kubernetes.io/hostname": "gpu-7"}},
+        "may use only training-low or training": {"priorityClassName": "system-cluster-critical"},
+    }
+
+    def apply(scheduling: dict[str, Any]) -> str:
+        body = w.pvc_job("gpt", ns=ns, scheduling=scheduling)
+        try:
+            tenant.create(w.kube.jobs(ns), body, query={"dryRun": "All"})
+        except ApiError as exc:
+            return str(exc)
+        return "accepted"
+
+    try:
+        for manifest, path in zip(policy, paths, strict=True):
+            admin.create(path, manifest)
+        _until(lambda: apply({"tolerations": EVERYTHING}) != "accepted", "the policy in force")
+        for why, scheduling in refused.items():
+            answer = apply(scheduling)
+            assert "spec.scheduling." in answer and why in answer and "\n" not in answer, (why, answer)
+        assert apply({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                      "nodeSelector": {"zone": "a"}, "priorityClassName": "training"}) == "accepted"
+    finally:
+        for manifest, path in zip(policy, paths, strict=True):
+            admin.delete(f"{path}/{manifest['metadata']['name']}", ok=(404,))
+

@@ -8,6 +8,9 @@
                        parameters and per-GPU memory estimate; exit 1 when it does not fit (--search: the
                        smallest layout on up to N nodes that fits)
     kubetron preprocess --input FILE [FILE ...] --output-prefix PREFIX
+    kubetron inspect-data --config FILE [overrides ...] [--limit N] [--json]
+                                                       the fine-tuning examples a run trains on: text with the
+                                                       trained spans marked, or ids and loss masks as JSON
     kubetron import-hf HF_DIR OUT                      HF Llama-family model -> kubetron checkpoint
     kubetron export-hf CKPT OUT [--adapter-only] [--max-shard-size 5GB]
                                                        kubetron checkpoint -> HF config.json + safetensors
@@ -35,8 +38,9 @@ import argparse
 import io
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kubetron import __version__
 from kubetron.client_cli import add_commands
@@ -69,7 +73,7 @@ def _report(field_and_message: str, termination_log: str | None = None) -> int:
     # pod log must not interleave as "...reference`)kubetron: error: ...".
     sys.stderr.write(f"{PROG}: error: {line}\n")
     sys.stderr.flush()
-    from kubetron.termination_log import write_termination_message
+    from kubetron.supervisor.termination_log import write_termination_message
 
     write_termination_message({"exitCode": exitcodes.CONFIG_ERROR, "reason": exitcodes.NAMES[exitcodes.CONFIG_ERROR],
                                "message": line}, termination_log)
@@ -91,7 +95,7 @@ def _load_config(args: argparse.Namespace, check_paths: bool = True):
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
-    from kubetron.startup import CLOCK
+    from kubetron.supervisor.startup import CLOCK
 
     CLOCK.mark("python + config")
     from kubetron.compat import megatron_core
@@ -101,7 +105,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.
     return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain",
-                            keep_signal_handler=args.own_process))
+                            keep_signal_handler=args.own_process, faults=chaos_from_env(os.environ)))
+
+
+CHAOS_KILL_AT_ENV = "KUBETRON_CHAOS_KILL_AT"
+CHAOS_RANK_ENV = "KUBETRON_CHAOS_RANK"
+
+
+def chaos_from_env(environ) -> Callable[[str, int], None] | None:
+    """Fault injection for the store's guarantees, only when asked: KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>]
+    SIGKILLs this process at that point of a save (kubetron.checkpoint.manager.SAVE_POINTS: after-shard,
+    after-model, after-payload, after-commit, after-tracker, ...); with KUBETRON_CHAOS_RANK=<r> only global rank r
+    (env RANK) dies. None when unset: the checkpoint manager gets no fault hook."""
+    spec = environ.get(CHAOS_KILL_AT_ENV)
+    if not spec:
+        return None
+    only = environ.get(CHAOS_RANK_ENV)
+    if only and int(only) != int(environ.get("RANK", "0") or 0):
+        return None
+
+    def kill(point: str, iteration: int) -> None:
+        if spec in (point, f"{point}@{iteration}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -126,7 +153,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_progress(args: argparse.Namespace) -> int:
-    from kubetron.progress_io import format_summary, summarize
+    from kubetron.supervisor.progress_io import format_summary, summarize
 
     summary = summarize(args.store)
     if args.json:
@@ -177,6 +204,14 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
     run(args)
     return 0
+
+
+def cmd_inspect_data(args: argparse.Namespace) -> int:
+    from kubetron.data.inspect import run
+
+    if args.limit < 0:
+        raise ConfigError("--limit", f"must be >= 0, got {args.limit}")
+    return run(_load_config(args), args.limit, args.json)
 
 
 def _to_stderr(line: str) -> None:
@@ -313,6 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=cmd_preprocess)
 
+    p = sub.add_parser("inspect-data", help="show the fine-tuning examples a config trains on (tokens, loss mask)",
+                       description="Build the finetuning section's training data as the trainer would (template, "
+                                   "truncation, packing), in memory, and print the data line and the first examples "
+                                   "with their trained spans between ⟦ and ⟧; --json: one object per example with "
+                                   "\"ids\" and \"loss_mask\" (1 where the id is a trained target). No GPU, nothing "
+                                   "written.")
+    _add_config_args(p)
+    p.add_argument("--limit", type=int, default=5, metavar="N", help="examples to show (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object per example (the data line to stderr)")
+    p.set_defaults(func=cmd_inspect_data)
+
     p = sub.add_parser("import-hf", help="convert a Hugging Face Llama-family model into a kubetron checkpoint",
                        description="Convert HF_DIR (config.json + model.safetensors, or the shards "
                                    "model.safetensors.index.json lists, of a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE "
@@ -350,9 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
     p.add_argument("--taint-failing-nodes", action="store_true",
-                   help="taint a node a job left out for failing it twice (kubetron.dev/failing-node=<job>:NoSchedule, "
-                        "cluster-wide); the operator's role must allow get and patch on nodes (the chart's "
-                        "failingNodes.taint)")
+                   help="taint a node cluster-wide (kubetron.dev/failing-node=<namespace>:NoSchedule) when a job "
+                        "failed on it while it reported a problem itself, or jobs of two namespaces avoid it; never a "
+                        "control-plane node, one taint per namespace at a time, removed after --taint-seconds; the "
+                        "operator's role must allow get and patch on nodes (the chart's failingNodes.taint)")
+    p.add_argument("--taint-seconds", type=int, default=3600, metavar="SECONDS",
+                   help="how long a taint of --taint-failing-nodes stays before the operator removes it "
+                        "(default: %(default)s)")
     p.add_argument("--gang-schedulers", default=",".join(GANG_SCHEDULERS), metavar="LIST",
                    help="the gang schedulers whose PodGroups the operator may create (its role grants them): "
                    "comma-separated volcano, coscheduling, kubernetes, or 'none'; a job asking for another fails with "
@@ -407,7 +457,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args, extras = parser.parse_known_args(argv)
         args.own_process = own_process
         if extras:
-            if args.command not in ("train", "finetune", "config", "plan"):
+            if args.command not in ("train", "finetune", "config", "plan", "inspect-data"):
                 parser.error(f"unrecognized arguments: {' '.join(extras)}")
             # Overrides may come before and after options: `train a.b=1 --config f c.d=2`.
             args.overrides = list(args.overrides) + extras

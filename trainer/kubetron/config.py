@@ -101,7 +101,7 @@ class ConfigContainer(schema.ConfigContainer):
                 raise ConfigError("train.status_port", f"env KUBETRON_STATUS_PORT={raw!r} is not a port number")
             t.status_port = port
         if t.termination_log is None:
-            from kubetron.termination_log import termination_log_path
+            from kubetron.supervisor.termination_log import termination_log_path
 
             t.termination_log = termination_log_path(None, env)
 

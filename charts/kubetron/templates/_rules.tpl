@@ -23,7 +23,8 @@ required rules from that registry for every values combination and fails on anyt
   resources: [nodes]
   verbs: [list]
 {{- if .Values.failingNodes.taint }}
-# A node that failed a job twice: tainted kubetron.dev/failing-node=<job>:NoSchedule (read, then patched).
+# A node that fails jobs (policy/nodes.py): tainted kubetron.dev/failing-node=<namespace>:NoSchedule and annotated
+# (read, then patched), the taint removed after failingNodes.taintSeconds.
 - apiGroups: [""]
   resources: [nodes]
   verbs: [get, patch]
@@ -95,10 +96,12 @@ required rules from that registry for every values combination and fails on anyt
   verbs: [create, get, delete]
 {{- end }}
 {{- if has "kubernetes" .Values.gangScheduling.schedulers }}
-# Kubernetes' own gang scheduling (scheduling.k8s.io/v1alpha2): one PodGroup per attempt.
+# Kubernetes' own gang scheduling, whichever version the cluster serves: v1beta1 (1.37+: one PodGroup per job,
+# its minCount patched to each attempt's size) or v1alpha2 (1.36: one per attempt). Which one is served is read by
+# discovery, which Kubernetes' default system:discovery role grants to every authenticated user.
 - apiGroups: [scheduling.k8s.io]
   resources: [podgroups]
-  verbs: [create, get, delete]
+  verbs: [create, get, delete, patch]
 {{- end }}
 {{- end }}
 {{- end }}

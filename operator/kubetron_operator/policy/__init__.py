@@ -13,7 +13,8 @@
     nodes.py        nodes that keep failing a job: failingNodes, avoidNodes
     goodput.py      the goodput ledger: every rank-second since the job was created, by bucket
     create_retry.py children that could not be created: which errors are retried, the backoff, what it waits for
-    wake.py         when a job's daemon looks again with nothing but time passing (deadlines, backoffs, TTL)
+    deadlines.py    every moment decide() compares with the clock (backoffs, deadlines, TTL), defined once
+    wake.py         when a job's daemon looks again with nothing but time passing: the soonest of deadlines.py's
     reads.py        when the store's progress log (or an endpoint that failed) is read again
     throttle.py     status patches that only move live progress: at most one every two intervals
 

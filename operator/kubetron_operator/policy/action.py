@@ -30,6 +30,7 @@ class Action:
     taint_nodes: tuple[str, ...] = ()  # nodes this job just left out: tainted cluster-wide if the chart allows it
     delete_job: bool = False
     events: tuple[Event, ...] = ()
+    why: str = ""  # for a wait that holds something back: what it waits for (logged at debug level)
 
     @property
     def phase(self) -> str | None:

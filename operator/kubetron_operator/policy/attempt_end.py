@@ -155,6 +155,6 @@ def succeed(job: Job, obs: Observed, ckpt: CheckpointRef | None) -> Action:
     if train_iters:
         status.update(iteration=train_iters, progress="100%")
     status.update(completionTime=stamp(obs.now), eta="0s", lastCheckpoint=ckpt, nextAttemptTime=None)
-    status.update(in_place_news(obs, obs.status.get("attempt") or 0)[0])
+    status.update(in_place_news(obs, obs.status.get("attempt") or 0, job.spec.max_in_place_restarts)[0])
     return Action("succeed", status=status, delete_pods=tuple(p.name for p in obs.pods if p.alive),
                   events=(Event("Normal", "Succeeded", f"training completed at iteration {status.get('iteration')}"),))

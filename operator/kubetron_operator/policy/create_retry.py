@@ -1,18 +1,20 @@
 """Retrying an attempt whose children could not be created: which API errors are worth a retry, the
 exponential backoff (status.createFailures, status.nextCreateTime), and what a retry waits for.
 
-The handler tears down what a failed try created (a partial gang must not hold GPUs); the retry first
-deletes what is left of that try's pods (their names are about to be reused), then waits out the backoff.
-Anything else than a transient error fails the job, as Kubernetes Job's controller does with its pods.
+The handler tears down what a failed try created (a partial gang must not hold GPUs); decide() then holds the
+retry back (`held_back`): it first deletes what is left of that try's pods (their names are about to be
+reused), then waits out the backoff. Anything else than a transient error fails the job, as Kubernetes Job's
+controller does with its pods.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from kubetron.contract.times import format_duration, parse_stamp, stamp
+from kubetron.contract.times import format_duration, stamp
 
-from kubetron_operator.observe import Observed, PodView
+from kubetron_operator.observe import Observed
+from kubetron_operator.policy import deadlines
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.lifecycle import fail
 from kubetron_operator.policy.status import phase_status
@@ -38,15 +40,20 @@ def create_failed(obs: Observed, reason: str, message: str, transient: bool) -> 
     return Action("wait", status=status, events=(Event("Warning", reason, status["message"]),))
 
 
-def leftovers(obs: Observed, action: Action) -> list[PodView]:
-    """After a transient creation failure (status.nextCreateTime set): the pods of the attempt `action`
-    creates that are still there (the failed try tore them down, or is tearing them down)."""
+def held_back(obs: Observed, attempt: int) -> Action | None:
+    """After a transient creation failure (status.nextCreateTime set): wait, deleting the pods of attempt
+    `attempt` the failed try left (its teardown may still be under way), until they are gone and
+    nextCreateTime has passed; None when the creation may go ahead."""
     if not obs.status.get("nextCreateTime"):
-        return []
-    return [p for p in obs.pods if p.attempt == action.create_attempt]
-
-
-def backing_off(obs: Observed) -> bool:
-    """A creation retry is not due yet (status.nextCreateTime is in the future)."""
-    retry_at = parse_stamp(obs.status.get("nextCreateTime"))
-    return retry_at is not None and obs.now < retry_at
+        return None
+    left = [p for p in obs.pods if p.attempt == attempt]
+    if left:
+        return Action("wait", delete_pods=tuple(p.name for p in left if p.deleting_for is None),
+                      why=f"the failed creation's pods of attempt {attempt} are still there: "
+                          f"{', '.join(p.name for p in left)}")
+    retry = deadlines.create_retry(obs)
+    if not deadlines.passed(retry):
+        failures = obs.status.get("createFailures") or 0
+        return Action("wait", why=f"creation retry {failures} of attempt {attempt} not before "
+                                  f"{obs.status.get('nextCreateTime')}")
+    return None

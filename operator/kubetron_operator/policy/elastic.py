@@ -57,7 +57,7 @@ def resize(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef 
     message = f"attempt {attempt}: {size} -> {to} nodes: {why}"
     status = phase_status(obs, "Restarting", "Resized", message)
     status.update(progress_fields(obs, ckpt, live=False))
-    in_place, _ = in_place_news(obs, attempt)
+    in_place, _ = in_place_news(obs, attempt, job.spec.max_in_place_restarts)
     status.update(in_place, resizeTo=to, resizes=resizes, lastCheckpoint=ckpt, nextAttemptTime=None,
                   lastAttemptIteration=reached_iteration(obs, attempt, current))
     return Action("restart", status=status, delete_pods=tuple(p.name for p in current if p.deleting_for is None),

@@ -36,6 +36,7 @@ from kubetron_operator.model import Job
 from kubetron_operator.observe import NO_LIVE, Observed
 from kubetron_operator.policy.action import Action
 
+MAX_SECONDS = 1e12  # a bucket's rank-seconds beyond this (30,000 rank-years) are not real
 NEVER_STARTED = frozenset({"StartupTimeout", "AdmissionRejected", "NeverStarted"})
 """Restart reasons of attempts that never ran: the wait until the next one is pending, not recovery."""
 
@@ -66,7 +67,7 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
         hung, seconds[OTHER])
     step = _step_seconds(trainer, held.get("stepSeconds"))
     origin = held.get("recoveringFrom")
-    moved = min(seconds[PRODUCTIVE], _lost_iterations(obs, action) * step * ranks)
+    moved = max(0.0, min(seconds[PRODUCTIVE], _lost_iterations(obs, action) * step * ranks))
     seconds[PRODUCTIVE] -= moved
     seconds[LOST_WORK] += moved
     if failed:
@@ -82,11 +83,18 @@ def account(job: Job | None, obs: Observed, action: Action) -> StatusPatch:
 
 def ledger(seconds: dict[str, float], now: datetime, recovering: bool, step: float, trainer: TrainerTime | None,
            waiting: bool) -> Goodput:
-    rounded = {b: round(seconds[b], 3) for b in BUCKETS}
+    """status.goodput: every bucket finite and not negative, the ratio within [0, 1] (the status endpoint's
+    check refuses a trainerTime no process can have spent; this holds whatever reached here)."""
+    rounded = {b: round(_seconds(seconds[b]), 3) for b in BUCKETS}
     total = round(sum(rounded.values()), 3)
-    return Goodput(seconds=rounded, totalSeconds=total, ratio=round(rounded[PRODUCTIVE] / total, 4) if total else 0.0,
-                   asOf=stamp(now), recovering=recovering, stepSeconds=round(step, 6), trainer=trainer,
-                   waiting=waiting)
+    ratio = min(1.0, round(rounded[PRODUCTIVE] / total, 4)) if total else 0.0
+    return Goodput(seconds=rounded, totalSeconds=total, ratio=ratio, asOf=stamp(now), recovering=recovering,
+                   stepSeconds=round(_seconds(step), 6), trainer=trainer, waiting=waiting)
+
+
+def _seconds(value: float) -> float:
+    """`value` as seconds status can hold: not negative, finite (at most MAX_SECONDS)."""
+    return min(MAX_SECONDS, value) if value > 0 else 0.0  # NaN compares false: 0
 
 
 def _interval(obs: Observed, wall: float, trainer: TrainerTime | None, before: TrainerTime | None,
@@ -141,7 +149,7 @@ def _waiting(obs: Observed, st: JobStatus) -> bool:
 
 def _step_seconds(trainer: TrainerTime | None, held: object) -> float:
     """A training iteration's mean seconds: the newest trainer's, else the one the ledger holds."""
-    if trainer is not None and trainer["steps"]:
+    if trainer is not None and trainer["steps"] > 0:
         return trainer["train"] / trainer["steps"]
     return float(held) if isinstance(held, (int, float)) else 0.0
 

@@ -18,16 +18,19 @@ from kubetron.contract.times import stamp
 from kubetron_operator.job_status import Condition, LastHang, Restarts, StatusPatch
 from kubetron_operator.observe import NO_LIVE, NO_PROGRESS, Observed, PodView
 from kubetron_operator.policy.action import Event
+from kubetron_operator.trainer_reports.termination import capped
 
 HUNG = exitcodes.reason(exitcodes.HUNG)  # the condition's type, the event's and the status reason (as the pod's end)
 
 
-def hang_news(obs: Observed, attempt: int, restarts: Restarts) -> tuple[StatusPatch, tuple[Event, ...]]:
+def hang_news(obs: Observed, attempt: int, restarts: Restarts, limit: int) -> tuple[StatusPatch, tuple[Event, ...]]:
     """Hangs of the current attempt not counted yet (rank 0's endpoint, the progress log), on top of
-    `restarts`: the status fields that count and name them, and an event for the newest."""
+    `restarts`: the status fields that count and name them, and an event for the newest. `limit`: the most
+    this attempt can have had (each restarted the gang in place: its in-place restarts counted so far); what
+    a trainer reports beyond it is not counted."""
     counted = obs.status.get("attemptHangs") or 0
     live = obs.live or NO_LIVE
-    now = max([counted, live.get("hangs") or 0, *_logged(obs, attempt)])
+    now = min(max([counted, live.get("hangs") or 0, *_logged(obs, attempt)]), max(counted, limit))
     if now <= counted:
         return _passed(obs), ()
     patch: StatusPatch = {"restarts": {**restarts, "hangs": (restarts.get("hangs") or 0) + now - counted},
@@ -54,6 +57,7 @@ def name_hang(obs: Observed, attempt: int, report: HangReport, in_place: bool) -
     """status.lastHang and the Hung condition for `report`, and its event: the rank, its pod and node."""
     pod = next((p for p in obs.pods if p.role == "worker" and p.attempt == attempt and p.rank == report["nodeRank"]),
                None)
+    report = capped(report)
     last = LastHang(time=stamp(obs.now), attempt=attempt, rank=report["rank"], pod=pod.name if pod else "",
                     node=pod.node if pod else "", phase=report["phase"], iteration=report["iteration"],
                     idleSeconds=report["idleSeconds"], timeoutSeconds=report["timeoutSeconds"],

@@ -7,26 +7,22 @@ Kubernetes Job does): time spent suspended does not count.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from kubetron.contract.times import parse_stamp, stamp
+from kubetron.contract.times import stamp
 
 from kubetron_operator.job_status import StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed
+from kubetron_operator.policy import deadlines
 from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.status import phase_status
 from kubetron_operator.trainer_reports.merge import reached_iteration
-
-FORCE_DELETE_AFTER = 60.0  # seconds past a pod's grace period before it is force-deleted (node lost)
 
 
 def finished(job: Job | None, obs: Observed) -> Action:
     """Never create anything again. Stop what still runs; delete the job once its TTL is up."""
     active = tuple(p.name for p in obs.pods if p.alive)
-    ttl = job.spec.ttl_seconds_after_finished if job else None
-    done = parse_stamp(obs.status.get("completionTime"))
-    if ttl is not None and done and obs.now >= done + timedelta(seconds=ttl):
+    if job is not None and deadlines.passed(deadlines.ttl(job, obs)):
+        ttl = job.spec.ttl_seconds_after_finished
         return Action("delete", delete_job=True, delete_pods=active,
                       events=(Event("Normal", "TTLExpired", f"deleting the job {ttl}s after it finished"),))
     return Action("wait", delete_pods=active)
@@ -41,12 +37,10 @@ def invalid_spec(obs: Observed) -> Action:
 
 def deadline_exceeded(job: Job, obs: Observed) -> Action | None:
     """Failed (DeadlineExceeded) once activeDeadlineSeconds have passed since status.startTime, else None."""
-    deadline = job.spec.active_deadline_seconds
-    start = parse_stamp(obs.status.get("startTime"))
     # A resuming job's clock restarts (start.next_attempt resets startTime), as Kubernetes Job's does.
     running_clock = not job.spec.suspend and obs.status.get("phase") != "Suspended"
-    if deadline and start and running_clock and (obs.now - start).total_seconds() > deadline:
-        return fail(obs, "DeadlineExceeded", f"activeDeadlineSeconds ({deadline}s) exceeded")
+    if running_clock and deadlines.passed(deadlines.active_deadline(job, obs)):
+        return fail(obs, "DeadlineExceeded", f"activeDeadlineSeconds ({job.spec.active_deadline_seconds}s) exceeded")
     return None
 
 
@@ -80,4 +74,4 @@ def fail(obs: Observed, reason: str, message: str) -> Action:
 
 def overdue(obs: Observed) -> tuple[str, ...]:
     """Pods still terminating long past any grace period (their node is gone): force-delete them."""
-    return tuple(p.name for p in obs.pods if p.deleting_for is not None and p.deleting_for > FORCE_DELETE_AFTER)
+    return tuple(p.name for p in obs.pods if deadlines.passed(deadlines.force_delete(p)))

@@ -4,8 +4,10 @@ Kinds (status.restarts): preemptions (restart at once, free), failures (count to
 neverStarted (count toward maxNeverStartedAttempts, not backoffLimit).
 
 Backoff (as Kubernetes Job, failures only): a failed or never-started attempt is followed by
-10 s * 2^(n-1), at most 6 min, plus up to 20 % jitter (n = failures + never-started attempts so far);
-preemptions restart at once. The "not before" time is status.nextAttemptTime.
+10 s * 2^(n-1), at most 6 min, plus up to 20 % jitter, where n counts the failed or never-started attempts
+in a row since an attempt last saved a new checkpoint (status.backoff.attempts; an attempt that saved one
+starts it over, as the kubelet forgets a container's CrashLoopBackOff once it ran cleanly); preemptions
+restart at once. The "not before" time is status.nextAttemptTime, why that long status.backoff.reason.
 
 Crash loops (NoProgress): only attempts that ended by the job's own doing (a failure, or exit 76) count,
 and only when they saved no checkpoint newer than the one they resumed from; maxNoProgressAttempts such
@@ -25,7 +27,7 @@ from datetime import timedelta
 from kubetron.contract.progress import CheckpointRef
 from kubetron.contract.times import format_duration, stamp
 
-from kubetron_operator.job_status import RestartKind, Restarts, StatusPatch
+from kubetron_operator.job_status import Backoff, JobStatus, RestartKind, Restarts, StatusPatch
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView
 from kubetron_operator.policy.action import Action, Event
@@ -44,7 +46,7 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
     """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
     st = obs.status
     attempt = st.get("attempt") or 0
-    in_place, _ = in_place_news(obs, attempt)
+    in_place, _ = in_place_news(obs, attempt, job.spec.max_in_place_restarts)
     restarts: Restarts = in_place.get("restarts") or restart_counts(st)
     restarts[kind] += 1
     restarts["total"] = restarts["preemptions"] + restarts["failures"] + restarts["neverStarted"]
@@ -55,17 +57,18 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
     # Free restarts are bounded too: a running attempt preempted before it saved anything new, again and again.
     free = kind == "preemptions" and not own_doing and st.get("phase") == "Running"
     free_streak = 0 if progressed else (st.get("preemptionsWithoutProgress") or 0) + int(free)
+    backoff = _backoff(job, st, attempt, kind, progressed, ckpt)
     common: StatusPatch = {"restarts": restarts, "noProgressAttempts": no_progress, "lastCheckpoint": ckpt,
-                           "preemptionsWithoutProgress": free_streak,
+                           "preemptionsWithoutProgress": free_streak, "backoff": backoff,
                            "lastAttemptIteration": reached_iteration(obs, attempt, current)}
     if bad_nodes:  # a kubelet's rejection: avoided at once (policy/nodes.py)
-        common["avoidNodes"] = avoid(st, bad_nodes, reason, message, stamp(obs.now))
+        common["avoidNodes"] = avoid(st, bad_nodes, reason, message, obs.now)
     limit = _limit_reached(job, restarts, kind, no_progress, free_streak, ckpt)
     if limit is not None:
         action = fail(obs, limit[0], f"{limit[1]}; last: {message}")
         action.status.update(common)
         return action
-    delay = 0.0 if kind == "preemptions" else _backoff(job, attempt, restarts["failures"] + restarts["neverStarted"])
+    delay = backoff["seconds"]
     status = carry_hang(phase_status(obs, "Restarting", reason, message), in_place)
     status.update(common)
     status.update(progress_fields(obs, ckpt, live=False))
@@ -99,9 +102,24 @@ def _limit_reached(job: Job, restarts: Restarts, kind: RestartKind, no_progress:
     return None
 
 
-def _backoff(job: Job, attempt: int, n: int) -> float:
-    """Seconds before the next attempt after the n-th failed or never-started one: 10 s doubling to 6 min,
-    plus up to 20 % jitter. The jitter is drawn from the job's UID and attempt, so decide stays pure."""
-    base = min(BACKOFF_CAP, BACKOFF_BASE * 2 ** max(0, n - 1))
+def _backoff(job: Job, st: JobStatus, attempt: int, kind: RestartKind, progressed: bool,
+             ckpt: CheckpointRef | None) -> Backoff:
+    """The wait before the next attempt (status.backoff): after the n-th failed or never-started attempt in a
+    row since an attempt saved a new checkpoint, 10 s doubling to 6 min, plus up to 20 % jitter; none after a
+    preemption. The jitter is drawn from the job's UID and attempt, so decide stays pure."""
+    held = (st.get("backoff") or Backoff(attempts=0, seconds=0.0, reason="")).get("attempts") or 0
+    n = (0 if progressed else held) + (0 if kind == "preemptions" else 1)
+    if kind == "preemptions":
+        return {"attempts": n, "seconds": 0.0, "reason": "preempted: restarting at once"}
+    base = min(BACKOFF_CAP, BACKOFF_BASE * 2 ** (n - 1))
     digest = hashlib.sha256(f"{job.uid}/{attempt}".encode()).digest()
-    return round(base * (1 + BACKOFF_JITTER * digest[0] / 255), 1)
+    seconds = round(base * (1 + BACKOFF_JITTER * digest[0] / 255), 1)
+    ended = "failed" if kind == "failures" else "never started"
+    if progressed:
+        why = (f"attempt {attempt} saved a new checkpoint (iteration {ckpt_iteration(ckpt)}) before it {ended}: "
+               f"the backoff starts over at {format_duration(BACKOFF_BASE)}")
+    else:
+        why = (f"{n} attempt(s) in a row failed or never started without a new checkpoint (newest: iteration "
+               f"{ckpt_iteration(ckpt)}): {format_duration(BACKOFF_BASE)} doubled {n - 1} time(s), at most "
+               f"{format_duration(BACKOFF_CAP)}")
+    return {"attempts": n, "seconds": seconds, "reason": f"{why}, plus jitter: {format_duration(seconds)}"}

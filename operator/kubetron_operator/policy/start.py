@@ -14,15 +14,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kubetron.contract.progress import CheckpointRef
-from kubetron.contract.times import parse_stamp, stamp
+from kubetron.contract.times import stamp
 
-from kubetron_operator.job_status import StatusPatch
-from kubetron_operator.model import Job
+from kubetron_operator.build import pod_group_name
+from kubetron_operator.job_status import PodGroupRef, StatusPatch
+from kubetron_operator.model import POD_GROUP_APIS, Job
 from kubetron_operator.observe import STUCK_WAITING, Observed, PodView
+from kubetron_operator.policy import create_retry, deadlines
 from kubetron_operator.policy.action import Action, Event
+from kubetron_operator.policy.deadlines import NOT_SCHEDULED_AFTER
 from kubetron_operator.policy.elastic import attempt_size, resize, shrink_after, shrink_due, shrink_to
 from kubetron_operator.policy.lifecycle import fail, overdue
-from kubetron_operator.policy.nodes import avoided
+from kubetron_operator.policy.nodes import AVOIDED, avoidance_condition, live_avoidance, plan_avoidance
 from kubetron_operator.policy.restart import restart
 from kubetron_operator.policy.status import percent, phase_status, progress_fields, restart_counts
 from kubetron_operator.trainer_reports.merge import ckpt_iteration, known_checkpoint
@@ -30,7 +33,6 @@ from kubetron_operator.trainer_reports.merge import ckpt_iteration, known_checkp
 ENDING_PHASES = frozenset({"Restarting", "Succeeded", "Failed", "Suspended"})
 """Phases an action moves to when the current attempt ends."""
 STARTUP_REASONS = frozenset({"Unschedulable", "NotScheduled", "Starting", "Queued", *STUCK_WAITING})
-NOT_SCHEDULED_AFTER = 20.0  # seconds a pod may wait for any scheduler to look at it before we say so
 
 
 def next_attempt(job: Job, obs: Observed) -> Action:
@@ -50,15 +52,30 @@ def next_attempt(job: Job, obs: Observed) -> Action:
     # an S3 store's log). No pod is waited for: the new attempt's rank 0 resumes from the newest durable one in
     # the store (never older than this: the trainer refuses a store that holds less) and reports it.
     ckpt = known_checkpoint(obs, attempt)
-    not_before = parse_stamp(st.get("nextAttemptTime"))
-    if not_before and obs.now < not_before:
-        return Action("wait")
     nxt = attempt + 1
+    backoff = deadlines.restart_backoff(obs)
+    if backoff is not None and not deadlines.passed(backoff):
+        return Action("wait", why=f"the restart backoff: attempt {nxt} not before {st.get('nextAttemptTime')}")
+    retry = create_retry.held_back(obs, nxt)  # a creation that failed: its leftovers go, its backoff passes
+    if retry is not None:
+        return retry
+    gang = job.spec.scheduling.gang
+    if gang != "none" and obs.pod_group_api is None:
+        return fail(obs, "CreateFailed", f"cannot create the PodGroup of attempt {nxt}: the API server serves none "
+                    f"of {', '.join(POD_GROUP_APIS[gang])} (docs/gang.md: Kubernetes 1.36+, the Workload API on)")
     size = st.get("resizeTo") or job.spec.nodes  # after a preemption or failure: try the full size
     status = _attempt_status(job, obs, ckpt, nxt, size)
     resume = f", resuming from iteration {ckpt_iteration(ckpt)}" if ckpt_iteration(ckpt) else ""
-    avoid = avoided(st)
+    avoid, yielded, why = plan_avoidance(job, st, obs.nodes, size, obs.now)
     avoiding = f", avoiding node(s) {', '.join(avoid)}" if avoid else ""
+    avoiding += f"; yielding: {why}" if yielded else ""
+    conditions = avoidance_condition(obs, nxt, avoid, yielded, why)
+    if conditions is not None:  # phase_status kept the other conditions as they were
+        (mine,) = [c for c in conditions if c["type"] == AVOIDED]
+        held = [c for c in status["conditions"] if c["type"] != AVOIDED]
+        status["conditions"] = held + [mine]
+    if st.get("avoidNodes"):  # the expired ones go
+        status["avoidNodes"] = live_avoidance(st, obs.now)
     event = Event("Normal", "AttemptCreated", f"creating attempt {nxt} ({size} pods){resume}{avoiding}")
     return Action("create", status=status, create_attempt=nxt, expected_iteration=ckpt_iteration(ckpt),
                   avoid_nodes=avoid, events=(event,), nodes=size)
@@ -77,13 +94,18 @@ def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: in
         "lastCheckpoint": ckpt,
         "restarts": restart_counts(st),
         "attemptInPlaceRestarts": 0,
-        "attemptHangs": 0,  # the new rank 0 counts from 0 (as its in-place restarts)
+        "attemptHangs": 0,
         "lostIterations": lost,
         "lastAttemptIteration": None,
         "nextAttemptTime": None,
         "nodes": size,
         "resizeTo": None,
     })
+    if st.get("nextCreateTime") or st.get("createFailures"):  # the creation that failed before is done now
+        status.update(createFailures=None, nextCreateTime=None)
+    group = pod_group(job, obs, nxt)
+    if group or st.get("podGroup"):
+        status["podGroup"] = group
     if job.spec.elastic and nxt == 1:
         status.update(minNodes=job.spec.sizes[0], sizes=list(job.spec.sizes),
                       minNodesNote=job.spec.min_nodes_note or None)
@@ -94,6 +116,13 @@ def _attempt_status(job: Job, obs: Observed, ckpt: CheckpointRef | None, nxt: in
     if status.get("trainIters"):
         status["progress"] = percent(ckpt_iteration(ckpt), status["trainIters"])
     return status
+
+
+def pod_group(job: Job, obs: Observed, attempt: int) -> PodGroupRef | None:
+    """The gang's PodGroup attempt `attempt` belongs to, in the version the API server serves (None: no gang)."""
+    api = obs.pod_group_api
+    return {"apiVersion": api, "name": pod_group_name(job, attempt, api)} if api and \
+        job.spec.scheduling.gang != "none" else None
 
 
 def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt: CheckpointRef | None,
@@ -108,18 +137,17 @@ def starting(job: Job, obs: Observed, attempt: int, current: list[PodView], ckpt
         return Action("wait", status=status, delete_pods=stale)
     trouble = _startup_trouble(current)
     admitted: StatusPatch = {"admittedTime": stamp(obs.now)} if st.get("reason") == "Queued" else {}
-    began = max(filter(None, (parse_stamp(st.get("attemptStartTime")), parse_stamp(st.get("admittedTime")))),
-                default=None)
+    began = deadlines.attempt_began(obs)
     timeout = job.spec.startup_timeout_seconds
     shrink_in = None if admitted else shrink_due(job, obs, current, began)
-    if shrink_in is not None and shrink_in < 0:
+    if deadlines.passed(shrink_in):
         size = attempt_size(job, st)
         stuck = [p for p in sorted(current, key=lambda p: p.rank) if p.unschedulable]
         seconds, setting = shrink_after(job)
         return resize(job, obs, current, ckpt, shrink_to(job, current, size),
                       f"{len(stuck)} pod(s) Unschedulable for more than {setting} ({seconds}s): "
                       f"pod {stuck[0].name}: {stuck[0].unschedulable}")
-    if began and not admitted and (obs.now - began).total_seconds() > timeout:
+    if not admitted and deadlines.passed(deadlines.startup(job, obs)):
         why = trouble[1] if trouble else "the pods were still starting"
         return restart(job, obs, current, ckpt, kind="neverStarted", reason="StartupTimeout",
                        message=f"attempt {attempt} not running after startupTimeoutSeconds ({timeout}s): {why}")
@@ -143,7 +171,7 @@ def _startup_trouble(current: list[PodView]) -> tuple[str, str] | None:
             return p.waiting.split(":")[0], f"pod {p.name}: {p.waiting}"
         if p.unschedulable:
             return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
-        if not p.scheduler_seen and p.created_for > NOT_SCHEDULED_AFTER:
+        if deadlines.passed(deadlines.not_scheduled(p)):
             return "NotScheduled", (f"pod {p.name}: no scheduler has looked at it for {NOT_SCHEDULED_AFTER:.0f}s; "
                                     f"is scheduler {p.scheduler!r} running?")
     return None

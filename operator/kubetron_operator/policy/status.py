@@ -55,6 +55,10 @@ def _conditions(old: list[Condition], phase: str, reason: str, message: str, now
     return out
 
 
+LIVE_FIELDS = ("iteration", "progress", "eta", "tokensPerSecond", "loss", "learningRate")
+"""The fields progress_fields() moves with every read of rank 0's endpoint (policy/throttle.py holds them back)."""
+
+
 def progress_fields(obs: Observed, ckpt: CheckpointRef | None, live: bool = True) -> StatusPatch:
     """iteration / trainIters / progress / eta / tokensPerSecond / loss / learningRate for `kubectl get`, for the
     current attempt."""
@@ -94,23 +98,26 @@ def restart_counts(st: JobStatus) -> Restarts:
             "hangs": r.get("hangs") or 0}
 
 
-def in_place_news(obs: Observed, attempt: int) -> tuple[StatusPatch, tuple[Event, ...]]:
+def in_place_news(obs: Observed, attempt: int, limit: int) -> tuple[StatusPatch, tuple[Event, ...]]:
     """In-place restarts (and hangs) of the current attempt not counted yet, from rank 0's status endpoint or
-    the progress log: the status fields that count them, and an event for each."""
+    the progress log: the status fields that count them, and one event for all of them. `limit`: the job's
+    maxInPlaceRestarts, the most an attempt can have; a trainer that reports more is not believed beyond it."""
     counted = obs.status.get("attemptInPlaceRestarts") or 0
     by_job = (obs.progress or NO_PROGRESS).get("inPlaceRestarts")
     logged = [n for job_id, n in by_job.items() if str(job_id).endswith(f"/{attempt}")] if isinstance(
         by_job, Mapping) else []
-    now = max([counted, (obs.live or NO_LIVE).get("inPlaceRestarts") or 0, *logged])
+    now = min(max([counted, (obs.live or NO_LIVE).get("inPlaceRestarts") or 0, *logged]), max(counted, limit))
     restarts = restart_counts(obs.status)
     news: StatusPatch = {}
     events: tuple[Event, ...] = ()
     if now > counted:
         total = restarts["inPlace"] + now - counted
-        events = tuple(Event("Warning", "RestartedInPlace", f"attempt {attempt}: a trainer process ended; the gang "
-                             f"restarted inside its pods from the newest checkpoint ({n} in this attempt, "
-                             f"{total - now + n} in all)") for n in range(counted + 1, now + 1))
+        which = f"{now} in this attempt" if now == counted + 1 else f"{counted + 1}-{now} of this attempt"
+        what = "a trainer process ended; the gang restarted" if now == counted + 1 else \
+            f"trainer processes ended; the gang restarted {now - counted} times"
+        events = (Event("Warning", "RestartedInPlace", f"attempt {attempt}: {what} inside its pods from the newest "
+                        f"checkpoint ({which}, {total} in all)"),)
         restarts = {**restarts, "inPlace": total}
         news = {"restarts": restarts, "attemptInPlaceRestarts": now}
-    hangs, hung = hang_news(obs, attempt, restarts)  # some of them after the gang hung (policy/hang.py)
+    hangs, hung = hang_news(obs, attempt, restarts, now)  # some of them after the gang hung (policy/hang.py)
     return {**news, **hangs}, events + hung

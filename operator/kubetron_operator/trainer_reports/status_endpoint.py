@@ -11,22 +11,27 @@ what else is known, and the endpoint is left alone for a while). The fetch is in
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
+from kubetron.contract.hang import RestartCause
 from kubetron.contract.live import LiveStatus, parse_live_status
 from kubetron.contract.progress import CheckpointRef
+from kubetron.contract.times import parse_stamp, stamp
 
 from kubetron_operator.observe import PodView
 from kubetron_operator.trainer_reports import http_get
+from kubetron_operator.trainer_reports.termination import capped
 from kubetron_operator.untrusted import Untrusted, clean, count, load_json
 
 Fetch = Callable[[str], dict[str, Any]]
 LIVE_DEADLINE = 2.0  # seconds for one fetch, all of it
 LIVE_LIMIT = 64 * 1024  # bytes of answer
 MAX_SECONDS = 10 * 365 * 86400.0  # an ETA beyond ten years is not one
-_COUNTS = ("iteration", "trainIters", "consumedSamples", "inPlaceRestarts")
+CLOCK_SKEW = 300.0  # seconds the pod's clock may run ahead of the operator's (trainerTime.started)
+_COUNTS = ("iteration", "trainIters", "consumedSamples", "inPlaceRestarts", "hangs")
 _RANGES = {"etaSeconds": (0.0, MAX_SECONDS), "tokensPerSecond": (0.0, 1e15), "tflopsPerGpu": (0.0, 1e9),
            "loss": (-1e300, 1e300), "learningRate": (-1e300, 1e300)}
 
@@ -70,13 +75,17 @@ def status_url(pods: Iterable[PodView], attempt: int, port: int) -> str | None:
     return None
 
 
-def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = http_fetch) -> LiveRead:
-    """Fetch and check rank 0's status (see the module docstring)."""
+def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = http_fetch, *,
+              max_in_place: int | None = None, now: datetime | None = None) -> LiveRead:
+    """Fetch and check rank 0's status (see the module docstring). `max_in_place`: the job's maxInPlaceRestarts
+    (a count beyond it is refused); `now`: the operator's clock, which trainerTime may not run ahead of."""
     url = status_url(pods, attempt, port)
     if url is None:
         return LiveRead()
     try:
-        return LiveRead(status=checked(parse_live_status(fetch(url))))
+        data = fetch(url)
+        trainer_time(data.get("trainerTime") if isinstance(data, Mapping) else None, now)
+        return LiveRead(status=checked(parse_live_status(data), max_in_place))
     except OverflowError:  # a number beyond a double (from a fetch that did not bound it)
         return LiveRead(problem=f"rank 0's status endpoint ({url}): a number beyond the range of a double")
     except (Untrusted, Redirected, http_get.TooLarge, TimeoutError) as exc:
@@ -85,14 +94,26 @@ def read_live(pods: Iterable[PodView], attempt: int, port: int, fetch: Fetch = h
         return LiveRead()  # not listening yet (model still loading) or going away: the log covers it
 
 
-def checked(status: LiveStatus | None) -> LiveStatus | None:
-    """`status` when its numbers are in range (counts: int64, not negative; the ETA and speeds not negative
-    and bounded), else Untrusted naming the field."""
+def checked(status: LiveStatus | None, max_in_place: int | None = None) -> LiveStatus | None:
+    """`status` when its numbers are in range (counts: int64, not negative, in-place restarts within the job's
+    maxInPlaceRestarts and hangs within those; the ETA and speeds not negative and bounded), else Untrusted
+    naming the field; its hang report's and restart cause's strings cut short."""
     if status is None:
         return None
     values: dict[str, Any] = dict(status)
     for key in _COUNTS:
         count(values.get(key), key)
+    restarts = status["inPlaceRestarts"]
+    if max_in_place is not None and restarts > max_in_place:
+        raise Untrusted(f"inPlaceRestarts {restarts} is more than the job's maxInPlaceRestarts {max_in_place}")
+    if status["hangs"] > restarts:
+        raise Untrusted(f"hangs {status['hangs']} is more than its inPlaceRestarts {restarts}")
+    if status["lastHang"] is not None:
+        status["lastHang"] = capped(status["lastHang"])
+    if status["lastRestart"] is not None:
+        cause = status["lastRestart"]
+        status["lastRestart"] = RestartCause(restart=cause["restart"], rank=cause["rank"], nodeRank=cause["nodeRank"],
+                                             how=clean(cause["how"], 200))
     for key, (low, high) in _RANGES.items():
         if values.get(key) is not None and not low <= values[key] <= high:
             raise Untrusted(f"{key} is out of range")
@@ -101,6 +122,29 @@ def checked(status: LiveStatus | None) -> LiveStatus | None:
         count(ckpt.get("iteration"), "lastCheckpoint.iteration")
         status["lastCheckpoint"] = CheckpointRef(iteration=ckpt["iteration"], time=_time(ckpt.get("time")))
     return status
+
+
+def trainer_time(data: Any, now: datetime | None) -> None:
+    """Untrusted, naming what is wrong, unless `data` (the payload's trainerTime) is absent or a time a process
+    can have spent: its start a timestamp not ahead of `now` (give or take CLOCK_SKEW), its iterations a count,
+    its seconds finite, not negative, and together no more than have passed since its start."""
+    if data is None:
+        return
+    started = parse_stamp(data.get("started")) if isinstance(data, Mapping) else None
+    if started is None:
+        raise Untrusted("trainerTime.started is not a timestamp")
+    count(data.get("steps"), "trainerTime.steps")
+    spent = 0.0
+    for key in ("train", "checkpoint", "evaluation"):
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_SECONDS:
+            raise Untrusted(f"trainerTime.{key} is not a number of seconds")
+        spent += value
+    if now is not None:
+        alive = (now - started).total_seconds() + CLOCK_SKEW
+        if alive < 0 or spent > alive:
+            raise Untrusted(f"trainerTime counts {spent:.0f} s, more than its process has run ({max(0.0, alive):.0f} s "
+                            f"since {stamp(started)}, with {CLOCK_SKEW:.0f} s of clock skew)")
 
 
 def _time(value: Any) -> str | None:

@@ -94,18 +94,28 @@ def read_s3_progress(job: Job, kube: Kube, own_buckets: Collection[str] = ()) ->
         log.warning("progress log of %s/%s unread: %s: %s", job.namespace, job.name, exc.reason, exc.message)
         return ProgressRead(unread=(exc.reason, exc.message))
     events = parse_progress(text)
-    kept = [ev for ev in events if _in_range(ev)]
+    limit = job.spec.max_in_place_restarts
+    kept = [ev for ev in events if _in_range(ev, limit)]
     summary = summarize_events(kept)
     summary.pop("events", None)
     dropped = len(events) - len(kept)
-    warnings = (f"{PROGRESS_FILE}: {dropped} line(s) ignored, a number beyond int64",) if dropped else ()
+    warnings: tuple[str, ...] = (f"{PROGRESS_FILE}: {dropped} line(s) ignored, a number beyond int64 or more "
+                                 f"in-place restarts than maxInPlaceRestarts {limit}",) if dropped else ()
+    too_many = sorted(job_id for job_id, n in summary["hangs"].items() if n > limit)
+    for job_id in too_many:  # more "Hang detected" lines than an attempt can have: counted up to what it can
+        summary["hangs"][job_id] = limit
+    if too_many:
+        warnings += (f"{PROGRESS_FILE}: more hangs than maxInPlaceRestarts {limit} for {clean(too_many[0], 200)}; "
+                     f"counted as {limit}",)
     return ProgressRead(summary=summary, warnings=warnings)
 
 
-def _in_range(ev: ProgressEvent) -> bool:
-    """The numbers the operator takes from a line fit the CRD's status (int64, not negative)."""
-    counts = (ev.iteration, ev.train_iters, as_int(ev.fields.get(IN_PLACE_RESTARTS_KEY)))
-    return all(n is None or 0 <= n <= INT64_MAX for n in counts)
+def _in_range(ev: ProgressEvent, max_in_place: int) -> bool:
+    """The numbers the operator takes from a line fit the CRD's status (int64, not negative) and the spec (an
+    attempt's in-place restarts at most maxInPlaceRestarts)."""
+    counts = (ev.iteration, ev.train_iters)
+    restarts = as_int(ev.fields.get(IN_PLACE_RESTARTS_KEY))
+    return all(n is None or 0 <= n <= INT64_MAX for n in counts) and (restarts is None or 0 <= restarts <= max_in_place)
 
 
 def signed_url(job: Job, storage: S3Storage, kube: Kube, own_buckets: Collection[str]) -> str | None:

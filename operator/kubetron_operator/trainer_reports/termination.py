@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kubetron.contract.hang import HangReport, parse_report
 from kubetron.contract.termination import MESSAGE_LIMIT, TerminationMessage
 
 from kubetron_operator.untrusted import Untrusted, clean, count, load_json
+
+REPORT_TEXT = {"phase": 32, "state": 32, "where": 300, "stacks": 512}  # characters kept of a hang report's strings
 
 
 def trainer_message(text: str) -> tuple[TerminationMessage | None, str]:
@@ -43,4 +46,17 @@ def _checked_termination(data: Mapping[str, Any]) -> TerminationMessage:
     for key in ("reason", "message"):
         if isinstance(data.get(key), str):
             out[key] = clean(data[key])  # type: ignore[literal-required]
+    report = parse_report(data.get("hang"))  # exit 7 (Hung): the rank the pods' watchdogs named
+    if report is not None:
+        for key in ("rank", "nodeRank", "localRank", "iteration", "ranks", "restart"):
+            count(report[key], f"hang.{key}")  # type: ignore[literal-required]
+        out["hang"] = capped(report)
     return out
+
+
+def capped(report: HangReport) -> HangReport:
+    """`report` with its strings as short as status and an event may carry them, control characters escaped (a
+    pod's watchdog wrote it from its peers' keys in the job's rendezvous store, which anyone who reaches that
+    store may write: docs/security.md)."""
+    texts = {key: clean(report[key], limit) for key, limit in REPORT_TEXT.items()}  # type: ignore[literal-required]
+    return HangReport(**{**report, **texts})  # type: ignore[typeddict-item]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kubetron import heartbeat
 from kubetron.checkpoint import adapters, comm, format_kubetron, format_local, format_sharded, format_torch_dist
 from kubetron.checkpoint.canonical import (
     load_optimizer_state_by_name,
@@ -50,25 +47,26 @@ from kubetron.checkpoint.layout import (
     to_bytes,
     tokenizer_vocab,
 )
-from kubetron.checkpoint.progress_log import ProgressLog
 from kubetron.checkpoint.rng import get_rng_state, set_rng_state
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
 from kubetron.contract.hang import CHECKPOINT
 from kubetron.contract.times import stamp
+from kubetron.events import PROGRESS, Checkpoint, CheckpointDurable, Events
 from kubetron.storage import open_store
 
 log = logging.getLogger("kubetron")
 
 
-def _chaos(point: str, iteration: int):
-    """Fault injection for the store's guarantees: KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>] SIGKILLs
-    this process at that point of a save (after-shard, after-model, after-payload, after-commit,
-    after-tracker); with KUBETRON_CHAOS_RANK=<r> only global rank r dies."""
-    spec = os.environ.get("KUBETRON_CHAOS_KILL_AT")
-    only = os.environ.get("KUBETRON_CHAOS_RANK")
-    if spec and spec in (point, f"{point}@{iteration}") and (not only or int(only) == _rank()):
-        os.kill(os.getpid(), signal.SIGKILL)
+SAVE_POINTS = ("after-shard", "after-model", "after-optim", "after-common", "after-payload", "after-commit",
+               "after-tracker")
+"""The points of a save where the manager calls its `faults` hook, in the order a save passes them: a rank's
+sharded part written; rank 0's model and optimizer files (kubetron format) and common state written; every file
+of the rank written (the payload); the commit marker written; the tracker moved (rank 0)."""
+
+SaveFaults = Callable[[str, int], None]
+"""(point, iteration) -> None, called at each of SAVE_POINTS: where tests and `KUBETRON_CHAOS_KILL_AT` stop a save
+(the CLI installs that one; a process-tier test SIGKILLs the trainer there, an in-process test raises)."""
 
 
 def _barrier():
@@ -91,7 +89,8 @@ class Snapshot:
     common: dict | None
     rng: dict
     run_config: str | None
-    progress_fields: dict | None
+    taken: float = 0.0  # wall time (time.time()) of the snapshot
+    train_state: dict | None = None  # the counters as of the snapshot
     tokenizer: dict | None = None  # {file name: bytes} of a file-based tokenizer (rank 0 only)
     copied: torch.cuda.Event | None = None  # CUDA: an event after the device→host copies (then the buffers are valid)
 
@@ -121,13 +120,15 @@ class CheckpointManager:
     It is handed the parts a checkpoint holds and restores them in place (it never replaces an object
     someone else holds): the model chunks, the optimizer, and what has `state_dict()`/`load_state_dict()`:
     the LR scheduler, the train state (counters) and the data iterators. It owns the host buffers
-    snapshots are copied into, the progress log, and the save/exit schedule (checkpoint.save_interval,
+    snapshots are copied into, and the save/exit schedule (checkpoint.save_interval,
     non_persistent_save_interval, a signal, train.exit_duration_in_mins, train.exit_interval, a straggler).
+    What it does goes to `events` (kubetron.events: a save's phase and progress, a checkpoint durable); `faults`
+    is called at each of SAVE_POINTS of a save.
     """
 
     def __init__(self, cfg, store, *, model, optimizer, scheduler, train_state, data=(None, None), run_id: str,
                  world_size: int | None = None, signal_handler=None, start_time: float | None = None,
-                 load_hf: LoadHF | None = None):
+                 load_hf: LoadHF | None = None, events: Events | None = None, faults: SaveFaults | None = None):
         self.cfg, self.save_store = cfg, store
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.train_state = train_state
@@ -137,7 +138,8 @@ class CheckpointManager:
         self.signal_handler = signal_handler  # SIGTERM/SIGINT: save and stop (train.exit_signal_handler)
         self.start_time = time.time() if start_time is None else start_time  # train.exit_duration_in_mins
         self.load_hf = load_hf  # pretrained_checkpoint as a Hugging Face directory (kubetron.training.first_weights)
-        self.progress = ProgressLog(cfg, store, train_state, self.world_size)
+        self.events = events if events is not None else Events()
+        self.faults = faults
         self.buffers = HostBuffers()
         self._plan: dict = {}  # format_sharded.snapshot's cuts, worked out at the first save (the layout is fixed)
         ck = cfg.checkpoint
@@ -158,8 +160,6 @@ class CheckpointManager:
         self.last_durable: int | None = None
         self.last_durable_time: str | None = None
         self.last_save_bytes = 0  # bytes this rank wrote in its newest save (tensor payload)
-        self.last_save_seconds: float | None = None  # the newest durable save: start to durable (seconds)
-        self.last_blocked_seconds: float | None = None  # ... of which the loop waited (seconds)
         self._blocked: dict[int, float] = {}  # iteration -> seconds the loop waited, until that save is durable
         self._run_config_yaml: str | None = None
         self._tokenizer_assets: dict[str, bytes] | None = None
@@ -168,6 +168,10 @@ class CheckpointManager:
     @property
     def enabled(self) -> bool:
         return self.save_store is not None
+
+    def time_limit_reached(self) -> bool:
+        """train.exit_duration_in_mins has passed since this process started, on any rank (collective when set)."""
+        return time_limit_reached(self.cfg, self.start_time)
 
     # -- the schedule: when to save, when to stop ------------------------------------------------------
     def after_step(self, step: int, *, straggler: bool = False) -> int | None:
@@ -191,7 +195,7 @@ class CheckpointManager:
             saved = True
         elif cfg.checkpoint.non_persistent_save_interval and step % cfg.checkpoint.non_persistent_save_interval == 0:
             self.save(step, non_persistent=True)
-        if time_limit_reached(cfg, self.start_time):
+        if self.time_limit_reached():
             if not saved:
                 self.save(step, blocking=True)
             log.info("exit_duration_in_mins (%.1f) reached at iteration %d", cfg.train.exit_duration_in_mins, step)
@@ -264,7 +268,8 @@ class CheckpointManager:
             common=common,
             rng=get_rng_state() if ck.save_rng else {},
             run_config=self._run_config() if rank0 else None,
-            progress_fields=self.progress.fields(iteration) if rank0 else None,
+            taken=time.time(),
+            train_state=self.train_state.state_dict(),
             tokenizer=self._tokenizer_files() if rank0 else None,
             copied=copied,
         )
@@ -275,7 +280,7 @@ class CheckpointManager:
             return self._save_local(step)
         if not self.enabled:
             return
-        with heartbeat.current().during(CHECKPOINT):  # a slow save is not a hang (docs/recovery.md)
+        with self.events.phase(CHECKPOINT):  # a slow save is not a hang (docs/recovery.md)
             self._save(step, non_persistent, blocking)
 
     def _save(self, step: int, non_persistent: bool, blocking: bool | None):
@@ -306,7 +311,9 @@ class CheckpointManager:
     def _write(self, name: str, snap: Snapshot, holder: dict):
         """Every rank: its own files into the transaction (background thread for async saves)."""
         rank, it = _rank(), snap.iteration
-        wrote = heartbeat.current().progress  # each file written is progress: a slow store is not a hang
+        def wrote():  # each file written is progress: a slow store is not a hang
+            self.events.emit(PROGRESS)
+
         if snap.copied is not None:
             snap.copied.synchronize()
         txn = holder["txn"] = self.save_store.begin_dir(name, txn_id=f"{self.run_id}-{it}")
@@ -315,7 +322,7 @@ class CheckpointManager:
             wrote()
         if snap.shard is not None:
             self.last_save_bytes = format_sharded.write(txn, rank, snap.shard,
-                                                        after_data=lambda: _chaos("after-shard", it))
+                                                        after_data=lambda: self._fault("after-shard", it))
             wrote()
         if self.cfg.checkpoint.ckpt_format == "torch_dist":  # collective; sync saves only (config)
             common = format_torch_dist.megatron_common(it, self.scheduler.state_dict(),
@@ -325,17 +332,21 @@ class CheckpointManager:
             if snap.common is not None and facts:
                 snap.common["dist_optimizer"] = facts
         if snap.common is not None:
-            format_kubetron.write(txn, snap.model, snap.optim, after=lambda key: _chaos(f"after-{key[:-3]}", it))
+            format_kubetron.write(txn, snap.model, snap.optim, after=lambda key: self._fault(f"after-{key[:-3]}", it))
             wrote()
             with txn.open_write(COMMON) as f:
                 torch.save(snap.common, f)
             wrote()
-            _chaos("after-common", it)
+            self._fault("after-common", it)
             assert snap.run_config is not None  # (rank 0's snapshot, like common)
             txn.write_bytes(RUN_CONFIG, snap.run_config.encode())
             for file_name, data in (snap.tokenizer or {}).items():  # a checkpoint is self-contained
                 txn.write_bytes(f"{TOKENIZER_DIR}/{file_name}", data)
-        _chaos("after-payload", it)
+        self._fault("after-payload", it)
+
+    def _fault(self, point: str, iteration: int) -> None:
+        if self.faults is not None:
+            self.faults(point, iteration)
 
     def _commit(self, name: str, snap: Snapshot, holder: dict, non_persistent: bool, use_async: bool, t0: float):
         """Collective: once every rank's files are durable, rank 0 writes the marker, then the tracker."""
@@ -344,24 +355,25 @@ class CheckpointManager:
             marker = {"iteration": snap.iteration, "time": stamp(), "run_id": self.run_id,
                       "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.world_size}
             holder["txn"].commit(json.dumps(marker).encode())
-            _chaos("after-commit", snap.iteration)
+            self._fault("after-commit", snap.iteration)
             if not non_persistent:
-                assert snap.common is not None and snap.progress_fields is not None  # (rank 0's snapshot)
+                assert snap.common is not None  # (rank 0's snapshot)
                 tracker = {"iteration": snap.iteration, "train_state": snap.common["train_state"],
                            "time": marker["time"]}
                 self.save_store.replace_tracker(TRACKER, to_bytes(tracker))
-                _chaos("after-tracker", snap.iteration)
-                self.progress.saved(snap.progress_fields, async_save=use_async)
+                self._fault("after-tracker", snap.iteration)
                 self._apply_retention()
             else:
                 self._cleanup_non_persistent(keep=name)
         _barrier()
         seconds = time.perf_counter() - t0
+        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, seconds)
         if not non_persistent:
             self.last_durable, self.last_durable_time = snap.iteration, stamp()
-            self.last_save_seconds = seconds
-            self.last_blocked_seconds = self._blocked.pop(snap.iteration, seconds)  # a sync save: all of it
-        log.info("saved checkpoint %s at iteration %d (%.2fs)", name, snap.iteration, seconds)
+            blocked = self._blocked.pop(snap.iteration, seconds)  # a sync save: all of it
+            assert snap.train_state is not None
+            self.events.emit(CheckpointDurable(Checkpoint(snap.iteration, self.last_durable_time), snap.taken,
+                                               snap.train_state, seconds, blocked, use_async))
 
     def finalize(self, blocking: bool = False):
         """Finish async saves that are done (or all, if blocking). Collective when world_size > 1:
@@ -370,11 +382,11 @@ class CheckpointManager:
         if saver is None or not saver.pending:  # the same on every rank: saves start and end together,
             return  # so the loop pays the collective below only while a save is in flight
         if blocking or not (dist.is_initialized() and dist.get_world_size() > 1):
-            with heartbeat.current().during(CHECKPOINT):
+            with self.events.phase(CHECKPOINT):
                 saver.maybe_finalize(blocking=blocking)
             return
         if comm.all_ranks(saver.ready()):
-            with heartbeat.current().during(CHECKPOINT):
+            with self.events.phase(CHECKPOINT):
                 saver.maybe_finalize(blocking=True)
 
     def close(self):
@@ -413,7 +425,7 @@ class CheckpointManager:
     # -- non-persistent "local": rank-local shards, resumable at the same layout only -------------------
     def _save_local(self, step: int):
         """Every rank writes its own shard (model chunk, optimizer, RNG) to its node-local directory."""
-        with heartbeat.current().during(CHECKPOINT):
+        with self.events.phase(CHECKPOINT):
             self._save_local_now(step)
 
     def _save_local_now(self, step: int):

@@ -480,7 +480,13 @@ class FinetuningDatasetConfig(_Section):
     shuffle: bool = _f(True, "Shuffle the sequences every epoch (seeded by rng.seed; resume stays exact).")
     cache_dir: str | None = _f(
         None, "Where the tokenized and packed data is stored once and reused by every rank and restart (local "
-              "or s3://; None: <checkpoint.save>/sft_cache, or $TMPDIR/kubetron-sft-cache without checkpoint.save).")
+              "or s3://; None: <checkpoint.save>/sft_cache, or $TMPDIR/kubetron-sft-cache without checkpoint.save). "
+              "Caches are signed with a key kept in the job's store (<checkpoint.save>/sft_cache.key): one another "
+              "job or anyone else wrote is rebuilt.")
+    max_expansion: int = _f(
+        100, "The most bytes of rows one data file may give per byte stored, once decompressed or decoded (and as "
+             "many rows); 256 MiB is always allowed. A file past it is refused naming it (a compression bomb).",
+        ge=1)
 
     def check(self) -> None:
         for name in ("data_path", "valid_data_path"):
@@ -658,9 +664,16 @@ class DistributedInitConfig(_Section):
         10, "Longest a rank waits in a collective, e.g. for a dead peer, before exiting 5 (minutes).", gt=0)
     use_gpu: bool | None = _f(None, "Train on CUDA (None: when a CUDA device is available).")
 
-    def resolved_backend(self, use_gpu: bool) -> str:
-        """The backend to use on this device kind."""
-        return self.distributed_backend or ("nccl" if use_gpu else "gloo")
+    def resolve_device(self, cuda_available: bool) -> None:
+        """use_gpu and distributed_backend where unset, for a place with or without CUDA: the one place the
+        backend is chosen (idempotent: once set, they stay)."""
+        if self.use_gpu is None:
+            self.use_gpu = bool(cuda_available)
+        elif self.use_gpu and not cuda_available:
+            raise ConfigError("dist.use_gpu", "is true but no CUDA device is available")
+        if self.distributed_backend is None:
+            self.distributed_backend = "nccl" if self.use_gpu else "gloo"
+        self.check()
 
     def check(self) -> None:
         if self.distributed_backend == "nccl" and self.use_gpu is False:
@@ -1260,14 +1273,7 @@ class ConfigContainer(BaseModel):
 
         # device
         if cuda_available is not None:
-            if self.dist.use_gpu is None:
-                self.dist.use_gpu = bool(cuda_available)
-            elif self.dist.use_gpu and not cuda_available:
-                raise ConfigError("dist.use_gpu", "is true but no CUDA device is available")
-            if self.dist.distributed_backend is None:
-                self.dist.distributed_backend = "nccl" if self.dist.use_gpu else "gloo"
-            if self.dist.distributed_backend == "nccl" and not self.dist.use_gpu:
-                raise ConfigError("dist.distributed_backend", "nccl needs a GPU but dist.use_gpu is false")
+            self.dist.resolve_device(cuda_available)
 
         self.validate()
         return self

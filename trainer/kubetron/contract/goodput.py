@@ -19,7 +19,8 @@ BUCKETS = (PRODUCTIVE, CHECKPOINT, LOST_WORK, RECOVERY, PENDING, OTHER)
 
 
 class TrainerTime(TypedDict):
-    """Rank 0's own account of its process's time (kubetron.heartbeat keeps it; seconds since the process started)."""
+    """Rank 0's own account of its process's time (kubetron.supervisor.heartbeat keeps it; seconds since the process
+    started)."""
 
     started: str  # the process's start (contract.times.stamp): tells one process from the next
     steps: int  # training iterations it completed

@@ -1,11 +1,11 @@
 """Hangs (docs/recovery.md): the heartbeat each rank publishes, when a rank counts as hung, which rank of a
 hung gang is named, and the report that names it.
 
-Each rank's training loop publishes a heartbeat record (kubetron.heartbeat writes it into a small shared
+Each rank's training loop publishes a heartbeat record (kubetron.supervisor.heartbeat writes it into a small shared
 file): the iteration it completed last, its phase, when that phase began, when it last made progress (an
 iteration, an evaluation batch, a checkpoint file), the slowest of its recent iterations and how many it
 completed in this process. The pod's torchrun agent reads the records from outside the training thread
-(kubetron.watchdog) and judges them by `hang_timeout`:
+(kubetron.supervisor.watchdog) and judges them by `hang_timeout`:
 
 - `train`: `spec.hangTimeoutSeconds` (KUBETRON_HANG_TIMEOUT_SECONDS), else max(FLOOR_SECONDS,
   STEP_FACTOR x the slowest recent iteration);
@@ -204,6 +204,49 @@ class RankState(TypedDict):
     where: str  # `innermost` of its dump ('' when it has none)
 
 
+STATE_BYTES = 64 * 1024  # of one pod's key in the rendezvous store
+STATE_RANKS = 1024  # ranks one pod may publish (its local ranks: a node's GPUs)
+WHERE_CHARS = 300  # of a rank's `where`
+
+
+def parse_states(values: Sequence[bytes | str], nnodes: int) -> list[RankState] | None:
+    """The ranks the gang's pods published (the rendezvous store's `kubetron/hang/<n>` keys, in node-rank order),
+    checked: each key at most STATE_BYTES of a JSON list of at most STATE_RANKS RankStates of its own pod
+    (nodeRank n), every field of its type, the phase and state ones this module knows, the numbers finite and
+    not negative, `where` cut to WHERE_CHARS. None when any is not: no verdict is drawn from what a peer (or
+    anyone who reaches the store, which has no authentication) wrote wrong; the hang is then not judged."""
+    out: list[RankState] = []
+    for node_rank, value in enumerate(values[:nnodes]):
+        if len(value) > STATE_BYTES:
+            return None
+        try:
+            ranks = json.loads(value)
+        except ValueError:
+            return None
+        if not isinstance(ranks, list) or not 0 < len(ranks) <= STATE_RANKS:
+            return None
+        for data in ranks:
+            state = _rank_state(data, node_rank)
+            if state is None:
+                return None
+            out.append(state)
+    return out
+
+
+def _rank_state(data: object, node_rank: int) -> RankState | None:
+    types: dict[str, type | tuple[type, ...]] = {
+        "rank": int, "nodeRank": int, "localRank": int, "phase": str, "iteration": int, "idleSeconds": (int, float),
+        "timeoutSeconds": (int, float), "stalled": bool, "state": str, "where": str}
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), t) and (t is bool or not isinstance(
+            data.get(k), bool)) for k, t in types.items()):
+        return None
+    numbers = [data[k] for k in ("rank", "localRank", "iteration", "idleSeconds", "timeoutSeconds")]
+    if data["nodeRank"] != node_rank or data["phase"] not in PHASES or data["state"] not in STATES or not all(
+            math.isfinite(n) and 0 <= n < 2**63 for n in numbers):
+        return None
+    return RankState(**{**{k: data[k] for k in types}, "where": data["where"][:WHERE_CHARS]})  # type: ignore[typeddict-item]
+
+
 def gang_hung(ranks: Sequence[RankState]) -> bool:
     """Every rank of the gang (all idle past the iteration's timeout) is past its own hang timeout, or one is
     stopped: a stopped process makes no progress, whatever its phase allows."""
@@ -211,7 +254,7 @@ def gang_hung(ranks: Sequence[RankState]) -> bool:
 
 
 class HangReport(TypedDict):
-    """A hung gang: the rank named, with where the stacks are. The agents agree on it (kubetron.watchdog);
+    """A hung gang: the rank named, with where the stacks are. The agents agree on it (kubetron.supervisor.watchdog);
     the status endpoint (`lastHang`), the progress log ("Hang detected"), the termination message (`hang`)
     and the operator's status.lastHang carry it."""
 
@@ -299,4 +342,4 @@ def parse_cause(data: object) -> RestartCause | None:
     if not isinstance(data, dict) or not all(isinstance(data.get(k), t) and not isinstance(data.get(k), bool)
                                              for k, t in types.items()):
         return None
-    return RestartCause(restart=data["restart"], rank=data["rank"], nodeRank=data["nodeRank"], how=data["how"])
+    return RestartCause(restart=data["restart"], rank=data["rank"], nodeRank=data["nodeRank"], how=data["how"][:200])

@@ -2,7 +2,7 @@
 
 The trainer appends lines with `format_line` and the helpers for the standard events; the operator
 (and `kubetron progress STORE`) reads them back with `parse_progress` / `summarize_events`. Reading a
-store, and the job id and restart count a pod's environment holds, are the trainer's (kubetron.progress_io).
+store, and the job id and restart count a pod's environment holds, are the trainer's (kubetron.supervisor.progress_io).
 The format is Megatron's tab-separated one (docs/CONTRACT.md):
 
     time \\t Job ID: <id> \\t # GPUs: <n> \\t <event> [\\t Key: value ...]

@@ -1,6 +1,6 @@
 """The pod's termination message (docs/CONTRACT.md): one line of JSON, at most 4 KiB.
 
-Its shape, its encoding and its parser; the trainer writes it (kubetron.termination_log).
+Its shape, its encoding and its parser; the trainer writes it (kubetron.supervisor.termination_log).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ Sequences (one sample = `seq_length` positions):
 - packing: examples first-fit into sequences, each with position ids starting at 0 and a
   `segment_ids` row (1, 2, ... per example, 0 for the tail padding). The forward step turns it into
   a block-diagonal causal mask (gpt_step.document_mask), so no token attends across examples.
-An example longer than `seq_length + 1` tokens is cut to that length (counted in the log).
+An example longer than `seq_length + 1` tokens is cut to that length; one with no trained token left after the cut
+is dropped (as TRL drops it), and a dataset with none left is refused naming ``model.seq_length``. The data line
+counts examples, dropped, cut and trained tokens (``kubetron inspect-data`` prints it and the examples).
 
 Built once (:mod:`kubetron.data.sft.cache`): rank 0 tokenizes and packs and stores the result; the other ranks
 and every restart load it.
@@ -70,29 +72,79 @@ class SftSettings:
     add_eod: bool = True
     keys: RowKeys = RowKeys()
     chat_template: str | None = None
+    max_expansion: int = files.DEFAULT_EXPANSION  # a bound on reading, not a shape of the samples: not in the key
 
     def key_part(self) -> dict:
         return {"seq_length": self.seq_length, "packing": self.packing, "add_eod": self.add_eod,
                 "keys": [self.keys.input, self.keys.output, self.keys.messages], "chat_template": self.chat_template}
 
 
-def build_arrays(paths, tokenizer, s: SftSettings, field: str) -> tuple[dict[str, np.ndarray], dict]:
-    """Read, tokenize and pack: the flat arrays a FinetuningDataset serves, and counts for the log."""
+@dataclass(frozen=True)
+class Built:
+    """What a build made: the flat arrays a FinetuningDataset serves, the counts of the data line, and for each
+    kept example where its row was (``FILE:LINE``; in memory only, for inspect-data)."""
+
+    arrays: dict[str, np.ndarray]
+    counts: dict
+    where: list[str]
+
+
+def build(paths, tokenizer, s: SftSettings, field: str) -> Built:
+    """Read, tokenize, drop what has nothing to train, pack."""
     found = files.resolve(paths, field)
     total = sum(f.size for f in found)
-    rows = files.read_rows(found, field, Progress(f"{field}: reading", total, "bytes"))
+    rows = files.read_rows(found, field, Progress(f"{field}: reading", total, "bytes"), s.max_expansion)
     items = parse_all(rows, lambda row: parse_row(row, s.keys), field)
     if not items:
         raise ConfigError(field, f"{_name(paths)}: holds no examples")
     encoded = encode_all(tokenizer, (s.seq_length, s.add_eod, s.chat_template, field), items,
                          Progress(f"{field}: tokenizing", len(items), "examples"))
+    if not encoded.kept_rows:
+        raise ConfigError(*_nothing_to_train(paths, len(items), encoded, s.seq_length, field))
+    if encoded.no_system:
+        log.warning("%s: the chat template leaves out the system message of %d of the %d examples (it writes it "
+                    "only in some positions: Mistral v0.3's only when the conversation ends with a user turn); they "
+                    "train without it", _name(paths), encoded.no_system, len(items))
     arrays = encoded.arrays()
-    if len(arrays["offsets"]) < 2:
-        raise ConfigError(field, f"{_name(paths)}: no example has two or more tokens")
     groups = pack(np.diff(arrays["offsets"]) - 1, s.seq_length, s.packing)
     arrays["groups"] = np.asarray([i for g in groups for i in g], dtype=np.int64)
     arrays["group_offsets"] = np.cumsum([0] + [len(g) for g in groups], dtype=np.int64)
-    return arrays, {"rows": len(items), "cut": encoded.cut, "short": encoded.short}
+    counts = {"rows": len(items), "dropped": encoded.dropped, "dropped_cut": encoded.dropped_cut,
+              "cut": encoded.cut, "trained_tokens": int(arrays["flags"][1:].sum()) - _first_flags(arrays)}
+    return Built(arrays, counts, [items[i][0] for i in encoded.kept_rows])
+
+
+def build_arrays(paths, tokenizer, s: SftSettings, field: str) -> tuple[dict[str, np.ndarray], dict]:
+    """Read, tokenize and pack: the flat arrays a FinetuningDataset serves, and counts for the log."""
+    built = build(paths, tokenizer, s, field)
+    return built.arrays, built.counts
+
+
+def _first_flags(arrays: dict[str, np.ndarray]) -> int:
+    """Flags of each example's first id after the very first (never a target: no position predicts it)."""
+    starts = arrays["offsets"][1:-1]
+    return int(arrays["flags"][starts].sum()) if len(starts) else 0
+
+
+def _nothing_to_train(paths, rows: int, e, seq_length: int, field: str) -> tuple[str, str]:
+    if e.dropped_cut:
+        return "model.seq_length", (f"{_name(paths)}: no example has a token to train within seq_length {seq_length}: "
+                                    f"{e.dropped_cut} of the {rows} are cut at seq_length + 1 = {seq_length + 1} "
+                                    "tokens before their answer (the rest have no answer); raise model.seq_length or "
+                                    "shorten the prompts")
+    return field, f"{_name(paths)}: none of the {rows} examples has a token to train (empty answers)"
+
+
+def data_line(paths, counts: dict, sequences: int, seq_length: int, packing: bool, real: int) -> str:
+    """The one line a build logs: examples, dropped, cut, trained tokens, sequences and how full they are."""
+    kept = counts["rows"] - counts.get("dropped", 0)
+    dropped = counts.get("dropped", 0)
+    why = (f"; {dropped} dropped with nothing to train ({counts.get('dropped_cut', 0)} after the cut at "
+           f"seq_length)" if dropped else "")
+    return (f"{_name(paths)}: {kept} examples{why}; {counts.get('cut', 0)} cut at seq_length; "
+            f"{counts.get('trained_tokens', 0)} trained tokens; in {sequences} sequences of {seq_length} "
+            f"({'packed' if packing else 'padded'}; {100 * real / max(sequences * seq_length, 1):.0f}% of positions "
+            "are real tokens)")
 
 
 def _name(paths) -> str:
@@ -102,34 +154,34 @@ def _name(paths) -> str:
 class FinetuningDataset:
     """Sequences of `seq_length` positions built from fine-tuning rows; indexable without end (epochs).
 
-    `cache`: (location, shared) to store the built arrays in and load them from (see kubetron.data.sft.cache);
-    None builds them in memory."""
+    `cache_at`: where to store the built arrays and load them from (a kubetron.data.sft.cache.CachePlace); None
+    builds them in memory."""
 
     def __init__(self, path, tokenizer, seq_length: int, *, packing: bool, seed: int, shuffle: bool = True,
                  add_eod: bool = True, input_key: str = "input", output_key: str = "output",
                  messages_key: str = "messages", chat_template: str | None = None,
-                 field: str = "finetuning.data_path", cache_at: tuple[str, bool] | None = None):
+                 max_expansion: int = files.DEFAULT_EXPANSION, field: str = "finetuning.data_path",
+                 cache_at: cache.CachePlace | None = None):
         self.seq_length, self.packing, self.seed, self.shuffle = seq_length, packing, seed, shuffle
         pad = getattr(tokenizer, "pad", None)  # tokenizers without a pad token pad with eod (no loss there)
         self.pad = int(tokenizer.eod if pad is None else pad)
         keys = RowKeys(input_key, output_key, messages_key)
-        settings = SftSettings(seq_length, packing, add_eod, keys, chat_template)
+        settings = SftSettings(seq_length, packing, add_eod, keys, chat_template, max_expansion)
         t0 = time.monotonic()
 
-        def build():
+        def make():
             return build_arrays(path, tokenizer, settings, field)
 
         if cache_at is None:
-            (arrays, meta), how = build(), "built in memory"
+            (arrays, meta), how = make(), "built in memory"
         else:
             key = cache.cache_key(files.resolve(path, field), tokenizer, settings.key_part())
-            arrays, meta, how = cache.load_or_build(*cache_at, key, tokenizer.vocab_size, build, field)
+            arrays, meta, how = cache.load_or_build(cache_at, key, tokenizer.vocab_size, make, field)
         self._serve(arrays)
+        self.counts = meta
         real = int(self.offsets[-1]) - (len(self.offsets) - 1)
-        log.info("%s: %d examples in %d sequences of %d (%s; %.0f%% of positions are real tokens; %d cut at "
-                 "seq_length); %s in %.1fs", _name(path), len(self.offsets) - 1, len(self), seq_length,
-                 "packed" if packing else "padded", 100 * real / (len(self) * seq_length), meta.get("cut", 0), how,
-                 time.monotonic() - t0)
+        self.line = data_line(path, meta, len(self), seq_length, packing, real)
+        log.info("%s; %s in %.1fs", self.line, how, time.monotonic() - t0)
 
     def _serve(self, a: dict[str, np.ndarray]) -> None:
         self.tokens, self.flags, self.offsets = a["tokens"], a["flags"], a["offsets"]
@@ -179,12 +231,21 @@ class FinetuningDataset:
         return self.sequence(self.group(int(self._order(epoch)[i])))
 
 
+def settings_of(cfg) -> SftSettings:
+    """The settings of a run config's `finetuning` section (and model.seq_length)."""
+    ft = cfg.finetuning
+    return SftSettings(cfg.model.seq_length, ft.packing, ft.add_eod, RowKeys(ft.input_key, ft.output_key,
+                                                                              ft.messages_key),
+                       ft.chat_template, ft.max_expansion)
+
+
 def build_finetuning_datasets(cfg, tokenizer) -> dict:
     """``{"train", "valid", "test"}`` for the `finetuning` section (test: None)."""
     ft = cfg.finetuning
     common = dict(packing=ft.packing, seed=cfg.rng.seed, shuffle=ft.shuffle, add_eod=ft.add_eod,
                   input_key=ft.input_key, output_key=ft.output_key, messages_key=ft.messages_key,
-                  chat_template=ft.chat_template, cache_at=cache.cache_location(ft.cache_dir, cfg.checkpoint.save))
+                  chat_template=ft.chat_template, max_expansion=ft.max_expansion,
+                  cache_at=cache.cache_location(ft.cache_dir, cfg.checkpoint.save))
     train = FinetuningDataset(ft.data_path, tokenizer, cfg.model.seq_length, **common)
     valid = None
     if ft.valid_data_path:

@@ -57,7 +57,6 @@ class ByteTokenizer:
         return [self.encode(t) for t in texts]
 
     encode_plain = encode_batch  # no special tokens are ever added
-    leading_special_ids: tuple[int, ...] = ()
 
     def encode_np(self, text: str, append_eod: bool = False):
         """Fast path for preprocessing: uint16 ids, with ``eod`` appended if asked."""
@@ -75,6 +74,19 @@ class ByteTokenizer:
         undecodable byte sequences become U+FFFD."""
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
+
+    def decode_all(self, ids) -> str:
+        """The text of `ids` with eod and pad written out (kubetron inspect-data)."""
+        names = {self.eod: "<eod>", self.pad: "<pad>"}
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if int(i) in names:
+                out += [self.decode(run), names[int(i)]]
+                run = []
+            else:
+                run.append(int(i))
+        return "".join(out) + self.decode(run)
 
     def assets(self) -> dict[str, bytes]:
         return {}
@@ -102,7 +114,6 @@ class NullTokenizer:
         raise ConfigError("tokenizer.tokenizer_type", "the null tokenizer cannot encode text; use 'byte'")
 
     encode_batch = encode_plain = encode
-    leading_special_ids: tuple[int, ...] = ()
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -130,11 +141,6 @@ class _FileTokenizer:
     def encode_plain(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text without the special tokens a post-processor adds (for these tokenizers: none)."""
         return self.encode_batch(texts)
-
-    @property
-    def leading_special_ids(self) -> tuple[int, ...]:
-        """The ids encode() puts before every text (a Llama tokenizer's BOS); none here."""
-        return ()
 
     def __init__(self, files: dict[str, bytes], source: str = ""):
         self._files = dict(files)
@@ -212,18 +218,16 @@ class HuggingFaceTokenizer(_FileTokenizer):
         return self._tok.encode_batch(texts, add_special_tokens=False)
 
     @property
-    def leading_special_ids(self) -> tuple[int, ...]:
-        enc = self._tok.encode("a")
-        n = next((i for i, m in enumerate(enc.special_tokens_mask) if not m), len(enc.ids))
-        return tuple(enc.ids[:n])
-
-    @property
     def special_token_texts(self) -> tuple[str, ...]:
         """The added tokens marked special (a chat's control tokens: <|eot_id|>, <|im_end|>, </s> ...)."""
         return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def decode_all(self, ids) -> str:
+        """The text of `ids` with the special tokens written out (kubetron inspect-data)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 class SentencePieceTokenizer(_FileTokenizer):

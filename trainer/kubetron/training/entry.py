@@ -11,7 +11,9 @@ import os
 import random
 import socket
 import sys
+import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -19,15 +21,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kubetron import heartbeat
+from kubetron.compat import megatron_core
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatchError
-from kubetron.contract.hang import TEARDOWN
-from kubetron.startup import CLOCK
-from kubetron.termination_log import write_termination_message
+from kubetron.events import Ended, Events, Listener, Stopping
+from kubetron.supervisor.startup import CLOCK
+from kubetron.supervisor.termination_log import TerminationReport
 from kubetron.training.state import GlobalState, SignalHandler, Timers
 
 if TYPE_CHECKING:
+    from kubetron.checkpoint.manager import SaveFaults
     from kubetron.training.run import Run
 
 log = logging.getLogger("kubetron")
@@ -40,18 +43,18 @@ def _free_port() -> int:
 
 
 def initialize_distributed(cfg) -> tuple[int, int, torch.device]:
-    """torchrun's env (or MASTER_ADDR/RANK/WORLD_SIZE from the operator); else a world of one."""
-    use_gpu = cfg.dist.use_gpu if cfg.dist.use_gpu is not None else torch.cuda.is_available()
-    backend = cfg.dist.distributed_backend or ("nccl" if use_gpu else "gloo")
+    """torchrun's env (or MASTER_ADDR/RANK/WORLD_SIZE from the operator); else a world of one. The device and
+    the backend are the config's (dist.use_gpu, dist.distributed_backend), resolved here once if unset."""
+    cfg.dist.resolve_device(torch.cuda.is_available())
     timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(cfg.dist.distributed_backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                    world_size=1, timeout=timeout)
+            dist.init_process_group(cfg.dist.distributed_backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if use_gpu:
+    if cfg.dist.use_gpu:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -94,18 +97,28 @@ def set_seeds(cfg):
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
-def _start(cfg, holder: dict | None, signal_handler: SignalHandler | None) -> GlobalState:
+class _Process(NamedTuple):
+    state: GlobalState
+    rank: int
+    world_size: int
+    device: torch.device
+    start_time: float
+
+
+def _start(cfg, finalized: bool) -> _Process:
     """This process's part of the job: the process groups, the model-parallel groups, the seeds, and the
-    state the loop and the forward step share (in `holder["state"]` at once: the caller reports progress
-    even if the setup fails later)."""
+    state the forward step is handed. `finalized`: the caller finalized the config (the CLI, before the slow
+    imports); else it is finalized here, once, for the world size found."""
     from megatron.core import parallel_state
 
     from kubetron.checkpoint.manager import adopt_checkpoint_tokenizer
 
+    start_time = time.time()
     rank, world, device = initialize_distributed(cfg)
-    if cfg.tokenizer.assets() is None and adopt_checkpoint_tokenizer(cfg) and rank == 0:
-        log.info("tokenizer: %s from the checkpoint being resumed", cfg.tokenizer.tokenizer_type)
-    cfg.finalize(world_size=world)
+    if not finalized:
+        if cfg.tokenizer.assets() is None and adopt_checkpoint_tokenizer(cfg) and rank == 0:
+            log.info("tokenizer: %s from the checkpoint being resumed", cfg.tokenizer.tokenizer_type)
+        cfg.finalize(world_size=world)
     apply_logging_level(cfg, rank)
     if parallel_state.model_parallel_is_initialized():  # a second pretrain() in one process
         parallel_state.destroy_model_parallel()
@@ -117,49 +130,65 @@ def _start(cfg, holder: dict | None, signal_handler: SignalHandler | None) -> Gl
         cfg.log_non_default_values(log)
     set_seeds(cfg)
     CLOCK.mark("distributed init")  # waits for every rank
-    state = GlobalState(cfg=cfg, rank=rank, world_size=world, device=device,
-                        timers=Timers(cfg.logger.timing_log_level))
-    if holder is not None:
-        holder["state"] = state
-    if cfg.train.exit_signal_handler:
-        state.signal_handler = signal_handler or SignalHandler(exit_signals(cfg))
-    return state
+    state = GlobalState(cfg=cfg, timers=Timers(cfg.logger.timing_log_level))
+    return _Process(state, rank, world, device, start_time)
 
 
-def _run(config, forward_step_func, mode: str, holder: dict | None = None,
-         signal_handler: SignalHandler | None = None, **non_loss):
+def _run(config, forward_step_func, mode: str, *, listeners: Sequence[Listener] = (),
+         signals: SignalHandler | None = None, faults: SaveFaults | None = None, finalized: bool = False,
+         **non_loss) -> int:
+    """One run in this process, from its start to its end; returns the exit code or raises. Every ending, a
+    raise included, reaches the listeners as `Ended` (`Stopping` first once the loop ran). `signals`: the
+    handler the run stops on (the caller keeps it; None: one of its own when train.exit_signal_handler is set);
+    `faults`: the checkpoint manager's hook at each point of a save."""
     from kubetron.training.run import build_run
 
     CLOCK.mark("imports")
     cfg = config
-    state = _start(cfg, holder, signal_handler)
-    own_handler = signal_handler is None  # the caller's handler is the caller's to release
-    run = build_run(state, from_pretrained=mode == "finetune" or bool(cfg.checkpoint.pretrained_checkpoint))
-    progress = None if cfg.validation.skip_train else run.ckpt.progress  # evaluation only: the log is left alone
-    if progress is not None:
-        progress.start()
-    code = exitcodes.ERROR
-    profiler = make_profiler(cfg, state.rank, state.train_state.step)
+    events = Events(listeners)
+    own_handler = signals is None and cfg.train.exit_signal_handler
+    process = None
+    try:
+        process = _start(cfg, finalized)
+        if own_handler:
+            signals = SignalHandler(exit_signals(cfg))
+        run = build_run(process.state, events, rank=process.rank, world_size=process.world_size,
+                        device=process.device, from_pretrained=mode == "finetune"
+                        or bool(cfg.checkpoint.pretrained_checkpoint),
+                        signals=signals if cfg.train.exit_signal_handler else None, faults=faults,
+                        start_time=process.start_time)
+    except Exception as e:
+        _let_go_of(signals, own_handler)
+        ending = ending_of(e, signals)
+        events.emit(Ended(ending.code, ending.message, process.state.train_state.step if process else None))
+        raise
+    return _train_then_close(run, forward_step_func, own_handler, non_loss)
+
+
+def _train_then_close(run: Run, forward_step_func, own_handler: bool, non_loss) -> int:
+    """Started, the loop (and the evaluation after it), Stopping, teardown, Ended."""
+    events, cfg = run.events, run.state.cfg
+    events.emit(run.started())
+    ending = Ending(exitcodes.ERROR, "", True)
+    profiler = make_profiler(cfg, run.rank, run.state.train_state.step)
     try:
         if profiler is not None:
             profiler.start()
-        code = _train_then_evaluate(forward_step_func, run, profiler, non_loss)
-    except Exception as e:  # the progress log says how the job ended (as the exit code will)
-        if progress is not None:
-            progress.exit(exitcodes.NAMES[ending_of(e, state.signal_handler).code])
+        ending = _train_then_evaluate(forward_step_func, run, profiler, non_loss)
+    except Exception as e:
+        ending = ending_of(e, run.signals)
+        events.emit(Stopping(ending.code, ending.message))
         raise
     finally:
-        _let_go_of(state.signal_handler, own_handler)
+        _let_go_of(run.signals, own_handler)
         import gc
 
         gc.enable()  # train.manual_gc disables it for the loop
         if profiler is not None:
             profiler.stop()
         run.close()  # pending async saves are finalized before exit
-    state.exit_code = code
-    if progress is not None:
-        progress.exit(exitcodes.NAMES[code])
-    return code, state
+        events.emit(Ended(ending.code, ending.message, run.state.train_state.step))
+    return ending.code
 
 
 def _let_go_of(handler: SignalHandler | None, own: bool) -> None:
@@ -170,9 +199,9 @@ def _let_go_of(handler: SignalHandler | None, own: bool) -> None:
         handler.settle()
 
 
-def _train_then_evaluate(forward_step_func, run: Run, profiler, non_loss) -> int:
+def _train_then_evaluate(forward_step_func, run: Run, profiler, non_loss) -> Ending:
     """train() (unless validation.skip_train), then, when training completed, the reference's evaluation
-    after training on the validation and test splits. Returns the exit code."""
+    after training on the validation and test splits. Returns how the run ends."""
     from kubetron.training.eval import final_evaluation
     from kubetron.training.train import train
 
@@ -185,11 +214,24 @@ def _train_then_evaluate(forward_step_func, run: Run, profiler, non_loss) -> int
         code = exitcodes.COMPLETED
     else:
         code = train(forward_step_func, model, run.optimizer, run.scheduler, train_it, valid_it, state, run.ckpt,
-                     profiler=profiler, **non_loss)
-    heartbeat.current().enter(TEARDOWN)  # judged again only in a final evaluation
+                     events=run.events, straggler=run.straggler, profiler=profiler, **non_loss)
+    ending = Ending(code, _message(code, run), False)
+    run.events.emit(Stopping(ending.code, ending.message))
     if code == exitcodes.COMPLETED:
-        final_evaluation(state, forward_step_func, model, valid_it, test_it, **non_loss)
-    return code
+        final_evaluation(state, forward_step_func, model, valid_it, test_it, events=run.events,
+                         time_up=run.ckpt.time_limit_reached, **non_loss)
+    return ending
+
+
+def _message(code: int, run: Run) -> str:
+    """The one line a run that returned `code` ends with (the termination message's)."""
+    if code == exitcodes.COMPLETED:
+        return "evaluation completed (validation.skip_train)" if run.state.cfg.validation.skip_train \
+            else "training completed"
+    if code == exitcodes.STRAGGLER:
+        return (run.straggler.message if run.straggler is not None else None) or "straggler detected; checkpoint saved"
+    return {exitcodes.SAVED_ON_SIGNAL: "stopped by signal; checkpoint saved",
+            exitcodes.EXIT_CONDITION: "exit condition reached; checkpoint saved"}.get(code, "")
 
 
 def make_profiler(cfg, rank: int, first_iteration: int):
@@ -256,17 +298,20 @@ def pretrain(config, forward_step_func, *, process_non_loss_data_func=None, non_
     As Megatron's pretrain(): `non_loss_data_func(model)`, or else one forward-only pass with
     `collect_non_loss_data=True` (`loss_func(output, non_loss_data=True)` returns anything), feeds
     `process_non_loss_data_func(data, iteration, tensorboard_writer)` at every evaluation, on the rank
-    that writes TensorBoard (not called without logger.tensorboard_dir).
+    that writes TensorBoard (not called without logger.tensorboard_dir). Refuses, in one ConfigError, a
+    megatron-core or torch outside the versions kubetron's adaptations were checked against.
     """
+    megatron_core.install()
     return _run(config, forward_step_func, "pretrain", process_non_loss_data_func=process_non_loss_data_func,
-                non_loss_data_func=non_loss_data_func)[0]
+                non_loss_data_func=non_loss_data_func)
 
 
 def finetune(config, forward_step_func, *, process_non_loss_data_func=None, non_loss_data_func=None) -> int:
     """Resume from checkpoint.load if it has a checkpoint; else start from pretrained weights at 0.
-    The non-loss data functions: see pretrain()."""
+    The non-loss data functions and the version check: see pretrain()."""
+    megatron_core.install()
     return _run(config, forward_step_func, "finetune", process_non_loss_data_func=process_non_loss_data_func,
-                non_loss_data_func=non_loss_data_func)[0]
+                non_loss_data_func=non_loss_data_func)
 
 
 def exit_signals(cfg) -> tuple:
@@ -290,24 +335,32 @@ def _setup_logging():
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False) -> int:
-    """`kubetron train|finetune`: run, then map the ending to an exit code + termination message.
+def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False, *,
+                 signals: SignalHandler | None = None, faults: SaveFaults | None = None,
+                 listeners: Sequence[Listener] = (), forward_step_func=None) -> int:
+    """`kubetron train|finetune`: run, then report the ending: its one line (unless it completed), its
+    termination message (a listener, `TerminationReport`), the exit code returned.
 
     The signal handler (train.exit_signal_handler) is installed before the slow setup and stays
     through teardown: a SIGTERM after the loop ended leaves the exit code as decided (0 for a
     completed run). `keep_signal_handler`: this process is the command (it exits with the code), so
     the signals are ignored from the return until the process exits; otherwise the handler is released.
+    `signals`, `faults`, `listeners`: the caller's handler (not installed: tests deliver the signal), save
+    faults and listeners, as `_run` takes them; `forward_step_func`: the GPT forward step unless given.
     """
     import warnings
 
+    report = TerminationReport(cfg.train.termination_log,
+                               None if cfg.validation.skip_train else getattr(cfg.train, "train_iters", None))
     if cfg.tokenizer.file_based and cfg.checkpoint.load:  # a resume trains with the checkpoint's tokenizer
         from kubetron.checkpoint.manager import adopt_checkpoint_tokenizer
 
         try:
             adopt_checkpoint_tokenizer(cfg)
         except CheckpointError as e:  # a checkpoint refused here ends as one refused by the run: one line
-            return _report_end(cfg, *ending_of(e)[:2], None)
-    # Validate the whole config before the slow imports: a bad value fails in well under a second.
+            return _report_end(report, Ended(*ending_of(e)[:2], None))
+    # Validate the whole config before the slow imports: a bad value fails in well under a second. Once: the
+    # run does not finalize it again.
     cfg.finalize(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     warnings.filterwarnings("ignore", module="megatron")
     _setup_logging()
@@ -315,56 +368,46 @@ def run_from_cli(cfg, mode: str = "pretrain", keep_signal_handler: bool = False)
 
     # Install the signal handler before the slow setup: a SIGTERM during imports or model building
     # still ends with the "saved/preempted" exit code (the newest checkpoint is whatever was loaded).
-    handler = None
-    if cfg.train.exit_signal_handler:
+    handler = signals
+    if handler is None and cfg.train.exit_signal_handler:
         handler = SignalHandler(exit_signals(cfg))
-    heartbeat.current()  # under the launcher: the hang watchdog's record and stack dumps, from here on
     try:
-        return _run_and_report(cfg, mode, handler)
+        return _run_and_report(cfg, mode, forward_step_func, handler, faults, [report, *listeners], report)
     finally:
         if handler is not None and keep_signal_handler:
             handler.ignore_until_exit()
-        elif handler is not None:
+        elif handler is not None and signals is None:
             handler.release()
 
 
-def _run_and_report(cfg, mode: str, handler: SignalHandler | None) -> int:
+def _run_and_report(cfg, mode: str, forward_step_func, handler: SignalHandler | None, faults: SaveFaults | None,
+                    listeners: list[Listener], report: TerminationReport) -> int:
     from kubetron.training.gpt_step import forward_step
 
-    holder: dict[str, GlobalState] = {}
     try:
-        code, state = _run(cfg, forward_step, mode, holder, handler)
-        msg = {exitcodes.COMPLETED: "evaluation completed (validation.skip_train)" if cfg.validation.skip_train
-               else "training completed",
-               exitcodes.SAVED_ON_SIGNAL: "stopped by signal; checkpoint saved",
-               exitcodes.EXIT_CONDITION: "exit condition reached; checkpoint saved",
-               exitcodes.STRAGGLER: (state.straggler.message if state.straggler is not None else None)
-               or "straggler detected; checkpoint saved"}.get(code, "")
+        _run(cfg, forward_step_func or forward_step, mode, listeners=listeners, signals=handler, faults=faults,
+             finalized=True)
     except ConfigError:
         raise  # the CLI prints one line and exits 2
     except Exception as e:
-        code, msg, unexpected = ending_of(e, handler)
-        if unexpected:
+        ending = ending_of(e, handler)
+        if ending.unexpected:
             traceback.print_exc()
-    return _report_end(cfg, code, msg, holder.get("state"))
+        if report.ended is None:  # it failed before the run's events existed
+            report(Ended(ending.code, ending.message, None))
+    assert report.ended is not None  # every ending of _run reaches its listeners
+    return _report_end(report, report.ended)
 
 
-def _report_end(cfg, code: int, msg: str, state) -> int:
-    """The run's one line (unless it completed), its termination message; returns the exit code."""
-    if code not in (exitcodes.COMPLETED,):
-        print(f"kubetron: {exitcodes.NAMES[code]}: {msg}", file=sys.stderr, flush=True)
-    ts = state.train_state if state is not None else None
-    ckpt = state.ckpt if state is not None else None
-    write_termination_message({
-        "exitCode": code, "reason": exitcodes.NAMES[code],
-        "iteration": ts.step if ts else None,
-        "trainIters": None if cfg.validation.skip_train else getattr(cfg.train, "train_iters", None),
-        "lastCheckpoint": ckpt.last_durable if ckpt else None,
-        "message": msg,
-    }, cfg.train.termination_log)
+def _report_end(report: TerminationReport, ended: Ended) -> int:
+    """The run's one line (unless it completed) and its termination message; returns the exit code."""
+    if ended.code != exitcodes.COMPLETED:
+        print(f"kubetron: {exitcodes.NAMES[ended.code]}: {ended.message}", file=sys.stderr, flush=True)
+    if report.ended is None:
+        report(ended)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:
             pass
-    return code
+    return ended.code

@@ -35,7 +35,7 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
     """One micro-batch forward. Returns (output, loss_func) as the forward-step contract says."""
-    batch = get_batch(data_iterator, state.device)
+    batch = get_batch(data_iterator, next(model.parameters()).device)
     # Packed fine-tuning examples bring segment ids; dataset.reset_attention_mask brings a mask.
     mask = document_mask(batch["segment_ids"]) if "segment_ids" in batch else batch.get("attention_mask")
     output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])

@@ -40,6 +40,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params
 
+from kubetron.compat.megatron_core import optimizer as optimizer_internals
 from kubetron.training.optimizer_base import TrainingOptimizer, take_main_param
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,8 +155,7 @@ class MegatronOptimizer(TrainingOptimizer):
         """(sub-optimizer, main param or None, flat range of p this rank holds or None)."""
         for part in _parts(self.inner):
             if isinstance(part, DistributedOptimizer) and p in part.model_param_group_index_map:
-                r = part._get_model_param_range_map(p)["param"]
-                return part, part._get_main_param_and_optimizer_states(p)["param"], (r.start, r.end)
+                return part, optimizer_internals.main_param(part, p), optimizer_internals.owned_range(part, p)
         if p in self._mains:
             return (*self._mains[p], None)
         return None, None, None

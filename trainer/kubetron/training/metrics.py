@@ -1,13 +1,10 @@
-"""Console lines in Megatron's format, TensorBoard scalars with the reference's keys, live status.
+"""Console lines in Megatron's format, TensorBoard scalars with the reference's keys: one of the run's
+listeners (kubetron.events).
 
 Per-iteration values stay on the device (no `.item()`) until log time: every `log_interval`
 iterations the buffered tensors are moved to the host in one go, written to TensorBoard for each
-iteration, and averaged into one console line.
-
-Rank 0's status endpoint is refreshed at every log time and, between them, at least every
-`STATUS_EVERY` seconds from host-side numbers only (iteration counter, wall-clock throughput, ETA,
-last durable checkpoint), so the operator's view lags by seconds even when `log_interval` steps are
-minutes apart, and no step pays a device sync for it.
+iteration, and averaged into one console line; the interval's figures go on as a `Logged` event (rank 0's
+status endpoint serves them).
 """
 
 from __future__ import annotations
@@ -15,26 +12,30 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections.abc import Callable
 from datetime import datetime
 
 import torch
 
+from kubetron.events import Evaluated, Event, Logged, StepDone, Stopping
+from kubetron.training.status_server import Pace
 from kubetron.training.trackers import build_trackers
 from kubetron.training.utils import report_memory
 
 log = logging.getLogger("kubetron")
 
-STATUS_EVERY = 10.0
-"""Seconds: the longest the status endpoint goes without a refresh while steps complete."""
-
 
 class MetricsLogger:
-    def __init__(self, cfg, state, *, writes: bool, status=None):
+    """A run's listener: `StepDone` buffered, logged every `log_interval` iterations and when the loop stops;
+    `Evaluated` logged at once. `emit` receives the `Logged` figures."""
+
+    def __init__(self, cfg, state, *, writes: bool, world_size: int, rank: int, start_time: float,
+                 emit: Callable[[Logged], object] = lambda event: None):
         self.cfg = cfg
-        self.state = state
+        self.state = state  # the forward steps' façade: train_state, timers, the loggers
         self.writes = writes  # the last rank holds the loss: it prints and writes TensorBoard
-        self.status = status  # StatusServer on rank 0, or None
+        self.world_size, self.rank, self.start_time = world_size, rank, start_time
+        self.emit = emit
         self.writer = state.tensorboard_logger if writes else None  # the state's: forward steps share it
         self.trackers = build_trackers(cfg, state) if writes else []  # wandb / MLflow: TensorBoard's scalars
         self._memory_reported = False  # the console's memory line, once (after the optimizer state exists)
@@ -44,25 +45,28 @@ class MetricsLogger:
         self._nan = 0
         self._last_log_time = time.perf_counter()
         self._last_log_iter: int | None = None
-        self._wct: deque[tuple[int, float]] = deque(maxlen=cfg.logger.throughput_window_size + 1)
-        self._job_start = time.perf_counter()
-        self._job_start_iter: int | None = None
-        self._last_status = time.perf_counter()
-        if status is not None:  # before the first step: what the endpoint can already tell
-            ts = state.train_state
-            status.update(trainIters=cfg.train.train_iters, iteration=ts.step,
-                          resumedFrom=ts.step,  # this process's start: the goodput ledger's
-                          consumedSamples=ts.consumed_train_samples,
-                          lastCheckpoint=self._last_checkpoint())
+        self._iteration = state.train_state.step
+        self.pace = Pace(cfg.logger.throughput_window_size, cfg.train.global_batch_size * cfg.model.seq_length,
+                         cfg.train.train_iters, time.perf_counter)
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case StepDone():
+                self.record_step(event.iteration, event.losses, event.learning_rate, event.grad_norm,
+                                 int(event.skipped), event.params_norm, event.loss_scale)
+            case Stopping():
+                self.flush(self._iteration)
+            case Evaluated():
+                self.log_validation(event.iteration, event.losses, event.prefix, label=event.label,
+                                    tensorboard=event.tensorboard)
 
     # -- per iteration (cheap, no sync) ----------------------------------------------------------
     def record_step(self, iteration: int, loss_dict: dict, lr: float, grad_norm, skipped: int,
                     params_norm=None, loss_scale: float = 1.0):
-        now = time.perf_counter()
-        if self._job_start_iter is None:
-            self._job_start_iter = iteration - 1
+        if self._last_log_iter is None:
             self._last_log_iter = iteration - 1
-        self._wct.append((iteration, now))
+        self._iteration = iteration
+        self.pace.step(iteration, time.perf_counter())
         self._skipped += skipped
         if skipped and any(not bool(torch.isfinite(v.detach()).all()) for v in loss_dict.values()):
             self._nan += 1  # as Megatron: a skipped iteration whose loss was NaN/Inf (rare: syncs only then)
@@ -70,12 +74,6 @@ class MetricsLogger:
         self._loss_scales.append(loss_scale)  # the scale this iteration's backward used
         if iteration % self.cfg.logger.log_interval == 0:
             self.flush(iteration)
-        elif self.status is not None and now - self._last_status >= STATUS_EVERY:
-            tokens_per_sec, _ = self._throughput(self.cfg.train.global_batch_size * self.cfg.model.seq_length)
-            self._publish(iteration, tokens_per_sec, self._remaining_seconds(iteration))
-
-    def count_nan(self):
-        self._nan += 1
 
     # -- at log time ------------------------------------------------------------------------------
     def flush(self, iteration: int):
@@ -91,9 +89,10 @@ class MetricsLogger:
         cfg, ts = self.cfg, self.state.train_state
         gbs = cfg.train.global_batch_size
         seq = cfg.model.seq_length
-        tokens_per_sec, device_tokens_per_sec = self._throughput(gbs * seq)
-        remaining = self._remaining_seconds(iteration)
-        self._publish(iteration, tokens_per_sec, remaining, **self._latest(pending, host, elapsed_ms, gbs))
+        tokens_per_sec = self.pace.tokens_per_second()
+        device_tokens_per_sec = tokens_per_sec / self.world_size
+        remaining = self.pace.remaining_seconds(iteration)
+        self.emit(self._logged(iteration, pending, host, elapsed_ms, gbs))
         times = self.state.timers.pop_all()  # every rank resets its timers
         if not self.writes:
             return
@@ -108,7 +107,7 @@ class MetricsLogger:
             self._write(scalars, it)
         scalars = {"time/remaining_estimate": remaining, "time/tokens": ts.consumed_train_samples * seq,
                    "time/samples": ts.consumed_train_samples, "time/batches": iteration,
-                   "time/total": time.time() - self.state.start_time}
+                   "time/total": time.time() - self.start_time}
         if cfg.logger.log_throughput:
             scalars["throughput/tokens_per_sec"] = tokens_per_sec
             scalars["throughput/device/tokens_per_sec"] = device_tokens_per_sec
@@ -129,7 +128,7 @@ class MetricsLogger:
                                                               for k, v in timed.items()), flush=True)
         if memory and not self._memory_reported:
             self._memory_reported = True
-            print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (GB) | "
+            print(f"[Rank {self.rank}] (after {iteration} iterations) memory (GB) | "
                   + " | ".join(f"{k}: {v}" for k, v in memory.items()), flush=True)
 
     def _write(self, scalars: dict[str, float], step: int, tensorboard: bool = True):
@@ -144,7 +143,7 @@ class MetricsLogger:
         from kubetron.training.utils import num_floating_point_operations
 
         cfg = self.cfg
-        tflops = num_floating_point_operations(cfg, gbs) / (elapsed_ms / 1000.0) / 1e12 / self.state.world_size
+        tflops = num_floating_point_operations(cfg, gbs) / (elapsed_ms / 1000.0) / 1e12 / self.world_size
         lr = pending[-1][2]
         parts = [
             f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{cfg.train.train_iters:8d}",
@@ -175,7 +174,7 @@ class MetricsLogger:
         self._skipped = self._nan = 0
         print(" | ".join(parts) + " |", flush=True)
 
-    def log_validation(self, iteration: int, losses: dict[str, torch.Tensor], prefix: str | None = None,
+    def log_validation(self, iteration: int, losses: dict[str, float], prefix: str | None = None,
                        label: str = "validation", tensorboard: bool = True):
         """The reference's ` validation loss at <prefix> | <key> value: ... | <key> PPL: ... |` line (prefix:
         `iteration N`, or `iteration N on validation set` / `on test set` after training), and the
@@ -183,7 +182,7 @@ class MetricsLogger:
         if not self.writes:
             return
         line, scalars = f" validation loss at {prefix or f'iteration {iteration}'} | ", {}
-        for k, v in ((k, float(v)) for k, v in losses.items()):
+        for k, v in losses.items():
             ppl = math.exp(min(20.0, v)) if math.isfinite(v) else float("nan")
             line += f"{k} value: {v:.6E} | {k} PPL: {ppl:.6E} | "
             scalars.update({f"{k} {label}": v, f"{k} {label} ppl": ppl})
@@ -192,58 +191,16 @@ class MetricsLogger:
             self.writer.flush()
         print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1), flush=True)
 
-    # -- status endpoint ----------------------------------------------------------------------------
-    def _publish(self, iteration: int, tokens_per_sec: float, remaining: float, **latest: float | None):
-        """Refresh rank 0's GET /status (host values only: no device sync). `latest`: loss, learningRate and
-        tflopsPerGpu, known at log time only."""
-        if self.status is None:
-            return
-        self._last_status = time.perf_counter()
-        self.status.update(iteration=iteration, trainIters=self.cfg.train.train_iters,
-                           consumedSamples=self.state.train_state.consumed_train_samples,
-                           tokensPerSecond=round(tokens_per_sec, 1), etaSeconds=round(remaining, 1),
-                           lastCheckpoint=self._last_checkpoint(), **self._save_seconds(), **latest)
-
-    def _latest(self, pending, host, elapsed_ms: float, gbs: int) -> dict[str, float | None]:
+    def _logged(self, iteration: int, pending, host, elapsed_ms: float, gbs: int) -> Logged:
         """loss (the first loss key, e.g. `lm loss`, averaged over the interval's finite values), the last
         learning rate and TFLOP/s per GPU: what the console line prints, for GET /status and /metrics."""
         from kubetron.training.utils import num_floating_point_operations
 
         values = [v for losses, _, _ in host for v in list(losses.values())[:1] if math.isfinite(v)]
         seconds = max(elapsed_ms, 1e-6) / 1000.0
-        tflops = num_floating_point_operations(self.cfg, gbs) / seconds / 1e12 / self.state.world_size
-        return {"loss": sum(values) / len(values) if values else None, "learningRate": float(pending[-1][2]),
-                "tflopsPerGpu": float(f"{tflops:.4g}")}  # 4 digits: a CPU run's 0.0004 is not 0
-
-    def _last_checkpoint(self) -> dict | None:
-        """{iteration, time} of the newest durable checkpoint this run knows of (None before any)."""
-        ckpt = self.state.ckpt
-        if ckpt is None or ckpt.last_durable is None:
-            return None
-        return {"iteration": int(ckpt.last_durable), "time": ckpt.last_durable_time}
-
-    def _save_seconds(self) -> dict[str, float | None]:
-        """How long the newest durable checkpoint took, and how long of that the loop waited (None before any)."""
-        ckpt = self.state.ckpt
-        return {"checkpointSaveSeconds": ckpt.last_save_seconds if ckpt is not None else None,
-                "checkpointBlockedSeconds": ckpt.last_blocked_seconds if ckpt is not None else None}
-
-    # -- estimates ----------------------------------------------------------------------------------
-    def _throughput(self, tokens_per_iter: int) -> tuple[float, float]:
-        """report_throughput: rolling average over the last throughput_window_size iterations."""
-        if len(self._wct) < 2:
-            return 0.0, 0.0
-        (i0, t0), (i1, t1) = self._wct[0], self._wct[-1]
-        tps = (i1 - i0) * tokens_per_iter / max(t1 - t0, 1e-9)
-        return tps, tps / self.state.world_size
-
-    def _remaining_seconds(self, iteration: int) -> float:
-        """report_runtime: this job's pace so far, extended to train_iters."""
-        done = iteration - (self._job_start_iter or 0)
-        if done <= 0:
-            return 0.0
-        per_iter = (time.perf_counter() - self._job_start) / done
-        return per_iter * max(self.cfg.train.train_iters - iteration, 0)
+        tflops = num_floating_point_operations(self.cfg, gbs) / seconds / 1e12 / self.world_size
+        return Logged(iteration, sum(values) / len(values) if values else None, float(pending[-1][2]),
+                      float(f"{tflops:.4g}"))  # 4 digits: a CPU run's 0.0004 is not 0
 
     def close(self):
         for t in self.trackers:

@@ -1,10 +1,8 @@
-"""Mixture of experts on megatron-core's MoELayer: the router, and the load-balancing loss's scale and values.
+"""Mixture of experts on megatron-core's MoELayer: the load-balancing loss's scale and values.
 
-megatron-core 0.16.1's MoE path assumes CUDA in four places; on a CUDA machine none of this is used:
-- `TopKRouter.gating` moves CPU-held router weights to `torch.cuda.current_device()` (the model is moved
-  as a whole here): `PortableTopKRouter` leaves them where they are;
-- the other three (the router GEMM without TE, the all-to-all dispatcher's CUDA stream, and the
-  collectives' CUDA outputs) are adapted in kubetron.compat.megatron_core.portable.
+megatron-core 0.16.1's MoE path assumes CUDA in four places (the router's gating, the router GEMM without TE,
+the all-to-all dispatcher's CUDA stream, the collectives' CUDA outputs): kubetron.compat.megatron_core.portable
+adapts them, behind the compat seam's version check.
 """
 
 from __future__ import annotations
@@ -12,16 +10,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.router import TopKRouter
-
-
-class PortableTopKRouter(TopKRouter):
-    """mcore's top-k router without its move of CPU-held weights to CUDA in `gating`."""
-
-    def gating(self, input: torch.Tensor) -> torch.Tensor:
-        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
-        return moe_utils.router_gating_linear(input, self.weight, self.bias, dtype)  # (tokens, experts)
-
 
 # --- the load-balancing loss: its gradient's scale, and its values for the metrics ------------------
 

@@ -11,14 +11,12 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from kubetron.checkpoint.manager import CheckpointManager
     from kubetron.config import ConfigContainer
-    from kubetron.training.straggler import StragglerDetector
 
 
 @dataclass
@@ -53,20 +51,27 @@ class TrainState:
 class SignalHandler:
     """Records SIGTERM/SIGINT; the loop finishes its step, saves, and exits (never mid-step).
 
+    A signal reaches the run through `receive()`: the OS handler installed here calls it, and so do tests that stop
+    a run in their own process (`install=False`: no OS handler, tests/inprocess.py).
+
     Once the loop has ended (`settle()`), a signal changes nothing: the run's exit code is decided, and
     the process goes on to exit with it. `kubetron train` then ignores the signals until the process exits
     (`ignore_until_exit()`), so a SIGTERM during teardown cannot turn a completed run into a killed one (143).
     """
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), *, install: bool = True):
         self.received: int | None = None
         self._settled = False
         self._previous = {}
-        if threading.current_thread() is threading.main_thread():
+        if install and threading.current_thread() is threading.main_thread():
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        self.receive(signum)
+
+    def receive(self, signum: int) -> None:
+        """`signum` arrived: the loop saves and stops after the step it is in (the first signal counts)."""
         if self.received is None and not self._settled:
             self.received = signum
 
@@ -143,8 +148,9 @@ class StragglerTimer:
 
 @dataclass(slots=True)
 class GlobalState:
-    """Handed to forward-step functions that ask for it (by annotation or a first arg named state).
-    Every field is declared here (slots: assigning any other attribute raises AttributeError).
+    """What a forward step is handed when it asks for it (by annotation or a first arg named state): the
+    reference's façade (Megatron Bridge's forward-step contract), and nothing else. The run's other parts are
+    the composition root's (kubetron.training.run.Run); slots: assigning any other attribute raises.
 
     As Bridge's GlobalState, `tokenizer`, `tensorboard_logger` and `wandb_logger` are created on first
     use; the two loggers only on the last rank and only when configured (else None). The loop's own
@@ -154,17 +160,6 @@ class GlobalState:
     cfg: ConfigContainer
     train_state: TrainState = field(default_factory=TrainState)
     timers: Timers = field(default_factory=Timers)
-    signal_handler: SignalHandler | None = None
-    # kubetron.training.metrics.MetricsLogger once built (kubetron.training.run); not named here: metrics
-    # imports training.utils, which imports this module
-    metrics: Any = None
-    start_time: float = field(default_factory=time.time)  # this process's start (seconds)
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # this rank's (entry: its GPU)
-    ckpt: CheckpointManager | None = None  # once built (kubetron.training.run)
-    straggler: StragglerDetector | None = None  # while train() runs (None: off)
-    exit_code: int | None = None  # how the run ended (kubetron.contract.exitcodes), once it has
     _tokenizer: Any = field(default=None, init=False, repr=False)  # kubetron.data.tokenizer's (several kinds)
     _tensorboard_logger: SummaryWriter | None = field(default=None, init=False, repr=False)
     _wandb_logger: ModuleType | None = field(default=None, init=False, repr=False)  # `wandb`, its run started
@@ -179,7 +174,9 @@ class GlobalState:
         return self._tokenizer
 
     def _logs_here(self, enabled) -> bool:
-        return bool(self.cfg is not None and enabled and self.rank == self.world_size - 1)
+        """The last rank (it holds the loss) writes the loggers."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return bool(self.cfg is not None and enabled and rank == world - 1)
 
     @property
     def tensorboard_logger(self):

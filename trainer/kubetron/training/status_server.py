@@ -1,10 +1,14 @@
 """Rank 0's status endpoint (docs/CONTRACT.md): `GET /status` JSON, `GET /metrics` (Prometheus text
 format) and `GET /healthz`.
 
-A `ThreadingHTTPServer` on a daemon thread. The training loop calls `update(...)` with the latest
-values; the handler serves a snapshot. It never takes the trainer down: a port that cannot be bound
-is logged as a warning and the server stays disabled (`update` and `close` still work, as no-ops).
-Standard library only.
+A `ThreadingHTTPServer` on a daemon thread. `StatusPublisher`, one of the run's listeners (kubetron.events), calls
+`update(...)` with the latest values; the handler serves a snapshot. It never takes the trainer down: a port that
+cannot be bound is logged as a warning and the server stays disabled (`update` and `close` still work, as no-ops).
+
+The status is refreshed at every log time (the metrics logger's `Logged`: loss, learning rate, TFLOP/s) and, between
+them, at least every `STATUS_EVERY` seconds from host-side numbers only (iteration counter, wall-clock throughput,
+ETA), and at once when a checkpoint is durable: the operator's view lags by seconds even when `log_interval` steps
+are minutes apart, and no step pays a device sync for it. Standard library only.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
@@ -23,11 +28,14 @@ from typing import Any, Self
 from kubetron.contract.goodput import TrainerTime
 from kubetron.contract.live import LiveStatus, jsonable, new_live_status
 from kubetron.contract.times import parse_stamp
-from kubetron.progress_io import hangs, in_place_restarts, restart_cause
+from kubetron.events import Checkpoint, CheckpointDurable, Event, Logged, Started, StepDone
+from kubetron.supervisor.progress_io import hangs, in_place_restarts, restart_cause
 
 logger = logging.getLogger(__name__)
 
 STATUS_PORT_ENV = "KUBETRON_STATUS_PORT"
+STATUS_EVERY = 10.0
+"""Seconds: the longest the status endpoint goes without a refresh while steps complete."""
 
 METRICS = (  # (name, status key, help): gauges of GET /metrics
     ("kubetron_trainer_iteration", "iteration", "Last completed training iteration."),
@@ -199,3 +207,72 @@ def status_server_from_env(host: str = "0.0.0.0") -> StatusServer | None:
     if port <= 0:
         return None
     return StatusServer(port, host=host)
+
+
+class Pace:
+    """A run's pace from host clocks: throughput over the last `window` iterations (Megatron's report_throughput) and
+    the time left to `train_iters` at this process's pace so far (report_runtime)."""
+
+    def __init__(self, window: int, tokens_per_iteration: int, train_iters: int, clock: Callable[[], float]):
+        self.tokens_per_iteration, self.train_iters, self.clock = tokens_per_iteration, train_iters, clock
+        self._recent: deque[tuple[int, float]] = deque(maxlen=window + 1)  # (iteration, time)
+        self._start = clock()
+        self._start_iteration: int | None = None
+
+    def step(self, iteration: int, now: float) -> None:
+        if self._start_iteration is None:
+            self._start_iteration = iteration - 1
+        self._recent.append((iteration, now))
+
+    def tokens_per_second(self) -> float:
+        if len(self._recent) < 2:
+            return 0.0
+        (i0, t0), (i1, t1) = self._recent[0], self._recent[-1]
+        return (i1 - i0) * self.tokens_per_iteration / max(t1 - t0, 1e-9)
+
+    def remaining_seconds(self, iteration: int) -> float:
+        done = iteration - (self._start_iteration or 0)
+        if done <= 0:
+            return 0.0
+        return (self.clock() - self._start) / done * max(self.train_iters - iteration, 0)
+
+
+class StatusPublisher:
+    """A run's listener (kubetron.events): the live status on rank 0's endpoint."""
+
+    def __init__(self, server: StatusServer, cfg, clock: Callable[[], float] = time.perf_counter):
+        self.server, self.train_iters, self.clock = server, cfg.train.train_iters, clock
+        self.pace = Pace(cfg.logger.throughput_window_size, cfg.train.global_batch_size * cfg.model.seq_length,
+                         cfg.train.train_iters, clock)
+        self._iteration = self._consumed = 0
+        self._last = clock()
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case StepDone(iteration=iteration, consumed_samples=consumed):
+                now = self.clock()
+                self.pace.step(iteration, now)
+                self._iteration, self._consumed = iteration, consumed
+                if now - self._last >= STATUS_EVERY:
+                    self._publish()
+            case Logged():
+                self._publish(loss=event.loss, learningRate=event.learning_rate, tflopsPerGpu=event.tflops_per_gpu)
+            case CheckpointDurable(checkpoint=checkpoint):
+                self.server.update(lastCheckpoint=_checkpoint(checkpoint), checkpointSaveSeconds=event.save_seconds,
+                                   checkpointBlockedSeconds=event.blocked_seconds)
+            case Started(iteration=iteration, consumed_samples=consumed, checkpoint=checkpoint):
+                self._iteration, self._consumed = iteration, consumed
+                self.server.update(trainIters=self.train_iters, iteration=iteration,
+                                   resumedFrom=iteration,  # this process's start: the goodput ledger's
+                                   consumedSamples=consumed, lastCheckpoint=_checkpoint(checkpoint))
+
+    def _publish(self, **latest: float | None) -> None:
+        """`latest`: loss, learningRate and tflopsPerGpu, known at log time only."""
+        self._last = self.clock()
+        self.server.update(iteration=self._iteration, trainIters=self.train_iters, consumedSamples=self._consumed,
+                           tokensPerSecond=round(self.pace.tokens_per_second(), 1),
+                           etaSeconds=round(self.pace.remaining_seconds(self._iteration), 1), **latest)
+
+
+def _checkpoint(checkpoint: Checkpoint | None) -> dict | None:
+    return None if checkpoint is None else {"iteration": checkpoint.iteration, "time": checkpoint.time}

@@ -107,7 +107,6 @@ class StragglerDetector:
         return None
 
 
-def compute_timer(global_state):
+def compute_timer(detector: StragglerDetector | None):
     """Context manager timing the compute of one step when straggler detection is on (else a no-op)."""
-    detector = global_state.straggler
     return detector.time_compute() if detector is not None else contextlib.nullcontext()

@@ -1,6 +1,8 @@
 """The training loop: train() → train_step() → forward/backward over micro-batches.
 
-Reads top to bottom; checkpointing, metrics and evaluation live behind small objects it calls.
+Reads top to bottom; checkpointing and evaluation live behind small objects it calls, and what happens goes out
+as the run's events (kubetron.events: a step done with its figures), which the metrics logger, the status
+endpoint and the heartbeat listen to.
 """
 
 from __future__ import annotations
@@ -8,18 +10,20 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from kubetron import heartbeat
 from kubetron.contract.hang import TRAIN
-from kubetron.startup import CLOCK
-from kubetron.training import moe, straggler
+from kubetron.events import PROGRESS, Events, PhaseEntered, StepDone
+from kubetron.supervisor.startup import CLOCK
+from kubetron.training import moe
 from kubetron.training.eval import evaluate_and_print_results
 from kubetron.training.optim import finalize_model_grads, params_l2_norm
 from kubetron.training.schedule import forward_backward
+from kubetron.training.straggler import StragglerDetector, compute_timer
 from kubetron.training.utils import (
     num_floating_point_operations,
     prepare_forward_step_func,
@@ -89,13 +93,13 @@ class LossChecks:
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
-               checks: LossChecks) -> StepResult:
+               checks: LossChecks, straggler: StragglerDetector | None = None) -> StepResult:
     """One iteration: forward/backward over the micro-batches, gradient reduction and clipping, the
     update unless fp16's loss scale overflowed; `checks` judge the loss, then the gradient norm."""
     cfg, timers = global_state.cfg, global_state.timers
     loss_scale = optimizer.loss_scale
     optimizer.zero_grad()
-    with straggler.compute_timer(global_state), timers.time("forward-backward", 1):  # straggler: no-op if off
+    with compute_timer(straggler), timers.time("forward-backward", 1):  # straggler: no-op if off
         reports = forward_backward(forward_step_func, data_iterator, model, cfg.train.num_microbatches,
                                    forward_only=False, loss_scale=loss_scale, timers=timers)
     with timers.time("grads", 1):
@@ -131,24 +135,24 @@ def post_training_step_callbacks(cfg, iteration: int, profiler=None):
 
 
 def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
-          global_state, checkpoint_manager, profiler=None, **non_loss) -> int:
-    """Main loop: iterate until train_iters or an exit condition; returns an exit code. `non_loss`:
+          global_state, checkpoint_manager, *, events: Events | None = None, straggler: StragglerDetector | None = None,
+          profiler=None, **non_loss) -> int:
+    """Main loop: iterate until train_iters or an exit condition; returns an exit code. `events`: where each
+    step goes (the checkpoint manager's, by default); `straggler`: the detector (None: off). `non_loss`:
     process_non_loss_data_func / non_loss_data_func for the evaluations (kubetron.training.eval)."""
     cfg, ts = global_state.cfg, global_state.train_state
+    events = checkpoint_manager.events if events is None else events
     fwd = prepare_forward_step_func(forward_step_func, global_state)  # inspect once
-    metrics = global_state.metrics
     flops_per_iter = num_floating_point_operations(cfg, cfg.train.global_batch_size)
     skip = set(cfg.train.iterations_to_skip)
     for chunk in model:
         chunk.train()
     checks = LossChecks(cfg)
     timers = global_state.timers
-    global_state.straggler = detector = straggler.StragglerDetector.from_config(cfg, global_state.device)
     if cfg.train.manual_gc:
         gc.disable()  # no collector pauses mid-step; post_training_step_callbacks collects on an interval
         gc.collect()
-    beat = heartbeat.current()  # the pod's hang watchdog reads it (docs/recovery.md)
-    beat.enter(TRAIN)
+    events.emit(PhaseEntered(TRAIN))  # the pod's hang watchdog judges steps from here (docs/recovery.md)
 
     while ts.step < cfg.train.train_iters:
         if ts.step + 1 in skip:
@@ -156,35 +160,36 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             ts.step += 1
             ts.consumed_train_samples += cfg.train.global_batch_size
             ts.skipped_train_samples += cfg.train.global_batch_size
-            beat.progress()
+            events.emit(PROGRESS)
             log.info("iteration %d skipped (iterations_to_skip)", ts.step)
         else:
-            beat.step_started()
+            started = time.monotonic()
             with timers.time("interval-time", 0):
-                result = train_step(fwd, train_data_iterator, model, optimizer, scheduler, global_state, checks)
+                result = train_step(fwd, train_data_iterator, model, optimizer, scheduler, global_state, checks,
+                                    straggler)
+            seconds = time.monotonic() - started
             ts.step += 1
-            beat.step_done(ts.step)
             ts.consumed_train_samples += cfg.train.global_batch_size
             ts.floating_point_operations_so_far += flops_per_iter
             pnorm = None
             if cfg.logger.log_params_norm:
                 optimizer.finish_param_sync()  # the distributed optimizer may still be gathering weights
                 pnorm = params_l2_norm(model)
-            metrics.record_step(ts.step, result.loss_dict, optimizer.param_groups[0]["lr"], result.grad_norm,
-                                int(result.skipped), pnorm, result.loss_scale)
+            events.emit(StepDone(ts.step, seconds, ts.consumed_train_samples, result.loss_dict,
+                                 optimizer.param_groups[0]["lr"], result.grad_norm, result.skipped, pnorm,
+                                 result.loss_scale))
             if (startup := CLOCK.finish(ts.step)) is not None:  # this process's first step: how long it took
                 log.info("%s", startup)
         post_training_step_callbacks(cfg, ts.step, profiler)
-        straggling = detector is not None and detector.after_step(ts.step) is not None  # straggler.stop_if_detected
+        straggling = straggler is not None and straggler.after_step(ts.step) is not None  # stop_if_detected
         if not straggling and cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 \
                 and valid_data_iterator:
             evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
-                                       model, **non_loss)
+                                       model, events=events, time_up=checkpoint_manager.time_limit_reached,
+                                       **non_loss)
         with timers.time("save-checkpoint", 1):  # saves and exits: the manager's schedule
             code = checkpoint_manager.after_step(ts.step, straggler=straggling)
         if code is not None:
-            metrics.flush(ts.step)
             return code
 
-    metrics.flush(ts.step)
     return checkpoint_manager.finish(ts.step)  # the final iteration durable

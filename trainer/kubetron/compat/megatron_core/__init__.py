@@ -11,7 +11,8 @@ recovery time):
   training. It is bound lazily: the module runs on first attribute use (`wandb.init` when
   logger.wandb_project is set), so training without wandb never loads it.
 
-The pieces of megatron-core that hard-code CUDA are made portable by `portable` (imported after install).
+The pieces of megatron-core that hard-code CUDA are made portable by `portable` (imported after install); the
+private parts of its optimizer that checkpoints read are named in `optimizer`.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ CHECKED = "==0.16.1"
 
 
 def install() -> None:
-    """Import megatron-core the trainer's way (above), after checking its version; idempotent. Called
-    after megatron-core was imported some other way, it checks the version and defers nothing."""
+    """Import megatron-core the trainer's way (above), after checking its version and torch's; idempotent.
+    Called after megatron-core was imported some other way (a script calling `pretrain()`), it checks the
+    versions and defers nothing."""
+    from kubetron.compat import torch as torch_compat
+
     require_checked("megatron-core", CHECKED)
+    require_checked("torch", torch_compat.CHECKED)
     if "megatron.core" in sys.modules:
         return
-    from kubetron.compat import torch as torch_compat
 
     import_lazily("wandb")
     with torch_compat.compile_deferred(), warnings.catch_warnings():

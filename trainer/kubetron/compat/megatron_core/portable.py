@@ -4,6 +4,9 @@ called by the model build, only where its adaptation applies:
 
 - `rope(model, llama3_scaling)`, every device: RoPE's `get_emb` moves `inv_freq` to CUDA;
   `PortableRotaryEmbedding` computes on `inv_freq`'s device (the model moves it).
+- `PortableTopKRouter`, the MoE layer spec's router on every device: `TopKRouter.gating` moves CPU-held router
+  weights to `torch.cuda.current_device()` (the model is moved as a whole here); this one leaves them where they
+  are (its `gating` is megatron's, less the move).
 - `router_gemm_without_te()`, every MoE model: `moe_utils.router_gating_linear` names `te_general_gemm`,
   which is undefined without TransformerEngine (a NameError where its torch.mm fallback was meant to run).
 - `moe_on_host()` before building MoE layers where torch has no CUDA, `dispatch_on_host(model)` after:
@@ -27,6 +30,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 
@@ -58,6 +62,14 @@ def rope(model: torch.nn.Module, llama3_scaling: dict | None = None) -> None:
     emb.__class__ = PortableRotaryEmbedding
     if llama3_scaling:
         emb.inv_freq = emb._apply_scaling(emb.inv_freq, **llama3_scaling)
+
+
+class PortableTopKRouter(TopKRouter):
+    """mcore's top-k router without its move of CPU-held weights to CUDA in `gating`."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return moe_utils.router_gating_linear(input, self.weight, self.bias, dtype)  # (tokens, experts)
 
 
 def router_gemm_without_te() -> None:

@@ -1,6 +1,6 @@
 """torch: `torch.compile` deferred to first call while another library is imported (megatron-core
 decorates its fusion kernels with it at import, which imports TorchDynamo and Inductor even when no fused
-kernel ever runs); the elastic agent's adaptations that `kubetron.torchrun` installs live in `elastic`.
+kernel ever runs); the elastic agent's adaptations that `kubetron.supervisor.torchrun` installs live in `elastic`.
 Checked against torch 2.11 (the GPU machines) and 2.13 (CI).
 """
 

@@ -5,7 +5,7 @@ torch offers no hooks into its agent's rounds, so these replace private methods 
 `DynamicRendezvousHandler.next_rendezvous`, each wrapping torch's own. They were read against the
 versions `CHECKED` names (torch's, `kubetron.compat.torch`); `install` refuses any other.
 
-The rules themselves are kubetron's and stay in `kubetron.torchrun`, handed in as `AgentHooks`: which
+The rules themselves are kubetron's and stay in `kubetron.supervisor.torchrun`, handed in as `AgentHooks`: which
 failures are restarted in place, what a restart records, the hang watchdog's rounds. This module knows
 only where torch's agent starts, watches, restarts and stops its workers.
 """

@@ -1,24 +1,28 @@
 """Chat templates rendered as `transformers` renders them, and the character spans a chat trains on.
 
-A template is compiled once (per text) in the environment of transformers' ``apply_chat_template``: jinja2's
-``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension and the
-``{% generation %}`` tag, its ``tojson`` filter (no HTML escaping, ``indent``/``separators``/``sort_keys``), and the
-globals ``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (no underscore names). It is rendered with
-``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and the tokenizer's named special tokens
-(``bos_token``, ``eos_token``, ...), as strings. The text is then encoded without the post-processor's special
-tokens: a template writes its own BOS, so a Llama 3 chat starts with exactly one ``<|begin_of_text|>``.
+A template is compiled once (per text) in transformers' sandbox, bounded in memory and time
+(:mod:`kubetron.data.sft.sandbox`), and rendered with ``messages``, ``tools``, ``documents``, ``add_generation_prompt``
+and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ...), as strings. The text is then encoded
+without the post-processor's special tokens: a template writes its own BOS, so a Llama 3 chat starts with exactly one
+``<|begin_of_text|>``.
 
-Which characters are trained (the assistant turns), from one rendering of the whole conversation, as TRL does:
+Which characters are trained (the assistant turns: text, tool calls or both), from one rendering of the whole
+conversation:
 
 * a template with ``{% generation %}`` blocks: those blocks (transformers' ``return_assistant_tokens_mask``);
-* otherwise the template is rendered once more with every trained assistant message's text between two markers
-  (Unicode noncharacters, placed inside its leading/trailing whitespace so ``trim`` and ``strip`` keep them). With
-  the markers removed that rendering must be the conversation's text exactly (else the example is refused: the
-  template rewrites the content in a way that cannot be traced). A turn runs from the end of the template's
-  generation prompt (``<|im_start|>assistant\\n``: so Qwen3's ``<think>`` block, which the template writes after it,
-  is trained) - or, for templates without one (Mistral), from the start of the content and the whitespace the
-  template writes before it (``[/INST] Yes``: the model writes that space) - to its end and through the first
-  special token after it (the end of turn: ``<|eot_id|>``, ``<|im_end|>``, ``</s>``).
+* otherwise the template is rendered once more with each trained assistant message's text, and each of its tool
+  calls' function name, between two markers (Unicode noncharacters and private-use characters naming the message;
+  the text's markers stand inside its leading/trailing whitespace so ``trim`` and ``strip`` keep them, after a
+  reasoning block's ``</think>`` so templates that cut it keep them). With the markers removed that rendering must be
+  the conversation's text exactly (else the example is refused: the template rewrites the content in a way that
+  cannot be traced), and every trained message must show (a template that writes no tool calls is refused for rows
+  with them). A turn runs from the end of the template's generation prompt (``<|im_start|>assistant\\n``; Phi-3's
+  ``<|assistant|>\\n``, whose template ends a conversation with eos instead, so the prompt is what the two renderings
+  share) or from the end of the last non-assistant turn, whichever comes later (``[/INST]`` for Mistral, which has
+  no generation prompt; DeepSeek's ``<｜tool▁output▁end｜>`` before an answer to a tool's output) - to the end-of-turn
+  token the template writes after an assistant's text (``<|eot_id|>``, ``<|im_end|>``, ``</s>``, ``<|end|>``,
+  ``<end_of_turn>``, ``<｜end▁of▁sentence｜>``) after its last marker. The header (``<|start_header_id|>assistant
+  <|end_header_id|>``, ``<|assistant|>``, ...) is never trained: the model does not write it.
 
 Tokens are in a span when their characters overlap it (transformers' ``char_to_token`` of its first and last
 character).
@@ -26,96 +30,34 @@ character).
 
 from __future__ import annotations
 
-import functools
-import json
 import re
 from collections.abc import Sequence
-from datetime import datetime
+from dataclasses import dataclass
 
 import jinja2
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kubetron.contract.errors import ConfigError
+from kubetron.data.sft.sandbox import TemplateLimit, compile_template, generation_blocks, render_bounded
 
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"  # noncharacters: not text, and no string filter of a template touches them
-_MARKER = re.compile(f"[{_OPEN}{_CLOSE}]")
+_TAG0 = 0xE000  # private-use characters after _OPEN name the message: 2k its text, 2k + 1 its tool calls
+_MAX_TAGGED = (0xF8FF - _TAG0) // 2
+_MARKER = re.compile(f"{_OPEN}[\ue000-\uf8ff]|{_CLOSE}")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_PROBE = ({"role": "user", "content": "x"},)
+_PROBE_USER = {"role": "user", "content": "x"}
+_PROBE_ID = "call00001"  # 9 characters: Mistral's templates insist
+_PROBE_CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": _PROBE_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
-class _GenerationBlocks(Extension):
-    """``{% generation %}...{% endgeneration %}``: records the rendered span of each block while tracking."""
+@dataclass
+class _Marks:
+    """Where one trained message shows in the rendered text: its first and last marked character, and its text's
+    start (None: only its tool calls show)."""
 
-    tags = {"generation"}
-
-    def __init__(self, environment):
-        super().__init__(environment)
-        self.emitted: list[str] | None = None
-        self.spans: list[tuple[int, int]] = []
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_block"), [], [], body).set_lineno(lineno)
-
-    def _block(self, caller) -> str:
-        text = caller()
-        if self.emitted is not None:
-            start = sum(map(len, self.emitted))
-            self.spans.append((start, start + len(text)))
-        return text
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _Dict:
-    """``dict(...)`` in a template builds a plain dict (no attribute access to the type itself)."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """jinja2's namespace refusing underscore attributes (no way to CPython internals)."""
-
-    def __init__(*args, **kwargs):  # jinja2's own signature trick: `namespace(self=...)` stays possible
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a template may not set {name!r} on a namespace")
-
-
-@functools.lru_cache(maxsize=16)
-def compile_template(text: str) -> jinja2.Template:
-    """The template compiled once for all examples (compiling is most of the cost of rendering one)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlocks, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, dict=_Dict(), namespace=_Namespace)
-    return env.from_string(text)
+    first: int
+    last: int
+    content_start: int | None
 
 
 class ChatTemplate:
@@ -131,103 +73,194 @@ class ChatTemplate:
         self.tracks_generation = bool(_GENERATION_TAG.search(text))
         longest_first = sorted(set(specials), key=len, reverse=True)
         self.specials = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
-        self.prompt_header = self._generation_prompt()
+        self.prompt_header, self.turn_end = self._probe_assistant()
+        self.closers = self._probe_closers()
 
     def render(self, messages: list[dict], tools=None, generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, tools=tools, documents=None,
-                                    add_generation_prompt=generation_prompt, **self.tokens)
+        return render_bounded(self.template.generate(messages=messages, tools=tools, documents=None,
+                                                     add_generation_prompt=generation_prompt, **self.tokens))
 
-    def _generation_prompt(self) -> str:
-        """What add_generation_prompt appends to a conversation ("" when the template writes nothing)."""
+    def _try(self, messages: list[dict], generation_prompt: bool = False) -> str | None:
         try:
-            done, asked = self.render(list(_PROBE)), self.render(list(_PROBE), generation_prompt=True)
-        except jinja2.TemplateError:
-            return ""
-        return asked[len(done):] if asked.startswith(done) else ""
+            return self.render(messages, generation_prompt=generation_prompt)
+        except TemplateLimit:  # a template past its bounds is refused at once, not probed again
+            raise
+        except Exception:  # a probe the template does not accept (a system role, tool turns): nothing learnt
+            return None
+
+    def _probe_assistant(self) -> tuple[str, str | None]:
+        """(the generation prompt as an assistant turn starts with it, the token that ends an assistant's turn)."""
+        alone, asked = self._try([_PROBE_USER]), self._try([_PROBE_USER], generation_prompt=True)
+        answered = self._try([_PROBE_USER, _with_markers({"role": "assistant", "content": "y"}, 0)])
+        if alone is None or asked is None or answered is None:
+            return "", None
+        user_end = self._token_boundary(asked, _common_prefix(alone, asked))
+        header = asked[user_end:_common_prefix(asked, answered)]
+        after = answered[answered.rfind(_CLOSE) + 1:] if _CLOSE in answered else ""
+        return header, self._first_special(after)
+
+    def _probe_closers(self) -> tuple[str, ...]:
+        """The special tokens that end a user turn and a tool's turn (where an assistant's turn starts when the
+        template has no generation prompt, or writes none before an answer to a tool)."""
+        found: list[str] = []
+        probes: tuple[list[dict], ...] = ([_mark_text(_PROBE_USER, "user")],
+                                          [_PROBE_USER, _PROBE_CALL, _mark_text(
+                                              {"role": "tool", "content": "x", "tool_call_id": _PROBE_ID}, "tool")])
+        for chat in probes:
+            text = self._try(chat)
+            if text is not None and _CLOSE in text:
+                closer = self._first_special(text[text.rfind(_CLOSE) + 1:])
+                if closer and closer not in found:
+                    found.append(closer)
+        return tuple(found)
+
+    def _first_special(self, text: str) -> str | None:
+        found = self.specials.search(text) if self.specials else None
+        return found.group() if found else None
+
+    def _token_boundary(self, text: str, at: int) -> int:
+        """`at`, moved back to the start of a special token it would cut (Phi-3: "<|endoftext|>" vs "<|assistant|>"
+        share "<|")."""
+        if self.specials:
+            for found in self.specials.finditer(text):
+                if found.start() < at < found.end():
+                    return found.start()
+        return at
 
     def _tracked(self, messages: list[dict], tools) -> tuple[str, list[tuple[int, int]]]:
-        ext = self.template.environment.extensions[_GenerationBlocks.identifier]
-        assert isinstance(ext, _GenerationBlocks)
+        ext = generation_blocks(self.template)
         ext.emitted, ext.spans = [], []
         try:
-            for piece in self.template.generate(messages=messages, tools=tools, documents=None,
-                                                add_generation_prompt=False, **self.tokens):
-                ext.emitted.append(piece)
-            return "".join(ext.emitted), ext.spans
+            text = render_bounded(self.template.generate(messages=messages, tools=tools, documents=None,
+                                                         add_generation_prompt=False, **self.tokens), ext.emitted)
+            return text, ext.spans
         finally:
             ext.emitted = None
 
     def spans(self, messages: list[dict], trained: Sequence[bool], tools=None) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the character spans to train on). A template error raises
-        jinja2.TemplateError; a template that cannot be traced raises ValueError (the caller names the row)."""
+        jinja2.TemplateError (or whatever the template's Python raised); a template that cannot be traced raises
+        ValueError (the caller names the row)."""
         if self.tracks_generation:
             text, blocks = self._tracked(messages, tools)
             if all(trained[i] for i, m in enumerate(messages) if m.get("role") == "assistant"):
                 return text, blocks
         else:
             text, blocks = self.render(messages, tools), []
-        ends = self._content_ends(text, messages, trained, tools)
+        marks = self._traced(text, messages, trained, tools)
         if self.tracks_generation:
-            return text, [b for b in blocks if any(b[0] <= end <= b[1] for _, end in ends)]
-        return text, self._turns(text, ends)
+            return text, [b for b in blocks if any(b[0] <= p <= b[1] for m in marks for p in (m.first, m.last))]
+        return text, self._turns(text, marks)
 
-    def _content_ends(self, text: str, messages: list[dict], trained: Sequence[bool], tools):
-        """[(content start or None, content end)] in `text` of each trained assistant message, from a rendering
-        with its content between markers."""
-        marked = [_with_markers(m) if trained[i] else m for i, m in enumerate(messages)]
+    def _traced(self, text: str, messages: list[dict], trained: Sequence[bool], tools) -> list[_Marks]:
+        """Where each trained message shows in `text`, from a rendering with its text and tool names marked."""
+        order = [i for i, t in enumerate(trained) if t]
+        if len(order) > _MAX_TAGGED:
+            raise ValueError(f"has {len(order)} assistant turns to train (at most {_MAX_TAGGED} per conversation)")
+        tag = {i: k for k, i in enumerate(order)}
+        marked = [_with_markers(m, tag[i]) if i in tag else m for i, m in enumerate(messages)]
         traced = self.render(marked, tools)
-        if traced.replace(_OPEN, "").replace(_CLOSE, "") != text:
+        if _MARKER.sub("", traced) != text:
             raise ValueError("the chat template changes an assistant message's text when it is traced (it slices "
                              "or compares the content); give the template {% generation %} markers")
-        out, start = [], None
-        for removed, found in enumerate(_MARKER.finditer(traced)):
-            at = found.start() - removed  # where the marker stands in `text`
-            if found.group() == _OPEN:
-                start = at
+        found: dict[int, _Marks] = {}
+        removed, open_at, open_tag = 0, 0, 0
+        for m in _MARKER.finditer(traced):
+            at = m.start() - removed  # where the marker stands in `text`
+            removed += len(m.group())
+            if m.group() != _CLOSE:
+                open_at, open_tag = at, ord(m.group()[1]) - _TAG0
+                continue
+            k = open_tag // 2
+            if k in found:
+                found[k].first, found[k].last = min(found[k].first, open_at), max(found[k].last, at)
             else:
-                out.append((start, at))
-                start = None
-        expected = sum(1 for i, m in enumerate(messages) if trained[i] and isinstance(m.get("content"), str))
-        if len(out) != expected:
-            raise ValueError(f"the chat template writes {len(out)} of the {expected} trained assistant messages' "
-                             "text; give the template {% generation %} markers")
-        return out
+                found[k] = _Marks(open_at, at, None)
+            if open_tag % 2 == 0 and found[k].content_start is None:
+                found[k].content_start = open_at
+        for k, i in enumerate(order):
+            if k not in found:
+                what = "tool calls" if messages[i].get("tool_calls") else "text"
+                raise ValueError(f"the chat template writes nothing of message {i + 1} (an assistant turn with "
+                                 f"{what}) that can be traced: it does not render them, or rewrites them; give the "
+                                 "template {% generation %} markers")
+        return sorted(found.values(), key=lambda m: m.first)
 
-    def _turns(self, text: str, ends: list[tuple[int | None, int]]) -> list[tuple[int, int]]:
+    def _turns(self, text: str, marks: list[_Marks]) -> list[tuple[int, int]]:
         spans, done = [], 0
-        for n, (start, end) in enumerate(ends):
-            header = text.rfind(self.prompt_header, done, end) if self.prompt_header else -1
-            if header >= 0:
-                begin = header + len(self.prompt_header)
-            elif start is not None:  # the space a template writes before the answer is the answer's first token's
-                begin = start - (start - done - len(text[done:start].rstrip()))
-            else:
-                raise ValueError("cannot tell where an assistant turn starts (its text is cut by the template and "
-                                 "the template has no generation prompt); give the template {% generation %} markers")
-            limit = self._next_turn(text, ends, n, end)
-            found = self.specials.search(text, end, limit) if self.specials else None
-            done = found.end() if found else end
+        for n, mark in enumerate(marks):
+            begin = self._begin(text, done, mark)
+            limit = marks[n + 1].first if n + 1 < len(marks) else len(text)
+            if self.prompt_header:  # the end of turn is searched before the next assistant header
+                nxt = text.find(self.prompt_header, mark.last, limit)
+                limit = nxt if nxt >= 0 else limit
+            done = self._end(text, mark.last, limit)
             spans.append((begin, done))
         return spans
 
-    def _next_turn(self, text: str, ends, n: int, end: int) -> int:
-        """Where the next assistant turn's header (or content) begins: the end of turn is searched before it."""
-        if self.prompt_header:
-            nxt = text.find(self.prompt_header, end)
-            return nxt if nxt >= 0 else len(text)
-        later = [s for s, _ in ends[n + 1:] if s is not None]
-        return later[0] if later else len(text)
+    def _begin(self, text: str, done: int, mark: _Marks) -> int:
+        """The later of the generation prompt's end and the last non-assistant turn's end before the message."""
+        ends = [at + len(s) for s in (self.prompt_header, *self.closers) if s
+                for at in (text.rfind(s, done, mark.first),) if at >= 0]
+        if ends:
+            return max(ends)
+        if mark.content_start is not None:  # the space a template writes before the answer is the answer's
+            return done + len(text[done:mark.content_start].rstrip())
+        raise ValueError("cannot tell where an assistant turn starts (the template has no generation prompt and "
+                         "writes no end to the turn before it); give the template {% generation %} markers")
+
+    def _end(self, text: str, last: int, limit: int) -> int:
+        """Through the end-of-turn token after the message's last marked character (else the first special
+        token there, else the character itself)."""
+        if self.turn_end:
+            at = text.find(self.turn_end, last, limit)
+            if at >= 0:
+                return at + len(self.turn_end)
+        found = self.specials.search(text, last, limit) if self.specials else None
+        return found.end() if found else last
 
 
-def _with_markers(message: dict) -> dict:
-    """The message with its text between the markers, inside the whitespace around it."""
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _marked(text: str, tag: int) -> str:
+    """`text` between the markers, inside its leading and trailing whitespace."""
+    core = text.strip()
+    if not core:
+        return text
+    lead = text[:len(text) - len(text.lstrip())]
+    return f"{lead}{_OPEN}{chr(_TAG0 + tag)}{core}{_CLOSE}{text[len(lead) + len(core):]}"
+
+
+def _mark_text(message: dict, role: str) -> dict:
+    return {**message, "role": role, "content": _marked(message["content"], 0)}
+
+
+def _with_markers(message: dict, k: int) -> dict:
+    """The message with its text (after a reasoning block's ``</think>``) and each tool call's name marked."""
+    out = dict(message)
     content = message.get("content")
-    if not isinstance(content, str):
-        return message
-    core = content.strip()
-    lead = content[:len(content) - len(content.lstrip())]
-    trail = content[len(lead) + len(core):]
-    return {**message, "content": f"{lead}{_OPEN}{core}{_CLOSE}{trail}"}
+    if isinstance(content, str):
+        cut = content.rfind("</think>")
+        head, tail = (content[:cut + len("</think>")], content[cut + len("</think>"):]) if cut >= 0 else ("", content)
+        out["content"] = head + _marked(tail, 2 * k)
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_mark_call(c, 2 * k + 1) for c in calls]
+    return out
+
+
+def _mark_call(call, tag: int):
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
+        return {**call, "function": {**function, "name": _marked(function["name"], tag)}}
+    if isinstance(call.get("name"), str):
+        return {**call, "name": _marked(call["name"], tag)}
+    return call
 
 
 def token_mask(encoding, spans: list[tuple[int, int]]) -> list[int]:

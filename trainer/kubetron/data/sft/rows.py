@@ -2,18 +2,23 @@
 
 * OpenAI chat: ``{"messages": [{"role", "content"}, ...]}`` (the key is ``finetuning.messages_key``); a content
   may be a list of text parts ``[{"type": "text", "text": ...}]``, joined with newlines (as vLLM does); an
-  optional ``"tools"`` list goes to the template.
+  optional ``"tools"`` list (or that list as a JSON string, as TRL reads it) goes to the template. An assistant
+  message with ``tool_calls`` (OpenAI's form, ``content`` null or ``""`` or text) is trained like any other.
 * TRL prompt/completion: ``{"prompt": str, "completion": str}`` (standard: a pair), or both lists of messages
   (conversational: a chat whose completion's assistant turns are trained, the prompt's are context).
 * ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system" | ..., "value": ...}]}``.
 * ``{"input": str, "output": str}`` with the keys ``finetuning.input_key`` / ``output_key``.
 
-Messages are passed to the template as transformers passes them: keys whose value is null are dropped, and a
-reasoning under ``reasoning_content``, ``thinking`` or ``reasoning`` is given under the first two as well.
+Messages are passed to the template as transformers' ``apply_chat_template`` passes them: keys whose value is null
+are dropped (OpenAI's ``content: null`` beside ``tool_calls``), and a reasoning under ``reasoning_content``,
+``thinking`` or ``reasoning`` is given under the first two as well. Rows of Parquet and Arrow files hold structs,
+which give every row every key any row has (null where it had none): there, null entries are dropped at any depth,
+inside tool calls and tool specs too, so a tool call's arguments are the row's own (:func:`without_nulls`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 ROLES_SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -52,6 +57,31 @@ class RowKeys:
                 f"{self.output!r}}} (finetuning.input_key/output_key)")
 
 
+class TableRow(dict):
+    """A row read from a Parquet or Arrow table (its structs carry every key of every row, null where absent)."""
+
+
+def without_nulls(value):
+    """`value` with every null dict entry removed, at any depth (what a struct column adds to a row)."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
+def _strip_nested(value):
+    """Nulls dropped inside tool calls and tool specs (message-level keys stay: a null content is meaningful)."""
+    if isinstance(value, list):
+        return [_strip_message(m) if isinstance(m, dict) else without_nulls(m) for m in value]
+    return value
+
+
+def _strip_message(m: dict) -> dict:
+    """A table row's message with the nulls its struct added dropped, inside tool calls and tool specs too."""
+    return without_nulls(m)
+
+
 class RowError(ValueError):
     """A row that is not one of the formats; the message names what is wrong (the caller adds file:line)."""
 
@@ -60,6 +90,9 @@ def parse_row(row, keys: RowKeys) -> Pair | Chat:
     """The example a row holds, or RowError saying what is wrong with it."""
     if not isinstance(row, dict):
         raise RowError(f"not an object but {type(row).__name__}")
+    if isinstance(row, TableRow):
+        row = {k: (_strip_nested(v) if k in ("tools", keys.messages, "prompt", "completion") else v)
+               for k, v in row.items()}
     if keys.messages in row:
         return _chat(_messages(row[keys.messages], keys.messages), None, row.get("tools"))
     if "conversations" in row:
@@ -91,13 +124,24 @@ def _prompt_completion(row: dict) -> Pair | Chat:
 
 def _chat(messages: list[dict], first_trained: int | None, tools) -> Chat:
     start = first_trained or 0
-    trained = tuple(i >= start and m["role"] == "assistant" and isinstance(m.get("content"), str)
-                    for i, m in enumerate(messages))
+    trained = tuple(i >= start and is_answer(m) for i, m in enumerate(messages))
     if not any(trained):
-        raise RowError("has no assistant message with text (nothing to learn)")
+        roles = ", ".join(dict.fromkeys(repr(m["role"]) for m in messages[start:]))
+        raise RowError(f"has no assistant message to learn from (roles: {roles}; the turns trained on are role "
+                       "'assistant' with content or tool_calls)")
+    if isinstance(tools, str):  # TRL's form in a string column: the list as JSON
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise RowError(f"'tools' is a string but not JSON ({e})") from None
     if tools is not None and not isinstance(tools, list):
-        raise RowError("'tools' must be a list")
+        raise RowError("'tools' must be a list (or that list as a JSON string)")
     return Chat(tuple(messages), trained, tools)
+
+
+def is_answer(m: dict) -> bool:
+    """An assistant message the model learns to write: text, or tool calls (with null, "" or text content)."""
+    return m["role"] == "assistant" and (isinstance(m.get("content"), str) or bool(m.get("tool_calls")))
 
 
 def _messages(value, key: str) -> list[dict]:
@@ -112,6 +156,9 @@ def _message(m, key: str, n: int) -> dict:
     out = {k: v for k, v in m.items() if v is not None}
     if "content" in out:
         out["content"] = _content(out["content"], key, n)
+    calls = out.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+        raise RowError(f"{key!r} message {n}: tool_calls must be a list of objects")
     reasoning = next((m[k] for k in _REASONING if m.get(k) is not None), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}

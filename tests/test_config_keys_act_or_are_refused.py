@@ -1,7 +1,7 @@
 """Config keys that were accepted and then did nothing (or crashed a resume): each now acts or is refused.
 
-Most checks run `pretrain()` in this process on one small saved run (module fixture); the exit code
-of a spec error is checked once through the real `kubetron train` command.
+The checks run `pretrain()` in this process on one small saved run (module fixture); the exit code and the one
+line of a spec error are checked once through `kubetron train`'s own path (tests/inprocess.command).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 from kubetron.contract import exitcodes
 from kubetron.contract.errors import ConfigError
 
-from tests.inprocess import in_process_config, run_pretrain
-from tests.trainer_utils import TINY, run, tb_scalars
+from tests.inprocess import command, in_process_config, run_pretrain
+from tests.trainer_utils import TINY, tb_scalars
+
+pytestmark = pytest.mark.trainer
 
 SMALL = ["model.seq_length=32", "scheduler.lr_warmup_iters=0", "train.micro_batch_size=2", "train.global_batch_size=4",
          "logger.log_interval=1"]
@@ -106,11 +108,11 @@ def test_spec_errors_on_resume_are_config_errors(saved, tmp_path):
         run_pretrain(in_process_config(*SMALL, f"checkpoint.load={newer}", "train.train_iters=9"), _forward_step())
 
 
-def test_missing_ckpt_step_exits_2_with_one_line(saved, tmp_path):
-    p = run(["train", "--config", TINY, *SMALL, f"checkpoint.load={saved.ckpt}", "checkpoint.ckpt_step=7",
-             "checkpoint.save=null", "train.train_iters=9"], tmp_path)
-    assert p.returncode == 2, p.stderr
-    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [
+def test_missing_ckpt_step_exits_2_with_one_line(saved, capsys):
+    code, _, err = command(capsys, "train", "--config", TINY, *SMALL, f"checkpoint.load={saved.ckpt}",
+                           "checkpoint.ckpt_step=7", "checkpoint.save=null", "train.train_iters=9")
+    assert code == 2, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
         f"kubetron: error: checkpoint.ckpt_step: 7: {saved.ckpt} has no complete iter_0000007 (complete: [2, 3])"]
 
 
@@ -124,10 +126,10 @@ def test_resume_names_settings_changed_since_the_checkpoint(saved, caplog):
 
 def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp_path):
     """A job at 2 GPUs did 1e15 FLOPs; this job (1 GPU) adds 3e12 in ~1 s: ~3 TFLOP/s, not ~1000."""
-    from kubetron.checkpoint.progress_log import ProgressLog
+    from kubetron.checkpoint.progress_log import PodFacts, ProgressLog
     from kubetron.contract import progress
+    from kubetron.events import Checkpoint, CheckpointDurable, Started
     from kubetron.storage import open_store
-    from kubetron.training.state import GlobalState
 
     store = open_store(str(tmp_path))
     store.append_line("progress.txt", progress.starting_job_line(iteration=0, train_iters=10, num_gpus=2, job_id=""))
@@ -135,13 +137,11 @@ def test_cumulative_throughput_counts_only_flops_since_the_gpu_count_changed(tmp
         iteration=5, job_throughput_tflops=1.0, cumulative_throughput_tflops=1.0, flops_so_far=1e15,
         tokens_so_far=100, train_iters=10, num_gpus=2, async_save=False, job_id=""))
     cfg = in_process_config()
-    state = GlobalState(cfg=cfg, world_size=1)
-    state.train_state.floating_point_operations_so_far = 1e15
-    log = ProgressLog(cfg, store, state.train_state, state.world_size)
-    log.start()
-    state.train_state.floating_point_operations_so_far += 3e12
+    log = ProgressLog(cfg, store, 1, PodFacts(job_id=""))
+    log(Started(5, 10, 40, 1e15, None))
     start, _ = progress.get_start_time_from_progress_log(store.read_bytes("progress.txt").decode(), 1)
-    before = time.time()
-    tflops = log.fields(6)["cumulative_throughput_tflops"]
-    after = time.time()
-    assert 3.0 / (after - start.timestamp()) <= tflops <= 3.0 / (before - start.timestamp())
+    taken = time.time()
+    durable = CheckpointDurable(Checkpoint(6, None), taken, {"floating_point_operations_so_far": 1e15 + 3e12,
+                                                              "consumed_train_samples": 48}, 1.0, 1.0, False)
+    tflops = log.fields(durable)["cumulative_throughput_tflops"]
+    assert tflops == pytest.approx(3.0 / (taken - start.timestamp()))

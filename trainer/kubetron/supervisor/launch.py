@@ -39,11 +39,11 @@ from kubetron.contract import exitcodes
 from kubetron.contract.hang import HangReport, parse_report
 from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
-from kubetron.heartbeat import HEARTBEAT_ENV, STACKS_ENV
-from kubetron.termination_log import write_termination_message
-from kubetron.torchrun import FAILURES_FILE, HANGS_FILE, SHUTDOWN_TIMEOUT_ENV, describe_failure
-from kubetron.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
-from kubetron.watchdog import heartbeat_path, stacks_path
+from kubetron.supervisor.heartbeat import HEARTBEAT_ENV, STACKS_ENV
+from kubetron.supervisor.termination_log import write_termination_message
+from kubetron.supervisor.torchrun import FAILURES_FILE, HANGS_FILE, SHUTDOWN_TIMEOUT_ENV, describe_failure
+from kubetron.supervisor.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
+from kubetron.supervisor.watchdog import heartbeat_path, stacks_path
 
 DEFAULT_CONFIG = "/etc/kubetron/config.yaml"
 MESSAGES_DIR_ENV = "KUBETRON_LAUNCH_MESSAGES"  # set by the launcher for its torchrun workers
@@ -56,7 +56,7 @@ def torchrun_argv(env: Mapping[str, str], args: Sequence[str], python: str = sys
     """The torchrun command line for this pod: one agent per pod, NPROC_PER_NODE ranks under it."""
     nnodes = int(env.get("NNODES", "1"))
     argv = [
-        python, "-m", "kubetron.torchrun",  # torchrun without its failure report (kubetron/torchrun.py)
+        python, "-m", "kubetron.supervisor.torchrun",  # torchrun without its failure report (supervisor/torchrun.py)
         f"--nnodes={nnodes}",
         f"--nproc-per-node={env.get('NPROC_PER_NODE', '1')}",
         # Restarts of the gang inside its pods (docs/recovery.md); kubetron.torchrun restarts only the
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if messages_dir:
         env[MESSAGES_DIR_ENV] = messages_dir
     env[RDZV_NODE_RANK_ENV] = env.get("NODE_RANK", "0")
-    command = torchrun_argv(env, args, module="kubetron.launch" if messages_dir else "kubetron")
+    command = torchrun_argv(env, args, module="kubetron.supervisor.launch" if messages_dir else "kubetron")
     print("kubetron.launch:", " ".join(command), file=sys.stderr, flush=True)
     received: list[int] = []
     rc = run(command, env, received)

@@ -228,8 +228,8 @@ class Watchdog:
         keys = [f"{KEY}{n}" for n in range(self.nnodes)]
         if not self.store.check(keys):
             return None
-        ranks = [s for value in self.store.multi_get(keys) for s in json.loads(value)]
-        if not hang.gang_hung(ranks):
+        ranks = hang.parse_states(self.store.multi_get(keys), self.nnodes)  # peers' keys: checked, bounded
+        if ranks is None or not hang.gang_hung(ranks):
             return None  # all idle, not all past their phase's allowance yet (a slow save, a long evaluation)
         folder = f"{HANGS_DIR}/{self.attempt}-{self.restart + 1}"
         location = f"{self.store_url.rstrip('/')}/{folder}/" if self.store_url else ""

@@ -7,9 +7,9 @@ record mapped into memory, so a beat is one struct packed into the mapping and n
 runs at the C level, so it dumps while the main thread is stuck in C (a gloo or NCCL collective, a store read).
 Outside the launcher (no KUBETRON_HEARTBEAT) every call is a no-op.
 
-The training loop calls `step_started()` / `step_done(iteration)` around each iteration and `during(phase)`
-around evaluations and checkpoint saves; `progress()` marks progress inside a long phase (a file written,
-a batch evaluated). `current()` is this process's heartbeat, opened on first use.
+A `Heartbeat` is one of the run's listeners (kubetron.events; the composition root, kubetron.training.run, opens it
+with `from_env()`): a step done and a phase entered or left are published, and so is progress inside a long phase
+(a checkpoint file written, an evaluation batch done).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from datetime import UTC, datetime
 from typing import IO
 
 from kubetron.contract.goodput import TrainerTime
-from kubetron.contract.hang import CHECKPOINT, EVALUATION, RECORD_SIZE, STARTUP, Beat, encode_beat
+from kubetron.contract.hang import CHECKPOINT, EVALUATION, RECORD_SIZE, STARTUP, TEARDOWN, Beat, encode_beat
 from kubetron.contract.times import stamp
-from kubetron.startup import CLOCK
+from kubetron.events import Event, PhaseEntered, PhaseLeft, Progress, Started, StepDone, Stopping
+from kubetron.supervisor.startup import CLOCK
 
 HEARTBEAT_ENV = "KUBETRON_HEARTBEAT"  # set by the launcher for each local rank
 STACKS_ENV = "KUBETRON_STACKS"  # ditto: where this rank's stacks go on DUMP_SIGNAL
@@ -46,7 +47,7 @@ class Heartbeat:
         self._stacks: IO[str] | None = None
         self._seq, self.iteration, self.phase, self.steps = 0, 0, STARTUP, 0
         self.phase_since = self.progress_at = time.monotonic()
-        self._step_start = self.progress_at
+        self._outer: list[str] = []  # the phases a PhaseEntered interrupted, innermost last
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self.slowest_step = self.train_seconds = 0.0
         self.seconds: dict[str, float] = {}  # per phase, the phases already left (goodput: trainer_time)
@@ -100,19 +101,32 @@ class Heartbeat:
         self.iteration = iteration
         self._publish()
 
-    def step_started(self) -> None:
-        self._step_start = time.monotonic()
+    def __call__(self, event: Event) -> None:
+        """The run's events, as the watchdog reads them (a listener: kubetron.events)."""
+        match event:
+            case StepDone(iteration=iteration, seconds=seconds):
+                self.step_done(iteration, seconds)
+            case Progress():
+                self.progress()
+            case PhaseEntered(phase=phase):
+                self._outer.append(self.enter(phase))
+            case PhaseLeft():
+                self.enter(self._outer.pop() if self._outer else STARTUP)
+            case Started(iteration=iteration):
+                self.resumed(iteration)
+            case Stopping():  # judged again only in a final evaluation
+                self._outer.clear()
+                self.enter(TEARDOWN)
 
-    def step_done(self, iteration: int) -> None:
-        """Iteration `iteration` completed: progress, and its time among the recent ones."""
+    def step_done(self, iteration: int, seconds: float) -> None:
+        """Iteration `iteration` completed in `seconds`: progress, and its time among the recent ones."""
         now = time.monotonic()
-        self._recent.append(now - self._step_start)
-        self.train_seconds += self._recent[-1]
+        self._recent.append(seconds)
+        self.train_seconds += seconds
         self.slowest_step = max(self._recent)
         self.iteration, self.progress_at = iteration, now
         self.steps += 1
         self._publish()
-
 
     def trainer_time(self) -> TrainerTime:
         """This process's time by what it did (docs/goodput.md), as rank 0's endpoint serves it."""
@@ -121,14 +135,3 @@ class Heartbeat:
         return TrainerTime(started=stamp(datetime.fromtimestamp(CLOCK.started, UTC)), steps=self.steps,
                            train=round(self.train_seconds, 3), checkpoint=round(spent.get(CHECKPOINT, 0.0), 3),
                            evaluation=round(spent.get(EVALUATION, 0.0), 3))
-
-
-_current: Heartbeat | None = None
-
-
-def current() -> Heartbeat:
-    """This process's heartbeat (opened from the environment on first use)."""
-    global _current
-    if _current is None:
-        _current = Heartbeat.from_env()
-    return _current

@@ -1,6 +1,6 @@
 """The trainer's side of the progress log (its format is kubetron.contract.progress): what a pod's
 environment says about the lines it writes, reading a store's log back, and `kubetron progress STORE`
-(also `python -m kubetron.progress_io`)."""
+(also `python -m kubetron.supervisor.progress_io`)."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def format_summary(summary: ProgressSummary) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`kubetron progress STORE` (also `python -m kubetron.progress_io STORE`): print the summary as JSON.
+    """`kubetron progress STORE` (also `python -m kubetron.supervisor.progress_io STORE`): print the summary as JSON.
 
     `--termination-log PATH` also writes it, compact and within the termination message's limit, to PATH (a
     pod's /dev/termination-log: a pod that reads a store reports through its termination message).

@@ -1,7 +1,7 @@
 """Writing the pod's termination message (its shape and encoding: kubetron.contract.termination).
 
-Used by the CLI (config errors), the launcher and the training loop (every exit). Never raises: a
-failure to write the message must not change how the process exits.
+Used by the CLI (config errors), the launcher and, as one of the run's listeners (`TerminationReport`), by
+`kubetron train` (every ending). Never raises: a failure to write the message must not change how the process exits.
 """
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from kubetron.contract import exitcodes
 from kubetron.contract.termination import (
     DEFAULT_TERMINATION_LOG,
     ENV_VAR,
     TerminationMessage,
     encode_termination_message,
 )
+from kubetron.events import CheckpointDurable, Ended, Event, Started
 
 IN_POD_VAR = "KUBERNETES_SERVICE_HOST"  # set in every container Kubernetes starts
 
@@ -49,3 +51,26 @@ def write_termination_message(payload: TerminationMessage, path: str | None = No
         return True
     except Exception:  # noqa: BLE001 - by contract this never fails the caller
         return False
+
+
+class TerminationReport:
+    """A run's listener: at `Ended`, the termination message (exit code, reason, message, the iteration reached, the
+    newest durable checkpoint this process knows of). `ended` is that ending, once it came."""
+
+    def __init__(self, path: str | None, train_iters: int | None):
+        self.path, self.train_iters = path, train_iters  # train_iters None: an evaluation, not a training job
+        self.last_checkpoint: int | None = None
+        self.ended: Ended | None = None
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case Started(checkpoint=checkpoint) if checkpoint is not None:
+                self.last_checkpoint = checkpoint.iteration
+            case CheckpointDurable(checkpoint=checkpoint):
+                self.last_checkpoint = checkpoint.iteration
+            case Ended():
+                self.ended = event
+                write_termination_message({
+                    "exitCode": event.code, "reason": exitcodes.NAMES[event.code], "iteration": event.iteration,
+                    "trainIters": self.train_iters, "lastCheckpoint": self.last_checkpoint, "message": event.message,
+                }, self.path)

@@ -1,8 +1,9 @@
 """Trainer features a user notices: finetune, preprocess + real text, iterations_to_skip, NaN/Inf
 stops, exit conditions, checkpoint retention/selection/safety, TensorBoard keys and log lines.
 
-Checks that the issue phrases as commands run the real `kubetron` command in a subprocess (each
-costs a megatron import); the rest run `pretrain()` in this process (tests/test_forward_step.py).
+Everything runs in this process (tests/inprocess.py): `kubetron train|finetune|preprocess`'s own path
+(`drive`, `command`) where the command's exit code, console, termination message or progress log is the point,
+`pretrain()` where the run's numbers are.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import torch
 from kubetron.contract import exitcodes
 from kubetron.training.state import GlobalState, TrainState
 
-from tests.inprocess import in_process_config, run_pretrain
-from tests.trainer_utils import TINY, run, run_until_iteration_then_signal, tb_scalars
+from tests.inprocess import Driver, command, console, drive, in_process_config, run_pretrain
+from tests.trainer_utils import TINY, tb_scalars
+
+pytestmark = pytest.mark.trainer
 
 PRE_ITERS = 40
 
@@ -59,12 +62,12 @@ def pretrained(tmp_path_factory):
     """A 40-iteration pretraining run (checkpoints every 10, most_recent_k=2, TensorBoard)."""
     d = tmp_path_factory.mktemp("pretrained")
     ckpt = d / "ckpt"
-    p = run(["train", "--config", TINY, f"train.train_iters={PRE_ITERS}", f"checkpoint.save={ckpt}",
-             "checkpoint.save_interval=10", "checkpoint.most_recent_k=2", "logger.log_interval=1",
-             f"logger.tensorboard_dir={d}/tb", "logger.log_l2_norm_grad_to_tensorboard=true",
-             "validation.eval_interval=null"], d)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return SimpleNamespace(dir=d, ckpt=ckpt, stdout=p.stdout, loss=tb_scalars(d / "tb"),
+    with console() as out:
+        run = drive(d, f"train.train_iters={PRE_ITERS}", f"checkpoint.save={ckpt}", "checkpoint.save_interval=10",
+                    "checkpoint.most_recent_k=2", "logger.log_interval=1", f"logger.tensorboard_dir={d}/tb",
+                    "logger.log_l2_norm_grad_to_tensorboard=true", "validation.eval_interval=null")
+    assert run.code == 0
+    return SimpleNamespace(dir=d, ckpt=ckpt, stdout=out.getvalue(), loss=tb_scalars(d / "tb"),
                            lr=tb_scalars(d / "tb", "learning-rate"))
 
 
@@ -217,7 +220,7 @@ class Payload:
         return (open, (self.path, "w"))
 
 
-def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
+def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path, capsys):
     store = tmp_path / "store"
     shutil.copytree(pretrained.ckpt, store)
     marker = tmp_path / "PWNED"
@@ -227,14 +230,15 @@ def test_planted_pickle_is_refused_and_never_runs(pretrained, tmp_path):
     pickle.loads(pickle.dumps({"x": Payload(tmp_path / "probe-ran")}))
     assert (tmp_path / "probe-ran").exists()
 
-    p = run(["train", "--config", TINY, f"checkpoint.load={store}", "checkpoint.save=null", "train.train_iters=50"],
-            tmp_path)
-    assert p.returncode == exitcodes.ERROR, p.stderr[-3000:]
+    capsys.readouterr()
+    out = drive(tmp_path, f"checkpoint.load={store}", "checkpoint.save=null", "train.train_iters=50")
+    err = capsys.readouterr().err
+    assert out.code == exitcodes.ERROR
     assert not marker.exists(), "the pickle payload ran"
-    assert "Traceback" not in p.stderr
-    assert re.search(r"checkpoint error: refusing to load iter_0000040/common\.pt", p.stderr), p.stderr[-2000:]
-    assert p.termination["exitCode"] == exitcodes.ERROR
-    assert "refusing to load iter_0000040/common.pt" in p.termination["message"]
+    assert "Traceback" not in err
+    assert re.search(r"checkpoint error: refusing to load iter_0000040/common\.pt", err), err[-2000:]
+    assert out.termination["exitCode"] == exitcodes.ERROR
+    assert "refusing to load iter_0000040/common.pt" in out.termination["message"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,50 +256,52 @@ def _adam_step(ckpt: Path) -> int:
     return steps.pop()
 
 
-def test_finetune_from_parent_dir_then_resume_from_its_own_checkpoint(pretrained, tmp_path):
+def test_finetune_from_parent_dir_then_resume_from_its_own_checkpoint(pretrained, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kubetron")
     ft = tmp_path / "ft"
-    args = ["finetune", "--config", TINY, f"checkpoint.pretrained_checkpoint={pretrained.ckpt}",
-            f"checkpoint.save={ft}", f"checkpoint.load={ft}", "checkpoint.save_interval=100", "train.train_iters=24",
-            "scheduler.lr_warmup_iters=2",
+    args = [f"checkpoint.pretrained_checkpoint={pretrained.ckpt}", f"checkpoint.save={ft}", f"checkpoint.load={ft}",
+            "checkpoint.save_interval=100", "train.train_iters=24", "scheduler.lr_warmup_iters=2",
             "logger.log_interval=1", f"logger.tensorboard_dir={ft}/tb", "validation.eval_interval=null"]
-    code, out, err, term = run_until_iteration_then_signal(args, tmp_path, 3)
-    assert code == exitcodes.SAVED_ON_SIGNAL, err[-3000:]
-    assert re.search(r"finetuning from weights of \S+ckpt/iter_0000040 \(iteration 40\); training starts at 0", out)
+    out = drive(tmp_path, *args, mode="finetune", driver=Driver().signal_at(3))
+    assert out.code == exitcodes.SAVED_ON_SIGNAL
+    assert re.search(r"finetuning from weights of \S+ckpt/iter_0000040 \(iteration 40\); training starts at 0",
+                     caplog.text)
     loss, lr = tb_scalars(ft / "tb"), tb_scalars(ft / "tb", "learning-rate")
-    assert min(loss) == 1, "finetuning starts at iteration 0"
+    assert sorted(loss) == [1, 2, 3], "finetuning starts at iteration 0"
     fresh = pretrained.loss[1]  # a freshly initialised model on the same first batch
     assert loss[1] < fresh - 0.5, f"weights not loaded: first loss {loss[1]} vs fresh {fresh}"
     assert lr[1] == pytest.approx(0.5e-3)  # fresh schedule: warmup 1/2 of lr=1e-3 (pretrained ended at min_lr)
-    saved = term["lastCheckpoint"]
-    assert saved >= 3
-    assert _adam_step(ft / f"iter_{saved:07d}") == saved  # fresh optimizer, not 40 + saved
+    assert out.termination["lastCheckpoint"] == 3
+    assert _adam_step(ft / "iter_0000003") == 3  # fresh optimizer, not 40 + 3
 
-    p = run(args, tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert re.search(rf"resumed from \S+ft/iter_{saved:07d} at iteration {saved}", p.stdout)
-    assert "finetuning from weights" not in p.stdout
+    caplog.clear()
+    assert drive(tmp_path, *args, mode="finetune").code == 0
+    assert re.search(r"resumed from \S+ft/iter_0000003 at iteration 3", caplog.text)
+    assert "finetuning from weights" not in caplog.text
     assert _adam_step(ft / "iter_0000024") == 24
 
 
-def test_finetune_from_an_iter_dir(pretrained, tmp_path):
+def test_finetune_from_an_iter_dir(pretrained, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kubetron")
     ft = tmp_path / "ft"
-    p = run(["finetune", "--config", TINY, f"checkpoint.pretrained_checkpoint={pretrained.ckpt}/iter_0000030",
-             "checkpoint.save=null", "train.train_iters=2", "scheduler.lr_warmup_iters=1", "logger.log_interval=1",
-             f"logger.tensorboard_dir={ft}/tb", "validation.eval_interval=null"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert re.search(r"finetuning from weights of \S+ckpt/iter_0000030 \(iteration 30\)", p.stdout)
+    out = drive(tmp_path, f"checkpoint.pretrained_checkpoint={pretrained.ckpt}/iter_0000030", "checkpoint.save=null",
+                "train.train_iters=2", "scheduler.lr_warmup_iters=1", "logger.log_interval=1",
+                f"logger.tensorboard_dir={ft}/tb", "validation.eval_interval=null", mode="finetune")
+    assert out.code == 0
+    assert re.search(r"finetuning from weights of \S+ckpt/iter_0000030 \(iteration 30\)", caplog.text)
     loss = tb_scalars(ft / "tb")
     assert sorted(loss) == [1, 2]
     assert loss[1] < pretrained.loss[1] - 0.5
 
 
-def test_finetune_missing_pretrained_checkpoint_is_a_config_error(tmp_path):
-    p = run(["finetune", "--config", TINY, f"checkpoint.pretrained_checkpoint={tmp_path}/nope",
-             "checkpoint.save=null"], tmp_path)
-    assert p.returncode == exitcodes.CONFIG_ERROR
-    line = one_error_line(p.stderr)
+def test_finetune_missing_pretrained_checkpoint_is_a_config_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KUBETRON_TERMINATION_LOG", str(tmp_path / "termination"))
+    code, _, err = command(capsys, "finetune", "--config", TINY, f"checkpoint.pretrained_checkpoint={tmp_path}/nope",
+                           "checkpoint.save=null")
+    assert code == exitcodes.CONFIG_ERROR
+    line = one_error_line(err)
     assert line.startswith("kubetron: error: checkpoint.pretrained_checkpoint: ") and "nope" in line
-    assert p.termination["exitCode"] == exitcodes.CONFIG_ERROR
+    assert json.loads((tmp_path / "termination").read_text())["exitCode"] == exitcodes.CONFIG_ERROR
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,7 +316,7 @@ SENTENCES = [
 ]
 
 
-def test_preprocess_then_train_on_it(tmp_path):
+def test_preprocess_then_train_on_it(tmp_path, capsys, caplog):
     corpus = tmp_path / "corpus.jsonl"
     with corpus.open("w") as f:
         for i in range(300):
@@ -318,30 +324,30 @@ def test_preprocess_then_train_on_it(tmp_path):
     text = tmp_path / "notes.txt"  # plain text: documents separated by blank lines
     text.write_text("\n\n".join(" ".join(SENTENCES[i:] + SENTENCES[:i]) for i in range(4)) + "\n")
     prefix = tmp_path / "data" / "corpus"
-    p = run(["preprocess", "--input", str(corpus), str(text), "--output-prefix", str(prefix)], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout)["documents"] == 300 + 4
+    code, out, err = command(capsys, "preprocess", "--input", str(corpus), str(text), "--output-prefix", str(prefix))
+    assert code == 0, err[-3000:]
+    assert json.loads(out)["documents"] == 300 + 4
     assert prefix.with_suffix(".bin").is_file() and prefix.with_suffix(".idx").is_file()
 
     d = tmp_path / "run"
-    p = run(["train", "--config", TINY, f"dataset.data_path={prefix}", "train.train_iters=30",
-             "checkpoint.save=null", "logger.log_interval=5", f"logger.tensorboard_dir={d}/tb",
-             "validation.eval_interval=null", "logger.logging_level=DEBUG"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "dataset.data_path: " in p.stdout  # a non-default value, listed at DEBUG
+    caplog.set_level(logging.DEBUG, logger="kubetron")
+    assert drive(tmp_path, f"dataset.data_path={prefix}", "train.train_iters=30", "checkpoint.save=null",
+                 "logger.log_interval=5", f"logger.tensorboard_dir={d}/tb", "validation.eval_interval=null",
+                 "logger.logging_level=DEBUG").code == 0
+    assert "dataset.data_path: " in caplog.text  # a non-default value, listed at DEBUG
     loss = tb_scalars(d / "tb")
     assert sorted(loss) == list(range(1, 31))
     assert loss[30] < loss[1] - 1.0, f"loss did not fall on the text: {loss[1]} -> {loss[30]}"
 
     # missing .bin / .idx: one line naming dataset.data_path, exit 2
-    p = run(["train", "--config", TINY, f"dataset.data_path={tmp_path}/absent"], tmp_path)
-    assert p.returncode == exitcodes.CONFIG_ERROR
-    line = one_error_line(p.stderr)
+    code, _, err = command(capsys, "train", "--config", TINY, f"dataset.data_path={tmp_path}/absent")
+    assert code == exitcodes.CONFIG_ERROR
+    line = one_error_line(err)
     assert "dataset.data_path" in line and "absent.bin" in line and "absent.idx" in line
     prefix.with_suffix(".idx").unlink()
-    p = run(["train", "--config", TINY, f"dataset.data_path={prefix}"], tmp_path)
-    assert p.returncode == exitcodes.CONFIG_ERROR
-    line = one_error_line(p.stderr)
+    code, _, err = command(capsys, "train", "--config", TINY, f"dataset.data_path={prefix}")
+    assert code == exitcodes.CONFIG_ERROR
+    line = one_error_line(err)
     assert "dataset.data_path" in line and "corpus.idx" in line and "corpus.bin" not in line
 
 
@@ -380,17 +386,19 @@ def test_iterations_to_skip_consumes_the_data(tmp_path, caplog, capsys):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_nan_loss_stops_with_exit_code_3(tmp_path):
+def test_nan_loss_stops_with_exit_code_3(tmp_path, capsys):
     """lr=1e6 without clipping diverges: exit 3, a clear message naming the iteration, termination log."""
-    p = run(["train", "--config", TINY, "optimizer.lr=1e6", "optimizer.clip_grad=0", "scheduler.lr_warmup_iters=0",
-             "scheduler.lr_decay_style=constant", "train.train_iters=20", "logger.log_interval=1",
-             f"checkpoint.save={tmp_path}/ckpt"], tmp_path)
-    assert p.returncode == exitcodes.DIVERGED, p.stderr[-3000:]
-    m = re.search(r"kubetron: Diverged: loss is NaN/Inf at iteration (\d+)", p.stderr)
-    assert m, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr
-    assert p.termination["exitCode"] == exitcodes.DIVERGED and p.termination["reason"] == "Diverged"
-    assert f"at iteration {m.group(1)}" in p.termination["message"]
+    capsys.readouterr()
+    out = drive(tmp_path, "optimizer.lr=1e6", "optimizer.clip_grad=0", "scheduler.lr_warmup_iters=0",
+                "scheduler.lr_decay_style=constant", "train.train_iters=20", "logger.log_interval=1",
+                f"checkpoint.save={tmp_path}/ckpt")
+    err = capsys.readouterr().err
+    assert out.code == exitcodes.DIVERGED
+    m = re.search(r"kubetron: Diverged: loss is NaN/Inf at iteration (\d+)", err)
+    assert m, err[-2000:]
+    assert "Traceback" not in err
+    assert out.termination["exitCode"] == exitcodes.DIVERGED and out.termination["reason"] == "Diverged"
+    assert f"at iteration {m.group(1)}" in out.termination["message"]
 
 
 def test_nan_from_a_forward_step_names_the_iteration():
@@ -430,33 +438,35 @@ def test_nan_with_the_check_off_in_fp16_skips_the_update_and_counts_it(capsys):
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_exit_condition(p, ckpt: Path, iteration: int):
-    assert p.returncode == exitcodes.EXIT_CONDITION, p.stderr[-3000:]
+def _check_exit_condition(out, ckpt: Path, iteration: int):
+    assert out.code == exitcodes.EXIT_CONDITION
     assert (ckpt / f"iter_{iteration:07d}" / "metadata.json").is_file()
     assert tracker_iteration(ckpt) == iteration
     progress = (ckpt / "progress.txt").read_text().splitlines()
     assert re.search(rf"\tExiting job\tIteration: {iteration}\tReason: ExitCondition\b", progress[-1]), progress[-1]
-    assert p.termination["reason"] == "ExitCondition" and p.termination["lastCheckpoint"] == iteration
+    assert out.termination["reason"] == "ExitCondition" and out.termination["lastCheckpoint"] == iteration
 
 
-def test_exit_interval(tmp_path):
+def test_exit_interval(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kubetron")
     ckpt = tmp_path / "ckpt"
-    p = run(["train", "--config", TINY, "train.train_iters=12", "train.exit_interval=4", f"checkpoint.save={ckpt}",
-             "checkpoint.save_interval=100", "logger.log_interval=1", "validation.eval_interval=null"], tmp_path)
-    _check_exit_condition(p, ckpt, 4)
+    out = drive(tmp_path, "train.train_iters=12", "train.exit_interval=4", f"checkpoint.save={ckpt}",
+                "checkpoint.save_interval=100", "logger.log_interval=1", "validation.eval_interval=null")
+    _check_exit_condition(out, ckpt, 4)
     assert iter_dirs(ckpt) == ["iter_0000004"]
-    assert "exit_interval (4) reached at iteration 4" in p.stdout
+    assert "exit_interval (4) reached at iteration 4" in caplog.text
 
 
-def test_exit_duration_in_mins(tmp_path):
+def test_exit_duration_in_mins(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kubetron")
     ckpt = tmp_path / "ckpt"
-    p = run(["train", "--config", TINY, "train.train_iters=1000", "train.exit_duration_in_mins=0.0005",
-             f"checkpoint.save={ckpt}", "logger.log_interval=1", "validation.eval_interval=null"], tmp_path)
-    assert p.termination is not None, p.stderr[-3000:]
-    it = p.termination["iteration"]
+    out = drive(tmp_path, "train.train_iters=1000", "train.exit_duration_in_mins=0.0005", f"checkpoint.save={ckpt}",
+                "logger.log_interval=1", "validation.eval_interval=null")
+    assert out.termination is not None
+    it = out.termination["iteration"]
     assert it is not None and 1 <= it < 1000
-    _check_exit_condition(p, ckpt, it)
-    assert "exit_duration_in_mins" in p.stdout
+    _check_exit_condition(out, ckpt, it)
+    assert "exit_duration_in_mins" in caplog.text
 
 
 def test_losses_are_finite_in_the_pretrained_run(pretrained):
@@ -545,12 +555,14 @@ def test_skip_train_evaluates_the_checkpoint_and_leaves_the_store_alone(pretrain
     store = tmp_path / "store"
     shutil.copytree(pretrained.ckpt, store)
     progress = (store / "progress.txt").read_bytes()
-    p = run(["train", "--config", TINY, "validation.skip_train=true", f"checkpoint.save={store}",
-             f"checkpoint.load={store}", f"logger.tensorboard_dir={tmp_path}/tb", "validation.eval_interval=null",
-             f"train.train_iters={PRE_ITERS + 10}"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "skipping training" in p.stdout and not re.search(r"iteration\s+\d+/", p.stdout)
-    got = final_evaluations(p.stdout)
+    with console() as printed:
+        p = drive(tmp_path, "validation.skip_train=true", f"checkpoint.save={store}", f"checkpoint.load={store}",
+                  f"logger.tensorboard_dir={tmp_path}/tb", "validation.eval_interval=null",
+                  f"train.train_iters={PRE_ITERS + 10}")
+    stdout = printed.getvalue()
+    assert p.code == 0
+    assert "skipping training" in stdout and not re.search(r"iteration\s+\d+/", stdout)
+    got = final_evaluations(stdout)
     assert got == final_evaluations(pretrained.stdout) and set(got) == {"validation", "test"}
     assert got["validation"][0] == PRE_ITERS
     assert iter_dirs(store) == ["iter_0000030", "iter_0000040"] and tracker_iteration(store) == PRE_ITERS

@@ -13,6 +13,8 @@ from kubetron.contract.errors import ConfigError
 from tests.inprocess import ensure_world_of_one, in_process_config
 from tests.trainer_utils import bench_module
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

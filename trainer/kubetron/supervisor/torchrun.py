@@ -37,7 +37,7 @@ from kubetron.contract.errors import ConfigError
 from kubetron.contract.hang import CAUSE_ENV, HANGS_ENV, HangReport, RestartCause
 from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.progress import JOB_ID_ENV
-from kubetron.watchdog import Rank, Watchdog, override_from_env, store_from_args
+from kubetron.supervisor.watchdog import Rank, Watchdog, override_from_env, store_from_args
 
 if TYPE_CHECKING:
     from kubetron.compat.torch.elastic import Round

@@ -1,0 +1,1 @@
+"""`python -m kubetron.launch`: the pod's command (see `__main__`)."""
