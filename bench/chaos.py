@@ -80,7 +80,11 @@ from tests.s3server import S3Server, start_s3_server  # noqa: E402
 
 # -- the cluster's timings and the job --------------------------------------------------------------------------
 
-NODE_GRACE = 16  # seconds without a Lease renewal before the node controller marks a Node NotReady (default 50)
+NODE_GRACE = 50  # seconds without a Lease renewal before the node controller marks a Node NotReady (kube's default)
+# Not shorter: an API server away longer than this (apiserver-down's API_DOWN plus its restart, 10-20 s on a loaded
+# machine) leaves every Node's Lease unrenewed as the node controller sees it, every Node goes NotReady at once, and
+# with TOLERATION every pod is evicted: the soak's timings, not a cluster's (found with a grace of 16 s).
+API_DOWN = (10.0, 30.0)  # seconds apiserver-down keeps the API server away
 TOLERATION = 2  # seconds a pod tolerates a NotReady/unreachable Node before it is evicted (default 300)
 FLAGS = {
     "kube-apiserver": [f"--default-not-ready-toleration-seconds={TOLERATION}",
@@ -91,7 +95,7 @@ POOL = 10  # Nodes for a 2-pod job: status.avoidNodes keeps the newest 8 (policy
 POOL_LABEL = "kubetron.dev/chaos-pool"
 NAME = "gpt"
 SAVE_INTERVAL = 5  # iterations between checkpoints
-GAP = 15  # iterations of progress between two faults' earliest moments; train_iters = GAP * (faults + 2)
+GAP = 15  # iterations of progress between two faults' earliest moments (--gap); train_iters = GAP * (faults + 2)
 HANG_TIMEOUT = 20  # spec.hangTimeoutSeconds: a loaded 2-core machine has slow steps; short enough to soak
 GRACE = 30  # spec.terminationGracePeriodSeconds
 WAIT = 420.0  # seconds any one wait of the soak may take before it fails, saying what it waited for
@@ -129,7 +133,7 @@ KINDS = {k.name: k for k in (
     Kind("operator-failover", "two operator replicas (kopf peering): the leader SIGKILLed, the other takes over, "
          "a new standby starts"),
     Kind("apiserver-restart", "the API server restarted"),
-    Kind("apiserver-down", "the API server away for 10-40 s"),
+    Kind("apiserver-down", f"the API server away for {API_DOWN[0]:.0f}-{API_DOWN[1]:.0f} s"),
     Kind("store-down", "the store unreachable for 10-40 s (every request reset or answered 503)", store="s3"),
     Kind("store-slow", "the store slow for 10-40 s (every answer held 1-4 s)", store="s3"),
     Kind("pvc-full", "the claim full until the attempt ends (a ballast file fills its filesystem)",
@@ -174,16 +178,24 @@ class Soak:
         self.proxy = FaultProxy(s3.endpoint, seed=rng.randrange(2**31)).start() if s3 else None
         self.nodes: dict[str, Kubelet] = {}
         self.operators: dict[str, Operator] = {}  # POD_ID -> replica
+        self.lock = threading.RLock()  # held to change `operators` (the faults and the keeper thread do)
+        self.crashes: list[str] = []  # replicas that ended by themselves, each started again (`keep_operators`)
+        self._closing = threading.Event()
+        self._keeper = threading.Thread(target=self.keep_operators, name="operator-keeper", daemon=True)
+        self._keeper.start()
         self.ns = ""
         self.pods: ProcessKubelet | None = None
         self.claim: Path | None = None  # the pvc store's mount (a tmpfs where one can be mounted)
         self._ids = 0
 
     def close(self) -> None:
+        self._closing.set()
+        self._keeper.join(timeout=30)
         if self.pods is not None:
             self.pods.__exit__(None, None, None)
-        for op in self.operators.values():
-            op.stop()
+        with self.lock:
+            for op in self.operators.values():
+                op.stop()
         for node in self.nodes.values():
             node.stop()
         if self.proxy is not None:
@@ -212,17 +224,34 @@ class Soak:
 
     def start_operator(self, pod_id: str | None = None) -> str:
         """A replica (kopf peering `kubetron`, POD_ID its identity there, as the chart sets it); its POD_ID."""
-        if pod_id is None:
-            self._ids += 1
-            pod_id = f"operator-{self._ids}"
-        self.operators[pod_id] = self.env.start_operator(self.ns, "--peering=kubetron", env={"POD_ID": pod_id})
+        with self.lock:
+            if pod_id is None:
+                self._ids += 1
+                pod_id = f"operator-{self._ids}"
+            self.operators[pod_id] = self.env.start_operator(self.ns, "--peering=kubetron", env={"POD_ID": pod_id})
         return pod_id
 
     def kill_operator(self, pod_id: str) -> None:
-        op = self.operators.pop(pod_id)
+        with self.lock:
+            op = self.operators.pop(pod_id)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(op.proc.pid, signal.SIGKILL)
         op.proc.wait()
+
+    def keep_operators(self) -> None:
+        """As the kubelet restarts a Deployment's container that exited: a replica that ended by itself (no fault
+        of the soak killed it) is started again with its POD_ID, and its end noted in `crashes` (its exit and the
+        last line of its log). (A thread that lives as long as the soak: a replica it starts gets SIGTERM when the
+        thread that started it ends, PR_SET_PDEATHSIG.)"""
+        while not self._closing.wait(0.5):
+            with self.lock:
+                ended = [(pod_id, op) for pod_id, op in self.operators.items() if op.proc.poll() is not None]
+                for pod_id, op in ended:
+                    last = (op.tail(1).strip().splitlines() or [""])[-1][-200:]
+                    self.crashes.append(f"{pod_id} exited {op.proc.returncode}: {last}")
+                    self.log(f"  (operator {pod_id} ended by itself, exit {op.proc.returncode}: {last}; started "
+                             "again)")
+                    self.start_operator(pod_id)
 
     def peers(self) -> dict[str, Any]:
         """The KopfPeering's record of the replicas: POD_ID -> {priority, lastseen, lifetime}."""
@@ -575,7 +604,7 @@ class Injector:
         return "kube-apiserver"
 
     def apiserver_down(self, attempt: int) -> str:
-        seconds = self.rng.uniform(10, 40)
+        seconds = self.rng.uniform(*API_DOWN)
         self._apiserver(seconds)
         return f"kube-apiserver ({seconds:.0f} s)"
 
@@ -585,10 +614,12 @@ class Injector:
         self.api_back.clear()
 
         def restart() -> None:
+            t0 = time.monotonic()
             try:
                 self.soak.cp.restart_apiserver(down)
             finally:
                 self.api_back.set()
+                self.soak.log(f"  (the API server was away {time.monotonic() - t0:.0f} s)")
         self.hand.put(restart)
 
     def _store(self, seconds: float, **faults: float) -> None:
@@ -668,14 +699,17 @@ def plan(rng: random.Random, faults: int) -> Iterator[tuple[int, str]]:
 
 
 def soak(workdir: Path, faults: int, seed: int, kinds: list[str] | None = None, store: str = "s3",
-         s3: S3Server | None = None, log: Callable[[str], None] = print) -> Result:
-    """Run the soak in `workdir` (its own control plane; the store on `s3` or one started here)."""
+         s3: S3Server | None = None, log: Callable[[str], None] = print, gap: int = GAP) -> Result:
+    """Run the soak in `workdir` (its own control plane; the store on `s3` or one started here), a fault due every
+    `gap` iterations (more than SAVE_INTERVAL: a new checkpoint between two)."""
+    if gap <= SAVE_INTERVAL:
+        raise ValueError(f"--gap {gap}: must be more than the {SAVE_INTERVAL} iterations between checkpoints")
     kinds = kinds or [k.name for k in KINDS.values() if not k.store or k.store == store]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise ValueError(f"unknown fault kind(s) {unknown}: --list shows them")
     rng = random.Random(seed)
-    train_iters = GAP * (faults + 2)
+    train_iters = gap * (faults + 2)
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
         if store == "s3" and s3 is None:
@@ -685,7 +719,7 @@ def soak(workdir: Path, faults: int, seed: int, kinds: list[str] | None = None, 
         cluster_.start_pool(POOL)
         reference = reference_losses(cluster_, train_iters)
         log(f"reference: {len(reference)} iterations")
-        return run(cluster_, faults, kinds, train_iters, reference, seed, t0)
+        return run(cluster_, faults, kinds, train_iters, reference, seed, t0, gap)
 
 
 def reference_losses(soak: Soak, train_iters: int) -> dict[int, float]:
@@ -732,7 +766,7 @@ def losses_by_step(logdir: Path, tag: str = "lm loss") -> dict[int, list[float]]
 
 
 def run(soak: Soak, faults: int, kinds: list[str], train_iters: int, reference: dict[int, float], seed: int,
-        t0: float) -> Result:
+        t0: float, gap: int = GAP) -> Result:
     soak.namespace("chaos")
     tb = soak.dir / "soak-tb"
     body = soak.job(train_iters, tb, proxied=True)
@@ -741,7 +775,7 @@ def run(soak: Soak, faults: int, kinds: list[str], train_iters: int, reference: 
     injector = Injector(soak, pods)
     retry(lambda: soak.env.admin.create(soak.env.jobs(soak.ns), body))
     try:
-        done = inject_all(soak, pods, injector, faults, kinds, train_iters)
+        done = inject_all(soak, pods, injector, faults, kinds, train_iters, gap)
         st = soak.wait_status("the job Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"),
                               timeout=WAIT + 2 * train_iters)
         injector.settle()
@@ -754,7 +788,7 @@ def run(soak: Soak, faults: int, kinds: list[str], train_iters: int, reference: 
 
 
 def inject_all(soak: Soak, pods: Pods, injector: Injector, faults: int, kinds: list[str],
-               train_iters: int) -> list[Fault]:
+               train_iters: int, gap: int = GAP) -> list[Fault]:
     """The faults, one at a time (`plan` draws each moment, then the kind among those that fit); returns them."""
     rng, log = soak.rng, soak.log
     done: list[Fault] = []
@@ -762,10 +796,10 @@ def inject_all(soak: Soak, pods: Pods, injector: Injector, faults: int, kinds: l
     moments = plan(rng, faults)
     i, moment = next(moments)
     while True:
-        target = (i + 1) * GAP
-        attempt, moment = reach(soak, pods, injector, moment, target, train_iters - GAP, done)
+        target = (i + 1) * gap
+        attempt, moment = reach(soak, pods, injector, moment, target, train_iters - gap, done)
         if moment == LATE:
-            log(f"the job is past iteration {train_iters - GAP}: no room for faults {i + 1}-{faults}")
+            log(f"the job is past iteration {train_iters - gap}: no room for faults {i + 1}-{faults}")
             return done
         choices = [k for k in kinds if injector.feasible(KINDS[k], attempt, ended)]
         if not choices:  # e.g. mid-rendezvous, where only the control plane's faults fit: those, or a later moment
@@ -896,6 +930,13 @@ def check(soak: Soak, pods: Pods, st: dict[str, Any], faults: list[Fault], refer
     total, parts = g.get("totalSeconds") or 0, sum((g.get("seconds") or {}).values())
     checks["goodput buckets sum to total"] = (total > 0 and abs(parts - total) <= 0.01 * total,
                                               f"buckets {parts:.1f} s, total {total:.1f} s")
+    # -- the operator ran until a fault killed it -------------------------------------------------------------
+    clashes = [c for c in soak.crashes if PORT_CLASH in c]  # the stand-ins' shared host network, not the operator
+    crashes = [c for c in soak.crashes if PORT_CLASH not in c]
+    seen = "; ".join(crashes) or "none"
+    if clashes:
+        seen += f" ({len(clashes)} replicas could not bind their liveness port on the shared host network: restarted)"
+    checks["no operator crash"] = (not crashes, seen)
     # -- nothing left --------------------------------------------------------------------------------------------
     injector_free(soak)
 
@@ -920,6 +961,11 @@ def injector_free(soak: Soak) -> None:
             if soak.pods is not None:
                 soak.pods.come_back(name)
 
+
+PORT_CLASH = "address already in use"
+"""A replica that could not bind its liveness port: every process of the soak shares one host network, where a port
+picked free may be taken (a rank's gloo connection, say) before the operator binds it; a pod has a network of its
+own. Not the operator's fault: it is restarted, as the kubelet restarts it after a failed liveness probe."""
 
 STAND_IN_EVENTS = {"FailedToUpdateEndpoint", "FailedToUpdateEndpointSlices"}
 """The controller manager's words for the stand-in kubelet's pod IP (127.0.0.1, where the pods really are: the
@@ -988,6 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--faults", type=int, default=30, help="faults to inject (default: %(default)s)")
     p.add_argument("--seed", type=int, default=45, help="the seed of every draw (default: %(default)s)")
+    p.add_argument("--gap", type=int, default=GAP, help="iterations between two faults' earliest moments "
+                   "(default: %(default)s)")
     p.add_argument("--kinds", default="", help="comma-separated kinds (default: all the store allows; --list)")
     p.add_argument("--store", choices=("s3", "pvc"), default="s3", help="the job's store (default: %(default)s)")
     p.add_argument("--workdir", type=Path, default=None, help="keep the logs here (default: a temporary directory)")
@@ -1019,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kubetron-chaos-",
                                                                            ignore_cleanup_errors=True)))
         try:
-            result = soak(workdir, args.faults, args.seed, kinds, args.store, log=log)
+            result = soak(workdir, args.faults, args.seed, kinds, args.store, log=log, gap=args.gap)
         except ValueError as exc:
             print(f"chaos: {exc}", file=sys.stderr)
             return 2
