@@ -25,6 +25,7 @@ import random
 import socket
 import socketserver
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,11 @@ class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
     proxy: FaultProxy
+
+    def handle_error(self, request, client_address):
+        """A client that went away (its timeout, during a held answer) is no error of the proxy's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -137,12 +137,14 @@ def test_s3_save_that_keeps_failing_fails_loudly_and_the_tracker_stays(reference
         s3_env(px.endpoint)
         monkeypatch.setenv("KUBETRON_S3_MAX_ATTEMPTS", "2")
         monkeypatch.setenv("KUBETRON_S3_OUTER_ATTEMPTS", "1")
+        monkeypatch.setenv("KUBETRON_S3_OUTAGE_SECONDS", "0")
         out = drive(tmp_path, *overrides(store, tmp_path / "tb"))
     assert out.code == exitcodes.ERROR
     assert "iter_0000020" in out.termination["message"] and out.termination["lastCheckpoint"] == 10
     s3_env()
     monkeypatch.delenv("KUBETRON_S3_MAX_ATTEMPTS")
     monkeypatch.delenv("KUBETRON_S3_OUTER_ATTEMPTS")
+    monkeypatch.delenv("KUBETRON_S3_OUTAGE_SECONDS")
     assert summarize(store)["lastCheckpoint"]["iteration"] == 10
     resume(tmp_path, store, reference, 10)
 

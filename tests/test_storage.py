@@ -379,12 +379,34 @@ def test_s3_lost_complete_response_is_handled(s3_server):
         assert st.read_bytes("obj.bin") == data
 
 
+def test_s3_store_away_for_a_while_is_waited_out_and_one_away_longer_fails_loudly(s3_server):
+    """A store that answers every request 503 for longer than botocore's retries last (a restart, a failover;
+    they give up after 5-20 s, at once once their retry quota is spent) is waited out for outage_seconds, as the
+    chaos soak's store outage of tens of seconds during a save needs; one away longer than that fails, naming the
+    object."""
+    with FaultProxy(s3_server.endpoint, p_503=1.0) as px:
+        st = s3_store(s3_server, px.endpoint, max_attempts=1, outer_attempts=1, outage_seconds=30)
+        heal = threading.Timer(2.0, px.set, kwargs={"p_503": 0.0})
+        heal.start()
+        t0 = time.monotonic()
+        st.write_bytes("obj.bin", b"saved")
+        assert time.monotonic() - t0 >= 1.5 and px.stats["503"] >= 2
+        assert st.read_bytes("obj.bin") == b"saved"
+        px.set(p_503=1.0)
+        short = s3_store(s3_server, px.endpoint, max_attempts=1, outer_attempts=1, outage_seconds=1.0)
+        short.prefix = st.prefix
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"obj\.bin: "):
+            short.read_bytes("obj.bin")
+        assert 1.0 <= time.monotonic() - t0 < 10
+
+
 def test_s3_persistent_failure_is_loud_and_never_committed(s3_server):
     def part_uploads(method, path):
         return method == "PUT" and "partNumber=" in path
 
     with FaultProxy(s3_server.endpoint, p_503=1.0, match=part_uploads) as px:
-        st = s3_store(s3_server, px.endpoint, max_attempts=2, outer_attempts=1)
+        st = s3_store(s3_server, px.endpoint, max_attempts=2, outer_attempts=1, outage_seconds=0)
         _save_iteration(st, 1, sizes=(1000,))  # small objects: single PUTs, unaffected
         txn = st.begin_dir("iter_0000002")
         txn.write_bytes("small.bin", b"fine")

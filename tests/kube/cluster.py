@@ -274,8 +274,10 @@ def wait_for(what: str, check: Any, timeout: float = 30.0, interval: float = 0.1
 
 
 class ControlPlane:
-    def __init__(self, workdir: Path, binaries: dict[str, Path]):
+    def __init__(self, workdir: Path, binaries: dict[str, Path], flags: Mapping[str, list[str]] | None = None):
         self.dir, self.bin = workdir, binaries
+        self.flags = dict(flags or {})  # component name -> extra command-line flags (bench/chaos.py's timings)
+        self.port = 0  # the API server's, kept across restart_apiserver()
         self.pki = workdir / "pki"
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, tuple[str, list[str]]] = {}  # token -> (user, groups)
@@ -403,8 +405,22 @@ class ControlPlane:
             self.gates = ""
             self._start_apiserver_once()
 
+    def restart_apiserver(self, down: float = 0.0, tries: int = 5) -> None:
+        """Stop the API server (SIGTERM, as a rolling upgrade does), keep it away `down` seconds, start it again
+        on the same address with the same etcd: every client's kubeconfig still points at it. One that exits while
+        starting (a post-start hook timed out on a loaded machine) is started again, as the kubelet restarts a
+        static pod, up to `tries` times."""
+        stop_process(self.procs["kube-apiserver"])
+        time.sleep(down)
+        for left in reversed(range(tries)):
+            try:
+                return self._start_apiserver_once()
+            except RuntimeError:
+                if not left:
+                    raise
+
     def _start_apiserver_once(self) -> None:
-        port = free_port()
+        port = self.port = self.port or free_port()
         self.server = f"https://127.0.0.1:{port}"
         tokens = self.dir / "tokens.csv"
         tokens.write_text("".join(f'{t},{user},{user},"{",".join(groups)}"\n'
@@ -421,7 +437,7 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.0.0.0/24",
             "--authorization-mode=RBAC", "--allow-privileged=true", "--event-ttl=1h",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-mode=blocking",
-            *self._gates(f"--runtime-config={GANG_API}=true"),
+            *self._gates(f"--runtime-config={GANG_API}=true"), *self.flags.get("kube-apiserver", ()),
         ], self._log("kube-apiserver"))
         admin = self.admin
 
@@ -437,7 +453,7 @@ class ControlPlane:
     def _start_component(self, name: str) -> None:
         short = name.removeprefix("kube-")
         argv = [str(self.bin[name]), f"--kubeconfig={self._cert_kubeconfig(short)}", "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}", "--leader-elect=false", *self._gates()]
+                f"--secure-port={free_port()}", "--leader-elect=false", *self._gates(), *self.flags.get(name, ())]
         if name == "kube-controller-manager":
             p = self.pki
             argv += [f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
@@ -515,6 +531,8 @@ class Kubelet:
         self.api, self.name, self.period = api, name, period
         self.capacity = {"cpu": cpu, "memory": memory, "pods": str(pods), "nvidia.com/gpu": str(gpus)}
         self.finish_deletions = True
+        self.heartbeat = threading.Event()  # cleared: the node is lost (no Lease renewals, no deletions finished)
+        self.heartbeat.set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kubelet-{name}", daemon=True)
         self._last_lease = 0.0
@@ -539,6 +557,24 @@ class Kubelet:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def lose(self) -> None:
+        """The node is lost: its kubelet stops heartbeating (the node controller marks it NotReady, then its
+        pods are evicted by their taint tolerations running out)."""
+        self.heartbeat.clear()
+
+    def come_back(self) -> None:
+        """The node's kubelet is back: it reports the node Ready again and renews its Lease."""
+        self._node_status()
+        self._last_lease = 0.0
+        self.heartbeat.set()
+
+    def _still_ready(self) -> None:
+        """As a kubelet's status sync does: report the node Ready again where the node controller marked it
+        otherwise (after its Lease went unrenewed: an API server away for longer than the grace period)."""
+        node = self.api.get(f"/api/v1/nodes/{self.name}")
+        if [c["status"] for c in node["status"].get("conditions") or () if c["type"] == "Ready"] != ["True"]:
+            self._node_status()
+
     def _node_status(self) -> None:
         now = now_iso()
         conditions = [{"type": t, "status": "False", "reason": f"Kubelet Has No {t}", "lastHeartbeatTime": now,
@@ -553,11 +589,14 @@ class Kubelet:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
+            if not self.heartbeat.is_set():
+                continue
             try:
                 if time.monotonic() - self._last_lease > 5:
                     self.api.patch(f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}",
                                    {"spec": {"renewTime": micro_now()}})
                     self._last_lease = time.monotonic()
+                    self._still_ready()
                 if self.finish_deletions:
                     self._finish_deletions()
             except (OSError, ApiError):

@@ -149,6 +149,19 @@ class KubeEnv:
                  command: list[str] | None = None) -> Iterator[Operator]:
         """Run `kubetron operator` (watching `ns`, or every namespace when None) until the block ends.
         `command` replaces the `kubetron` executable (e.g. a wrapper); `env` is added to the environment."""
+        op = self.start_operator(ns, *args, interval=interval, env=env, command=command)
+        self.current = op
+        try:
+            cluster.wait_for("kubetron operator liveness endpoint", op.healthy, 60, interval=0.2,
+                             explain=op.tail)
+            yield op
+        finally:
+            op.stop()
+            self.current = None
+
+    def start_operator(self, ns: str | None, *args: str, interval: float = 0.5, env: dict[str, str] | None = None,
+                       command: list[str] | None = None) -> Operator:
+        """`kubetron operator` started (not yet waited for): `operator()`'s process, for a caller that stops it."""
         port = free_port()
         argv = [*(command or [str(Path(sys.executable).with_name("kubetron"))]), "operator",
                 f"--liveness=http://127.0.0.1:{port}/healthz", f"--interval={interval}", *args]
@@ -160,15 +173,7 @@ class KubeEnv:
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True, preexec_fn=cluster._die_with_parent)
-        op = Operator(proc, log_path, f"http://127.0.0.1:{port}/healthz")
-        self.current = op
-        try:
-            cluster.wait_for("kubetron operator liveness endpoint", op.healthy, 60, interval=0.2,
-                             explain=op.tail)
-            yield op
-        finally:
-            op.stop()
-            self.current = None
+        return Operator(proc, log_path, f"http://127.0.0.1:{port}/healthz")
 
     def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 30.0,
                  explain: Callable[[], str] | None = None) -> Any:
@@ -206,8 +211,9 @@ def _in_namespace(manifest: dict[str, Any], ns: str) -> dict[str, Any]:
     return out
 
 
-def start_env(workdir: Path) -> tuple[ControlPlane, KubeEnv, Kubelet]:
-    cp = ControlPlane(workdir, cluster.find_binaries())
+def start_env(workdir: Path, flags: dict[str, list[str]] | None = None) -> tuple[ControlPlane, KubeEnv, Kubelet]:
+    """The control plane (`flags`: extra command-line flags by component), the chart's RBAC, one Node."""
+    cp = ControlPlane(workdir, cluster.find_binaries(), flags)
     cp.add_service_account_token(OPERATOR_NS, OPERATOR_SA)
     cp.start()
     try:

@@ -126,9 +126,10 @@ class Container:
     output is collected line by line with the time each line arrived (`stamped`)."""
 
     def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path,
-                 hold_at: Callable[[str], bool] | None = None, peer_token: str = ""):
+                 hold_at: Callable[[str], bool] | None = None, secrets: dict[str, str] | None = None):
         workdir.mkdir(parents=True)
-        self.name = pod["metadata"]["name"]  # the pod's
+        self.name, self.uid = pod["metadata"]["name"], pod["metadata"]["uid"]  # the pod's
+        self.node = pod["spec"].get("nodeName")
         container = pod["spec"]["containers"][0]
         self.container = container["name"]
         config = workdir / "config.yaml"  # the config volume
@@ -136,18 +137,18 @@ class Container:
             config.write_text(config_yaml)
         self.termination_log = workdir / "termination-log"
         env = {e["name"]: e["value"] for e in container.get("env") or () if "value" in e}
+        env.update(secrets or {})  # the values of its secretKeyRef variables (`secret_env`)
         assert env.get("KUBETRON_TERMINATION_LOG", TERMINATION_LOG) == container["terminationMessagePath"]
         if "KUBETRON_TERMINATION_LOG" in env:  # a trainer pod
             env.update(KUBETRON_CONFIG=str(config), KUBETRON_TERMINATION_LOG=str(self.termination_log),
                        MASTER_ADDR="127.0.0.1")
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir))
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir), **{POD_MARK: self.uid})
         # The memory volume (docs/recovery.md): a directory of the pod's, kept across its processes' restarts,
-        # removed with the pod (ProcessKubelet); the downward API's pod IP; the job's token from its Secret.
+        # removed with the pod (ProcessKubelet); the downward API's pod IP (the job's token: `secret_env`).
         self.memory = workdir / "memory" if recovery.SNAPSHOT_DIR_ENV in env else None
         if self.memory is not None:
             env[recovery.SNAPSHOT_DIR_ENV] = str(self.memory)
-            env.update({recovery.POD_IP_ENV: "127.0.0.1", **({recovery.PEER_TOKEN_ENV: peer_token} if peer_token
-                                                            else {})})
+            env[recovery.POD_IP_ENV] = "127.0.0.1"
         local = {PYTHON: sys.executable, CONFIG_PATH: str(config), TERMINATION_LOG: str(self.termination_log)}
         argv = [local.get(a, a) for a in (expand(a, env) for a in container["command"] + container.get("args", []))]
         base = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
@@ -184,20 +185,44 @@ class Container:
         return text if text.strip() or self.exit_code() == 0 else "".join(self.lines)[-2048:]
 
     def kill(self) -> None:
-        """SIGKILL every process of the container: its process group and all descendants (torchrun
-        starts each rank in a session of its own)."""
-        if self.proc.poll() is not None:
-            return
-        try:
-            processes = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            processes = []
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        for p in processes:
+        """SIGKILL every process of the container, as a container runtime ends its cgroup: its process group,
+        all descendants (torchrun starts each rank in a session of its own) and whatever of it outlived its
+        parent (a rank whose torchrun agent died is re-parented, and keeps the pod's ports): every process
+        that carries the pod's POD_MARK. Also after PID 1 ended by itself."""
+        processes = []
+        if self.proc.poll() is None:  # not reaped yet: its PID (and group) cannot be another's
+            with contextlib.suppress(psutil.Error):
+                processes = psutil.Process(self.proc.pid).children(recursive=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in processes + pod_processes(self.uid):
             with contextlib.suppress(psutil.Error):
                 p.kill()
         self.proc.wait()
+
+
+POD_MARK = "KUBETRON_LOCAL_POD_UID"  # in the environment of every process of a pod run here (its cgroup, in effect)
+
+
+def pod_processes(uid: str) -> list[psutil.Process]:
+    """The live processes of the pod `uid` (those whose environment carries its POD_MARK)."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(POD_MARK) == uid:
+                found.append(p)
+    return found
+
+
+def secret_env(api: Api, pod: dict[str, Any]) -> dict[str, str]:
+    """The pod's main container's variables from Secrets (`valueFrom.secretKeyRef`), as a kubelet reads them."""
+    out = {}
+    for e in pod["spec"]["containers"][0].get("env") or ():
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+        if ref:
+            secret = api.get(f"/api/v1/namespaces/{pod['metadata']['namespace']}/secrets/{ref['name']}")
+            out[e["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+    return out
 
 
 def config_yaml(pod: dict[str, Any]) -> str | None:
@@ -224,6 +249,7 @@ class ProcessKubelet:
         self.seen: dict[tuple[str, str], float] = {}
         self._by_uid: dict[str, Container] = {}
         self._stopping: dict[str, float] = {}  # pod UID -> when its container got SIGTERM
+        self.lost: set[str] = set()  # nodes powered off (`lose`): their pods are neither run nor reported
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"process-kubelet-{namespace}", daemon=True)
 
@@ -253,7 +279,7 @@ class ProcessKubelet:
                 shutil.rmtree(c.memory, ignore_errors=True)
         for uid, pod in pods.items():
             name = pod["metadata"]["name"]
-            if pod["spec"].get("nodeName") not in self.nodes:
+            if pod["spec"].get("nodeName") not in self.nodes or pod["spec"]["nodeName"] in self.lost:
                 continue
             self.seen.setdefault((name, "bound"), now)
             c = self._by_uid.get(uid)
@@ -267,23 +293,26 @@ class ProcessKubelet:
 
     def _start(self, pod: dict[str, Any]) -> None:
         name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
-        c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", peer_token=self._peer_token(pod))
+        c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", secrets=secret_env(self.api, pod))
         self.containers[name] = self._by_uid[uid] = c
         for key in ("exited", "deleting", "gone"):
             self.seen.pop((name, key), None)
         self.seen[(name, "started")] = c.started
         set_running(self.api, self.ns, name, container=c.container)
 
-    def _peer_token(self, pod: dict[str, Any]) -> str:
-        """The job's token, where the pod takes it from a Secret (a kubelet resolves secretKeyRef)."""
-        for var in pod["spec"]["containers"][0].get("env") or ():
-            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
-            if var["name"] == recovery.PEER_TOKEN_ENV and ref:
-                data = self.api.get(f"/api/v1/namespaces/{self.ns}/secrets/{ref['name']}")["data"]
-                return base64.b64decode(data[ref["key"]]).decode()
-        return ""
+    def lose(self, node: str) -> None:
+        """`node` powered off: every process of its pods killed; nothing of them reported until `come_back`
+        (then their containers' ends are, as a rebooted node's kubelet reports them)."""
+        self.lost.add(node)
+        for c in list(self._by_uid.values()):
+            if c.node == node:
+                c.kill()
+
+    def come_back(self, node: str) -> None:
+        self.lost.discard(node)
 
     def _report_exit(self, pod: dict[str, Any], c: Container) -> None:
+        c.kill()  # the pod's end is every process's (a rank orphaned by its agent's death, say)
         self.seen[(c.name, "exited")] = time.time()
         set_exited(self.api, self.ns, c.name, c.exit_code(), c.termination_message(), container=c.container)
 

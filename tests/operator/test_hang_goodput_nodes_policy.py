@@ -85,6 +85,23 @@ def test_a_hang_restarted_in_place_is_counted_apart_and_names_the_rank_its_pod_a
     assert [c["status"] for c in past.status["conditions"] if c["type"] == "Running"] in ([], ["True"])
 
 
+def test_a_hang_in_a_later_attempt_is_counted_after_one_in_an_earlier_attempt():
+    """Found by the chaos soak (bench/chaos.py): attempt 6 hung and restarted in place, attempt 7 hung too, and
+    status.restarts.hangs said 1. A new attempt's rank 0 counts its hangs from 0 (as its in-place restarts), so the
+    attempt's count of hangs already taken in (attemptHangs) starts again at 0 with it."""
+    first = run(RUNNING, [pod(0), pod(1)], live=live(inPlaceRestarts=1, hangs=1, lastHang=report()))
+    hung = merge(RUNNING, first.status)
+    assert hung["restarts"]["hangs"] == 1
+    preempted = run(hung, [pod(r, "Failed", exit_code=exitcodes.SAVED_ON_SIGNAL) for r in (0, 1)])
+    created = run(merge(hung, preempted.status), [])
+    assert created.create_attempt == 2
+    second = merge(merge(hung, preempted.status), created.status)
+    again = run(second, [pod(0, attempt=2), pod(1, attempt=2)],
+                live=live(inPlaceRestarts=1, hangs=1, lastHang=report(rank=0, iteration=70)))
+    assert again.status["restarts"]["hangs"] == 2 and again.status["restarts"]["inPlace"] == 2
+    assert again.status["lastHang"]["attempt"] == 2 and "Hung" in {e.reason for e in again.events}
+
+
 def test_a_hang_with_no_in_place_restart_left_ends_the_attempt_as_hung():
     message = {"exitCode": exitcodes.HUNG, "reason": "Hung", "message": "the gang hung: rank 1 (pod rank 1) hung",
                "hang": report(restart=0)}

@@ -4,9 +4,12 @@ Nothing is staged on local disk: `open_write` buffers at most `part_size * (conc
 memory and uploads full parts from a thread pool while the caller (e.g. `torch.save`) keeps writing.
 
 Retries happen at two levels: botocore's own (`retries={"max_attempts", "mode"}`: 5xx, SlowDown,
-throttling, connection resets, timeouts, with jittered exponential backoff), then a few outer attempts
-of ours (`outer_attempts`) for whatever still fails transiently - e.g. when botocore's retry quota is
-spent or a GET body is cut mid-stream. When all fail, a CheckpointError names the object.
+throttling, connection resets, timeouts, with jittered exponential backoff), then outer attempts of ours
+for whatever still fails transiently - e.g. when botocore's retry quota is spent or a GET body is cut
+mid-stream: at least `outer_attempts`, and on for `outage_seconds` since the first, so that a store away
+for tens of seconds (a restart, a failover) is waited out rather than failing the run (botocore's own
+give up after 5-20 s, and at once once its retry quota is spent). When all fail, a CheckpointError names
+the object.
 
 Endpoint, credentials and region come from the standard AWS environment (AWS_ENDPOINT_URL[_S3],
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION / AWS_DEFAULT_REGION, profiles)
@@ -87,6 +90,7 @@ class S3Options:
     max_attempts: int = 8  # botocore's total attempts per request
     retry_mode: str = "standard"  # botocore: "standard" or "adaptive" (client-side rate limiting)
     outer_attempts: int = 2  # our attempts around botocore's, for what is still transient after them
+    outage_seconds: float = 90.0  # ... and ours go on this long since the first (a store away that long)
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
     addressing_style: str | None = None  # None: "path" for a custom endpoint, else botocore's default
@@ -103,6 +107,7 @@ class S3Options:
         o.concurrency = _env_int("KUBETRON_S3_CONCURRENCY", o.concurrency)
         o.max_attempts = _env_int("KUBETRON_S3_MAX_ATTEMPTS", o.max_attempts)
         o.outer_attempts = _env_int("KUBETRON_S3_OUTER_ATTEMPTS", o.outer_attempts)
+        o.outage_seconds = float(os.environ.get("KUBETRON_S3_OUTAGE_SECONDS") or o.outage_seconds)
         o.read_timeout = float(os.environ.get("KUBETRON_S3_READ_TIMEOUT") or o.read_timeout)
         o.connect_timeout = float(os.environ.get("KUBETRON_S3_CONNECT_TIMEOUT") or o.connect_timeout)
         o.retry_mode = os.environ.get("KUBETRON_S3_RETRY_MODE") or o.retry_mode
@@ -116,6 +121,8 @@ class S3Options:
             raise ValueError(f"S3 part_size must be >= 5 MiB, got {self.part_size}")
         if self.concurrency < 1 or self.max_attempts < 1 or self.outer_attempts < 1:
             raise ValueError("S3 concurrency, max_attempts and outer_attempts must be >= 1")
+        if not 0 <= self.outage_seconds < float("inf"):
+            raise ValueError(f"S3 outage_seconds must be >= 0, got {self.outage_seconds}")
         if self.retry_mode not in ("standard", "adaptive", "legacy"):
             raise ValueError(f"S3 retry_mode must be standard/adaptive/legacy, got {self.retry_mode!r}")
 
@@ -200,9 +207,13 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self._k(key)}"
 
     def _call(self, what: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        """fn(*args, **kw) with outer retries; 404 -> FileNotFoundError, failures -> CheckpointError."""
-        n = self.options.outer_attempts
-        for attempt in range(1, n + 1):
+        """fn(*args, **kw) with outer retries (at least `outer_attempts`, and for `outage_seconds` since the
+        first); 404 -> FileNotFoundError, failures -> CheckpointError."""
+        n, until = self.options.outer_attempts, time.monotonic() + self.options.outage_seconds
+        attempt = 0
+        while True:
+            attempt += 1
+            last = attempt >= n and time.monotonic() >= until
             try:
                 return fn(*args, **kw)
             except (FileNotFoundError, CheckpointError, _ObjectChanged):
@@ -210,19 +221,20 @@ class S3Store(Store):
             except bce.ClientError as e:
                 if _not_found(e):
                     raise FileNotFoundError(what) from e
-                if not _transient(e) or attempt == n:
+                if not _transient(e) or last:
                     raise CheckpointError(f"{what}: {_code(e) or _status(e)}: {e}") from e
                 err: BaseException = e
             except (bce.NoCredentialsError, bce.PartialCredentialsError) as e:
                 raise CheckpointError(f"{what}: no usable S3 credentials ({type(e).__name__})") from e
             except Exception as e:
-                if not _transient(e) or attempt == n:
+                if not _transient(e) or last:
                     raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e
                 err = e
             delay = random.uniform(0.5, 1.0) * min(8.0, 0.5 * 2 ** (attempt - 1))
-            log.warning("%s: %s, retrying in %.1fs (%d/%d)", what, type(err).__name__, delay, attempt, n)
+            if attempt >= n:  # the outage's wait: never past its end by more than a step
+                delay = max(0.0, min(delay, until - time.monotonic()))
+            log.warning("%s: %s, retrying in %.1fs (attempt %d)", what, type(err).__name__, delay, attempt)
             time.sleep(delay)
-        raise AssertionError("unreachable")
 
     def _put(self, key: str, data: bytes | bytearray) -> None:
         k = self._k(key)
