@@ -146,13 +146,15 @@ def test_undeclared_calls_are_refused(monkeypatch):
         Kube(FakeApi({})).secret_data("ml", "s3-creds")
 
 
+@pytest.mark.unit
 def test_cluster_role_rules_cover_every_call():
     rules = cluster_role_rules()
     allowed = {Call(r["apiGroups"][0], r["resources"][0], v) for r in rules for v in r["verbs"]}
     assert allowed == ALL_CALLS
     # The PVC progress reader reports through its termination message: no pods/exec, no pods/log.
     assert not any(c.resource in ("pods/exec", "pods/log") for c in ALL_CALLS)
-    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in rules
+    # Secrets: get (the S3 credentials a job names), create (its peer token): never list or watch a namespace's
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "get"]} in rules
 
 
 def test_read_s3_progress_with_the_jobs_secret(s3_server, caplog):

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubetron.contract import exitcodes
+from kubetron.contract import exitcodes, recovery
 from kubetron.supervisor.progress_io import summarize
 from kubetron_operator.build import (
     CONFIG_PATH,
@@ -147,6 +147,9 @@ def local_command(job: Job, attempt: int, expected: int, workdir: Path) -> tuple
     assert env["MASTER_ADDR"] == master_addr(job, attempt)
     argv = [sys.executable if a == PYTHON else str(config) if a == CONFIG_PATH else a for a in argv]
     env.update(KUBETRON_CONFIG=str(config), KUBETRON_TERMINATION_LOG=str(termination_log), MASTER_ADDR="127.0.0.1")
+    if recovery.SNAPSHOT_DIR_ENV in env:  # the pod's own memory volume (an emptyDir: gone with the pod)
+        assert env[recovery.SNAPSHOT_DIR_ENV] == recovery.SNAPSHOT_MOUNT
+        env[recovery.SNAPSHOT_DIR_ENV] = str(workdir / "memory")
     base = {k: v for k, v in os.environ.items() if k not in RESERVED_ENV}
     return argv, {**base, "PYTHONUNBUFFERED": "1", **env}, termination_log
 
