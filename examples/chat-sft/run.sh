@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chat fine-tuning with tool calls, end to end on CPU (about three minutes): a tiny random chat model with its own
+# Chat fine-tuning with tool calls, end to end on CPU (under two minutes): a tiny random chat model with its own
 # tokenizer and chat template -> import-hf -> inspect-data (the tokens and what is trained) -> packed SFT on
 # chats.jsonl -> export-hf -> transformers chats with the result. Needs `transformers` (pip install -e '.[hf]').
 # Run from the repository root. ITERS=N trains N iterations instead of the config's 120.
