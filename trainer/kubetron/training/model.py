@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from kubetron.compat.megatron_core import portable
 from kubetron.contract.errors import ConfigError
+from kubetron.training import moe
 
 log = logging.getLogger(__name__)
 
@@ -204,11 +205,7 @@ def build_model(cfg, device: torch.device) -> list[torch.nn.Module]:
         portable.recompute_rng_on_host()
     if cfg.model.num_moe_experts is not None:
         portable.router_gemm_without_te()
-        # megatron's load-balancing-loss tracker is process-wide and sized by the first MoE model's layer
-        # count: a second model in the same process (another run, a notebook) with more layers indexed past it.
-        from megatron.core.transformer.moe import moe_utils
-
-        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        moe.forget_tracked_losses()
     host_moe = cfg.model.num_moe_experts is not None and not torch.cuda.is_available()
     if host_moe:
         portable.moe_on_host()

@@ -64,6 +64,12 @@ def tracked_losses(cfg, device: torch.device) -> dict[str, torch.Tensor]:
     return out
 
 
+def forget_tracked_losses() -> None:
+    """Empty megatron's load-balancing-loss tracker, process-wide and sized by the first MoE model's layer count: a
+    second model built in the same process (another run, a notebook) with more layers indexed past it."""
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
 def _mean_over(values: torch.Tensor, group) -> torch.Tensor:
     """all-reduce AVG, as a sum and a division (gloo has no AVG)."""
     dist.all_reduce(values, group=group)
