@@ -13,7 +13,9 @@ GPT on a hostPath claim trains, its two pods on two Nodes with room for one pod 
 restart has no room for any pod but the gang's); once rank 1 has logged half an interval past a durable
 checkpoint (the progress log's), its trainer process is SIGKILLed (SIGSTOPped for the hang). Then
 
-  * in place:  spec.maxInPlaceRestarts 3: the torchrun agents restart the gang in the same pods;
+  * in place:  spec.maxInPlaceRestarts 3: the torchrun agents restart the gang in the same pods (each rank
+               resumes from its memory snapshot when one newer than the store's checkpoint exists, the
+               default, else from the store: status.lastRecovery says which);
   * recreate:  spec.maxInPlaceRestarts 0: the pod fails, the operator deletes the gang and creates attempt 2
                at once after its failure backoff (no pod to read the progress log: its rank 0 resumes from
                the newest checkpoint in the store);
@@ -102,6 +104,8 @@ class Recovery:
     first_iteration: int  # the first iteration completed after the kill (resumed from the one before)
     killed_at_iteration: int  # the last iteration rank 1 logged before the kill
     checkpoint_at_kill: int  # the newest durable checkpoint then (the progress log's)
+    loaded_from: str  # status.lastRecovery.loadedFrom: memory (a snapshot), peer, store (the durable checkpoint)
+    resumed_from: int  # status.lastRecovery.iteration
     lines: list[str] = field(default_factory=list, repr=False)
 
 
@@ -150,8 +154,12 @@ def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int, hang_tim
             outside = recreate_phases(node, killed, arrived - total, backoff.not_before)
         else:
             outside = in_place_phases(node, killed, arrived - total, hung=mode == HANG)
+        # Where it resumed from: in place, the rank's memory snapshot when a newer one than the store's exists.
+        last = wait("status.lastRecovery", lambda: ((env.job(ns, "gpt") or {}).get("status") or {}).get(
+            "lastRecovery"), node)
         lines = [f"--- {name}\n" + "".join(c.lines) for name, c in node.containers.items()]
-    return Recovery(mode, {**outside, **trainer}, arrived - killed, first, reached, durable, lines)
+    return Recovery(mode, {**outside, **trainer}, arrived - killed, first, reached, durable, last["loadedFrom"],
+                    last["iteration"], lines)
 
 
 def last_checkpoint(store: Path) -> int:
@@ -509,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             cp.stop()
     for i, run in enumerate(runs, 1):
         print(f"{run.mode}: {run.total:.2f} s (killed after iteration {run.killed_at_iteration}, first step "
-              f"after it: iteration {run.first_iteration})")
+              f"after it: iteration {run.first_iteration}, resumed from the {run.loaded_from} at {run.resumed_from})")
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
             (args.logs / f"{i}-{run.mode.replace(' ', '-')}.log").write_text("".join(run.lines))
