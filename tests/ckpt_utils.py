@@ -125,7 +125,8 @@ def kubetron_parts(*overrides: str, model_keys: dict = MODEL):
     return model, ckpt
 
 
-def write_snapshot(parent, iteration: int, rank: int = 0, world: int = 2, payload: bytes = b"x" * 1000):
+def write_snapshot(parent, iteration: int, rank: int = 0, world: int = 2, payload: bytes = b"x" * 1000,
+                   run: str = ""):
     """A snapshot of rank `rank` of a gang of `world` in `parent` whose files hold `payload` and a few bytes
     (tests/test_memory_snapshots.py, tests/test_peer_copies.py)."""
     from kubetron.storage import snapshot_files as sf
@@ -136,4 +137,5 @@ def write_snapshot(parent, iteration: int, rank: int = 0, world: int = 2, payloa
         w.write_bytes(sf.COMMON_FILE, b"common")
         w.write_bytes(sf.RNG_FILE, b"rng")
 
-    return sf.write_snapshot(parent, lambda written: sf.Manifest(iteration, rank, world, written), files, iteration)
+    return sf.write_snapshot(parent, lambda written: sf.Manifest(iteration, rank, world, written, run), files,
+                             iteration)

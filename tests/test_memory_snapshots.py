@@ -5,7 +5,9 @@ hold whose copies and how much memory that takes, and when the default schedule 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 from kubetron.checkpoint import gang, snapshot
@@ -205,6 +207,46 @@ def test_one_rank_opens_its_agreed_snapshot_as_a_store_or_says_why_not(tmp_path)
     bin_file.write_bytes(b"\xff" + payload[1:])
     got = gang.open_gang(tmp_path, 0, 1, newer_than=None)
     assert got.store is None and got.failed and "do not match their checksum" in got.reason
+
+
+def test_a_run_loads_only_its_own_snapshots_from_a_directory_another_run_left_them_in(tmp_path, monkeypatch,
+                                                                                      caplog):
+    """A snapshot names the run that wrote it (its job, without the attempt, and checkpoint.save): a fresh run
+    in a directory another job (or another checkpoint.save) left snapshots in starts from its own store, and
+    the other's stay where they are; a new attempt of the same job is the same run."""
+    monkeypatch.setenv("KUBETRON_JOB_ID", "team-a/gpt/1")
+    ck = lambda save: SimpleNamespace(checkpoint=SimpleNamespace(  # noqa: E731
+        non_persistent_ckpt_type="local", non_persistent_local_ckpt_dir=str(tmp_path), non_persistent_save_interval=5,
+        save=save))
+    mine = snapshot.open_snapshots(ck("/ckpt/a"), 0, 1)
+    monkeypatch.setenv("KUBETRON_JOB_ID", "team-a/gpt/2")
+    assert snapshot.open_snapshots(ck("/ckpt/a"), 0, 1).run == mine.run  # the next attempt: the same run
+    assert snapshot.open_snapshots(ck("/ckpt/b"), 0, 1).run != mine.run  # another store
+    monkeypatch.setenv("KUBETRON_JOB_ID", "team-b/gpt/1")
+    theirs = snapshot.open_snapshots(ck("/ckpt/a"), 0, 1).run
+    assert theirs != mine.run  # another job, even with the same store path
+
+    write(sf.own_dir(tmp_path, 0), 40, world=1, run=theirs)
+    with caplog.at_level(logging.INFO, logger="kubetron"):
+        got = gang.open_gang(tmp_path, 0, 1, newer_than=None, run=mine.run)
+    assert got.store is None and got.reason == "no snapshot in the pods' memory"
+    assert "memory snapshots of another run ignored" in caplog.text and "snap_0000040" in caplog.text
+    write(sf.own_dir(tmp_path, 0), 20, world=1, run=mine.run)
+    got = gang.open_gang(tmp_path, 0, 1, newer_than=None, run=mine.run)
+    assert got.store is not None and got.store.agreement.iteration == 20  # its own, not the newer foreign 40
+    got.store.close()
+    got = gang.open_gang(tmp_path, 0, 1, newer_than=None, run=theirs)
+    assert got.store is not None and got.store.agreement.iteration == 40
+    got.store.close()
+    mine.close()
+
+
+@pytest.mark.parametrize("run", [5, "../x", "A" * 10, "f" * 65])
+def test_a_manifest_with_a_bad_run_is_refused(run):
+    data = json.loads(sf.Manifest(1, 0, 1, {}, "ab").to_json())
+    assert data["run"] == "ab" and sf.parse_manifest(json.dumps(data).encode(), "m").run == "ab"
+    with pytest.raises(CheckpointError, match="not a snapshot manifest"):
+        sf.parse_manifest(json.dumps({**data, "run": run}).encode(), "m")
 
 
 def test_snapshots_wait_for_their_copies_on_peers(tmp_path, monkeypatch):

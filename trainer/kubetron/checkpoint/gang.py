@@ -54,19 +54,24 @@ MAX_HOLDINGS = 1024  # (rank, iteration) entries one rank reports
 # -- what every rank can serve, and the agreement --------------------------------------------------------
 
 
-def holdings(root: str | Path, rank: int, world_size: int) -> list[tuple[int, int]]:
+def holdings(root: str | Path, rank: int, world_size: int, run: str = "") -> list[tuple[int, int]]:
     """(rank r, iteration) of the snapshots this rank can serve from its pod's memory volume: its own, and
-    its pod's copies of other ranks; only those whose manifest names r and this world size."""
-    out = [(rank, it) for it in _matching(own_dir(root, rank), rank, world_size)]
+    its pod's copies of other ranks; only those whose manifest names r, this world size and this `run`
+    (another run's, in a directory two runs share, are left where they are and said once)."""
+    foreign: list[str] = []
+    out = [(rank, it) for it in _matching(own_dir(root, rank), rank, world_size, run, foreign)]
     with contextlib.suppress(OSError):
         for entry in sorted(Path(root, PEERS).iterdir()):
             r = parse_rank_dir(entry.name)
             if r is not None and r != rank and r < world_size:
-                out += [(r, it) for it in _matching(peer_dir(root, r), r, world_size)]
+                out += [(r, it) for it in _matching(peer_dir(root, r), r, world_size, run, foreign)]
+    if foreign:
+        log.info("memory snapshots of another run ignored (another job or checkpoint.save): %s%s",
+                 ", ".join(foreign[:3]), " ..." if len(foreign) > 3 else "")
     return out[:MAX_HOLDINGS]
 
 
-def _matching(parent: Path, rank: int, world_size: int) -> list[int]:
+def _matching(parent: Path, rank: int, world_size: int, run: str, foreign: list[str]) -> list[int]:
     found = []
     for it in iterations(parent):
         try:
@@ -74,7 +79,9 @@ def _matching(parent: Path, rank: int, world_size: int) -> list[int]:
             m = parse_manifest(data, str(parent / snap_name(it)))
         except (OSError, CheckpointError):
             continue
-        if m.rank == rank and m.world_size == world_size and m.iteration == it:
+        if m.run != run:
+            foreign.append(str(parent / snap_name(it)))
+        elif m.rank == rank and m.world_size == world_size and m.iteration == it:
             found.append(it)
     return found
 
@@ -273,11 +280,11 @@ class Recovery:
                                reason=self.reason, failed=self.failed, restart=restart)
 
 
-def open_gang(root: str | Path, rank: int, world_size: int, newer_than: int | None) -> Recovered:
+def open_gang(root: str | Path, rank: int, world_size: int, newer_than: int | None, run: str = "") -> Recovered:
     """Collective: the snapshot every rank agrees on, opened and checked, as a GangStore; or None and the
     reason (nothing agreed, not newer than `newer_than` (the store's newest, or what the operator expects),
     a snapshot that fails its checks on some rank)."""
-    reports = gather_holdings(holdings(root, rank, world_size))
+    reports = gather_holdings(holdings(root, rank, world_size, run))
     agreement = agree(reports, world_size)
     if agreement is None:
         return Recovered(None, why_not(reports, world_size))

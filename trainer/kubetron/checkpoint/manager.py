@@ -456,7 +456,8 @@ class CheckpointManager:
         assert self.memory is not None
         t0 = time.perf_counter()
         floor = max(found[2] if found else 0, expected or 0)
-        got = gang.open_gang(self.memory.root, _rank(), self.world_size, newer_than=floor or None)
+        got = gang.open_gang(self.memory.root, _rank(), self.world_size, newer_than=floor or None,
+                             run=self.memory.run)
         if got.store is None:
             self.recovery = gang.Recovery(STORE, None, 0.0, got.reason, got.failed)
             log.info("resuming from the store, not from memory: %s", got.reason)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from kubetron.checkpoint import comm, format_sharded
 from kubetron.checkpoint.hostcopy import HostBuffers
+from kubetron.contract.progress import JOB_ID_ENV
 from kubetron.storage.snapshot_files import (
     COMMON_FILE,
     RNG_FILE,
@@ -42,6 +44,7 @@ from kubetron.storage.snapshot_files import (
     drop_newer,
     own_dir,
     remove_partial,
+    run_identity,
     snap_name,
     write_snapshot,
 )
@@ -58,8 +61,9 @@ class MemorySnapshots:
     CheckpointManager, which hands it the host copy (`take`)."""
 
     def __init__(self, root: str | Path, rank: int, world_size: int, interval: int | None,
-                 count_background: bool, paced: bool = False):
+                 count_background: bool, paced: bool = False, run: str = ""):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
+        self.run = run  # snapshot_files.run_identity: written into each manifest; a resume loads only its own
         self.interval = interval  # None: the time-based default
         self.count_background = count_background  # the write competes with training (CPU): it is a cost too
         self.paced = paced  # the next snapshot waits for the copies of the last (the pod's agent marks them)
@@ -133,7 +137,8 @@ class MemorySnapshots:
             w.write_bytes(COMMON_FILE, common)
             w.write_bytes(RNG_FILE, rng)
 
-        write_snapshot(self.dir, lambda written: Manifest(iteration, self.rank, self.world_size, written),
+        write_snapshot(self.dir, lambda written: Manifest(iteration, self.rank, self.world_size, written,
+                                                                        self.run),
                        files, iteration)
         self.written, self._written_at = iteration, time.monotonic()
         self.write_seconds = time.perf_counter() - t0
@@ -174,5 +179,6 @@ def open_snapshots(cfg, rank: int, world_size: int, paced: bool = False) -> Memo
     if ck.non_persistent_ckpt_type != "local" or not ck.non_persistent_local_ckpt_dir:
         return None
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    job = (os.environ.get(JOB_ID_ENV) or "").rsplit("/", 1)[0]
     return MemorySnapshots(ck.non_persistent_local_ckpt_dir, rank, world_size, ck.non_persistent_save_interval,
-                           count_background=not on_gpu, paced=paced)
+                           count_background=not on_gpu, paced=paced, run=run_identity(job, str(ck.save or "")))

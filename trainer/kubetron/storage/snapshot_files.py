@@ -46,6 +46,7 @@ FORMAT = 1
 _SNAP_RE = re.compile(r"^snap_(\d{7,})$")
 _RANK_RE = re.compile(r"^rank_(\d{5,})$")
 _FILE_RE = re.compile(r"^(shards/rank_\d{5,}\.(bin|json)|common\.pt|rng\.pt)$")
+_RUN_RE = re.compile(r"^[0-9a-f]{0,64}$")
 _TEMP_PREFIX = "."
 
 
@@ -81,6 +82,7 @@ class Manifest:
     rank: int
     world_size: int
     files: dict[str, tuple[int, tuple[str, ...]]]  # relative path -> (size, digests)
+    run: str = ""  # the run that wrote it (`run_identity`): a directory shared by two runs serves each its own
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +90,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         return json.dumps({"format": FORMAT, "iteration": self.iteration, "rank": self.rank,
-                           "worldSize": self.world_size, "chunk": CHUNK,
+                           "worldSize": self.world_size, "run": self.run, "chunk": CHUNK,
                            "files": {k: {"size": s, "sha256": list(d)} for k, (s, d) in sorted(self.files.items())}},
                           indent=1).encode()
 
@@ -108,8 +110,10 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
         raise CheckpointError(f"{what} is not JSON: {type(e).__name__}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("chunk") != CHUNK \
             or not all(_count(m.get(k)) for k in ("iteration", "rank", "worldSize")) or m["worldSize"] < 1 \
-            or m["rank"] >= m["worldSize"] or not isinstance(m.get("files"), dict):
-        raise CheckpointError(f"{what}: not a snapshot manifest (format {FORMAT}: iteration, rank, worldSize, files)")
+            or m["rank"] >= m["worldSize"] or not isinstance(m.get("files"), dict) \
+            or not isinstance(m.get("run", ""), str) or not _RUN_RE.match(m.get("run", "")):
+        raise CheckpointError(f"{what}: not a snapshot manifest (format {FORMAT}: iteration, rank, worldSize, run, "
+                              "files)")
     files: dict[str, tuple[int, tuple[str, ...]]] = {}
     for rel, entry in m["files"].items():
         if not _FILE_RE.match(rel) or not isinstance(entry, dict) or not _count(entry.get("size")) \
@@ -120,7 +124,14 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
                 isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d) for d in digests):
             raise CheckpointError(f"{what}: {rel} has no digest per {CHUNK} bytes")
         files[rel] = (entry["size"], tuple(digests))
-    return Manifest(m["iteration"], m["rank"], m["worldSize"], files)
+    return Manifest(m["iteration"], m["rank"], m["worldSize"], files, m.get("run", ""))
+
+
+def run_identity(job: str, save: str) -> str:
+    """Who a snapshot belongs to: the job (`<namespace>/<job>` of KUBETRON_JOB_ID, its attempt left out: a new
+    attempt continues the run) and its durable store (`checkpoint.save`), hashed. A run resumes only from its own
+    snapshots: a fresh run in a directory another run left snapshots in starts from its own store."""
+    return hashlib.sha256(f"{job}\n{save}".encode()).hexdigest()[:32]
 
 
 # -- writing ----------------------------------------------------------------------------------------
