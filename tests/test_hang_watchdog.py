@@ -19,13 +19,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
+from kubetron.compat.torch import elastic
 from kubetron.contract import exitcodes, hang
-from kubetron.contract.hang import CHECKPOINT, EVALUATION, STARTUP, TEARDOWN, TRAIN, Beat
+from kubetron.contract.hang import CHECKPOINT, EVALUATION, HANGS_ENV, STARTUP, TEARDOWN, TRAIN, Beat
 from kubetron.events import PROGRESS, Events, PhaseEntered, Started, StepDone, Stopping
-from kubetron.supervisor import heartbeat, launch, watchdog
+from kubetron.supervisor import heartbeat, launch, torchrun, watchdog
 from kubetron.supervisor.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
@@ -207,6 +209,74 @@ def test_the_watchdog_names_a_stopped_rank_dumps_the_others_and_stops_them(tmp_p
     log = capsys.readouterr().err
     assert "kubetron.watchdog: the gang hung (2 ranks without progress): rank 1 (pod rank 0) hung" in log
     assert log.index("rank 1: stopped") < log.index("rank 0: elsewhere")  # the hung one first
+
+
+@pytest.mark.hangs_on_purpose
+def test_a_pod_whose_gang_another_pods_agent_restarted_says_the_same_verdict(tmp_path, monkeypatch, capsys):
+    """Pod 0's agent reaches the verdict first and restarts its ranks; pod 1's agent, whose rank is the stopped
+    one, sees a new round begin before its own verdict (torchrun restarts its healthy workers): it reads the
+    verdict from the round's store, says it as pod 0 does, and its next ranks count the hang."""
+    monkeypatch.setenv(HANGS_ENV, "")  # set by the hook: restored after the test
+    (tmp_path / "p0").mkdir()
+    (tmp_path / "p1").mkdir()
+    ranks = [rank_process(tmp_path / "p0", 0), rank_process(tmp_path / "p1", 0)]
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    store = Store()
+    dogs = [watchdog.Watchdog(str(tmp_path / f"p{n}"), node_rank=n, override=1.0) for n in (0, 1)]
+    for n, dog in enumerate(dogs):
+        dog.new_round([watchdog.Rank(n, 0, ranks[n].pid)], store, nnodes=2, restart=0, restarts_left=3)
+    try:
+        deadline = time.monotonic() + 30
+        while f"{watchdog.KEY}1" not in store.data:  # pod 1 published its stalled rank, no verdict yet
+            assert dogs[1].poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        while dogs[0].poll() is None:  # pod 0 agrees and stops its rank
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ranks[0].wait(timeout=10) == -signal.SIGKILL
+        capsys.readouterr()
+        torchrun.Recovery(dogs[1]).rejoined(1, 3)  # torchrun restarts pod 1's healthy workers
+        log = capsys.readouterr().err
+        assert re.search(r"kubetron.torchrun: the gang hung: rank 1 \(pod rank 1\) hung: .*restarting the gang in "
+                         r"place from the newest checkpoint \(restart 1 of 3\)", log), log
+        assert json.loads(os.environ[HANGS_ENV])["hangs"] == 1  # the next ranks report it
+
+        capsys.readouterr()
+        dogs[1].new_round([watchdog.Rank(1, 0, ranks[1].pid)], Store(), nnodes=2, restart=1, restarts_left=2)
+        torchrun.Recovery(dogs[1]).rejoined(2, 3)  # a new round with no hang (a peer's own failure, say)
+        assert "kubetron.torchrun: another pod's agent began a new round: restarting the gang in place from the " \
+               "newest checkpoint (restart 2 of 3)" in capsys.readouterr().err
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+
+
+def test_torchruns_restart_of_healthy_workers_reaches_the_hook():
+    """The adaptation of torchrun's agent: a restart of a HEALTHY group (a peer pod began a new round) counts
+    a restart, tells the hooks which, and SIGKILLs the survivors."""
+    calls = []
+
+    class Agent:
+        _remaining_restarts = 3
+
+        def _restart_workers(self, group):
+            calls.append(("restart", self._remaining_restarts))
+
+        def _shutdown(self, death_sig):
+            calls.append(("shutdown", death_sig))
+
+    class Hooks:
+        def rejoined(self, restart, max_restarts):
+            calls.append(("rejoined", restart, max_restarts))
+
+    elastic._restart_kills_the_survivors(Agent, Hooks())
+    group = SimpleNamespace(state=SimpleNamespace(name="HEALTHY"), spec=SimpleNamespace(max_restarts=3))
+    Agent()._restart_workers(group)
+    assert calls == [("rejoined", 1, 3), ("shutdown", signal.SIGKILL), ("restart", 2)]
+    calls.clear()
+    Agent()._restart_workers(SimpleNamespace(state=SimpleNamespace(name="FAILED"), spec=group.spec))
+    assert calls == [("shutdown", signal.SIGKILL), ("restart", 3)]  # a failure: counted by torch, said by failed()
 
 
 def test_a_pod_waits_for_every_pod_and_withdraws_when_a_rank_moves_again(tmp_path):

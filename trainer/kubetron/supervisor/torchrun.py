@@ -121,6 +121,14 @@ class Recovery:
         if self.dog is not None:
             self.dog.poll()
 
+    def rejoined(self, restart: int, max_restarts: int) -> None:
+        # Another pod's agent acted first; its verdict on a hang is in the round's store (this pod's watchdog
+        # published its part): this pod's log says the same, and its next ranks count the hang.
+        hung = _hang_of(self.dog)
+        why = f"the gang hung: {describe_hang(hung)}" if hung else "another pod's agent began a new round"
+        print(f"kubetron.torchrun: {why}: restarting the gang in place from the newest checkpoint (restart "
+              f"{restart} of {max_restarts})", file=sys.stderr, flush=True)
+
     def failed(self, failures, restart: int, max_restarts: int, can_restart: bool) -> bool:
         hung = _hang_of(self.dog)
         if not can_restart or not restartable(failures):

@@ -56,6 +56,10 @@ class AgentHooks(Protocol):
     def healthy(self) -> None:
         """One tick of the agent's monitor loop with every worker running."""
 
+    def rejoined(self, restart: int, max_restarts: int) -> None:
+        """This pod's workers, healthy, are restarted because another pod's agent began a new round (its ranks
+        failed, or the pods' watchdogs stopped a hung gang and that agent acted first): restart `restart`."""
+
     def failed(self, failures: dict[int, Any], restart: int, max_restarts: int, can_restart: bool) -> bool:
         """The round failed (`failures`: torch's {global rank: ProcessFailure}). `restart`: the number the
         in-place restart would have (1-based); `can_restart`: torch has restarts left. Returns whether to
@@ -69,7 +73,7 @@ def install(agent_class: Any, hooks: AgentHooks, shutdown_grace_s: int) -> None:
     make it wait `shutdown_grace_s` for its ranks after forwarding a signal."""
     require_checked("torch", CHECKED)
     _hook_rounds(agent_class, hooks)
-    _restart_kills_the_survivors(agent_class)
+    _restart_kills_the_survivors(agent_class, hooks)
     _shutdown_waits_for_the_ranks(agent_class, shutdown_grace_s)
 
 
@@ -101,7 +105,7 @@ def _hook_rounds(agent_class: Any, hooks: AgentHooks) -> None:
     agent_class._start_workers, agent_class._monitor_workers = _start_workers, _monitor_workers
 
 
-def _restart_kills_the_survivors(agent_class: Any) -> None:
+def _restart_kills_the_survivors(agent_class: Any, hooks: AgentHooks) -> None:
     restart_workers = agent_class._restart_workers
 
     def _restart_workers(self, worker_group):
@@ -110,6 +114,7 @@ def _restart_kills_the_survivors(agent_class: Any) -> None:
         # apart would have the new ranks read the previous round's addresses.
         if worker_group.state.name == "HEALTHY":
             self._remaining_restarts -= 1
+            hooks.rejoined(worker_group.spec.max_restarts - self._remaining_restarts, worker_group.spec.max_restarts)
         # The surviving ranks cannot finish a step with a peer gone, and they resume from the newest
         # checkpoint anyway: SIGKILL them now rather than SIGTERM and wait 30 s for a save that cannot come.
         self._shutdown(death_sig=signal.SIGKILL)
