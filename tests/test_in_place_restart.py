@@ -10,11 +10,14 @@ tiny GPT into one store.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from kubetron.contract import exitcodes
 from kubetron.contract import progress as progress_log
@@ -138,6 +141,56 @@ def test_a_rank_that_ends_for_good_ends_the_other_pods_too(tmp_path):
     assert codes == [exitcodes.PEER_FAILURE, exitcodes.DIVERGED], log[-4000:]
     assert "Traceback" not in log and "restarting the gang in place" not in "".join(outs[1]), log[-4000:]
     assert outs[0][-1].startswith("kubetron.torchrun: not restarting: no new rendezvous round"), log[-4000:]
+
+
+SAVES_ON_SIGTERM = """
+import json, os, signal, sys, time
+from pathlib import Path
+
+def saved(*_):  # what the trainer does on SIGTERM: save, say so in its termination message, exit 75
+    Path(os.environ["KUBETRON_TERMINATION_LOG"]).write_text(json.dumps(
+        {"exitCode": 75, "reason": "SavedOnSignal", "message": "stopped by signal; checkpoint saved", "iteration": 7}))
+    sys.exit(75)
+
+signal.signal(signal.SIGTERM, saved)
+Path(os.environ["READY_DIR"], os.environ["RANK"]).touch()
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+def test_a_pod_whose_agent_lost_the_rendezvous_host_reports_a_peer_failure_not_a_preemption(tmp_path):
+    """Pod 0's torchrun agent (the rendezvous host) is SIGKILLed while the ranks train. Pod 1's agent loses the
+    rendezvous and torch's agent SIGTERMs its rank on its way out; the rank saves (exit 75). Nothing sent pod 1 a
+    signal: it ends with PeerFailure and a message saying so, not SavedOnSignal (which the operator would count
+    as a free preemption: a crash-looping agent would never fail the job)."""
+    (tmp_path / "saves_on_sigterm.py").write_text(SAVES_ON_SIGTERM)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    pods = start_pods(tmp_path, [], **{"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                                       launch.TRAINER_MODULE_ENV: "saves_on_sigterm", "READY_DIR": str(ready)})
+    orphans = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(ready.iterdir())) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in pods), [p.poll() for p in pods]
+            time.sleep(0.1)
+        children = psutil.Process(pods[0].pid).children(recursive=True)
+        agent = next(c for c in children if "kubetron.supervisor.torchrun" in " ".join(c.cmdline()))
+        orphans = [c for c in children if c.pid != agent.pid]
+        agent.kill()
+        codes, outs, log = run_to_end(pods, timeout=120)
+    finally:
+        for c in orphans:  # pod 0's rank, orphaned: a container runtime ends it with its pod
+            with contextlib.suppress(psutil.Error):
+                c.kill()
+    assert codes == [128 + 9, exitcodes.PEER_FAILURE], log[-4000:]
+    last = json.loads((tmp_path / "pod1" / "termination-log").read_text())
+    assert last["exitCode"] == exitcodes.PEER_FAILURE and last["iteration"] == 7, last
+    assert "lost the gang's rendezvous while its ranks trained" in last["message"] and "saved at iteration 7" in \
+        last["message"], last
+    assert outs[1][-1].startswith("kubetron.launch: this pod's agent lost the gang's rendezvous"), log[-4000:]
 
 
 # -- which ends are restarted in place (no processes) ------------------------------------------------------

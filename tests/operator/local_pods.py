@@ -156,6 +156,7 @@ class Container:
         self.proc = subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.stamped: list[tuple[float, str]] = []  # (time.time() it arrived, line)
+        self.reaped = False  # every process of it ended once PID 1 did (ProcessKubelet._reap)
         # with `hold_at`, held at the first line that passes it until the test releases it (`HeldReader`)
         self.reader = HeldReader(self.proc, lambda line: self.stamped.append((time.time(), line)), hold_at)
 
@@ -265,8 +266,17 @@ class ProcessKubelet:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            with contextlib.suppress(OSError, ApiError):  # the server is busy: next round
+            self._reap()
+            with contextlib.suppress(OSError, ApiError):  # the server is busy (or away): next round
                 self._round()
+
+    def _reap(self) -> None:
+        """A container whose PID 1 ended has every process ended at once, as a runtime ends its cgroup, with or
+        without the API server (its end is reported to it when it answers)."""
+        for c in list(self._by_uid.values()):
+            if c.exit_code() is not None and not c.reaped:
+                c.kill()
+                c.reaped = True
 
     def _round(self) -> None:
         pods = {p["metadata"]["uid"]: p for p in self.api.get(pod_path(self.ns))["items"]}
@@ -295,7 +305,7 @@ class ProcessKubelet:
         name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
         c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", secrets=secret_env(self.api, pod))
         self.containers[name] = self._by_uid[uid] = c
-        for key in ("exited", "deleting", "gone"):
+        for key in ("exited", "exit noticed", "deleting", "gone"):
             self.seen.pop((name, key), None)
         self.seen[(name, "started")] = c.started
         set_running(self.api, self.ns, name, container=c.container)
@@ -313,8 +323,9 @@ class ProcessKubelet:
 
     def _report_exit(self, pod: dict[str, Any], c: Container) -> None:
         c.kill()  # the pod's end is every process's (a rank orphaned by its agent's death, say)
-        self.seen[(c.name, "exited")] = time.time()
+        noticed = self.seen.setdefault((c.name, "exit noticed"), time.time())
         set_exited(self.api, self.ns, c.name, c.exit_code(), c.termination_message(), container=c.container)
+        self.seen[(c.name, "exited")] = noticed  # reported: a report the API server refused is tried again
 
     def _delete(self, pod: dict[str, Any], c: Container | None) -> None:
         """A pod being deleted: SIGTERM to its container's PID 1, SIGKILL to all of it after the grace

@@ -98,9 +98,9 @@ class PoolKubelet:
             self._report(pod, c)
 
     def _report(self, pod: dict[str, Any], c: Container) -> None:
-        self.reported.add(pod["metadata"]["uid"])
         set_exited(self.api, self.ns, pod["metadata"]["name"], c.exit_code(), c.termination_message(),
                    container=pod["spec"]["containers"][0]["name"])
+        self.reported.add(pod["metadata"]["uid"])  # a report the API server refused is tried again
 
     def _stop_pod(self, pod: dict[str, Any], c: Container | None) -> None:
         """What a kubelet does with a pod being deleted: SIGTERM, the grace period, the exit, then gone."""

@@ -41,7 +41,13 @@ from kubetron.contract.hang import describe as describe_hang
 from kubetron.contract.termination import DEFAULT_TERMINATION_LOG
 from kubetron.supervisor.heartbeat import HEARTBEAT_ENV, STACKS_ENV
 from kubetron.supervisor.termination_log import write_termination_message
-from kubetron.supervisor.torchrun import FAILURES_FILE, HANGS_FILE, SHUTDOWN_TIMEOUT_ENV, describe_failure
+from kubetron.supervisor.torchrun import (
+    FAILURES_FILE,
+    HANGS_FILE,
+    RDZV_LOST_FILE,
+    SHUTDOWN_TIMEOUT_ENV,
+    describe_failure,
+)
 from kubetron.supervisor.torchrun import NODE_RANK_ENV as RDZV_NODE_RANK_ENV
 from kubetron.supervisor.watchdog import heartbeat_path, stacks_path
 
@@ -171,6 +177,26 @@ def last_hang(path: str | Path) -> HangReport | None:
     return report if report is not None and report["restart"] == 0 else None
 
 
+def read_note(path: str | Path, limit: int = 512) -> str:
+    """A one-line note the agent left (kubetron.torchrun.RDZV_LOST_FILE), bounded; "" when there is none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return " ".join(fh.read(limit).split())
+    except OSError:
+        return ""
+
+
+def rendezvous_lost_message(why: str, saved: dict | None) -> dict:
+    """The pod's termination message when its agent lost the gang's rendezvous while the ranks trained and
+    stopped them (they saved on that SIGTERM): a peer failure, not a preemption; nothing sent this pod a signal,
+    another pod's agent ended first (its own end says why)."""
+    at = f" at iteration {saved['iteration']}" if saved and isinstance(saved.get("iteration"), int) else ""
+    return {"exitCode": exitcodes.PEER_FAILURE, "reason": exitcodes.reason(exitcodes.PEER_FAILURE),
+            **({"iteration": saved["iteration"]} if at else {}),
+            "message": f"this pod's agent lost the gang's rendezvous while its ranks trained ({why}); it stopped "
+                       f"them and they saved{at}: another pod's agent ended first"}
+
+
 def hang_message(hung: HangReport) -> dict:
     """The pod's termination message after a hang with no in-place restart left (exit 7, Hung)."""
     where = f"; stacks in {hung['stacks']}" if hung["stacks"] else ""
@@ -214,18 +240,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     received: list[int] = []
     rc = run(command, env, received)
 
-    rank_messages, failures, hung = [], [], None
+    rank_messages, failures, hung, lost = [], [], None, ""
     if messages_dir:
         for path in sorted(Path(messages_dir).glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1])):
             rank_messages += read_messages(path)
         failures = read_failures(Path(messages_dir, FAILURES_FILE))
         hung = last_hang(Path(messages_dir, HANGS_FILE))
+        lost = read_note(Path(messages_dir, RDZV_LOST_FILE))
         shutil.rmtree(messages_dir, ignore_errors=True)
     messages = rank_messages + read_messages(log_path)  # a rank whose config names its own termination_log
     message = root_cause(messages)
     completed = (bool(received) and len(rank_messages) == int(env.get("NPROC_PER_NODE", "1"))
                  and all(m["exitCode"] == exitcodes.COMPLETED for m in rank_messages))
     code = resolve_exit_code(rc, message, stopped_after_completion=completed)
+    if code == exitcodes.SAVED_ON_SIGNAL and lost and not received:
+        message, code = rendezvous_lost_message(lost, message), exitcodes.PEER_FAILURE
+        print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)
     if code != 0 and hung is not None and not received:  # the watchdog stopped a hung gang, no restart left
         message, code = hang_message(hung), exitcodes.HUNG
         print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)

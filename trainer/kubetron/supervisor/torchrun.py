@@ -47,6 +47,9 @@ FAILURES_FILE = "torchrun-failures.json"  # in the launcher's messages directory
 NODE_RANK_ENV = "KUBETRON_RDZV_NODE_RANK"  # set by the launcher with a c10d rendezvous: this node's group rank
 RESTARTS_FILE = "torchrun-restarts.jsonl"  # ditto: one line per in-place restart of the local workers
 HANGS_FILE = "torchrun-hangs.jsonl"  # ditto: one HangReport per hung gang (kubetron.watchdog)
+# ditto: the agent lost the gang's rendezvous while its ranks trained, and stopped them (torch's agent SIGTERMs its
+# workers on any error): why, in one line. The ranks save on that SIGTERM; the launcher reports a peer failure.
+RDZV_LOST_FILE = "torchrun-rendezvous-lost.txt"
 
 
 def failure_records(failures) -> list[dict]:
@@ -75,6 +78,13 @@ def _write_failures(failures, name: str = FAILURES_FILE, mode: str = "w") -> Non
         pass  # the launcher falls back to torchrun's exit status
 
 
+def _write_note(name: str, text: str) -> None:
+    directory = os.environ.get("KUBETRON_LAUNCH_MESSAGES")
+    if directory:
+        with contextlib.suppress(OSError), open(os.path.join(directory, name), "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+
 def restartable(failures) -> bool:
     """Whether the failed local ranks ended in a way an in-place restart can cure.
 
@@ -98,6 +108,7 @@ class Recovery:
     def __init__(self, dog: Watchdog | None = None, peers: Peers | None = None) -> None:
         self.dog = dog
         self.peers = peers  # the memory snapshots' copies on other pods (kubetron.supervisor.peers)
+        self.workers_running = False  # the newest monitor tick saw every worker running
 
     def before_start(self, local_ranks: list[int]) -> None:
         if self.dog is None:
@@ -116,12 +127,14 @@ class Recovery:
                                round_.group_world_size, round_.restarts_done, round_.restarts_left)
 
     def healthy(self) -> None:
+        self.workers_running = True
         if self.peers is not None:
             self.peers.learn_addresses()
         if self.dog is not None:
             self.dog.poll()
 
     def rejoined(self, restart: int, max_restarts: int) -> None:
+        self.workers_running = False
         # Another pod's agent acted first; its verdict on a hang is in the round's store (this pod's watchdog
         # published its part): this pod's log says the same, and its next ranks count the hang.
         hung = _hang_of(self.dog)
@@ -130,6 +143,7 @@ class Recovery:
               f"{restart} of {max_restarts})", file=sys.stderr, flush=True)
 
     def failed(self, failures, restart: int, max_restarts: int, can_restart: bool) -> bool:
+        self.workers_running = False
         hung = _hang_of(self.dog)
         if not can_restart or not restartable(failures):
             return False
@@ -195,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     copies = peers.from_env(os.environ, int(str(args.nnodes).rpartition(":")[2]))
     try:  # the agent's internals were read against the torch versions compat names only
-        elastic.install(LocalElasticAgent, Recovery(_watchdog(args.training_script_args), copies),
-                        int(os.environ.get(SHUTDOWN_TIMEOUT_ENV) or 30))
+        hooks = Recovery(_watchdog(args.training_script_args), copies)
+        elastic.install(LocalElasticAgent, hooks, int(os.environ.get(SHUTDOWN_TIMEOUT_ENV) or 30))
         if os.environ.get(NODE_RANK_ENV):
             from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
@@ -216,8 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Restarting after a peer failure, the next round cannot form: another pod's agent stopped (its
         # ranks ended in a way no restart cures, and it closed the rendezvous) or the host pod is gone.
         # The ranks' own termination messages say why they ended; this pod ends too, in one line.
-        print(f"kubetron.torchrun: not restarting: no new rendezvous round ({type(exc).__name__}: "
-              f"{' '.join(str(exc).split())[:200] or 'another pod stopped'})", file=sys.stderr, flush=True)
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200] or 'another pod stopped'}"
+        print(f"kubetron.torchrun: not restarting: no new rendezvous round ({why})", file=sys.stderr, flush=True)
+        if hooks.workers_running:  # lost while they trained: torch's agent stopped them (SIGTERM) on its way out
+            _write_note(RDZV_LOST_FILE, why)
         return 1
     return 0
 
