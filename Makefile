@@ -33,9 +33,10 @@ demo: $(VENV)/.trainer
 	$(VENV)/bin/kubetron train --config examples/tiny-gpt.yaml \
 	    checkpoint.save=runs/demo logger.tensorboard_dir=runs/demo/tb
 
-## test: set up .venv (if missing) and run the whole suite (every tier)
+## test: set up .venv (if missing) and run the whole suite (every tier; the cluster tier beside the others,
+## tests/suite.py; SERIAL=1: one pytest, one tier after the other)
 test: $(VENV)/.dev
-	$(VENV)/bin/python -m pytest -q tests
+	$(PY) -m tests.suite $(if $(SERIAL),--serial)
 
 ## test-fast: the unit tier only (no model trained, no process started), a developer's inner loop; TIER=trainer
 ## (or process, cluster; several: TIER="unit trainer") runs others
