@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,6 +14,7 @@ from kubetron_operator.build import build
 from kubetron_operator.decide import decide
 from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView, node_trouble
+from kubetron_operator.policy import attempt_end
 from kubetron_operator.policy.restart import MAX_PREEMPTIONS_WITHOUT_PROGRESS
 from kubetron_operator.policy.start import service_failed
 
@@ -595,6 +597,24 @@ def test_peer_failures_after_a_node_died_are_a_preemption():
     assert action.status["restarts"]["preemptions"] == 1 and action.status["restarts"]["failures"] == 0
     assert run(pods=pods).status["reason"] == "PeerFailure"  # without node trouble: a failure
     assert run(pods=[pod(0, node="n0"), pod(1, node="n1")], node_trouble=trouble).kind == "wait"
+
+
+def test_a_peer_failure_waits_for_its_cause_then_counts_a_failure():
+    """Pod 0 ended with PeerFailure 5 s ago while pod 1 still runs (its own end not reported yet: a kubelet after
+    an API server outage, a node not yet NotReady): the attempt waits for the cause. Pod 1's own failure seen, it
+    is the reason; its node NotReady, a preemption; nothing seen for PEER_WAIT, a failure (PeerFailure)."""
+    peer = pod(0, phase="Failed", exit_code=exitcodes.PEER_FAILURE, node="n0", ended_for=5.0)
+    assert run(pods=[peer, pod(1, node="n1")]).kind == "wait"
+    crashed = pod(1, phase="Failed", exit_code=137, node="n1", ended_for=4.0)
+    action = run(pods=[peer, crashed])
+    assert action.kind == "restart" and action.status["restarts"]["failures"] == 1 and "gpt-1-1" in \
+        action.status["message"]
+    trouble = {"n1": "node n1 is not Ready (Unknown: NodeStatusUnknown: Kubelet stopped posting node status.)"}
+    assert run(pods=[peer, pod(1, node="n1")], node_trouble=trouble).status["reason"] == "NodeNotReady"
+    late = dataclasses.replace(peer, ended_for=attempt_end.PEER_WAIT + 1)
+    action = run(pods=[late, pod(1, node="n1")])
+    assert action.kind == "restart" and action.status["reason"] == "PeerFailure"
+    assert action.status["restarts"]["failures"] == 1
 
 
 def test_pod_failed_by_the_kubelet_says_why_not_exited_none():

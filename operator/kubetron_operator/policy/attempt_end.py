@@ -16,7 +16,10 @@
 - every rank exited 0 and the progress log (or the ranks' termination messages) says train_iters was
   reached                                                         -> Succeeded
 Preemption wins over failures seen in the same attempt: when one rank is killed the others fail with
-peer errors. Pods that still run when the attempt is over are deleted.
+peer errors. A PeerFailure is no cause of its own: while only PeerFailures ended and another pod of the attempt
+still runs, the attempt waits up to PEER_WAIT for that pod's own end to be seen (its exit reported, its node not
+Ready, its deletion; a kubelet reports late after an API server outage, a Node goes NotReady only after the node
+controller's grace period), then counts a failure. Pods that still run when the attempt is over are deleted.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kubetron_operator.policy.status import in_place_news, phase_status, progres
 
 PREEMPT_POD_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "NodeShutdown", "Terminated"})
 FREE_EXIT_CODES = {exitcodes.SAVED_ON_SIGNAL: "SavedOnSignal", exitcodes.EXIT_CONDITION: "ExitCondition"}
+PEER_WAIT = 60.0  # seconds a PeerFailure waits for its cause (longer than Kubernetes' node-monitor grace, 40-50 s)
 
 
 def attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: CheckpointRef | None) -> Action | None:
@@ -53,6 +57,8 @@ def attempt_end(job: Job, current: list[PodView], obs: Observed, ckpt: Checkpoin
     sick = [f"pod {p.name}: {obs.node_trouble[p.node]}" for p in current if p.node in obs.node_trouble]
     if failures and sick:  # peers failing because a node died: the node's doing, not the trainer's
         preempted += sick
+    if failures and not preempted and not rejected and awaiting_cause(current, failures):
+        return None
     if not preempted and not failures and not rejected:
         if len(current) == nodes and all(p.phase == "Succeeded" for p in current):
             if _completed(obs, current):
@@ -107,6 +113,15 @@ def _sort_out(current: list[PodView]) -> tuple[list[str], list[PodView], list[Po
         elif p.phase == "Failed":
             failures.append(p)
     return preempted, config_errors, failures, rejected
+
+
+def awaiting_cause(current: list[PodView], failures: list[PodView]) -> bool:
+    """Only PeerFailures ended, less than PEER_WAIT ago (by their containers' finishedAt; none said: no wait), and
+    another pod of the attempt still runs: its own end (the cause) is yet to be seen."""
+    if any(p.code != exitcodes.PEER_FAILURE or p.ended_for is None for p in failures):
+        return False
+    running = [p for p in current if not p.terminated and p.phase != "Unknown"]
+    return bool(running) and max(p.ended_for or 0.0 for p in failures) < PEER_WAIT
 
 
 def _failure_reason(failures: list[PodView]) -> tuple[str, str]:
