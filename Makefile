@@ -33,8 +33,8 @@ demo: $(VENV)/.trainer
 	$(VENV)/bin/kubetron train --config examples/tiny-gpt.yaml \
 	    checkpoint.save=runs/demo logger.tensorboard_dir=runs/demo/tb
 
-## test: set up .venv (if missing) and run the whole suite (every tier; the cluster tier beside the others,
-## tests/suite.py; SERIAL=1: one pytest, one tier after the other)
+## test: set up .venv (if missing) and run the whole suite (every tier), in two pytest processes side by side
+## (tests/suite.py; SERIAL=1: one pytest)
 test: $(VENV)/.dev
 	$(PY) -m tests.suite $(if $(SERIAL),--serial)
 

@@ -1,14 +1,16 @@
-"""`make test`: the whole suite, as two pytest processes side by side: the cluster tier (a control plane of its
-own, the operator, pods as processes: mostly waiting on the cluster's clocks) beside the other three tiers
-(unit, trainer, process: mostly computing). On 2 cores the suite kept them busy about half of its time one
-after the other; side by side it takes the longer stream's time, not the sum.
+"""`make test`: the whole suite, as two pytest processes side by side: tests/operator (the cluster tier: a control
+plane of its own, the operator, pods as processes, mostly waiting on the cluster's clocks; and the operator's
+unit tests) with two process-tier modules that mostly wait too (SIDE: the GPU machine's layout, its installs and
+a save held past 30 s; the hang watchdog's timeouts), beside everything else (mostly computing). On 2 cores the
+suite kept them busy about half of its time one after the other; side by side it takes the longer stream's time,
+not the sum (the two streams are sized alike by their serial durations, about 1,050 s and 930 s).
 
-The unit/trainer/process stream prints as it goes; the cluster stream writes into `--cluster-log` and is
-printed whole once both ended, its summary last. The exit status is the first non-zero one (pytest's codes).
-`--serial` runs one pytest over every tier instead (a machine with one core, a bisection). Arguments after `--`
-go to both pytest processes, as do PYTEST_ADDOPTS.
+The main stream prints as it goes; the side stream writes into `--side-log` and is printed whole once both
+ended, its summary last. The exit status is the first non-zero one (pytest's codes). `--serial` runs one pytest
+over everything instead (a machine with one core, a bisection). Arguments after `--` go to both pytest
+processes, as do PYTEST_ADDOPTS.
 
-    python -m tests.suite [--serial] [--cluster-log PATH] [-- PYTEST_ARGS...]
+    python -m tests.suite [--serial] [--side-log PATH] [-- PYTEST_ARGS...]
 """
 
 from __future__ import annotations
@@ -19,43 +21,41 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import TIERS
-
 REPO = Path(__file__).resolve().parent.parent
-ALONE = "cluster"  # the tier that runs beside the others
+SIDE = ("tests/operator", "tests/test_gpu_layout.py", "tests/test_hang_watchdog.py")  # beside the rest
 
 
-def pytest_cmd(tiers: list[str], extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "tests", *(a for t in tiers for a in ("--tier", t)), *extra]
+def pytest_cmd(paths: list[str], extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", *paths, *extra]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.suite", description=__doc__.split("\n\n")[0])
     parser.add_argument("--serial", action="store_true", help="one pytest over every tier, one after the other")
-    parser.add_argument("--cluster-log", type=Path, default=REPO / ".pytest-cluster.log",
-                        help="where the cluster stream's output goes (printed at the end)")
+    parser.add_argument("--side-log", type=Path, default=REPO / ".pytest-side.log",
+                        help="where the side stream's output goes (printed at the end)")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     args = parser.parse_args(argv)
     if args.serial:
-        return subprocess.call([sys.executable, "-m", "pytest", "-q", "tests", *args.pytest_args], cwd=REPO)
+        return subprocess.call(pytest_cmd(["tests"], args.pytest_args), cwd=REPO)
     t0 = time.monotonic()
-    others = [t for t in TIERS if t != ALONE]
-    with open(args.cluster_log, "w") as log:
-        cluster = subprocess.Popen(pytest_cmd([ALONE], args.pytest_args), cwd=REPO, stdout=log,
-                                   stderr=subprocess.STDOUT)
+    with open(args.side_log, "w") as log:
+        side = subprocess.Popen(pytest_cmd(list(SIDE), args.pytest_args), cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT)
         try:
-            print(f"tests.suite: the {ALONE} tier runs beside the others, its output in {args.cluster_log} "
-                  "(printed when both ended)", flush=True)
-            rest = subprocess.call(pytest_cmd(others, args.pytest_args), cwd=REPO)
-            rc = cluster.wait()
+            print(f"tests.suite: {', '.join(SIDE)} run beside the rest, their output in {args.side_log} (printed "
+                  "when both ended)", flush=True)
+            rest = subprocess.call(pytest_cmd(["tests", *(f"--ignore={p}" for p in SIDE)], args.pytest_args),
+                                   cwd=REPO)
+            rc = side.wait()
         except BaseException:
-            cluster.terminate()
-            cluster.wait()
+            side.terminate()
+            side.wait()
             raise
-    print(f"\n========== the {ALONE} tier ==========", flush=True)
-    sys.stdout.write(args.cluster_log.read_text(errors="replace"))
-    print(f"\ntests.suite: {'+'.join(others)}: exit {rest}; {ALONE}: exit {rc}; "
-          f"{time.monotonic() - t0:.0f} s in all", flush=True)
+    print("\n========== beside: " + ", ".join(SIDE) + " ==========", flush=True)
+    sys.stdout.write(args.side_log.read_text(errors="replace"))
+    print(f"\ntests.suite: the rest: exit {rest}; beside it: exit {rc}; {time.monotonic() - t0:.0f} s in all",
+          flush=True)
     return next((c for c in (rest, rc) if c != 0), 0)
 
 

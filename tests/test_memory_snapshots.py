@@ -209,21 +209,17 @@ def test_one_rank_opens_its_agreed_snapshot_as_a_store_or_says_why_not(tmp_path)
     assert got.store is None and got.failed and "do not match their checksum" in got.reason
 
 
-def test_a_run_loads_only_its_own_snapshots_from_a_directory_another_run_left_them_in(tmp_path, monkeypatch,
-                                                                                      caplog):
+def test_a_run_loads_only_its_own_snapshots_from_a_directory_another_run_left_them_in(tmp_path, caplog):
     """A snapshot names the run that wrote it (its job, without the attempt, and checkpoint.save): a fresh run
     in a directory another job (or another checkpoint.save) left snapshots in starts from its own store, and
-    the other's stay where they are; a new attempt of the same job is the same run."""
-    monkeypatch.setenv("KUBETRON_JOB_ID", "team-a/gpt/1")
+    the other's stay where they are (the composition root hands in the job without its attempt: a new attempt of
+    the same job is the same run)."""
     ck = lambda save: SimpleNamespace(checkpoint=SimpleNamespace(  # noqa: E731
         non_persistent_ckpt_type="local", non_persistent_local_ckpt_dir=str(tmp_path), non_persistent_save_interval=5,
         save=save))
-    mine = snapshot.open_snapshots(ck("/ckpt/a"), 0, 1)
-    monkeypatch.setenv("KUBETRON_JOB_ID", "team-a/gpt/2")
-    assert snapshot.open_snapshots(ck("/ckpt/a"), 0, 1).run == mine.run  # the next attempt: the same run
-    assert snapshot.open_snapshots(ck("/ckpt/b"), 0, 1).run != mine.run  # another store
-    monkeypatch.setenv("KUBETRON_JOB_ID", "team-b/gpt/1")
-    theirs = snapshot.open_snapshots(ck("/ckpt/a"), 0, 1).run
+    mine = snapshot.open_snapshots(ck("/ckpt/a"), 0, 1, job="team-a/gpt")
+    assert snapshot.open_snapshots(ck("/ckpt/b"), 0, 1, job="team-a/gpt").run != mine.run  # another store
+    theirs = snapshot.open_snapshots(ck("/ckpt/a"), 0, 1, job="team-b/gpt").run
     assert theirs != mine.run  # another job, even with the same store path
 
     write(sf.own_dir(tmp_path, 0), 40, world=1, run=theirs)

@@ -126,13 +126,14 @@ class CheckpointManager:
     non_persistent_save_interval, a signal, train.exit_duration_in_mins, train.exit_interval, a straggler).
     What it does goes to `events` (kubetron.events: a save's phase and progress, a checkpoint durable); `faults`
     is called at each of SAVE_POINTS of a save; `paced_snapshots`: memory snapshots wait for their copies on
-    peers (the pod's agent copies them: checkpoint/snapshot.py).
+    peers (the pod's agent copies them: checkpoint/snapshot.py); `job`: the job (`<namespace>/<job>`) that with
+    checkpoint.save names the run the snapshots belong to.
     """
 
     def __init__(self, cfg, store, *, model, optimizer, scheduler, train_state, data=(None, None), run_id: str,
                  world_size: int | None = None, signal_handler=None, start_time: float | None = None,
                  load_hf: LoadHF | None = None, events: Events | None = None, faults: SaveFaults | None = None,
-                 paced_snapshots: bool = False):
+                 paced_snapshots: bool = False, job: str = ""):
         self.cfg, self.save_store = cfg, store
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.train_state = train_state
@@ -149,7 +150,7 @@ class CheckpointManager:
         ck = cfg.checkpoint
         # non-persistent "local": snapshots in the pod's memory (checkpoint/snapshot.py, docs/recovery.md)
         self.memory: MemorySnapshots | None = open_snapshots(cfg, _rank(), self.world_size,
-                                                                    paced=paced_snapshots)
+                                                                    paced=paced_snapshots, job=job)
         self.recovery: gang.Recovery | None = None  # how load() resumed (status.lastRecovery)
         self._newest: Snapshot | None = None  # the newest durable save's host copy (a snapshot of its step reuses it)
         self.async_saver = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -34,7 +33,6 @@ import torch.distributed as dist
 
 from kubetron.checkpoint import comm, format_sharded
 from kubetron.checkpoint.hostcopy import HostBuffers
-from kubetron.contract.progress import JOB_ID_ENV
 from kubetron.storage.snapshot_files import (
     COMMON_FILE,
     RNG_FILE,
@@ -171,14 +169,14 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
-def open_snapshots(cfg, rank: int, world_size: int, paced: bool = False) -> MemorySnapshots | None:
+def open_snapshots(cfg, rank: int, world_size: int, paced: bool = False, job: str = "") -> MemorySnapshots | None:
     """This rank's MemorySnapshots when the run takes them (checkpoint.non_persistent_ckpt_type local, and its
     directory: the config's, else the pod's memory volume, which resolve() fills in), else None. `paced`: each
-    waits for the copies of the last (the pod's agent copies them)."""
+    waits for the copies of the last (the pod's agent copies them). `job`: the job (`<namespace>/<job>`, "" outside
+    one), which with checkpoint.save names the run its snapshots belong to."""
     ck = cfg.checkpoint
     if ck.non_persistent_ckpt_type != "local" or not ck.non_persistent_local_ckpt_dir:
         return None
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
-    job = (os.environ.get(JOB_ID_ENV) or "").rsplit("/", 1)[0]
     return MemorySnapshots(ck.non_persistent_local_ckpt_dir, rank, world_size, ck.non_persistent_save_interval,
                            count_background=not on_gpu, paced=paced, run=run_identity(job, str(ck.save or "")))

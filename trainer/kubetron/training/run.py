@@ -117,7 +117,8 @@ def build_run(state: GlobalState, events: Events, *, rank: int, world_size: int,
                              train_state=state.train_state, data=(train_it, valid_it), run_id=run_id,
                              world_size=world_size, signal_handler=signals, start_time=start_time,
                              load_hf=first_weights.load_hf, events=events, faults=faults,
-                             paced_snapshots=os.environ.get(COPIES_ENV) == "1")  # the pod's agent copies them
+                             paced_snapshots=os.environ.get(COPIES_ENV) == "1",  # the pod's agent copies them
+                             job=progress_io.job_id().rsplit("/", 1)[0])  # its attempt left out: the same run
     # train with pretrained_checkpoint: its weights when checkpoint.load has nothing to resume (as Bridge)
     ckpt.load(finetune=from_pretrained)
     CLOCK.mark("checkpoint load")
