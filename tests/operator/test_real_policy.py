@@ -209,6 +209,7 @@ def test_peer_failure_on_a_not_ready_node_is_a_preemption(kube, s3_server, polic
         set_running(api, ns, "gpt-1-0")
         set_running(api, ns, "gpt-1-1")
         kube.wait_status(ns, "gpt", "Running", lambda s: s.get("phase") == "Running")
+        kubelet.lose()  # its kubelet stops: else its status sync (every 5 s) reports the node Ready again
         api.patch(f"/api/v1/nodes/{node}/status", {"status": {"conditions": [
             {"type": "Ready", "status": "False", "reason": "KubeletNotReady",
              "message": "container runtime network not ready", "lastHeartbeatTime": "2026-11-22T12:00:00Z",
