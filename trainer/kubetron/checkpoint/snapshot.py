@@ -135,9 +135,10 @@ class MemorySnapshots:
             w.write_bytes(COMMON_FILE, common)
             w.write_bytes(RNG_FILE, rng)
 
-        write_snapshot(self.dir, lambda written: Manifest(iteration, self.rank, self.world_size, written,
-                                                                        self.run),
-                       files, iteration)
+        def manifest(written: dict) -> Manifest:
+            return Manifest(iteration, self.rank, self.world_size, written, self.run)
+
+        write_snapshot(self.dir, manifest, files, iteration)
         self.written, self._written_at = iteration, time.monotonic()
         self.write_seconds = time.perf_counter() - t0
         log.debug("snapshot %s written to %s (%.3fs)", snap_name(iteration), self.dir, self.write_seconds)
