@@ -10,8 +10,9 @@ Node has room for one pod): one 2-pod job of the tiny GPT on a PVC store
    hang and the crash are the job's, no evidence against a node) the next attempt is placed on the other two,
    and the operator (--taint-failing-nodes, the chart's failingNodes.taint) taints it for the job's namespace;
 3. is preempted (its rank 0 evicted; it saves on SIGTERM) and resumes;
-4. completes. Its goodput ledger put each of the three in recovery (the hang and the crash also in lost
-   work), and its buckets sum to every rank-second since the job was created; `kubetron status` shows it.
+4. completes. Its goodput ledger put each of the three in recovery (the crash also in lost work; the hang
+   resumes in place from memory), and its buckets sum to every rank-second since the job was created;
+   `kubetron status` shows it.
 """
 
 from __future__ import annotations
@@ -102,8 +103,11 @@ def test_a_hang_a_crash_and_a_preemption_each_land_where_they_belong(kube, kube_
     after = {"hang": timeline["after hang"], "crash": timeline["after crash"], "preemption": seconds}
     for what in ("hang", "crash", "preemption"):
         assert after[what]["recovery"] > before[what]["recovery"], (what, before[what], after[what])
-    for what in ("hang", "crash"):  # mid-interval: iterations computed, then lost
-        assert after[what]["lostWork"] > before[what]["lostWork"], (what, json.dumps(timeline), json.dumps(g))
+    # The crash (a new attempt, from the store's checkpoint, mid-interval): iterations computed, then lost. The
+    # hang restarts in place from the ranks' memory snapshot (docs/recovery.md), which can lose less than the
+    # second the ledger counts in.
+    assert after["crash"]["lostWork"] > before["crash"]["lostWork"], (json.dumps(timeline), json.dumps(g))
+    assert after["hang"]["lostWork"] >= before["hang"]["lostWork"], (json.dumps(timeline), json.dumps(g))
     assert seconds["productive"] > 0 and seconds["checkpoint"] > 0 and seconds["pending"] >= 0
     assert g["ratio"] == pytest.approx(seconds["productive"] / g["totalSeconds"], abs=1e-4) and not g["recovering"]
     head, row = table.stdout.splitlines()[:2]
