@@ -274,9 +274,15 @@ class ProcessKubelet:
         """A container whose PID 1 ended has every process ended at once, as a runtime ends its cgroup, with or
         without the API server (its end is reported to it when it answers)."""
         for c in list(self._by_uid.values()):
-            if c.exit_code() is not None and not c.reaped:
-                c.kill()
-                c.reaped = True
+            if c.exit_code() is not None:
+                self._end(c)
+
+    @staticmethod
+    def _end(c: Container) -> None:
+        """Every process of `c` ended, once (its PID 1 has)."""
+        if not c.reaped:
+            c.kill()
+            c.reaped = True
 
     def _round(self) -> None:
         pods = {p["metadata"]["uid"]: p for p in self.api.get(pod_path(self.ns))["items"]}
@@ -322,7 +328,7 @@ class ProcessKubelet:
         self.lost.discard(node)
 
     def _report_exit(self, pod: dict[str, Any], c: Container) -> None:
-        c.kill()  # the pod's end is every process's (a rank orphaned by its agent's death, say)
+        self._end(c)  # the pod's end is every process's (a rank orphaned by its agent's death, say)
         noticed = self.seen.setdefault((c.name, "exit noticed"), time.time())
         set_exited(self.api, self.ns, c.name, c.exit_code(), c.termination_message(), container=c.container)
         self.seen[(c.name, "exited")] = noticed  # reported: a report the API server refused is tried again

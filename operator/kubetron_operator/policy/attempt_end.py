@@ -121,7 +121,7 @@ def awaiting_cause(current: list[PodView], failures: list[PodView]) -> bool:
     if any(p.code != exitcodes.PEER_FAILURE or p.ended_for is None for p in failures):
         return False
     running = [p for p in current if not p.terminated and p.phase != "Unknown"]
-    return bool(running) and max(p.ended_for or 0.0 for p in failures) < PEER_WAIT
+    return bool(running) and max(p.ended_for for p in failures if p.ended_for is not None) < PEER_WAIT
 
 
 def _failure_reason(failures: list[PodView]) -> tuple[str, str]:

@@ -68,20 +68,15 @@ def describe_failure(f: dict) -> str:
 
 
 def _write_failures(failures, name: str = FAILURES_FILE, mode: str = "w") -> None:
-    directory = os.environ.get("KUBETRON_LAUNCH_MESSAGES")
-    if not directory:
-        return
-    try:
-        with open(os.path.join(directory, name), mode, encoding="utf-8") as fh:
-            fh.write(json.dumps(failure_records(failures)) + "\n")
-    except OSError:
-        pass  # the launcher falls back to torchrun's exit status
+    _write_note(name, json.dumps(failure_records(failures)) + "\n", mode)
 
 
-def _write_note(name: str, text: str) -> None:
+def _write_note(name: str, text: str, mode: str = "w") -> None:
+    """`text` into file `name` of the launcher's messages directory; without one, or on an error, nothing (the
+    launcher falls back to torchrun's exit status)."""
     directory = os.environ.get("KUBETRON_LAUNCH_MESSAGES")
     if directory:
-        with contextlib.suppress(OSError), open(os.path.join(directory, name), "w", encoding="utf-8") as fh:
+        with contextlib.suppress(OSError), open(os.path.join(directory, name), mode, encoding="utf-8") as fh:
             fh.write(text)
 
 
@@ -137,10 +132,7 @@ class Recovery:
         self.workers_running = False
         # Another pod's agent acted first; its verdict on a hang is in the round's store (this pod's watchdog
         # published its part): this pod's log says the same, and its next ranks count the hang.
-        hung = _hang_of(self.dog)
-        why = f"the gang hung: {describe_hang(hung)}" if hung else "another pod's agent began a new round"
-        print(f"kubetron.torchrun: {why}: restarting the gang in place from the newest checkpoint (restart "
-              f"{restart} of {max_restarts})", file=sys.stderr, flush=True)
+        _say_restart(_hang_of(self.dog), "another pod's agent began a new round", restart, max_restarts)
 
     def failed(self, failures, restart: int, max_restarts: int, can_restart: bool) -> bool:
         self.workers_running = False
@@ -149,10 +141,15 @@ class Recovery:
             return False
         _write_failures(failures, RESTARTS_FILE, "a")
         _tell_cause(self.dog, hung, failures, restart)
-        why = f"the gang hung: {describe_hang(hung)}" if hung else describe_failure(failure_records(failures)[0])
-        print(f"kubetron.torchrun: {why}: restarting the gang in place from the newest checkpoint (restart "
-              f"{restart} of {max_restarts})", file=sys.stderr, flush=True)
+        _say_restart(hung, describe_failure(failure_records(failures)[0]), restart, max_restarts)
         return True
+
+
+def _say_restart(hung: HangReport | None, otherwise: str, restart: int, max_restarts: int) -> None:
+    """The pod's line for an in-place restart: the gang's hang verdict, else `otherwise`."""
+    why = f"the gang hung: {describe_hang(hung)}" if hung else otherwise
+    print(f"kubetron.torchrun: {why}: restarting the gang in place from the newest checkpoint (restart {restart} of "
+          f"{max_restarts})", file=sys.stderr, flush=True)
 
 
 def _hang_of(dog: Watchdog | None) -> HangReport | None:
