@@ -269,3 +269,46 @@ def test_closed_pipe_ends_quietly_with_141(tmp_path, args):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = _into_closed_pipe([a.format(tmp=tmp_path) for a in args], cwd=root)
     assert proc.stderr == "" and proc.returncode == 141, (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("env, field", [
+    ({"KUBETRON_CHAOS_KILL_AT": "mid-step"}, "env KUBETRON_CHAOS_KILL_AT"),
+    ({"KUBETRON_CHAOS_KILL_AT": "step"}, "env KUBETRON_CHAOS_KILL_AT"),  # a step needs its iteration
+    ({"KUBETRON_CHAOS_KILL_AT": "after-shard@x"}, "env KUBETRON_CHAOS_KILL_AT"),
+    ({"KUBETRON_CHAOS_KILL_AT": "step@3", "KUBETRON_CHAOS_SIGNAL": "HUP"}, "env KUBETRON_CHAOS_SIGNAL"),
+])
+def test_a_malformed_fault_request_names_its_variable(env, field):
+    from kubetron.cli import chaos_from_env
+    from kubetron.contract.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        chaos_from_env(env)
+    assert e.value.field == field
+
+
+def test_the_fault_hooks_hit_only_their_rank_their_point_and_a_first_life(monkeypatch):
+    """KUBETRON_CHAOS_KILL_AT: `step@k` is a listener of the run's StepDone(k), a save point the checkpoint
+    manager's hook; the signal is KUBETRON_CHAOS_SIGNAL's; only KUBETRON_CHAOS_RANK's rank, only before torchrun
+    restarted the worker in place."""
+    import signal
+
+    from kubetron import cli
+    from kubetron.events import StepDone
+
+    sent: list[int] = []
+    monkeypatch.setattr(cli.os, "kill", lambda pid, sig: sent.append(sig))
+    step = {"KUBETRON_CHAOS_KILL_AT": "step@3", "KUBETRON_CHAOS_SIGNAL": "sigstop", "KUBETRON_CHAOS_RANK": "1"}
+    assert cli.chaos_from_env({}) == (None, None)
+    assert cli.chaos_from_env({**step, "RANK": "0"}) == (None, None)
+    assert cli.chaos_from_env({**step, "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"}) == (None, None)
+    faults, listener = cli.chaos_from_env({**step, "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"})
+    assert faults is None and listener is not None
+    for it in (2, 3, 4):
+        listener(StepDone(it, 0.1, 8 * it, {}, 1e-3, None, False, None, 1.0))
+    assert sent == [signal.SIGSTOP]
+    faults, listener = cli.chaos_from_env({"KUBETRON_CHAOS_KILL_AT": "after-commit@20"})
+    assert listener is None
+    faults("after-commit", 10)
+    faults("after-payload", 20)
+    faults("after-commit", 20)
+    assert sent == [signal.SIGSTOP, signal.SIGKILL]

@@ -103,3 +103,27 @@ def test_a_peer_that_fails_mid_run_ends_it_as_a_peer_failure(tmp_path):
     assert term["iteration"] == 5 and term["lastCheckpoint"] == 4
     assert [type(e).__name__ for e in out.driver.events[-2:]] == ["Stopping", "Ended"]  # no evaluation after a failure
     assert "Exiting job\tIteration: 5" in (d / "progress.txt").read_text()
+
+
+def test_a_peer_that_fails_while_a_save_is_pending_still_ends_it_as_a_peer_failure(tmp_path):
+    """A peer dies while this rank's async save of iteration 4 is still to be finalized (the finalize, a
+    collective in a gang, fails too): the ending stays the peer's failure, every listener hears it (the
+    termination message with its iteration and the checkpoint before, the progress log's exit line), and the
+    unfinished save is never committed."""
+    d = tmp_path / "ckpt"
+
+    class Driven(Driver):
+        def faults(self, point: str, iteration: int) -> None:
+            if (point, iteration) == ("after-payload", 8):
+                raise OSError("Connection reset by peer (the finalize's collective)")
+
+    out = drive(tmp_path, *QUICK, "train.train_iters=20", "checkpoint.save_interval=4", f"checkpoint.save={d}",
+                "checkpoint.async_save=true", driver=Driven().peer_fails_after(8))
+    assert out.code == exitcodes.PEER_FAILURE
+    term = out.termination
+    assert term["reason"] == "PeerFailure" and PEER_FAILURE in term["message"], term
+    assert term["iteration"] == 8 and term["lastCheckpoint"] == 4, term
+    names = [type(e).__name__ for e in out.driver.events]
+    assert names[-1] == "Ended" and names.count("Ended") == 1 and "Stopping" in names, names[-4:]
+    assert "Exiting job\tIteration: 8" in (d / "progress.txt").read_text()
+    assert not (d / "iter_0000008").exists()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,7 +11,7 @@ from pathlib import Path
 
 from kubetron.contract import exitcodes
 
-from tests.trainer_utils import CONSUMED_RE, TINY, HeldReader, env_for, free_port, iteration_at_least
+from tests.trainer_utils import CONSUMED_RE, TINY, env_for, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -86,49 +84,27 @@ def launch(args: list[str], rank_dir: Path, nproc: int = 2, timeout: float = 400
     return Result(p.returncode, p.stdout, p.stderr, rank_dir, codes, terms)
 
 
-def launch_and_signal(args: list[str], rank_dir: Path, at_iteration: int, ranks: list[int], nproc: int = 2,
-                      sig=signal.SIGTERM, timeout: float = 400, **env) -> Result:
-    """Start, and once the last rank logs iteration >= at_iteration send `sig` to the given ranks (the ranks share
-    torchrun's stdout: a write blocked on the held pipe holds the gang, `HeldReader`)."""
-    rank_dir.mkdir(parents=True, exist_ok=True)
-    p = subprocess.Popen(command(args, nproc), env=environment(rank_dir, **env), cwd=REPO, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    lines: list[str] = []
-    reader = HeldReader(p, lines.append, iteration_at_least(at_iteration))
-    try:
-        with reader.held(timeout, explain=lambda: "".join(lines)[-2000:]):
-            for r in ranks:
-                os.kill(int((rank_dir / f"pid-{r}").read_text()), sig)
-        p.wait(timeout=timeout)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    reader.join(timeout=10)
-    codes, terms = _collect(rank_dir, nproc)
-    return Result(p.returncode, "".join(lines), p.stderr.read(), rank_dir, codes, terms)
+def fault_at(iteration: int, sig: str = "TERM", rank: int | None = None) -> dict[str, str]:
+    """The environment that has the ranks (or only global rank `rank`) send themselves SIG<sig> once iteration
+    `iteration` is done (kubetron.cli.chaos_from_env, `step@<k>`): the run's own event, no printed line read."""
+    return {"KUBETRON_CHAOS_KILL_AT": f"step@{iteration}", "KUBETRON_CHAOS_SIGNAL": sig,
+            **({"KUBETRON_CHAOS_RANK": str(rank)} if rank is not None else {})}
 
 
-def start_plain_ranks(args: list[str], rank_dir: Path, hold_last_at: Callable[[str], bool],
-                      world: int = 2) -> tuple[list[subprocess.Popen], HeldReader]:
+def start_plain_ranks(args: list[str], rank_dir: Path, world: int = 2,
+                      env_of: Callable[[int], dict] = lambda rank: {}) -> list[subprocess.Popen]:
     """The operator's launch without torchrun: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK per process, each
-    rank's output in rank_dir/out-<rank>. The last rank (it logs the iterations) writes through a
-    `HeldReader` held at the first line that passes `hold_last_at`: act on the ranks in `with reader.held(...)`."""
+    rank's output in rank_dir/out-<rank>, rank r's environment extended by `env_of(r)`."""
     rank_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
     for r in range(world):
         env = environment(rank_dir, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=world, RANK=r,
-                          LOCAL_RANK=r)
+                          LOCAL_RANK=r, **env_of(r))
         with open(rank_dir / f"out-{r}", "w") as out:
             procs.append(subprocess.Popen(command(args, 1), env=env, cwd=REPO, start_new_session=True,
-                                          stdout=out if r < world - 1 else subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-
-    def append_to_last(line: str) -> None:
-        with open(rank_dir / f"out-{world - 1}", "a") as out:
-            out.write(line)
-    return procs, HeldReader(procs[-1], append_to_last, hold_last_at)
+                                          stdout=out, stderr=subprocess.STDOUT, text=True))
+    return procs
 
 
 def collect(rank_dir: Path, nproc: int):

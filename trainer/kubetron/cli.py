@@ -104,31 +104,65 @@ def cmd_train(args: argparse.Namespace) -> int:
     from kubetron.training.entry import run_from_cli
 
     # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.
+    faults, at_step = chaos_from_env(os.environ)
     return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain",
-                            keep_signal_handler=args.own_process, faults=chaos_from_env(os.environ)))
+                            keep_signal_handler=args.own_process, faults=faults,
+                            listeners=[at_step] if at_step else ()))
 
 
 CHAOS_KILL_AT_ENV = "KUBETRON_CHAOS_KILL_AT"
 CHAOS_RANK_ENV = "KUBETRON_CHAOS_RANK"
+CHAOS_SIGNAL_ENV = "KUBETRON_CHAOS_SIGNAL"
+CHAOS_SIGNALS = ("KILL", "STOP", "TERM", "INT")
 
 
-def chaos_from_env(environ) -> Callable[[str, int], None] | None:
-    """Fault injection for the store's guarantees, only when asked: KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>]
-    SIGKILLs this process at that point of a save (kubetron.checkpoint.manager.SAVE_POINTS: after-shard,
-    after-model, after-payload, after-commit, after-tracker, ...); with KUBETRON_CHAOS_RANK=<r> only global rank r
-    (env RANK) dies. None when unset: the checkpoint manager gets no fault hook."""
+def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable[[object], None] | None]:
+    """Fault injection, only when asked, for tests and soaks of the real process (no printed line to act on):
+    KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>] sends this process KUBETRON_CHAOS_SIGNAL (KILL, the default; STOP,
+    TERM or INT) at that point: a point of a save (kubetron.checkpoint.manager.SAVE_POINTS: after-shard,
+    after-model, after-payload, after-commit, after-tracker, ...) or `step@<k>`, once iteration k is done (a
+    listener of the run's StepDone). With KUBETRON_CHAOS_RANK=<r> only global rank r (env RANK) is hit. Only in
+    a worker's first life (TORCHELASTIC_RESTART_COUNT unset or 0): the ranks torchrun restarts in place run clean.
+
+    Returns (the checkpoint manager's save-fault hook, the step listener); (None, None) when unset or not this
+    rank's. A malformed value is a ConfigError naming the variable."""
     spec = environ.get(CHAOS_KILL_AT_ENV)
     if not spec:
-        return None
+        return None, None
+    from kubetron.checkpoint.manager import SAVE_POINTS
+
+    point, _, at = spec.partition("@")
+    if point not in (*SAVE_POINTS, "step") or (at and not at.isdigit()) or (point == "step" and not at):
+        raise ConfigError(f"env {CHAOS_KILL_AT_ENV}", f"{spec!r} is not <point>[@<iteration>] with a point of "
+                          f"{', '.join(SAVE_POINTS)} or step@<iteration>")
+    name = environ.get(CHAOS_SIGNAL_ENV, "KILL").upper().removeprefix("SIG")
+    if name not in CHAOS_SIGNALS:
+        raise ConfigError(f"env {CHAOS_SIGNAL_ENV}", f"{name!r} is not one of {', '.join(CHAOS_SIGNALS)}")
     only = environ.get(CHAOS_RANK_ENV)
     if only and int(only) != int(environ.get("RANK", "0") or 0):
-        return None
+        return None, None
+    if int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+        return None, None
+    sig = signal.Signals[f"SIG{name}"]
 
-    def kill(point: str, iteration: int) -> None:
-        if spec in (point, f"{point}@{iteration}"):
-            os.kill(os.getpid(), signal.SIGKILL)
+    def hit() -> None:
+        sys.stdout.flush()
+        os.kill(os.getpid(), sig)
 
-    return kill
+    if point == "step":
+        from kubetron.events import StepDone
+
+        def at_step(event: object) -> None:
+            if isinstance(event, StepDone) and event.iteration == int(at):
+                hit()
+
+        return None, at_step
+
+    def at_save(save_point: str, iteration: int) -> None:
+        if spec in (save_point, f"{save_point}@{iteration}"):
+            hit()
+
+    return at_save, None
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -171,10 +171,12 @@ def _train_then_close(run: Run, forward_step_func, own_handler: bool, non_loss) 
     events.emit(run.started())
     ending = Ending(exitcodes.ERROR, "", True)
     profiler = make_profiler(cfg, run.rank, run.state.train_state.step)
+    failed = True
     try:
         if profiler is not None:
             profiler.start()
         ending = _train_then_evaluate(forward_step_func, run, profiler, non_loss)
+        failed = False
     except Exception as e:
         ending = ending_of(e, run.signals)
         events.emit(Stopping(ending.code, ending.message))
@@ -186,8 +188,17 @@ def _train_then_close(run: Run, forward_step_func, own_handler: bool, non_loss) 
         gc.enable()  # train.manual_gc disables it for the loop
         if profiler is not None:
             profiler.stop()
-        run.close()  # pending async saves are finalized before exit
-        events.emit(Ended(ending.code, ending.message, run.state.train_state.step))
+        try:
+            run.close()  # pending async saves are finalized before exit
+        except Exception as e:
+            if not failed:  # the run's own ending: a save it still owed failed (raised after Ended)
+                ending = ending_of(e, run.signals)
+                raise
+            # the run failed first (a peer died mid-save, say): that stays its ending, told to every listener
+            log.warning("after the run ended (%s), closing it failed too: %s", ending.message or ending.code,
+                        " ".join(str(e).split())[:500])
+        finally:
+            events.emit(Ended(ending.code, ending.message, run.state.train_state.step))
     return ending.code
 
 

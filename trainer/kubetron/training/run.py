@@ -79,13 +79,15 @@ class Run:
 
     def close(self) -> None:
         """After the loop: the loggers, pending async saves (finalized), the prefetch threads, the endpoint."""
-        self.metrics.close()
-        self.ckpt.close()
-        for it in (self.train_it, self.valid_it, self.test_it):
-            if it is not None:
-                it.close()
-        if self.status is not None:
-            self.status.close()
+        first: Exception | None = None
+        for part in (self.metrics, self.ckpt, self.train_it, self.valid_it, self.test_it, self.status):
+            try:
+                if part is not None:
+                    part.close()
+            except Exception as e:  # every part is closed; the first failure is raised after
+                first = first or e
+        if first is not None:
+            raise first
 
 
 def build_run(state: GlobalState, events: Events, *, rank: int, world_size: int,
