@@ -16,6 +16,9 @@ class Store:
     def check(self, keys):
         return all(k in self.data for k in keys)
 
+    def get(self, key):
+        return self.data[key]
+
     def multi_get(self, keys):
         return [self.data[k] for k in keys]
 

@@ -21,19 +21,19 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 from kubetron.compat.torch import elastic
 from kubetron.contract import exitcodes, hang
 from kubetron.contract.hang import CHECKPOINT, EVALUATION, HANGS_ENV, STARTUP, TEARDOWN, TRAIN, Beat
 from kubetron.events import PROGRESS, Events, PhaseEntered, Started, StepDone, Stopping
-from kubetron.supervisor import heartbeat, launch, torchrun, watchdog
+from kubetron.supervisor import heartbeat, torchrun, watchdog
 from kubetron.supervisor.heartbeat import Heartbeat
 
 from tests.faultproxy import FaultProxy
-from tests.multirank.launchers import collect, finish, run_to_end, start_pods, trainer_pid
+from tests.multirank.launchers import run_to_end, start_pods
+from tests.multirank.runner import fault_at
 from tests.rendezvous_store import Store
-from tests.trainer_utils import QUICK, TINY, iteration_at_least
+from tests.trainer_utils import QUICK, TINY
 
 pytestmark = pytest.mark.process
 
@@ -252,6 +252,43 @@ def test_a_pod_whose_gang_another_pods_agent_restarted_says_the_same_verdict(tmp
             p.wait()
 
 
+@pytest.mark.hangs_on_purpose
+def test_a_pod_that_withdrew_its_part_still_learns_the_verdict_another_pod_acted_on(tmp_path, capsys):
+    """Pod 1's agent (its rank the stopped one) judges first and stops its rank. Pod 0's rank, ending of its
+    peer's death, moves again before pod 0's agent reads the verdict, so pod 0 withdraws its part: its agent
+    still learns the verdict pod 1 acted on (and its pod ends Hung with no restart left, not PeerFailure)."""
+    (tmp_path / "p0").mkdir()
+    (tmp_path / "p1").mkdir()
+    ranks = [rank_process(tmp_path / "p0", 0), rank_process(tmp_path / "p1", 0)]
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    store = Store()
+    dogs = [watchdog.Watchdog(str(tmp_path / f"p{n}"), node_rank=n, override=1.0) for n in (0, 1)]
+    for n, dog in enumerate(dogs):
+        dog.new_round([watchdog.Rank(n, 0, ranks[n].pid)], store, nnodes=2, restart=0, restarts_left=0)
+    try:
+        deadline = time.monotonic() + 30
+        while f"{watchdog.KEY}0" not in store.data:  # pod 0 published its stalled rank, no verdict yet
+            assert dogs[0].poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        while (report := dogs[1].poll()) is None:  # pod 1 agrees and stops its rank
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        Heartbeat(watchdog.heartbeat_path(str(tmp_path / "p0"), 0))  # pod 0's rank moves again (it is ending)
+        time.sleep(watchdog.POLL_SECONDS + 0.1)
+        assert dogs[0].poll() is None and f"{watchdog.KEY}0" not in store.data  # withdrawn
+        capsys.readouterr()
+        assert dogs[0].settle() == report and report["rank"] == 1 and report["restart"] == 0
+        assert "kubetron.watchdog: the gang hung (2 ranks without progress): rank 1 (pod rank 1) hung" in \
+            capsys.readouterr().err
+        store.set(watchdog.VERDICT_KEY, json.dumps(["[]", "{"]))  # garbled by anyone: no verdict drawn from it
+        dogs[0].new_round([watchdog.Rank(0, 0, ranks[0].pid)], store, nnodes=2, restart=1, restarts_left=0)
+        assert dogs[0].settle() is None
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+
+
 def test_torchruns_restart_of_healthy_workers_reaches_the_hook():
     """The adaptation of torchrun's agent: a restart of a HEALTHY group (a peer pod began a new round) counts
     a restart, tells the hooks which, and SIGKILLs the survivors."""
@@ -300,32 +337,10 @@ def test_a_pod_waits_for_every_pod_and_withdraws_when_a_rank_moves_again(tmp_pat
 
 # -- two pods' launchers and torchrun ---------------------------------------------------------------------
 
-# 300 iterations of about 10 ms: a rank stopped at iteration 15 is stopped in the training loop even when the
-# test reads the pods' output late (with 60 the stop could land after the loop, where no hang is judged).
-ARGS = ["train", "--config", TINY, *QUICK, "train.train_iters=300", "scheduler.lr_warmup_iters=1",
+ARGS = ["train", "--config", TINY, *QUICK, "train.train_iters=100", "scheduler.lr_warmup_iters=1",
         "checkpoint.save_interval=10"]
 TIMEOUT = "8"  # KUBETRON_HANG_TIMEOUT_SECONDS (spec.hangTimeoutSeconds), short for the test
-
-
-def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], list, float]:
-    """Collect the pods' output; SIGSTOP rank 1's trainer once it logs `iteration`, with its pod's reader held
-    there (`HeldReader`): it gets at most a page of output further, however late this test runs. Returns
-    (the pods' lines, their readers, rank 1's last progress as its heartbeat has it, on time.monotonic()'s
-    clock). Not the time of the SIGSTOP: a rank held on its pipe before it made no progress either, and the
-    watchdog counts from the last progress."""
-    outs: list[list[str]] = [[] for _ in pods]
-    readers = [collect(pod, out, hold_at=iteration_at_least(iteration) if pod is pods[-1] else None)
-               for pod, out in zip(pods, outs, strict=True)]
-    with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
-        pid = trainer_pid(pods, 1)
-        os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        env = psutil.Process(pid).environ()  # the launcher's messages directory, as torchrun gave it the rank
-        beat = watchdog.read_beat(watchdog.heartbeat_path(env[launch.MESSAGES_DIR_ENV], env["LOCAL_RANK"]))
-    # None: no record could be read (a SIGSTOP inside its write leaves it torn); then the SIGSTOP's own time
-    progress = stopped if beat is None else beat.progress_at
-    assert progress <= stopped, (beat, stopped)
-    return outs, readers, progress
+STOP_RANK_1 = fault_at(15, "STOP", rank=1)  # rank 1 SIGSTOPs itself once iteration 15 is done (its first life)
 
 
 @pytest.mark.slow
@@ -334,18 +349,12 @@ def collect_and_stop_rank_1_at(pods, iteration: int) -> tuple[list[list[str]], l
 def test_a_stopped_rank_is_named_its_stacks_stored_and_the_gang_restarted_in_place(tmp_path):
     store = tmp_path / "ckpt"
     pods = start_pods(tmp_path, [*ARGS, f"checkpoint.save={store}", f"checkpoint.load={store}"],
-                      KUBETRON_HANG_TIMEOUT_SECONDS=TIMEOUT)
-    outs, readers, stopped = collect_and_stop_rank_1_at(pods, 15)
-    while not any("the gang hung" in line for line in outs[0]):
-        assert time.monotonic() - stopped < 60, "".join(sum(outs, []))[-4000:]
-        time.sleep(0.1)
-    detected = time.monotonic() - stopped
-    codes = finish(pods, timeout=300)
-    for r in readers:
-        r.join(timeout=10)
-    log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
+                      KUBETRON_HANG_TIMEOUT_SECONDS=TIMEOUT, **STOP_RANK_1)
+    codes, outs, log = run_to_end(pods, timeout=300)
     assert codes == [0, 0], log[-6000:]
-    assert float(TIMEOUT) < detected < float(TIMEOUT) + 10, detected
+    # how long the watchdog saw no progress from rank 1 when it judged: past the timeout, by less than its polls
+    idle = [int(s) for s in re.findall(r"the gang hung: rank 1 \(pod rank 1\) hung: no progress for (\d+) s", log)]
+    assert len(idle) == 2 and all(int(TIMEOUT) <= s < int(TIMEOUT) + 10 for s in idle), idle  # each pod's agent
     for out in outs:  # each pod's agent: the same verdict, then the restart
         text = "".join(out)
         assert re.search(r"kubetron.torchrun: the gang hung: rank 1 \(pod rank 1\) hung: no progress for \d+ s "
@@ -373,13 +382,9 @@ def test_a_stopped_rank_is_named_its_stacks_stored_and_the_gang_restarted_in_pla
 def test_with_no_in_place_restart_left_the_pods_end_hung(tmp_path):
     store = tmp_path / "ckpt"
     pods = start_pods(tmp_path, [*ARGS, f"checkpoint.save={store}", f"checkpoint.load={store}"], max_restarts=0,
-                      KUBETRON_HANG_TIMEOUT_SECONDS=TIMEOUT)
-    outs, readers, _ = collect_and_stop_rank_1_at(pods, 15)
-    codes = finish(pods, timeout=120)
-    for r in readers:
-        r.join(timeout=10)
-    log = "".join(outs[0]) + "\n----- pod 1 -----\n" + "".join(outs[1])
-    assert codes == [exitcodes.HUNG] * 2, log[-6000:]
+                      KUBETRON_HANG_TIMEOUT_SECONDS=TIMEOUT, **STOP_RANK_1)
+    codes, outs, log = run_to_end(pods, timeout=120)
+    assert codes == [exitcodes.HUNG] * 2, "".join(outs[0])[-3000:] + "\n--- pod 1 ---\n" + "".join(outs[1])[-3000:]
     for rank in (0, 1):
         message = json.loads((tmp_path / f"pod{rank}" / "termination-log").read_text())
         assert message["reason"] == "Hung" and message["hang"]["rank"] == 1 and message["hang"]["restart"] == 0

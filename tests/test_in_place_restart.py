@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
+import re
 import time
 from pathlib import Path
 
@@ -24,12 +24,14 @@ from kubetron.contract import progress as progress_log
 from kubetron.contract.recovery import REPLICATION_FACTOR_ENV
 from kubetron.supervisor import launch
 
-from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods, trainer_pid
-from tests.trainer_utils import LOSS_RE, QUICK, TINY, iteration_at_least
+from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods
+from tests.multirank.runner import fault_at
+from tests.trainer_utils import LOSS_RE, QUICK, TINY
 
 pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parent.parent
+KILLED_AT = 18  # rank 0 SIGKILLs itself once this iteration is done (KUBETRON_CHAOS_KILL_AT, its first life only)
 
 def losses(lines: list[str]) -> list[tuple[int, str]]:
     return [(int(m.group(1)), m.group(2)) for m in map(LOSS_RE.search, list(lines)) if m]
@@ -53,32 +55,21 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=100",
                                  "scheduler.lr_warmup_iters=1", "checkpoint.save_interval=10", *snapshots,
                                  f"checkpoint.save={store}", f"checkpoint.load={store}"],  # as the operator sets them
-                      nodes=nodes, nproc=nproc, memory=memory, **{REPLICATION_FACTOR_ENV: "1"})
+                      nodes=nodes, nproc=nproc, memory=memory, **{REPLICATION_FACTOR_ENV: "1"},
+                      **fault_at(KILLED_AT, "KILL", rank=0))
     launchers = [p.pid for p in pods]
     outs: list[list[str]] = [[] for _ in pods]
     out_last = outs[-1]  # the last rank logs the iterations
-    # the last pod's reader holds at iteration 15: its rank cannot get more than a page of output further (below
-    # iteration 30 of 100) before the kill, however late this test runs (CI once read it at 100, run over)
-    readers = [collect(pod, out, hold_at=iteration_at_least(15) if pod is pods[-1] else None)
-               for pod, out in zip(pods, outs, strict=True)]
-    with readers[-1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
-        killed = trainer_pid(pods, 0)  # rank 0: it writes the progress log; its pod's agent hosts the rendezvous
-        os.kill(killed, signal.SIGKILL)
-        killed_at = time.monotonic()
-    while not repeated(losses(out_last)):  # the first step after the restart: an iteration logged again
-        assert time.monotonic() - killed_at < 120 and all(p.poll() is None for p in pods), "".join(
-            sum(outs, []))[-4000:]
-        time.sleep(0.05)
-    print(f"recovery: {time.monotonic() - killed_at:.1f} s from the kill to the first step after the restart")
-
-    codes = finish(pods, timeout=120)
+    readers = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
+    codes = finish(pods, timeout=300)
     for r in readers:
         r.join(timeout=10)
     log = "\n----- next pod -----\n".join("".join(out) for out in outs)
     assert codes == [0] * nodes, log[-6000:]
     assert [p.pid for p in pods] == launchers  # the same "pods": no launcher was replaced
-    restarted = f"rank 0 (local rank 0, pid {killed}) was killed by SIGKILL: restarting the gang in place"
-    assert restarted in log, log[-6000:]
+    # rank 0 (it writes the progress log; its pod's agent hosts the rendezvous) SIGKILLed itself after iteration 18
+    assert re.search(r"rank 0 \(local rank 0, pid \d+\) was killed by SIGKILL: restarting the gang in place", log), \
+        log[-6000:]
 
     # Resumed from the newest checkpoint before the kill: the iterations after it ran twice, to the same losses
     # (the last rank logs them).
@@ -86,11 +77,11 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
     again = repeated(seen)
     assert len(again) == 1, seen
     resumed_at = seen[again[0]][0]
-    if memory:  # a snapshot (every 3), no older than the store's newest checkpoint (every 10; the kill is at 15+)
-        assert (resumed_at - 1) % 3 == 0 and resumed_at > 10, seen
+    if memory:  # a snapshot (every 3), no older than the store's newest checkpoint (every 10; the kill at 18)
+        assert (resumed_at - 1) % 3 == 0 and 10 < resumed_at <= KILLED_AT, seen
         assert f"resumed from the memory snapshot at iteration {resumed_at - 1} (every rank from its own pod" in log
     else:
-        assert resumed_at % 10 == 1 and resumed_at > 10, seen
+        assert resumed_at == 11, seen
     first, second = dict(seen[:again[0]]), dict(seen[again[0]:])
     assert {it: first[it] for it in second if it in first} == {it: second[it] for it in second if it in first}, seen
     assert max(second) == 100
@@ -231,19 +222,17 @@ def test_a_lost_pods_replacement_resumes_from_its_peers_copy(tmp_path):
     args = ["train", "--config", TINY, *QUICK, "train.train_iters=100", "scheduler.lr_warmup_iters=1",
             "checkpoint.save_interval=50", "checkpoint.non_persistent_save_interval=3",
             f"checkpoint.save={store}", f"checkpoint.load={store}"]
-    pods = start_pods(tmp_path, args, memory=True)
+    pods = start_pods(tmp_path, args, memory=True, **fault_at(15, "STOP", rank=1))
     port = _env_of(pods[0])["MASTER_PORT"]
     outs: list[list[str]] = [[], []]
-    readers = [collect(pod, out, hold_at=iteration_at_least(15, LOSS_RE) if pod is pods[1] else None)
-               for pod, out in zip(pods, outs, strict=True)]
+    readers = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
     copies = sf.peer_dir(tmp_path / "pod0" / "memory", 1)
-    with readers[1].held(300, explain=lambda: "".join(sum(outs, []))[-4000:]):
-        deadline = time.monotonic() + 60
-        while not sf.iterations(copies):  # pod 0 holds a copy of pod 1's snapshot (paced to the copies: one of 3+)
-            assert time.monotonic() < deadline, "".join(sum(outs, []))[-4000:]
-            time.sleep(0.05)
-        held = sf.iterations(copies)[-1]
-        kill_pod(pods[1])
+    deadline = time.monotonic() + 120
+    while not sf.iterations(copies):  # pod 0 holds a copy of pod 1's snapshot (paced to the copies: one of 3+)
+        assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(sum(outs, []))[-4000:]
+        time.sleep(0.05)
+    held = sf.iterations(copies)[-1]  # rank 1 stops itself after 15 (the gang waits on it): the run cannot end
+    kill_pod(pods[1])
     readers[1].join(timeout=10)
     lost = tmp_path / "pod1"
     lost.rename(tmp_path / "lost-pod1")  # its memory volume goes with it

@@ -36,6 +36,7 @@ STACK_BYTES = 256 * 1024  # of a rank's dump kept (its newest part)
 HANGS_DIR = "hangs"  # in the job's store
 KEY = "kubetron/hang/"  # + node rank, in the round's rendezvous store
 CAUSE_KEY = "kubetron/restart-cause"  # in the round's rendezvous store: the RestartCause that ended it
+VERDICT_KEY = "kubetron/hang-verdict"  # in the round's store: the pods' keys the first agent to act judged by
 STOPPED_STATES = ("T", "t")  # /proc/<pid>/stat: stopped by a signal, stopped by a tracer
 
 
@@ -109,6 +110,7 @@ class Watchdog:
         self.hangs = 0  # gangs this agent saw hang, this attempt
         self.report: HangReport | None = None  # the current round's, once the gang hung
         self._reset()
+        self._withdrawn: dict[int, str] = {}  # the dumps of the part this pod published, then withdrew
 
     def _reset(self) -> None:
         self.state, self.report = "watch", None
@@ -126,6 +128,7 @@ class Watchdog:
         self.ranks, self.store, self.nnodes = list(ranks), store, nnodes
         self.restart, self.restarts_left = restart, restarts_left
         self._reset()
+        self._withdrawn = {}
 
     def tell_cause(self, cause: hang.RestartCause) -> None:
         """This pod's rank ended the round (a crash, not a hang): say so in the round's store, for rank 0."""
@@ -159,6 +162,7 @@ class Watchdog:
                    for r, b in zip(self.ranks, beats.values(), strict=True)):
             if self.state == "published":
                 self._withdraw()
+                self._withdrawn = self._dumps  # for the verdict another pod may still reach on what it published
             if self.state != "watch":
                 self._reset()
             return None
@@ -217,20 +221,34 @@ class Watchdog:
 
     def settle(self) -> HangReport | None:
         """The ranks failed: the report when the gang hung (also when another pod's agent stopped it first and
-        this pod's ranks died of that before the verdict was read here), else None."""
-        if self.state == "published":
-            with contextlib.suppress(Exception):  # the round's store may be gone with its host
-                return self._agree(kill=False)
+        this pod's ranks died of that before the verdict was read here, or after this pod withdrew its part: its
+        ranks, ending of their peer's death, moved again), else None."""
+        with contextlib.suppress(Exception):  # the round's store may be gone with its host
+            if self.state == "published" and (report := self._agree(kill=False)) is not None:
+                return report
+            if self.state != "acted" and self.store is not None and self.store.check([VERDICT_KEY]):
+                raw = self.store.get(VERDICT_KEY)  # another agent's copy of the keys it judged by: checked
+                values = json.loads(raw) if len(raw) <= hang.STATE_BYTES * self.nnodes * 2 else None
+                if isinstance(values, list) and len(values) == self.nnodes and all(isinstance(v, str) for v in values):
+                    self._dumps = self._dumps or self._withdrawn
+                    return self._agree(kill=False, values=values)
         return self.report
 
-    def _agree(self, kill: bool = True) -> HangReport | None:
-        """Once every pod published: the report (the same on every pod), this pod's part done, its ranks killed."""
-        keys = [f"{KEY}{n}" for n in range(self.nnodes)]
-        if not self.store.check(keys):
-            return None
-        ranks = hang.parse_states(self.store.multi_get(keys), self.nnodes)  # peers' keys: checked, bounded
+    def _agree(self, kill: bool = True, values: Sequence[bytes | str] | None = None) -> HangReport | None:
+        """Once every pod published: the report (the same on every pod), this pod's part done, its ranks killed.
+        `values`: the pods' keys as another agent judged them (VERDICT_KEY), instead of the store's now."""
+        if values is None:
+            keys = [f"{KEY}{n}" for n in range(self.nnodes)]
+            if not self.store.check(keys):
+                return None
+            values = self.store.multi_get(keys)
+        ranks = hang.parse_states(values, self.nnodes)  # peers' keys: checked, bounded
         if ranks is None or not hang.gang_hung(ranks):
             return None  # all idle, not all past their phase's allowance yet (a slow save, a long evaluation)
+        if kill:  # for the pods that withdraw their part before they read the verdict (their ranks end meanwhile)
+            with contextlib.suppress(Exception):
+                self.store.set(VERDICT_KEY, json.dumps([v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+                                                        for v in values]))
         folder = f"{HANGS_DIR}/{self.attempt}-{self.restart + 1}"
         location = f"{self.store_url.rstrip('/')}/{folder}/" if self.store_url else ""
         report = hang.report(ranks, location, self.restart + 1 if self.restarts_left > 0 else 0)
