@@ -70,8 +70,9 @@ def test_quota_exceeded_tears_down_the_partial_gang_and_retries_with_backoff(kub
 
 def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
     """A missing PodGroup CRD (404), a PriorityClass that does not exist and a ServiceAccount that does
-    not exist (admission, 403), a pod the server finds invalid (422): Failed at once, the reason in
-    status and a Warning event, nothing left running."""
+    not exist (admission, 403), a pod the server finds invalid (422), pods too small for their memory
+    snapshots (docs/recovery.md: refused before any pod exists): Failed at once, the reason in status and a
+    Warning event, nothing left running."""
     ns, api = kube_ns, kube.admin
     with kube.operator(ns):
         api.create(kube.jobs(ns), tj(ns, "gang", scheduling={"gang": "volcano"}))
@@ -79,17 +80,27 @@ def test_permanent_creation_errors_fail_the_job_with_the_reason(kube, kube_ns):
         api.create(kube.jobs(ns), tj(ns, "sa", serviceAccountName="no-such-sa"))
         api.create(kube.jobs(ns), tj(ns, "invalid", resources={"requests": {"memory": "2Gi"},
                                                                 "limits": {"memory": "1Gi"}}))
+        api.create(kube.jobs(ns), tj(ns, "small", resources={"limits": {"memory": "20Mi"}}))
         gang = kube.wait_status(ns, "gang", "gang Failed", lambda s: s.get("phase") == "Failed")
         prio = kube.wait_status(ns, "prio", "prio Failed", lambda s: s.get("phase") == "Failed")
         sa = kube.wait_status(ns, "sa", "sa Failed", lambda s: s.get("phase") == "Failed")
         invalid = kube.wait_status(ns, "invalid", "invalid Failed", lambda s: s.get("phase") == "Failed")
+        small = kube.wait_status(ns, "small", "small Failed", lambda s: s.get("phase") == "Failed")
         assert gang["reason"] == "CreateFailed" and "PodGroup" in gang["message"] and "404" in gang["message"]
         assert prio["reason"] == "CreateFailed" and "no-such-class" in prio["message"]
         assert sa["reason"] == "CreateFailed" and "no-such-sa" in sa["message"]
         assert invalid["reason"] == "CreateFailed" and "HTTP 422" in invalid["message"], invalid["message"]
         left = {c for c in children(kube, ns) if c.startswith("pods/")}
         assert not left, left
-        assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa, invalid))
+        assert small["reason"] == "InsufficientMemory" and small["message"].startswith(
+            "spec.memorySnapshots: the pods' memory limit (20Mi) cannot hold their snapshots"), small["message"]
+        assert "spec.resources.limits.memory" in small["message"], small["message"]
+        assert all(st.get("attempt") in (None, 0) for st in (gang, prio, sa, invalid, small))
+        assert not api.get(f"/api/v1/namespaces/{ns}/secrets/small-peers", ok=(404,))  # nor its peer token
+        refused = kube.wait_for("an InsufficientMemory event", lambda: [  # posted just after the status
+            e for e in kube.events(ns) if e["reason"] == "InsufficientMemory"])
+        assert refused[0]["type"] == "Warning" and refused[0]["involvedObject"]["name"] == "small", refused
+        assert refused[0]["message"] == small["message"], refused
         messages = kube.wait_for("a CreateFailed event per job", lambda: [  # posted just after the status
             e["message"] for e in kube.events(ns) if e["reason"] == "CreateFailed"] if len(
             [e for e in kube.events(ns) if e["reason"] == "CreateFailed"]) >= 4 else None)
