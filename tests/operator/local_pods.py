@@ -122,11 +122,13 @@ def pvc(kube, ns: str, path: Path) -> None:
 
 
 class Container:
-    """A pod's main container as a local process: the pod's command and env from the API server. Its
-    output is collected line by line with the time each line arrived (`stamped`)."""
+    """A pod's main container as a local process: the pod's command and env from the API server (and a test's
+    `faults`: KUBETRON_CHAOS_* variables). Its output is collected line by line with the time each line arrived
+    (`stamped`)."""
 
     def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path,
-                 hold_at: Callable[[str], bool] | None = None, secrets: dict[str, str] | None = None):
+                 hold_at: Callable[[str], bool] | None = None, secrets: dict[str, str] | None = None,
+                 faults: dict[str, str] | None = None):
         workdir.mkdir(parents=True)
         self.name, self.uid = pod["metadata"]["name"], pod["metadata"]["uid"]  # the pod's
         self.node = pod["spec"].get("nodeName")
@@ -143,6 +145,7 @@ class Container:
             env.update(KUBETRON_CONFIG=str(config), KUBETRON_TERMINATION_LOG=str(self.termination_log),
                        MASTER_ADDR="127.0.0.1")
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir), **{POD_MARK: self.uid})
+        env.update(faults or {})  # a test's fault at a step (tests.multirank.runner.fault_at)
         # The memory volume (docs/recovery.md): a directory of the pod's, kept across its processes' restarts,
         # removed with the pod (ProcessKubelet); the downward API's pod IP (the job's token: `secret_env`).
         self.memory = workdir / "memory" if recovery.SNAPSHOT_DIR_ENV in env else None

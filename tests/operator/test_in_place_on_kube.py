@@ -9,15 +9,13 @@ attempt 1 with the same pods (same UIDs).
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 
 from tests.kube.cluster import free_port, set_exited, set_running
+from tests.multirank.runner import fault_at
 from tests.operator.jobs import PVC_JOB, job_body
 from tests.operator.local_pods import Container, pvc, tiny_config
-from tests.trainer_utils import iteration_at_least
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -37,13 +35,10 @@ def test_a_killed_trainer_is_restarted_in_the_same_pods(kube, kube_ns, tmp_path)
         pods = kube.wait_pods(ns, {"gpt-1-0", "gpt-1-1"})
         uids = {name: pod["metadata"]["uid"] for name, pod in pods.items()}
         try:
-            for rank in (0, 1):  # rank 1 logs the iterations: held at 15 of 100 until killed (`HeldReader`)
+            for rank in (0, 1):  # rank 1's trainer (not its pod's PID 1) SIGKILLs itself after iteration 15
                 containers.append(Container(pods[f"gpt-1-{rank}"], config, tmp_path / f"pod-{rank}",
-                                            hold_at=iteration_at_least(15) if rank == 1 else None))
+                                            faults=fault_at(15, "KILL", rank=1)))
                 set_running(api, ns, f"gpt-1-{rank}")
-            with containers[1].reader.held(300, explain=lambda: "".join(containers[0].lines[-20:]
-                                                                        + containers[1].lines[-20:])):
-                os.kill(containers[1].trainer_pid(), signal.SIGKILL)  # rank 1's trainer, not its pod's PID 1
 
             st = kube.wait_status(ns, "gpt", "restarts.inPlace == 1",
                                   lambda s: (s.get("restarts") or {}).get("inPlace") == 1, timeout=300)
