@@ -14,6 +14,9 @@ each timed over blocks of `--steps` optimizer steps:
                 metrics, exit checks) with logger.log_interval=10, and again with log_interval=1.
   * + listener: train() at log_interval=10 with one more listener of the run's events (kubetron.events)
                 that does nothing: the cost of one listener call per step.
+  * + snapshots: train() at log_interval=10 taking memory snapshots (docs/recovery.md) into a directory under
+                /dev/shm at the default interval (checkpoint.non_persistent_save_interval unset: as often as
+                costs 2 % of the step time), as a pod with a memory volume does: issue 43's overhead row.
 
 The variants share the model, optimizer and data, and their blocks are interleaved (the order
 rotates every repetition) so machine noise hits them alike. Reported per variant: the median wall
@@ -101,6 +104,25 @@ def build(args):
     return cfg, state, model, optimizer, scheduler, train_it, valid_it, ckpt, metrics, device, num_parameters(model)
 
 
+def snapshotting_manager(cfg, state, model, optimizer, scheduler, train_it, valid_it, events, directory: str):
+    """A checkpoint manager for the same run that takes memory snapshots into `directory` at the default interval
+    (and saves nothing to a store), as kubetron.training.run builds it in a pod with a memory volume."""
+    import copy
+
+    from kubetron.checkpoint.manager import CheckpointManager, open_save_store
+
+    snap_cfg = copy.deepcopy(cfg)
+    snap_cfg.checkpoint.non_persistent_ckpt_type = "local"
+    snap_cfg.checkpoint.non_persistent_local_ckpt_dir = directory
+    snap_cfg.checkpoint.non_persistent_save_interval = None
+    manager = CheckpointManager(snap_cfg, open_save_store(snap_cfg), model=model, optimizer=optimizer,
+                                scheduler=scheduler, train_state=state.train_state, data=(train_it, valid_it),
+                                run_id="bench-snapshots", world_size=1, events=events)
+    assert manager.memory is not None, "memory snapshots are off for this config"
+    manager.memory.resumed(state.train_state.step)  # what the manager's load() tells it at a run's start
+    return snap_cfg, manager
+
+
 def bare_steps(n, cfg, model, optimizer, scheduler, data_iterator, device):
     """The baseline: what any hand-written loop does per optimizer step, and nothing more."""
     chunk = model[0]
@@ -168,11 +190,22 @@ def main(argv=None) -> int:
     sink = io.StringIO()  # console lines are produced (their cost is measured) but not shown
     with_listener = Events([metrics, lambda event: None])  # one more listener, which does nothing
 
-    def run_train(n, log_interval, events=None):
-        cfg.logger.log_interval = log_interval
-        cfg.train.train_iters = state.train_state.step + n
+    import tempfile
+
+    snap_dir = tempfile.mkdtemp(prefix="kubetron-bench-snapshots-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                else None)
+    snap_cfg, snap_ckpt = snapshotting_manager(cfg, state, model, optimizer, scheduler, train_it, valid_it,
+                                               Events([metrics]), snap_dir)
+
+    def run_train(n, log_interval, events=None, manager=None):
+        run_cfg = snap_cfg if manager is not None else cfg
+        run_cfg.logger.log_interval = log_interval
+        run_cfg.train.train_iters = state.train_state.step + n
+        state.cfg = run_cfg
         with contextlib.redirect_stdout(sink):
-            code = train(forward_step, model, optimizer, scheduler, train_it, valid_it, state, ckpt, events=events)
+            code = train(forward_step, model, optimizer, scheduler, train_it, valid_it, state, manager or ckpt,
+                         events=events)
+        state.cfg = cfg
         if code != 0:
             raise SystemExit(f"train() returned exit code {code}")
         sink.seek(0)
@@ -183,6 +216,7 @@ def main(argv=None) -> int:
         "train(), log_interval=10": lambda n: run_train(n, 10),
         "train(), log_interval=1": lambda n: run_train(n, 1),
         "+ listener, interval=10": lambda n: run_train(n, 10, with_listener),
+        "+ snapshots, interval=10": lambda n: run_train(n, 10, manager=snap_ckpt),
     }
     names = list(variants)
     for name in names:  # warm-up: allocator, autograd graph caches, prefetch thread, first log line
@@ -234,6 +268,18 @@ def main(argv=None) -> int:
     print(f"one no-op listener call per step: {call * 1e6:.2f} us of cpu = {call * 1e3 / cmed[k10] * 100:.4f} % of "
           f"train()'s {cmed[k10]:.2f} ms cpu step (ratio {1 + call * 1e3 / cmed[k10]:.5f}); paired wall ratio "
           f"{listener:.3f} ({med[kl] - med[k10]:+.3f} ms/step wall, {cmed[kl] - cmed[k10]:+.3f} ms/step cpu: noise)")
+    ks = "+ snapshots, interval=10"
+    snap = statistics.median(a / b for a, b in zip(per_step[ks], per_step[k10], strict=True))
+    memory = snap_ckpt.memory
+    memory.wait()
+    print(f"memory snapshots at the default interval: {memory.taken} taken in {args.reps * args.steps + args.warmup} "
+          f"steps, each blocking the loop {memory.blocked * 1e3:.2f} ms and written in the background in "
+          f"{memory.write_seconds * 1e3:.1f} ms; paired wall ratio to train() {snap:.3f} "
+          f"({med[ks] - med[k10]:+.2f} ms/step wall), cpu {cmed[ks] / cmed[k10]:.3f} "
+          f"({cmed[ks] - cmed[k10]:+.2f} ms/step cpu)  target <= 1.02")
+    import shutil
+
+    shutil.rmtree(snap_dir, ignore_errors=True)
     print("paired = median over repetitions of wall(variant)/wall(bare) in the same repetition; cpu = this "
           "process's CPU time (robust to other processes on a shared machine)")
     train_it.close()

@@ -211,12 +211,8 @@ def test_the_watchdog_names_a_stopped_rank_dumps_the_others_and_stops_them(tmp_p
     assert log.index("rank 1: stopped") < log.index("rank 0: elsewhere")  # the hung one first
 
 
-@pytest.mark.hangs_on_purpose
-def test_a_pod_whose_gang_another_pods_agent_restarted_says_the_same_verdict(tmp_path, monkeypatch, capsys):
-    """Pod 0's agent reaches the verdict first and restarts its ranks; pod 1's agent, whose rank is the stopped
-    one, sees a new round begin before its own verdict (torchrun restarts its healthy workers): it reads the
-    verdict from the round's store, says it as pod 0 does, and its next ranks count the hang."""
-    monkeypatch.setenv(HANGS_ENV, "")  # set by the hook: restored after the test
+def two_pods_rank_1_stopped(tmp_path: Path, restarts_left: int):
+    """Two pods of one rank each, pod 1's rank SIGSTOPped; their watchdogs on one round's store."""
     (tmp_path / "p0").mkdir()
     (tmp_path / "p1").mkdir()
     ranks = [rank_process(tmp_path / "p0", 0), rank_process(tmp_path / "p1", 0)]
@@ -224,15 +220,31 @@ def test_a_pod_whose_gang_another_pods_agent_restarted_says_the_same_verdict(tmp
     store = Store()
     dogs = [watchdog.Watchdog(str(tmp_path / f"p{n}"), node_rank=n, override=1.0) for n in (0, 1)]
     for n, dog in enumerate(dogs):
-        dog.new_round([watchdog.Rank(n, 0, ranks[n].pid)], store, nnodes=2, restart=0, restarts_left=3)
+        dog.new_round([watchdog.Rank(n, 0, ranks[n].pid)], store, nnodes=2, restart=0, restarts_left=restarts_left)
+    return ranks, store, dogs
+
+
+def judged_by(dogs, store: Store, waiting: int, acting: int) -> watchdog.HangReport:
+    """Pod `waiting` publishes its stalled rank (no verdict yet), then pod `acting` agrees and stops its rank."""
+    deadline = time.monotonic() + 30
+    while f"{watchdog.KEY}{waiting}" not in store.data:
+        assert dogs[waiting].poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    while (report := dogs[acting].poll()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return report
+
+
+@pytest.mark.hangs_on_purpose
+def test_a_pod_whose_gang_another_pods_agent_restarted_says_the_same_verdict(tmp_path, monkeypatch, capsys):
+    """Pod 0's agent reaches the verdict first and restarts its ranks; pod 1's agent, whose rank is the stopped
+    one, sees a new round begin before its own verdict (torchrun restarts its healthy workers): it reads the
+    verdict from the round's store, says it as pod 0 does, and its next ranks count the hang."""
+    monkeypatch.setenv(HANGS_ENV, "")  # set by the hook: restored after the test
+    ranks, store, dogs = two_pods_rank_1_stopped(tmp_path, restarts_left=3)
     try:
-        deadline = time.monotonic() + 30
-        while f"{watchdog.KEY}1" not in store.data:  # pod 1 published its stalled rank, no verdict yet
-            assert dogs[1].poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        while dogs[0].poll() is None:  # pod 0 agrees and stops its rank
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        judged_by(dogs, store, waiting=1, acting=0)
         assert ranks[0].wait(timeout=10) == -signal.SIGKILL
         capsys.readouterr()
         torchrun.Recovery(dogs[1]).rejoined(1, 3)  # torchrun restarts pod 1's healthy workers
@@ -257,22 +269,9 @@ def test_a_pod_that_withdrew_its_part_still_learns_the_verdict_another_pod_acted
     """Pod 1's agent (its rank the stopped one) judges first and stops its rank. Pod 0's rank, ending of its
     peer's death, moves again before pod 0's agent reads the verdict, so pod 0 withdraws its part: its agent
     still learns the verdict pod 1 acted on (and its pod ends Hung with no restart left, not PeerFailure)."""
-    (tmp_path / "p0").mkdir()
-    (tmp_path / "p1").mkdir()
-    ranks = [rank_process(tmp_path / "p0", 0), rank_process(tmp_path / "p1", 0)]
-    os.kill(ranks[1].pid, signal.SIGSTOP)
-    store = Store()
-    dogs = [watchdog.Watchdog(str(tmp_path / f"p{n}"), node_rank=n, override=1.0) for n in (0, 1)]
-    for n, dog in enumerate(dogs):
-        dog.new_round([watchdog.Rank(n, 0, ranks[n].pid)], store, nnodes=2, restart=0, restarts_left=0)
+    ranks, store, dogs = two_pods_rank_1_stopped(tmp_path, restarts_left=0)
     try:
-        deadline = time.monotonic() + 30
-        while f"{watchdog.KEY}0" not in store.data:  # pod 0 published its stalled rank, no verdict yet
-            assert dogs[0].poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        while (report := dogs[1].poll()) is None:  # pod 1 agrees and stops its rank
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        report = judged_by(dogs, store, waiting=0, acting=1)
         Heartbeat(watchdog.heartbeat_path(str(tmp_path / "p0"), 0))  # pod 0's rank moves again (it is ending)
         time.sleep(watchdog.POLL_SECONDS + 0.1)
         assert dogs[0].poll() is None and f"{watchdog.KEY}0" not in store.data  # withdrawn
