@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -503,18 +504,18 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
                      reached - last["iteration"], marks, lines)
 
 
-def memory_vs_store(env: KubeEnv, workdir: Path, mb: float) -> tuple[list[FromWhere], float]:
+def memory_vs_store(env: KubeEnv, workdir: Path, mb: float, repeats: int = 1) -> tuple[list[FromWhere], float]:
     overrides, state = widened(mb)
     runs = []
-    for scenario in ("a rank SIGKILLed", "a pod deleted"):
-        for snapshots in (True, False):
-            runs.append(from_where(env, workdir, scenario, snapshots, overrides))
-            r = runs[-1]
-            print(f"{r.scenario}, snapshots {'on' if r.snapshots else 'off'}: {r.seconds:.2f} s, {r.kind} from "
-                  f"{r.loaded_from}, {r.lost} iterations lost; load average {os.getloadavg()[0]:.1f}", flush=True)
-            for mark, seconds in r.timeline.items():
-                print(f"    {mark:<52}{seconds:+7.2f}" if not mark.startswith("  ") else
-                      f"    {mark:<52}{seconds:7.2f}", flush=True)
+    for _, scenario, snapshots in itertools.product(range(repeats), ("a rank SIGKILLed", "a pod deleted"),
+                                                    (True, False)):
+        r = from_where(env, workdir, scenario, snapshots, overrides)
+        runs.append(r)
+        print(f"{r.scenario}, snapshots {'on' if r.snapshots else 'off'}: {r.seconds:.2f} s, {r.kind} from "
+              f"{r.loaded_from}, {r.lost} iterations lost; load average {os.getloadavg()[0]:.1f}", flush=True)
+        for mark, seconds in r.timeline.items():
+            print(f"    {mark:<52}{seconds:7.2f}" if mark.startswith("  ") else f"    {mark:<52}{seconds:+7.2f}",
+                  flush=True)
     return runs, state
 
 
@@ -525,18 +526,35 @@ def memory_table(runs: list[FromWhere], state: float) -> str:
             f"{os.cpu_count()} cores",
             "| scenario | from memory / peer | from the store (snapshots off) |", "|---|---|---|"]
     for scenario in ("a rank SIGKILLed", "a pod deleted"):
-        on, off = ([r for r in runs if r.scenario == scenario and r.snapshots is s][0] for s in (True, False))
-        rows.append(f"| {scenario} -> next iteration | {on.seconds:.1f} s ({on.loaded_from}) | {off.seconds:.1f} s "
-                    f"({off.loaded_from}, {off.kind}) |")
-        rows.append(f"| {scenario}: iterations lost | {on.lost} | {off.lost} |")
+        on, off = ([r for r in runs if r.scenario == scenario and r.snapshots is s] for s in (True, False))
+        rows.append(f"| {scenario} -> next iteration | {_cell(on, lambda r: r.seconds, ' s')} | "
+                    f"{_cell(off, lambda r: r.seconds, ' s', kind=True)} |")
+        rows.append(f"| {scenario}: iterations lost | {_cell(on, lambda r: r.lost)} | {_cell(off, lambda r: r.lost)} |")
+    in_place, replaced = (median([r.seconds for r in runs if r.scenario == sc and r.snapshots])
+                          for sc in ("a rank SIGKILLed", "a pod deleted"))
+    rows.append(f"\na pod deleted, from its peer / a rank SIGKILLed, from memory in place: {replaced / in_place:.2f} "
+                "(goal <= 1.5)")
     return "\n".join(rows)
+
+
+def _cell(runs: list[FromWhere], value, unit: str = "", kind: bool = False) -> str:
+    """The median of `value` over the runs (each run's after it, when more than one), and where they loaded from."""
+    values = [value(r) for r in runs]
+    text = f"{median(values):.1f}{unit}" if unit else f"{median(values):g}"
+    if len(values) > 1:
+        text += " (" + ", ".join(f"{v:.1f}" if unit else f"{v:g}" for v in values) + ")"
+    if unit:
+        where = sorted({r.loaded_from + (f", {r.kind}" if kind else "") for r in runs})
+        text += f" from {' / '.join(where)}" if len(where) > 1 else f" ({where[0]})"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="one run of each mode and the elastic run side by side, one round of imports (CI)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each mode, alternating (default: 3; --quick, --memory: 1)")
     p.add_argument("--imports", type=int, default=None,
                    help="rounds of the import comparison, 0: none (default: 5, --quick: 1)")
     p.add_argument("--save-interval", type=int, default=4, help="iterations between checkpoints (default: %(default)s)")
@@ -549,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the tiny GPT; --quick: 10)")
     args = p.parse_args(argv)
     hang_timeout = args.hang_timeout if args.hang_timeout is not None or not args.quick else 10
-    repeats = 1 if args.quick else args.repeats
+    repeats = args.repeats if args.repeats is not None else 1 if args.quick or args.memory is not None else 3
     rounds = args.imports if args.imports is not None else 1 if args.quick else 5
 
     if args.memory is not None:
@@ -557,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             cp, env, kubelet = start_env(Path(tmp) / "kube")
             kubelet.finish_deletions = False
             try:
-                memory_runs, state = memory_vs_store(env, Path(tmp), args.memory)
+                memory_runs, state = memory_vs_store(env, Path(tmp), args.memory, repeats)
             finally:
                 kubelet.stop()
                 cp.stop()
