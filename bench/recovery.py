@@ -44,7 +44,11 @@ SIGKILLed, then (another job) pod 1 deleted at once (grace 0, as a lost node lea
 spec.memorySnapshots on (in place from memory; the pod replaced in its attempt, from pod 0's copy) and off
 (in place from the store; a new attempt from the store). Per run: seconds from the kill (deletion) to rank 1's
 line of the first iteration after the one resumed from, status.lastRecovery's loadedFrom, and the iterations
-lost (reached at the kill less the one resumed from). Snapshots off means no non-persistent checkpoints at all.
+lost (reached at the kill less the one resumed from), and a timeline (seconds after the kill or deletion: the new
+pod's container started, a surviving rank saw its peer fail, an agent restarts its ranks, the new pod's agent up,
+the round formed and the trainer's start-up phases, the state resumed, rank 0's first step, rank 1's next
+iteration; `--logs DIR`: every pod's lines, stamped the same way). Snapshots off means no non-persistent
+checkpoints at all.
 
 `--imports N`: the import of megatron-core as it is, vs as the run's setup imports it
 (kubetron.compat.megatron_core.install) with wandb run at import (as before lazy wandb) and now, N
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -74,6 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kubetron.contract.times import parse_stamp  # noqa: E402
+from kubetron.storage import snapshot_files as sf  # noqa: E402
 from kubetron.supervisor import startup  # noqa: E402
 from kubetron.supervisor.progress_io import summarize  # noqa: E402
 
@@ -386,6 +392,47 @@ class FromWhere:
     loaded_from: str  # status.lastRecovery.loadedFrom
     kind: str  # status.lastRecovery.kind
     lost: int  # iterations run again: rank 1's newest at the kill less the one resumed from
+    timeline: dict[str, float] = field(default_factory=dict)  # what happened when, seconds after the kill (deletion)
+    lines: list[str] = field(default_factory=list, repr=False)
+
+
+# The marks of `timeline`, in the order they happen; a run shows those it has.
+REPLACED, PEER_SAW, AGENT_RESTART = "new pod's container started", "a surviving rank saw its peer fail", \
+    "an agent restarts its ranks"
+NEW_AGENT, ROUND = "new pod's agent up (its peer server)", "the round formed: trainer processes start"
+RESUMED, FIRST_STEP, NEXT = "state resumed (memory, peer or store)", "rank 0's first step", \
+    "rank 1's next iteration"
+MARKS = (REPLACED, PEER_SAW, AGENT_RESTART, NEW_AGENT, ROUND, RESUMED, FIRST_STEP, NEXT)
+
+
+def timeline(node: ProcessKubelet, before: dict[str, Container], killed: float, arrived: float) -> dict[str, float]:
+    """When each of MARKS happened (seconds after `killed`; those found): the kubelet's start of a new container
+    (`before`: the containers then), the arrival of the pods' lines, rank 0's start-up line (the trainer processes
+    start when the round formed: its arrival less its total) and its phases."""
+    containers = list(node.containers.values())
+    new = [c for c in containers if all(c is not b for b in before.values())]
+
+    def first(text: str, among: list[Container]) -> float | None:
+        return min((t for c in among for t, line in list(c.stamped) if t > killed and text in line), default=None)
+
+    marks: dict[str, float | None] = {
+        REPLACED: min((c.started for c in new), default=None),
+        PEER_SAW: first("PeerFailure", list(before.values())),
+        AGENT_RESTART: first(RESTART_LINE, containers),
+        NEW_AGENT: first("kubetron.peers: serving", new),
+        RESUMED: first("resumed from", containers)}
+    marks[NEXT] = arrived
+    phases: dict[str, float] = {}
+    up = [s for c in containers if (s := startup_after(c, killed)) is not None]
+    if up:
+        end, (total, _, phases) = up[0]
+        marks.update({ROUND: end - total, FIRST_STEP: end})
+    out: dict[str, float] = {}
+    for name, t in sorted(((n, t) for n, t in marks.items() if t is not None), key=lambda m: m[1]):
+        out[name] = t - killed
+        if name == ROUND:  # the trainer's own start-up phases (durations), after the round formed
+            out.update({f"  {phase}": seconds for phase, seconds in phases.items()})
+    return out
 
 
 def widened(mb: float) -> tuple[list[str], float]:
@@ -422,9 +469,11 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
         rank1 = wait("rank 1 mid-interval after a durable checkpoint", lambda: mid_interval(
             node.containers.get("gpt-1-1"), store / "gpt", MEMORY_SAVE_INTERVAL), node)
         if snapshots:
-            wait("a copy of rank 1's snapshot on pod 0", lambda: list((node.containers["gpt-1-0"].memory / "peers")
-                                                                       .glob("rank_00001/snap_*")), node)
-        reached, killed = rank1.last_iteration(), time.time()
+            # else the gang would rightly resume from the store, and the run would not measure memory or a peer
+            wait("a copy of rank 1's snapshot on pod 0 newer than the store's checkpoint", lambda: max(
+                sf.iterations(sf.peer_dir(node.containers["gpt-1-0"].memory, 1)), default=0) > last_checkpoint(
+                store / "gpt"), node)
+        killed, before = time.time(), dict(node.containers)
         if scenario == "a rank SIGKILLed":
             os.kill(rank1.trainer_pid(), signal.SIGKILL)
         else:
@@ -441,19 +490,32 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
                        default=None)
 
         arrived = wait("rank 1's first iteration after the recovery", next_iteration, node)
+        marks = timeline(node, before, killed, arrived)
+        # where rank 1 was: its last line before the new trainer processes started (the killed process's output
+        # arrives for a moment after the kill; after a deletion pod 0's ranks may save one more on their SIGTERM)
+        new_processes = killed + marks.get(ROUND, arrived - killed)
+        reached = max(int(m.group(1)) for t, line in list(before["gpt-1-1"].stamped)
+                      if t < new_processes and (m := ITER_RE.search(line)))
+        lines = [f"--- {name} (started {c.started - killed:+.3f} s)\n" + "".join(
+            f"{t - killed:+9.3f} {line}" for t, line in list(c.stamped)) for name, c in
+            [*((f"{n} (before)", c) for n, c in before.items()),
+             *((n, c) for n, c in node.containers.items() if all(c is not b for b in before.values()))]]
     return FromWhere(scenario, snapshots, arrived - killed, last["loadedFrom"], last["kind"],
-                     reached - last["iteration"])
+                     reached - last["iteration"], marks, lines)
 
 
-def memory_vs_store(env: KubeEnv, workdir: Path, mb: float) -> tuple[list[FromWhere], float]:
+def memory_vs_store(env: KubeEnv, workdir: Path, mb: float, repeats: int = 1) -> tuple[list[FromWhere], float]:
     overrides, state = widened(mb)
     runs = []
-    for scenario in ("a rank SIGKILLed", "a pod deleted"):
-        for snapshots in (True, False):
-            runs.append(from_where(env, workdir, scenario, snapshots, overrides))
-            r = runs[-1]
-            print(f"{r.scenario}, snapshots {'on' if r.snapshots else 'off'}: {r.seconds:.2f} s, {r.kind} from "
-                  f"{r.loaded_from}, {r.lost} iterations lost", flush=True)
+    for _, scenario, snapshots in itertools.product(range(repeats), ("a rank SIGKILLed", "a pod deleted"),
+                                                    (True, False)):
+        r = from_where(env, workdir, scenario, snapshots, overrides)
+        runs.append(r)
+        print(f"{r.scenario}, snapshots {'on' if r.snapshots else 'off'}: {r.seconds:.2f} s, {r.kind} from "
+              f"{r.loaded_from}, {r.lost} iterations lost; load average {os.getloadavg()[0]:.1f}", flush=True)
+        for mark, seconds in r.timeline.items():
+            print(f"    {mark:<52}{seconds:7.2f}" if mark.startswith("  ") else f"    {mark:<52}{seconds:+7.2f}",
+                  flush=True)
     return runs, state
 
 
@@ -464,18 +526,35 @@ def memory_table(runs: list[FromWhere], state: float) -> str:
             f"{os.cpu_count()} cores",
             "| scenario | from memory / peer | from the store (snapshots off) |", "|---|---|---|"]
     for scenario in ("a rank SIGKILLed", "a pod deleted"):
-        on, off = ([r for r in runs if r.scenario == scenario and r.snapshots is s][0] for s in (True, False))
-        rows.append(f"| {scenario} -> next iteration | {on.seconds:.1f} s ({on.loaded_from}) | {off.seconds:.1f} s "
-                    f"({off.loaded_from}, {off.kind}) |")
-        rows.append(f"| {scenario}: iterations lost | {on.lost} | {off.lost} |")
+        on, off = ([r for r in runs if r.scenario == scenario and r.snapshots is s] for s in (True, False))
+        rows.append(f"| {scenario} -> next iteration | {_cell(on, lambda r: r.seconds, ' s')} | "
+                    f"{_cell(off, lambda r: r.seconds, ' s', kind=True)} |")
+        rows.append(f"| {scenario}: iterations lost | {_cell(on, lambda r: r.lost)} | {_cell(off, lambda r: r.lost)} |")
+    in_place, replaced = (median([r.seconds for r in runs if r.scenario == sc and r.snapshots])
+                          for sc in ("a rank SIGKILLed", "a pod deleted"))
+    rows.append(f"\na pod deleted, from its peer / a rank SIGKILLed, from memory in place: {replaced / in_place:.2f} "
+                "(goal <= 1.5)")
     return "\n".join(rows)
+
+
+def _cell(runs: list[FromWhere], value, unit: str = "", kind: bool = False) -> str:
+    """The median of `value` over the runs (each run's after it, when more than one), and where they loaded from."""
+    values = [value(r) for r in runs]
+    text = f"{median(values):.1f}{unit}" if unit else f"{median(values):g}"
+    if len(values) > 1:
+        text += " (" + ", ".join(f"{v:.1f}" if unit else f"{v:g}" for v in values) + ")"
+    if unit:
+        where = sorted({r.loaded_from + (f", {r.kind}" if kind else "") for r in runs})
+        text += f" from {' / '.join(where)}" if len(where) > 1 else f" ({where[0]})"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="one run of each mode and the elastic run side by side, one round of imports (CI)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each mode, alternating (default: 3; --quick, --memory: 1)")
     p.add_argument("--imports", type=int, default=None,
                    help="rounds of the import comparison, 0: none (default: 5, --quick: 1)")
     p.add_argument("--save-interval", type=int, default=4, help="iterations between checkpoints (default: %(default)s)")
@@ -488,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the tiny GPT; --quick: 10)")
     args = p.parse_args(argv)
     hang_timeout = args.hang_timeout if args.hang_timeout is not None or not args.quick else 10
-    repeats = 1 if args.quick else args.repeats
+    repeats = args.repeats if args.repeats is not None else 1 if args.quick or args.memory is not None else 3
     rounds = args.imports if args.imports is not None else 1 if args.quick else 5
 
     if args.memory is not None:
@@ -496,13 +575,19 @@ def main(argv: list[str] | None = None) -> int:
             cp, env, kubelet = start_env(Path(tmp) / "kube")
             kubelet.finish_deletions = False
             try:
-                memory_runs, state = memory_vs_store(env, Path(tmp), args.memory)
+                memory_runs, state = memory_vs_store(env, Path(tmp), args.memory, repeats)
             finally:
                 kubelet.stop()
                 cp.stop()
         print("\n" + memory_table(memory_runs, state))
         if args.json:
-            args.json.write_text(json.dumps({"memory": [asdict(r) for r in memory_runs], "state": state}, indent=1))
+            args.json.write_text(json.dumps({"memory": [{k: v for k, v in asdict(r).items() if k != "lines"}
+                                                        for r in memory_runs], "state": state}, indent=1))
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for i, r in enumerate(memory_runs, 1):
+                name = f"{i}-{r.scenario.split()[-1]}-snapshots-{'on' if r.snapshots else 'off'}.log"
+                (args.logs / name).write_text("".join(r.lines))
         return 0
 
     with tempfile.TemporaryDirectory(prefix="kubetron-recovery-", ignore_cleanup_errors=True) as tmp:

@@ -180,6 +180,32 @@ def test_resume_takes_the_newest_of_persistent_and_non_persistent(reference, tmp
     resume(tmp_path, str(store), reference, 15, *extra)
 
 
+def test_snapshots_that_fail_their_checks_before_the_first_checkpoint_are_reported(reference, tmp_path):
+    """Killed in its first durable save (the store holds no complete checkpoint), with every memory snapshot then
+    corrupted: the next start loads nothing and trains from iteration 0 as an uninterrupted run does, and says so
+    (rank 0's `recovery`: from the store at 0, failed, why), so that the operator records it and warns
+    (docs/recovery.md); before, it started afresh without a word."""
+    from kubetron.storage import snapshot_files as sf
+
+    store, local = tmp_path / "ckpt", tmp_path / "local"
+    extra = ["checkpoint.non_persistent_save_interval=4", "checkpoint.non_persistent_ckpt_type=local",
+             f"checkpoint.non_persistent_local_ckpt_dir={local}"]
+    with pytest.raises(SaveStopped):
+        drive(tmp_path, *overrides(str(store), tmp_path / "tb", *extra),
+              driver=Driver().stop_save_at("after-payload", 10))
+    shards = sorted(sf.own_dir(local, 0).glob("snap_*/shards/rank_00000.bin"))
+    assert [p.parent.parent.name for p in shards] == ["snap_0000004", "snap_0000008"]
+    for shard in shards:  # one byte changed: the checksums no longer match
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    out = resume(tmp_path, str(store), reference, 0, *extra)
+    recovery = out.driver.of(Started)[0].recovery
+    assert recovery is not None and "do not match their checksum" in recovery.pop("reason"), recovery
+    assert recovery == {"loadedFrom": "store", "iteration": 0, "seconds": recovery["seconds"], "failed": True,
+                        "restart": 0}
+
+
 class _Payload:
     def __init__(self, path):
         self.path = str(path)

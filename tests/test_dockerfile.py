@@ -15,6 +15,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -241,7 +242,9 @@ def test_dockerignore_allows_only_what_the_wheel_needs():
 
 
 @pytest.mark.parametrize("node_rank, host_args", [
-    ("0", {"--rdzv-conf=is_host=true", "--local-addr=job-1-0.job.ns.svc"}), ("1", {"--rdzv-conf=is_host=false"})])
+    ("0", {"--rdzv-conf=is_host=true,keep_alive_interval=1,keep_alive_max_attempt=3",
+           "--local-addr=job-1-0.job.ns.svc"}),
+    ("1", {"--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3"})])
 def test_torchrun_argv_multi_node(node_rank, host_args):
     """A c10d rendezvous hosted by pod 0 (it re-forms after an in-place restart, docs/recovery.md)."""
     env = {"NNODES": "2", "NODE_RANK": node_rank, "NPROC_PER_NODE": "8", "MASTER_ADDR": "job-1-0.job.ns.svc",
@@ -252,6 +255,29 @@ def test_torchrun_argv_multi_node(node_rank, host_args):
             "--rdzv-id=ns-job-1", "--max-restarts=3", *host_args} <= set(argv)
     assert not any(a.startswith("--local-addr") for a in argv) or node_rank == "0"
     assert argv[-5:] == ["-m", "kubetron", "train", "--config", "/etc/kubetron/config.yaml"]
+
+
+def test_the_rendezvous_drops_a_lost_pods_agent_after_3_seconds_of_silence():
+    """A lost pod's agent never leaves the rendezvous: its replacement joins the survivors' next round only once the
+    rendezvous drops it for missed heartbeats. torch's handler, built from the pod's torchrun arguments as torchrun
+    builds it, drops it after 3 s (a heartbeat each second), not torch's default 15 s (docs/recovery.md)."""
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "job-1-0.job.ns.svc", "MASTER_PORT": "29500",
+           "KUBETRON_JOB_ID": "ns/job/1"}
+    config, _, _ = config_from_args(get_args_parser().parse_args(launch.torchrun_argv(env, [], python="py")[3:]))
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **config.rdzv_configs)
+    store = HashStore()
+    settings = create_handler(store, C10dRendezvousBackend(store, params.run_id), params).settings
+    assert settings.keep_alive_interval.total_seconds() == 1
+    assert settings.keep_alive_interval * settings.keep_alive_max_attempt == timedelta(seconds=3)
+    assert (settings.min_nodes, settings.max_nodes) == (2, 2)
 
 
 def test_torchrun_argv_restarts_nothing_in_place_unless_told():

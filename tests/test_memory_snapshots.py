@@ -173,6 +173,20 @@ def test_the_trainers_recovery_report_is_read_checked(data, ok):
     assert (recovery.parse_trainer_recovery(data) is not None) is ok
 
 
+@pytest.mark.parametrize("iteration, failed, restart, reported", [
+    (0, False, 0, False),  # a first start afresh: nothing to recover
+    (0, True, 0, True),  # snapshots that failed their checks, the store empty: started afresh, and says so
+    (0, False, 2, True),  # an in-place restart that found nothing to load
+    (12, False, 0, True),
+    (None, False, 1, False),  # not resumed yet
+])
+def test_which_starts_the_trainer_reports_as_a_recovery(iteration, failed, restart, reported):
+    report = gang.Recovery(recovery.STORE, iteration, 0.25, "why", failed).report(restart)
+    assert (report is not None) is reported
+    if report is not None:
+        assert recovery.parse_trainer_recovery(report) == report  # what the operator reads back
+
+
 # -- when snapshots are taken by default -----------------------------------------------------------------
 
 

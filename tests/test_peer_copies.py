@@ -120,3 +120,30 @@ def test_the_agent_sends_each_new_snapshot_once_to_the_pods_that_hold_its_copies
     agent.sent.clear()
     agent.poll()
     assert len(lines) == 1 and "copy of rank 0's snapshot 40 to pod 1 failed" in lines[0] and TOKEN not in lines[0]
+
+
+def test_a_peer_gone_mid_request_leaves_no_traceback_in_the_pods_log(pods, capsys, caplog):
+    """A pod deleted while it sent a copy resets its connection: the holder's agent says so in one debug line, and
+    prints no traceback into its pod's log (the log is the trainer's)."""
+    import socket
+    import struct
+    import threading
+
+    server = pods[1].httpd
+    handled = threading.Event()
+    original = server.handle_error
+
+    def handle_error(request, client_address):
+        try:
+            original(request, client_address)
+        finally:
+            handled.set()
+
+    server.handle_error = handle_error
+    with caplog.at_level("DEBUG", logger="kubetron.peers"):
+        with socket.create_connection(("127.0.0.1", pods[1].port)) as sock:
+            sock.sendall(b"PUT /v1/copy/0/20 HTT")  # the request line not even whole
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
+        assert handled.wait(10)
+    assert capsys.readouterr().err == ""
+    assert "ended early: ConnectionResetError" in caplog.text

@@ -832,6 +832,29 @@ def test_in_place_restarts_add_up_over_attempts_and_survive_the_attempts_end():
     assert created.status["restarts"]["inPlace"] == 2
 
 
+def test_a_gang_that_found_nothing_to_resume_is_recorded_and_warned_of():
+    """docs/recovery.md: rank 0 reports a start at iteration 0 after its snapshots failed their checks while the
+    store held no checkpoint yet (kubetron.checkpoint.gang.Recovery.report): status.lastRecovery says so, and a
+    Warning RecoveredFromStore; one that found nothing after an in-place restart (no snapshot yet) a Normal one."""
+    from kubetron.contract.recovery import parse_trainer_recovery
+
+    failed = parse_trainer_recovery({"loadedFrom": "store", "iteration": 0, "seconds": 0.01, "failed": True,
+                                     "reason": "rank 1: snap_0000008 do not match their checksum", "restart": 1})
+    action = run(pods=[pod(0), pod(1)], live={"iteration": 3, "inPlaceRestarts": 1, "recovery": failed})
+    assert action.status["lastRecovery"] == {
+        "kind": "inPlace", "loadedFrom": "store", "iteration": 0, "seconds": 0.01, "attempt": 1, "restart": 1,
+        "reason": "rank 1: snap_0000008 do not match their checksum", "replacements": 0}
+    (event,) = [e for e in action.events if e.reason.startswith("Recovered")]
+    assert (event.type, event.reason) == ("Warning", "RecoveredFromStore")
+    assert event.message == ("attempt 1: the gang restarted in place at iteration 0 with nothing to resume: not from "
+                             "memory (rank 1: snap_0000008 do not match their checksum), and the store holds no "
+                             "checkpoint yet")
+    nothing = {**failed, "failed": False, "reason": "no snapshot in the pods' memory"}
+    (event,) = [e for e in run(pods=[pod(0), pod(1)], live={"recovery": nothing}).events
+                if e.reason.startswith("Recovered")]
+    assert event.type == "Normal" and "at iteration 0 with nothing to resume" in event.message
+
+
 # -- rank 0's Service: once a pod is placed ---------------------------------------------------------
 
 PENDING = {**RUNNING, "phase": "Pending", "reason": "AttemptCreated"}

@@ -39,7 +39,7 @@ class Started:
     consumed_samples: int  # global samples consumed before this process's first step
     floating_point_operations: float  # ... and FLOPs done
     checkpoint: Checkpoint | None  # the durable checkpoint resumed from (None: none)
-    recovery: dict[str, Any] | None = None  # how it resumed (contract.recovery.TrainerRecovery; None: afresh)
+    recovery: dict[str, Any] | None = None  # how it resumed (contract.recovery.TrainerRecovery; None: a first start)
 
 
 @dataclass(frozen=True, slots=True)

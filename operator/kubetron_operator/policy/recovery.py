@@ -12,7 +12,8 @@ Those end the attempt as before (policy/attempt_end.py). The replacement has sta
 status.lastRecovery: rank 0 reports how its process resumed (`recovery` on its status endpoint): from memory,
 a peer's copy or the store (and why not from memory). The operator records each new one with its kind
 (inPlace, podReplaced, newAttempt) and posts an event: `Recovered`, or a Warning `RecoveredFromStore` when a
-snapshot the gang agreed on failed its checks (torn, corrupted).
+snapshot the gang agreed on failed its checks (torn, corrupted). A gang that found nothing to load (the store
+held no checkpoint yet) after a restart or a failed snapshot is reported too, from the store at iteration 0.
 """
 
 from __future__ import annotations
@@ -70,9 +71,13 @@ def recovery_news(obs: Observed, attempt: int) -> tuple[StatusPatch, tuple[Event
     record = {**new, "replacements": replaced}
     how = {IN_PLACE: "restarted in place", POD_REPLACED: "restarted with a replaced pod",
            NEW_ATTEMPT: "started"}[kind]
-    where = f"from the {reported['loadedFrom']}" + (f" ({reported['reason']})" if reported["reason"] else "")
-    text = (f"attempt {attempt}: the gang {how}, resumed {where} at iteration {reported['iteration']} "
-            f"({reported['seconds']:.1f} s to read its state)")
+    why = f" ({reported['reason']})" if reported["reason"] else ""
+    if reported["loadedFrom"] == STORE and not reported["iteration"]:  # nothing anywhere to resume from
+        text = (f"attempt {attempt}: the gang {how} at iteration 0 with nothing to resume: not from memory{why}, "
+                "and the store holds no checkpoint yet")
+    else:
+        text = (f"attempt {attempt}: the gang {how}, resumed from the {reported['loadedFrom']}{why} at iteration "
+                f"{reported['iteration']} ({reported['seconds']:.1f} s to read its state)")
     if reported["loadedFrom"] == STORE and reported["failed"]:
         return {"lastRecovery": record}, (Event("Warning", "RecoveredFromStore", text),)
     return {"lastRecovery": record}, (Event("Normal", "Recovered", text),)

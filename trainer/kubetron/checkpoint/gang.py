@@ -273,8 +273,10 @@ class Recovery:
 
     def report(self, restart: int) -> TrainerRecovery | None:
         """As rank 0's status endpoint serves it (`restart`: the in-place restart it followed); None before a
-        resume."""
-        if self.iteration is None:
+        resume, and for a first start afresh (iteration 0, no restart, no snapshot that failed its checks). A
+        start afresh after a restart or a failed snapshot is reported (from the store, at iteration 0): the user
+        sees that the recovery found nothing to load, and why not from memory."""
+        if self.iteration is None or (self.iteration == 0 and not restart and not self.failed):
             return None
         return TrainerRecovery(loadedFrom=self.loaded_from, iteration=self.iteration, seconds=round(self.seconds, 3),
                                reason=self.reason, failed=self.failed, restart=restart)

@@ -505,10 +505,12 @@ class CheckpointManager:
     # -- loading --------------------------------------------------------------------------------------
     def load(self, *, finetune: bool = False) -> int:
         """Restore from checkpoint.load (resume; the pods' memory first, when it holds a snapshot no older) or,
-        for finetune, weights from pretrained_checkpoint. Returns the iteration it resumed from (0: none)."""
+        for finetune, weights from pretrained_checkpoint. Returns the iteration it resumed from (0: none). Sets
+        `recovery` in every case, at iteration 0 too: a start afresh after snapshots that failed their checks, or
+        after a restart, is reported (gang.Recovery.report)."""
         t0 = time.perf_counter()
         iteration = self._load(finetune)
-        if iteration and (self.recovery is None or self.recovery.loaded_from == STORE):
+        if self.recovery is None or self.recovery.loaded_from == STORE:
             reason = self.recovery.reason if self.recovery else "memory snapshots are off"
             failed = bool(self.recovery and self.recovery.failed)
             self.recovery = gang.Recovery(STORE, iteration, time.perf_counter() - t0, reason, failed)

@@ -89,10 +89,12 @@ def format_bytes(n: float) -> str:
 
 
 class TrainerRecovery(TypedDict):
-    """How this trainer process resumed (rank 0's status endpoint, `recovery`; null when it started afresh)."""
+    """How this trainer process resumed (rank 0's status endpoint, `recovery`; null on a first start afresh). A
+    start at iteration 0 after a restart, or after snapshots that failed their checks, is one: `store` at 0 (the
+    store held no checkpoint yet), with the reason."""
 
     loadedFrom: str  # memory | peer | store
-    iteration: int  # the iteration it resumed from
+    iteration: int  # the iteration it resumed from (0: nothing loaded, started afresh)
     seconds: float  # reading and restoring that state
     reason: str  # why not from memory ("" when it was)
     failed: bool  # a snapshot the gang agreed on failed its checks (torn, corrupted): the store instead

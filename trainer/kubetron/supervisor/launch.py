@@ -55,6 +55,13 @@ DEFAULT_CONFIG = "/etc/kubetron/config.yaml"
 MESSAGES_DIR_ENV = "KUBETRON_LAUNCH_MESSAGES"  # set by the launcher for its torchrun workers
 TRAINER_MODULE_ENV = "KUBETRON_LAUNCH_MODULE"  # the module a worker runs (default: kubetron)
 MAX_IN_PLACE_RESTARTS_ENV = "KUBETRON_MAX_IN_PLACE_RESTARTS"  # spec.maxInPlaceRestarts (docs/recovery.md)
+# How soon the rendezvous drops an agent that stopped without leaving it (its pod deleted, its node gone): every
+# agent writes a heartbeat each KEEP_ALIVE_S, and one missing for KEEP_ALIVE_S x KEEP_ALIVE_MISSED is dead. Until
+# then a lost pod's replacement waits for the next round with the survivors (torch's default, 5 s x 3: up to 15 s
+# of a replaced pod's recovery, docs/recovery.md). A live agent writes one each second while its ranks train and
+# about each second in a rendezvous; one stalled longer is dropped, and rejoins (or, once the round formed, its
+# ranks and the others' restart in place).
+KEEP_ALIVE_S, KEEP_ALIVE_MISSED = 1, 3
 
 
 def torchrun_argv(env: Mapping[str, str], args: Sequence[str], python: str = sys.executable,
@@ -90,7 +97,8 @@ def rendezvous_args(env: Mapping[str, str]) -> list[str]:
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', '29500')}",
         f"--rdzv-id={(env.get('KUBETRON_JOB_ID') or 'kubetron').replace('/', '-')}",
-        f"--rdzv-conf=is_host={str(host).lower()}",
+        f"--rdzv-conf=is_host={str(host).lower()},keep_alive_interval={KEEP_ALIVE_S},"
+        f"keep_alive_max_attempt={KEEP_ALIVE_MISSED}",
     ]
     if host:  # the ranks' own store is rank 0's, reached by the name the others already resolve
         argv.append(f"--local-addr={env.get('MASTER_ADDR', '127.0.0.1')}")

@@ -106,6 +106,15 @@ def volume_usage(root: Path) -> int:
 # -- serving ----------------------------------------------------------------------------------------
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A peer that went away mid-request (its pod deleted, its node lost) is one line at debug level, not a
+        traceback in this pod's log."""
+        log.debug("peer copies: a request from %s ended early: %r", client_address, sys.exc_info()[1])
+
+
 class PeerServer:
     """This pod's memory volume over HTTP, for the job's other pods."""
 
@@ -114,8 +123,7 @@ class PeerServer:
         self.node: Node | None = None  # known once the first round formed; until then every copy is refused
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()  # one copy written at a time (the room check and the write together)
-        self.httpd = ThreadingHTTPServer((host, 0), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, 0), self._handler())
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="kubetron-peers", daemon=True)
 
