@@ -243,8 +243,9 @@ def _snapshot_volume(job: Job) -> tuple[list[dict], list[dict]]:
     variable (CreateContainerConfigError, retried only every 10 s or more)."""
     if not job.spec.snapshot_volume:
         return [], []
-    volumes = [{"name": "snapshots", "emptyDir": {"medium": "Memory", "sizeLimit": str(job.spec.snapshot_volume)}}]
-    mounts = [{"name": "snapshots", "mountPath": recovery.SNAPSHOT_MOUNT}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "snapshots", "emptyDir": {"medium": "Memory", "sizeLimit": str(job.spec.snapshot_volume)}}]
+    mounts: list[dict[str, Any]] = [{"name": "snapshots", "mountPath": recovery.SNAPSHOT_MOUNT}]
     if job.spec.peer_copies:
         volumes.append({"name": "peers", "secret": {"secretName": peer_secret_name(job), "defaultMode": 0o440}})
         mounts.append({"name": "peers", "mountPath": PEER_TOKEN_MOUNT, "readOnly": True})

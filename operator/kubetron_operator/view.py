@@ -40,7 +40,7 @@ class JobMemory:
     parsed: tuple[str, Job | None, str] | None = None  # (what it was parsed from, Job.from_body, its error)
     created: dict[str, tuple[float, dict[str, Any]]] = dataclasses.field(default_factory=dict)  # pods not seen yet
     patched: float = float("-inf")  # time.monotonic() of our last status patch (policy/throttle.py)
-    job_objects: bool = False  # its Service and peer token were created or found by this operator (Observed.job_objects)
+    job_objects: bool = False  # its Service and peer token were made or found by this operator (Observed.job_objects)
     warned: set[str] = dataclasses.field(default_factory=set)  # ignored-payload warnings already posted
     progress: tuple[datetime, ProgressRead] | None = None  # the store's progress log as last read, and when
     live_quiet_until: float = 0.0  # time.monotonic() before which rank 0's endpoint is not read (it failed)
