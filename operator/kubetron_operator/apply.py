@@ -25,7 +25,7 @@ from kubetron_operator.build import (
     attempt_objects,
     build_pod,
     build_probe_pod,
-    build_service,
+    job_objects,
     pod_group_name,
     pod_group_resize,
     service_name,
@@ -44,7 +44,7 @@ from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.create_retry import create_failed, retriable
 from kubetron_operator.policy.elastic import attempt_size
 from kubetron_operator.policy.nodes import avoided
-from kubetron_operator.policy.start import attempt_ended, service_failed
+from kubetron_operator.policy.start import attempt_ended, job_objects_failed
 from kubetron_operator.untrusted import STATUS_TEXT_LIMIT, clean_all
 
 
@@ -80,12 +80,12 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
     rv = meta.get("resourceVersion")
-    if action.create_service and job is not None:
-        failed = create_children(kube, job, [build_service(job)], logger)
+    if action.create_job_objects and job is not None:
+        failed = create_children(kube, job, [with_token(m) for m in job_objects(job)], logger)
         if failed is None:
-            deps.view.service_made(job.uid)
+            deps.view.job_objects_made(job.uid)
         else:
-            action = service_failed(obs, action, *failed)
+            action = job_objects_failed(obs, action, *failed)
     attempt = action.create_attempt  # `action` may be replaced by create_failed below
     if attempt is not None and job is not None:
         # Pods first: if we die before the status patch, the next round recreates them (409s), never
@@ -93,8 +93,8 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
         release_groups(kube, namespace, action.release_pods, logger)
         for pod in action.delete_pods:
             kube.delete_pod(namespace, pod)
-        manifests = [with_token(m) for m in attempt_objects(job, attempt, action.expected_iteration,
-                                                            action.avoid_nodes, action.nodes, obs.pod_group_api)]
+        manifests = attempt_objects(job, attempt, action.expected_iteration, action.avoid_nodes, action.nodes,
+                                    obs.pod_group_api)
         failed = create_children(kube, job, manifests, logger)
         if failed is not None:
             action = create_failed(obs, *failed)
@@ -169,9 +169,9 @@ def _patch_status(deps: Deps, body: dict[str, Any], status: dict[str, Any], reso
 
 def create_children(kube: Kube, job: Job, manifests: list[dict[str, Any]],
                     logger: kopf.Logger) -> tuple[str, str, bool] | None:
-    """Create an attempt's objects in order (a resizable PodGroup that exists gets the attempt's minCount). On an
-    API error delete what this call created but the job's peer token (a partial gang must not hold GPUs) and return
-    (reason, message, transient) for policy.create_retry.create_failed."""
+    """Create an attempt's or the job's objects in order (a resizable PodGroup that exists gets the attempt's
+    minCount). On an API error delete what this call created but the job's peer token (a partial gang must not hold
+    GPUs) and return (reason, message, transient) for policy.create_retry.create_failed."""
     created: list[dict[str, Any]] = []
     for manifest in manifests:
         try:

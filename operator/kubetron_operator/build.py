@@ -1,8 +1,10 @@
 """build(job, attempt) -> manifests: everything one attempt of a TrainingJob runs as. Pure: no API calls.
 
-Per job: a headless Service (stable DNS for rank 0, the rendezvous host), created once a pod of the job
-is placed on a node (a job waiting in a queue or for room costs no Service, nor the Endpoints and
-EndpointSlice the control plane keeps for one). Per attempt: an optional
+Per job (job_objects): a headless Service (stable DNS for rank 0, the rendezvous host) and, with copies of the
+memory snapshots on peers, the Secret of the job's peer token; both created once a pod of the job is placed on
+a node (a job waiting in a queue or for room costs neither, nor the Endpoints and EndpointSlice the control
+plane keeps for a Service; the pods mount the token's Secret, so a kubelet starts none before it exists).
+Per attempt: an optional
 PodGroup for gang scheduling (Kubernetes' v1beta1 one is per job, its minCount resized: docs/gang.md) and one
 pod per node named `<job>-<attempt>-<rank>`. Each pod carries the
 trainer's config itself (an annotation the kubelet writes to /etc/kubetron/config.yaml through a
@@ -25,6 +27,7 @@ from kubetron_operator.model import (
     COSCHEDULING_GROUP_LABEL,
     KUEUE_COUNT_ANNOTATION,
     KUEUE_GROUP_LABEL,
+    PEER_TOKEN_MOUNT,
     POD_GROUP_APIS,
     QUEUE_LABEL,
     RESIZABLE_POD_GROUP_APIS,
@@ -88,9 +91,15 @@ def master_addr(job: Job, attempt: int) -> str:
 
 def build(job: Job, attempt: int, expected_iteration: int = 0,
           avoid_nodes: tuple[str, ...] = (), nodes: int = 0, pod_group_api: str | None = None) -> list[dict[str, Any]]:
-    """All objects of attempt `attempt`: the job's Service, then attempt_objects(). The operator creates
-    the Service only once a pod of the job is placed on a node (policy.start.needs_service)."""
-    return [build_service(job), *attempt_objects(job, attempt, expected_iteration, avoid_nodes, nodes, pod_group_api)]
+    """All objects of attempt `attempt`: job_objects(), then attempt_objects()."""
+    return [*job_objects(job), *attempt_objects(job, attempt, expected_iteration, avoid_nodes, nodes, pod_group_api)]
+
+
+def job_objects(job: Job) -> list[dict[str, Any]]:
+    """The objects every attempt of the job shares, in creation order: the headless Service, then the peer token's
+    Secret (when its pods copy their snapshots to each other). The operator creates them only once a pod of the job
+    is placed on a node (policy.start.needs_job_objects): until then nothing reads them."""
+    return [build_service(job), *([build_peer_secret(job)] if job.spec.peer_copies else [])]
 
 
 def attempt_objects(job: Job, attempt: int, expected_iteration: int = 0,
@@ -105,7 +114,7 @@ def attempt_objects(job: Job, attempt: int, expected_iteration: int = 0,
     `pod_group_api`: the PodGroup version the cluster serves for the job's gang (gang_api()).
     """
     nodes = nodes or job.spec.nodes
-    manifests: list[dict[str, Any]] = [build_peer_secret(job)] if job.spec.peer_copies else []
+    manifests: list[dict[str, Any]] = []
     if job.spec.scheduling.gang != "none":
         manifests.append(build_pod_group(job, attempt, nodes, pod_group_api))
     manifests += [build_pod(job, attempt, rank, expected_iteration, avoid_nodes, nodes, pod_group_api)
@@ -227,11 +236,20 @@ def _snapshot_env(job: Job) -> dict[str, str]:
 
 
 def _snapshot_volume(job: Job) -> tuple[list[dict], list[dict]]:
-    """A memory-backed emptyDir of kubetron plan's size for the snapshots (its use counts in the pod's memory)."""
+    """A memory-backed emptyDir of kubetron plan's size for the snapshots (its use counts in the pod's memory), and
+    with copies on peers the peer token's Secret, mounted read-only: a kubelet sets up every mounted volume before
+    it starts a container and retries one whose Secret does not exist yet (within a second at first), so a pod
+    placed before the operator created the token waits for it, instead of failing to read its KUBETRON_PEER_TOKEN
+    variable (CreateContainerConfigError, retried only every 10 s or more)."""
     if not job.spec.snapshot_volume:
         return [], []
-    return ([{"name": "snapshots", "emptyDir": {"medium": "Memory", "sizeLimit": str(job.spec.snapshot_volume)}}],
-            [{"name": "snapshots", "mountPath": recovery.SNAPSHOT_MOUNT}])
+    volumes: list[dict[str, Any]] = [
+        {"name": "snapshots", "emptyDir": {"medium": "Memory", "sizeLimit": str(job.spec.snapshot_volume)}}]
+    mounts: list[dict[str, Any]] = [{"name": "snapshots", "mountPath": recovery.SNAPSHOT_MOUNT}]
+    if job.spec.peer_copies:
+        volumes.append({"name": "peers", "secret": {"secretName": peer_secret_name(job), "defaultMode": 0o440}})
+        mounts.append({"name": "peers", "mountPath": PEER_TOKEN_MOUNT, "readOnly": True})
+    return volumes, mounts
 
 
 def trainer_args(job: Job) -> list[str]:

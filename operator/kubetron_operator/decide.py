@@ -41,7 +41,7 @@ def decide(job: Job | None, obs: Observed) -> Action:
     release = released(obs, action)
     if release:
         action = replace(action, release_pods=release)
-    return replace(action, create_service=True) if start.needs_service(obs, action) else action
+    return replace(action, create_job_objects=True) if start.needs_job_objects(obs, action) else action
 
 
 def _decide(job: Job | None, obs: Observed) -> Action:

@@ -97,7 +97,7 @@ def observe(deps: Deps, body: dict[str, Any], pods_in: list[dict[str, Any]] | No
     gang = job.spec.scheduling.gang if job is not None and status.get("phase") not in FINISHED else "none"
     return Observed(now=now, status=status, pods=pods, progress=reads.progress, live=reads.live,
                     spec_error=error, node_trouble=trouble, node_problems=problems, nodes=nodes,
-                    service=deps.view.has_service(meta.get("uid")),
+                    job_objects=deps.view.has_job_objects(meta.get("uid")),
                     store_unread=reads.store_unread, created=parse_stamp(meta.get("creationTimestamp")),
                     pod_group_api=kube.pod_group_api(gang)), job
 

@@ -40,7 +40,7 @@ from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.kueue import queued
 from kubetron_operator.policy.throttle import hold_news, hold_until, throttle
-from kubetron_operator.policy.wake import SERVICE_RETRY, at_most, next_due
+from kubetron_operator.policy.wake import JOB_OBJECTS_RETRY, at_most, next_due
 from kubetron_operator.view import View
 
 DEBOUNCE = 0.2  # seconds: a burst of watch events (a gang of pods starting) becomes one reconcile
@@ -187,8 +187,8 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
         due = at_most(due, hold_until(deps.interval))
     if news_due is not None:  # so were a starting attempt's news
         due = at_most(due, news_due)
-    if action.create_service and not deps.view.has_service(meta.get("uid")):  # a transient error: try again
-        due = at_most(due, SERVICE_RETRY)
+    if action.create_job_objects and not deps.view.has_job_objects(meta.get("uid")):  # a transient error: try again
+        due = at_most(due, JOB_OBJECTS_RETRY)
     return due
 
 

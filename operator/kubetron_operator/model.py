@@ -67,7 +67,8 @@ RESERVED_ANNOTATIONS = frozenset({VOLCANO_GROUP_ANNOTATION, KUEUE_COUNT_ANNOTATI
 Only the exact Kueue keys the operator writes: users' other Kueue requests (`kueue.x-k8s.io/podset-required-topology`,
 `podset-preferred-topology`, ...) pass through to every pod."""
 
-RESERVED_VOLUMES = frozenset({"store", "config", "dshm"})
+RESERVED_VOLUMES = frozenset({"store", "config", "dshm", "snapshots", "peers"})
+PEER_TOKEN_MOUNT = "/var/run/kubetron/peers"  # the peer token's Secret, mounted so a kubelet waits for it (build.py)
 RESERVED_CONTAINERS = frozenset({"progress"})
 TEMPLATE_SPEC_KEYS = ("hostNetwork", "volumes", "initContainers", "containers")
 TRAINER_KEYS = ("name", "env", "envFrom", "volumeMounts", "securityContext")
@@ -571,8 +572,8 @@ def parse_pod_template(t: Mapping[str, Any], spec: Mapping[str, Any]) -> PodTemp
         env_from = tuple(_list(trainer[0].get("envFrom"), f"{tf}.envFrom"))
         mounts = tuple(_named(trainer[0].get("volumeMounts"), f"{tf}.volumeMounts", RESERVED_VOLUMES))
         caps = _capabilities(trainer[0].get("securityContext") or {}, f"{tf}.securityContext")
-        reserved_paths = {"/etc/kubetron", "/dev/shm", ((spec.get("storage") or {}).get("pvc") or {}).get(
-            "mountPath") or "/ckpt"}
+        reserved_paths = {"/etc/kubetron", "/dev/shm", recovery.SNAPSHOT_MOUNT, PEER_TOKEN_MOUNT,
+                          ((spec.get("storage") or {}).get("pvc") or {}).get("mountPath") or "/ckpt"}
         for j, m in enumerate(mounts):
             if str(m.get("mountPath", "")).rstrip("/") in reserved_paths:
                 raise SpecError(f"{tf}.volumeMounts[{j}].mountPath", f"{m.get('mountPath')} is used by the operator")

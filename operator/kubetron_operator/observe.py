@@ -234,7 +234,7 @@ class Observed:
     node_trouble: Mapping[str, str] = field(default_factory=dict)  # node_trouble() of the pods' nodes
     node_problems: Mapping[str, str] = field(default_factory=dict)  # what those nodes say is wrong (node_view.py)
     nodes: tuple[NodeView, ...] | None = None  # the cluster's nodes, listed before an attempt that avoids some
-    service: bool = False  # the job's headless Service is known to exist (this operator created or found it)
+    job_objects: bool = False  # build.job_objects (Service, peer token) known to exist (made or found by this operator)
     created: datetime | None = None  # the job's metadata.creationTimestamp (the goodput ledger starts there)
     store_unread: tuple[str, str] | None = None  # (reason, message): why the S3 progress log could not be read
     pod_group_api: str | None = None  # the PodGroup apiVersion the API server serves for the job's gang (None: none)

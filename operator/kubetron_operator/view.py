@@ -40,7 +40,7 @@ class JobMemory:
     parsed: tuple[str, Job | None, str] | None = None  # (what it was parsed from, Job.from_body, its error)
     created: dict[str, tuple[float, dict[str, Any]]] = dataclasses.field(default_factory=dict)  # pods not seen yet
     patched: float = float("-inf")  # time.monotonic() of our last status patch (policy/throttle.py)
-    service: bool = False  # its Service was created or found by this operator (Observed.service)
+    job_objects: bool = False  # its Service and peer token were made or found by this operator (Observed.job_objects)
     warned: set[str] = dataclasses.field(default_factory=set)  # ignored-payload warnings already posted
     progress: tuple[datetime, ProgressRead] | None = None  # the store's progress log as last read, and when
     live_quiet_until: float = 0.0  # time.monotonic() before which rank 0's endpoint is not read (it failed)
@@ -161,14 +161,14 @@ class View:
         memory = self.get(uid)
         return time.monotonic() - (memory.patched if memory is not None else float("-inf"))
 
-    def has_service(self, uid: str | None) -> bool:
+    def has_job_objects(self, uid: str | None) -> bool:
         memory = self.get(uid)
-        return memory is not None and memory.service
+        return memory is not None and memory.job_objects
 
-    def service_made(self, uid: str) -> None:
+    def job_objects_made(self, uid: str) -> None:
         memory = self.get(uid)
         if memory is not None:
-            memory.service = True
+            memory.job_objects = True
 
 
 def _older(body: dict[str, Any], than: dict[str, Any]) -> bool:

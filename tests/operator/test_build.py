@@ -13,7 +13,15 @@ import pytest
 import yaml
 from kubetron.contract import recovery
 from kubetron_operator.apply import with_token
-from kubetron_operator.build import CONFIG_PATH, build, build_probe_pod, master_addr, rank_command
+from kubetron_operator.build import (
+    CONFIG_PATH,
+    attempt_objects,
+    build,
+    build_probe_pod,
+    job_objects,
+    master_addr,
+    rank_command,
+)
 from kubetron_operator.model import Job, SpecError
 from kubetron_operator.render import render_file
 
@@ -325,6 +333,14 @@ def test_pods_snapshot_into_a_memory_volume_of_kubetron_plans_size_and_copy_to_p
                                       "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert env["KUBETRON_PEER_TOKEN"] == {"name": "KUBETRON_PEER_TOKEN", "valueFrom": {
         "secretKeyRef": {"name": "gpt-peers", "key": "token"}}}
+    # The token's Secret is the job's (job_objects, created once a pod is placed, not with each attempt); the pods
+    # mount it read-only, so a kubelet waits for it before it starts the trainer (it retries a volume within a second,
+    # a variable from a missing Secret only every 10 s or more).
+    assert not by_kind(attempt_objects(job, 1), "Secret") and by_kind(job_objects(job), "Secret") == [secret]
+    (peers,) = [v for v in pod["spec"]["volumes"] if v["name"] == "peers"]
+    assert peers == {"name": "peers", "secret": {"secretName": "gpt-peers", "defaultMode": 0o440}}
+    assert {"name": "peers", "mountPath": "/var/run/kubetron/peers", "readOnly": True} in pod["spec"]["containers"][0][
+        "volumeMounts"]
     # off: no volume, no Secret, no variables; one pod: its own snapshots, no copies (no token, no address)
     off = build(Job.from_body(job_body(PVC_JOB, memorySnapshots={"enabled": False})), 1)
     assert not by_kind(off, "Secret") and not any(v["name"] == "snapshots" for v in by_kind(off, "Pod")[0]["spec"][
@@ -332,6 +348,7 @@ def test_pods_snapshot_into_a_memory_volume_of_kubetron_plans_size_and_copy_to_p
     single = build(Job.from_body(job_body(PVC_JOB, nodes=1)), 1)
     assert not by_kind(single, "Secret") and "KUBETRON_SNAPSHOT_DIR" in env_of(by_kind(single, "Pod")[0])
     assert "KUBETRON_PEER_TOKEN" not in env_of(by_kind(single, "Pod")[0])
+    assert not [v for v in by_kind(single, "Pod")[0]["spec"]["volumes"] if "secret" in v]
 
 
 @pytest.mark.parametrize("limit, refused", [("1Gi", False), ("20Mi", True), (None, False)])

@@ -16,7 +16,7 @@ from kubetron_operator.model import Job
 from kubetron_operator.observe import Observed, PodView, node_trouble
 from kubetron_operator.policy import attempt_end
 from kubetron_operator.policy.restart import MAX_PREEMPTIONS_WITHOUT_PROGRESS
-from kubetron_operator.policy.start import service_failed
+from kubetron_operator.policy.start import job_objects_failed
 
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body
 
@@ -869,24 +869,24 @@ PENDING = {**RUNNING, "phase": "Pending", "reason": "AttemptCreated"}
     ("placed, but being deleted", [pod(0, "Pending", node="n1", deleting_for=1.0), pod(1, "Pending")], False, False),
 ])
 def test_the_service_is_asked_for_once_a_pod_of_the_attempt_is_placed(case, pods, known, wanted):
-    action = run(PENDING, pods, service=known)
-    assert action.create_service is wanted, case
+    action = run(PENDING, pods, job_objects=known)
+    assert action.create_job_objects is wanted, case
 
 
 def test_no_service_for_an_attempt_that_ends():
     action = run(RUNNING, [pod(0, node="n1"), pod(1, "Failed", node="n2", exit_code=1)])
-    assert action.phase == "Restarting" and not action.create_service
-    assert run({}, []).create_attempt == 1 and not run({}, []).create_service  # a new attempt: its pods first
+    assert action.phase == "Restarting" and not action.create_job_objects
+    assert run({}, []).create_attempt == 1 and not run({}, []).create_job_objects  # a new attempt: its pods first
     done = {**RUNNING, "phase": "Succeeded", "completionTime": "2026-11-22T11:30:00Z"}
-    assert not run(done, [pod(0, "Succeeded", node="n1"), pod(1, "Succeeded", node="n2")]).create_service
+    assert not run(done, [pod(0, "Succeeded", node="n1"), pod(1, "Succeeded", node="n2")]).create_job_objects
 
 
 def test_a_service_that_cannot_be_created_fails_the_job_or_is_tried_again():
     obs = Observed(now=NOW, status=PENDING, pods=(pod(0, "Pending", node="n1"), pod(1, "Pending", node="n2")))
     asked = decide(JOB, obs)
-    assert asked.create_service
-    again = service_failed(obs, asked, "CreateRetrying", "cannot create Service ml/gpt: HTTP 500", transient=True)
+    assert asked.create_job_objects
+    again = job_objects_failed(obs, asked, "CreateRetrying", "cannot create Service ml/gpt: HTTP 500", transient=True)
     assert again.kind == asked.kind and again.events[-1].reason == "CreateRetrying" and not again.phase
-    failed = service_failed(obs, asked, "NameConflict", "Service ml/gpt already exists", transient=False)
+    failed = job_objects_failed(obs, asked, "NameConflict", "Service ml/gpt already exists", transient=False)
     assert failed.phase == "Failed" and failed.status["reason"] == "NameConflict"
     assert set(failed.delete_pods) == {"gpt-1-0", "gpt-1-1"}

@@ -46,24 +46,29 @@ def test_a_start_costs_its_writes_waiting_costs_nothing_and_a_pod_failure_shows_
         assert quiet(kube) == 0, "the operator still makes API requests while nothing changes"
         # A start is its writes (pods, status, events): nothing wrote to a job but its status (no
         # finalizer, no kopf annotation), nothing read a job back (the watch and the status patch's
-        # answer tell), no request was refused, and no Service while the pods wait for a node (their
-        # claim "ckpt" does not exist: the scheduler leaves them Unschedulable).
+        # answer tell), no request was refused, and no Service nor peer token while the pods wait for a node
+        # (their claim "ckpt" does not exist: the scheduler leaves them Unschedulable).
         calls = kube.operator_calls(ns)
         assert not [c for c in calls if c[:2] == ("patch", "trainingjobs")], calls
         assert not [c for c in calls if c[0] == "get" or c[2] >= 400], calls
-        assert (calls[("create", "services", 201)], calls[("create", "pods", 201)]) == (0, 6), calls
+        assert [calls[("create", kind, 201)] for kind in ("services", "secrets", "pods")] == [0, 0, 6], calls
         assert not [c for c in calls if c[1] == "configmaps"], calls  # the config travels on the pods
         r0 = operator_requests(kube)
         time.sleep(6)
         assert operator_requests(kube) - r0 == 0, "requests while three jobs wait for their pods"
-        # Once a pod is placed on a node, its job's Service (rank 0's name) is created, and only that one.
+        # Once a pod is placed on a node, its job's Service (rank 0's name) and peer token are created, and only
+        # that job's.
         api.create(f"/api/v1/namespaces/{ns}/pods/a-1-1/binding", {
             "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "a-1-1"},
             "target": {"apiVersion": "v1", "kind": "Node", "name": "node-1"}})
         svc = kube.wait_for("job a's Service", lambda: api.get(f"/api/v1/namespaces/{ns}/services/a", ok=(404,)))
         assert svc["metadata"]["ownerReferences"][0]["name"] == "a" and svc["spec"]["clusterIP"] == "None"
+        token = kube.wait_for("job a's peer token", lambda: api.get(f"/api/v1/namespaces/{ns}/secrets/a-peers",
+                                                                    ok=(404,)))
+        assert token["metadata"]["ownerReferences"][0]["name"] == "a" and len(token["data"]["token"]) >= 40
         quiet(kube)
-        assert kube.operator_calls(ns)[("create", "services", 201)] == 1
+        calls = kube.operator_calls(ns)
+        assert [calls[("create", kind, 201)] for kind in ("services", "secrets")] == [1, 1], calls
 
     with kube.operator(ns, interval=60):  # a restarted operator; nothing may wait for its interval
         time.sleep(1)

@@ -223,6 +223,11 @@ def test_no_queue_no_kueue_labels():
     ({"metadata": {"labels": {"kueue.x-k8s.io/queue-name": "q"}}},
      "spec.podTemplate.metadata.labels[kueue.x-k8s.io/queue-name]"),
     ({"spec": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "spec.podTemplate.spec.volumes[0].name"),
+    ({"spec": {"volumes": [{"name": "x", "emptyDir": {}}, {"name": "peers", "emptyDir": {}}]}},
+     "spec.podTemplate.spec.volumes[1].name"),  # the peer token's (build.job_objects)
+    ({"spec": {"containers": [{"name": "trainer", "volumeMounts": [
+        {"name": "c", "mountPath": "/var/run/kubetron/peers/"}]}]}},
+     "spec.podTemplate.spec.containers[0].volumeMounts[0].mountPath"),
     ({"spec": {"containers": [{"name": "trainer", "image": "evil"}]}}, "spec.podTemplate.spec.containers[0].image"),
     ({"spec": {"containers": [{"name": "trainer", "volumeMounts": [{"name": "c", "mountPath": "/dev/shm"}]}]}},
      "spec.podTemplate.spec.containers[0].volumeMounts[0].mountPath"),

@@ -69,7 +69,8 @@ required rules from that registry for every values combination and fails on anyt
   resources: [services]
   verbs: [create, get, delete]
 # The S3 credentials a job's storage.s3.secretRef names, to read its progress log. create: a job's peer token,
-# <job>-peers, which its pods' agents require of each other (docs/recovery.md); get: whose is an existing one.
+# <job>-peers, which its pods' agents require of each other (docs/recovery.md), once a pod of the job is placed;
+# get: whose is an existing one.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create, get]

@@ -26,7 +26,7 @@ class Action:
     nodes: int = 0  # the size of the attempt to create (0: spec.nodes)
     create_probes: tuple[int, ...] = ()  # ranks whose probe pod to create for the current attempt (docs/elastic.md)
     replace_ranks: tuple[int, ...] = ()  # ranks of the current attempt whose pod to create again (docs/recovery.md)
-    create_service: bool = False  # create the job's headless Service (rank 0's name), before anything else
+    create_job_objects: bool = False  # create build.job_objects (peer token, rank 0's Service), before anything else
     release_pods: tuple[str, ...] = ()  # Kueue group members to mark retriable-in-group "false" (before any delete)
     taint_nodes: tuple[str, ...] = ()  # nodes this job just left out: tainted cluster-wide if the chart allows it
     delete_job: bool = False
@@ -42,4 +42,4 @@ class Action:
         """Nothing to apply: no status patch, no pod or object to create or delete, no event."""
         return not (self.status or self.delete_pods or self.force_delete_pods or self.events or self.release_pods
                     or self.create_attempt is not None or self.delete_job
-                    or self.create_probes or self.create_service or self.taint_nodes or self.replace_ranks)
+                    or self.create_probes or self.create_job_objects or self.taint_nodes or self.replace_ranks)

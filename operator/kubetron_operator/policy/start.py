@@ -177,19 +177,21 @@ def _startup_trouble(current: list[PodView]) -> tuple[str, str] | None:
     return None
 
 
-def needs_service(obs: Observed, action: Action) -> bool:
-    """Rank 0's name (the job's headless Service) is needed once a worker of the current attempt is placed
-    on a node, and the attempt goes on: the trainers resolve it only once they run. A job waiting in a
-    queue or for room costs no Service, nor the Endpoints and EndpointSlice the control plane adds."""
+def needs_job_objects(obs: Observed, action: Action) -> bool:
+    """The job's objects (build.job_objects: rank 0's name, the job's headless Service; the pods' peer token) are
+    needed once a worker of the current attempt is placed on a node, and the attempt goes on: the trainers resolve
+    the name only once they run, and a kubelet starts a pod only once its token's Secret exists (it retries). A job
+    waiting in a queue or for room costs no request for them, nor the Endpoints and EndpointSlice the control
+    plane adds for a Service."""
     attempt = obs.status.get("attempt") or 0
-    if obs.service or attempt == 0 or action.create_attempt is not None or ENDING_PHASES & {
+    if obs.job_objects or attempt == 0 or action.create_attempt is not None or ENDING_PHASES & {
             obs.status.get("phase"), action.phase}:
         return False
     return any(p.role == "worker" and p.attempt == attempt and p.node and p.deleting_for is None for p in obs.pods)
 
 
-def service_failed(obs: Observed, action: Action, reason: str, message: str, transient: bool) -> Action:
-    """The Service could not be created (apply.create_children's verdict): a transient error is tried again
+def job_objects_failed(obs: Observed, action: Action, reason: str, message: str, transient: bool) -> Action:
+    """The job's objects could not be created (apply.create_children's verdict): a transient error is tried again
     (an event says so, the rest of `action` goes on); anything else fails the job, as at creation."""
     if not transient:
         return fail(obs, reason, message)

@@ -16,7 +16,7 @@ from kubetron_operator.policy import deadlines
 from kubetron_operator.policy.elastic import shrink_due
 
 RESYNC = 300.0  # seconds: an unfinished, unsuspended job is re-decided at least this often (no API request)
-SERVICE_RETRY = 10.0  # seconds until a Service that could not be created (a transient error) is tried again
+JOB_OBJECTS_RETRY = 10.0  # seconds until job objects that could not be created (a transient error) are tried again
 PAST_DUE = 0.05  # seconds past a moment, so it has passed when decided (whatever the clocks' rounding)
 
 
