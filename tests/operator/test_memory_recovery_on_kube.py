@@ -7,7 +7,7 @@ the pod), through three recoveries in one run:
    loadedFrom memory, kind inPlace);
 2. pod 1 deleted at once (grace 0, as a lost node leaves it): the operator creates it again in the same attempt and
    the gang resumes, rank 1 from the copy pod 0's agent holds (loadedFrom peer, kind podReplaced);
-3. another job's token (its own `<job>-peers` Secret, as its pods hold it), and no token at all, against both pods'
+3. another job's token (drawn as the operator draws every job's), and no token at all, against both pods'
    agents: refused, to read a copy or the list of them as to write a copy, and the copy is not written;
 4. every snapshot of rank 1, its own and the copies pod 0 holds, corrupted (bytes flipped in the newest, the older
    cut short), then rank 1's trainer SIGKILLed: the gang resumes in place from the store's checkpoint (loadedFrom
@@ -25,6 +25,7 @@ import base64
 import contextlib
 import http.client
 import re
+import secrets
 import time
 from pathlib import Path
 
@@ -133,13 +134,10 @@ def test_a_killed_rank_resumes_from_memory_and_a_lost_pod_from_its_peers_copy(ku
                     statusPort=free_port(), masterPort=free_port(), maxInPlaceRestarts=3,
                     overrides=["checkpoint.non_persistent_save_interval=3"], **pinned(ns))
     body["metadata"] = {"name": "gpt"}
-    other = job_body(PVC_JOB, scheduling={"nodeSelector": {"kubetron.dev/nowhere": ns}})  # its pods stay Pending
-    other["metadata"] = {"name": "other"}
     durable = open_store(store / "gpt")  # the job's store on the PVC (checkpoint.save)
     t_start = time.monotonic()
     with pool(api, ns, 2) as names, kube.operator(ns), ProcessKubelet(api, ns, tmp_path / "pods", nodes=names) as pods:
         api.create(kube.jobs(ns), body)
-        api.create(kube.jobs(ns), other)  # another job of the namespace: its own token, in other-peers
 
         def logged(name: str) -> list[str]:
             c = pods.containers.get(name)
@@ -197,8 +195,9 @@ def test_a_killed_rank_resumes_from_memory_and_a_lost_pod_from_its_peers_copy(ku
         # 3. another job's pod (its token) and anything outside the job's pods (no token) can neither read nor
         # write this job's copies, on either pod's agent; the job's own token reads them (the address is right)
         holding = sf.iterations(copies)
-        mine, theirs = token(api, ns, "gpt"), kube.wait_for("the other job's token", lambda: api.get(
-            f"/api/v1/namespaces/{ns}/secrets/other-peers", ok=(404,)) and token(api, ns, "other"))
+        # another job's token: drawn as the operator draws each job's (apply.py), into that job's own Secret once
+        # one of its pods is placed (a job whose pods wait has none yet)
+        mine, theirs = token(api, ns, "gpt"), secrets.token_urlsafe(32)
         assert theirs != mine
         for address in (agent(pod0.lines), agent(replaced.lines)):
             assert ask(address, "GET", "/v1/index", mine) == 200
