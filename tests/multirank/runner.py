@@ -87,8 +87,10 @@ def launch(args: list[str], rank_dir: Path, nproc: int = 2, timeout: float = 400
 def fault_at(iteration: int, sig: str = "TERM", rank: int | None = None) -> dict[str, str]:
     """The environment that has the ranks (or only global rank `rank`) send themselves SIG<sig> once iteration
     `iteration` is done (kubetron.cli.chaos_from_env, `step@<k>`): the run's own event, no printed line read."""
-    return {"KUBETRON_CHAOS_KILL_AT": f"step@{iteration}", "KUBETRON_CHAOS_SIGNAL": sig,
-            **({"KUBETRON_CHAOS_RANK": str(rank)} if rank is not None else {})}
+    from kubetron.cli import CHAOS_KILL_AT_ENV, CHAOS_RANK_ENV, CHAOS_SIGNAL_ENV
+
+    return {CHAOS_KILL_AT_ENV: f"step@{iteration}", CHAOS_SIGNAL_ENV: sig,
+            **({CHAOS_RANK_ENV: str(rank)} if rank is not None else {})}
 
 
 def start_plain_ranks(args: list[str], rank_dir: Path, world: int = 2,
