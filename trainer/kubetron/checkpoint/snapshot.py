@@ -8,10 +8,14 @@ blocks only for the copy into host buffers, the copy an async durable save makes
 the same iteration, the snapshot is written from that very copy (kubetron.checkpoint.manager).
 
 When: every `checkpoint.non_persistent_save_interval` iterations, or by default as often as costs at most
-BUDGET of the step time: after each snapshot the next is due after ceil(cost / (BUDGET x step time))
-iterations, where cost is the loop's blocked time (plus, on CPU where the background write competes for
-the same cores, the write's own time), the largest over the ranks. All ranks snapshot at the same
-iterations (a collective decides at each due step); a write still running on any rank postpones the next.
+BUDGET of the step time: the first FIRST_AFTER iterations after the start, then each ceil(cost / (BUDGET x step
+time)) iterations after the one before, where cost is the newest snapshot's (the loop's blocked time, plus, on
+CPU where the background write competes for the same cores, the write's own time), the largest over the ranks,
+re-read once that snapshot is measured: so the first one's unknown cost never makes the second follow it at once.
+The default schedule counts the iterations this process ran (one `due()` call each), not iteration numbers, so a
+loop that shares its counter with other work (bench/loop_overhead.py's interleaved variants) pays what a run
+pays. All ranks snapshot at the same iterations (a collective decides at each due step); a write still running on
+any rank postpones the next.
 So does a snapshot not yet sent to the pods that hold its copies (where the pod's agent copies them,
 `paced`; for at most COPY_PATIENCE): a pod keeps only KEEP snapshots of a rank, and the gang can
 load only an iteration every rank has, its own or a copy, so the copies must not fall behind.
@@ -72,7 +76,8 @@ class MemorySnapshots:
         self.buffers = HostBuffers()  # the host copy when no durable save shares its own
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kubetron-snapshot")
         self._pending: Future | None = None
-        self._next: int | None = None  # the time-based schedule's next due iteration
+        self._since: int | None = None  # the default schedule: iterations since the last snapshot (or the start)
+        self._every = FIRST_AFTER  # ... after which one may be due (re-read from the newest cost when reached)
         self._last_tick: float | None = None
         self._step_times: deque[float] = deque(maxlen=20)  # seconds between the loop's iterations
         self.blocked = 0.0  # the newest snapshot's copy (seconds the loop waited)
@@ -85,7 +90,7 @@ class MemorySnapshots:
         """The run continues after `iteration`: snapshots of this rank newer than it are of iterations that
         will be computed again (a fallback to an older checkpoint): dropped, so they never outrank those."""
         drop_newer(self.dir, iteration)
-        self._next = iteration + FIRST_AFTER
+        self._since, self._every = 0, FIRST_AFTER
 
     def due(self, step: int) -> bool:
         """Whether to snapshot after iteration `step`; collective at the iterations where one may be due (the
@@ -94,9 +99,15 @@ class MemorySnapshots:
         if self._last_tick is not None:
             self._step_times.append(now - self._last_tick)
         self._last_tick = now
-        candidate = step % self.interval == 0 if self.interval else self._next is not None and step >= self._next
-        if not candidate:
-            return False
+        if self.interval:
+            if step % self.interval:
+                return False
+        else:
+            if self._since is None:  # not resumed yet
+                return False
+            self._since += 1
+            if self._since < self._every:
+                return False
         busy = self._pending is not None and not self._pending.done() or self._copies_lag()
         step_time = statistics.median(self._step_times) if self._step_times else 0.0
         cost = self.blocked + (self.write_seconds if self.count_background else 0.0)
@@ -105,8 +116,12 @@ class MemorySnapshots:
             log.debug("snapshot at iteration %d postponed: the previous one is still being written", step)
             return False
         if not self.interval:
-            every = max(1, math.ceil(cost / (BUDGET * step_time))) if cost and step_time else 1
-            self._next = step + every
+            if self.taken:  # the newest snapshot's cost is known (a write still running was waited for above)
+                every = max(1, math.ceil(cost / (BUDGET * step_time))) if cost and step_time else 1
+                if self._since < every:
+                    self._every = every
+                    return False
+            self._since, self._every = 0, 1  # the next is re-read once this one is measured
         return True
 
     def _copies_lag(self) -> bool:
