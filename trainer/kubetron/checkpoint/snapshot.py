@@ -99,14 +99,15 @@ class MemorySnapshots:
         if self._last_tick is not None:
             self._step_times.append(now - self._last_tick)
         self._last_tick = now
+        since = 0
         if self.interval:
             if step % self.interval:
                 return False
         else:
             if self._since is None:  # not resumed yet
                 return False
-            self._since += 1
-            if self._since < self._every:
+            since = self._since = self._since + 1
+            if since < self._every:
                 return False
         busy = self._pending is not None and not self._pending.done() or self._copies_lag()
         step_time = statistics.median(self._step_times) if self._step_times else 0.0
@@ -118,7 +119,7 @@ class MemorySnapshots:
         if not self.interval:
             if self.taken:  # the newest snapshot's cost is known (a write still running was waited for above)
                 every = max(1, math.ceil(cost / (BUDGET * step_time))) if cost and step_time else 1
-                if self._since < every:
+                if since < every:
                     self._every = every
                     return False
             self._since, self._every = 0, 1  # the next is re-read once this one is measured
