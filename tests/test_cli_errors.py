@@ -276,6 +276,13 @@ def test_closed_pipe_ends_quietly_with_141(tmp_path, args):
     ({"KUBETRON_CHAOS_KILL_AT": "step"}, "env KUBETRON_CHAOS_KILL_AT"),  # a step needs its iteration
     ({"KUBETRON_CHAOS_KILL_AT": "after-shard@x"}, "env KUBETRON_CHAOS_KILL_AT"),
     ({"KUBETRON_CHAOS_KILL_AT": "step@3", "KUBETRON_CHAOS_SIGNAL": "HUP"}, "env KUBETRON_CHAOS_SIGNAL"),
+    ({"KUBETRON_CHAOS_KILL_AT": "step@3,stepp@5"}, "env KUBETRON_CHAOS_KILL_AT"),  # each fault of the list
+    ({"KUBETRON_CHAOS_KILL_AT": "step@3,step@5", "KUBETRON_CHAOS_SIGNAL": "STOP,SEGV,KILL"},
+     "env KUBETRON_CHAOS_SIGNAL"),  # one signal for all, or one per fault
+    ({"KUBETRON_CHAOS_KILL_AT": "step@3,step@5", "KUBETRON_CHAOS_SIGNAL": "STOP,HUP"}, "env KUBETRON_CHAOS_SIGNAL"),
+    ({"KUBETRON_CHAOS_KILL_AT": "step@10%10"}, "env KUBETRON_CHAOS_KILL_AT"),  # a residue below its modulus
+    ({"KUBETRON_CHAOS_KILL_AT": "step@3%x"}, "env KUBETRON_CHAOS_KILL_AT"),
+    ({"KUBETRON_CHAOS_KILL_AT": "after-commit@3%10"}, "env KUBETRON_CHAOS_KILL_AT"),  # only steps take one
 ])
 def test_a_malformed_fault_request_names_its_variable(env, field):
     from kubetron.cli import chaos_from_env
@@ -312,3 +319,58 @@ def test_the_fault_hooks_hit_only_their_rank_their_point_and_a_first_life(monkey
     faults("after-payload", 20)
     faults("after-commit", 20)
     assert sent == [signal.SIGSTOP, signal.SIGKILL]
+
+
+def test_a_list_of_faults_is_one_per_life_of_the_worker(monkeypatch):
+    """`step@13,step@25` with signals STOP,SEGV: the worker's first life hangs at 13, the life torchrun restarts it
+    into crashes at 25, a third life runs clean (the hang story on the real control plane acts so)."""
+    import signal
+
+    from kubetron import cli
+    from kubetron.events import StepDone
+
+    sent: list[int] = []
+    monkeypatch.setattr(cli.os, "kill", lambda pid, sig: sent.append(sig))
+    env = {"KUBETRON_CHAOS_KILL_AT": "step@13, step@25", "KUBETRON_CHAOS_SIGNAL": "STOP,SEGV"}
+    for life in ("0", "1", "2"):
+        faults, listener = cli.chaos_from_env({**env, "TORCHELASTIC_RESTART_COUNT": life})
+        if life == "2":
+            assert (faults, listener) == (None, None)
+            continue
+        for it in range(10, 30):
+            listener(StepDone(it, 0.1, 8 * it, {}, 1e-3, None, False, None, 1.0))
+    assert sent == [signal.SIGSTOP, signal.SIGSEGV]
+    faults, _ = cli.chaos_from_env({"KUBETRON_CHAOS_KILL_AT": "after-payload,after-commit@20",
+                                    "TORCHELASTIC_RESTART_COUNT": "1"})  # one signal (KILL) for all
+    faults("after-payload", 20)
+    faults("after-commit", 20)
+    assert sent == [signal.SIGSTOP, signal.SIGSEGV, signal.SIGKILL]
+
+
+def test_an_armed_fault_waits_for_its_file_then_hits_at_its_own_step(monkeypatch, tmp_path):
+    """KUBETRON_CHAOS_ARM: life i's fault waits for <path>-<i>; `step@3%10` then hits at the next iteration that
+    is 3 past a multiple of 10 (mid-interval, wherever the test armed it)."""
+    import signal
+
+    from kubetron import cli
+    from kubetron.events import StepDone
+
+    sent: list[tuple[int, int]] = []
+    done = lambda it: StepDone(it, 0.1, 8 * it, {}, 1e-3, None, False, None, 1.0)  # noqa: E731
+    arm = tmp_path / "arm"
+    env = {"KUBETRON_CHAOS_KILL_AT": "step@3%10,step@5%10", "KUBETRON_CHAOS_SIGNAL": "STOP,SEGV",
+           "KUBETRON_CHAOS_ARM": str(arm)}
+    _, first = cli.chaos_from_env(env)
+    _, second = cli.chaos_from_env({**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+    it = 0
+    monkeypatch.setattr(cli.os, "kill", lambda pid, sig: sent.append((sig, it)))
+    for it in range(1, 25):
+        first(done(it))
+        second(done(it))
+        if it == 14:
+            (tmp_path / "arm-0").touch()  # life 0 armed; life 1's file never made here
+    assert sent == [(signal.SIGSTOP, 23)]
+    (tmp_path / "arm-1").touch()
+    for it in range(25, 40):
+        second(done(it))
+    assert sent == [(signal.SIGSTOP, 23), (signal.SIGSEGV, 25), (signal.SIGSEGV, 35)]

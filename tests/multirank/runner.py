@@ -93,6 +93,16 @@ def fault_at(iteration: int, sig: str = "TERM", rank: int | None = None) -> dict
             **({CHAOS_RANK_ENV: str(rank)} if rank is not None else {})}
 
 
+def faults_by_life(*faults: tuple[str, str], rank: int | None = None, arm: Path | None = None) -> dict[str, str]:
+    """The environment for one fault per life of a worker, in order: (`step@<k>`, `step@<r>%<m>` or a save point,
+    its signal); with `arm`, life i's fault waits until the file <arm>-<i> exists (kubetron.cli.chaos_from_env)."""
+    from kubetron.cli import CHAOS_ARM_ENV, CHAOS_KILL_AT_ENV, CHAOS_RANK_ENV, CHAOS_SIGNAL_ENV
+
+    return {CHAOS_KILL_AT_ENV: ",".join(at for at, _ in faults), CHAOS_SIGNAL_ENV: ",".join(sig for _, sig in faults),
+            **({CHAOS_RANK_ENV: str(rank)} if rank is not None else {}),
+            **({CHAOS_ARM_ENV: str(arm)} if arm is not None else {})}
+
+
 def start_plain_ranks(args: list[str], rank_dir: Path, world: int = 2,
                       env_of: Callable[[int], dict] = lambda rank: {}) -> list[subprocess.Popen]:
     """The operator's launch without torchrun: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK per process, each

@@ -247,8 +247,9 @@ class ProcessKubelet:
     "started", "exited", "deleting", "gone"); `containers[pod name]`: the newest container of that name."""
 
     def __init__(self, api: Api, namespace: str, workdir: Path, nodes: tuple[str, ...] = ("node-1",),
-                 period: float = 0.05):
+                 period: float = 0.05, faults: dict[str, dict[str, str]] | None = None):
         self.api, self.ns, self.dir, self.nodes, self.period = api, namespace, workdir, nodes, period
+        self.faults = faults or {}  # pod name -> a test's KUBETRON_CHAOS_* variables for that pod's container
         self.containers: dict[str, Container] = {}
         self.seen: dict[tuple[str, str], float] = {}
         self._by_uid: dict[str, Container] = {}
@@ -312,7 +313,8 @@ class ProcessKubelet:
 
     def _start(self, pod: dict[str, Any]) -> None:
         name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
-        c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", secrets=secret_env(self.api, pod))
+        c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", secrets=secret_env(self.api, pod),
+                      faults=self.faults.get(name))
         self.containers[name] = self._by_uid[uid] = c
         for key in ("exited", "exit noticed", "deleting", "gone"):
             self.seen.pop((name, key), None)
@@ -352,3 +354,13 @@ class ProcessKubelet:
             self._report_exit(pod, c)
         self.api.request("DELETE", pod_path(self.ns, meta["name"]),
                          {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}, ok=(404, 409))
+
+
+def last_checkpoint(store: Path) -> int:
+    """The newest durable checkpoint's iteration by the trainer's progress log in the store (0: none yet)."""
+    from kubetron.supervisor.progress_io import summarize
+
+    try:
+        return (summarize(str(store)).get("lastCheckpoint") or {}).get("iteration") or 0
+    except OSError:
+        return 0

@@ -2,13 +2,16 @@
 trainers (the tests' kubelet runs every pod the scheduler binds to the story's three Nodes as local processes; each
 Node has room for one pod): one 2-pod job of the tiny GPT on a PVC store
 
-1. hangs: rank 1's trainer is SIGSTOPped mid-interval. Its pods' watchdogs name it, its stacks and the others'
+Every fault is the trainer's own, at its own step (kubetron.cli.chaos_from_env: `step@<r>%<m>`, armed by a file
+once the test has done what must come first), never at a line the test read.
+
+1. hangs: rank 1's trainer SIGSTOPs itself mid-interval. Its pods' watchdogs name it, its stacks and the others'
    go to the store, the gang restarts in place (status Hung naming its pod and node, restarts.hangs, an event)
    and trains again, within the goal (detection <= 60 s, training <= 120 s; with hangTimeoutSeconds 10);
-2. crashes (SIGSEGV; its one in-place restart is spent) on the same Node, which now reports a GPU problem
-   itself (a condition, as node-problem-detector sets one): the attempt fails, and on the node's own word (the
-   hang and the crash are the job's, no evidence against a node) the next attempt is placed on the other two,
-   and the operator (--taint-failing-nodes, the chart's failingNodes.taint) taints it for the job's namespace;
+2. crashes (a SIGSEGV in its second life; its one in-place restart is spent) on the same Node, which now reports
+   a GPU problem itself (a condition, as node-problem-detector sets one): the attempt fails, and on the node's own
+   word (the hang and the crash are the job's, no evidence against a node) the next attempt is placed on the other
+   two, and the operator (--taint-failing-nodes, the chart's failingNodes.taint) taints it for the job's namespace;
 3. is preempted (its rank 0 evicted; it saves on SIGTERM) and resumes;
 4. completes. Its goodput ledger put each of the three in recovery (the crash also in lost work; the hang
    resumes in place from memory), and its buckets sum to every rank-second since the job was created;
@@ -18,25 +21,28 @@ Node has room for one pod): one 2-pod job of the tiny GPT on a PVC store
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from kubetron.contract import hang
 
 from tests.kube.cluster import Kubelet, free_port
+from tests.multirank.runner import faults_by_life
 from tests.operator.cli import kubetron
 from tests.operator.jobs import PVC_JOB, job_body
-from tests.operator.local_pods import ITER_RE, Container, ProcessKubelet, pvc, tiny_config
+from tests.operator.local_pods import ITER_RE, Container, ProcessKubelet, last_checkpoint, pvc, tiny_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 POOL = "kubetron.dev/hang-story"
 SAVE_INTERVAL = 10
 HANG_TIMEOUT = 10  # spec.hangTimeoutSeconds: short for the test (default max(45 s, 5 x the slowest iteration))
+# Rank 1's trainer in attempt 1: its first life SIGSTOPs itself mid-interval, its second (restarted in place)
+# SIGSEGVs, each at its first such iteration once the test armed it (the file <arm>-<life>).
+HANG_THEN_CRASH = ((f"step@3%{SAVE_INTERVAL}", "STOP"), (f"step@5%{SAVE_INTERVAL}", "SEGV"))
 
 
 def nodes(kube, ns: str) -> list[Kubelet]:
@@ -78,9 +84,10 @@ def test_a_hang_a_crash_and_a_preemption_each_land_where_they_belong(kube, kube_
     pool = nodes(kube, ns)
     try:
         with kube.operator(ns, "--taint-failing-nodes"), \
-                ProcessKubelet(api, ns, tmp_path / "pods", nodes=tuple(n.name for n in pool)) as node:
+                ProcessKubelet(api, ns, tmp_path / "pods", nodes=tuple(n.name for n in pool), faults={
+                    "gpt-1-1": faults_by_life(*HANG_THEN_CRASH, arm=tmp_path / "arm")}) as node:
             api.create(kube.jobs(ns), body)
-            timeline = story(kube, ns, node, store / "gpt")
+            timeline = story(kube, ns, node, store / "gpt", tmp_path / "arm")
             st = kube.wait_status(ns, "gpt", "Succeeded", lambda s: s.get("phase") == "Succeeded", timeout=300)
             table = kubetron(kube, "status", "gpt", "-n", ns)
             events = {e["reason"]: e["message"] for e in kube.events(ns)}
@@ -117,18 +124,20 @@ def test_a_hang_a_crash_and_a_preemption_each_land_where_they_belong(kube, kube_
           f"{timeline['training']:.1f} s; goodput {json.dumps(seconds)}")
 
 
-def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
+def story(kube, ns: str, node: ProcessKubelet, store: Path, arm: Path) -> dict[str, Any]:
     """The hang, the crash and the preemption, each checked as it happens; the ledger around each."""
     timeline: dict[str, Any] = {}
     explain = lambda: "\n".join(f"--- {n}\n" + "".join(c.lines[-15:]) for n, c in node.containers.items())  # noqa: E731
     kube.wait_for("the ledger has read the trainer's clock", lambda: goodput(kube, ns).get("stepSeconds"), 300,
                   explain)
-    rank1 = kube.wait_for("rank 1 mid-interval", lambda: (c := node.containers.get("gpt-1-1")) and c.last_iteration()
-                          % SAVE_INTERVAL in (3, 4, 5) and c.last_iteration() > SAVE_INTERVAL and c, 300, explain)
+    kube.wait_for("a durable checkpoint (the trainer's progress log)", lambda: last_checkpoint(store), 120, explain)
+    rank1 = node.containers["gpt-1-1"]
     hung_node = kube.pods(ns)["gpt-1-1"]["spec"]["nodeName"]
     timeline["before hang"] = goodput(kube, ns)["seconds"]
+    trainer = psutil.Process(rank1.trainer_pid())
+    Path(f"{arm}-0").touch()  # rank 1 stops itself at its next iteration 3 past a save
+    kube.wait_for("rank 1's trainer stopped itself", lambda: trainer.status() == psutil.STATUS_STOPPED, 120, explain)
     stopped = time.time()
-    os.kill(rank1.trainer_pid(), signal.SIGSTOP)
 
     # 1. the hang: named, stacks stored, restarted in place, training again
     st = kube.wait_status(ns, "gpt", "Hung", lambda s: (s.get("restarts") or {}).get("hangs") == 1
@@ -158,11 +167,8 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     kube.admin.patch(f"/api/v1/nodes/{hung_node}/status", {"status": {"conditions": [
         *held, {"type": "GpuXidError", "status": "True", "reason": "Xid79", "message": "GPU has fallen off the bus",
                 "lastTransitionTime": held[0]["lastTransitionTime"]}]}})
-    resumed = max(iterations_after(rank1, line))
-    kube.wait_for("mid-interval again", lambda: rank1.last_iteration() % SAVE_INTERVAL in (3, 4, 5)
-                  and rank1.last_iteration() > resumed + 2, 120, explain)
     timeline["before crash"] = goodput(kube, ns)["seconds"]
-    os.kill(rank1.trainer_pid(), signal.SIGSEGV)
+    Path(f"{arm}-1").touch()  # rank 1's second life crashes at its next iteration 5 past a save
     st = kube.wait_status(ns, "gpt", "attempt 2 created", lambda s: s.get("attempt") == 2, timeout=120)
     (avoided,) = st["avoidNodes"]
     assert avoided["node"] == hung_node and avoided["reason"] == "NodeProblem", avoided
@@ -173,7 +179,8 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
     pods = kube.wait_for("attempt 2 placed", lambda: (p := kube.pods(ns)) and {"gpt-2-0", "gpt-2-1"} <= set(p) and all(
         p[n]["spec"].get("nodeName") for n in ("gpt-2-0", "gpt-2-1")) and p, 120)
     assert hung_node not in {pods[n]["spec"]["nodeName"] for n in ("gpt-2-0", "gpt-2-1")}
-    kube.wait_for("attempt 2 training", lambda: (c := node.containers.get("gpt-2-1")) and c.last_iteration(), 180,
+    crashed_at = last_checkpoint(store)
+    kube.wait_for("attempt 2 saved a checkpoint of its own", lambda: last_checkpoint(store) > crashed_at, 180,
                   explain)
     timeline["after crash"] = goodput(kube, ns)["seconds"]
 
@@ -183,3 +190,4 @@ def story(kube, ns: str, node: ProcessKubelet, store: Path) -> dict[str, Any]:
         "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "gpt-2-0", "namespace": ns}})
     kube.wait_status(ns, "gpt", "attempt 3", lambda s: s.get("attempt") == 3, timeout=120)
     return timeline
+

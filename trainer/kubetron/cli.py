@@ -41,6 +41,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kubetron import __version__
 from kubetron.client_cli import add_commands
@@ -113,53 +114,81 @@ def cmd_train(args: argparse.Namespace) -> int:
 CHAOS_KILL_AT_ENV = "KUBETRON_CHAOS_KILL_AT"
 CHAOS_RANK_ENV = "KUBETRON_CHAOS_RANK"
 CHAOS_SIGNAL_ENV = "KUBETRON_CHAOS_SIGNAL"
-CHAOS_SIGNALS = ("KILL", "STOP", "TERM", "INT")
+CHAOS_ARM_ENV = "KUBETRON_CHAOS_ARM"
+CHAOS_SIGNALS = ("KILL", "STOP", "TERM", "INT", "SEGV")
 
 
 def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable[[object], None] | None]:
     """Fault injection, only when asked, for tests and soaks of the real process (no printed line to act on):
     KUBETRON_CHAOS_KILL_AT=<point>[@<iteration>] sends this process KUBETRON_CHAOS_SIGNAL (KILL, the default; STOP,
-    TERM or INT) at that point: a point of a save (kubetron.checkpoint.manager.SAVE_POINTS: after-shard,
+    TERM, INT or SEGV) at that point: a point of a save (kubetron.checkpoint.manager.SAVE_POINTS: after-shard,
     after-model, after-payload, after-commit, after-tracker, ...) or `step@<k>`, once iteration k is done (a
-    listener of the run's StepDone). With KUBETRON_CHAOS_RANK=<r> only global rank r (env RANK) is hit. Only in
-    a worker's first life (TORCHELASTIC_RESTART_COUNT unset or 0): the ranks torchrun restarts in place run clean.
+    listener of the run's StepDone), or `step@<r>%<m>`, at the first iteration i with i % m == r (with
+    KUBETRON_CHAOS_ARM: the first once armed). With KUBETRON_CHAOS_RANK=<r> only global rank r (env RANK) is hit.
+    With KUBETRON_CHAOS_ARM=<path> the fault of life i waits until the file <path>-<i> exists (a test arms it
+    when it has done what must come first; the process still acts at its own step, not at a line someone read).
+
+    A worker's lives: the first fault fires only in its first life (TORCHELASTIC_RESTART_COUNT unset or 0), so
+    the ranks torchrun restarts in place run clean. A comma-separated list is one fault per life, in order
+    (`step@13,step@25` with KUBETRON_CHAOS_SIGNAL=STOP,SEGV: a hang in the first life, a crash in the second);
+    KUBETRON_CHAOS_SIGNAL is then one signal for all or one per fault.
 
     Returns (the checkpoint manager's save-fault hook, the step listener); (None, None) when unset or not this
-    rank's. A malformed value is a ConfigError naming the variable."""
+    rank's or this life's. A malformed value is a ConfigError naming the variable."""
     spec = environ.get(CHAOS_KILL_AT_ENV)
     if not spec:
         return None, None
     from kubetron.checkpoint.manager import SAVE_POINTS
 
-    point, _, at = spec.partition("@")
-    if point not in (*SAVE_POINTS, "step") or (at and not at.isdigit()) or (point == "step" and not at):
-        raise ConfigError(f"env {CHAOS_KILL_AT_ENV}", f"{spec!r} is not <point>[@<iteration>] with a point of "
-                          f"{', '.join(SAVE_POINTS)} or step@<iteration>")
-    name = environ.get(CHAOS_SIGNAL_ENV, "KILL").upper().removeprefix("SIG")
-    if name not in CHAOS_SIGNALS:
-        raise ConfigError(f"env {CHAOS_SIGNAL_ENV}", f"{name!r} is not one of {', '.join(CHAOS_SIGNALS)}")
+    specs = [one.strip() for one in spec.split(",")]
+    for one in specs:
+        point, _, at = one.partition("@")
+        residue, _, modulus = at.partition("%")
+        if point not in (*SAVE_POINTS, "step") or (at and not residue.isdigit()) or (point == "step" and not at) \
+                or (modulus and (point != "step" or not modulus.isdigit() or int(residue) >= int(modulus))):
+            raise ConfigError(f"env {CHAOS_KILL_AT_ENV}", f"{one!r} is not <point>[@<iteration>] with a point of "
+                              f"{', '.join(SAVE_POINTS)}, step@<iteration> or step@<r>%<m> (0 <= r < m)")
+    names = [n.strip().upper().removeprefix("SIG") for n in environ.get(CHAOS_SIGNAL_ENV, "KILL").split(",")]
+    if len(names) not in (1, len(specs)):
+        raise ConfigError(f"env {CHAOS_SIGNAL_ENV}", f"{len(names)} signals for {len(specs)} faults "
+                          f"({CHAOS_KILL_AT_ENV}): give one for all or one per fault")
+    for name in names:
+        if name not in CHAOS_SIGNALS:
+            raise ConfigError(f"env {CHAOS_SIGNAL_ENV}", f"{name!r} is not one of {', '.join(CHAOS_SIGNALS)}")
     only = environ.get(CHAOS_RANK_ENV)
     if only and int(only) != int(environ.get("RANK", "0") or 0):
         return None, None
-    if int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+    life = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if life >= len(specs):
         return None, None
+    spec, name = specs[life], names[life if len(names) > 1 else 0]
+    point, _, at = spec.partition("@")
+    residue, _, modulus = at.partition("%")
     sig = signal.Signals[f"SIG{name}"]
+    arm = Path(f"{environ[CHAOS_ARM_ENV]}-{life}") if environ.get(CHAOS_ARM_ENV) else None
 
     def hit() -> None:
         sys.stdout.flush()
         os.kill(os.getpid(), sig)
 
+    def armed() -> bool:
+        nonlocal arm
+        if arm is not None and arm.exists():
+            arm = None  # armed for good
+        return arm is None
+
     if point == "step":
         from kubetron.events import StepDone
 
         def at_step(event: object) -> None:
-            if isinstance(event, StepDone) and event.iteration == int(at):
+            if isinstance(event, StepDone) and (event.iteration % int(modulus) == int(residue) if modulus
+                                                else event.iteration == int(residue)) and armed():
                 hit()
 
         return None, at_step
 
     def at_save(save_point: str, iteration: int) -> None:
-        if spec in (save_point, f"{save_point}@{iteration}"):
+        if spec in (save_point, f"{save_point}@{iteration}") and armed():
             hit()
 
     return at_save, None
