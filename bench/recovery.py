@@ -10,8 +10,9 @@ and the real `kubetron operator`; a ProcessKubelet (tests/operator/local_pods.py
 binds as local processes, the pods' exact commands (real launcher, torchrun, trainer; gloo on CPU),
 reports their ends, and stops the containers of pods being deleted. Each run: a 2-pod job of the tiny
 GPT on a hostPath claim trains, its two pods on two Nodes with room for one pod each (a full cluster: a
-restart has no room for any pod but the gang's); once rank 1 has logged half an interval past a durable
-checkpoint (the progress log's), its trainer process is SIGKILLed (SIGSTOPped for the hang). Then
+restart has no room for any pod but the gang's); once a durable checkpoint is in the progress log, rank 1's
+trainer is armed to SIGKILL itself (SIGSTOP, for the hang) at its next iteration half an interval past a save
+(kubetron.cli.chaos_from_env, `step@<r>%<m>`: the run's own step, not a line read from it). Then
 
   * in place:  spec.maxInPlaceRestarts 3: the torchrun agents restart the gang in the same pods (each rank
                resumes from its memory snapshot when one newer than the store's checkpoint exists, the
@@ -40,7 +41,8 @@ it is uncordoned: seconds to the first step at 2 nodes.
 
 `--memory MB`: instead, memory snapshots (docs/recovery.md) against the store, side by side in one run, the
 model widened so that a rank's state is about MB megabytes (kubetron plan's estimate): rank 1's trainer
-SIGKILLed, then (another job) pod 1 deleted at once (grace 0, as a lost node leaves it), each with
+SIGKILLed (by itself, half an interval past a save), then (another job) pod 1 deleted at once (grace 0, as a lost
+node leaves it) while its trainer has SIGSTOPped itself at the same point, each with
 spec.memorySnapshots on (in place from memory; the pod replaced in its attempt, from pod 0's copy) and off
 (in place from the store; a new attempt from the store). Per run: seconds from the kill (deletion) to rank 1's
 line of the first iteration after the one resumed from, status.lastRecovery's loadedFrom, and the iterations
@@ -62,7 +64,6 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,12 +83,12 @@ sys.path.insert(0, str(ROOT))
 from kubetron.contract.times import parse_stamp  # noqa: E402
 from kubetron.storage import snapshot_files as sf  # noqa: E402
 from kubetron.supervisor import startup  # noqa: E402
-from kubetron.supervisor.progress_io import summarize  # noqa: E402
 
 from tests.kube import cluster  # noqa: E402
 from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
+from tests.multirank.runner import faults_by_life  # noqa: E402
 from tests.operator.jobs import PVC_JOB, job_body  # noqa: E402
-from tests.operator.local_pods import Container, ProcessKubelet, pinned, pool, pvc, tiny_config  # noqa: E402
+from tests.operator.local_pods import Container, ProcessKubelet, last_checkpoint, pinned, pool, pvc, tiny_config  # noqa: E402
 from tests.trainer_utils import ITER_RE  # noqa: E402
 
 IN_PLACE, RECREATE, HANG = "in place", "recreate", "hang"
@@ -108,7 +110,7 @@ class Recovery:
     phases: dict[str, float]  # seconds, PHASES order
     total: float  # kill -> end of the first step after it, measured directly
     first_iteration: int  # the first iteration completed after the kill (resumed from the one before)
-    killed_at_iteration: int  # the last iteration rank 1 logged before the kill
+    killed_at_iteration: int  # the iteration rank 1's trainer completed last, at which its fault fired
     checkpoint_at_kill: int  # the newest durable checkpoint then (the progress log's)
     loaded_from: str  # status.lastRecovery.loadedFrom: memory (a snapshot), peer, store (the durable checkpoint)
     resumed_from: int  # status.lastRecovery.iteration
@@ -144,14 +146,15 @@ def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int, hang_tim
                     maxInPlaceRestarts=0 if mode == RECREATE else 3, terminationGracePeriodSeconds=30,
                     **pinned(ns), **spec)
     body["metadata"] = {"name": "gpt"}
+    arm, sig = workdir / ns / "arm", "STOP" if mode == HANG else "KILL"
     with pool(env.admin, ns, 2) as names, env.operator(ns), BackoffWatch(env, ns) as backoff, \
-            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as node:
+            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names,
+                           faults={"gpt-1-1": mid_interval_fault(save_interval, sig, arm)}) as node:
         env.admin.create(env.jobs(ns), body)
-        rank1 = wait("rank 1 mid-interval after a durable checkpoint",
-                     lambda: mid_interval(node.containers.get("gpt-1-1"), store / "gpt", save_interval), node)
-        pid, reached, durable = rank1.trainer_pid(), rank1.last_iteration(), last_checkpoint(store / "gpt")
-        killed = time.time()
-        os.kill(pid, signal.SIGSTOP if mode == HANG else signal.SIGKILL)  # rank 1's trainer, not its pod's PID 1
+        wait("a durable checkpoint (the trainer's progress log)", lambda: last_checkpoint(store / "gpt"), node)
+        rank1 = wait("rank 1's pod", lambda: node.containers.get("gpt-1-1"), node)
+        killed, reached = fire(rank1, arm, sig, save_interval, node)  # rank 1's trainer, not its pod's PID 1
+        durable = last_checkpoint(store / "gpt")
         rank0 = "gpt-2-0" if mode == RECREATE else "gpt-1-0"
         arrived, (total, first, trainer) = wait(
             f"{rank0}'s first step after the kill", lambda: (c := node.containers.get(rank0)) is not None
@@ -168,27 +171,36 @@ def recover(env: KubeEnv, workdir: Path, mode: str, save_interval: int, hang_tim
                     last["iteration"], lines)
 
 
-def last_checkpoint(store: Path) -> int:
-    """The newest durable checkpoint's iteration by the store's progress log (0: none)."""
-    try:
-        return (summarize(str(store)).get("lastCheckpoint") or {}).get("iteration") or 0
-    except OSError:
-        return 0
+def mid_interval_fault(save_interval: int, sig: str, arm: Path) -> dict[str, str]:
+    """Rank 1's trainer sends itself SIG<sig> at its first iteration half an interval past a save once `fire` armed
+    it (kubetron.cli.chaos_from_env): the run's own step, not a line read from it."""
+    return faults_by_life((f"step@{save_interval // 2}%{save_interval}", sig), arm=arm)
 
 
-def mid_interval(rank1: Container | None, store: Path, save_interval: int) -> Container | None:
-    """Rank 1's container once it is half an interval past a durable checkpoint (none yet: keep waiting)."""
-    if rank1 is None:
-        return None
-    durable = last_checkpoint(store)
-    return rank1 if durable and rank1.last_iteration() >= durable + save_interval // 2 else None
+def fire(rank1: Container, arm: Path, sig: str, save_interval: int, node: ProcessKubelet) -> tuple[float, int]:
+    """Arms rank 1's fault (`mid_interval_fault`) and waits until its trainer acted on it: (the time it did,
+    polled every 20 ms; the iteration it did at, its last line)."""
+    trainer = psutil.Process(rank1.trainer_pid())
+    Path(f"{arm}-0").touch()
 
+    def acted() -> bool:
+        try:
+            status = trainer.status()
+        except psutil.NoSuchProcess:
+            return sig == "KILL"
+        return status in ((psutil.STATUS_STOPPED,) if sig == "STOP" else (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD))
 
-def newest_rank_1(pods: ProcessKubelet) -> Container | None:
-    """Rank 1 of the newest attempt that has one (attempt 1's, unless the job resized before the bench began)."""
-    parts = [(name.split("-"), c) for name, c in list(pods.containers.items())]
-    ranks = [(int(p[1]), c) for p, c in parts if len(p) == 3 and p[0] == "gpt" and p[1].isdigit() and p[2] == "1"]
-    return max(ranks, key=lambda r: r[0])[1] if ranks else None
+    wait(f"rank 1's trainer SIG{sig}", acted, node)
+    when = time.time()
+    # The fault is a listener of StepDone(k) that runs before the one that prints iteration k's line: the last
+    # line is k's or k - 1's (once the pipe delivered it).
+    r, m = save_interval // 2, save_interval
+
+    def fault_iteration() -> int | None:
+        last = rank1.last_iteration()
+        return last + (r - last) % m if last and last % m in (r, (r - 1) % m) else None
+
+    return when, wait("rank 1's line of that iteration (or the one before)", fault_iteration, node, timeout=30)
 
 
 def consecutive(names: tuple[str, ...], times: list[float]) -> dict[str, float]:
@@ -265,8 +277,7 @@ def elastic_timings(env: KubeEnv, workdir: Path, save_interval: int) -> dict[str
     with pool(env.admin, ns, 2) as names, env.operator(ns), \
             ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as pods:
         env.admin.create(env.jobs(ns), body)
-        wait("rank 1 mid-interval after a durable checkpoint",
-             lambda: mid_interval(newest_rank_1(pods), store / "gpt", save_interval), pods)
+        wait("a durable checkpoint (the trainer's progress log)", lambda: last_checkpoint(store / "gpt"), pods)
         gone = time.time()
         drain(env, ns, names[1])
         shrunk = training_at(env, ns, pods, 1, gone)
@@ -463,21 +474,25 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
                                              if snapshots else [])],  # off: no non-persistent checkpoints at all
                     memorySnapshots={"enabled": snapshots}, **pinned(ns))
     body["metadata"] = {"name": "gpt"}
+    # Rank 1's trainer SIGKILLs itself mid-interval; for a deletion it SIGSTOPs itself there and its pod is deleted
+    # then, so both lose the same iterations to the store (a deletion at the same moment, not at a line read).
+    arm, sig = workdir / ns / "arm", "KILL" if scenario == "a rank SIGKILLed" else "STOP"
     with pool(env.admin, ns, 2) as names, env.operator(ns), \
-            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names) as node:
+            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names,
+                           faults={"gpt-1-1": mid_interval_fault(MEMORY_SAVE_INTERVAL, sig, arm)}) as node:
         env.admin.create(env.jobs(ns), body)
-        rank1 = wait("rank 1 mid-interval after a durable checkpoint", lambda: mid_interval(
-            node.containers.get("gpt-1-1"), store / "gpt", MEMORY_SAVE_INTERVAL), node)
+        wait("a durable checkpoint (the trainer's progress log)", lambda: last_checkpoint(store / "gpt"), node)
+        rank1 = wait("rank 1's pod", lambda: node.containers.get("gpt-1-1"), node)
         if snapshots:
             # else the gang would rightly resume from the store, and the run would not measure memory or a peer
             wait("a copy of rank 1's snapshot on pod 0 newer than the store's checkpoint", lambda: max(
                 sf.iterations(sf.peer_dir(node.containers["gpt-1-0"].memory, 1)), default=0) > last_checkpoint(
                 store / "gpt"), node)
-        killed, before = time.time(), dict(node.containers)
-        if scenario == "a rank SIGKILLed":
-            os.kill(rank1.trainer_pid(), signal.SIGKILL)
-        else:
+        before = dict(node.containers)
+        killed, reached = fire(rank1, arm, sig, MEMORY_SAVE_INTERVAL, node)
+        if scenario == "a pod deleted":
             env.admin.request("DELETE", cluster.pod_path(ns, "gpt-1-1"), {"gracePeriodSeconds": 0}, ok=(200, 404))
+            killed = time.time()
 
         last = wait("status.lastRecovery", lambda: ((env.job(ns, "gpt") or {}).get("status") or {}).get(
             "lastRecovery"), node)
@@ -491,11 +506,6 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
 
         arrived = wait("rank 1's first iteration after the recovery", next_iteration, node)
         marks = timeline(node, before, killed, arrived)
-        # where rank 1 was: its last line before the new trainer processes started (the killed process's output
-        # arrives for a moment after the kill; after a deletion pod 0's ranks may save one more on their SIGTERM)
-        new_processes = killed + marks.get(ROUND, arrived - killed)
-        reached = max(int(m.group(1)) for t, line in list(before["gpt-1-1"].stamped)
-                      if t < new_processes and (m := ITER_RE.search(line)))
         lines = [f"--- {name} (started {c.started - killed:+.3f} s)\n" + "".join(
             f"{t - killed:+9.3f} {line}" for t, line in list(c.stamped)) for name, c in
             [*((f"{n} (before)", c) for n, c in before.items()),
