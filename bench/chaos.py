@@ -18,9 +18,11 @@ NODE_GRACE seconds, its pods evicted TOLERATION seconds later), nothing else.
 First the job runs once without faults (the reference: its per-iteration losses, cached by config and trainer code
 in ~/.cache/kubetron/chaos/), then again while faults are injected, one at a time: each fault's moment drawn from
 the seed, then its kind (among those that fit then, one used least so far); its earliest iteration is spread over the
-run (the job reaches `train_iters` soon after the last). The moments: mid-step, mid-save (rank 0 has just scheduled an
-async save), mid-restart (0-3 s after the fault before, while the job recovers), mid-rendezvous (the trainers of a
-recovering gang are starting), and during the operator's own start (right after it was killed and started again).
+run (the job reaches `train_iters` soon after the last). The soak watches the run by its trainers' own events
+(kubetron.cli.events_tap, each pod's KUBETRON_EVENTS_FILE), never by a printed line. The moments: mid-step, mid-save
+(a trainer has just scheduled an async save: its SaveScheduled), mid-restart (0-3 s after the fault before, while
+the job recovers), mid-rendezvous (the trainers of a recovering gang are starting), and during the operator's own
+start (right after it was killed and started again).
 The API server's restarts and the store's outages run beside the soak, which goes on injecting what does not need
 them. A fault that ends an attempt (pod evicted, deleted, node lost, rank SIGTERMed, agent killed, claim full)
 never hits an attempt another such fault ended, so what the job's status must count is known: each Kind's `counts`.
@@ -31,7 +33,7 @@ no process of any of its pods runs, and once it is deleted no pod, PodGroup or S
 Events stay below a flood; that `status.restarts` equals what the injected faults add up to, by kind (a fault the
 next one overlapped, before the job recovered, may count 0: its evidence can end with the attempt); that goodput's
 buckets sum to its total. Per kind: faults, recoveries, median and worst seconds from the injection to the next
-completed iteration (read from the pods' own output: the status is throttled), iterations lost (the last iteration
+completed iteration (the trainers' StepDone events: the status is throttled), iterations lost (the last iteration
 logged before the fault minus the one the next completed iteration continued from).
 
 Learned from running it (issue 45): the stand-in kubelet must end every process of a pod when the pod ends, or a
@@ -69,14 +71,13 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 from kubetron.contract.resource import LABEL_JOB  # noqa: E402
-from kubetron.supervisor import startup  # noqa: E402
 
 from tests.faultproxy import FaultProxy  # noqa: E402
 from tests.kube import cluster  # noqa: E402
 from tests.kube.cluster import ApiError, Kubelet  # noqa: E402
 from tests.kube.fixtures import Operator, start_env  # noqa: E402
 from tests.operator.jobs import PVC_JOB, S3_JOB, job_body  # noqa: E402
-from tests.operator.local_pods import ITER_RE, Container, ProcessKubelet, pod_processes, pvc, tiny_config  # noqa: E402
+from tests.operator.local_pods import Container, ProcessKubelet, pod_processes, pvc, tiny_config  # noqa: E402
 from tests.s3server import S3Server, start_s3_server  # noqa: E402
 
 # -- the cluster's timings and the job --------------------------------------------------------------------------
@@ -144,7 +145,7 @@ NEEDS_API = {"pod-evict", "pod-delete", "operator-failover", "apiserver-restart"
 """Kinds injected through the API server (or restarting it): not while it restarts."""
 MOMENTS = {
     "step": "mid-step: a random moment while the gang trains",
-    "save": "mid-save: rank 0 has just scheduled an async checkpoint save",
+    "save": "mid-save: a trainer has just scheduled an async checkpoint save",
     "restart": "mid-restart: 0-3 s after the fault before, while the job recovers",
     "rendezvous": "mid-rendezvous: the trainers of the recovering gang are starting",
     "operator-start": "during the operator's start: right after the operator was killed and started again",
@@ -302,7 +303,7 @@ class Soak:
 
     def run_pods(self) -> ProcessKubelet:
         self.pods = ProcessKubelet(self.env.admin, self.ns, self.dir / self.ns, nodes=tuple(self.nodes),
-                                   period=0.1).__enter__()
+                                   period=0.1, events=True).__enter__()
         return self.pods
 
     def stop_pods(self) -> None:
@@ -379,13 +380,16 @@ def attempt_of(name: str) -> tuple[int, int] | None:
 
 
 class Pods:
-    """The job's pods as the ProcessKubelet runs them: their iterations, trainers and agents."""
+    """The job's pods as the ProcessKubelet runs them: their trainers' events (kubetron.cli.events_tap: the soak
+    watches the run by its own events, never by its printed lines), trainers and agents."""
 
     def __init__(self, kubelet: ProcessKubelet):
         self.kubelet = kubelet
-        self._read: dict[str, int] = {}  # pod UID -> lines indexed
+        self._read: dict[str, int] = {}  # pod UID -> events indexed
         self._iterations: list[tuple[float, int]] = []
         self._startups: list[tuple[float, int]] = []
+        self._saves: list[float] = []
+        self._trainers: set[tuple[str, int]] = set()  # (pod UID, pid) of every trainer process seen stepping
 
     def containers(self, attempt: int | None = None) -> list[Container]:
         found = [(attempt_of(n), c) for n, c in list(self.kubelet.containers.items())]
@@ -395,39 +399,43 @@ class Pods:
         return max((a[0] for n in list(self.kubelet.containers) if (a := attempt_of(n))), default=0)
 
     def iterations(self) -> list[tuple[float, int]]:
-        """(arrival, iteration) of every iteration line of every pod, by arrival."""
+        """(time, iteration) of every iteration any trainer completed (its StepDone), by time."""
         self._index()
         return self._iterations
 
     def startups(self) -> list[tuple[float, int]]:
-        """(arrival, iteration) of every trainer's start-up line (rank 0's, at the end of its first step)."""
+        """(time, iteration) of every trainer process's first completed iteration."""
         self._index()
         return self._startups
 
+    def saves_after(self, t: float) -> list[float]:
+        """When a trainer's async save left its loop (SaveScheduled) after `t`: a save in flight."""
+        self._index()
+        return [s for s in self._saves if s > t]
+
+    def stepped_since(self, attempt: int, t: float) -> bool:
+        """A trainer of `attempt` completed an iteration after `t`."""
+        return any(e["event"] == "StepDone" and e["time"] > t for c in self.containers(attempt)
+                   for e in c.events()[-8:])
+
     def _index(self) -> None:
-        """Read the lines that arrived since the last call (a long soak's pods print hundreds of thousands)."""
+        """Read the events written since the last call (a long soak's trainers write hundreds of thousands)."""
         fresh = False
         for c in self.containers():
-            stamped = c.stamped[self._read.get(c.uid, 0):]
-            self._read[c.uid] = self._read.get(c.uid, 0) + len(stamped)
-            for t, line in stamped:
-                if m := ITER_RE.search(line):
-                    self._iterations.append((t, int(m.group(1))))
+            events = c.events()
+            for e in events[self._read.get(c.uid, 0):]:
+                if e["event"] == "StepDone":
+                    self._iterations.append((e["time"], e["iteration"]))
+                    if (c.uid, e["pid"]) not in self._trainers:
+                        self._trainers.add((c.uid, e["pid"]))
+                        self._startups.append((e["time"], e["iteration"]))
                     fresh = True
-                elif parsed := startup.parse_line(line):
-                    self._startups.append((t, parsed[1]))
-                    fresh = True
+                elif e["event"] == "SaveScheduled":
+                    self._saves.append(e["time"])
+            self._read[c.uid] = len(events)
         if fresh:
             self._iterations.sort()
             self._startups.sort()
-
-    def lines_after(self, t: float, text: str, rank: int | None = None) -> list[tuple[float, str]]:
-        out = []
-        for c in self.containers():
-            a = attempt_of(c.name)
-            if rank is None or (a and a[1] == rank):
-                out += [(s, line) for s, line in list(c.stamped) if s > t and text in line]
-        return sorted(out)
 
     def live(self, attempt: int) -> list[Container]:
         return [c for c in self.containers(attempt) if c.exit_code() is None]
@@ -494,8 +502,7 @@ class Injector:
 
     def training(self, attempt: int) -> bool:
         """The gang of `attempt` completed an iteration in the last few seconds, and none of its ranks is stopped."""
-        stamps = [t for c in self.pods.containers(attempt) for t, line in list(c.stamped)[-3:] if ITER_RE.search(line)]
-        return bool(stamps) and time.time() - max(stamps) < 3.0 and not self.stopped()
+        return self.pods.stepped_since(attempt, time.time() - 3.0) and not self.stopped()
 
     def stopped(self) -> bool:
         """A rank this soak stopped is still there, stopped (the watchdogs have not ended it yet)."""
@@ -875,8 +882,7 @@ def reach(soak: Soak, pods: Pods, injector: Injector, moment: str, target: int, 
     if moment == "save":
         since = time.time()
         try:
-            wait("rank 0 scheduling a save", lambda: pods.lines_after(since, "async save of", rank=0), soak,
-                 60)
+            wait("a trainer scheduling a save", lambda: pods.saves_after(since), soak, 60)
             return pods.newest_attempt(), moment
         except AssertionError:
             moment = "step"

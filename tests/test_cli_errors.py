@@ -374,3 +374,33 @@ def test_an_armed_fault_waits_for_its_file_then_hits_at_its_own_step(monkeypatch
     for it in range(25, 40):
         second(done(it))
     assert sent == [(signal.SIGSTOP, 23), (signal.SIGSEGV, 25), (signal.SIGSEGV, 35)]
+
+
+def test_the_events_tap_writes_one_line_per_event_of_the_run(tmp_path):
+    """KUBETRON_EVENTS_FILE: the run's events as JSON lines (what bench/chaos.py watches instead of printed lines);
+    a save's many Progress events are left out; unset, no listener at all."""
+    import json
+
+    from kubetron import cli
+    from kubetron.events import (
+        PROGRESS,
+        Checkpoint,
+        CheckpointDurable,
+        PhaseEntered,
+        SaveScheduled,
+        Started,
+        StepDone,
+    )
+
+    assert cli.events_tap({}) is None
+    path = tmp_path / "events.jsonl"
+    tap = cli.events_tap({"KUBETRON_EVENTS_FILE": str(path)})
+    for event in (Started(20, 100, 160, 0.0, Checkpoint(20, None)), PhaseEntered("train"), PROGRESS,
+                  StepDone(21, 0.1, 168, {}, 1e-3, None, False, None, 1.0), SaveScheduled(21),
+                  CheckpointDurable(Checkpoint(21, "t"), 0.0, {}, 1.0, 0.1, True)):
+        tap(event)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["event"], e["iteration"], e["phase"]) for e in lines] == [
+        ("Started", 20, None), ("PhaseEntered", None, "train"), ("StepDone", 21, None), ("SaveScheduled", 21, None),
+        ("CheckpointDurable", 21, None)]
+    assert all(e["pid"] == os.getpid() and e["time"] > 0 for e in lines)

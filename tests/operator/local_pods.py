@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ from typing import Any
 
 import psutil
 import yaml
+from kubetron.cli import EVENTS_FILE_ENV
 from kubetron.contract import recovery
 from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
@@ -124,11 +126,11 @@ def pvc(kube, ns: str, path: Path) -> None:
 class Container:
     """A pod's main container as a local process: the pod's command and env from the API server (and a test's
     `faults`: KUBETRON_CHAOS_* variables). Its output is collected line by line with the time each line arrived
-    (`stamped`)."""
+    (`stamped`); with `events`, its trainers' events too (kubetron.cli.events_tap: `events()`)."""
 
     def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path,
                  hold_at: Callable[[str], bool] | None = None, secrets: dict[str, str] | None = None,
-                 faults: dict[str, str] | None = None):
+                 faults: dict[str, str] | None = None, events: bool = False):
         workdir.mkdir(parents=True)
         self.name, self.uid = pod["metadata"]["name"], pod["metadata"]["uid"]  # the pod's
         self.node = pod["spec"].get("nodeName")
@@ -146,6 +148,11 @@ class Container:
                        MASTER_ADDR="127.0.0.1")
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TMPDIR=str(workdir), **{POD_MARK: self.uid})
         env.update(faults or {})  # a test's fault at a step (tests.multirank.runner.fault_at)
+        self.events_file = workdir / "events.jsonl" if events else None
+        self._events: list[dict[str, Any]] = []
+        self._events_read = 0  # bytes of events_file parsed
+        if self.events_file is not None:
+            env[EVENTS_FILE_ENV] = str(self.events_file)
         # The memory volume (docs/recovery.md): a directory of the pod's, kept across its processes' restarts,
         # removed with the pod (ProcessKubelet); the downward API's pod IP (the job's token: `secret_env`).
         self.memory = workdir / "memory" if recovery.SNAPSHOT_DIR_ENV in env else None
@@ -166,6 +173,22 @@ class Container:
     @property
     def lines(self) -> list[str]:
         return [line for _, line in list(self.stamped)]
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event its trainers wrote so far (`{"event", "iteration", "phase", "time", "pid"}`, in order; the
+        complete lines only; empty without `events`). Not thread-safe: one reader."""
+        if self.events_file is None:
+            return self._events
+        try:
+            with open(self.events_file, "rb") as f:
+                f.seek(self._events_read)
+                complete, _, _ = f.read().rpartition(b"\n")
+        except FileNotFoundError:
+            return self._events
+        if complete:
+            self._events_read += len(complete) + 1
+            self._events.extend(json.loads(line) for line in complete.split(b"\n"))
+        return self._events
 
     def trainer_pid(self) -> int:
         """The trainer process (`python -m kubetron train ...` under torchrun), not the pod's PID 1."""
@@ -247,9 +270,10 @@ class ProcessKubelet:
     "started", "exited", "deleting", "gone"); `containers[pod name]`: the newest container of that name."""
 
     def __init__(self, api: Api, namespace: str, workdir: Path, nodes: tuple[str, ...] = ("node-1",),
-                 period: float = 0.05, faults: dict[str, dict[str, str]] | None = None):
+                 period: float = 0.05, faults: dict[str, dict[str, str]] | None = None, events: bool = False):
         self.api, self.ns, self.dir, self.nodes, self.period = api, namespace, workdir, nodes, period
         self.faults = faults or {}  # pod name -> a test's KUBETRON_CHAOS_* variables for that pod's container
+        self.events = events  # every container's trainers write their events (Container.events())
         self.containers: dict[str, Container] = {}
         self.seen: dict[tuple[str, str], float] = {}
         self._by_uid: dict[str, Container] = {}
@@ -314,7 +338,7 @@ class ProcessKubelet:
     def _start(self, pod: dict[str, Any]) -> None:
         name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
         c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", secrets=secret_env(self.api, pod),
-                      faults=self.faults.get(name))
+                      faults=self.faults.get(name), events=self.events)
         self.containers[name] = self._by_uid[uid] = c
         for key in ("exited", "exit noticed", "deleting", "gone"):
             self.seen.pop((name, key), None)

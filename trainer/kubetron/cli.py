@@ -106,9 +106,40 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # The process is the command (not main() called in-process): the SIGTERM handler stays to the end.
     faults, at_step = chaos_from_env(os.environ)
+    listeners = [x for x in (events_tap(os.environ), at_step) if x is not None]  # the tap first: it has seen k
     return int(run_from_cli(cfg, mode="finetune" if args.command == "finetune" else "pretrain",
-                            keep_signal_handler=args.own_process, faults=faults,
-                            listeners=[at_step] if at_step else ()))
+                            keep_signal_handler=args.own_process, faults=faults, listeners=listeners))
+
+
+EVENTS_FILE_ENV = "KUBETRON_EVENTS_FILE"
+TAPPED = ("Started", "PhaseEntered", "PhaseLeft", "StepDone", "SaveScheduled", "CheckpointDurable", "Stopping",
+          "Ended")  # not Progress: a save's many
+
+
+def events_tap(environ) -> Callable[[object], None] | None:
+    """KUBETRON_EVENTS_FILE=<path>, only when asked: the run's events (TAPPED), one JSON line each appended to <path>
+    as they happen, `{"event", "iteration", "phase", "time", "pid"}`, for tests and soaks that watch a run from
+    outside its process by its own events, not by its printed lines (bench/chaos.py). None when unset."""
+    path = environ.get(EVENTS_FILE_ENV)
+    if not path:
+        return None
+    import time
+
+    out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the run; a line per write)
+    pid = os.getpid()
+
+    def tap(event: object) -> None:
+        name = type(event).__name__
+        if name not in TAPPED:
+            return
+        checkpoint = getattr(event, "checkpoint", None)
+        iteration = getattr(event, "iteration", None)
+        if iteration is None and checkpoint is not None:
+            iteration = checkpoint.iteration
+        out.write(json.dumps({"event": name, "iteration": iteration, "phase": getattr(event, "phase", None),
+                              "time": time.time(), "pid": pid}) + "\n")
+
+    return tap
 
 
 CHAOS_KILL_AT_ENV = "KUBETRON_CHAOS_KILL_AT"

@@ -2,7 +2,8 @@
 run (the metrics logger, rank 0's status endpoint, the progress log, the hang watchdog's heartbeat, the
 termination message) and what tests act on (tests/inprocess.py: "at step k, do X").
 
-    Started -> (PhaseEntered/PhaseLeft, Progress, StepDone, CheckpointDurable, Logged, Evaluated)* -> Stopping -> Ended
+    Started -> (PhaseEntered/PhaseLeft, Progress, StepDone, SaveScheduled, CheckpointDurable, Logged, Evaluated)*
+            -> Stopping -> Ended
 
 The composition root (kubetron.training.run) builds the listeners and hands the emitters one `Events`. A listener is
 a callable taking one event; it runs in the emitter's thread (a save's `Progress` comes from an async save's writer
@@ -101,6 +102,14 @@ class Evaluated:
 
 
 @dataclass(frozen=True, slots=True)
+class SaveScheduled:
+    """An async save of `iteration` left the loop: its host copy is taken, its write runs in the background (a
+    `CheckpointDurable` follows once it is committed)."""
+
+    iteration: int
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointDurable:
     """A checkpoint's commit marker and tracker are written on every rank: a resume finds it."""
 
@@ -129,8 +138,8 @@ class Ended:
     iteration: int | None  # None: it ended before its state existed
 
 
-Event = (Started | PhaseEntered | PhaseLeft | Progress | StepDone | Logged | Evaluated | CheckpointDurable | Stopping
-         | Ended)
+Event = (Started | PhaseEntered | PhaseLeft | Progress | StepDone | Logged | Evaluated | SaveScheduled
+         | CheckpointDurable | Stopping | Ended)
 Listener = Callable[[Event], object]
 
 

@@ -54,7 +54,7 @@ from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatc
 from kubetron.contract.hang import CHECKPOINT
 from kubetron.contract.recovery import MEMORY, STORE
 from kubetron.contract.times import stamp
-from kubetron.events import PROGRESS, Checkpoint, CheckpointDurable, Events
+from kubetron.events import PROGRESS, Checkpoint, CheckpointDurable, Events, SaveScheduled
 from kubetron.storage import open_store
 
 log = logging.getLogger("kubetron")
@@ -311,6 +311,7 @@ class CheckpointManager:
             if not non_persistent:
                 self._blocked[step] = blocked
             log.info("async save of %s scheduled; the loop was blocked %.3fs", name, blocked)
+            self.events.emit(SaveScheduled(step))
             return
         try:
             write()
