@@ -2,8 +2,9 @@
 
 One tiny CPU TrainingJob on a PVC-like directory. The operator's own pure pieces drive it: `decide()`
 says what to do, `build()`/`rank_command()` say what each pod runs, `status_endpoint.read_live()` fetches rank 0's
-status endpoint. The test plays the kubelet: it runs the pod's command as a local process, SIGTERMs it mid-run (what a
-preempted pod's container gets), and presents the outcome as the kubelet would
+status endpoint. The test plays the kubelet: it runs the pod's command as a local process, SIGTERMs its PID 1 mid-run
+(what a preempted pod's container gets; the trainer holds itself at its own step for it, `faults_by_life`, not at a
+line the test read), and presents the outcome as the kubelet would
 (`status.containerStatuses[].state.terminated` with exitCode/reason and the termination message).
 
 What differs from a pod, and only that (rewritten in `local_command`):
@@ -17,6 +18,7 @@ and status ports are free local ports chosen through the spec's own masterPort/s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -25,12 +27,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 from kubetron.contract import exitcodes, recovery
@@ -50,15 +54,16 @@ from kubetron_operator.policy.action import Action
 from kubetron_operator.trainer_reports import status_endpoint
 
 from tests import dashboard
+from tests.multirank.runner import faults_by_life
 from tests.operator.jobs import PVC_JOB, kubectl_get
 from tests.operator.local_pods import config_yaml
-from tests.trainer_utils import ITER_RE, TINY, hold_on_a_short_leash, lines_one_byte_at_a_time, tb_scalars
+from tests.trainer_utils import ITER_RE, TINY, tb_scalars
 
 pytestmark = pytest.mark.cluster
 
 ITERS = 40
 SAVE_INTERVAL = 10
-SIGTERM_AFTER = 15  # the iteration whose log line triggers the SIGTERM: between two checkpoints
+PREEMPT_AT = 5  # the SIGTERM comes at the first iteration this far past a save once the test has seen enough
 TIMEOUT = 240.0  # seconds per trainer process (a loaded CI machine; it takes a few seconds alone)
 
 
@@ -154,11 +159,35 @@ def local_command(job: Job, attempt: int, expected: int, workdir: Path) -> tuple
     return argv, {**base, "PYTHONUNBUFFERED": "1", **env}, termination_log
 
 
-def start(job: Job, attempt: int, expected: int, workdir: Path, output=subprocess.PIPE) -> Container:
+def start(job: Job, attempt: int, expected: int, workdir: Path, output=subprocess.PIPE,
+          faults: dict[str, str] | None = None) -> Container:
     argv, env, termination_log = local_command(job, attempt, expected, workdir)
+    env.update(faults or {})  # KUBETRON_CHAOS_* (tests.multirank.runner.faults_by_life)
     proc = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     return Container(pod_of(build(job, attempt, expected)), proc, termination_log, _now())
+
+
+def trainer_process(c: Container) -> psutil.Process:
+    """The container's trainer (`python -m kubetron train` under torchrun), not its PID 1."""
+    for child in psutil.Process(c.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
+                return child
+    raise AssertionError("no trainer process")
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether `sig` is pending for process `pid` (/proc/<pid>/status: ShdPnd, the process's; SigPnd, the thread's)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(fields[k].strip(), 16) >> (sig - 1) & 1 for k in ("ShdPnd", "SigPnd"))
+
+
+def wait_until(what: str, check, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.02)
 
 
 def finish(c: Container) -> dict[str, Any]:
@@ -217,20 +246,25 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     a = op.round([])
     assert (a.kind, a.create_attempt, a.expected_iteration) == ("create", 1, 0)
     assert op.status["phase"] == "Pending" and op.status["attempt"] == 1
-    c1 = start(job, 1, 0, tmp_path / "pod-1")
+    arm = tmp_path / "arm"
+    c1 = start(job, 1, 0, tmp_path / "pod-1", faults=faults_by_life((f"step@{PREEMPT_AT}%{SAVE_INTERVAL}", "STOP"),
+                                                                    arm=arm))
     assert c1.pod["metadata"]["name"] == "gpt-1-0"
     samples: list[tuple[float, dict[str, Any]]] = []
     checked_live = False
     metrics = ""  # rank 0's GET /metrics once a checkpoint is durable
-    # read a byte at a time from a one-page pipe until the SIGTERM: however slowly this loop runs (a status
-    # fetch and an operator round per line), the trainer gets at most a page past iteration SIGTERM_AFTER
-    hold_on_a_short_leash(c1.proc)
-    for line in lines_one_byte_at_a_time(c1.proc.stdout.fileno()):
-        c1.lines.append(line)
-        m = ITER_RE.search(line)
-        if not m:
+    reader = threading.Thread(target=lambda: c1.lines.extend(c1.proc.stdout), daemon=True)
+    reader.start()
+    read = 0
+    while not (checked_live and metrics and len(samples) >= 3):
+        assert c1.proc.poll() is None, "".join(c1.lines[-40:])
+        fresh, read = c1.lines[read:], len(c1.lines)
+        if not fresh:
+            time.sleep(0.02)
             continue
-        iteration = int(m.group(1))
+        iterations = [int(m.group(1)) for m in map(ITER_RE.search, fresh) if m]
+        if not iterations:
+            continue
         # the operator's own fetch: rank 0 found through the pod's IP and the spec's statusPort
         got = status_endpoint.read_live([view(running(c1))], 1, job.spec.status_port).status
         if got is not None:
@@ -243,14 +277,20 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
             assert st["progress"] == f"{math.floor(100 * got['iteration'] / ITERS)}%"
             assert st["tokensPerSecond"] > 0 and st["eta"] and st["eta"].endswith("s")
             checked_live = True
-        if not metrics and iteration >= SAVE_INTERVAL + 2:
+        if not metrics and max(iterations) >= SAVE_INTERVAL + 2:
             with urllib.request.urlopen(f"http://127.0.0.1:{job.spec.status_port}/metrics", timeout=10) as resp:
                 metrics = resp.read().decode()
-        if iteration >= SIGTERM_AFTER and c1.proc.poll() is None:
-            c1.proc.send_signal(signal.SIGTERM)  # the kubelet stopping the container: PID 1 gets it
-            break
-    for line in c1.proc.stdout:  # the trainer finishes its step, saves, exits (nothing was read ahead)
-        c1.lines.append(line)
+    # Seen what it had to: the trainer stops itself at its next iteration half an interval past a save (its own
+    # step, armed now), and there the kubelet stops the container: PID 1 gets the SIGTERM, which reaches the
+    # stopped trainer (pending) through the launcher and torchrun; then it goes on, saves there and exits.
+    trainer = trainer_process(c1)
+    Path(f"{arm}-0").touch()
+    wait_until("the trainer stopped itself", lambda: trainer.status() == psutil.STATUS_STOPPED)
+    c1.proc.send_signal(signal.SIGTERM)
+    wait_until("the SIGTERM pending in the stopped trainer", lambda: pending(trainer.pid, signal.SIGTERM))
+    trainer.resume()
+    c1.proc.wait(timeout=TIMEOUT)
+    reader.join(timeout=30)
     exited = finish(c1)
     out = "".join(c1.lines)
 
@@ -275,7 +315,7 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     assert state["exitCode"] == exitcodes.SAVED_ON_SIGNAL, out[-3000:]
     term = view(exited).termination
     saved = term["lastCheckpoint"]
-    assert term["reason"] == "SavedOnSignal" and term["iteration"] == saved and SIGTERM_AFTER <= saved < ITERS
+    assert term["reason"] == "SavedOnSignal" and term["iteration"] == saved and saved % SAVE_INTERVAL == PREEMPT_AT
     assert (store / f"iter_{saved:07d}" / "metadata.json").is_file()
     a = op.round([view(exited)])
     assert a.kind == "restart" and a.delete_pods == ("gpt-1-0",), a
