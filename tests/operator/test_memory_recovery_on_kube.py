@@ -139,10 +139,6 @@ def test_a_killed_rank_resumes_from_memory_and_a_lost_pod_from_its_peers_copy(ku
     with pool(api, ns, 2) as names, kube.operator(ns), ProcessKubelet(api, ns, tmp_path / "pods", nodes=names) as pods:
         api.create(kube.jobs(ns), body)
 
-        def logged(name: str) -> list[str]:
-            c = pods.containers.get(name)
-            return c.lines if c else []
-
         def explain() -> str:
             (tmp_path / "pods.log").write_text("\n".join(f"--- {n}\n" + "".join(c.lines) for n, c in
                                                          pods.containers.items()))
@@ -164,7 +160,9 @@ def test_a_killed_rank_resumes_from_memory_and_a_lost_pod_from_its_peers_copy(ku
                 trainer.resume()
 
         # 1. rank 1's trainer SIGKILLed once both pods hold a snapshot: in place, from every pod's own memory
-        kube.wait_for("rank 1 at iteration 10", lambda: newest(logged(RANK1)) >= 10, 240, explain)
+        kube.wait_for("rank 1's own snapshots past iteration 9", lambda: (c := pods.containers.get(RANK1)) is not None
+                      and c.memory is not None and max(sf.iterations(sf.own_dir(c.memory, 1)), default=0) >= 9,
+                      240, explain)
         first, pod0 = pods.containers[RANK1], pods.containers["gpt-1-0"]
         trainer = stopped_when(lambda: ahead_of_store(durable, sf.own_dir(first.memory, 1), sf.own_dir(pod0.memory, 0)),
                                "a snapshot of both ranks as new as the store's checkpoint")
