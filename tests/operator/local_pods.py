@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +129,7 @@ class Container:
     (`stamped`); with `events`, its trainers' events too (kubetron.cli.events_tap: `events()`)."""
 
     def __init__(self, pod: dict[str, Any], config_yaml: str | None, workdir: Path,
-                 hold_at: Callable[[str], bool] | None = None, secrets: dict[str, str] | None = None,
-                 faults: dict[str, str] | None = None, events: bool = False):
+                 secrets: dict[str, str] | None = None, faults: dict[str, str] | None = None, events: bool = False):
         workdir.mkdir(parents=True)
         self.name, self.uid = pod["metadata"]["name"], pod["metadata"]["uid"]  # the pod's
         self.node = pod["spec"].get("nodeName")
@@ -167,8 +166,7 @@ class Container:
                                      text=True, start_new_session=True)
         self.stamped: list[tuple[float, str]] = []  # (time.time() it arrived, line)
         self.reaped = False  # every process of it ended once PID 1 did (ProcessKubelet._reap)
-        # with `hold_at`, held at the first line that passes it until the test releases it (`HeldReader`)
-        self.reader = HeldReader(self.proc, lambda line: self.stamped.append((time.time(), line)), hold_at)
+        self.reader = HeldReader(self.proc, lambda line: self.stamped.append((time.time(), line)))
 
     @property
     def lines(self) -> list[str]:
