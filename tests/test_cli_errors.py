@@ -283,6 +283,7 @@ def test_closed_pipe_ends_quietly_with_141(tmp_path, args):
     ({"KUBETRON_CHAOS_KILL_AT": "step@10%10"}, "env KUBETRON_CHAOS_KILL_AT"),  # a residue below its modulus
     ({"KUBETRON_CHAOS_KILL_AT": "step@3%x"}, "env KUBETRON_CHAOS_KILL_AT"),
     ({"KUBETRON_CHAOS_KILL_AT": "after-commit@3%10"}, "env KUBETRON_CHAOS_KILL_AT"),  # only steps take one
+    ({"KUBETRON_CHAOS_KILL_AT": "step@3", "KUBETRON_CHAOS_RANK": "one"}, "env KUBETRON_CHAOS_RANK"),
 ])
 def test_a_malformed_fault_request_names_its_variable(env, field):
     from kubetron.cli import chaos_from_env
@@ -404,3 +405,8 @@ def test_the_events_tap_writes_one_line_per_event_of_the_run(tmp_path):
         ("Started", 20, None), ("PhaseEntered", None, "train"), ("StepDone", 21, None), ("SaveScheduled", 21, None),
         ("CheckpointDurable", 21, None)]
     assert all(e["pid"] == os.getpid() and e["time"] > 0 for e in lines)
+    from kubetron.contract.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        cli.events_tap({"KUBETRON_EVENTS_FILE": str(tmp_path / "no-such-dir" / "events.jsonl")})
+    assert e.value.field == "env KUBETRON_EVENTS_FILE"

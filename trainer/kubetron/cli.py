@@ -123,10 +123,14 @@ def events_tap(environ) -> Callable[[object], None] | None:
     path = environ.get(EVENTS_FILE_ENV)
     if not path:
         return None
+    import threading
     import time
 
-    out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the run; a line per write)
-    pid = os.getpid()
+    try:
+        out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the run; a line per write)
+    except OSError as e:
+        raise ConfigError(f"env {EVENTS_FILE_ENV}", f"cannot open {path!r}: {e.strerror}") from None
+    pid, lock = os.getpid(), threading.Lock()  # (a save's events come from its writer thread too)
 
     def tap(event: object) -> None:
         name = type(event).__name__
@@ -136,8 +140,10 @@ def events_tap(environ) -> Callable[[object], None] | None:
         iteration = getattr(event, "iteration", None)
         if iteration is None and checkpoint is not None:
             iteration = checkpoint.iteration
-        out.write(json.dumps({"event": name, "iteration": iteration, "phase": getattr(event, "phase", None),
-                              "time": time.time(), "pid": pid}) + "\n")
+        line = json.dumps({"event": name, "iteration": iteration, "phase": getattr(event, "phase", None),
+                           "time": time.time(), "pid": pid}) + "\n"
+        with lock:
+            out.write(line)
 
     return tap
 
@@ -187,6 +193,8 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
         if name not in CHAOS_SIGNALS:
             raise ConfigError(f"env {CHAOS_SIGNAL_ENV}", f"{name!r} is not one of {', '.join(CHAOS_SIGNALS)}")
     only = environ.get(CHAOS_RANK_ENV)
+    if only and not only.isdigit():
+        raise ConfigError(f"env {CHAOS_RANK_ENV}", f"{only!r} is not a rank (a number)")
     if only and int(only) != int(environ.get("RANK", "0") or 0):
         return None, None
     life = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
