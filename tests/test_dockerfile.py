@@ -313,6 +313,30 @@ def test_a_pod_stopped_after_its_ranks_completed_exits_0():
     assert launch.resolve_exit_code(143, message) == 143
 
 
+def test_a_pod_whose_agent_formed_no_round_while_no_rank_ran_ends_as_a_peer_failure():
+    """The pod hosting the rendezvous went away (its node lost) while this pod's agent waited in a round: torchrun
+    exits 1 and no rank ran to say why. A peer failure (exit 5; the operator waits for the other pod's own end),
+    not a TrainerError counted against backoffLimit (found by bench/chaos.py: two extra failures in 200 faults)."""
+    why = "RendezvousConnectionError: The connection to the C10d store has failed."
+    code, message = launch.pod_ending(1, [], 1, no_round=why)
+    assert code == exitcodes.PEER_FAILURE and message["reason"] == "PeerFailure", message
+    assert why in message["message"] and "went away while it waited" in message["message"]
+    # Without the agent's note: torchrun's status, and what is known
+    code, message = launch.pod_ending(1, [], 1)
+    assert code == 1 and message["message"].startswith("torchrun exited with status 1 and no rank wrote"), message
+    # A rank that said why wins (its own error, in an earlier round of this pod); a signal to the pod too
+    own = {"exitCode": 3, "reason": "Diverged", "message": "loss is NaN"}
+    assert launch.pod_ending(1, [own], 1, [own], no_round=why) == (3, own)
+    assert launch.pod_ending(143, [], 1, no_round=why, received=[15])[0] == 143
+
+
+def test_a_pod_whose_agent_lost_the_rendezvous_while_its_ranks_trained_ends_as_a_peer_failure():
+    saved = {"exitCode": 75, "reason": "SavedOnSignal", "message": "stopped by signal", "iteration": 7}
+    code, message = launch.pod_ending(1, [saved], 1, [saved], lost="RendezvousConnectionError: gone")
+    assert code == exitcodes.PEER_FAILURE and message["iteration"] == 7 and "saved at iteration 7" in message["message"]
+    assert launch.pod_ending(1, [saved], 1, [saved], lost="x", received=[15]) == (75, saved)  # it was preempted
+
+
 @pytest.mark.slow
 @pytest.mark.process
 def test_launcher_exits_with_the_root_cause_through_real_torchrun(tmp_path, monkeypatch):

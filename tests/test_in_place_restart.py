@@ -25,7 +25,7 @@ from kubetron.contract.recovery import REPLICATION_FACTOR_ENV
 from kubetron.supervisor import launch
 
 from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods
-from tests.multirank.runner import fault_at
+from tests.multirank.runner import fault_at, free_port
 from tests.trainer_utils import LOSS_RE, QUICK, TINY
 
 pytestmark = pytest.mark.process
@@ -95,10 +95,12 @@ def test_a_killed_trainer_is_restarted_in_place_from_the_newest_checkpoint(tmp_p
 @pytest.mark.slow
 def test_a_config_error_is_not_restarted_in_place(tmp_path):
     """Exit 2 is final: pod 0 exits 2 at once (its rank's own one line last), nothing is restarted.
-    Pod 1 ends too (2, or 1 when the rendezvous host in pod 0 went away before its rank's end was seen)."""
+    Pod 1 ends too: 2, or, when the rendezvous host in pod 0 went away before its rank's end was seen, 5 (a peer
+    failure: no rank of pod 1 ran yet) or 1 (its rank ran but had not said why)."""
     pods = start_pods(tmp_path, ["train", "--config", TINY, *QUICK, "train.train_iters=-3"])
     codes, outs, log = run_to_end(pods, timeout=120)
-    assert codes[0] == exitcodes.CONFIG_ERROR and codes[1] in (exitcodes.CONFIG_ERROR, exitcodes.ERROR), log[-4000:]
+    assert codes[0] == exitcodes.CONFIG_ERROR and codes[1] in (
+        exitcodes.CONFIG_ERROR, exitcodes.PEER_FAILURE, exitcodes.ERROR), log[-4000:]
     assert "restarting the gang in place" not in log, log[-4000:]
     assert outs[0][-1].startswith("kubetron: error: train.train_iters"), log[-4000:]
 
@@ -182,6 +184,39 @@ def test_a_pod_whose_agent_lost_the_rendezvous_host_reports_a_peer_failure_not_a
     assert "lost the gang's rendezvous while its ranks trained" in last["message"] and "saved at iteration 7" in \
         last["message"], last
     assert outs[1][-1].startswith("kubetron.launch: this pod's agent lost the gang's rendezvous"), log[-4000:]
+
+
+@pytest.mark.slow
+def test_a_pod_whose_rendezvous_host_went_away_before_its_ranks_ran_reports_a_peer_failure(tmp_path):
+    """Pod 0 (the rendezvous host) is lost, every process of it, while pod 1's agent waits in a round (a third pod
+    never comes: the round cannot form). Pod 1's agent loses the store; no rank of it ran to say why. It ends with
+    PeerFailure and a message saying so, not TrainerError (exit 1): the operator then waits for pod 0's own end (its
+    node lost) instead of counting a failure (the chaos soak's node-lost faults mid-rendezvous)."""
+    port = str(free_port())
+    args = ["train", "--config", TINY]
+    pods = [start_pod(tmp_path / f"pod{rank}", args, rank, port, nodes=3) for rank in (0, 1)]
+    try:
+        def waiting_in_a_round() -> bool:  # pod 1's agent holds a connection to the rendezvous store
+            agents = [c for c in psutil.Process(pods[1].pid).children(recursive=True)
+                      if "kubetron.supervisor.torchrun" in " ".join(c.cmdline())]
+            return any(c.raddr and c.raddr.port == int(port) and c.status == psutil.CONN_ESTABLISHED
+                       for a in agents for c in a.net_connections("tcp"))
+
+        deadline = time.monotonic() + 120
+        while not waiting_in_a_round():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in pods), [p.poll() for p in pods]
+            time.sleep(0.1)
+        kill_pod(pods[0])
+        codes, outs, log = run_to_end(pods, timeout=120)
+    finally:
+        for p in pods:
+            if p.poll() is None:
+                kill_pod(p)
+    assert codes == [-9, exitcodes.PEER_FAILURE], log[-4000:]
+    last = json.loads((tmp_path / "pod1" / "termination-log").read_text())
+    assert last["exitCode"] == exitcodes.PEER_FAILURE and "could not form the gang's rendezvous round" in \
+        last["message"], last
+    assert outs[1][-1].startswith("kubetron.launch: this pod's agent could not form"), log[-4000:]
 
 
 # -- which ends are restarted in place (no processes) ------------------------------------------------------

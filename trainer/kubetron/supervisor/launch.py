@@ -45,6 +45,7 @@ from kubetron.supervisor.torchrun import (
     FAILURES_FILE,
     HANGS_FILE,
     RDZV_LOST_FILE,
+    RDZV_ROUND_FILE,
     SHUTDOWN_TIMEOUT_ENV,
     describe_failure,
 )
@@ -205,6 +206,41 @@ def rendezvous_lost_message(why: str, saved: dict | None) -> dict:
                        f"them and they saved{at}: another pod's agent ended first"}
 
 
+def rendezvous_round_message(why: str) -> dict:
+    """The pod's termination message when its agent could not form a rendezvous round and no rank of it ran (no
+    rank said why): the pod that hosts the rendezvous, or another pod's agent, went away while this one waited, a
+    peer failure (the operator waits for the other pod's own end: its node lost, its eviction), not this pod's."""
+    return {"exitCode": exitcodes.PEER_FAILURE, "reason": exitcodes.reason(exitcodes.PEER_FAILURE),
+            "message": f"this pod's agent could not form the gang's rendezvous round ({why}): the pod that hosts it, "
+                       f"or another pod's agent, went away while it waited"}
+
+
+def pod_ending(rc: int, messages: Sequence[dict], nproc: int, rank_messages: Sequence[dict] = (),
+               failures: Sequence[dict] = (), hung: HangReport | None = None, lost: str = "", no_round: str = "",
+               received: Sequence[int] = ()) -> tuple[int, dict | None]:
+    """The pod's exit code and termination message from what torchrun and its ranks left: torchrun's status
+    `rc`, the ranks' messages (`rank_messages`, those in the launcher's directory, and every one, `messages`),
+    torchrun's failed ranks, a hang with no restart left, the agent's notes (`lost`: the rendezvous lost while
+    the ranks trained; `no_round`: no round formed while none ran) and the signals this pod received."""
+    message = root_cause(messages)
+    completed = (bool(received) and len(rank_messages) == nproc
+                 and all(m["exitCode"] == exitcodes.COMPLETED for m in rank_messages))
+    code = resolve_exit_code(rc, message, stopped_after_completion=completed)
+    if code == exitcodes.SAVED_ON_SIGNAL and lost and not received:
+        message, code = rendezvous_lost_message(lost, message), exitcodes.PEER_FAILURE
+    elif code != 0 and message is None and no_round and not received:
+        message, code = rendezvous_round_message(no_round), exitcodes.PEER_FAILURE
+    if code != 0 and hung is not None and not received:  # the watchdog stopped a hung gang, no restart left
+        message, code = hang_message(hung), exitcodes.HUNG
+    if code != 0 and (message is None or message["exitCode"] != code):
+        # No rank said why (rendezvous failure, import error, a rank SIGKILLed): say what we know, in
+        # the pod's log (torchrun's own report is left out) and in the termination message.
+        why = describe_failures(failures) or f"torchrun exited with status {rc}"
+        message = {"exitCode": code, "reason": exitcodes.reason(code),
+                   "message": f"{why} and no rank wrote a termination message for it; see the pod's log"}
+    return code, message
+
+
 def hang_message(hung: HangReport) -> dict:
     """The pod's termination message after a hang with no in-place restart left (exit 7, Hung)."""
     where = f"; stacks in {hung['stacks']}" if hung["stacks"] else ""
@@ -248,31 +284,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     received: list[int] = []
     rc = run(command, env, received)
 
-    rank_messages, failures, hung, lost = [], [], None, ""
+    rank_messages, failures, hung, lost, no_round = [], [], None, "", ""
     if messages_dir:
         for path in sorted(Path(messages_dir).glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1])):
             rank_messages += read_messages(path)
         failures = read_failures(Path(messages_dir, FAILURES_FILE))
         hung = last_hang(Path(messages_dir, HANGS_FILE))
         lost = read_note(Path(messages_dir, RDZV_LOST_FILE))
+        no_round = read_note(Path(messages_dir, RDZV_ROUND_FILE))
         shutil.rmtree(messages_dir, ignore_errors=True)
     messages = rank_messages + read_messages(log_path)  # a rank whose config names its own termination_log
-    message = root_cause(messages)
-    completed = (bool(received) and len(rank_messages) == int(env.get("NPROC_PER_NODE", "1"))
-                 and all(m["exitCode"] == exitcodes.COMPLETED for m in rank_messages))
-    code = resolve_exit_code(rc, message, stopped_after_completion=completed)
-    if code == exitcodes.SAVED_ON_SIGNAL and lost and not received:
-        message, code = rendezvous_lost_message(lost, message), exitcodes.PEER_FAILURE
-        print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)
-    if code != 0 and hung is not None and not received:  # the watchdog stopped a hung gang, no restart left
-        message, code = hang_message(hung), exitcodes.HUNG
-        print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)
-    if code != 0 and (message is None or message["exitCode"] != code):
-        # No rank said why (rendezvous failure, import error, a rank SIGKILLed): say what we know, in
-        # the pod's log (torchrun's own report is left out) and in the termination message.
-        why = describe_failures(failures) or f"torchrun exited with status {rc}"
-        message = {"exitCode": code, "reason": exitcodes.reason(code),
-                   "message": f"{why} and no rank wrote a termination message for it; see the pod's log"}
+    code, message = pod_ending(rc, messages, int(env.get("NPROC_PER_NODE", "1")), rank_messages, failures, hung,
+                               lost, no_round, received)
+    if message is not None and message is not root_cause(messages):  # the launcher's own words: in the log too
         print(f"kubetron.launch: {message['message']}", file=sys.stderr, flush=True)
     if message is not None:
         write_termination_message(message, log_path)  # one line, at most 4 KiB, still valid JSON

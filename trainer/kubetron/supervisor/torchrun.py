@@ -50,6 +50,10 @@ HANGS_FILE = "torchrun-hangs.jsonl"  # ditto: one HangReport per hung gang (kube
 # ditto: the agent lost the gang's rendezvous while its ranks trained, and stopped them (torch's agent SIGTERMs its
 # workers on any error): why, in one line. The ranks save on that SIGTERM; the launcher reports a peer failure.
 RDZV_LOST_FILE = "torchrun-rendezvous-lost.txt"
+# ditto: the agent could not form a rendezvous round while no rank of it ran (the pod that hosts the rendezvous, or
+# another pod's agent, went away while this one waited in a round): why, in one line. The launcher reports a peer
+# failure (before, exit 1, a TrainerError counted against backoffLimit for a node lost under the other pod).
+RDZV_ROUND_FILE = "torchrun-rendezvous-round.txt"
 
 
 def failure_records(failures) -> list[dict]:
@@ -231,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kubetron.torchrun: not restarting: no new rendezvous round ({why})", file=sys.stderr, flush=True)
         if hooks.workers_running:  # lost while they trained: torch's agent stopped them (SIGTERM) on its way out
             _write_note(RDZV_LOST_FILE, why)
+        else:
+            _write_note(RDZV_ROUND_FILE, why)
         return 1
     return 0
 
