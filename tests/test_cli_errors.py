@@ -349,8 +349,9 @@ def test_a_list_of_faults_is_one_per_life_of_the_worker(monkeypatch):
 
 
 def test_an_armed_fault_waits_for_its_file_then_hits_at_its_own_step(monkeypatch, tmp_path):
-    """KUBETRON_CHAOS_ARM: life i's fault waits for <path>-<i>; `step@3%10` then hits at the next iteration that
-    is 3 past a multiple of 10 (mid-interval, wherever the test armed it)."""
+    """KUBETRON_CHAOS_ARM: fault i waits for <path>-<i>; `step@3%10` then hits at the next iteration that is 3 past
+    a multiple of 10 (mid-interval, wherever the test armed it); each fault fires once, in order, in whichever life
+    runs then (<path>-<i>.fired), so a life torchrun restarted in place unplanned neither skips nor repeats one."""
     import signal
 
     from kubetron import cli
@@ -361,20 +362,26 @@ def test_an_armed_fault_waits_for_its_file_then_hits_at_its_own_step(monkeypatch
     arm = tmp_path / "arm"
     env = {"KUBETRON_CHAOS_KILL_AT": "step@3%10,step@5%10", "KUBETRON_CHAOS_SIGNAL": "STOP,SEGV",
            "KUBETRON_CHAOS_ARM": str(arm)}
-    _, first = cli.chaos_from_env(env)
-    _, second = cli.chaos_from_env({**env, "TORCHELASTIC_RESTART_COUNT": "1"})
     it = 0
     monkeypatch.setattr(cli.os, "kill", lambda pid, sig: sent.append((sig, it)))
+    _, first = cli.chaos_from_env({**env, "TORCHELASTIC_RESTART_COUNT": "2"})  # restarted before: still armed
     for it in range(1, 25):
         first(done(it))
-        second(done(it))
         if it == 14:
-            (tmp_path / "arm-0").touch()  # life 0 armed; life 1's file never made here
-    assert sent == [(signal.SIGSTOP, 23)]
-    (tmp_path / "arm-1").touch()
-    for it in range(25, 40):
+            (tmp_path / "arm-0").touch()
+    assert sent == [(signal.SIGSTOP, 23)] and (tmp_path / "arm-0.fired").exists()
+    _, second = cli.chaos_from_env({**env, "TORCHELASTIC_RESTART_COUNT": "3"})  # the next life: fault 0 is done
+    for it in range(25, 34):
         second(done(it))
-    assert sent == [(signal.SIGSTOP, 23), (signal.SIGSEGV, 25), (signal.SIGSEGV, 35)]
+    assert sent == [(signal.SIGSTOP, 23)]  # fault 1 not armed yet
+    (tmp_path / "arm-1").touch()
+    for it in range(34, 60):
+        second(done(it))
+    assert sent == [(signal.SIGSTOP, 23), (signal.SIGSEGV, 35)]  # once
+    _, third = cli.chaos_from_env({**env, "TORCHELASTIC_RESTART_COUNT": "4"})
+    for it in range(60, 80):
+        third(done(it))
+    assert len(sent) == 2
 
 
 def test_the_events_tap_writes_one_line_per_event_of_the_run(tmp_path):

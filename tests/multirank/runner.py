@@ -94,8 +94,9 @@ def fault_at(iteration: int, sig: str = "TERM", rank: int | None = None) -> dict
 
 
 def faults_by_life(*faults: tuple[str, str], rank: int | None = None, arm: Path | None = None) -> dict[str, str]:
-    """The environment for one fault per life of a worker, in order: (`step@<k>`, `step@<r>%<m>` or a save point,
-    its signal); with `arm`, life i's fault waits until the file <arm>-<i> exists (kubetron.cli.chaos_from_env)."""
+    """The environment for faults of a worker, in order: (`step@<k>`, `step@<r>%<m>` or a save point, its signal),
+    one per life; with `arm`, each once, in whichever life runs when the file <arm>-<i> exists
+    (kubetron.cli.chaos_from_env)."""
     from kubetron.cli import CHAOS_ARM_ENV, CHAOS_KILL_AT_ENV, CHAOS_RANK_ENV, CHAOS_SIGNAL_ENV
 
     return {CHAOS_KILL_AT_ENV: ",".join(at for at, _ in faults), CHAOS_SIGNAL_ENV: ",".join(sig for _, sig in faults),

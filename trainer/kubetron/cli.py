@@ -162,13 +162,15 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
     after-model, after-payload, after-commit, after-tracker, ...) or `step@<k>`, once iteration k is done (a
     listener of the run's StepDone), or `step@<r>%<m>`, at the first iteration i with i % m == r (with
     KUBETRON_CHAOS_ARM: the first once armed). With KUBETRON_CHAOS_RANK=<r> only global rank r (env RANK) is hit.
-    With KUBETRON_CHAOS_ARM=<path> the fault of life i waits until the file <path>-<i> exists (a test arms it
-    when it has done what must come first; the process still acts at its own step, not at a line someone read).
+    A comma-separated list is several faults, in order; KUBETRON_CHAOS_SIGNAL is then one signal for all or one per
+    fault.
 
-    A worker's lives: the first fault fires only in its first life (TORCHELASTIC_RESTART_COUNT unset or 0), so
-    the ranks torchrun restarts in place run clean. A comma-separated list is one fault per life, in order
-    (`step@13,step@25` with KUBETRON_CHAOS_SIGNAL=STOP,SEGV: a hang in the first life, a crash in the second);
-    KUBETRON_CHAOS_SIGNAL is then one signal for all or one per fault.
+    Which fault, when: without KUBETRON_CHAOS_ARM, fault i fires only in the worker's life i
+    (TORCHELASTIC_RESTART_COUNT, unset: 0), so the ranks torchrun restarts in place run clean (`step@13,step@25`
+    with STOP,SEGV: a hang in the first life, a crash in the second). With KUBETRON_CHAOS_ARM=<path>, each fault
+    fires once, in order, in whichever life runs then: fault i waits until the file <path>-<i> exists (a test
+    arms it when it has done what must come first; the process still acts at its own step, not at a line someone
+    read) and marks <path>-<i>.fired as it fires (a restart in place the test did not plan cannot skip it).
 
     Returns (the checkpoint manager's save-fault hook, the step listener); (None, None) when unset or not this
     rank's or this life's. A malformed value is a ConfigError naming the variable."""
@@ -197,40 +199,56 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
         raise ConfigError(f"env {CHAOS_RANK_ENV}", f"{only!r} is not a rank (a number)")
     if only and int(only) != int(environ.get("RANK", "0") or 0):
         return None, None
-    life = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if life >= len(specs):
-        return None, None
-    spec, name = specs[life], names[life if len(names) > 1 else 0]
-    point, _, at = spec.partition("@")
-    residue, _, modulus = at.partition("%")
-    sig = signal.Signals[f"SIG{name}"]
-    arm = Path(f"{environ[CHAOS_ARM_ENV]}-{life}") if environ.get(CHAOS_ARM_ENV) else None
+    faults = [(one, signal.Signals[f"SIG{names[i if len(names) > 1 else 0]}"]) for i, one in enumerate(specs)]
+    armed_by = environ.get(CHAOS_ARM_ENV)
+    if armed_by:
+        pick = _armed_fault(armed_by, len(faults))
+    else:
+        life = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if life >= len(faults):
+            return None, None
+        pick = lambda: life  # noqa: E731
 
-    def hit() -> None:
+    def hit(i: int) -> None:
+        if armed_by:
+            Path(f"{armed_by}-{i}.fired").touch()  # before the signal: a STOP or KILL ends what follows
         sys.stdout.flush()
-        os.kill(os.getpid(), sig)
+        os.kill(os.getpid(), faults[i][1])
 
-    def armed() -> bool:
-        nonlocal arm
-        if arm is not None and arm.exists():
-            arm = None  # armed for good
-        return arm is None
-
-    if point == "step":
-        from kubetron.events import StepDone
-
-        def at_step(event: object) -> None:
-            if isinstance(event, StepDone) and (event.iteration % int(modulus) == int(residue) if modulus
-                                                else event.iteration == int(residue)) and armed():
-                hit()
-
-        return None, at_step
+    def at_step(event: object) -> None:
+        if (i := pick()) is None or not isinstance(event, StepDone):
+            return
+        point, _, at = faults[i][0].partition("@")
+        residue, _, modulus = at.partition("%")
+        if point == "step" and (event.iteration % int(modulus) == int(residue) if modulus
+                                else event.iteration == int(residue)):
+            hit(i)
 
     def at_save(save_point: str, iteration: int) -> None:
-        if spec in (save_point, f"{save_point}@{iteration}") and armed():
-            hit()
+        if (i := pick()) is not None and faults[i][0] in (save_point, f"{save_point}@{iteration}"):
+            hit(i)
 
-    return at_save, None
+    from kubetron.events import StepDone
+
+    steps = any(one.startswith("step@") for one in specs)
+    return (at_save if not all(one.startswith("step@") for one in specs) else None), (at_step if steps else None)
+
+
+def _armed_fault(path: str, count: int) -> Callable[[], int | None]:
+    """With KUBETRON_CHAOS_ARM: the index of the fault that may fire now, in order: the first not fired yet
+    (`<path>-<i>.fired`, written as it fires, so a life torchrun restarts in place skips it), once its file
+    `<path>-<i>` exists; None when it is not armed yet or all have fired. Checked at each event: a stat or two."""
+    fired = [False] * count
+
+    def pick() -> int | None:
+        for i in range(count):
+            if not fired[i]:
+                fired[i] = Path(f"{path}-{i}.fired").exists()
+            if not fired[i]:
+                return i if Path(f"{path}-{i}").exists() else None
+        return None
+
+    return pick
 
 
 def cmd_config(args: argparse.Namespace) -> int:
