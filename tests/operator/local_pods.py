@@ -123,6 +123,16 @@ def pvc(kube, ns: str, path: Path) -> None:
                  "resources": {"requests": {"storage": "1Gi"}}}})
 
 
+def trainer_of(pid: int, what: str = "the container") -> psutil.Process:
+    """The trainer process (`python -m kubetron train ...` under torchrun) among `pid`'s descendants: a container's,
+    not its PID 1."""
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
+                return child
+    raise AssertionError(f"no trainer process in {what}")
+
+
 class Container:
     """A pod's main container as a local process: the pod's command and env from the API server (and a test's
     `faults`: KUBETRON_CHAOS_* variables). Its output is collected line by line with the time each line arrived
@@ -190,11 +200,7 @@ class Container:
 
     def trainer_pid(self) -> int:
         """The trainer process (`python -m kubetron train ...` under torchrun), not the pod's PID 1."""
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
-                    return child.pid
-        raise AssertionError(f"no trainer process in pod {self.name}")
+        return trainer_of(self.proc.pid, f"pod {self.name}").pid
 
     def last_iteration(self) -> int:
         return max([int(m.group(1)) for m in map(ITER_RE.search, self.lines) if m] or [0])

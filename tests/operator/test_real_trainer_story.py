@@ -18,7 +18,6 @@ and status ports are free local ports chosen through the spec's own masterPort/s
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -54,9 +53,10 @@ from kubetron_operator.policy.action import Action
 from kubetron_operator.trainer_reports import status_endpoint
 
 from tests import dashboard
+from tests.kube.cluster import wait_for
 from tests.multirank.runner import faults_by_life
 from tests.operator.jobs import PVC_JOB, kubectl_get
-from tests.operator.local_pods import config_yaml
+from tests.operator.local_pods import config_yaml, trainer_of
 from tests.trainer_utils import ITER_RE, TINY, tb_scalars
 
 pytestmark = pytest.mark.cluster
@@ -168,26 +168,10 @@ def start(job: Job, attempt: int, expected: int, workdir: Path, output=subproces
     return Container(pod_of(build(job, attempt, expected)), proc, termination_log, _now())
 
 
-def trainer_process(c: Container) -> psutil.Process:
-    """The container's trainer (`python -m kubetron train` under torchrun), not its PID 1."""
-    for child in psutil.Process(c.proc.pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
-                return child
-    raise AssertionError("no trainer process")
-
-
 def pending(pid: int, sig: int) -> bool:
     """Whether `sig` is pending for process `pid` (/proc/<pid>/status: ShdPnd, the process's; SigPnd, the thread's)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return any(int(fields[k].strip(), 16) >> (sig - 1) & 1 for k in ("ShdPnd", "SigPnd"))
-
-
-def wait_until(what: str, check, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.02)
 
 
 def finish(c: Container) -> dict[str, Any]:
@@ -283,11 +267,12 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     # Seen what it had to: the trainer stops itself at its next iteration half an interval past a save (its own
     # step, armed now), and there the kubelet stops the container: PID 1 gets the SIGTERM, which reaches the
     # stopped trainer (pending) through the launcher and torchrun; then it goes on, saves there and exits.
-    trainer = trainer_process(c1)
+    trainer = trainer_of(c1.proc.pid)
     Path(f"{arm}-0").touch()
-    wait_until("the trainer stopped itself", lambda: trainer.status() == psutil.STATUS_STOPPED)
+    wait_for("the trainer stopped itself", lambda: trainer.status() == psutil.STATUS_STOPPED, TIMEOUT, 0.02)
     c1.proc.send_signal(signal.SIGTERM)
-    wait_until("the SIGTERM pending in the stopped trainer", lambda: pending(trainer.pid, signal.SIGTERM))
+    wait_for("the SIGTERM pending in the stopped trainer", lambda: pending(trainer.pid, signal.SIGTERM), TIMEOUT,
+             0.02)
     trainer.resume()
     c1.proc.wait(timeout=TIMEOUT)
     reader.join(timeout=30)
