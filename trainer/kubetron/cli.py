@@ -180,6 +180,7 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
     from kubetron.checkpoint.manager import SAVE_POINTS
 
     specs = [one.strip() for one in spec.split(",")]
+    step_at: list[tuple[int, int] | None] = []  # a step fault's (r, m): i hits it when i % m == r (m 0: i == r)
     for one in specs:
         point, _, at = one.partition("@")
         residue, _, modulus = at.partition("%")
@@ -187,6 +188,7 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
                 or (modulus and (point != "step" or not modulus.isdigit() or int(residue) >= int(modulus))):
             raise ConfigError(f"env {CHAOS_KILL_AT_ENV}", f"{one!r} is not <point>[@<iteration>] with a point of "
                               f"{', '.join(SAVE_POINTS)}, step@<iteration> or step@<r>%<m> (0 <= r < m)")
+        step_at.append((int(residue), int(modulus or 0)) if point == "step" else None)
     names = [n.strip().upper().removeprefix("SIG") for n in environ.get(CHAOS_SIGNAL_ENV, "KILL").split(",")]
     if len(names) not in (1, len(specs)):
         raise ConfigError(f"env {CHAOS_SIGNAL_ENV}", f"{len(names)} signals for {len(specs)} faults "
@@ -216,12 +218,10 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
         os.kill(os.getpid(), faults[i][1])
 
     def at_step(event: object) -> None:
-        if (i := pick()) is None or not isinstance(event, StepDone):
+        if (i := pick()) is None or not isinstance(event, StepDone) or (at := step_at[i]) is None:
             return
-        point, _, at = faults[i][0].partition("@")
-        residue, _, modulus = at.partition("%")
-        if point == "step" and (event.iteration % int(modulus) == int(residue) if modulus
-                                else event.iteration == int(residue)):
+        residue, modulus = at
+        if (event.iteration % modulus if modulus else event.iteration) == residue:
             hit(i)
 
     def at_save(save_point: str, iteration: int) -> None:
@@ -230,8 +230,7 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
 
     from kubetron.events import StepDone
 
-    steps = any(one.startswith("step@") for one in specs)
-    return (at_save if not all(one.startswith("step@") for one in specs) else None), (at_step if steps else None)
+    return (at_save if None in step_at else None), (at_step if step_at.count(None) < len(step_at) else None)
 
 
 def _armed_fault(path: str, count: int) -> Callable[[], int | None]:
