@@ -24,7 +24,7 @@ from kubetron.contract import progress as progress_log
 from kubetron.contract.recovery import REPLICATION_FACTOR_ENV
 from kubetron.supervisor import launch
 
-from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods
+from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods, trainer_pid
 from tests.multirank.runner import fault_at, free_port
 from tests.trainer_utils import LOSS_RE, QUICK, TINY
 
@@ -257,16 +257,24 @@ def test_a_lost_pods_replacement_resumes_from_its_peers_copy(tmp_path):
     args = ["train", "--config", TINY, *QUICK, "train.train_iters=100", "scheduler.lr_warmup_iters=1",
             "checkpoint.save_interval=50", "checkpoint.non_persistent_save_interval=3",
             f"checkpoint.save={store}", f"checkpoint.load={store}"]
-    pods = start_pods(tmp_path, args, memory=True, **fault_at(15, "STOP", rank=1))
+    # rank 1 stops itself at 17, before it prints 17 (the gang waits on it: the run cannot end). Its newest
+    # snapshot is then at most 15, so the new pod resumes at an iteration it had printed before the loss
+    pods = start_pods(tmp_path, args, memory=True, **fault_at(17, "STOP", rank=1))
     port = _env_of(pods[0])["MASTER_PORT"]
     outs: list[list[str]] = [[], []]
     readers = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
     copies = sf.peer_dir(tmp_path / "pod0" / "memory", 1)
+
+    def stopped() -> bool:
+        with contextlib.suppress(AssertionError, psutil.Error):
+            return psutil.Process(trainer_pid(pods, 1)).status() == psutil.STATUS_STOPPED
+        return False
+
     deadline = time.monotonic() + 120
-    while not sf.iterations(copies):  # pod 0 holds a copy of pod 1's snapshot (paced to the copies: one of 3+)
+    while not (stopped() and sf.iterations(copies)):  # and pod 0 holds a copy of pod 1's snapshot
         assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(sum(outs, []))[-4000:]
         time.sleep(0.05)
-    held = sf.iterations(copies)[-1]  # rank 1 stops itself after 15 (the gang waits on it): the run cannot end
+    held = sf.iterations(copies)[-1]
     kill_pod(pods[1])
     readers[1].join(timeout=10)
     lost = tmp_path / "pod1"
