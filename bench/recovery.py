@@ -39,8 +39,9 @@ Elastic (spec.minNodes, docs/elastic.md): a `nodes: 2, minNodes: 1` job on two N
 pod each; one Node is drained (cordoned, its pod evicted): seconds to the first step at 1 node; then
 it is uncordoned: seconds to the first step at 2 nodes.
 
-`--memory MB`: instead, memory snapshots (docs/recovery.md) against the store, side by side in one run, the
-model widened so that a rank's state is about MB megabytes (kubetron plan's estimate): rank 1's trainer
+`--memory MB [MB ...]`: instead, memory snapshots (docs/recovery.md) against the store, side by side in one run,
+at each size: the tiny GPT with a frozen padding parameter (bench/padded_trainer.py) so that a rank's state is
+about MB megabytes while its steps stay the tiny GPT's (a wider model makes CPU steps of seconds): rank 1's trainer
 SIGKILLed (by itself, half an interval past a save), then (another job) pod 1 deleted at once (grace 0, as a lost
 node leaves it) while its trainer has SIGSTOPped itself at the same point, each with
 spec.memorySnapshots on (in place from memory; the pod replaced in its attempt, from pod 0's copy) and off
@@ -63,7 +64,9 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,7 +74,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -83,7 +86,9 @@ sys.path.insert(0, str(ROOT))
 from kubetron.contract.times import parse_stamp  # noqa: E402
 from kubetron.storage import snapshot_files as sf  # noqa: E402
 from kubetron.supervisor import startup  # noqa: E402
+from kubetron.supervisor.launch import TRAINER_MODULE_ENV  # noqa: E402
 
+from bench.padded_trainer import PADDING_ENV  # noqa: E402
 from tests.kube import cluster  # noqa: E402
 from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
 from tests.multirank.runner import faults_by_life  # noqa: E402
@@ -403,6 +408,7 @@ class FromWhere:
     loaded_from: str  # status.lastRecovery.loadedFrom
     kind: str  # status.lastRecovery.kind
     lost: int  # iterations run again: rank 1's newest at the kill less the one resumed from
+    state: float = 0.0  # bytes of a rank's state (kubetron plan's estimate, the padding's share with it)
     timeline: dict[str, float] = field(default_factory=dict)  # what happened when, seconds after the kill (deletion)
     lines: list[str] = field(default_factory=list, repr=False)
 
@@ -446,23 +452,24 @@ def timeline(node: ProcessKubelet, before: dict[str, Container], killed: float, 
     return out
 
 
-def widened(mb: float) -> tuple[list[str], float]:
-    """Overrides of tiny_config's model giving about `mb` MB of state per rank at 2 ranks, and the bytes
-    (kubetron plan's estimate, the operator's for the memory volume)."""
+def padded(mb: float) -> tuple[dict[str, str], float]:
+    """Every container's environment for bench/padded_trainer.py with a frozen padding parameter that brings the tiny
+    GPT's state per rank (kubetron plan's estimate, at 2 ranks) to about `mb` MB, and those bytes. The memory volume's
+    limit for the copies on peers (KUBETRON_SNAPSHOT_LIMIT_BYTES) is what the operator would size it to for that state:
+    its estimate knows nothing of the padding."""
     from kubetron.config import ConfigContainer
-    from kubetron.contract.config import apply_overrides
+    from kubetron.contract import recovery
     from kubetron.contract.plan import snapshot_bytes
 
-    base = yaml.safe_load(tiny_config())
-    for hidden in range(32, 4097, 32):
-        overrides = [f"model.hidden_size={hidden}", "model.num_layers=2", "model.num_attention_heads=4"]
-        got = snapshot_bytes(ConfigContainer.from_dict(apply_overrides(base, overrides)), 2)
-        if got >= mb * 1e6:
-            return overrides, got
-    raise SystemExit(f"--memory {mb}: wider than this bench goes")
+    base = snapshot_bytes(ConfigContainer.from_dict(yaml.safe_load(tiny_config())), 2)
+    padding = 2 * max(0, math.ceil(mb * 1e6 - base) // 4 * 4)  # a replicated weight: each rank writes half of it
+    state = base + padding / 2
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")])),
+            TRAINER_MODULE_ENV: "padded_trainer", PADDING_ENV: str(padding),
+            recovery.SNAPSHOT_LIMIT_ENV: str(recovery.volume_bytes(state, 1, 2))}, state
 
 
-def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, overrides: list[str]) -> FromWhere:
+def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padding: dict[str, str]) -> FromWhere:
     ns = env.namespace("memory")
     store = workdir / ns / "pvc"
     store.mkdir(parents=True)
@@ -470,15 +477,15 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
     body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=MEMORY_SAVE_INTERVAL),
                     storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
                     statusPort=cluster.free_port(), masterPort=cluster.free_port(), maxInPlaceRestarts=3,
-                    overrides=[*overrides, *([f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"]
-                                             if snapshots else [])],  # off: no non-persistent checkpoints at all
+                    overrides=[f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"]
+                    if snapshots else [],  # off: no non-persistent checkpoints at all
                     memorySnapshots={"enabled": snapshots}, **pinned(ns))
     body["metadata"] = {"name": "gpt"}
     # Rank 1's trainer SIGKILLs itself mid-interval; for a deletion it SIGSTOPs itself there and its pod is deleted
     # then, so both lose the same iterations to the store (a deletion at the same moment, not at a line read).
     arm, sig = workdir / ns / "arm", "KILL" if scenario == "a rank SIGKILLed" else "STOP"
     with pool(env.admin, ns, 2) as names, env.operator(ns), \
-            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names,
+            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names, env=padding,
                            faults={"gpt-1-1": mid_interval_fault(MEMORY_SAVE_INTERVAL, sig, arm)}) as node:
         env.admin.create(env.jobs(ns), body)
         wait("a durable checkpoint (the trainer's progress log)", lambda: last_checkpoint(store / "gpt"), node)
@@ -510,40 +517,52 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, over
             f"{t - killed:+9.3f} {line}" for t, line in list(c.stamped)) for name, c in
             [*((f"{n} (before)", c) for n, c in before.items()),
              *((n, c) for n, c in node.containers.items() if all(c is not b for b in before.values()))]]
+    shutil.rmtree(workdir / ns, ignore_errors=True)  # its store and memory volumes: gigabytes at the larger sizes
     return FromWhere(scenario, snapshots, arrived - killed, last["loadedFrom"], last["kind"],
                      reached - last["iteration"], marks, lines)
 
 
-def memory_vs_store(env: KubeEnv, workdir: Path, mb: float, repeats: int = 1) -> tuple[list[FromWhere], float]:
-    overrides, state = widened(mb)
+def memory_vs_store(env: KubeEnv, workdir: Path, sizes: list[float], repeats: int = 1) -> list[FromWhere]:
+    """Each scenario with snapshots on and off, at each size (MB of state per rank, `padded`)."""
     runs = []
-    for _, scenario, snapshots in itertools.product(range(repeats), ("a rank SIGKILLed", "a pod deleted"),
-                                                    (True, False)):
-        r = from_where(env, workdir, scenario, snapshots, overrides)
+    for mb, _, scenario, snapshots in itertools.product(sizes, range(repeats), ("a rank SIGKILLed", "a pod deleted"),
+                                                        (True, False)):
+        padding, state = padded(mb)
+        r = replace(from_where(env, workdir, scenario, snapshots, padding), state=state)
         runs.append(r)
-        print(f"{r.scenario}, snapshots {'on' if r.snapshots else 'off'}: {r.seconds:.2f} s, {r.kind} from "
-              f"{r.loaded_from}, {r.lost} iterations lost; load average {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"{state / 1e6:.0f} MB per rank, {r.scenario}, snapshots {'on' if r.snapshots else 'off'}: "
+              f"{r.seconds:.2f} s, {r.kind} from {r.loaded_from}, {r.lost} iterations lost; load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
         for mark, seconds in r.timeline.items():
             print(f"    {mark:<52}{seconds:7.2f}" if mark.startswith("  ") else f"    {mark:<52}{seconds:+7.2f}",
                   flush=True)
-    return runs, state
+    return runs
 
 
-def memory_table(runs: list[FromWhere], state: float) -> str:
-    rows = [f"state per rank {state / 1e6:.1f} MB (kubetron plan's estimate), 2 pods x 1 rank on CPU, store: a "
-            f"PVC directory, checkpoint every {MEMORY_SAVE_INTERVAL}, snapshot every {SNAPSHOT_INTERVAL}, rank 1 "
-            f"killed {MEMORY_SAVE_INTERVAL // 2} past a checkpoint; load average {os.getloadavg()[0]:.1f} on "
+def memory_table(runs: list[FromWhere]) -> str:
+    sizes = sorted({r.state for r in runs})
+    rows = [f"2 pods x 1 rank on CPU (the tiny GPT, its state padded by a frozen parameter: bench/padded_trainer.py), "
+            f"store: a PVC directory, checkpoint every {MEMORY_SAVE_INTERVAL}, snapshot every {SNAPSHOT_INTERVAL}, "
+            f"rank 1 killed {MEMORY_SAVE_INTERVAL // 2} past a checkpoint; load average {os.getloadavg()[0]:.1f} on "
             f"{os.cpu_count()} cores",
-            "| scenario | from memory / peer | from the store (snapshots off) |", "|---|---|---|"]
-    for scenario in ("a rank SIGKILLed", "a pod deleted"):
-        on, off = ([r for r in runs if r.scenario == scenario and r.snapshots is s] for s in (True, False))
-        rows.append(f"| {scenario} -> next iteration | {_cell(on, lambda r: r.seconds, ' s')} | "
-                    f"{_cell(off, lambda r: r.seconds, ' s', kind=True)} |")
-        rows.append(f"| {scenario}: iterations lost | {_cell(on, lambda r: r.lost)} | {_cell(off, lambda r: r.lost)} |")
-    in_place, replaced = (median([r.seconds for r in runs if r.scenario == sc and r.snapshots])
-                          for sc in ("a rank SIGKILLed", "a pod deleted"))
-    rows.append(f"\na pod deleted, from its peer / a rank SIGKILLed, from memory in place: {replaced / in_place:.2f} "
-                "(goal <= 1.5)")
+            "| state per rank | scenario | from memory / peer | from the store (snapshots off) |", "|---|---|---|---|"]
+    in_place: dict[float, float] = {}
+    for state in sizes:
+        for scenario in ("a rank SIGKILLed", "a pod deleted"):
+            on, off = ([r for r in runs if r.state == state and r.scenario == scenario and r.snapshots is s]
+                       for s in (True, False))
+            size = f"{state / 1e6:.0f} MB"
+            rows.append(f"| {size} | {scenario} -> next iteration | {_cell(on, lambda r: r.seconds, ' s')} | "
+                        f"{_cell(off, lambda r: r.seconds, ' s', kind=True)} |")
+            rows.append(f"| {size} | {scenario}: iterations lost | {_cell(on, lambda r: r.lost)} | "
+                        f"{_cell(off, lambda r: r.lost)} |")
+        in_place[state], replaced = (median([r.seconds for r in runs if r.state == state and r.scenario == sc
+                                             and r.snapshots]) for sc in ("a rank SIGKILLed", "a pod deleted"))
+        rows.append(f"\n{state / 1e6:.0f} MB: a pod deleted, from its peer / a rank SIGKILLed, from memory in place: "
+                    f"{replaced / in_place[state]:.2f} (goal <= 1.5)")
+    if len(sizes) > 1:
+        rows.append(f"a rank SIGKILLed, from memory in place, {sizes[-1] / 1e6:.0f} MB / {sizes[0] / 1e6:.0f} MB: "
+                    f"{in_place[sizes[-1]] / in_place[sizes[0]]:.2f} (goal <= 1.3)")
     return "\n".join(rows)
 
 
@@ -570,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-interval", type=int, default=4, help="iterations between checkpoints (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="also write the runs and the table here")
     p.add_argument("--logs", type=Path, default=None, help="write each run's pod logs into this directory")
-    p.add_argument("--memory", type=float, default=None, metavar="MB",
-                   help="only memory snapshots against the store, a rank's state about MB megabytes")
+    p.add_argument("--memory", type=float, nargs="+", default=None, metavar="MB",
+                   help="only memory snapshots against the store, a rank's state about MB megabytes (several: each)")
     p.add_argument("--hang-timeout", type=int, default=None,
                    help="spec.hangTimeoutSeconds of the hang run (default: unset, the trainer's own rule, 45 s for "
                         "the tiny GPT; --quick: 10)")
@@ -585,18 +604,19 @@ def main(argv: list[str] | None = None) -> int:
             cp, env, kubelet = start_env(Path(tmp) / "kube")
             kubelet.finish_deletions = False
             try:
-                memory_runs, state = memory_vs_store(env, Path(tmp), args.memory, repeats)
+                memory_runs = memory_vs_store(env, Path(tmp), args.memory, repeats)
             finally:
                 kubelet.stop()
                 cp.stop()
-        print("\n" + memory_table(memory_runs, state))
+        print("\n" + memory_table(memory_runs))
         if args.json:
             args.json.write_text(json.dumps({"memory": [{k: v for k, v in asdict(r).items() if k != "lines"}
-                                                        for r in memory_runs], "state": state}, indent=1))
+                                                        for r in memory_runs]}, indent=1))
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
             for i, r in enumerate(memory_runs, 1):
-                name = f"{i}-{r.scenario.split()[-1]}-snapshots-{'on' if r.snapshots else 'off'}.log"
+                on = "on" if r.snapshots else "off"
+                name = f"{i}-{r.state / 1e6:.0f}MB-{r.scenario.split()[-1]}-snapshots-{on}.log"
                 (args.logs / name).write_text("".join(r.lines))
         return 0
 

@@ -56,6 +56,18 @@ def pod_env(tmp_path: Path, nproc: int, **extra: str) -> dict:
                    OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **extra)
 
 
+def is_trainer(process) -> bool:
+    """`process` (psutil) is a rank's trainer: `python -m kubetron train ...` under torchrun, or the module
+    KUBETRON_LAUNCH_MODULE names in its environment (bench/padded_trainer.py), not a pod's launcher or agent."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        cmd = process.cmdline()
+        if cmd[1:2] == ["-m"] and cmd[3:4] == ["train"]:
+            return cmd[2] == "kubetron" or cmd[2] == process.environ().get("KUBETRON_LAUNCH_MODULE")
+    return False
+
+
 def kubetron_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kubetron", *args]
 

@@ -18,7 +18,7 @@ from kubetron.contract.recovery import PEER_TOKEN_ENV, POD_IP_ENV, SNAPSHOT_DIR_
 from kubetron.supervisor import launch
 
 from tests.multirank.runner import free_port
-from tests.trainer_utils import HeldReader, pod_env
+from tests.trainer_utils import HeldReader, is_trainer, pod_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:
     """Global rank `rank`'s trainer process (`python -m kubetron train ...` under torchrun), not a launcher."""
     for pod in pods:
         for child in psutil.Process(pod.pid).children(recursive=True):
-            if child.cmdline()[1:4] == ["-m", "kubetron", "train"] and child.environ().get("RANK") == str(rank):
+            if is_trainer(child) and child.environ().get("RANK") == str(rank):
                 return child.pid
     raise AssertionError(f"no trainer process of rank {rank}")
 

@@ -37,7 +37,7 @@ from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
 
 from tests.kube.cluster import Api, ApiError, Kubelet, pod_path, set_exited, set_running, wait_for
-from tests.trainer_utils import ITER_RE, TINY, HeldReader
+from tests.trainer_utils import ITER_RE, TINY, HeldReader, is_trainer
 
 POOL = "kubetron.dev/test-pool"  # the label of the Nodes a job's pods are pinned to (one pod each)
 
@@ -124,12 +124,11 @@ def pvc(kube, ns: str, path: Path) -> None:
 
 
 def trainer_of(pid: int, what: str = "the container") -> psutil.Process:
-    """The trainer process (`python -m kubetron train ...` under torchrun) among `pid`'s descendants: a container's,
-    not its PID 1."""
+    """The trainer process (`python -m kubetron train ...` under torchrun, `is_trainer`) among `pid`'s descendants:
+    a container's, not its PID 1."""
     for child in psutil.Process(pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.cmdline()[1:4] == ["-m", "kubetron", "train"]:
-                return child
+        if is_trainer(child):
+            return child
     raise AssertionError(f"no trainer process in {what}")
 
 
@@ -271,12 +270,15 @@ def config_yaml(pod: dict[str, Any]) -> str | None:
 class ProcessKubelet:
     """Runs the pods of `namespace` bound to `nodes` as local processes (a background thread polling the
     API every `period` seconds). `seen[(pod name, what)]`: when it saw or did `what` ("bound",
-    "started", "exited", "deleting", "gone"); `containers[pod name]`: the newest container of that name."""
+    "started", "exited", "deleting", "gone"); `containers[pod name]`: the newest container of that name.
+    `env`: more environment for every container (bench/padded_trainer.py's), under a pod's `faults`."""
 
     def __init__(self, api: Api, namespace: str, workdir: Path, nodes: tuple[str, ...] = ("node-1",),
-                 period: float = 0.05, faults: dict[str, dict[str, str]] | None = None, events: bool = False):
+                 period: float = 0.05, faults: dict[str, dict[str, str]] | None = None, events: bool = False,
+                 env: dict[str, str] | None = None):
         self.api, self.ns, self.dir, self.nodes, self.period = api, namespace, workdir, nodes, period
         self.faults = faults or {}  # pod name -> a test's KUBETRON_CHAOS_* variables for that pod's container
+        self.env = env or {}
         self.events = events  # every container's trainers write their events (Container.events())
         self.containers: dict[str, Container] = {}
         self.seen: dict[tuple[str, str], float] = {}
@@ -342,7 +344,7 @@ class ProcessKubelet:
     def _start(self, pod: dict[str, Any]) -> None:
         name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
         c = Container(pod, config_yaml(pod), self.dir / f"{name}-{uid[:8]}", secrets=secret_env(self.api, pod),
-                      faults=self.faults.get(name), events=self.events)
+                      faults={**self.env, **self.faults.get(name, {})}, events=self.events)
         self.containers[name] = self._by_uid[uid] = c
         for key in ("exited", "exit noticed", "deleting", "gone"):
             self.seen.pop((name, key), None)
