@@ -22,7 +22,8 @@ import pytest
 from kubetron.contract import exitcodes
 from kubetron.supervisor import launch
 
-from tests.trainer_utils import QUICK, TINY, HeldReader, iteration_at_least, pod_env
+from tests.multirank.runner import fault_at
+from tests.trainer_utils import QUICK, TINY, HeldReader, pod_env, sigterm_while_stopped, stopped_trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,17 +71,18 @@ def test_diverged_pod_log_ends_with_the_one_line(tmp_path):
 
 def test_preempted_pod_log_ends_with_the_one_line(tmp_path):
     """The kubelet SIGTERMs PID 1 mid-run: the rank saves, the pod exits 75, its log ends with the line."""
-    pod = start_pod(tmp_path, ["train", "--config", TINY, *QUICK, f"checkpoint.save={tmp_path / 'ckpt'}"])
+    pod = start_pod(tmp_path, ["train", "--config", TINY, *QUICK, f"checkpoint.save={tmp_path / 'ckpt'}"],
+                    **fault_at(3, "STOP"))  # the trainer stops itself at its iteration 3: the SIGTERM meets it there
     out: list[str] = []
-    reader = HeldReader(pod, out.append, iteration_at_least(3))
-    with reader.held(300, explain=lambda: "".join(out)[-3000:]):
-        pod.send_signal(signal.SIGTERM)
+    reader = HeldReader(pod, out.append)
+    sigterm_while_stopped(pod, stopped_trainer(pod, 300, lambda: "".join(out)[-3000:]), 300)
     rc = pod.wait(timeout=300)
     reader.join(timeout=10)
     lines = "".join(out).rstrip("\n").splitlines()
     assert rc == exitcodes.SAVED_ON_SIGNAL, lines[-30:]
     assert lines[-1] == "kubetron: SavedOnSignal: stopped by signal; checkpoint saved", lines[-30:]
     assert termination(tmp_path)["reason"] == "SavedOnSignal"
+    assert "saved checkpoint iter_0000003 at iteration 3" in "\n".join(lines), lines[-30:]  # where it stopped
 
 
 def test_a_rank_killed_by_a_signal_is_named_in_the_last_line(tmp_path):

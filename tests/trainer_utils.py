@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -66,6 +67,48 @@ def is_trainer(process) -> bool:
         if cmd[1:2] == ["-m"] and cmd[3:4] == ["train"]:
             return cmd[2] == "kubetron" or cmd[2] == process.environ().get("KUBETRON_LAUNCH_MODULE")
     return False
+
+
+def trainer_of(pid: int, what: str = "the container"):
+    """The trainer process (psutil, `is_trainer`) among `pid`'s descendants: a pod's, not its PID 1."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        if is_trainer(child):
+            return child
+    raise AssertionError(f"no trainer process in {what}")
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether `sig` is pending for process `pid` (/proc/<pid>/status: ShdPnd, the process's; SigPnd, the thread's)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(fields[k].strip(), 16) >> (sig - 1) & 1 for k in ("ShdPnd", "SigPnd"))
+
+
+def stopped_trainer(pod: subprocess.Popen, timeout: float, explain: Callable[[], str] = lambda: ""):
+    """The pod's trainer once it has stopped itself (a SIGSTOP at its own step: tests.multirank.runner.fault_at)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(AssertionError, psutil.Error):
+            trainer = trainer_of(pod.pid)
+            if trainer.status() == psutil.STATUS_STOPPED:
+                return trainer
+        if pod.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the trainer did not stop itself (pod exit {pod.poll()}):\n{explain()}")
+        time.sleep(0.02)
+
+
+def sigterm_while_stopped(pod: subprocess.Popen, trainer, timeout: float) -> None:
+    """The kubelet's SIGTERM to the pod's PID 1 while its trainer is stopped at its own step: the launcher and
+    torchrun forward it; once it is pending in the trainer, the trainer goes on and meets it there."""
+    pod.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while not pending(trainer.pid, signal.SIGTERM):
+        assert time.monotonic() < deadline, "the SIGTERM never reached the stopped trainer"
+        time.sleep(0.02)
+    trainer.resume()
 
 
 def kubetron_cmd(*args: str) -> list[str]:

@@ -37,7 +37,7 @@ from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
 
 from tests.kube.cluster import Api, ApiError, Kubelet, pod_path, set_exited, set_running, wait_for
-from tests.trainer_utils import ITER_RE, TINY, HeldReader, is_trainer
+from tests.trainer_utils import ITER_RE, TINY, HeldReader, trainer_of
 
 POOL = "kubetron.dev/test-pool"  # the label of the Nodes a job's pods are pinned to (one pod each)
 
@@ -121,15 +121,6 @@ def pvc(kube, ns: str, path: Path) -> None:
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"pv-{ns}",
                  "resources": {"requests": {"storage": "1Gi"}}}})
-
-
-def trainer_of(pid: int, what: str = "the container") -> psutil.Process:
-    """The trainer process (`python -m kubetron train ...` under torchrun, `is_trainer`) among `pid`'s descendants:
-    a container's, not its PID 1."""
-    for child in psutil.Process(pid).children(recursive=True):
-        if is_trainer(child):
-            return child
-    raise AssertionError(f"no trainer process in {what}")
 
 
 class Container:

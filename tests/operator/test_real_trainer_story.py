@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import yaml
 from kubetron.contract import exitcodes, recovery
@@ -53,11 +52,10 @@ from kubetron_operator.policy.action import Action
 from kubetron_operator.trainer_reports import status_endpoint
 
 from tests import dashboard
-from tests.kube.cluster import wait_for
 from tests.multirank.runner import faults_by_life
 from tests.operator.jobs import PVC_JOB, kubectl_get
-from tests.operator.local_pods import config_yaml, trainer_of
-from tests.trainer_utils import ITER_RE, TINY, tb_scalars
+from tests.operator.local_pods import config_yaml
+from tests.trainer_utils import ITER_RE, TINY, sigterm_while_stopped, stopped_trainer, tb_scalars
 
 pytestmark = pytest.mark.cluster
 
@@ -168,12 +166,6 @@ def start(job: Job, attempt: int, expected: int, workdir: Path, output=subproces
     return Container(pod_of(build(job, attempt, expected)), proc, termination_log, _now())
 
 
-def pending(pid: int, sig: int) -> bool:
-    """Whether `sig` is pending for process `pid` (/proc/<pid>/status: ShdPnd, the process's; SigPnd, the thread's)."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return any(int(fields[k].strip(), 16) >> (sig - 1) & 1 for k in ("ShdPnd", "SigPnd"))
-
-
 def finish(c: Container) -> dict[str, Any]:
     """Wait for the container to end; return its pod as the API server would serve it then."""
     try:
@@ -267,13 +259,8 @@ def test_real_trainer_preempted_resumed_succeeded(tmp_path, capsys):
     # Seen what it had to: the trainer stops itself at its next iteration half an interval past a save (its own
     # step, armed now), and there the kubelet stops the container: PID 1 gets the SIGTERM, which reaches the
     # stopped trainer (pending) through the launcher and torchrun; then it goes on, saves there and exits.
-    trainer = trainer_of(c1.proc.pid)
     Path(f"{arm}-0").touch()
-    wait_for("the trainer stopped itself", lambda: trainer.status() == psutil.STATUS_STOPPED, TIMEOUT, 0.02)
-    c1.proc.send_signal(signal.SIGTERM)
-    wait_for("the SIGTERM pending in the stopped trainer", lambda: pending(trainer.pid, signal.SIGTERM), TIMEOUT,
-             0.02)
-    trainer.resume()
+    sigterm_while_stopped(c1.proc, stopped_trainer(c1.proc, TIMEOUT, lambda: "".join(c1.lines)[-3000:]), TIMEOUT)
     c1.proc.wait(timeout=TIMEOUT)
     reader.join(timeout=30)
     exited = finish(c1)
