@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.trainer_utils import TINY, HeldReader, bench_module, free_port, iteration_at_least
+from tests.multirank.runner import fault_at
+from tests.trainer_utils import TINY, HeldReader, bench_module, free_port, sigterm_while_stopped, stopped_trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_TORCH = "2.11.0"  # the GPU machine's torch, older than the project's own (2.13.0)
@@ -172,7 +173,7 @@ def test_a_sigterm_save_longer_than_30_s_completes_under_torch_2_11(gpu_machine,
         env = _clean_env(**s3_server.env(px.endpoint), PYTHONPATH=f"{site}{os.pathsep}{ROOT / 'trainer'}",
                          NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
                          MASTER_PORT=str(free_port()), KUBETRON_TERMINATION_LOG=str(tmp_path / "termination-log"),
-                         OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+                         OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **fault_at(3, "STOP"))
         pod = subprocess.Popen(
             [str(python), "-m", "kubetron.launch", "train", "--config", TINY, "train.train_iters=400",
              "logger.log_interval=1", "validation.eval_interval=null", f"checkpoint.save={store}",
@@ -181,10 +182,10 @@ def test_a_sigterm_save_longer_than_30_s_completes_under_torch_2_11(gpu_machine,
         out: list[str] = []
         signalled = None
         try:
-            reader = HeldReader(pod, out.append, iteration_at_least(3))
-            with reader.held(300, explain=lambda: "".join(out)[-3000:]):
-                pod.send_signal(signal.SIGTERM)
-                signalled = time.monotonic()
+            reader = HeldReader(pod, out.append)  # the trainer stops itself at iteration 3; the SIGTERM meets it
+            trainer = stopped_trainer(pod, 300, lambda: "".join(out)[-3000:])
+            signalled = time.monotonic()
+            sigterm_while_stopped(pod, trainer, 300)
             rc = pod.wait(timeout=300)
             reader.join(timeout=10)
         finally:
