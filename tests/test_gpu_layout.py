@@ -31,7 +31,7 @@ import pytest
 
 from tests.faultproxy import FaultProxy
 from tests.multirank.runner import fault_at
-from tests.trainer_utils import TINY, HeldReader, bench_module, free_port, sigterm_while_stopped, stopped_trainer
+from tests.trainer_utils import TINY, LineReader, bench_module, free_port, sigterm_while_stopped, stopped_trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_TORCH = "2.11.0"  # the GPU machine's torch, older than the project's own (2.13.0)
@@ -182,7 +182,7 @@ def test_a_sigterm_save_longer_than_30_s_completes_under_torch_2_11(gpu_machine,
         out: list[str] = []
         signalled = None
         try:
-            reader = HeldReader(pod, out.append)  # the trainer stops itself at iteration 3; the SIGTERM meets it
+            reader = LineReader(pod, out.append)  # the trainer stops itself at iteration 3; the SIGTERM meets it
             trainer = stopped_trainer(pod, 300, lambda: "".join(out)[-3000:])
             signalled = time.monotonic()
             sigterm_while_stopped(pod, trainer, 300)

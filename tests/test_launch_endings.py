@@ -23,7 +23,7 @@ from kubetron.contract import exitcodes
 from kubetron.supervisor import launch
 
 from tests.multirank.runner import fault_at
-from tests.trainer_utils import QUICK, TINY, HeldReader, pod_env, sigterm_while_stopped, stopped_trainer
+from tests.trainer_utils import QUICK, TINY, LineReader, pod_env, sigterm_while_stopped, stopped_trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,7 +74,7 @@ def test_preempted_pod_log_ends_with_the_one_line(tmp_path):
     pod = start_pod(tmp_path, ["train", "--config", TINY, *QUICK, f"checkpoint.save={tmp_path / 'ckpt'}"],
                     **fault_at(3, "STOP"))  # the trainer stops itself at its iteration 3: the SIGTERM meets it there
     out: list[str] = []
-    reader = HeldReader(pod, out.append)
+    reader = LineReader(pod, out.append)
     sigterm_while_stopped(pod, stopped_trainer(pod, 300, lambda: "".join(out)[-3000:]), 300)
     rc = pod.wait(timeout=300)
     reader.join(timeout=10)

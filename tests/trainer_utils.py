@@ -1,7 +1,7 @@
 """The process tier's harness: tests that run the real `kubetron` command (or a pod's launcher) in a process.
 
 One environment builder (`env_for`; `pod_env` and tests/multirank build on it), one reader that acts on a process
-at a line of its output (`HeldReader`, held at the first line `iteration_at_least(k)` passes), one pattern for
+at a line of its output (`LineReader`, held at the first line `iteration_at_least(k)` passes), one pattern for
 Megatron's console line (`ITER_RE`, and `LOSS_RE`/`CONSUMED_RE` that read its figures). Tests that act on a run
 at a step run it in their own process instead (tests/inprocess.py)."""
 
@@ -129,95 +129,21 @@ def read_termination(path: str) -> dict | None:
         return None
 
 
-HELD_PIPE_BYTES = 4096  # a page: the smallest pipe Linux makes
+class LineReader:
+    """`proc`'s stdout, line by line, passed to `sink` from a thread of its own, as it comes. Tests act on a
+    process at its own step (tests.multirank.runner.fault_at, faults_by_life), never at a line read from it."""
 
-
-def hold_on_a_short_leash(p: subprocess.Popen) -> None:
-    """Shrink `p`'s stdout pipe to one page, so a run whose reader is not scheduled (a loaded CI machine) is
-    stopped by its own next write about a dozen iteration lines later, instead of finishing the whole run
-    before the reader sees iteration k and signals it. Best effort: a pipe that already holds more fails,
-    so it is done as soon as the process is started."""
-    import fcntl
-
-    try:
-        fcntl.fcntl(p.stdout.fileno(), fcntl.F_SETPIPE_SZ, HELD_PIPE_BYTES)
-    except OSError:
-        pass
-
-
-def lines_one_byte_at_a_time(fd: int):
-    """The lines on `fd`, read without reading ahead: the pipe keeps holding (and so blocking) the writer."""
-    line = bytearray()
-    while chunk := os.read(fd, 1):
-        line += chunk
-        if chunk == b"\n":
-            yield line.decode(errors="replace")
-            line.clear()
-    if line:
-        yield line.decode(errors="replace")
-
-
-class HeldReader:
-    """`proc`'s stdout, line by line, passed to `sink` from a thread of its own. With `hold_at` (a test on a line)
-    the pipe is held on a short leash (`hold_on_a_short_leash`) and read a byte at a time up to the first line
-    that passes the test; there the reader stops until `release()`. However late the test gets to act on that
-    line (`with reader.held(...)`: a kill or a SIGSTOP), the process cannot get more than a page of output past it: a
-    kill meant for iteration 15 of 100 lands before iteration 30, not after the run ended (seen in CI, where the
-    test polled a list that a free-running reader filled). After the line, or without `hold_at`, the rest is
-    read as it comes."""
-
-    def __init__(self, proc: subprocess.Popen, sink: Callable[[str], object],
-                 hold_at: Callable[[str], bool] | None = None):
-        self.proc, self._sink, self._hold_at = proc, sink, hold_at
-        self.held_line: str | None = None
-        self._held, self._go = threading.Event(), threading.Event()
-        if hold_at is not None:
-            hold_on_a_short_leash(proc)
+    def __init__(self, proc: subprocess.Popen, sink: Callable[[str], object]):
+        self.proc, self._sink = proc, sink
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
-        try:
-            if self._hold_at is not None:
-                for line in lines_one_byte_at_a_time(self.proc.stdout.fileno()):
-                    self._sink(line)
-                    if self._hold_at(line):
-                        self.held_line = line
-                        self._held.set()
-                        self._go.wait()
-                        break
-        finally:
-            self._held.set()  # also when the output ended before any line passed: held_line stays None
-        for line in self.proc.stdout:  # nothing was read ahead through the text wrapper: the rest, in order
+        for line in self.proc.stdout:
             self._sink(line)
-
-    def wait_held(self, timeout: float, explain: Callable[[], str] = lambda: "") -> str:
-        """Block until the reader holds at its line; return that line. Fails, with `explain()`, when the output
-        ended first or nothing passed within `timeout` seconds."""
-        if not self._held.wait(timeout):
-            raise AssertionError(f"no line to hold at within {timeout:.0f} s:\n{explain()}")
-        if self.held_line is None:
-            raise AssertionError(f"the output ended (exit {self.proc.poll()}) before the line to hold at:\n{explain()}")
-        return self.held_line
-
-    def release(self) -> None:
-        self._go.set()
-
-    @contextlib.contextmanager
-    def held(self, timeout: float, explain: Callable[[], str] = lambda: ""):
-        """`wait_held`, the block (act on the process there), then `release()`, also when the block fails."""
-        try:
-            yield self.wait_held(timeout, explain)
-        finally:
-            self.release()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
-
-
-def iteration_at_least(k: int, pattern: re.Pattern = ITER_RE) -> Callable[[str], bool]:
-    """A `hold_at` test: the line logs iteration k or later."""
-    return lambda line: bool((m := pattern.search(line)) and int(m.group(1)) >= k)
 
 
 def tb_scalars(logdir: Path, tag: str = "lm loss") -> dict[int, float]:

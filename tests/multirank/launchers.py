@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -18,7 +17,7 @@ from kubetron.contract.recovery import PEER_TOKEN_ENV, POD_IP_ENV, SNAPSHOT_DIR_
 from kubetron.supervisor import launch
 
 from tests.multirank.runner import free_port
-from tests.trainer_utils import HeldReader, is_trainer, pod_env
+from tests.trainer_utils import LineReader, is_trainer, pod_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,10 +63,9 @@ def trainer_pid(pods: list[subprocess.Popen], rank: int) -> int:
     raise AssertionError(f"no trainer process of rank {rank}")
 
 
-def collect(pod: subprocess.Popen, lines: list[str], hold_at: Callable[[str], bool] | None = None) -> HeldReader:
-    """The pod's output lines appended to `lines` as they come; with `hold_at`, held at the first line that
-    passes it until the test releases it: act on the pods in `with reader.held(...)` (`HeldReader`)."""
-    return HeldReader(pod, lines.append, hold_at)
+def collect(pod: subprocess.Popen, lines: list[str]) -> LineReader:
+    """The pod's output lines appended to `lines` as they come."""
+    return LineReader(pod, lines.append)
 
 
 def finish(pods: list[subprocess.Popen], timeout: float) -> list[int | None]:

@@ -37,7 +37,7 @@ from kubetron_operator.build import CONFIG_PATH, PYTHON, TERMINATION_LOG
 from kubetron_operator.model import RESERVED_ENV
 
 from tests.kube.cluster import Api, ApiError, Kubelet, pod_path, set_exited, set_running, wait_for
-from tests.trainer_utils import ITER_RE, TINY, HeldReader, trainer_of
+from tests.trainer_utils import ITER_RE, TINY, LineReader, trainer_of
 
 POOL = "kubetron.dev/test-pool"  # the label of the Nodes a job's pods are pinned to (one pod each)
 
@@ -166,7 +166,7 @@ class Container:
                                      text=True, start_new_session=True)
         self.stamped: list[tuple[float, str]] = []  # (time.time() it arrived, line)
         self.reaped = False  # every process of it ended once PID 1 did (ProcessKubelet._reap)
-        self.reader = HeldReader(self.proc, lambda line: self.stamped.append((time.time(), line)))
+        self.reader = LineReader(self.proc, lambda line: self.stamped.append((time.time(), line)))
 
     @property
     def lines(self) -> list[str]:
