@@ -51,7 +51,8 @@ lost (reached at the kill less the one resumed from), and a timeline (seconds af
 pod's container started, a surviving rank saw its peer fail, an agent restarts its ranks, the new pod's agent up,
 the round formed and the trainer's start-up phases, the state resumed, rank 0's first step, rank 1's next
 iteration; `--logs DIR`: every pod's lines, stamped the same way). Snapshots off means no non-persistent
-checkpoints at all.
+checkpoints at all. `--store pvc s3`: the runs with snapshots off once per store, a PVC directory and a bucket on the
+local S3 server (tests/s3server.py: seaweedfs); the runs with snapshots on use the first (they do not read it).
 
 `--imports N`: the import of megatron-core as it is, vs as the run's setup imports it
 (kubetron.compat.megatron_core.install) with wandb run at import (as before lazy wandb) and now, N
@@ -92,8 +93,9 @@ from bench.padded_trainer import PADDING_ENV  # noqa: E402
 from tests.kube import cluster  # noqa: E402
 from tests.kube.fixtures import KubeEnv, start_env  # noqa: E402
 from tests.multirank.runner import faults_by_life  # noqa: E402
-from tests.operator.jobs import PVC_JOB, job_body  # noqa: E402
+from tests.operator.jobs import PVC_JOB, S3_JOB, job_body  # noqa: E402
 from tests.operator.local_pods import Container, ProcessKubelet, last_checkpoint, pinned, pool, pvc, tiny_config  # noqa: E402
+from tests.s3server import S3Server, start_s3_server  # noqa: E402
 from tests.trainer_utils import ITER_RE  # noqa: E402
 
 IN_PLACE, RECREATE, HANG = "in place", "recreate", "hang"
@@ -408,6 +410,7 @@ class FromWhere:
     loaded_from: str  # status.lastRecovery.loadedFrom
     kind: str  # status.lastRecovery.kind
     lost: int  # iterations run again: rank 1's newest at the kill less the one resumed from
+    store: str = "pvc"  # the job's store: "pvc" (a directory) or "s3" (a bucket on the local S3 server)
     state: float = 0.0  # bytes of a rank's state (kubetron plan's estimate, the padding's share with it)
     timeline: dict[str, float] = field(default_factory=dict)  # what happened when, seconds after the kill (deletion)
     lines: list[str] = field(default_factory=list, repr=False)
@@ -469,32 +472,49 @@ def padded(mb: float) -> tuple[dict[str, str], float]:
             recovery.SNAPSHOT_LIMIT_ENV: str(recovery.volume_bytes(state, 1, 2))}, state
 
 
-def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padding: dict[str, str]) -> FromWhere:
+def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padding: dict[str, str],
+               store: str = "pvc", s3: S3Server | None = None) -> FromWhere:
+    """One run: `scenario` with snapshots on or off, the job's store a PVC directory or a bucket on `s3`."""
     ns = env.namespace("memory")
-    store = workdir / ns / "pvc"
-    store.mkdir(parents=True)
-    pvc(env, ns, store)
-    body = job_body(PVC_JOB, nodes=2, config=tiny_config(train_iters=100_000, save_interval=MEMORY_SAVE_INTERVAL),
-                    storage={"pvc": {"claimName": "ckpt", "mountPath": str(store)}},
-                    statusPort=cluster.free_port(), masterPort=cluster.free_port(), maxInPlaceRestarts=3,
-                    overrides=[f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"]
-                    if snapshots else [],  # off: no non-persistent checkpoints at all
-                    memorySnapshots={"enabled": snapshots}, **pinned(ns))
+    spec = dict(nodes=2, config=tiny_config(train_iters=100_000, save_interval=MEMORY_SAVE_INTERVAL),
+                statusPort=cluster.free_port(), masterPort=cluster.free_port(), maxInPlaceRestarts=3,
+                overrides=[f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"]
+                if snapshots else [],  # off: no non-persistent checkpoints at all
+                memorySnapshots={"enabled": snapshots}, **pinned(ns))
+    bucket = None
+    if store == "s3":
+        assert s3 is not None
+        env.admin.create(f"/api/v1/namespaces/{ns}/secrets", {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
+            "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}})
+        bucket = s3.new_bucket("memory")
+        body = job_body(S3_JOB, **spec)
+        body["spec"]["storage"]["s3"].update(bucket=bucket, endpoint=s3.endpoint)
+    else:
+        claim = workdir / ns / "pvc"
+        claim.mkdir(parents=True)
+        pvc(env, ns, claim)
+        body = job_body(PVC_JOB, storage={"pvc": {"claimName": "ckpt", "mountPath": str(claim)}}, **spec)
     body["metadata"] = {"name": "gpt"}
     # Rank 1's trainer SIGKILLs itself mid-interval; for a deletion it SIGSTOPs itself there and its pod is deleted
     # then, so both lose the same iterations to the store (a deletion at the same moment, not at a line read).
     arm, sig = workdir / ns / "arm", "KILL" if scenario == "a rank SIGKILLed" else "STOP"
     with pool(env.admin, ns, 2) as names, env.operator(ns), \
-            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names, env=padding,
+            ProcessKubelet(env.admin, ns, workdir / ns, nodes=names, env=padding, events=True,
                            faults={"gpt-1-1": mid_interval_fault(MEMORY_SAVE_INTERVAL, sig, arm)}) as node:
         env.admin.create(env.jobs(ns), body)
-        wait("a durable checkpoint (the trainer's progress log)", lambda: last_checkpoint(store / "gpt"), node)
+
+        def durable() -> int:
+            """The newest checkpoint the trainers made durable (their CheckpointDurable events), whatever the store."""
+            return max((e["iteration"] for c in list(node.containers.values()) for e in c.events()
+                        if e["event"] == "CheckpointDurable"), default=0)
+
+        wait("a durable checkpoint (the trainers' events)", durable, node)
         rank1 = wait("rank 1's pod", lambda: node.containers.get("gpt-1-1"), node)
         if snapshots:
             # else the gang would rightly resume from the store, and the run would not measure memory or a peer
             wait("a copy of rank 1's snapshot on pod 0 newer than the store's checkpoint", lambda: max(
-                sf.iterations(sf.peer_dir(node.containers["gpt-1-0"].memory, 1)), default=0) > last_checkpoint(
-                store / "gpt"), node)
+                sf.iterations(sf.peer_dir(node.containers["gpt-1-0"].memory, 1)), default=0) > durable(), node)
         before = dict(node.containers)
         killed, reached = fire(rank1, arm, sig, MEMORY_SAVE_INTERVAL, node)
         if scenario == "a pod deleted":
@@ -518,44 +538,64 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padd
             [*((f"{n} (before)", c) for n, c in before.items()),
              *((n, c) for n, c in node.containers.items() if all(c is not b for b in before.values()))]]
     shutil.rmtree(workdir / ns, ignore_errors=True)  # its store and memory volumes: gigabytes at the larger sizes
+    if bucket is not None:
+        empty(s3, bucket)
     return FromWhere(scenario, snapshots, arrived - killed, last["loadedFrom"], last["kind"],
-                     reached - last["iteration"], marks, lines)
+                     reached - last["iteration"], store=store, timeline=marks, lines=lines)
 
 
-def memory_vs_store(env: KubeEnv, workdir: Path, sizes: list[float], repeats: int = 1) -> list[FromWhere]:
-    """Each scenario with snapshots on and off, at each size (MB of state per rank, `padded`)."""
+def empty(s3: S3Server, bucket: str) -> None:
+    """Delete every object of `bucket` (gigabytes of checkpoints at the larger sizes)."""
+    client = s3.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents") or ()]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+def memory_vs_store(env: KubeEnv, workdir: Path, sizes: list[float], stores: list[str], s3: S3Server | None,
+                    repeats: int = 1) -> list[FromWhere]:
+    """Each scenario at each size (MB of state per rank, `padded`): with snapshots on (the store: the first of
+    `stores`; recovery does not read it), and off, from each store."""
     runs = []
-    for mb, _, scenario, snapshots in itertools.product(sizes, range(repeats), ("a rank SIGKILLed", "a pod deleted"),
-                                                        (True, False)):
+    for mb, _, scenario in itertools.product(sizes, range(repeats), ("a rank SIGKILLed", "a pod deleted")):
         padding, state = padded(mb)
-        r = replace(from_where(env, workdir, scenario, snapshots, padding), state=state)
-        runs.append(r)
-        print(f"{state / 1e6:.0f} MB per rank, {r.scenario}, snapshots {'on' if r.snapshots else 'off'}: "
-              f"{r.seconds:.2f} s, {r.kind} from {r.loaded_from}, {r.lost} iterations lost; load average "
-              f"{os.getloadavg()[0]:.1f}", flush=True)
-        for mark, seconds in r.timeline.items():
-            print(f"    {mark:<52}{seconds:7.2f}" if mark.startswith("  ") else f"    {mark:<52}{seconds:+7.2f}",
-                  flush=True)
+        for store, snapshots in [(stores[0], True), *((s, False) for s in stores)]:
+            r = replace(from_where(env, workdir, scenario, snapshots, padding, store, s3), state=state)
+            runs.append(r)
+            print(f"{state / 1e6:.0f} MB per rank, {r.scenario}, snapshots {'on' if r.snapshots else 'off'}, store "
+                  f"{store}: {r.seconds:.2f} s, {r.kind} from {r.loaded_from}, {r.lost} iterations lost; load "
+                  f"average {os.getloadavg()[0]:.1f}", flush=True)
+            for mark, seconds in r.timeline.items():
+                print(f"    {mark:<52}{seconds:7.2f}" if mark.startswith("  ") else f"    {mark:<52}{seconds:+7.2f}",
+                      flush=True)
     return runs
+
+
+STORE_NAMES = {"pvc": "a PVC directory", "s3": "S3 (the local server)"}
 
 
 def memory_table(runs: list[FromWhere]) -> str:
     sizes = sorted({r.state for r in runs})
+    stores = list(dict.fromkeys(r.store for r in runs if not r.snapshots))
     rows = [f"2 pods x 1 rank on CPU (the tiny GPT, its state padded by a frozen parameter: bench/padded_trainer.py), "
-            f"store: a PVC directory, checkpoint every {MEMORY_SAVE_INTERVAL}, snapshot every {SNAPSHOT_INTERVAL}, "
-            f"rank 1 killed {MEMORY_SAVE_INTERVAL // 2} past a checkpoint; load average {os.getloadavg()[0]:.1f} on "
+            f"checkpoint every {MEMORY_SAVE_INTERVAL}, snapshot every {SNAPSHOT_INTERVAL}, rank 1 killed "
+            f"{MEMORY_SAVE_INTERVAL // 2} past a checkpoint; load average {os.getloadavg()[0]:.1f} on "
             f"{os.cpu_count()} cores",
-            "| state per rank | scenario | from memory / peer | from the store (snapshots off) |", "|---|---|---|---|"]
+            "| state per rank | scenario | from memory / peer | "
+            + " | ".join(f"from the store: {STORE_NAMES[s]} (snapshots off)" for s in stores) + " |",
+            "|---|---|---|" + "---|" * len(stores)]
     in_place: dict[float, float] = {}
     for state in sizes:
         for scenario in ("a rank SIGKILLed", "a pod deleted"):
-            on, off = ([r for r in runs if r.state == state and r.scenario == scenario and r.snapshots is s]
-                       for s in (True, False))
+            mine = [r for r in runs if r.state == state and r.scenario == scenario]
+            on = [r for r in mine if r.snapshots]
+            off = [[r for r in mine if not r.snapshots and r.store == s] for s in stores]
             size = f"{state / 1e6:.0f} MB"
             rows.append(f"| {size} | {scenario} -> next iteration | {_cell(on, lambda r: r.seconds, ' s')} | "
-                        f"{_cell(off, lambda r: r.seconds, ' s', kind=True)} |")
+                        + " | ".join(_cell(o, lambda r: r.seconds, ' s', kind=True) for o in off) + " |")
             rows.append(f"| {size} | {scenario}: iterations lost | {_cell(on, lambda r: r.lost)} | "
-                        f"{_cell(off, lambda r: r.lost)} |")
+                        + " | ".join(_cell(o, lambda r: r.lost) for o in off) + " |")
         in_place[state], replaced = (median([r.seconds for r in runs if r.state == state and r.scenario == sc
                                              and r.snapshots]) for sc in ("a rank SIGKILLed", "a pod deleted"))
         rows.append(f"\n{state / 1e6:.0f} MB: a pod deleted, from its peer / a rank SIGKILLed, from memory in place: "
@@ -591,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, default=None, help="write each run's pod logs into this directory")
     p.add_argument("--memory", type=float, nargs="+", default=None, metavar="MB",
                    help="only memory snapshots against the store, a rank's state about MB megabytes (several: each)")
+    p.add_argument("--store", choices=("pvc", "s3"), nargs="+", default=["pvc"],
+                   help="--memory: the job's store, each (snapshots off) side by side (default: pvc)")
     p.add_argument("--hang-timeout", type=int, default=None,
                    help="spec.hangTimeoutSeconds of the hang run (default: unset, the trainer's own rule, 45 s for "
                         "the tiny GPT; --quick: 10)")
@@ -604,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
             cp, env, kubelet = start_env(Path(tmp) / "kube")
             kubelet.finish_deletions = False
             try:
-                memory_runs = memory_vs_store(env, Path(tmp), args.memory, repeats)
+                with contextlib.ExitStack() as stack:
+                    s3 = stack.enter_context(start_s3_server(Path(tmp) / "s3")) if "s3" in args.store else None
+                    memory_runs = memory_vs_store(env, Path(tmp), args.memory, args.store, s3, repeats)
             finally:
                 kubelet.stop()
                 cp.stop()
