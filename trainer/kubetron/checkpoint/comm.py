@@ -53,16 +53,15 @@ def all_gather_bytes(data: bytes, group=None) -> list[bytes]:
     return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
 
 
-def exchange_bytes(send: list[torch.Tensor], recv_sizes: list[int], group=None) -> list[torch.Tensor]:
-    """All-to-all of byte buffers: `send[j]` (a uint8 CPU tensor) goes to rank j; returns what each rank sent
-    this one, `recv_sizes[q]` bytes from rank q (both sides must agree on the sizes)."""
+def exchange_bytes(inp: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group=None) -> list[torch.Tensor]:
+    """All-to-all of bytes: `inp` (a flat uint8 CPU tensor) holds for each rank j in turn `send_sizes[j]` bytes
+    for it; returns what each rank sent this one, `recv_sizes[q]` bytes from rank q (both sides must agree on the
+    sizes). The caller fills `inp` in place (a gang's reads go straight into it)."""
     world = _world(group)
     if world == 1:
-        return [send[0]]
+        return [inp]
     device = collective_device(group)
-    inp = torch.cat([s.reshape(-1) for s in send]).to(device) if any(s.numel() for s in send) else \
-        torch.empty(0, dtype=torch.uint8, device=device)
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(out, inp, output_split_sizes=list(recv_sizes),
-                           input_split_sizes=[s.numel() for s in send], group=group)
+    dist.all_to_all_single(out, inp.to(device), output_split_sizes=list(recv_sizes),
+                           input_split_sizes=list(send_sizes), group=group)
     return list(out.cpu().split(list(recv_sizes)))

@@ -212,9 +212,9 @@ class Store(abc.ABC):
             raise CheckpointError(f"{self.url}/{key}: expected {length} bytes at offset {start}, got {len(data)}")
         return data
 
-    def read_ranges(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+    def read_ranges(self, requests: list[tuple[str, int, int]]) -> list[bytes | memoryview]:
         """`read_range` of each (key, start, length), in order (a sharded load's reads, all at once: a store
-        that fetches them together overrides it)."""
+        that fetches them together overrides it; bytes or views of a buffer of its own)."""
         return [self.read_range(key, start, length) for key, start, length in requests]
 
     def local_path(self, key: str) -> str | None:

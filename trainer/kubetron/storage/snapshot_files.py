@@ -315,25 +315,34 @@ class OpenSnapshot:
     def size(self, rel: str) -> int:
         return self.manifest.files[rel][0]
 
-    def read(self, rel: str, start: int, length: int) -> bytes:
+    def read(self, rel: str, start: int, length: int) -> bytearray:
         """Bytes [start, start + length) of file `rel`, inside its size (checked before any buffer exists)."""
-        size = self._size_of(rel)
-        if start < 0 or length < 0 or start + length > size:
-            raise CheckpointError(f"{self.dir}/{rel}: expected {length} bytes at offset {start}, it holds {size}")
+        self._check_range(rel, start, length)
         buf = bytearray(length)
-        view, done = memoryview(buf), 0
+        self.read_into(rel, start, memoryview(buf))
+        return buf
+
+    def read_into(self, rel: str, start: int, view: memoryview) -> None:
+        """Bytes [start, start + len(view)) of file `rel` straight into `view` (a gang's send buffer: no copy)."""
+        length = len(view)
+        self._check_range(rel, start, length)
+        done = 0
         while done < length:
             n = os.preadv(self._fds[rel], [view[done:]], start + done)
             if n <= 0:
                 raise CheckpointError(f"{self.dir}/{rel}: ended at {start + done} bytes of {start + length}")
             done += n
-        return bytes(buf)
+
+    def _check_range(self, rel: str, start: int, length: int) -> None:
+        size = self._size_of(rel)
+        if start < 0 or length < 0 or start + length > size:
+            raise CheckpointError(f"{self.dir}/{rel}: expected {length} bytes at offset {start}, it holds {size}")
 
     def read_all(self, rel: str, limit: int) -> bytes:
         size = self._size_of(rel)
         if size > limit:
             raise CheckpointError(f"{self.dir}/{rel} is {size} bytes, more than the {limit} such a file may hold")
-        return self.read(rel, 0, size)
+        return bytes(self.read(rel, 0, size))
 
     def _size_of(self, rel: str) -> int:
         if rel not in self._fds:

@@ -305,7 +305,7 @@ def _json(value: object) -> str:
     return json.dumps(value)
 
 
-def _file_chunks(snap: OpenSnapshot) -> Iterator[bytes]:
+def _file_chunks(snap: OpenSnapshot) -> Iterator[bytearray]:
     for rel in sorted(snap.manifest.files):
         size, at = snap.size(rel), 0
         while at < size:
