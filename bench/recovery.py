@@ -565,8 +565,8 @@ def memory_vs_store(env: KubeEnv, workdir: Path, sizes: list[float], stores: lis
     """Each scenario at each size (MB of state per rank, `padded`): with snapshots on (the store: the first of
     `stores`; recovery does not read it), and off, from each store."""
     runs = []
-    for mb, _, scenario in itertools.product(sizes, range(repeats), ("a rank SIGKILLed", "a pod deleted")):
-        padding, state = padded(mb)
+    for (padding, state), _, scenario in itertools.product([padded(mb) for mb in sizes], range(repeats),
+                                                           ("a rank SIGKILLed", "a pod deleted")):
         for store, snapshots in [(stores[0], True), *((s, False) for s in stores)]:
             r = replace(from_where(env, workdir, scenario, snapshots, padding, store, s3), state=state)
             runs.append(r)

@@ -24,9 +24,9 @@ from kubetron.contract import progress as progress_log
 from kubetron.contract.recovery import REPLICATION_FACTOR_ENV
 from kubetron.supervisor import launch
 
-from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods, trainer_pid
+from tests.multirank.launchers import collect, finish, kill_pod, run_to_end, start_pod, start_pods
 from tests.multirank.runner import fault_at, free_port
-from tests.trainer_utils import LOSS_RE, QUICK, TINY
+from tests.trainer_utils import LOSS_RE, QUICK, TINY, stopped_trainer
 
 pytestmark = pytest.mark.process
 
@@ -264,14 +264,9 @@ def test_a_lost_pods_replacement_resumes_from_its_peers_copy(tmp_path):
     outs: list[list[str]] = [[], []]
     readers = [collect(pod, out) for pod, out in zip(pods, outs, strict=True)]
     copies = sf.peer_dir(tmp_path / "pod0" / "memory", 1)
-
-    def stopped() -> bool:
-        with contextlib.suppress(AssertionError, psutil.Error):
-            return psutil.Process(trainer_pid(pods, 1)).status() == psutil.STATUS_STOPPED
-        return False
-
+    stopped_trainer(pods[1], 120, lambda: "".join(sum(outs, []))[-4000:])
     deadline = time.monotonic() + 120
-    while not (stopped() and sf.iterations(copies)):  # and pod 0 holds a copy of pod 1's snapshot
+    while not sf.iterations(copies):  # and pod 0 holds a copy of pod 1's snapshot
         assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "".join(sum(outs, []))[-4000:]
         time.sleep(0.05)
     held = sf.iterations(copies)[-1]

@@ -1,9 +1,9 @@
 """The process tier's harness: tests that run the real `kubetron` command (or a pod's launcher) in a process.
 
-One environment builder (`env_for`; `pod_env` and tests/multirank build on it), one reader that acts on a process
-at a line of its output (`LineReader`, held at the first line `iteration_at_least(k)` passes), one pattern for
-Megatron's console line (`ITER_RE`, and `LOSS_RE`/`CONSUMED_RE` that read its figures). Tests that act on a run
-at a step run it in their own process instead (tests/inprocess.py)."""
+One environment builder (`env_for`; `pod_env` and tests/multirank build on it), one reader that collects a
+process's lines (`LineReader`; a test acts at the run's own step: `stopped_trainer`, `sigterm_while_stopped`,
+tests.multirank.runner.fault_at), one pattern for Megatron's console line (`ITER_RE`, and `LOSS_RE`/`CONSUMED_RE`
+that read its figures). Tests that act on a run at a step run it in their own process instead (tests/inprocess.py)."""
 
 from __future__ import annotations
 

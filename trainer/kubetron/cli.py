@@ -218,7 +218,7 @@ def chaos_from_env(environ) -> tuple[Callable[[str, int], None] | None, Callable
         os.kill(os.getpid(), faults[i][1])
 
     def at_step(event: object) -> None:
-        if (i := pick()) is None or not isinstance(event, StepDone) or (at := step_at[i]) is None:
+        if not isinstance(event, StepDone) or (i := pick()) is None or (at := step_at[i]) is None:
             return
         residue, modulus = at
         if (event.iteration % modulus if modulus else event.iteration) == residue:

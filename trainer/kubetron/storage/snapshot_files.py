@@ -319,14 +319,16 @@ class OpenSnapshot:
         """Bytes [start, start + length) of file `rel`, inside its size (checked before any buffer exists)."""
         self._check_range(rel, start, length)
         buf = bytearray(length)
-        self.read_into(rel, start, memoryview(buf))
+        self._fill(rel, start, memoryview(buf))
         return buf
 
     def read_into(self, rel: str, start: int, view: memoryview) -> None:
         """Bytes [start, start + len(view)) of file `rel` straight into `view` (a gang's send buffer: no copy)."""
-        length = len(view)
-        self._check_range(rel, start, length)
-        done = 0
+        self._check_range(rel, start, len(view))
+        self._fill(rel, start, view)
+
+    def _fill(self, rel: str, start: int, view: memoryview) -> None:
+        length, done = len(view), 0
         while done < length:
             n = os.preadv(self._fds[rel], [view[done:]], start + done)
             if n <= 0:
