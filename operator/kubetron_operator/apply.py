@@ -1,7 +1,8 @@
 """Carrying out decide()'s Action against the API server (`act`), and deleting a job's children (`delete_children`).
 
 The action is applied in crash-safe order: a new attempt's pods are created before status names the
-attempt; an ended attempt is recorded in status before its pods are deleted. Every status patch carries the
+attempt (while other attempts' pods are being created, that status patch is held back: view.Deferred); an
+ended attempt is recorded in status before its pods are deleted. Every status patch carries the
 resourceVersion of the body it was decided from, so a decision someone else's write made stale is refused
 (Conflict) and taken again, and counters in status are never applied twice. A failed creation tears down
 what it created (a partial gang must not hold GPUs) and is retried as policy/create_retry.py says.
@@ -101,7 +102,9 @@ def apply(deps: Deps, body: dict[str, Any], job: Job | None, obs: Observed, acti
             _patch_status(deps, body, action.status, rv)
         else:
             deps.view.created(job.uid, manifests)  # until the watch shows them, never "vanished"
-            _patch_status(deps, body, action.status, rv)
+            # Other attempts' pods are being created: theirs go first (view.Deferred says when this goes out).
+            if not (deps.creating.busy(besides=1) and deps.view.defer(job.uid, action.status)):
+                _patch_status(deps, body, action.status, rv)
             old = attempt_pod_group(job, obs.status)  # the last attempt's, unless the new one is the same
             if old is not None and old != action.status.get("podGroup"):
                 delete_pod_group(kube, job, old, logger)

@@ -41,10 +41,11 @@ class Activity:
                 self._acting -= 1
                 self._ended = time.monotonic()
 
-    def busy(self, quiet: float = EVENT_QUIET) -> bool:
-        """An action is in flight, or one ended less than `quiet` seconds ago."""
+    def busy(self, quiet: float = EVENT_QUIET, besides: int = 0) -> bool:
+        """An action is in flight (more than `besides`: the caller's own), or one ended less than `quiet`
+        seconds ago."""
         with self._lock:
-            return self._acting > 0 or time.monotonic() - self._ended < quiet
+            return self._acting > besides or time.monotonic() - self._ended < quiet
 
 
 class EventPoster:

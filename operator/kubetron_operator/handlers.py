@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 from typing import Any
@@ -39,9 +40,9 @@ from kubetron_operator.observe import Observed, json_copy
 from kubetron_operator.pod_cache import PodCache
 from kubetron_operator.policy.action import Action
 from kubetron_operator.policy.kueue import queued
-from kubetron_operator.policy.throttle import hold_news, hold_until, throttle
+from kubetron_operator.policy.throttle import NEWS_HOLD, hold_news, hold_until, throttle
 from kubetron_operator.policy.wake import JOB_OBJECTS_RETRY, at_most, next_due
-from kubetron_operator.view import View
+from kubetron_operator.view import View, overlaid
 
 DEBOUNCE = 0.2  # seconds: a burst of watch events (a gang of pods starting) becomes one reconcile
 FINALIZER = "kubetron.dev/operator"  # kopf's (settings.persistence.finalizer), on Kueue-queued jobs only
@@ -124,12 +125,12 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
             current = memory.body or json_copy(body)
             pods = view.pods(uid, deps.pods.pods(namespace, uid) if deps.pods is not None else ())
             try:
-                reads = await _gather_outside(deps, namespace, current, pods)
+                reads = await _gather_outside(deps, namespace, overlaid(current, memory.deferred), pods)
                 due = await deps.pools.run(deps.executor, react, deps, current, pods, logger, reads)
             except Exception:  # one bad round must not kill the job's reconciler
                 logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
                 due = deps.interval
-            if memory.news_held is not None:  # its news wait for the creations to end (throttle.hold_news)
+            if memory.news_held is not None or memory.deferred is not None:  # they wait for the creations to end
                 _release_news_when_quiet(deps)
             await _sleep(memory.wake, stopped, due)
             await asyncio.sleep(DEBOUNCE)
@@ -171,15 +172,26 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
         return None
     if FINALIZER not in (meta.get("finalizers") or ()) and queued(body):
         return FINALIZER_WAIT  # kopf's finalizer patch is under way; its watch event wakes us
-    obs, job = observe(deps, body, pods, reads)
+    uid = meta.get("uid") or ""
+    memory = deps.view.get(uid)
+    deferred = memory.deferred if memory is not None else None  # our status patch held back: decide as if applied
+    obs, job = observe(deps, overlaid(body, deferred), pods, reads)
     _warn_once(deps, body, obs, reads, logger)
     action = decide(job, obs)
-    action, held = throttle(action, deps.view.since_patch(meta.get("uid") or ""), deps.interval)
-    action, news_due = _hold_news(deps, meta.get("uid") or "", action)
+    action, held = throttle(action, deps.view.since_patch(uid), deps.interval)
+    action, news_due = _hold_news(deps, uid, action)
+    if deferred is not None and memory is not None:
+        if action.idle and deps.creating.busy() and time.monotonic() - deferred.since < NEWS_HOLD:
+            news_due = at_most(news_due, NEWS_HOLD - (time.monotonic() - deferred.since))
+        else:  # it goes out now, with what this round patches (decided from the status it makes)
+            action = dataclasses.replace(action, status={**deferred.status, **action.status})
+            memory.deferred = None
     if not action.idle:
         creating = deps.creating.acting() if action.create_attempt is not None else contextlib.nullcontext()
         with metrics.RECONCILE.time(), deps.activity.acting(), creating:
-            act(deps, body, job, obs, action, logger)
+            applied = act(deps, body, job, obs, action, logger)
+        if applied is None and deferred is not None and memory is not None and memory.deferred is None:
+            memory.deferred = deferred  # the job changed meanwhile: still held, decided again from the newer one
     if action.why:
         logger.debug("waiting: %s", action.why)
     due = next_due(job, obs, deps.interval, random.random())
@@ -193,14 +205,14 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
 
 
 def _release_news_when_quiet(deps: Deps) -> None:
-    """Wake every job whose news wait (JobMemory.news_held) once no attempt has been created for EVENT_QUIET
-    seconds (one task for all of them; NEWS_HOLD bounds the wait anyway)."""
+    """Wake every job whose news or new attempt's status wait (JobMemory.news_held, .deferred) once no attempt
+    has been created for EVENT_QUIET seconds (one task for all of them; NEWS_HOLD bounds the wait anyway)."""
 
     async def wake_when_quiet() -> None:
         while deps.creating.busy():
             await asyncio.sleep(EVENT_QUIET)
         for memory in list(deps.view.jobs.values()):
-            if memory.news_held is not None:
+            if memory.news_held is not None or memory.deferred is not None:
                 memory.wake.set()
 
     if deps.news_waker is None or deps.news_waker.done():

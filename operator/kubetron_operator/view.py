@@ -45,6 +45,20 @@ class JobMemory:
     progress: tuple[datetime, ProgressRead] | None = None  # the store's progress log as last read, and when
     live_quiet_until: float = 0.0  # time.monotonic() before which rank 0's endpoint is not read (it failed)
     news_held: float | None = None  # time.monotonic() since when a starting attempt's news wait (throttle.hold_news)
+    deferred: Deferred | None = None  # a new attempt's status patch, held while other attempts are being created
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A new attempt's status patch (AttemptCreated) held back while other jobs' pods are being created: a burst's
+    pods go first (a status patch is the dearest write). Until it goes out, every wake-up of the job decides from
+    its body with this patch applied (View.overlaid), as if the server held it; it goes out with the job's next
+    action, or on its own once no attempt has been created for EVENT_QUIET seconds, at most NEWS_HOLD seconds
+    late. Lost with the operator: the next one finds the attempt's pods and status without them, the path of an
+    operator that died between the pods and the patch (apply.py: pods first)."""
+
+    status: dict[str, Any]
+    since: float  # time.monotonic() when it was first held
 
 
 class View:
@@ -107,7 +121,19 @@ class View:
     def statuses(self) -> list[tuple[str, JobStatus]]:
         """(namespace, status) of every job known (policy.nodes.avoiders reads which nodes they avoid)."""
         with self._lock:
-            return [(m.namespace, job_status(m.body)) for m in self.jobs.values() if m.body is not None]
+            return [(m.namespace, job_status(overlaid(m.body, m.deferred))) for m in self.jobs.values()
+                    if m.body is not None]
+
+    def defer(self, uid: str, status: dict[str, Any]) -> bool:
+        """Hold the job's status patch `status` back (Deferred), on top of one held already. False: the job has
+        no daemon here to send it later (patch now)."""
+        memory = self.get(uid)
+        if memory is None or memory.gone:
+            return False
+        held = memory.deferred
+        memory.deferred = Deferred({**held.status, **status}, held.since) if held is not None else \
+            Deferred(dict(status), time.monotonic())
+        return True
 
     def job(self, body: dict[str, Any]) -> tuple[Job | None, str]:
         """Job.from_body (or its SpecError's message), kept per job until its name, labels or spec
@@ -169,6 +195,27 @@ class View:
         memory = self.get(uid)
         if memory is not None:
             memory.job_objects = True
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """`target` with the JSON merge patch `patch` applied (RFC 7386: None removes a key, objects merge, the
+    rest replaces), as the API server applies a status patch; neither argument is changed."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def overlaid(body: dict[str, Any] | None, deferred: Deferred | None) -> Any:
+    """`body` as it will be once its held-back status patch is applied (itself when none is held)."""
+    if body is None or deferred is None:
+        return body
+    return {**body, "status": merge_patch(body.get("status") or {}, deferred.status)}
 
 
 def _older(body: dict[str, Any], than: dict[str, Any]) -> bool:

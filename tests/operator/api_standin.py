@@ -1,8 +1,8 @@
-"""A stand-in for the few API server answers the in-process operator tests need (api_calls.Transport): objects
-kept in a dict, created (409 when there), read, merge-patched, deleted (404 when gone), pods listed by label,
-and discovery of scheduling.k8s.io. Only for what the real 1.36 API server in tests/kube cannot show: a
-server that serves scheduling.k8s.io/v1beta1 (Kubernetes 1.37), and a daemon's life without a cluster.
-Every request is recorded (`requests`: method and path)."""
+"""A stand-in for the few API server answers the in-process operator tests need (api_calls.Transport): objects kept in
+a dict, created (409 when there), read, merge-patched (409 when not the version the patch names), deleted (404 when
+gone), pods listed by label, and discovery of scheduling.k8s.io. Only for what the real 1.36 API server in
+tests/kube cannot show: a server that serves scheduling.k8s.io/v1beta1 (Kubernetes 1.37), and a daemon's life
+without a cluster. Every request is recorded (`requests`: method and path)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,9 @@ class ApiStandIn:
         if method == "GET":
             return 200, copy.deepcopy(held)
         if method == "PATCH":
+            wanted = ((body or {}).get("metadata") or {}).get("resourceVersion")
+            if wanted and wanted != held["metadata"].get("resourceVersion"):  # the precondition a status patch sends
+                return 409, {"message": "the object has been modified"}
             merge(held, {k: v for k, v in body.items() if k != "metadata"})
             self._version += 1
             held["metadata"]["resourceVersion"] = str(self._version)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -20,6 +21,7 @@ from kubetron.contract.times import stamp
 from kubetron_operator import handlers, metrics
 from kubetron_operator.api_calls import Kube, api_path
 from kubetron_operator.deps import Deps
+from kubetron_operator.events import EVENT_QUIET
 from kubetron_operator.gather import gather
 from kubetron_operator.observe import PodView
 from kubetron_operator.trainer_reports.store_log import ProgressRead
@@ -204,3 +206,81 @@ def test_a_starting_attempts_news_wait_while_other_attempts_are_created(cluster,
         await asyncio.wait_for(daemon, 30)
 
     asyncio.run(life())
+
+
+def test_a_new_attempts_status_waits_while_other_attempts_are_created_and_goes_out_once(cluster):
+    """Pods first, in a burst: the status patch that says attempt 1 exists (AttemptCreated) is held while other
+    jobs' attempts are being created, the job's wake-ups meanwhile decide as if it were applied (no second attempt,
+    no write at all), and it goes out in one patch, with the news decided meanwhile, once the creations are done."""
+    api, deps = cluster
+    deps.pods = Pods(api)  # type: ignore[assignment]
+
+    def writes() -> list[tuple[str, str]]:
+        return [r for r in api.requests if r[0] != "GET"]
+
+    async def life() -> None:
+        loop, memo, stop = asyncio.get_running_loop(), Memo(deps), Stop()
+        deferred, defer = asyncio.Event(), deps.view.defer
+        patched, patched_mark = asyncio.Event(), deps.view.patched
+
+        def deferring(uid: str, status: dict[str, Any]) -> bool:
+            held = defer(uid, status)
+            loop.call_soon_threadsafe(deferred.set)
+            return held
+
+        deps.view.defer = deferring  # type: ignore[method-assign]
+        deps.view.patched = lambda uid: (patched_mark(uid), loop.call_soon_threadsafe(patched.set))  # type: ignore
+        with deps.creating.acting(), deps.activity.acting():  # another job's attempt is being created, all along
+            daemon = asyncio.ensure_future(handlers.reconcile_daemon(
+                name="gpt", namespace="ml", uid="uid-123", body=copy.deepcopy(api.objects[JOB_PATH]), stopped=stop,
+                memo=memo, logger=LOG))
+            await asyncio.wait_for(deferred.wait(), 30)  # attempt 1's pods are created
+            memory = deps.view.get("uid-123")
+            assert memory is not None and memory.deferred is not None and memory.deferred.status["attempt"] == 1
+            assert "attempt" not in (api.objects[JOB_PATH].get("status") or {})  # held back
+            burst = writes()
+            assert sorted(burst) == [("POST", "/api/v1/namespaces/ml/pods")] * 2
+            api.objects["/api/v1/namespaces/ml/pods/gpt-1-1"]["status"] = {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/1 nodes"}]}
+            for _ in range(3):  # its pods change: it decides from attempt 1 (as if patched) and holds everything
+                deps.view.wake("uid-123")
+                await asyncio.sleep(0.5)
+            assert writes() == burst and not patched.is_set()
+        await asyncio.wait_for(patched.wait(), 5)  # out once no creation is in flight (not NEWS_HOLD later)
+        status = api.objects[JOB_PATH]["status"]
+        assert (status["attempt"], status["reason"]) == (1, "Unschedulable")
+        after = [w for w in writes()[len(burst):] if not w[1].endswith("/events")]  # (its Events, posted when quiet)
+        assert after == [("PATCH", f"{JOB_PATH}/status")]  # one patch: the attempt and its news
+        assert deps.view.get("uid-123").deferred is None
+        await handlers.job_event(body=deleted_event(api.objects[JOB_PATH]), type="DELETED", memo=memo)
+        await asyncio.wait_for(daemon, 30)
+
+    asyncio.run(life())
+
+
+def test_a_held_attempt_status_survives_a_job_changed_meanwhile(cluster):
+    """Someone else writes the job while attempt 1's status is held back: the held patch is refused with the old
+    version (409), stays held, and goes out with the next wake-up, decided from the newer job: never a second
+    attempt, nothing the other writer set undone."""
+    api, deps = cluster
+    deps.view.enter("uid-123", "ml", "gpt")
+    body = copy.deepcopy(api.objects[JOB_PATH])
+    with deps.creating.acting():  # another job's attempt is being created
+        handlers.react(deps, copy.deepcopy(body), [], LOG, gather(deps, body, []))
+    memory = deps.view.get("uid-123")
+    assert memory is not None and memory.deferred is not None
+    pods = copy.deepcopy(list(api.of_kind("Pod").values()))
+    api.objects[JOB_PATH].setdefault("status", {})["note"] = "someone else's"  # a write the operator has not seen
+    api.objects[JOB_PATH]["metadata"]["resourceVersion"] = "999"
+    time.sleep(EVENT_QUIET)  # no creation for that long: quiet
+    stale = copy.deepcopy(body)
+    handlers.react(deps, stale, pods, LOG, gather(deps, stale, pods))  # the held patch goes out, refused
+    assert ("PATCH", f"{JOB_PATH}/status") in api.requests
+    assert memory.deferred is not None and "attempt" not in api.objects[JOB_PATH]["status"]
+    fresh = copy.deepcopy(api.objects[JOB_PATH])
+    handlers.react(deps, fresh, pods, LOG, gather(deps, fresh, pods))
+    status = api.objects[JOB_PATH]["status"]
+    assert (status["attempt"], status["note"], memory.deferred) == (1, "someone else's", None)
+    assert sorted(api.of_kind("Pod")) == ["gpt-1-0", "gpt-1-1"]  # the two of attempt 1, made once
+    assert [r for r in api.requests if r[0] == "POST" and r[1].endswith("/pods")] == \
+        [("POST", "/api/v1/namespaces/ml/pods")] * 2
