@@ -56,6 +56,25 @@ def test_boxes_across_ranks_padding_and_gaps(saved):
         reader.read_many([(FC2, [(0, 4), (0, 5)])])  # not a vocabulary tensor: no padding allowed
 
 
+
+def test_boxes_read_straight_into_targets_as_read_many_reads_them(saved):
+    """read_into (a model's load): the same values as read_many, copied into the targets in place (any dtype,
+    a view of a larger tensor), the rows a padded vocabulary lacks zeroed, a wrong target or box refused."""
+    store, emb, fc2 = saved
+    reader = ShardReader(store, "iter_0000001", 2)
+    wants = [(WORD, [(2, 6), (1, 3)]), (FC2, [(0, 3), (2, 5)]), ("optim/x/step", []), (WORD, [(4, 8), (0, 4)])]
+    big = torch.full((4, 8), -1.0)  # the first target is a view: columns 2-3 of it
+    targets = [big[:, 2:4], torch.full((3, 3), -1.0), torch.tensor(-1.0, dtype=torch.float64), torch.full((4, 4), -1.0)]
+    reader.read_into(wants, targets)
+    for got, want in zip(targets, reader.read_many(wants), strict=True):
+        assert torch.equal(got, want.to(got.dtype))
+    assert (big[:, :2] == -1).all() and (big[:, 4:] == -1).all()  # nothing outside the view written
+    assert not targets[3][2:].any()  # padding rows: zeros, as read_many gives them
+    with pytest.raises(CheckpointError, match="read into a tensor of shape"):
+        reader.read_into([(FC2, [(0, 3), (2, 5)])], [torch.empty(3, 4)])
+    with pytest.raises(CheckpointError, match="linear_fc2.weight box .* is not covered"):
+        reader.read_into([(FC2, [(0, 4), (0, 5)])], [torch.empty(4, 5)])
+
 @pytest.mark.parametrize("shape", [(7,), (5, 6), (2, 3, 4), (3, 1, 5), (1, 4)])
 def test_flat_ranges_are_exact_boxes(shape):
     """Every flat range [lo, hi) of a C-contiguous tensor becomes boxes whose elements, in order, are

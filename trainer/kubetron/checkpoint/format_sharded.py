@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -455,6 +456,23 @@ class ShardReader:
             out.append(t)
         return out
 
+    def read_into(self, wants: list[tuple[str, list[tuple[int, int]]]], targets: list[torch.Tensor]) -> None:
+        """read_many, each box copied straight from the bytes read into its target (a tensor of the box's shape,
+        of any dtype and device: a model's parameter): no tensor in between, no copy of the bytes (a load of a
+        large replicated weight touches it once, not four times). Rows a padded vocabulary lacks become zeros."""
+        parts = [self._parts(name, box) for name, box in wants]
+        blobs = self._fetch([(e["rank"], lo, hi) for ps in parts for e, _, lo, hi in ps])
+        for (name, box), ps, t in zip(wants, parts, targets, strict=True):
+            if list(t.shape) != [hi - lo for lo, hi in box]:
+                raise CheckpointError(f"{self.name}: {name}: box {box} read into a tensor of shape {list(t.shape)}")
+            covered = sum(_numel(inter) for _, inter, _, _ in ps)
+            if covered != t.numel():
+                self._check_padding(name, box, covered)
+                t.zero_()
+            for e, inter, lo, hi in ps:
+                t[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(inter, box, strict=True))].copy_(
+                    _view(e, inter, blobs(e["rank"], lo, hi)))
+
     def _parts(self, name: str, box):
         """(entry, intersection, byte start, byte end) for each saved piece overlapping `box`; whole
         rows of the piece's first dimension, so each is one contiguous byte range."""
@@ -501,12 +519,22 @@ class ShardReader:
 
 
 def _cut(e: dict, inter, raw: memoryview) -> torch.Tensor:
-    """The intersection `inter` out of the whole rows `raw` of saved piece `e`."""
+    """The intersection `inter` out of the whole rows `raw` of saved piece `e`, in memory of its own (a tensor kept,
+    optimizer state say, must not keep the whole read buffer alive)."""
+    return _view(e, inter, bytearray(raw))
+
+
+def _view(e: dict, inter, raw) -> torch.Tensor:
+    """The intersection `inter` out of the whole rows `raw` of saved piece `e`, as a view of `raw`'s bytes (read
+    only: a store's answer may be immutable bytes; only ever copied from)."""
     dtype = TENSOR_DTYPES[e["dtype"]]
+    with warnings.catch_warnings():  # "the given buffer is not writable": it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(raw, dtype=dtype)
     if not inter:
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(())
+        return flat.reshape(())
     sizes = [hi - lo for lo, hi in e["box"]]
-    t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape([inter[0][1] - inter[0][0], *sizes[1:]])
+    t = flat.reshape([inter[0][1] - inter[0][0], *sizes[1:]])
     rest = tuple(slice(lo - s, hi - s) for (lo, hi), (s, _) in zip(inter[1:], e["box"][1:], strict=True))
     return t[(slice(None), *rest)]
 
@@ -553,8 +581,7 @@ def load_model(model, reader: ShardReader, keep=None):
         targets.append(t)
         wants.append((wanted[k], _local_box(start, t)))
     with torch.no_grad():
-        for t, data in zip(targets, reader.read_many(wants), strict=True):
-            t.copy_(data.to(t.dtype))
+        reader.read_into(wants, targets)
 
 
 def load_optimizer(model, reader: ShardReader) -> dict:
