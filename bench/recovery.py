@@ -417,6 +417,7 @@ class FromWhere:
     lost: int  # iterations run again: rank 1's newest at the kill less the one resumed from
     store: str = "pvc"  # the job's store: "pvc" (a directory) or "s3" (a bucket on the local S3 server)
     state: float = 0.0  # bytes of a rank's state (kubetron plan's estimate, the padding's share with it)
+    gap: int | None = None  # iterations between rank 1's two newest snapshots at the kill (None: fewer than two)
     timeline: dict[str, float] = field(default_factory=dict)  # what happened when, seconds after the kill (deletion)
     lines: list[str] = field(default_factory=list, repr=False)
 
@@ -478,14 +479,15 @@ def padded(mb: float) -> tuple[dict[str, str], float]:
 
 
 def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padding: dict[str, str],
-               store: str = "pvc", s3: S3Server | None = None) -> FromWhere:
-    """One run: `scenario` with snapshots on or off, the job's store a PVC directory or a bucket on `s3`."""
+               store: str = "pvc", s3: S3Server | None = None, interval: int = SNAPSHOT_INTERVAL) -> FromWhere:
+    """One run: `scenario` with snapshots on or off (every `interval` iterations; 0: the trainer's default, as often
+    as costs 2 % of the step time), the job's store a PVC directory or a bucket on `s3`."""
     ns = env.namespace("memory")
     save_interval = SNAPSHOT_RUN_SAVE_INTERVAL if snapshots else MEMORY_SAVE_INTERVAL
     spec = dict(nodes=2, config=tiny_config(train_iters=100_000, save_interval=save_interval),
                 statusPort=cluster.free_port(), masterPort=cluster.free_port(), maxInPlaceRestarts=3,
-                overrides=[f"checkpoint.non_persistent_save_interval={SNAPSHOT_INTERVAL}"]
-                if snapshots else [],  # off: no non-persistent checkpoints at all
+                overrides=[f"checkpoint.non_persistent_save_interval={interval}"]
+                if snapshots and interval else [],  # off: no non-persistent checkpoints at all
                 memorySnapshots={"enabled": snapshots}, **pinned(ns))
     bucket = None
     if store == "s3":
@@ -524,6 +526,8 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padd
                 sf.iterations(sf.peer_dir(node.containers["gpt-1-0"].memory, 1)), default=0) > durable(), node)
         before = dict(node.containers)
         killed, reached = fire(rank1, arm, sig, MEMORY_SAVE_INTERVAL, node)
+        held = sf.iterations(sf.own_dir(rank1.memory, 1)) if snapshots else []  # rank 1's newest two (KEEP)
+        gap = held[-1] - held[-2] if len(held) >= 2 else None
         if scenario == "a pod deleted":
             env.admin.request("DELETE", cluster.pod_path(ns, "gpt-1-1"), {"gracePeriodSeconds": 0}, ok=(200, 404))
             killed = time.time()
@@ -548,7 +552,7 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padd
     if bucket is not None:
         empty(s3, bucket)
     return FromWhere(scenario, snapshots, arrived - killed, last["loadedFrom"], last["kind"],
-                     reached - last["iteration"], store=store, timeline=marks, lines=lines)
+                     reached - last["iteration"], store=store, gap=gap, timeline=marks, lines=lines)
 
 
 def empty(s3: S3Server, bucket: str) -> None:
@@ -561,17 +565,18 @@ def empty(s3: S3Server, bucket: str) -> None:
 
 
 def memory_vs_store(env: KubeEnv, workdir: Path, sizes: list[float], stores: list[str], s3: S3Server | None,
-                    repeats: int = 1) -> list[FromWhere]:
+                    repeats: int = 1, interval: int = SNAPSHOT_INTERVAL) -> list[FromWhere]:
     """Each scenario at each size (MB of state per rank, `padded`): with snapshots on (the store: the first of
     `stores`; recovery does not read it), and off, from each store."""
     runs = []
     for (padding, state), _, scenario in itertools.product([padded(mb) for mb in sizes], range(repeats),
                                                            ("a rank SIGKILLed", "a pod deleted")):
         for store, snapshots in [(stores[0], True), *((s, False) for s in stores)]:
-            r = replace(from_where(env, workdir, scenario, snapshots, padding, store, s3), state=state)
+            r = replace(from_where(env, workdir, scenario, snapshots, padding, store, s3, interval), state=state)
             runs.append(r)
             print(f"{state / 1e6:.0f} MB per rank, {r.scenario}, snapshots {'on' if r.snapshots else 'off'}, store "
-                  f"{store}: {r.seconds:.2f} s, {r.kind} from {r.loaded_from}, {r.lost} iterations lost; load "
+                  f"{store}: {r.seconds:.2f} s, {r.kind} from {r.loaded_from}, {r.lost} iterations lost"
+                  f"{f' (snapshots {r.gap} apart)' if r.gap else ''}; load "
                   f"average {os.getloadavg()[0]:.1f}", flush=True)
             for mark, seconds in r.timeline.items():
                 print(f"    {mark:<52}{seconds:7.2f}" if mark.startswith("  ") else f"    {mark:<52}{seconds:+7.2f}",
@@ -582,11 +587,12 @@ def memory_vs_store(env: KubeEnv, workdir: Path, sizes: list[float], stores: lis
 STORE_NAMES = {"pvc": "a PVC directory", "s3": "S3 (the local server)"}
 
 
-def memory_table(runs: list[FromWhere]) -> str:
+def memory_table(runs: list[FromWhere], interval: int = SNAPSHOT_INTERVAL) -> str:
     sizes = sorted({r.state for r in runs})
     stores = list(dict.fromkeys(r.store for r in runs if not r.snapshots))
     rows = [f"2 pods x 1 rank on CPU (the tiny GPT, its state padded by a frozen parameter: bench/padded_trainer.py), "
-            f"snapshot every {SNAPSHOT_INTERVAL} (and no checkpoint in the store before the kill); snapshots off: "
+            f"snapshot {f'every {interval}' if interval else 'at the default interval (2 % of the step time)'} "
+            f"(and no checkpoint in the store before the kill); snapshots off: "
             f"checkpoint every {MEMORY_SAVE_INTERVAL}; rank 1 killed at an iteration {MEMORY_SAVE_INTERVAL // 2} "
             f"past a multiple of {MEMORY_SAVE_INTERVAL}; load average {os.getloadavg()[0]:.1f} on "
             f"{os.cpu_count()} cores",
@@ -603,12 +609,19 @@ def memory_table(runs: list[FromWhere]) -> str:
             size = f"{state / 1e6:.0f} MB"
             rows.append(f"| {size} | {scenario} -> next iteration | {_cell(on, lambda r: r.seconds, ' s')} | "
                         + " | ".join(_cell(o, lambda r: r.seconds, ' s', kind=True) for o in off) + " |")
-            rows.append(f"| {size} | {scenario}: iterations lost | {_cell(on, lambda r: r.lost)} | "
+            gaps = [r.gap for r in on if r.gap]
+            apart = f" (snapshots {'/'.join(map(str, gaps))} apart)" if gaps else ""
+            rows.append(f"| {size} | {scenario}: iterations lost | {_cell(on, lambda r: r.lost)}{apart} | "
                         + " | ".join(_cell(o, lambda r: r.lost) for o in off) + " |")
         in_place[state], replaced = (median([r.seconds for r in runs if r.state == state and r.scenario == sc
                                              and r.snapshots]) for sc in ("a rank SIGKILLed", "a pod deleted"))
         ratios.append(f"{state / 1e6:.0f} MB: a pod deleted, from its peer / a rank SIGKILLed, from memory in place: "
                       f"{replaced / in_place[state]:.2f} (goal <= 1.5)")
+    kept = [r for r in runs if r.snapshots and r.gap]
+    if kept:
+        within = sum(r.lost <= r.gap for r in kept)
+        ratios.append(f"iterations lost <= the interval between rank 1's two newest snapshots at the kill: {within} of "
+                      f"{len(kept)} runs (goal: all)")
     rows += ["", *ratios]
     if len(sizes) > 1:
         rows.append(f"a rank SIGKILLed, from memory in place, {sizes[-1] / 1e6:.0f} MB / {sizes[0] / 1e6:.0f} MB: "
@@ -641,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, default=None, help="write each run's pod logs into this directory")
     p.add_argument("--memory", type=float, nargs="+", default=None, metavar="MB",
                    help="only memory snapshots against the store, a rank's state about MB megabytes (several: each)")
+    p.add_argument("--snapshot-interval", type=int, default=SNAPSHOT_INTERVAL, metavar="N",
+                   help="--memory: checkpoint.non_persistent_save_interval (default: %(default)s; 0: the trainer's "
+                        "default, as often as costs 2 %% of the step time)")
     p.add_argument("--store", choices=("pvc", "s3"), nargs="+", default=["pvc"],
                    help="--memory: the job's store, each (snapshots off) side by side (default: pvc)")
     p.add_argument("--hang-timeout", type=int, default=None,
@@ -658,11 +674,12 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with contextlib.ExitStack() as stack:
                     s3 = stack.enter_context(start_s3_server(Path(tmp) / "s3")) if "s3" in args.store else None
-                    memory_runs = memory_vs_store(env, Path(tmp), args.memory, args.store, s3, repeats)
+                    memory_runs = memory_vs_store(env, Path(tmp), args.memory, args.store, s3, repeats,
+                                                  args.snapshot_interval)
             finally:
                 kubelet.stop()
                 cp.stop()
-        print("\n" + memory_table(memory_runs))
+        print("\n" + memory_table(memory_runs, args.snapshot_interval))
         if args.json:
             args.json.write_text(json.dumps({"memory": [{k: v for k, v in asdict(r).items() if k != "lines"}
                                                         for r in memory_runs]}, indent=1))
