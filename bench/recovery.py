@@ -417,7 +417,7 @@ class FromWhere:
     lost: int  # iterations run again: rank 1's newest at the kill less the one resumed from
     store: str = "pvc"  # the job's store: "pvc" (a directory) or "s3" (a bucket on the local S3 server)
     state: float = 0.0  # bytes of a rank's state (kubetron plan's estimate, the padding's share with it)
-    gap: int | None = None  # iterations between rank 1's two newest snapshots at the kill (None: fewer than two)
+    gap: int | None = None  # iterations between rank 1's two newest snapshots written before the kill (its events)
     timeline: dict[str, float] = field(default_factory=dict)  # what happened when, seconds after the kill (deletion)
     lines: list[str] = field(default_factory=list, repr=False)
 
@@ -526,8 +526,8 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padd
                 sf.iterations(sf.peer_dir(node.containers["gpt-1-0"].memory, 1)), default=0) > durable(), node)
         before = dict(node.containers)
         killed, reached = fire(rank1, arm, sig, MEMORY_SAVE_INTERVAL, node)
-        held = sf.iterations(sf.own_dir(rank1.memory, 1)) if snapshots else []  # rank 1's newest two (KEEP)
-        gap = held[-1] - held[-2] if len(held) >= 2 else None
+        written = [e["iteration"] for e in rank1.events() if e["event"] == "SnapshotWritten"]  # before the kill
+        gap = written[-1] - written[-2] if len(written) >= 2 else None
         if scenario == "a pod deleted":
             env.admin.request("DELETE", cluster.pod_path(ns, "gpt-1-1"), {"gracePeriodSeconds": 0}, ok=(200, 404))
             killed = time.time()

@@ -16,6 +16,7 @@ from kubetron.events import (
     Logged,
     PhaseEntered,
     PhaseLeft,
+    SnapshotWritten,
     Started,
     StepDone,
     Stopping,
@@ -90,6 +91,21 @@ def test_a_run_tells_its_life_in_order_and_a_failing_listener_changes_nothing(tm
     assert driver.of(Ended)[0].iteration == 6
     assert calls == {"finalize": 1, "resolve_device": 1}
 
+
+def test_each_memory_snapshot_written_is_told_once_with_its_write_time(tmp_path):
+    """Memory snapshots every 2 iterations: a SnapshotWritten for each, in order (from the writer thread), each
+    one's write time, and the snapshot it names is the one in the rank's directory."""
+    from kubetron.storage import snapshot_files as sf
+
+    driver = Driver()
+    out = drive(tmp_path, *QUICK, "train.train_iters=6", "scheduler.lr_warmup_iters=1", "logger.log_interval=2",
+                "checkpoint.non_persistent_ckpt_type=local", "checkpoint.non_persistent_save_interval=2",
+                f"checkpoint.non_persistent_local_ckpt_dir={tmp_path / 'memory'}",
+                f"checkpoint.save={tmp_path / 'ckpt'}", driver=driver)
+    assert out.code == exitcodes.COMPLETED
+    written = driver.of(SnapshotWritten)
+    assert [e.iteration for e in written] == [2, 4, 6] and all(e.seconds > 0 for e in written)
+    assert sf.iterations(sf.own_dir(tmp_path / "memory", 0))[-1] == 6
 
 def test_a_peer_that_fails_mid_run_ends_it_as_a_peer_failure(tmp_path):
     """A collective that raises what gloo raises when a peer died, in the step after iteration 5: exit 5

@@ -112,8 +112,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 EVENTS_FILE_ENV = "KUBETRON_EVENTS_FILE"
-TAPPED = ("Started", "PhaseEntered", "PhaseLeft", "StepDone", "SaveScheduled", "CheckpointDurable", "Stopping",
-          "Ended")  # not Progress: a save's many
+TAPPED = ("Started", "PhaseEntered", "PhaseLeft", "StepDone", "SaveScheduled", "CheckpointDurable", "SnapshotWritten",
+          "Stopping", "Ended")  # not Progress: a save's many
 
 
 def events_tap(environ) -> Callable[[object], None] | None:

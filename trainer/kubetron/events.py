@@ -122,6 +122,15 @@ class CheckpointDurable:
 
 
 @dataclass(frozen=True, slots=True)
+class SnapshotWritten:
+    """This rank's memory snapshot of `iteration` is in the pod's memory volume, whole (checkpoint/snapshot.py; from
+    its writer thread). A restart can load it once every rank has it (and, for a lost pod, its copies are on peers)."""
+
+    iteration: int
+    seconds: float  # its write in the background
+
+
+@dataclass(frozen=True, slots=True)
 class Stopping:
     """The loop stopped: how the run ends unless what follows (the final evaluation, teardown) fails."""
 
@@ -139,7 +148,7 @@ class Ended:
 
 
 Event = (Started | PhaseEntered | PhaseLeft | Progress | StepDone | Logged | Evaluated | SaveScheduled
-         | CheckpointDurable | Stopping | Ended)
+         | CheckpointDurable | SnapshotWritten | Stopping | Ended)
 Listener = Callable[[Event], object]
 
 

@@ -54,7 +54,7 @@ from kubetron.contract.errors import CheckpointError, ConfigError, ResumeMismatc
 from kubetron.contract.hang import CHECKPOINT
 from kubetron.contract.recovery import MEMORY, STORE
 from kubetron.contract.times import stamp
-from kubetron.events import PROGRESS, Checkpoint, CheckpointDurable, Events, SaveScheduled
+from kubetron.events import PROGRESS, Checkpoint, CheckpointDurable, Events, SaveScheduled, SnapshotWritten
 from kubetron.storage import open_store
 
 log = logging.getLogger("kubetron")
@@ -448,8 +448,10 @@ class CheckpointManager:
             with self.events.phase(CHECKPOINT):
                 snap = self.snapshot(step, self.memory.buffers)
         assert snap.shard is not None and snap.common is not None  # (sharded, memory on: every rank's)
+        memory = self.memory
         self.memory.take(step, snap.shard, to_bytes(snap.common), to_bytes(snap.rng), snap.copied,
-                         blocked=time.perf_counter() - t0)
+                         blocked=time.perf_counter() - t0,
+                         on_written=lambda: self.events.emit(SnapshotWritten(step, memory.write_seconds)))
 
     def _resume_from_memory(self, found, expected: int | None) -> int | None:
         """Collective: resume from the newest snapshot every rank can load from the pods' memory (their own or
