@@ -524,6 +524,9 @@ def from_where(env: KubeEnv, workdir: Path, scenario: str, snapshots: bool, padd
             # else the gang would rightly resume from the store, and the run would not measure memory or a peer
             wait("a copy of rank 1's snapshot on pod 0 newer than the store's checkpoint", lambda: max(
                 sf.iterations(sf.peer_dir(node.containers["gpt-1-0"].memory, 1)), default=0) > durable(), node)
+            # the kill falls in the steady rhythm of snapshots (two written), not right after the first one
+            wait("rank 1's second snapshot", lambda: sum(e["event"] == "SnapshotWritten" for e in rank1.events()) >= 2,
+                 node)
         before = dict(node.containers)
         killed, reached = fire(rank1, arm, sig, MEMORY_SAVE_INTERVAL, node)
         written = [e["iteration"] for e in rank1.events() if e["event"] == "SnapshotWritten"]  # before the kill
