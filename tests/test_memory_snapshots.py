@@ -29,6 +29,12 @@ def test_a_snapshot_is_read_only_when_whole_and_unchanged(tmp_path):
             snap.read("shards/rank_00000.bin", 10238, 4)  # past its end: refused before a buffer exists
         with pytest.raises(CheckpointError, match="more than the 3"):
             snap.read_all(sf.COMMON_FILE, 3)
+        # a rank's own share of a load: a read-only view of the mapped file, the same bytes, the same bounds
+        view = snap.mapped("shards/rank_00000.bin", 256, 4)
+        assert view.readonly and bytes(view) == bytes([0, 1, 2, 3])
+        with pytest.raises(CheckpointError, match="expected 4 bytes at offset 10238"):
+            snap.mapped("shards/rank_00000.bin", 10238, 4)
+    assert bytes(view) == bytes([0, 1, 2, 3])  # a view still held outlives the snapshot's closing
     # a flipped byte: opened (sizes match), never served
     data = bytearray((path / "shards/rank_00000.bin").read_bytes())
     data[5000] ^= 1

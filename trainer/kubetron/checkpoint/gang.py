@@ -195,9 +195,11 @@ class GangStore(Store):
                 raise CheckpointError(f"{self.url}: no shard file {key}")
             mine.append((shards[key], start, length))
         table = _gather_requests(mine)
-        sources = self.agreement.sources
-        # what every rank asked of the ranks this one serves, in its order, read straight into one send buffer
-        parts = [[(r, s, n) for r, s, n in wanted if sources[r] == self.rank] for wanted in table]
+        sources, me = self.agreement.sources, self.rank
+        # what every other rank asked of the ranks this one serves, in its order, read straight into one send buffer;
+        # its own asks are views of its mapped files (never through the exchange: no copy, no buffer)
+        parts = [[(r, s, n) for r, s, n in wanted if sources[r] == me] if q != me else []
+                 for q, wanted in enumerate(table)]
         sizes = [sum(n for _, _, n in p) for p in parts]
         send = torch.empty(sum(sizes), dtype=torch.uint8)
         view, at = memoryview(send.numpy()), 0  # type: ignore[arg-type]  # (numpy's stubs: no Buffer)
@@ -206,11 +208,14 @@ class GangStore(Store):
             at += n
         world = len(sources)
         got = [memoryview(t.numpy()) for t in comm.exchange_bytes(  # type: ignore[arg-type]  # (numpy's stubs)
-            send, sizes, [sum(n for r, _, n in mine if sources[r] == q) for q in range(world)])]
+            send, sizes, [sum(n for r, _, n in mine if sources[r] == q) if q != me else 0 for q in range(world)])]
         offsets = [0] * world
         out: list[bytes | memoryview] = []
-        for r, _, n in mine:  # views of the received buffers, not copies (format_sharded cuts each once)
+        for r, s, n in mine:  # views of the received buffers and mapped files, not copies (format_sharded cuts once)
             q = sources[r]
+            if q == me:
+                out.append(self.served[r].mapped(shard_key(r), s, n))
+                continue
             out.append(got[q][offsets[q]:offsets[q] + n])
             offsets[q] += n
         return out

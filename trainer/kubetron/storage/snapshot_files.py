@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
@@ -287,6 +288,7 @@ class OpenSnapshot:
         self.dir = Path(directory)
         what = str(self.dir)
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         try:
             data = _read_all(self.dir / MANIFEST, MAX_MANIFEST, what)
             self.manifest = parse_manifest(data, f"{what}/{MANIFEST}")
@@ -326,6 +328,18 @@ class OpenSnapshot:
         """Bytes [start, start + len(view)) of file `rel` straight into `view` (a gang's send buffer: no copy)."""
         self._check_range(rel, start, len(view))
         self._fill(rel, start, view)
+
+    def mapped(self, rel: str, start: int, length: int) -> memoryview:
+        """Bytes [start, start + length) of file `rel` as a read-only view of the file mapped into memory (a rank's
+        own share of a load: no buffer, no copy; `verify()` first). A complete snapshot's files never change (a newer
+        one unlinks them; a mapping outlives that), so the view reads what was verified."""
+        self._check_range(rel, start, length)
+        if not length:
+            return memoryview(b"")
+        mapping = self._maps.get(rel)
+        if mapping is None:
+            mapping = self._maps[rel] = mmap.mmap(self._fds[rel], 0, access=mmap.ACCESS_READ)
+        return memoryview(mapping)[start:start + length]
 
     def _fill(self, rel: str, start: int, view: memoryview) -> None:
         length, done = len(view), 0
@@ -371,6 +385,10 @@ class OpenSnapshot:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = {}
+        for mapping in self._maps.values():
+            with contextlib.suppress(BufferError):  # views still held (a loader's): unmapped with the last of them
+                mapping.close()
+        self._maps = {}
 
     def __enter__(self) -> OpenSnapshot:
         return self
