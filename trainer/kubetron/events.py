@@ -2,13 +2,14 @@
 run (the metrics logger, rank 0's status endpoint, the progress log, the hang watchdog's heartbeat, the
 termination message) and what tests act on (tests/inprocess.py: "at step k, do X").
 
-    Started -> (PhaseEntered/PhaseLeft, Progress, StepDone, SaveScheduled, CheckpointDurable, Logged, Evaluated)*
-            -> Stopping -> Ended
+    Started -> (PhaseEntered/PhaseLeft, Progress, StepDone, SaveScheduled, CheckpointDurable, SnapshotWritten,
+                Logged, Evaluated)* -> Stopping -> Ended
 
 The composition root (kubetron.training.run) builds the listeners and hands the emitters one `Events`. A listener is
 a callable taking one event; it runs in the emitter's thread (a save's `Progress` comes from an async save's writer
-thread, everything else from the loop's). A listener that raises is reported (a warning naming it, the event and
-the error, with its traceback) and dropped: it never ends the run nor keeps the others from hearing.
+thread, `SnapshotWritten` from the memory snapshot's, everything else from the loop's). A listener that raises is
+reported (a warning naming it, the event and the error, with its traceback) and dropped: it never ends the run nor
+keeps the others from hearing.
 """
 
 from __future__ import annotations
