@@ -107,6 +107,7 @@ def test_each_memory_snapshot_written_is_told_once_with_its_write_time(tmp_path)
     assert [e.iteration for e in written] == [2, 4, 6] and all(e.seconds > 0 for e in written)
     assert sf.iterations(sf.own_dir(tmp_path / "memory", 0))[-1] == 6
 
+
 def test_a_peer_that_fails_mid_run_ends_it_as_a_peer_failure(tmp_path):
     """A collective that raises what gloo raises when a peer died, in the step after iteration 5: exit 5
     (PeerFailure, which the pod's launcher restarts in place), the newest checkpoint in the termination message."""

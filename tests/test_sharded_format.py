@@ -56,7 +56,6 @@ def test_boxes_across_ranks_padding_and_gaps(saved):
         reader.read_many([(FC2, [(0, 4), (0, 5)])])  # not a vocabulary tensor: no padding allowed
 
 
-
 def test_boxes_read_straight_into_targets_as_read_many_reads_them(saved):
     """read_into (a model's load): the same values as read_many, copied into the targets in place (any dtype,
     a view of a larger tensor), the rows a padded vocabulary lacks zeroed, a wrong target or box refused."""
@@ -74,6 +73,7 @@ def test_boxes_read_straight_into_targets_as_read_many_reads_them(saved):
         reader.read_into([(FC2, [(0, 3), (2, 5)])], [torch.empty(3, 4)])
     with pytest.raises(CheckpointError, match="linear_fc2.weight box .* is not covered"):
         reader.read_into([(FC2, [(0, 4), (0, 5)])], [torch.empty(4, 5)])
+
 
 @pytest.mark.parametrize("shape", [(7,), (5, 6), (2, 3, 4), (3, 1, 5), (1, 4)])
 def test_flat_ranges_are_exact_boxes(shape):

@@ -181,8 +181,9 @@ def react(deps: Deps, body: dict[str, Any], pods: list[dict[str, Any]], logger: 
     action, held = throttle(action, deps.view.since_patch(uid), deps.interval)
     action, news_due = _hold_news(deps, uid, action)
     if deferred is not None and memory is not None:
-        if action.idle and deps.creating.busy() and time.monotonic() - deferred.since < NEWS_HOLD:
-            news_due = at_most(news_due, NEWS_HOLD - (time.monotonic() - deferred.since))
+        held_for = time.monotonic() - deferred.since
+        if action.idle and deps.creating.busy() and held_for < NEWS_HOLD:
+            news_due = at_most(news_due, NEWS_HOLD - held_for)
         else:  # it goes out now, with what this round patches (decided from the status it makes)
             action = dataclasses.replace(action, status={**deferred.status, **action.status})
             memory.deferred = None

@@ -439,21 +439,12 @@ class ShardReader:
         return tuple(self.pieces[name][0]["global_shape"])
 
     def read_many(self, wants: list[tuple[str, list[tuple[int, int]]]]) -> list[torch.Tensor]:
-        """The boxes asked for (name, box), in order. Byte ranges are planned first and fetched per shard
-        file in few large reads (neighbours closer than MERGE_GAP merged), then cut into the boxes."""
-        parts = [self._parts(name, box) for name, box in wants]
-        blobs = self._fetch([(e["rank"], lo, hi) for ps in parts for e, _, lo, hi in ps])  # checked, then read
-        out = []
-        for (name, box), ps in zip(wants, parts, strict=True):
-            entries = self.pieces[name]
-            t = torch.zeros([hi - lo for lo, hi in box], dtype=TENSOR_DTYPES[entries[0]["dtype"]])
-            for e, inter, lo, hi in ps:
-                t[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(inter, box, strict=True))] = \
-                    _cut(e, inter, blobs(e["rank"], lo, hi))
-            covered = sum(_numel(inter) for _, inter, _, _ in ps)
-            if covered != t.numel():
-                self._check_padding(name, box, covered)
-            out.append(t)
+        """The boxes asked for (name, box), in order, each a tensor of its own (zeros where a padded vocabulary lacks
+        rows). Byte ranges are planned first and fetched per shard file in few large reads (neighbours closer than
+        MERGE_GAP merged), then copied into the boxes (`read_into`)."""
+        out = [torch.zeros([hi - lo for lo, hi in box], dtype=TENSOR_DTYPES[self.pieces[name][0]["dtype"]])
+               for name, box in wants]
+        self.read_into(wants, out)
         return out
 
     def read_into(self, wants: list[tuple[str, list[tuple[int, int]]]], targets: list[torch.Tensor]) -> None:
@@ -516,12 +507,6 @@ class ShardReader:
         if name.split("/")[1] not in VOCAB_TENSORS or covered != _numel(inside):
             raise CheckpointError(f"{self.name}: {name} box {box} is not covered by the checkpoint "
                                   f"(saved global shape {list(gshape)})")
-
-
-def _cut(e: dict, inter, raw: memoryview) -> torch.Tensor:
-    """The intersection `inter` out of the whole rows `raw` of saved piece `e`, in memory of its own (a tensor kept,
-    optimizer state say, must not keep the whole read buffer alive)."""
-    return _view(e, inter, bytearray(raw))
 
 
 def _view(e: dict, inter, raw) -> torch.Tensor:

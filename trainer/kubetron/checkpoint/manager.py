@@ -449,9 +449,9 @@ class CheckpointManager:
                 snap = self.snapshot(step, self.memory.buffers)
         assert snap.shard is not None and snap.common is not None  # (sharded, memory on: every rank's)
         memory = self.memory
-        self.memory.take(step, snap.shard, to_bytes(snap.common), to_bytes(snap.rng), snap.copied,
-                         blocked=time.perf_counter() - t0,
-                         on_written=lambda: self.events.emit(SnapshotWritten(step, memory.write_seconds)))
+        memory.take(step, snap.shard, to_bytes(snap.common), to_bytes(snap.rng), snap.copied,
+                    blocked=time.perf_counter() - t0,
+                    on_written=lambda: self.events.emit(SnapshotWritten(step, memory.write_seconds)))
 
     def _resume_from_memory(self, found, expected: int | None) -> int | None:
         """Collective: resume from the newest snapshot every rank can load from the pods' memory (their own or
