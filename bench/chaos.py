@@ -334,7 +334,7 @@ class Soak:
         except (OSError, ApiError) as exc:
             lines = [f"(the API server: {exc})"]
         for pod_id, op in self.operators.items():
-            lines.append(f"--- operator {pod_id}:\n{op.tail(25)}")
+            lines.append(f"--- operator {pod_id}:\n{op.tail(40)}")
         for name, c in sorted((self.pods.containers if self.pods else {}).items())[-4:]:
             lines.append(f"--- pod {name}:\n" + "".join(c.lines[-12:]))
         return "\n".join(lines)

@@ -13,16 +13,24 @@ internals moved fails at start-up, never by quietly handling jobs otherwise. Wha
 - no diff base (NoDiffBase): kopf's record of the last handled spec, and the essence it builds per event.
 - quiet watch handlers: kopf logs "Handler '<id>' succeeded." for every event a handler takes; the id is the
   function's name, the text kopf's own.
+- watching goes on after an API error: kopf ends a resource's watcher for good when a list or watch request still
+  fails after its retries (a 403 or a 5xx for a minute while the API server restarts and its RBAC cache fills) or
+  when a stream carries an ERROR event other than 410 Gone. The operator then runs blind: the process and its
+  /healthz live on, but no job is reconciled again (kopf#1145, kopf#1276; the chaos soak's CI run saw it after an
+  API server restart). `watching.continuous_watch`, which kopf's `infinite_watch` calls again each time it ends,
+  is wrapped: such an error ends that one stream with one warning and a pause (KEEP_WATCHING, doubling while it
+  fails, reset by any event), then kopf lists and watches anew.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import importlib.metadata
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import kopf
@@ -31,6 +39,9 @@ from kubetron.contract.errors import ConfigError
 CHECKED = ((1, 45, 2), (1, 46))
 """The kopf versions these adaptations were checked against: at least the first, below the second."""
 CHECKED_TEXT = ">={},<{}".format(*(".".join(map(str, bound)) for bound in CHECKED))  # for the refusal
+KEEP_WATCHING = (1.0, 30.0)  # seconds before a failed watch of a resource lists again: the first, doubling to the cap
+
+log = logging.getLogger("kubetron.operator")
 
 
 def installed_version() -> str:
@@ -61,6 +72,42 @@ def install(registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, *,
     lines = tuple(f"Handler '{fn.__name__}'" for fn in quiet)
     if lines:
         logging.getLogger("kopf.objects").addFilter(functools.partial(_not_success, lines))
+    keep_watching()
+
+
+def keep_watching() -> None:
+    """Wrap kopf's `continuous_watch` so an API error ends only the stream it broke (see the module docstring).
+    Once per process: a second call finds it wrapped."""
+    from kopf._cogs.clients import errors, watching
+
+    inner = watching.continuous_watch
+    if getattr(inner, "kubetron_keeps_watching", False):
+        return
+    failing: dict[tuple[str, str | None], int] = {}  # (resource, namespace) -> streams that failed in a row
+
+    async def continuous_watch(**kwargs: Any) -> AsyncIterator[Any]:
+        key = (str(kwargs.get("resource")), kwargs.get("namespace"))
+        try:
+            async for event in inner(**kwargs):
+                failing.pop(key, None)
+                yield event
+        except (errors.APIError, watching.WatchingError) as exc:
+            failed = failing[key] = failing.get(key, 0) + 1
+            delay = min(KEEP_WATCHING[1], KEEP_WATCHING[0] * 2 ** (failed - 1))
+            where = f" in namespace {key[1]}" if key[1] else ""
+            log.warning("watching %s%s failed (%s); listing again in %.0fs", key[0], where, _why(exc), delay)
+            await asyncio.sleep(delay)
+
+    continuous_watch.kubetron_keeps_watching = True  # type: ignore[attr-defined]
+    watching.continuous_watch = continuous_watch
+
+
+def _why(exc: Exception) -> str:
+    """One short line for an API error: its HTTP status and the server's message."""
+    status = getattr(exc, "status", None)
+    text = getattr(exc, "message", None) or (exc.args[0] if exc.args else "") or type(exc).__name__
+    line = " ".join(str(text).split())[:200]
+    return f"HTTP {status}: {line}" if status else line
 
 
 def _not_success(lines: tuple[str, ...], record: logging.LogRecord) -> bool:

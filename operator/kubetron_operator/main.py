@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.setFormatter(OneLineFormatter(LOG_FORMAT))
+    # The client's pool says "Retrying" up to three times per failed request; the failure itself is our one line.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     # A plain registry: kopf's implicit login handlers went away with SmartOperatorRegistry, so say
     # how to log in (the same credentials our own calls use), below. kopf is checked and adapted first: a
     # job's daemon asks for no finalizer, no diff base is kept, job_event's thousands of "succeeded" lines

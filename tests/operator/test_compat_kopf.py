@@ -77,3 +77,43 @@ def test_install_drops_the_daemons_finalizer_and_the_diff_base_and_quiets_the_wa
 def test_a_daemon_kopf_did_not_register_is_an_error():
     with pytest.raises(RuntimeError, match="registered 0 daemons for reconcile_daemon"):
         compat_kopf.install(kopf.OperatorRegistry(), kopf.OperatorSettings(), daemons=[handlers.reconcile_daemon])
+
+
+def test_a_watch_an_api_error_broke_is_listed_again_not_ended_for_good(monkeypatch, caplog):
+    """kopf's own infinite_watch, over a stream that fails twice (a 403 the API server answered while its RBAC
+    cache filled after a restart; an ERROR event other than 410): unadapted, the first error ends the watcher
+    for good and the operator runs blind (kopf#1145). Adapted, each ends only its stream, with one warning and a
+    pause, and the third stream's event arrives."""
+    import asyncio
+
+    from kopf._cogs.clients import errors, watching
+    from kopf._cogs.structs.references import Resource
+
+    streams = []
+
+    async def stream(**kwargs):
+        streams.append(kwargs["namespace"])
+        if len(streams) == 1:
+            raise errors.APIForbiddenError({"message": "trainingjobs is forbidden: RBAC: role not found"},
+                                           status=403, headers={})
+        if len(streams) == 2:
+            raise watching.WatchingError("Error in the watch-stream: {'code': 504, 'message': 'Too large'}")
+        yield {"type": "ADDED", "object": {"metadata": {"name": "gpt"}}}
+
+    monkeypatch.setattr(watching, "continuous_watch", stream)
+    monkeypatch.setattr(compat_kopf, "KEEP_WATCHING", (0.01, 0.02))
+    compat_kopf.keep_watching()
+    compat_kopf.keep_watching()  # once: a second call wraps nothing more (else two lines per error)
+
+    async def watch():
+        resource = Resource(group="kubetron.dev", version="v1alpha1", plural="trainingjobs", namespaced=True)
+        return [e async for e in watching.infinite_watch(settings=kopf.OperatorSettings(), resource=resource,
+                                                         namespace="team-a", _iterations=3)]
+    with caplog.at_level(logging.WARNING, logger="kubetron.operator"):
+        events = asyncio.run(watch())
+    assert events == [{"type": "ADDED", "object": {"metadata": {"name": "gpt"}}}] and streams == ["team-a"] * 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "kubetron.operator"]
+    assert len(lines) == 2 and all("\n" not in line for line in lines), lines
+    assert lines[0].startswith("watching trainingjobs.v1alpha1.kubetron.dev in namespace team-a failed (HTTP 403: "
+                               "trainingjobs is forbidden: RBAC: role not found); listing again in"), lines
+    assert "504" in lines[1]

@@ -808,6 +808,22 @@ def test_in_place_restarts_from_rank_0s_status_endpoint():
     assert action.status["restarts"]["inPlace"] == 1 and len(action.events) == 1
 
 
+def test_in_place_restarts_the_endpoint_never_showed_are_counted_from_the_pods_termination_messages():
+    """A PVC job's short run restarted in place while rank 0's endpoint did not answer, then completed: the ranks'
+    termination messages say the attempt restarted once, so the success counts it, with its event; a message that
+    says more than maxInPlaceRestarts (2 here) is believed only up to it."""
+    msg = term(0, iteration=40, trainIters=40, lastCheckpoint=40, inPlaceRestarts=1)
+    action = run(pods=done(termination=msg), job=PVC)
+    assert action.kind == "succeed" and action.status["restarts"]["inPlace"] == 1
+    assert action.status["attemptInPlaceRestarts"] == 1
+    assert [e.reason for e in action.events] == ["RestartedInPlace", "Succeeded"]
+    hostile = run(pods=done(termination={**msg, "inPlaceRestarts": 10**9}), job=PVC)
+    assert hostile.status["restarts"]["inPlace"] == PVC.spec.max_in_place_restarts
+    old_attempt = run({**RUNNING, "attempt": 2}, pods=[*done(termination=msg), pod(0, attempt=2), pod(1, attempt=2)],
+                      job=PVC)
+    assert "restarts" not in old_attempt.status  # attempt 1's pods say nothing of attempt 2
+
+
 def test_in_place_restarts_already_counted_post_nothing():
     status = {**RUNNING, "restarts": {**RUNNING["restarts"], "inPlace": 2}, "attemptInPlaceRestarts": 2}
     action = run(status, pods=[pod(0), pod(1)], progress=_log_with_restarts((1, 1), (1, 2)),

@@ -181,6 +181,7 @@ HOSTILE = [
     ("too long", '{"exitCode": 1, "message": "' + "x" * 5000 + '"}', "more than 4096"),
     ("above int64", '{"exitCode": 1, "lastCheckpoint": 9223372036854775808}', "beyond int64"),
     ("negative", '{"exitCode": 1, "trainIters": -4}', "trainIters is not a count"),
+    ("restarts a string", '{"exitCode": 0, "inPlaceRestarts": "7"}', "inPlaceRestarts is not a count"),
     ("infinite", '{"exitCode": 1, "iteration": 1e999}', "beyond the range of a double"),
 ]
 

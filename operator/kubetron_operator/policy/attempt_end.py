@@ -170,6 +170,8 @@ def succeed(job: Job, obs: Observed, ckpt: CheckpointRef | None) -> Action:
     if train_iters:
         status.update(iteration=train_iters, progress="100%")
     status.update(completionTime=stamp(obs.now), eta="0s", lastCheckpoint=ckpt, nextAttemptTime=None)
-    status.update(in_place_news(obs, obs.status.get("attempt") or 0, job.spec.max_in_place_restarts)[0])
+    in_place, restarted = in_place_news(obs, obs.status.get("attempt") or 0, job.spec.max_in_place_restarts)
+    status.update(in_place)
     return Action("succeed", status=status, delete_pods=tuple(p.name for p in obs.pods if p.alive),
-                  events=(Event("Normal", "Succeeded", f"training completed at iteration {status.get('iteration')}"),))
+                  events=(*restarted, Event("Normal", "Succeeded",
+                                            f"training completed at iteration {status.get('iteration')}")))

@@ -46,7 +46,7 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
     """End the current attempt. `kind` is the restarts counter it goes to: preemptions | failures | neverStarted."""
     st = obs.status
     attempt = st.get("attempt") or 0
-    in_place, _ = in_place_news(obs, attempt, job.spec.max_in_place_restarts)
+    in_place, restarted = in_place_news(obs, attempt, job.spec.max_in_place_restarts)
     restarts: Restarts = in_place.get("restarts") or restart_counts(st)
     restarts[kind] += 1
     restarts["total"] = restarts["preemptions"] + restarts["failures"] + restarts["neverStarted"]
@@ -79,8 +79,8 @@ def restart(job: Job, obs: Observed, current: list[PodView], ckpt: CheckpointRef
     return Action("restart", status=status,
                   delete_pods=tuple(p.name for p in current if p.deleting_for is None),
                   force_delete_pods=overdue(obs),
-                  events=(Event("Warning", reason, f"attempt {attempt} ended ({counted[kind]}): {message}; "
-                                f"restarting from iteration {ckpt_iteration(ckpt)} {when}"),))
+                  events=(*restarted, Event("Warning", reason, f"attempt {attempt} ended ({counted[kind]}): {message}; "
+                                            f"restarting from iteration {ckpt_iteration(ckpt)} {when}")))
 
 
 def _limit_reached(job: Job, restarts: Restarts, kind: RestartKind, no_progress: int, free_streak: int,

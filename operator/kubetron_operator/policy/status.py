@@ -114,14 +114,17 @@ def lost_in_place(obs: Observed) -> int:
 
 
 def in_place_news(obs: Observed, attempt: int, limit: int) -> tuple[StatusPatch, tuple[Event, ...]]:
-    """In-place restarts (and hangs) of the current attempt not counted yet, from rank 0's status endpoint or
-    the progress log: the status fields that count them, and one event for all of them. `limit`: the job's
+    """In-place restarts (and hangs) of the current attempt not counted yet, from rank 0's status endpoint, the
+    progress log or the attempt's termination messages (a restart the endpoint never showed: a short run, a read
+    that failed): the status fields that count them, and one event for all of them. `limit`: the job's
     maxInPlaceRestarts, the most an attempt can have; a trainer that reports more is not believed beyond it."""
     counted = obs.status.get("attemptInPlaceRestarts") or 0
     by_job = (obs.progress or NO_PROGRESS).get("inPlaceRestarts")
     logged = [n for job_id, n in by_job.items() if str(job_id).endswith(f"/{attempt}")] if isinstance(
         by_job, Mapping) else []
-    now = min(max([counted, (obs.live or NO_LIVE).get("inPlaceRestarts") or 0, *logged]), max(counted, limit))
+    ended = [p.termination.get("inPlaceRestarts") or 0 for p in obs.pods if p.attempt == attempt and p.termination]
+    reported = max([counted, (obs.live or NO_LIVE).get("inPlaceRestarts") or 0, *logged, *ended])
+    now = min(reported, max(counted, limit))
     restarts = restart_counts(obs.status)
     news: StatusPatch = {}
     events: tuple[Event, ...] = ()

@@ -43,6 +43,9 @@ def _checked_termination(data: Mapping[str, Any]) -> TerminationMessage:
     out = TerminationMessage(exitCode=code)
     for key in ("iteration", "trainIters", "lastCheckpoint"):
         out[key] = count(data.get(key), key)
+    restarts = count(data.get("inPlaceRestarts"), "inPlaceRestarts")  # capped by in_place_news at the job's limit
+    if restarts is not None:
+        out["inPlaceRestarts"] = restarts
     for key in ("reason", "message"):
         if isinstance(data.get(key), str):
             out[key] = clean(data[key])  # type: ignore[literal-required]

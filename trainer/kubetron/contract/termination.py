@@ -25,6 +25,7 @@ class TerminationMessage(TypedDict, total=False):
     iteration: int | None
     trainIters: int | None
     lastCheckpoint: int | None  # the newest durable checkpoint's iteration this process knows of
+    inPlaceRestarts: int  # torchrun's restarts of the gang inside its pods before this process, this attempt
     hang: HangReport  # exit 7 (Hung): the rank the pod's watchdog named (docs/recovery.md)
 
 

@@ -17,6 +17,7 @@ from kubetron.contract.termination import (
     encode_termination_message,
 )
 from kubetron.events import CheckpointDurable, Ended, Event, Started
+from kubetron.supervisor.progress_io import in_place_restarts
 
 IN_POD_VAR = "KUBERNETES_SERVICE_HOST"  # set in every container Kubernetes starts
 
@@ -55,7 +56,8 @@ def write_termination_message(payload: TerminationMessage, path: str | None = No
 
 class TerminationReport:
     """A run's listener: at `Ended`, the termination message (exit code, reason, message, the iteration reached, the
-    newest durable checkpoint this process knows of). `ended` is that ending, once it came."""
+    newest durable checkpoint this process knows of, the attempt's in-place restarts before it). `ended` is that
+    ending, once it came."""
 
     def __init__(self, path: str | None, train_iters: int | None):
         self.path, self.train_iters = path, train_iters  # train_iters None: an evaluation, not a training job
@@ -72,5 +74,6 @@ class TerminationReport:
                 self.ended = event
                 write_termination_message({
                     "exitCode": event.code, "reason": exitcodes.NAMES[event.code], "iteration": event.iteration,
-                    "trainIters": self.train_iters, "lastCheckpoint": self.last_checkpoint, "message": event.message,
+                    "trainIters": self.train_iters, "lastCheckpoint": self.last_checkpoint,
+                    "inPlaceRestarts": in_place_restarts(), "message": event.message,
                 }, self.path)
