@@ -213,6 +213,33 @@ def test_multirank_txn(store):
     ]  # fmt: skip
 
 
+def test_a_shared_resave_keeps_every_ranks_new_files_and_drops_what_an_older_attempt_left(store):
+    """A save of an iteration a killed attempt had begun: rank 1 (not the primary) wrote its files then, rank 0 never
+    began. The gang started again (cleanup_partial), and saves it anew: rank 1 rewrites its files before and after
+    the primary began, as the ranks' background writers happen to run. Every file of this save is there after the
+    commit, and nothing else (the chaos soak once lost a shard so: the primary deleted, as old, a key that rank 1
+    rewrote just after the primary listed it; every resume then failed on the missing shard)."""
+    tid = "run-7f3a-60"
+    killed = store.begin_dir("iter_0000060", txn_id=tid, primary=False)
+    for key, data in (("rng/rank_00001.pt", b"old rng"), ("shards/rank_00001.json", b"old shard"),
+                      ("shards/rank_00003.json", b"a rank of an older world size")):
+        killed.write_bytes(key, data)
+    store.cleanup_partial()  # what every gang's start does (it finds no pending flag on S3: rank 0 never began)
+    r1 = store.begin_dir("iter_0000060", txn_id=tid, primary=False)
+    r1.write_bytes("rng/rank_00001.pt", b"rng 1")
+    r0 = store.begin_dir("iter_0000060", txn_id=tid, primary=True)
+    r1.write_bytes("shards/rank_00001.json", b"shard 1")
+    r0.write_bytes("shards/rank_00000.json", b"shard 0")
+    removed = r0.sweep([*r0.written, *r1.written])  # after the barrier: every rank's writes are done
+    r0.commit(b"{}")
+    assert store.list("iter_0000060") == [
+        f"iter_0000060/{MARKER}", "iter_0000060/rng/rank_00001.pt", "iter_0000060/shards/rank_00000.json",
+        "iter_0000060/shards/rank_00001.json"]
+    assert [store.read_bytes(f"iter_0000060/{k}") for k in ("rng/rank_00001.pt", "shards/rank_00001.json")] == [
+        b"rng 1", b"shard 1"]
+    assert removed == (["shards/rank_00003.json"] if store.is_remote else [])  # a filesystem's temp dir went whole
+
+
 def test_cleanup_partial(store):
     done = store.begin_dir("iter_0000001")
     done.write_bytes("a", b"a")

@@ -364,10 +364,17 @@ class CheckpointManager:
     def _commit(self, name: str, snap: Snapshot, holder: dict, non_persistent: bool, use_async: bool, t0: float):
         """Collective: once every rank's files are durable, rank 0 writes the marker, then the tracker."""
         _barrier()  # every rank's files are written
+        txn = holder["txn"]
+        if self.save_store.is_remote:  # what this save wrote, on every rank: the rest of the directory goes (S3)
+            written = comm.all_gather_bytes("\n".join(txn.written).encode())
         if _rank() == 0:
             marker = {"iteration": snap.iteration, "time": stamp(), "run_id": self.run_id,
                       "checkpoint_version": CHECKPOINT_VERSION, "world_size": self.world_size}
-            holder["txn"].commit(json.dumps(marker).encode())
+            if self.save_store.is_remote:
+                stale = txn.sweep({key for keys in written for key in keys.decode().split("\n") if key})
+                if stale:
+                    log.info("removed %d files an older copy of %s left", len(stale), name)
+            txn.commit(json.dumps(marker).encode())
             self._fault("after-commit", snap.iteration)
             if not non_persistent:
                 assert snap.common is not None  # (rank 0's snapshot)

@@ -13,13 +13,14 @@ Multi-rank transactions (several processes write files into one checkpoint direc
                   with txn.open_write(f"model_rank{r}.pt") as f: torch.save(state, f)
     barrier                                    # every rank's files are complete (each write is fsynced
                                                # / its upload completed before `open_write` returns)
-    primary:      txn.commit(marker_bytes)     # or txn.abort() if any rank failed
+    primary:      txn.sweep(every rank's txn.written)   # S3: what an older copy left goes
+                  txn.commit(marker_bytes)     # or txn.abort() if any rank failed
 `tid` must be the same string on every rank and unique per save attempt (e.g. f"{run_id}-{iteration}"
 with a run id broadcast from rank 0). On a filesystem it names the hidden temp directory
 `.<name>.tmp-<tid>` all ranks write into, which the primary renames to `name` on commit; on S3 the files
 go directly under `name/`. Re-saving an existing S3 directory: the primary's `begin_dir` deletes the old
-marker and the old copy's objects (objects written in the last few seconds, i.e. by other ranks that
-already started this save, are kept); a barrier after `begin_dir` makes that ordering explicit.
+marker (the directory stops counting), and `sweep`, once every rank's writes are done, deletes whatever this
+save did not write: never earlier, as another rank may be rewriting one of those keys at that moment.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import contextlib
 import io
 import os
 import re
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Self
 
@@ -99,6 +101,7 @@ class DirTxn(abc.ABC):
     _open: int = 0  # writes in progress in this process
     _failed: list[str]  # relkeys whose write raised
     _done: bool = False  # committed or aborted
+    _written: list[str]  # relkeys this process wrote (sweep's `keep`, gathered from every rank)
 
     @abc.abstractmethod
     def _what(self, relkey: str = "") -> str:
@@ -129,6 +132,21 @@ class DirTxn(abc.ABC):
             raise
         finally:
             self._open -= 1
+        self.written.append(rk)
+
+    @property
+    def written(self) -> list[str]:
+        """The relkeys this process wrote through this transaction, in order."""
+        if "_written" not in self.__dict__:
+            self._written = []
+        return self._written
+
+    def sweep(self, keep: Collection[str]) -> list[str]:
+        """Primary, once every rank's writes are done (after a barrier), before `commit`: remove what lies in
+        the directory that this save did not write (`keep`: every rank's `written`), an older copy's or a killed
+        attempt's files, so none of it ends up beside the new marker; the removed relkeys. A filesystem store
+        needs none (its save is a fresh directory renamed into place): nothing is removed."""
+        return []
 
     def write_bytes(self, relkey: str, data: bytes) -> None:
         with self.open_write(relkey) as f:

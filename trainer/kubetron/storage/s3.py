@@ -25,12 +25,11 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO, TypeVar
 
 import boto3
@@ -57,7 +56,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
 _MIN_PART = 5 * MiB  # S3's minimum size of every part but the last
-FRESH_S = 5.0  # see _S3DirTxn: objects this young under a re-saved directory belong to the new save
 
 _RETRYABLE_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
@@ -447,7 +445,7 @@ class S3Store(Store):
 
     # -- checkpoint directories -------------------------------------------------------------------------
     def begin_dir(self, name: str, *, txn_id: str | None = None, primary: bool | None = None) -> DirTxn:
-        shared = txn_id is not None  # other ranks may already be writing into it: keep their fresh objects
+        shared = txn_id is not None  # other ranks may already be writing into it: their files stay (sweep)
         return _S3DirTxn(self, check_key(name), txn_id or uuid.uuid4().hex, default_primary(primary), shared)
 
     def cleanup_partial(self, *, min_age_s: float = 0.0) -> builtins.list[str]:
@@ -649,22 +647,26 @@ class _S3DirTxn(DirTxn):
         self._failed: list[str] = []
         self._done = False
         if primary:
-            # An old copy of `name` stops counting first (marker gone), then its objects go, so nothing
-            # stale can end up next to the new marker. S3 has no rename: the old copy is lost from here.
-            # With a shared txn_id, objects younger than FRESH_S (server clock) are other ranks' files
-            # of this very save: kept.
+            # An old copy of `name` stops counting first (marker gone): nothing reads the directory again until the
+            # new marker. With a shared txn_id, the other ranks may be writing their files of this save already,
+            # so what is left of an older copy (or of a killed attempt) goes only once they are done (sweep, before
+            # the commit): a deletion here could remove a rank's fresh file of the same key, listed as old just
+            # before that rank rewrote it (the chaos soak lost a shard so, then every resume failed on it). A
+            # single writer's (no txn_id) old objects go at once.
             what = f"preparing {self._what()}"
-            r = store._call(what, store.client.delete_object, Bucket=store.bucket, Key=store._k(join_key(name, MARKER)))
-            date = r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-            server_now = parsedate_to_datetime(date) if date else datetime.now(UTC)
-            old = [
-                o["Key"]
-                for page in store._list_raw(store._k(name) + "/")
-                for o in page.get("Contents", [])
-                if not shared or (server_now - o["LastModified"]).total_seconds() > FRESH_S
-            ]
-            store._delete_keys(old, what)
+            store._call(what, store.client.delete_object, Bucket=store.bucket, Key=store._k(join_key(name, MARKER)))
+            if not shared:
+                store._delete_keys([o["Key"] for page in store._list_raw(store._k(name) + "/")
+                                    for o in page.get("Contents", [])], what)
             store._put(join_key(name, PENDING_NAME), txn_id.encode())
+
+    def sweep(self, keep: Collection[str]) -> list[str]:
+        base = self.store._k(self.name) + "/"
+        kept = {base + check_key(k) for k in keep} | {base + PENDING_NAME, base + MARKER}
+        stale = [o["Key"] for page in self.store._list_raw(base) for o in page.get("Contents", [])
+                 if o["Key"] not in kept]
+        self.store._delete_keys(stale, f"cleaning {self._what()}")
+        return [k[len(base):] for k in stale]
 
     def _what(self, relkey: str = "") -> str:
         return self.store._what(join_key(self.name, relkey))
