@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import kopf
+import urllib3
 from kubetron.contract.resource import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
 from kubetron.contract.times import stamp
 
@@ -127,8 +128,12 @@ async def reconcile_daemon(name: str, namespace: str, uid: str, body: kopf.Body,
             try:
                 reads = await _gather_outside(deps, namespace, overlaid(current, memory.deferred), pods)
                 due = await deps.pools.run(deps.executor, react, deps, current, pods, logger, reads)
+            except (OSError, urllib3.exceptions.HTTPError) as exc:  # the API server away (restarting): one line
+                logger.warning("reconcile of %s/%s: the API server did not answer (%s); retrying in %.1fs", namespace,
+                               name, " ".join(str(exc).split())[:300], deps.interval)
+                due = deps.interval
             except Exception:  # one bad round must not kill the job's reconciler
-                logger.exception("reconcile of %s/%s failed; retrying in %.0fs", namespace, name, deps.interval)
+                logger.exception("reconcile of %s/%s failed; retrying in %.1fs", namespace, name, deps.interval)
                 due = deps.interval
             if memory.news_held is not None or memory.deferred is not None:  # they wait for the creations to end
                 _release_news_when_quiet(deps)
