@@ -194,6 +194,17 @@ def edit_index(it: Path, change) -> None:
     path.write_text(json.dumps(index))
 
 
+def _split_overlapping(index: dict, e: dict) -> None:
+    """The piece `e` as two pieces of the same top half, each with its own bytes: they add up to the tensor, and
+    overlap."""
+    (r0, r1), rest = e["box"][0], e["box"][1:]
+    half = (r1 - r0) // 2
+    assert half * 2 == r1 - r0, e["box"]
+    nbytes = e["nbytes"] // 2
+    e.update(box=[[r0, r0 + half], *rest], nbytes=nbytes)
+    index["pieces"].append({**e, "offset": e["offset"] + nbytes})
+
+
 SHARDED_CRAFTS = {
     # a dtype is looked up by name: getattr(torch, "load") is a function
     "dtype": (lambda index, e: e.update(dtype="load"), "is not a tensor piece"),
@@ -203,6 +214,8 @@ SHARDED_CRAFTS = {
     "offset": (lambda index, e: e.update(offset=1 << 40), "the object holds"),
     # two pieces sharing bytes
     "overlap": (lambda index, e: e.update(offset=index["pieces"][1]["offset"]), "overlaps another piece's bytes"),
+    # two pieces of one tensor whose boxes overlap, adding up to it: the rows neither covers would keep their values
+    "boxes": (lambda index, e: _split_overlapping(index, e), "the pieces of model/"),
     # a box outside the tensor's global shape
     "box": (lambda index, e: e.update(box=[[0, 10**9], [0, 64]]), "is not inside"),
     # values must be plain data
@@ -218,6 +231,33 @@ def test_sharded_index_is_checked_before_anything_is_read(tmp_path, how, craft):
     edit_index(it, change)
     line = refused(tmp_path / "ckpt", how)
     assert expect in line, line
+
+
+@pytest.mark.parametrize("shape", [(4096, 512), (1, 1 << 21), (3, 5, 7)])
+def test_the_overlap_check_passes_what_kubetron_writes_and_finds_two_pieces_that_meet(shape):
+    """The pieces a flat shard of 4096 ranks makes of a tensor (flat_boxes: part rows, whole rows) meet no other, and
+    are checked quickly (a sweep); move one piece onto its neighbour and the pair is named; a crafted set that
+    would take too many comparisons is refused."""
+    from kubetron.checkpoint import format_sharded
+
+    total = 1
+    for n in shape:
+        total *= n
+    cuts = [total * r // 4096 for r in range(4097)]
+    boxes = [box for r in range(4096) for box, _, _ in format_sharded.flat_boxes(shape, cuts[r], cuts[r + 1])]
+    assert format_sharded._overlapping(boxes) is None
+    moved = [*boxes[:-1], boxes[-2]]
+    assert format_sharded._overlapping(moved) is not None
+
+
+def test_the_overlap_check_refuses_a_crafted_set_it_cannot_afford(monkeypatch):
+    from kubetron.checkpoint import format_sharded
+
+    monkeypatch.setattr(format_sharded, "OVERLAP_TESTS", 1000)
+    staircase = [[(i, 1000), (i, i + 1)] for i in range(100)]  # disjoint columns, each reaching past every start
+    with pytest.raises(CheckpointError, match="pairs of pieces of one tensor to compare"):
+        format_sharded._overlapping(staircase)
+    assert format_sharded._overlapping(staircase[:40]) is None  # 780 comparisons: affordable
 
 
 def test_sharded_index_of_absurd_size_is_refused_before_it_is_read(tmp_path):

@@ -397,6 +397,39 @@ def _check_consistent(name: str, entries: list[dict], where: str):
         raise CheckpointError(f"{where}: the pieces of {name} disagree on its shape or dtype")
     if sum(_numel(e["box"]) for e in entries) != math.prod(first["global_shape"]):
         raise CheckpointError(f"{where}: the pieces of {name} do not add up to its shape {first['global_shape']}")
+    overlap = _overlapping([e["box"] for e in entries])  # adding up, two that overlap leave a gap elsewhere
+    if overlap is not None:
+        a, b = (entries[i] for i in overlap)
+        raise CheckpointError(f"{where}: the pieces of {name} overlap: box {a['box']} of rank {a['rank']} and box "
+                              f"{b['box']} of rank {b['rank']} (part of it would keep the values it had before)")
+
+
+OVERLAP_TESTS = 50_000_000  # pairs of boxes _overlapping may compare: a checkpoint kubetron wrote needs a few per piece
+
+
+def _overlapping(boxes: list) -> tuple[int, int] | None:
+    """Two of `boxes` that share an element (their indices), or None. A sweep along the dimension where the boxes
+    start at the most places: only boxes whose ranges there meet are compared (a tensor's pieces that kubetron wrote
+    meet few others: rows of a flat shard, or a tensor-parallel split); a crafted set that would need more than
+    OVERLAP_TESTS comparisons is refused."""
+    kept = [i for i, box in enumerate(boxes) if _numel(box)]
+    if len(kept) < 2 or not boxes[kept[0]]:
+        return (kept[0], kept[1]) if len(kept) > 1 else None  # two pieces of a scalar
+    d = max(range(len(boxes[kept[0]])), key=lambda k: len({boxes[i][k][0] for i in kept}))
+    active: list[int] = []
+    tests = 0
+    for i in sorted(kept, key=lambda i: boxes[i][d][0]):
+        box = boxes[i]
+        active = [j for j in active if boxes[j][d][1] > box[d][0]]
+        tests += len(active)
+        if tests > OVERLAP_TESTS:
+            raise CheckpointError(f"more than {OVERLAP_TESTS} pairs of pieces of one tensor to compare: not a "
+                                  "checkpoint kubetron wrote")
+        for j in active:
+            if all(max(a, c) < min(b, e) for (a, b), (c, e) in zip(boxes[j], box, strict=True)):
+                return j, i
+        active.append(i)
+    return None
 
 
 class ShardReader:
