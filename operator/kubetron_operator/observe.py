@@ -79,6 +79,7 @@ class PodView:
     pod_message: str = ""  # status.message: the kubelet's or the evicter's words
     disrupted: str = ""  # reason of a DisruptionTarget condition that is True, else ""
     deleting_for: float | None = None  # seconds since deletionTimestamp; None when not being deleted
+    no_grace: bool = False  # being deleted with no grace period (0 s): killed at once, its ranks save nothing
     ended_for: float | None = None  # seconds since the trainer container's finishedAt; None while it runs
     started: bool = False  # a container of it ever ran
     created_for: float = 0.0  # seconds since creationTimestamp
@@ -173,6 +174,7 @@ class PodView:
             pod_message=clean(status.get("message") or ""),
             disrupted=clean(disrupted, 100),
             deleting_for=age_seconds(deleting, now) if deleting else None,
+            no_grace=bool(deleting) and meta.get("deletionGracePeriodSeconds") == 0,
             ended_for=age_seconds(term_state.get("finishedAt"), now) if term_state else None,
             started=started or pod_phase in ("Running", "Succeeded"),
             created_for=age_seconds(meta.get("creationTimestamp"), now),

@@ -93,6 +93,34 @@ def test_a_pod_that_vanished_is_created_again_in_its_attempt_while_the_others_ru
     assert ended.kind == "restart" and not ended.replace_ranks
 
 
+def test_a_pod_deleted_with_no_grace_period_is_waited_for_then_created_again_not_counted_a_preemption():
+    """Deleted with gracePeriodSeconds 0 (a lost node's pod, `kubectl delete --grace-period=0`): its kubelet kills it
+    at once and nothing is saved, so while its object lingers (the kubelet confirming) the job waits, and replaces it
+    once it is gone; never a new attempt because the operator looked in between. A pod that lingers past VANISHING,
+    or one deleted with a grace period (its ranks save on SIGTERM), ends the attempt as before."""
+    from kubetron_operator.policy.recovery import VANISHING
+
+    lingering = run(pods=[pod(0), pod(1, deleting_for=0.3, no_grace=True)])
+    assert lingering.kind == "wait" and not lingering.replace_ranks and not lingering.delete_pods, lingering
+    assert "restarts" not in lingering.status and "gone" in lingering.why
+    gone = run(pods=[pod(0)])
+    assert gone.replace_ranks == (1,)
+    stuck = run(pods=[pod(0), pod(1, deleting_for=VANISHING + 1, no_grace=True)])
+    assert stuck.kind == "restart" and "gpt-1-1 was deleted" in stuck.status["message"]
+    graceful = run(pods=[pod(0), pod(1, deleting_for=0.3)])
+    assert graceful.kind == "restart" and "gpt-1-1 was deleted" in graceful.status["message"]
+    rank0 = run(pods=[pod(0, deleting_for=0.3, no_grace=True), pod(1)])
+    assert rank0.kind == "restart"  # rank 0's pod hosts the rendezvous: never replaced
+
+
+def test_a_pod_view_knows_a_deletion_with_no_grace_period():
+    raw = raw_pod("Running")
+    raw["metadata"].update(deletionTimestamp="2026-11-22T11:59:59Z", deletionGracePeriodSeconds=0)
+    assert PodView.from_pod(raw, NOW).no_grace
+    raw["metadata"]["deletionGracePeriodSeconds"] = 30
+    assert not PodView.from_pod(raw, NOW).no_grace
+
+
 FAILURES = [
     ("trainer error", pod(1, phase="Failed", exit_code=1), "TrainerError"),
     ("diverged", pod(1, phase="Failed", exit_code=3), "Diverged"),

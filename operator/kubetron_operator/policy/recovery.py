@@ -8,6 +8,9 @@ resumes from the pods' memory, the new pod's ranks from the copies its peers hol
 rank 0's (it hosts the rendezvous), nor once the attempt's in-place restarts (maxInPlaceRestarts) are spent,
 nor for a pod that ends gracefully (a SIGTERM: its ranks save, and the gang restarts from that checkpoint).
 Those end the attempt as before (policy/attempt_end.py). The replacement has startupTimeoutSeconds to run.
+A pod being deleted with no grace period (0 s: its kubelet kills it at once, nothing is saved) is as good as
+gone: the job waits for its object to go (at most VANISHING seconds, then the attempt ends as for any deleted
+pod), then creates it again; it is not a preemption because the operator looked while its kubelet confirmed.
 
 status.lastRecovery: rank 0 reports how its process resumed (`recovery` on its status endpoint): from memory,
 a peer's copy or the store (and why not from memory). The operator records each new one with its kind
@@ -28,6 +31,8 @@ from kubetron_operator.policy.action import Action, Event
 from kubetron_operator.policy.elastic import attempt_size
 from kubetron_operator.policy.status import restart_counts
 
+VANISHING = 30.0  # seconds a pod deleted with no grace period may linger before its attempt ends as any deleted pod's
+
 
 def replace_lost(job: Job, obs: Observed, attempt: int, current: list[PodView]) -> Action | None:
     """Create again the pods of the attempt that vanished while the rest still run (module docstring), or
@@ -36,13 +41,17 @@ def replace_lost(job: Job, obs: Observed, attempt: int, current: list[PodView]) 
     if not spec.peer_copies or attempt < 1:
         return None
     size = attempt_size(job, st)
-    present = {p.rank for p in current}
-    lost = sorted(set(range(size)) - present)
-    if not lost or 0 in lost or any(not p.alive or p.phase != "Running" for p in current):
+    vanishing = [p for p in current if p.no_grace and (p.deleting_for or 0.0) < VANISHING]
+    others = [p for p in current if p not in vanishing]
+    lost = sorted(set(range(size)) - {p.rank for p in others})
+    if not lost or 0 in lost or any(not p.alive or p.phase != "Running" for p in others):
         return None
     used = (st.get("attemptInPlaceRestarts") or 0) + (st.get("attemptPodReplacements") or 0)
     if used >= spec.max_in_place_restarts:
         return None
+    if vanishing:  # created again once its object is gone (its deletion wakes the job)
+        return Action("wait", why=f"pod {', '.join(p.name for p in vanishing)} deleted with no grace period: "
+                                  "created again once it is gone")
     names = ", ".join(f"{job.name}-{attempt}-{r}" for r in lost)
     replaced = (st.get("attemptPodReplacements") or 0) + len(lost)
     restarts = restart_counts(st)
