@@ -16,6 +16,7 @@ processes, as do PYTEST_ADDOPTS.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +24,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SIDE = ("tests/operator", "tests/test_gpu_layout.py", "tests/test_hang_watchdog.py")  # beside the rest
+PORTS = {"side": "20000-26384", "rest": "26384-32768"}  # each stream's own (tests/ports.py)
+
+
+def env_with_ports(stream: str) -> dict[str, str]:
+    return {**os.environ, "KUBETRON_TEST_PORTS": PORTS[stream]}
 
 
 def pytest_cmd(paths: list[str], extra: list[str]) -> list[str]:
@@ -41,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with open(args.side_log, "w") as log:
         side = subprocess.Popen(pytest_cmd(list(SIDE), args.pytest_args), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env=env_with_ports("side"))
         try:
             print(f"tests.suite: {', '.join(SIDE)} run beside the rest, their output in {args.side_log} (printed "
                   "when both ended)", flush=True)
             rest = subprocess.call(pytest_cmd(["tests", *(f"--ignore={p}" for p in SIDE)], args.pytest_args),
-                                   cwd=REPO)
+                                   cwd=REPO, env=env_with_ports("rest"))
             rc = side.wait()
         except BaseException:
             side.terminate()

@@ -12,13 +12,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from tests.ports import free_port  # noqa: F401 - the harness's one port picker, re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "tiny-gpt.yaml")
@@ -32,12 +33,6 @@ RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
 QUICK = ["train.train_iters=400", "logger.log_interval=1", "validation.eval_interval=null",
          "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32"]
 """An even smaller GPT than TINY's, for tests about how a run ends rather than what it learns."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(tmp: Path, **extra) -> dict:

@@ -24,7 +24,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -35,6 +34,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
+
+from tests.ports import free_port  # noqa: F401 - the harness's one port picker, re-exported
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_K8S = Path(os.environ.get("KUBETRON_K8S_DIR", ROOT.parent / "shared" / "k8s"))
@@ -217,12 +218,6 @@ def collection_path(m: Mapping[str, Any]) -> str:
 
 
 # -- processes -----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -23,7 +23,6 @@ import dataclasses
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -55,6 +54,7 @@ from tests import dashboard
 from tests.multirank.runner import faults_by_life
 from tests.operator.jobs import PVC_JOB, kubectl_get
 from tests.operator.local_pods import config_yaml
+from tests.ports import free_port
 from tests.trainer_utils import ITER_RE, TINY, sigterm_while_stopped, stopped_trainer, tb_scalars
 
 pytestmark = pytest.mark.cluster
@@ -65,18 +65,6 @@ PREEMPT_AT = 5  # the SIGTERM comes at the first iteration this far past a save 
 TIMEOUT = 240.0  # seconds per trainer process (a loaded CI machine; it takes a few seconds alone)
 
 
-_TAKEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A free local port, never one handed out before in this session (two jobs run side by side)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _TAKEN:
-            _TAKEN.add(port)
-            return port
 
 
 def job_body(name: str, mount: Path, *, status_port: int) -> dict[str, Any]:
