@@ -101,7 +101,7 @@ class DirTxn(abc.ABC):
     _open: int = 0  # writes in progress in this process
     _failed: list[str]  # relkeys whose write raised
     _done: bool = False  # committed or aborted
-    _written: list[str]  # relkeys this process wrote (sweep's `keep`, gathered from every rank)
+    written: list[str]  # relkeys this process wrote through this transaction (sweep's `keep`, from every rank)
 
     @abc.abstractmethod
     def _what(self, relkey: str = "") -> str:
@@ -133,13 +133,6 @@ class DirTxn(abc.ABC):
         finally:
             self._open -= 1
         self.written.append(rk)
-
-    @property
-    def written(self) -> list[str]:
-        """The relkeys this process wrote through this transaction, in order."""
-        if "_written" not in self.__dict__:
-            self._written = []
-        return self._written
 
     def sweep(self, keep: Collection[str]) -> list[str]:
         """Primary, once every rank's writes are done (after a barrier), before `commit`: remove what lies in

@@ -417,6 +417,7 @@ class _LocalDirTxn(DirTxn):
         self._tmp_parts = [*name.split("/")[:-1], os.path.basename(self.tmp)]  # below the root, as _dir walks
         self._open = 0
         self._failed: list[str] = []
+        self.written: list[str] = []
         self._done = False
         try:
             with store._dir(self._tmp_parts, create=True):  # a link on the way is refused

@@ -248,6 +248,10 @@ class S3Store(Store):
             if errs:
                 raise CheckpointError(f"{what}: could not delete {len(errs)} objects, e.g. {errs[0]}")
 
+    def _keys_under(self, full_prefix: str) -> builtins.list[str]:
+        """Every object's full key under `full_prefix` (all pages)."""
+        return [o["Key"] for page in self._list_raw(full_prefix) for o in page.get("Contents", [])]
+
     def _list_raw(self, full_prefix: str, delimiter: str | None = None) -> Iterator[dict]:
         """Pages of list_objects_v2, each page fetched with retries."""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix}
@@ -421,7 +425,7 @@ class S3Store(Store):
         # the marker first: a delete interrupted halfway never leaves a "committed" directory behind
         self._delete_keys([self._k(join_key(k, MARKER))], what)
         base = self._k(k) + "/"
-        keys = [o["Key"] for page in self._list_raw(base) for o in page.get("Contents", [])]
+        keys = self._keys_under(base)
         if self.exists(k):
             keys.append(self._k(k))
         self._delete_keys(keys, what)
@@ -645,6 +649,7 @@ class _S3DirTxn(DirTxn):
         self.store, self.name, self.txn_id, self.primary = store, name, txn_id, primary
         self._open = 0
         self._failed: list[str] = []
+        self.written: list[str] = []
         self._done = False
         if primary:
             # An old copy of `name` stops counting first (marker gone): nothing reads the directory again until the
@@ -656,15 +661,13 @@ class _S3DirTxn(DirTxn):
             what = f"preparing {self._what()}"
             store._call(what, store.client.delete_object, Bucket=store.bucket, Key=store._k(join_key(name, MARKER)))
             if not shared:
-                store._delete_keys([o["Key"] for page in store._list_raw(store._k(name) + "/")
-                                    for o in page.get("Contents", [])], what)
+                store._delete_keys(store._keys_under(store._k(name) + "/"), what)
             store._put(join_key(name, PENDING_NAME), txn_id.encode())
 
     def sweep(self, keep: Collection[str]) -> list[str]:
         base = self.store._k(self.name) + "/"
         kept = {base + check_key(k) for k in keep} | {base + PENDING_NAME, base + MARKER}
-        stale = [o["Key"] for page in self.store._list_raw(base) for o in page.get("Contents", [])
-                 if o["Key"] not in kept]
+        stale = [k for k in self.store._keys_under(base) if k not in kept]
         self.store._delete_keys(stale, f"cleaning {self._what()}")
         return [k[len(base):] for k in stale]
 
